@@ -1,0 +1,40 @@
+/* Timing and statistics shared by every benchmark of embd-bench. */
+#include "bench.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <time.h>
+
+uint64_t bench_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int compare_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return (x > y) - (x < y);
+}
+
+double bench_percentile(double *values, size_t n, double p)
+{
+	if (n == 0)
+		return 0.0;
+	qsort(values, n, sizeof(*values), compare_double);
+	size_t rank = (size_t)ceil(p / 100.0 * (double)n);
+	if (rank == 0)
+		rank = 1;
+	if (rank > n)
+		rank = n;
+	return values[rank - 1];
+}
+
+double bench_median(double *values, size_t n)
+{
+	if (n == 0)
+		return 0.0;
+	qsort(values, n, sizeof(*values), compare_double);
+	return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}

@@ -1,0 +1,33 @@
+/*
+ * embd-bench: runs one named benchmark. `embd-bench NAME [args]`; `embd-bench` alone lists
+ * them. Benchmarks are tools, not tests: they print JSON lines and never fail on a figure.
+ */
+#include "bench.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const struct bench_command commands[] = {
+	{ NULL, NULL, NULL },
+};
+
+static void usage(FILE *out)
+{
+	fprintf(out, "usage: embd-bench NAME [args]\n\nbenchmarks:\n");
+	for (const struct bench_command *c = commands; c->name; c++)
+		fprintf(out, "  %-12s %s\n", c->name, c->summary);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+		usage(argc < 2 ? stderr : stdout);
+		return argc < 2 ? 2 : 0;
+	}
+	for (const struct bench_command *c = commands; c->name; c++)
+		if (!strcmp(c->name, argv[1]))
+			return c->run(argc - 1, argv + 1);
+	fprintf(stderr, "embd-bench: no benchmark named '%s'\n", argv[1]);
+	usage(stderr);
+	return 2;
+}
