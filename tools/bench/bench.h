@@ -24,4 +24,8 @@ double bench_median(double *values, size_t n);
 /* Percentile p in [0, 100] of n doubles (sorts values in place), nearest-rank. */
 double bench_percentile(double *values, size_t n, double p);
 
+/* embd-bench planner (bench_planner.c) */
+int bench_planner_run(int argc, char **argv);
+
+
 #endif

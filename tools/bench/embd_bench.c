@@ -8,6 +8,7 @@
 #include <string.h>
 
 static const struct bench_command commands[] = {
+	{ "planner", "plan time and plan quality at 100 to 10,000 tables", bench_planner_run },
 	{ NULL, NULL, NULL },
 };
 

@@ -1,0 +1,135 @@
+/*
+ * Small text helpers of the planner: a growable string (the JSON writer and the stats table
+ * build their output with it), JSON string escaping, FNV-1a 64 (plan and tables hashes) and
+ * error messages with the position of a JSON syntax error.
+ */
+#include "planner/planner.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void sbuf_printf(struct sbuf *b, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (b->failed)
+		return;
+	for (;;) {
+		size_t room = b->cap - b->len;
+		va_start(ap, fmt);
+		int n = vsnprintf(b->data ? b->data + b->len : NULL, room, fmt, ap);
+		va_end(ap);
+		if (n < 0) {
+			b->failed = 1;
+			return;
+		}
+		if ((size_t)n < room) {
+			b->len += (size_t)n;
+			return;
+		}
+		size_t cap = b->cap ? b->cap * 2 : 4096;
+		while (cap - b->len <= (size_t)n)
+			cap *= 2;
+		char *grown = realloc(b->data, cap);
+		if (!grown) {
+			b->failed = 1;
+			return;
+		}
+		b->data = grown;
+		b->cap = cap;
+	}
+}
+
+void sbuf_json_string(struct sbuf *b, const char *s)
+{
+	sbuf_printf(b, "\"");
+	for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+		if (*p == '"' || *p == '\\')
+			sbuf_printf(b, "\\%c", *p);
+		else if (*p < 0x20)
+			sbuf_printf(b, "\\u%04x", *p);
+		else
+			sbuf_printf(b, "%c", *p);
+	}
+	sbuf_printf(b, "\"");
+}
+
+uint64_t fnv1a64(uint64_t h, const void *data, size_t len)
+{
+	const unsigned char *p = data;
+	for (size_t i = 0; i < len; i++) {
+		h ^= p[i];
+		h *= 0x100000001b3ull;
+	}
+	return h;
+}
+
+int planner_err(char *err, size_t err_len, int rc, const char *fmt, ...)
+{
+	if (err && err_len) {
+		va_list ap;
+		va_start(ap, fmt);
+		vsnprintf(err, err_len, fmt, ap);
+		va_end(ap);
+	}
+	return rc;
+}
+
+int planner_syntax_err(char *err, size_t err_len, const char *what, const char *text,
+		       size_t len, const char *at)
+{
+	size_t offset = at && at >= text && at <= text + len ? (size_t)(at - text) : len;
+	unsigned line = 1;
+	for (size_t i = 0; i < offset; i++)
+		line += text[i] == '\n';
+	return planner_err(err, err_len, EMBD_EPARSE, "%s: JSON syntax error at line %u, byte %zu",
+			   what, line, offset);
+}
+
+int planner_read_file(const char *path, char **out, size_t *out_len, char *err, size_t err_len)
+{
+	FILE *f = fopen(path, "rb");
+	char *buf = NULL;
+	size_t len = 0, cap = 0;
+	int rc = 0;
+
+	if (!f)
+		return planner_err(err, err_len, EMBD_ENOENT, "%s: cannot open", path);
+	for (;;) {
+		if (cap - len < 4096) {
+			cap = cap ? cap * 2 : 65536;
+			char *grown = realloc(buf, cap + 1);
+			if (!grown) {
+				rc = EMBD_ENOMEM;
+				goto out;
+			}
+			buf = grown;
+		}
+		size_t n = fread(buf + len, 1, cap - len, f);
+		len += n;
+		if (n == 0)
+			break;
+	}
+	if (ferror(f)) {
+		rc = planner_err(err, err_len, EMBD_EIO, "%s: read error", path);
+		goto out;
+	}
+	buf[len] = '\0';
+	*out = buf;
+	*out_len = len;
+	buf = NULL;
+out:
+	free(buf);
+	fclose(f);
+	return rc;
+}
+
+void planner_prefix_err(char *err, size_t err_len, const char *prefix)
+{
+	char inner[1024];
+	if (!err || !err_len)
+		return;
+	snprintf(inner, sizeof(inner), "%s", err);
+	snprintf(err, err_len, "%s: %s", prefix, inner);
+}

@@ -1,0 +1,35 @@
+/*
+ * embctl: runs one named subcommand (`embctl plan ...`); `embctl` alone lists them. Later
+ * subcommands (stats, status, checkpoint) are one more entry in the table below.
+ */
+#include "embctl.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const struct embctl_command commands[] = {
+	{ "plan", "shard tables onto ranks, or --check an existing plan", embctl_plan },
+	{ NULL, NULL, NULL },
+};
+
+static void usage(FILE *out)
+{
+	fprintf(out, "usage: embctl COMMAND [args]   (embctl COMMAND --help for its flags)\n\n"
+		     "commands:\n");
+	for (const struct embctl_command *c = commands; c->name; c++)
+		fprintf(out, "  %-12s %s\n", c->name, c->summary);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+		usage(argc < 2 ? stderr : stdout);
+		return argc < 2 ? 2 : 0;
+	}
+	for (const struct embctl_command *c = commands; c->name; c++)
+		if (!strcmp(c->name, argv[1]))
+			return c->run(argc - 1, argv + 1);
+	fprintf(stderr, "embctl: no command named '%s'\n", argv[1]);
+	usage(stderr);
+	return 2;
+}
