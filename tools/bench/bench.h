@@ -27,5 +27,7 @@ double bench_percentile(double *values, size_t n, double p);
 /* embd-bench planner (bench_planner.c) */
 int bench_planner_run(int argc, char **argv);
 
+/* embd-bench kernels (bench_kernels.c) */
+int bench_kernels_run(int argc, char **argv);
 
 #endif

@@ -9,6 +9,7 @@
 
 static const struct bench_command commands[] = {
 	{ "planner", "plan time and plan quality at 100 to 10,000 tables", bench_planner_run },
+	{ "kernels", "CPU embedding kernels vs the memory limits and FBGEMM", bench_kernels_run },
 	{ NULL, NULL, NULL },
 };
 

@@ -1,0 +1,294 @@
+/*
+ * The hot loops of the CPU kernels, compiled once per instruction set: CMake builds this file
+ * as embd_cpu_kernels_scalar, _avx2 and _avx512 with EMBD_CPU_VARIANT set and that variant's
+ * -m flags. The bag loop is written with intrinsics where the flags allow (accumulators in
+ * registers, masked tails, F16C widening) and falls back to pool_row.h; the backward's row
+ * loops are pool_row.h / optim_row.h themselves, which the compiler vectorizes at each width.
+ *
+ * Every id is read once, checked against the shard's rows and only then used. Rows are
+ * prefetched EMBD_PREFETCH_IDS ids ahead across bag boundaries, which is what makes P = 1 fast.
+ */
+#include "kernels/cpu_kernels.h"
+
+#include <string.h>
+
+#include "kernels/pool_row.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define VARIANT_TABLE CAT(embd_cpu_kernels_, EMBD_CPU_VARIANT)
+
+#define CACHE_LINE_BYTES 64
+/* Lines of a row that are prefetched; longer rows stream on their own after the first. */
+#define PREFETCH_MAX_LINES 16
+
+/* What one bag loop needs about its shard and batch, read once per call. */
+struct bag_ctx {
+	const uint8_t *base;            /* shard weights */
+	uint64_t row_bytes;
+	uint64_t row_offset;            /* as unsigned: id - row_offset wraps for ids below it */
+	uint64_t rows;
+	uint32_t cols;
+	const int64_t *ids;
+	const float *weights;
+	uint64_t num_ids;
+};
+
+static inline void prefetch_row(const struct bag_ctx *c, uint64_t k)
+{
+	if (k >= c->num_ids)
+		return;
+	uint64_t r = (uint64_t)c->ids[k] - c->row_offset;
+	if (r >= c->rows)
+		return;
+	const uint8_t *p = c->base + r * c->row_bytes;
+	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(CACHE_LINE_BYTES - 1);
+	uintptr_t end = (uintptr_t)p + c->row_bytes;
+#pragma GCC unroll 16
+	for (int i = 0; i < PREFETCH_MAX_LINES && line < end; i++, line += CACHE_LINE_BYTES)
+		__builtin_prefetch((const void *)line, 0, 3);
+}
+
+/*
+ * The row of id k from column c0 on, or NULL when the id is outside the shard (then nothing of
+ * it is read). On the first column chunk it also prefetches the row EMBD_PREFETCH_IDS ahead.
+ */
+static inline __attribute__((always_inline)) const uint8_t *
+bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes)
+{
+	uint64_t r = (uint64_t)c->ids[k] - c->row_offset; /* read once */
+
+	if (r >= c->rows)
+		return NULL;
+	if (c0 == 0)
+		prefetch_row(c, (uint64_t)k + EMBD_PREFETCH_IDS);
+	return c->base + r * c->row_bytes + c0 * elem_bytes;
+}
+
+/*
+ * Pools ids [s, e) into out[0, cols) times scale. Returns -1, or the position of the first id
+ * outside the shard (nothing of it was read).
+ */
+#if defined(__AVX512F__)
+#define VEC_FLOATS 16
+#define CHUNK_VECS 16                   /* 256 columns per pass: 16 of the 32 zmm registers */
+
+static inline __attribute__((always_inline)) int64_t
+pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
+	   float *out, const int nvec, const int fp16)
+{
+	__m512 acc[CHUNK_VECS];
+	__mmask16 tail = (n % VEC_FLOATS) ? (__mmask16)((1u << (n % VEC_FLOATS)) - 1) : 0xffff;
+	uint64_t elem_bytes = fp16 ? 2 : 4;
+
+	for (int v = 0; v < nvec; v++)
+		acc[v] = _mm512_setzero_ps();
+	for (int64_t k = s; k < e; k++) {
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes);
+		if (!row)
+			return k;
+		__m512 w = _mm512_set1_ps(c->weights ? c->weights[k] : 1.0f);
+		for (int v = 0; v < nvec; v++) {
+			__mmask16 m = v == nvec - 1 ? tail : 0xffff;
+			__m512 x = fp16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + v * 32))
+					: _mm512_maskz_loadu_ps(m, row + v * 64);
+			acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
+		}
+	}
+	__m512 sv = _mm512_set1_ps(scale);
+	for (int v = 0; v < nvec; v++)
+		_mm512_mask_storeu_ps(out + c0 + v * VEC_FLOATS, v == nvec - 1 ? tail : 0xffff,
+				      _mm512_mul_ps(acc[v], sv));
+	return -1;
+}
+#elif defined(__AVX2__)
+#define VEC_FLOATS 8
+#define CHUNK_VECS 8                    /* 64 columns per pass: half of the 16 ymm registers */
+
+/* 8 floats of a row; the tail vector loads only n_valid and zeros the rest. */
+static inline __attribute__((always_inline)) __m256 load8(const uint8_t *p, uint32_t n_valid, int fp16)
+{
+	if (n_valid >= 8)
+		return fp16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p))
+			    : _mm256_loadu_ps((const float *)p);
+	if (fp16) {
+		uint16_t tmp[8] = { 0 };
+		memcpy(tmp, p, n_valid * 2);
+		return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
+	}
+	__m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+	__m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n_valid), idx);
+	return _mm256_maskload_ps((const float *)p, mask);
+}
+
+static inline __attribute__((always_inline)) int64_t
+pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
+	   float *out, const int nvec, const int fp16)
+{
+	__m256 acc[CHUNK_VECS];
+	uint32_t tail = n - (uint32_t)(nvec - 1) * VEC_FLOATS;
+	uint64_t elem_bytes = fp16 ? 2 : 4;
+
+	for (int v = 0; v < nvec; v++)
+		acc[v] = _mm256_setzero_ps();
+	for (int64_t k = s; k < e; k++) {
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes);
+		if (!row)
+			return k;
+		__m256 w = _mm256_set1_ps(c->weights ? c->weights[k] : 1.0f);
+		for (int v = 0; v < nvec; v++) {
+			__m256 x = load8(row + v * VEC_FLOATS * elem_bytes, v == nvec - 1 ? tail : 8, fp16);
+			acc[v] = _mm256_fmadd_ps(w, x, acc[v]);
+		}
+	}
+	__m256 sv = _mm256_set1_ps(scale);
+	for (int v = 0; v < nvec; v++) {
+		__m256 y = _mm256_mul_ps(acc[v], sv);
+		if (v < nvec - 1 || tail == 8) {
+			_mm256_storeu_ps(out + c0 + v * VEC_FLOATS, y);
+		} else {
+			float tmp[8];
+			_mm256_storeu_ps(tmp, y);
+			memcpy(out + c0 + v * VEC_FLOATS, tmp, tail * sizeof(float));
+		}
+	}
+	return -1;
+}
+#endif
+
+#ifdef VEC_FLOATS
+#define CHUNK_CASE(N)                                                             \
+	case N:                                                                   \
+		bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1)         \
+			   : pool_chunk(c, s, e, c0, n, scale, out, N, 0);        \
+		break;
+
+static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale,
+			float *out)
+{
+	for (uint32_t c0 = 0; c0 < c->cols; c0 += CHUNK_VECS * VEC_FLOATS) {
+		uint32_t n = c->cols - c0 < CHUNK_VECS * VEC_FLOATS ? c->cols - c0
+								  : CHUNK_VECS * VEC_FLOATS;
+		int64_t bad = -1;
+
+		/* a constant vector count per case keeps the accumulators in registers */
+		switch ((n + VEC_FLOATS - 1) / VEC_FLOATS) {
+		CHUNK_CASE(1) CHUNK_CASE(2) CHUNK_CASE(3) CHUNK_CASE(4)
+		CHUNK_CASE(5) CHUNK_CASE(6) CHUNK_CASE(7) CHUNK_CASE(8)
+#if CHUNK_VECS > 8
+		CHUNK_CASE(9) CHUNK_CASE(10) CHUNK_CASE(11) CHUNK_CASE(12)
+		CHUNK_CASE(13) CHUNK_CASE(14) CHUNK_CASE(15) CHUNK_CASE(16)
+#endif
+		}
+		if (bad >= 0)
+			return bad;
+	}
+	return -1;
+}
+#else
+/* The definition itself: pool_row.h on the output row. */
+static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale,
+			float *out)
+{
+	memset(out, 0, c->cols * sizeof(float));
+	for (int64_t k = s; k < e; k++) {
+		const uint8_t *row = bag_row(c, k, 0, 0);
+		if (!row)
+			return k;
+		float w = c->weights ? c->weights[k] : 1.0f;
+		if (fp16)
+			embd_pool_row_fp16(out, (const uint16_t *)row, w, c->cols);
+		else
+			embd_pool_row_fp32(out, (const float *)row, w, c->cols);
+	}
+	embd_pool_finish(out, out, scale, c->cols);
+	return -1;
+}
+#endif
+
+static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last,
+			struct embd_kernel_err *err)
+{
+	const struct embd_shard_desc *d = &bt->shard->desc;
+	struct bag_ctx c = {
+		.base = bt->shard->weights,
+		.row_bytes = (uint64_t)d->cols * embd_dtype_bytes(d->dtype),
+		.row_offset = (uint64_t)d->row_offset,
+		.rows = (uint64_t)d->rows,
+		.cols = d->cols,
+		.ids = bt->ids,
+		.weights = bt->weights,
+		.num_ids = bt->num_ids,
+	};
+	int fp16 = d->dtype == EMBD_DTYPE_FP16;
+
+	for (uint32_t b = first; b < last; b++) {
+		/* each offset is read once: the bag is checked on the values it is run with */
+		int64_t s = bt->offsets[b], e = bt->offsets[b + 1];
+		if (s < 0 || s > e || (uint64_t)e > bt->num_ids)
+			return embd_kernel_fail(err, EMBD_EINVAL, bt->feature, b, s,
+						"feature %u sample %u: offsets [%lld, %lld) not inside the %llu ids",
+						bt->feature, b, (long long)s, (long long)e,
+						(unsigned long long)bt->num_ids);
+		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
+		float scale = embd_pool_scale(bt->pooling, divisor);
+		float *out = bt->pooled + b * bt->pooled_stride + bt->pooled_col;
+		int64_t bad = pool_bag(&c, fp16, s, e, scale, out);
+		if (bad >= 0) {
+			int64_t id = bt->ids[bad];
+			return embd_kernel_fail(err, EMBD_ERANGE, bt->feature, b, id,
+						"feature %u sample %u: id %lld outside the shard's rows [%lld, %lld)",
+						bt->feature, b, (long long)id, (long long)d->row_offset,
+						(long long)(d->row_offset + d->rows));
+		}
+	}
+	return 0;
+}
+
+static void apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+		       float *g)
+{
+	const struct embd_shard *sh = ctx->shard;
+	const struct embd_shard_desc *d = &sh->desc;
+	uint32_t cols = d->cols;
+	uint64_t m1_per_row = embd_optim_state_floats(d->optimizer.type, cols, 0);
+	uint64_t m2_per_row = embd_optim_state_floats(d->optimizer.type, cols, 1);
+	uint64_t row_bytes = (uint64_t)cols * embd_dtype_bytes(d->dtype);
+
+	for (size_t i = 0; i < n;) {
+		uint64_t row = occ[i].row;
+
+		if (i + EMBD_PREFETCH_IDS < n) {
+			/* the row a few occurrences ahead: its weights and state are DRAM misses */
+			uint64_t pr = occ[i + EMBD_PREFETCH_IDS].row;
+			const uint8_t *pw = (const uint8_t *)sh->weights + pr * row_bytes;
+			for (uint64_t off = 0; off < row_bytes; off += CACHE_LINE_BYTES)
+				__builtin_prefetch(pw + off, 1, 3);
+			if (m1_per_row)
+				__builtin_prefetch(sh->momentum1 + pr * m1_per_row, 1, 3);
+			if (m2_per_row)
+				__builtin_prefetch(sh->momentum2 + pr * m2_per_row, 1, 3);
+		}
+		memset(g, 0, cols * sizeof(float));
+		for (; i < n && occ[i].row == row; i++)
+			embd_grad_accum_row(g, ctx->bag_grad[occ[i].bag], occ[i].coef, cols);
+
+		float *m1 = m1_per_row ? sh->momentum1 + row * m1_per_row : NULL;
+		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
+		if (d->dtype == EMBD_DTYPE_FP16)
+			embd_optim_row_fp16(&ctx->params, (uint16_t *)sh->weights + row * cols, g, m1, m2,
+					    g + cols, cols);
+		else
+			embd_optim_row_fp32(&ctx->params, (float *)sh->weights + row * cols, g, m1, m2, cols);
+	}
+}
+
+const struct embd_cpu_kernels VARIANT_TABLE = {
+	.isa = EMBD_CPU_ISA,
+	.forward_bags = forward_bags,
+	.apply_rows = apply_rows,
+};

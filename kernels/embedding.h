@@ -1,0 +1,173 @@
+/*
+ * kernels/embedding.h - the CPU embedding kernels: table shards, pooled forward, and the fused
+ * backward + optimizer (TorchRec's FUSED compute kernel on CPU).
+ *
+ * A shard is the part of one table that one rank holds: a global row range and a column range,
+ * stored row-major. Kernels take GLOBAL ids and check every one against the shard's row range
+ * inside the loop that reads it (a client may rewrite its memory after validation): an id
+ * outside is an error for the caller to route, and is never read. The arithmetic is the one of
+ * kernels/pool_row.h and kernels/optim_row.h, so results equal a plain loop bit for bit
+ * whatever the instruction set or the number of threads.
+ *
+ * Threading: a call runs on the workers of exec (or the calling thread). Calls on different
+ * shards may run concurrently on different worker pools; a backward call must not overlap any
+ * other call that reads or writes its shard.
+ */
+#ifndef EMBD_KERNELS_EMBEDDING_H
+#define EMBD_KERNELS_EMBEDDING_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "embd/types.h"
+#include "kernels/workers.h"
+
+/* ---- instruction sets ------------------------------------------------------------------- */
+
+enum embd_isa {
+	EMBD_ISA_AUTO = 0,              /* the best one this CPU supports */
+	EMBD_ISA_SCALAR = 1,            /* plain C, any CPU */
+	EMBD_ISA_AVX2 = 2,              /* AVX2 + FMA + F16C */
+	EMBD_ISA_AVX512 = 3,            /* AVX-512 F/BW/VL + FMA + F16C */
+};
+
+/* Whether this build and this CPU can run isa (AUTO: always). */
+bool embd_kernels_isa_supported(enum embd_isa isa);
+
+/* The isa AUTO stands for on this CPU. */
+enum embd_isa embd_kernels_isa_best(void);
+
+/* "scalar", "avx2", "avx512" or "auto". */
+const char *embd_kernels_isa_name(enum embd_isa isa);
+
+/* How a kernel call runs. A NULL exec means the calling thread and the best isa. */
+struct embd_exec {
+	struct embd_workers *workers;   /* NULL: the calling thread only */
+	enum embd_isa isa;              /* EMBD_ISA_AUTO, or one to force (tests, benchmarks) */
+};
+
+/* Where and why a kernel call failed: the batch's feature, the sample and the offending id. */
+struct embd_kernel_err {
+	uint32_t feature;               /* embd_bag_batch.feature of the failing batch */
+	int64_t sample;                 /* sample in that batch, -1 when not about one sample */
+	int64_t id;                     /* the id (or offset) that was out of range */
+	char msg[192];
+};
+
+/* ---- shards ----------------------------------------------------------------------------- */
+
+/* What a shard is: which part of which table, stored how, trained by what. */
+struct embd_shard_desc {
+	uint32_t table_id;              /* feeds the weight init, so every plan inits alike */
+	int64_t num_embeddings;         /* rows of the whole table */
+	uint32_t embedding_dim;         /* columns of the whole table */
+	enum embd_data_type dtype;
+	int64_t row_offset;             /* global rows [row_offset, row_offset + rows) */
+	int64_t rows;
+	uint32_t col_offset;            /* global columns [col_offset, col_offset + cols) */
+	uint32_t cols;
+	struct embd_optimizer_spec optimizer;
+};
+
+/*
+ * A shard and its memory. weights: rows x cols elements of dtype, row-major, 64-byte aligned
+ * when embd_shard_create allocated it. Optimizer state is fp32 (kernels/optim_row.h):
+ * momentum1 = adagrad's sum of squares (rows x cols), rowwise_adagrad's (rows), adam's m
+ * (rows x cols); momentum2 = adam's v (rows x cols); NULL where the optimizer has none.
+ */
+struct embd_shard {
+	struct embd_shard_desc desc;
+	void *weights;
+	float *momentum1;
+	float *momentum2;
+	int64_t step;                   /* optimizer steps applied; adam's t of the last one */
+	bool owns_memory;
+};
+
+/* Bytes of the shard's weights and of each state array (0 where unused). Checks desc. */
+int embd_shard_sizes(const struct embd_shard_desc *desc, uint64_t *weights_bytes,
+		     uint64_t *momentum1_bytes, uint64_t *momentum2_bytes, char *err, size_t err_len);
+
+/*
+ * Allocates a shard with 64-byte aligned weights and zeroed state. The weights are left
+ * uninitialised: call embd_shard_init_weights() or load a checkpoint.
+ */
+int embd_shard_create(const struct embd_shard_desc *desc, struct embd_shard **out, char *err,
+		      size_t err_len);
+
+/*
+ * A shard over memory the caller provides (e.g. from libnuma), of embd_shard_sizes() bytes
+ * each (momentum pointers NULL where the size is 0). Nothing is initialised or zeroed, and
+ * destroy frees only the struct.
+ */
+int embd_shard_create_in(const struct embd_shard_desc *desc, void *weights, float *momentum1,
+			 float *momentum2, struct embd_shard **out, char *err, size_t err_len);
+
+/* Frees the shard (and its memory if it allocated it). NULL is a no-op. */
+void embd_shard_destroy(struct embd_shard *shard);
+
+/*
+ * The initial value of weight (row, col) of a table (global coordinates): uniform in
+ * [-sqrt(1/num_embeddings), sqrt(1/num_embeddings)) as TorchRec initialises, drawn from a hash
+ * of (seed, table_id, row, col) so that any sharding of a table inits to the same numbers.
+ */
+float embd_init_value(uint64_t seed, uint32_t table_id, int64_t num_embeddings, int64_t row,
+		      uint32_t col);
+
+/* Sets every weight to embd_init_value (rounded to fp16 for fp16 shards), and state to 0. */
+void embd_shard_init_weights(struct embd_shard *shard, uint64_t seed, const struct embd_exec *exec);
+
+/* ---- forward and backward --------------------------------------------------------------- */
+
+/*
+ * The bags of one feature of a batch against one shard, and where their pooled rows go.
+ * Bag b holds ids[offsets[b] .. offsets[b + 1]); offsets has batch_size + 1 entries with
+ * offsets[0] == 0, non-decreasing, offsets[batch_size] == num_ids. Pooled bag b covers columns
+ * [pooled_col, pooled_col + shard cols) of row b of a float matrix with pooled_stride floats
+ * per row (a KeyedTensor: pooled_col is the feature's offset plus the shard's col_offset).
+ */
+struct embd_bag_batch {
+	const struct embd_shard *shard;
+	uint32_t feature;               /* reported in errors */
+	uint32_t batch_size;            /* B */
+	const int64_t *offsets;         /* B + 1 */
+	const int64_t *ids;             /* num_ids global row ids */
+	const float *weights;           /* num_ids per-id weights, or NULL for 1 */
+	uint64_t num_ids;
+	enum embd_pooling pooling;
+	/*
+	 * MEAN only: the FULL length of each of the B bags, or NULL to use offsets. A row_wise shard
+	 * sees only its part of a bag; dividing by the whole length makes the partial sums of all
+	 * shards add up to the mean.
+	 */
+	const int32_t *mean_lengths;
+	float *pooled;                  /* forward: written, B x shard cols */
+	const float *pooled_grad;       /* backward: dL/d(pooled), same layout */
+	uint64_t pooled_stride;         /* floats between the rows of pooled / pooled_grad */
+	uint32_t pooled_col;
+};
+
+/*
+ * Pooled forward of n bag batches, each against its own shard (any mix of shards, each
+ * batch's output columns disjoint from the others'). Writes every pooled bag, zero for empty
+ * ones. Returns 0; EMBD_EINVAL for a malformed batch (offsets, missing pointers); EMBD_ERANGE
+ * for an id outside its shard's rows, with feature, sample and id in err (may be NULL). On
+ * error the outputs are unspecified.
+ */
+int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_batch *batches,
+			 uint32_t n, struct embd_kernel_err *err);
+
+/*
+ * One fused backward + optimizer step on one shard: every batch must name this shard (or
+ * NULL). The gradient of each row is the sum over all its occurrences in all batches,
+ * combined in batch order, and the optimizer updates each touched row once (EXACT semantics);
+ * no dense gradient is formed. shard->step is incremented even when no id touches the shard,
+ * so call it once per training step for every shard. All ids are checked before any row
+ * changes: on error (EMBD_EINVAL, EMBD_ERANGE as for forward, EMBD_ENOMEM) nothing was
+ * updated and step is unchanged.
+ */
+int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard,
+			  const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err);
+
+#endif /* EMBD_KERNELS_EMBEDDING_H */

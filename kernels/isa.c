@@ -1,0 +1,103 @@
+/*
+ * Which variant of the CPU kernels runs: the best instruction set that both this build and
+ * this CPU have, unless the caller forces one (tests run every supported variant against the
+ * scalar definition). Also the error helper the kernels share.
+ */
+#include "kernels/cpu_kernels.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+#ifdef EMBD_KERNELS_X86
+#include <cpuid.h>
+
+/* F16C is CPUID.1:ECX bit 29; __builtin_cpu_supports does not name it in every compiler. */
+static bool cpu_has_f16c(void)
+{
+	unsigned a, b, c, d;
+
+	return __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29));
+}
+#endif
+
+bool embd_kernels_isa_supported(enum embd_isa isa)
+{
+	switch (isa) {
+	case EMBD_ISA_AUTO:
+	case EMBD_ISA_SCALAR:
+		return true;
+#ifdef EMBD_KERNELS_X86
+	case EMBD_ISA_AVX2:
+		__builtin_cpu_init();
+		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
+	case EMBD_ISA_AVX512:
+		return embd_kernels_isa_supported(EMBD_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
+		       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#endif
+	default:
+		return false;
+	}
+}
+
+enum embd_isa embd_kernels_isa_best(void)
+{
+	if (embd_kernels_isa_supported(EMBD_ISA_AVX512))
+		return EMBD_ISA_AVX512;
+	if (embd_kernels_isa_supported(EMBD_ISA_AVX2))
+		return EMBD_ISA_AVX2;
+	return EMBD_ISA_SCALAR;
+}
+
+const char *embd_kernels_isa_name(enum embd_isa isa)
+{
+	switch (isa) {
+	case EMBD_ISA_AUTO: return "auto";
+	case EMBD_ISA_SCALAR: return "scalar";
+	case EMBD_ISA_AVX2: return "avx2";
+	case EMBD_ISA_AVX512: return "avx512";
+	default: return "unknown";
+	}
+}
+
+const struct embd_cpu_kernels *embd_cpu_kernels_get(enum embd_isa isa)
+{
+	if (isa == EMBD_ISA_AUTO)
+		isa = embd_kernels_isa_best();
+	if (!embd_kernels_isa_supported(isa))
+		return NULL;
+	switch (isa) {
+#ifdef EMBD_KERNELS_X86
+	case EMBD_ISA_AVX512: return &embd_cpu_kernels_avx512;
+	case EMBD_ISA_AVX2: return &embd_cpu_kernels_avx2;
+#endif
+	default: return &embd_cpu_kernels_scalar;
+	}
+}
+
+int embd_kernel_fail(struct embd_kernel_err *err, int code, uint32_t feature, int64_t sample,
+		     int64_t id, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (!err)
+		return code;
+	err->feature = feature;
+	err->sample = sample;
+	err->id = id;
+	va_start(ap, fmt);
+	vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+void embd_first_err_note(struct embd_first_err *f, int rc, uint32_t batch,
+			 const struct embd_kernel_err *e)
+{
+	if (!rc)
+		return;
+	if (f->rc && (f->batch < batch || (f->batch == batch && f->e.sample <= e->sample)))
+		return;
+	f->rc = rc;
+	f->batch = batch;
+	f->e = *e;
+}

@@ -1,0 +1,178 @@
+/*
+ * kernels/optim_row.h - one fused optimizer step on one embedding row, shared by the CPU and
+ * CUDA kernels: sgd, adagrad, rowwise_adagrad and adam, each with L2 weight decay added to the
+ * gradient (g' = g + weight_decay * w; 0 disables it).
+ *
+ * The caller has already combined every occurrence of the row in the step into one fp32
+ * gradient (FBGEMM's EXACT_* semantics), so each row is updated once per step. State is fp32:
+ *   adagrad          momentum1[c] += g'^2;  w -= lr * g' / (sqrt(momentum1[c]) + eps)
+ *   rowwise_adagrad  momentum1 += sum_c(g'^2) / cols (one float per row);
+ *                    w -= lr / (sqrt(momentum1) + eps) * g'
+ *   adam             m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2   (momentum1 = m, momentum2 = v)
+ *                    w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps),  t = 1 on the first step
+ * Bias corrections are computed once per step on the host (embd_optim_params_make) and passed
+ * to every row, so the CPU and the GPU use the same constants.
+ */
+#ifndef EMBD_KERNELS_OPTIM_ROW_H
+#define EMBD_KERNELS_OPTIM_ROW_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "embd/types.h"
+#include "kernels/device.h"
+
+/* Everything one step of one optimizer needs, the same for every row of the step. */
+struct embd_optim_params {
+	enum embd_optimizer_type type;
+	float lr;
+	float eps;
+	float beta1, beta2;
+	float weight_decay;
+	float bias_correction1;         /* adam: 1 - beta1^t */
+	float bias_correction2;         /* adam: 1 - beta2^t */
+};
+
+/* The parameters of step t (t >= 1: the number of this update, counting from 1). Host code. */
+static inline struct embd_optim_params embd_optim_params_make(const struct embd_optimizer_spec *spec,
+							      int64_t t)
+{
+	struct embd_optim_params p;
+
+	p.type = spec->type;
+	p.lr = spec->lr;
+	p.eps = spec->eps;
+	p.beta1 = spec->beta1;
+	p.beta2 = spec->beta2;
+	p.weight_decay = spec->weight_decay;
+	p.bias_correction1 = 1.0f - (float)pow((double)spec->beta1, (double)t);
+	p.bias_correction2 = 1.0f - (float)pow((double)spec->beta2, (double)t);
+	return p;
+}
+
+/* fp32 state floats per row for an optimizer over rows of `cols` columns, per state array. */
+static inline EMBD_HOST_DEVICE uint64_t embd_optim_state_floats(enum embd_optimizer_type type,
+								 uint32_t cols, int which)
+{
+	switch (type) {
+	case EMBD_OPT_ADAGRAD: return which == 0 ? cols : 0;
+	case EMBD_OPT_ROWWISE_ADAGRAD: return which == 0 ? 1 : 0;
+	case EMBD_OPT_ADAM: return cols;
+	default: return 0;
+	}
+}
+
+/* g' = g + weight_decay * w. */
+static inline EMBD_HOST_DEVICE float embd_optim_decay(const struct embd_optim_params *p, float g, float w)
+{
+	return p->weight_decay != 0.0f ? fmaf(p->weight_decay, w, g) : g;
+}
+
+/*
+ * One element of an element-wise optimizer (sgd, adagrad, adam): returns the new weight and
+ * updates the element's state (m1: adagrad sum or adam m; m2: adam v; unused ones may be NULL).
+ */
+static inline EMBD_HOST_DEVICE float embd_optim_elem(const struct embd_optim_params *p, float w, float g,
+						     float *m1, float *m2)
+{
+	float gd = embd_optim_decay(p, g, w);
+
+	switch (p->type) {
+	case EMBD_OPT_SGD:
+		return fmaf(-p->lr, gd, w);
+	case EMBD_OPT_ADAGRAD: {
+		float s = fmaf(gd, gd, *m1);
+		*m1 = s;
+		return w - p->lr * gd / (sqrtf(s) + p->eps);
+	}
+	case EMBD_OPT_ADAM: {
+		float m = p->beta1 * *m1 + (1.0f - p->beta1) * gd;
+		float v = p->beta2 * *m2 + (1.0f - p->beta2) * (gd * gd);
+		*m1 = m;
+		*m2 = v;
+		float m_hat = m / p->bias_correction1;
+		float v_hat = v / p->bias_correction2;
+		return w - p->lr * m_hat / (sqrtf(v_hat) + p->eps);
+	}
+	default:
+		return w;
+	}
+}
+
+/*
+ * rowwise_adagrad, part 1: folds the row's sum of g'^2 into its state and returns the step size
+ * lr / (sqrt(state) + eps) that every element of the row uses. A GPU sums g'^2 with a
+ * reduction (a different order); the CPU sums c = 0, 1, ... with fmaf.
+ */
+static inline EMBD_HOST_DEVICE float embd_optim_rowwise_mult(const struct embd_optim_params *p,
+							     float *row_state, float sum_sq, uint32_t cols)
+{
+	float s = *row_state + sum_sq / (float)cols;
+	*row_state = s;
+	return p->lr / (sqrtf(s) + p->eps);
+}
+
+/* rowwise_adagrad, part 2: one element's new weight. */
+static inline EMBD_HOST_DEVICE float embd_optim_rowwise_elem(const struct embd_optim_params *p, float w,
+							     float g, float mult)
+{
+	return fmaf(-mult, embd_optim_decay(p, g, w), w);
+}
+
+/*
+ * One step on one fp32 row: w[cols], its combined gradient g[cols], and its state (m1: cols
+ * floats for adagrad and adam, one float for rowwise_adagrad, unused for sgd; m2: adam's v).
+ * The parameters are copied to a local and the optimizer is chosen outside the loops, so that
+ * compilers can keep them in registers and vectorize each loop (same arithmetic per element).
+ */
+static inline EMBD_HOST_DEVICE void embd_optim_row_fp32(const struct embd_optim_params *params,
+							float *EMBD_RESTRICT w,
+							const float *EMBD_RESTRICT g,
+							float *EMBD_RESTRICT m1,
+							float *EMBD_RESTRICT m2, uint32_t cols)
+{
+	const struct embd_optim_params p = *params;
+
+	switch (p.type) {
+	case EMBD_OPT_SGD:
+		for (uint32_t c = 0; c < cols; c++)
+			w[c] = embd_optim_elem(&p, w[c], g[c], 0, 0);
+		break;
+	case EMBD_OPT_ADAGRAD:
+		for (uint32_t c = 0; c < cols; c++)
+			w[c] = embd_optim_elem(&p, w[c], g[c], &m1[c], 0);
+		break;
+	case EMBD_OPT_ROWWISE_ADAGRAD: {
+		float sum_sq = 0.0f;
+		for (uint32_t c = 0; c < cols; c++) {
+			float gd = embd_optim_decay(&p, g[c], w[c]);
+			sum_sq = fmaf(gd, gd, sum_sq);
+		}
+		float mult = embd_optim_rowwise_mult(&p, m1, sum_sq, cols);
+		for (uint32_t c = 0; c < cols; c++)
+			w[c] = embd_optim_rowwise_elem(&p, w[c], g[c], mult);
+		break;
+	}
+	case EMBD_OPT_ADAM:
+		for (uint32_t c = 0; c < cols; c++)
+			w[c] = embd_optim_elem(&p, w[c], g[c], &m1[c], &m2[c]);
+		break;
+	}
+}
+
+/*
+ * The same for an fp16 row: widened to fp32 into tmp[cols] (caller's scratch), updated there
+ * with the fp32 arithmetic, and rounded back to nearest even.
+ */
+static inline EMBD_HOST_DEVICE void embd_optim_row_fp16(const struct embd_optim_params *params,
+							uint16_t *w, const float *g, float *m1, float *m2,
+							float *tmp, uint32_t cols)
+{
+	for (uint32_t c = 0; c < cols; c++)
+		tmp[c] = embd_fp16_to_fp32(w[c]);
+	embd_optim_row_fp32(params, tmp, g, m1, m2, cols);
+	for (uint32_t c = 0; c < cols; c++)
+		w[c] = embd_fp32_to_fp16(tmp[c]);
+}
+
+#endif /* EMBD_KERNELS_OPTIM_ROW_H */
