@@ -1,0 +1,196 @@
+/*
+ * ipc/control.h - the control socket between a client (trainer or embctl) and the service:
+ * Unix SOCK_SEQPACKET, one message per packet, a 16-byte header and a typed payload.
+ *
+ * The one idea: everything that arrives is untrusted bytes. embd_ctl_parse checks the header
+ * and the payload length of each type; the per-type decoders copy fields into private structs
+ * and check every count, index and string, naming the field in the error. Only WELCOME may
+ * carry file descriptors (the region memfd, optionally an eventfd); any other passed fd is
+ * closed and refused. Wire format and message sequence: ipc/README.md.
+ */
+#ifndef EMBD_IPC_CONTROL_H
+#define EMBD_IPC_CONTROL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "embd/types.h"
+
+#define EMBD_CTL_MAGIC 0x4c43424du      /* "MBCL" little-endian */
+#define EMBD_CTL_VERSION 1u
+#define EMBD_CTL_MSG_MAX (256u * 1024u) /* bytes of one packet, header included */
+#define EMBD_CTL_FDS_MAX 2              /* fds one message may carry */
+#define EMBD_CTL_TEXT_MAX 1024u         /* bytes of an ERROR message, NUL excluded */
+#define EMBD_LAYOUT_TABLES_MAX 256u
+#define EMBD_LAYOUT_FEATURES_MAX 1024u
+
+enum embd_ctl_type {
+	EMBD_CTL_HELLO = 1,             /* client -> service: struct embd_ctl_hello */
+	EMBD_CTL_WELCOME = 2,           /* service -> client: layout; fds: memfd [, eventfd] */
+	EMBD_CTL_ERROR = 3,             /* either way: int32 code + text */
+	EMBD_CTL_STATS_REQUEST = 4,     /* embctl -> service: empty */
+	EMBD_CTL_STATS_REPLY = 5,       /* service -> embctl: JSON text */
+	EMBD_CTL_STATUS_REQUEST = 6,    /* embctl -> service: empty */
+	EMBD_CTL_STATUS_REPLY = 7,      /* service -> embctl: JSON text */
+};
+
+/* Wire header of every message (host byte order: both ends are on one machine). */
+struct embd_ctl_header {
+	uint32_t magic;
+	uint16_t version;
+	uint16_t type;                  /* enum embd_ctl_type */
+	uint32_t length;                /* payload bytes after the header */
+	uint32_t reserved;              /* zero */
+};
+_Static_assert(sizeof(struct embd_ctl_header) == 16, "control header is 16 bytes");
+
+/* HELLO payload. */
+struct embd_ctl_hello {
+	uint32_t protocol_version;      /* EMBD_CTL_VERSION */
+	int32_t wanted_rank;            /* local rank the trainer wants, or -1 for any */
+	int32_t pid;                    /* informational; the service trusts SO_PEERCRED */
+	uint32_t reserved;              /* zero */
+};
+
+/* One table as a client sees it. */
+struct embd_layout_table {
+	char name[EMBD_NAME_MAX];
+	int64_t num_embeddings;
+	int32_t embedding_dim;
+	uint32_t pooling;               /* enum embd_pooling */
+	uint32_t data_type;             /* enum embd_data_type */
+	uint32_t reserved;
+};
+
+/* One feature: which table it looks up and where its columns sit in the pooled output. */
+struct embd_layout_feature {
+	char name[EMBD_NAME_MAX];
+	uint32_t table;                 /* index into tables */
+	uint32_t dim;                   /* == the table's embedding_dim */
+	uint32_t offset;                /* first column in the pooled output */
+	uint32_t reserved;
+};
+
+/*
+ * The WELCOME payload, deserialised: everything a client needs to build batches.
+ * Wire form (ipc/README.md): struct embd_layout_fixed, then num_tables embd_layout_table,
+ * then num_features embd_layout_feature, all packed in that order.
+ */
+struct embd_layout_fixed {
+	int32_t rank;                   /* assigned local rank */
+	uint32_t local_world_size;
+	uint64_t region_bytes;          /* size of the memfd that comes with the message */
+	uint64_t resumed_step;          /* first step to train (0, or a restored checkpoint's) */
+	uint64_t max_values;            /* cap on ids per batch */
+	uint32_t batch_size;
+	uint32_t total_dim;             /* columns of the pooled output */
+	uint32_t num_tables;
+	uint32_t num_features;
+	uint32_t flags;                 /* EMBD_LAYOUT_EVENTFD: a second fd, the SQ eventfd */
+	uint32_t reserved;
+};
+#define EMBD_LAYOUT_EVENTFD (1u << 0)
+
+struct embd_layout {
+	struct embd_layout_fixed fixed;
+	struct embd_layout_table tables[EMBD_LAYOUT_TABLES_MAX];
+	struct embd_layout_feature features[EMBD_LAYOUT_FEATURES_MAX];
+};
+
+/* A received message: payload points into the caller's buffer; fds are owned by the caller. */
+struct embd_ctl_msg {
+	uint16_t type;
+	uint32_t length;
+	const uint8_t *payload;
+	int fds[EMBD_CTL_FDS_MAX];
+	unsigned nfds;
+};
+
+/* The peer of a Unix socket, from SO_PEERCRED and SO_PEERGROUPS. */
+#define EMBD_CTL_GROUPS_MAX 64
+struct embd_ctl_peer {
+	pid_t pid;
+	uid_t uid;
+	gid_t gid;                      /* primary */
+	unsigned num_groups;            /* supplementary groups (capped at EMBD_CTL_GROUPS_MAX) */
+	gid_t groups[EMBD_CTL_GROUPS_MAX];
+};
+
+/* ---- sockets ---------------------------------------------------------------------------- */
+
+/*
+ * Binds and listens on `path` (SOCK_SEQPACKET, close-on-exec, mode 0660). A stale socket file
+ * that nobody listens on is replaced; a live one gives EMBD_EBUSY.
+ */
+int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_t err_len);
+
+/* Connects to `path`. Returns 0, EMBD_ENOENT (no socket), EMBD_ECONNRESET (refused), EMBD_EIO. */
+int embd_ctl_connect(const char *path, int *fd_out, char *err, size_t err_len);
+
+/* Reads the peer's pid/uid/gid/groups. Returns 0 or EMBD_EIO. */
+int embd_ctl_peer_get(int sock, struct embd_ctl_peer *peer, char *err, size_t err_len);
+
+/*
+ * Allows the peer when its uid is in `uids` or its primary or any supplementary gid is in
+ * `gids`; empty lists allow nobody. Returns 0 or EMBD_EACCES with the uid/gid named in err.
+ */
+int embd_ctl_peer_check(const struct embd_ctl_peer *peer, const uid_t *uids, size_t num_uids,
+			const gid_t *gids, size_t num_gids, char *err, size_t err_len);
+
+/* ---- messages --------------------------------------------------------------------------- */
+
+/*
+ * Sends one message of `type` with `length` payload bytes and up to EMBD_CTL_FDS_MAX fds
+ * (SCM_RIGHTS). Returns 0, EMBD_EINVAL (too long, too many fds), EMBD_ECONNRESET, EMBD_EIO.
+ */
+int embd_ctl_send(int sock, enum embd_ctl_type type, const void *payload, uint32_t length,
+		  const int *fds, unsigned nfds, char *err, size_t err_len);
+
+/*
+ * Receives one message into buf (EMBD_CTL_MSG_MAX bytes is always enough), waiting at most
+ * timeout_ms (< 0: no limit), and parses it with embd_ctl_parse. Received fds are
+ * close-on-exec; on any error they are closed. Returns 0, EMBD_ETIMEDOUT, EMBD_ECONNRESET
+ * (peer closed), EMBD_EPROTO (truncated packet, bad header, unexpected fds), EMBD_EIO.
+ */
+int embd_ctl_recv(int sock, void *buf, size_t buf_bytes, int timeout_ms, struct embd_ctl_msg *msg,
+		  char *err, size_t err_len);
+
+/*
+ * Checks a packet's header (magic, version, known type, reserved, length == bytes after the
+ * header, within EMBD_CTL_MSG_MAX) and the payload size its type requires. On success
+ * msg->payload points into `bytes`; msg->nfds is 0. Returns 0 or EMBD_EPROTO.
+ */
+int embd_ctl_parse(const void *bytes, size_t len, struct embd_ctl_msg *msg, char *err, size_t err_len);
+
+/* HELLO: encode into a payload / decode from a parsed message (EMBD_EPROTO names the field). */
+void embd_ctl_hello_encode(const struct embd_ctl_hello *hello, void *payload_out);
+int embd_ctl_hello_decode(const struct embd_ctl_msg *msg, struct embd_ctl_hello *out, char *err,
+			  size_t err_len);
+
+/*
+ * WELCOME: serialises `layout` into buf (cap bytes), length in *len_out; EMBD_ENOSPC when it
+ * does not fit. decode checks counts against the caps and the payload length, NUL-terminated
+ * unique names, table indices, dims equal to the table's, offsets that tile [0, total_dim)
+ * in feature order without gaps, pooling/data type values, and reserved fields.
+ */
+int embd_ctl_welcome_encode(const struct embd_layout *layout, void *buf, size_t cap, uint32_t *len_out);
+int embd_ctl_welcome_decode(const struct embd_ctl_msg *msg, struct embd_layout *out, char *err,
+			    size_t err_len);
+
+/* ERROR: code (negative EMBD_E*) and text (truncated to EMBD_CTL_TEXT_MAX). */
+int embd_ctl_send_error(int sock, int code, const char *text, char *err, size_t err_len);
+int embd_ctl_error_decode(const struct embd_ctl_msg *msg, int *code_out, char *text, size_t text_cap,
+			  char *err, size_t err_len);
+
+/*
+ * STATS_REPLY / STATUS_REPLY: copies the text payload into text (text_cap bytes, NUL added);
+ * EMBD_EPROTO for an embedded NUL, EMBD_ENOSPC when it does not fit.
+ */
+int embd_ctl_text_decode(const struct embd_ctl_msg *msg, char *text, size_t text_cap, char *err,
+			 size_t err_len);
+
+/* Closes the fds a message carries and clears msg->nfds (for refused messages). */
+void embd_ctl_msg_close_fds(struct embd_ctl_msg *msg);
+
+#endif /* EMBD_IPC_CONTROL_H */
