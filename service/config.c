@@ -1,0 +1,345 @@
+/*
+ * The service config (format in service/config.h): a strict JSON object walked key by key
+ * against one table of known keys, so a misspelt key is an error rather than a silently
+ * ignored setting. Tables and topology are the planner's own parsers, so the config and the
+ * planner's files can never disagree on what a field means.
+ */
+#include "service/config.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Two CPU ranks on one node and the planner's demo tables (tests/data/planner/demo_tables.json). */
+static const char default_text[] =
+	"{\n"
+	"  \"tables\": [\n"
+	"    { \"name\": \"user_id\", \"num_embeddings\": 10000, \"embedding_dim\": 64,\n"
+	"      \"pooling\": \"sum\", \"feature_names\": [\"user_id\"], \"data_type\": \"fp32\",\n"
+	"      \"optimizer\": { \"type\": \"rowwise_adagrad\", \"lr\": 0.05, \"eps\": 1e-8 } },\n"
+	"    { \"name\": \"item_id\", \"num_embeddings\": 20000, \"embedding_dim\": 64,\n"
+	"      \"pooling\": \"sum\", \"feature_names\": [\"item_id\", \"clicked_item_id\"],\n"
+	"      \"data_type\": \"fp32\",\n"
+	"      \"optimizer\": { \"type\": \"rowwise_adagrad\", \"lr\": 0.05, \"eps\": 1e-8 },\n"
+	"      \"constraints\": { \"pooling_factors\": [1.0, 8.0] } },\n"
+	"    { \"name\": \"category\", \"num_embeddings\": 500, \"embedding_dim\": 32,\n"
+	"      \"pooling\": \"mean\", \"feature_names\": [\"category\"], \"data_type\": \"fp32\",\n"
+	"      \"optimizer\": { \"type\": \"sgd\", \"lr\": 0.1 } },\n"
+	"    { \"name\": \"query_terms\", \"num_embeddings\": 5000, \"embedding_dim\": 32,\n"
+	"      \"pooling\": \"sum\", \"feature_names\": [\"query_terms\"], \"data_type\": \"fp32\",\n"
+	"      \"optimizer\": { \"type\": \"adam\", \"lr\": 0.001, \"beta1\": 0.9,\n"
+	"                     \"beta2\": 0.999, \"eps\": 1e-8 },\n"
+	"      \"constraints\": { \"pooling_factors\": [4.0] } }\n"
+	"  ],\n"
+	"  \"topology\": { \"world_size\": 2, \"local_world_size\": 2, \"compute_device\": \"cpu\",\n"
+	"                \"hbm_cap\": \"1G\", \"ddr_cap\": \"4G\", \"batch_size\": 128 },\n"
+	"  \"socket_path\": \"" EMBD_CONFIG_DEFAULT_SOCKET "\",\n"
+	"  \"trainers_per_node\": 2,\n"
+	"  \"seed\": 2026,\n"
+	"  \"threads_per_rank\": 1,\n"
+	"  \"log_level\": \"info\",\n"
+	"  \"busy_poll_us\": 50\n"
+	"}\n";
+
+const char *embd_config_default_text(void)
+{
+	return default_text;
+}
+
+static int fail(char *err, size_t err_len, int rc, const char *fmt, const char *key)
+{
+	if (err && err_len)
+		snprintf(err, err_len, fmt, key);
+	return rc;
+}
+
+/* An integer in [min, max]: JSON numbers are doubles, so integrality is checked here. */
+static int get_uint(const cJSON *item, double max, uint64_t *out, char *err, size_t err_len)
+{
+	if (!cJSON_IsNumber(item))
+		return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected a number",
+			    item->string);
+	double v = item->valuedouble;
+	if (!(v >= 0 && v <= max) || floor(v) != v)
+		return fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': expected a non-negative integer in range", item->string);
+	*out = (uint64_t)v;
+	return 0;
+}
+
+/* A count of things that must exist: 1..1024. */
+static int get_count(const cJSON *item, uint32_t *out, char *err, size_t err_len)
+{
+	uint64_t v;
+	int rc = get_uint(item, 1024, &v, err, err_len);
+
+	if (!rc && v == 0)
+		rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must be at least 1",
+			  item->string);
+	*out = (uint32_t)v;
+	return rc;
+}
+
+static int get_string(const cJSON *item, char *dst, size_t dst_len, char *err, size_t err_len)
+{
+	if (!cJSON_IsString(item))
+		return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected a string",
+			    item->string);
+	if (strlen(item->valuestring) >= dst_len)
+		return fail(err, err_len, EMBD_EINVAL, "config key '%s': string too long",
+			    item->string);
+	strcpy(dst, item->valuestring);
+	return 0;
+}
+
+static int get_ids(const cJSON *item, unsigned int *ids, uint32_t *count, char *err, size_t err_len)
+{
+	const cJSON *e;
+	uint32_t n = 0;
+
+	if (!cJSON_IsArray(item))
+		return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected an array of ids",
+			    item->string);
+	cJSON_ArrayForEach(e, item) {
+		if (n == EMBD_CONFIG_IDS_MAX)
+			return fail(err, err_len, EMBD_EINVAL, "config key '%s': more than 64 ids",
+				    item->string);
+		double v = cJSON_IsNumber(e) ? e->valuedouble : -1;
+		/* (uint32_t)-1 is the kernel's "no id" value and never a real uid or gid */
+		if (!(v >= 0 && v < 4294967295.0) || floor(v) != v)
+			return fail(err, err_len, EMBD_EINVAL,
+				    "config key '%s': every entry must be an integer id", item->string);
+		ids[n++] = (unsigned int)v;
+	}
+	*count = n;
+	return 0;
+}
+
+static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tables,
+		     const cJSON **topology, char *err, size_t err_len)
+{
+	const char *k = item->string;
+	uint64_t v;
+	int rc;
+
+	if (!strcmp(k, "tables")) {
+		*tables = item;
+		return 0;
+	}
+	if (!strcmp(k, "topology")) {
+		*topology = item;
+		return 0;
+	}
+	if (!strcmp(k, "plan_file"))
+		return get_string(item, c->plan_file, sizeof(c->plan_file), err, err_len);
+	if (!strcmp(k, "checkpoint_dir"))
+		return get_string(item, c->checkpoint_dir, sizeof(c->checkpoint_dir), err, err_len);
+	if (!strcmp(k, "socket_path")) {
+		rc = get_string(item, c->socket_path, sizeof(c->socket_path), err, err_len);
+		if (!rc && !c->socket_path[0])
+			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must not be empty", k);
+		return rc;
+	}
+	if (!strcmp(k, "allowed_uids"))
+		return get_ids(item, c->allowed_uids, &c->num_allowed_uids, err, err_len);
+	if (!strcmp(k, "allowed_gids"))
+		return get_ids(item, c->allowed_gids, &c->num_allowed_gids, err, err_len);
+	if (!strcmp(k, "log_level")) {
+		if (!cJSON_IsString(item) || embd_log_level_from_name(item->valuestring, &c->log_level))
+			return fail(err, err_len, EMBD_EINVAL,
+				    "config key '%s': expected error, warning, notice, info or debug", k);
+		return 0;
+	}
+	if (!strcmp(k, "seed")) {
+		/* 2^53: the largest integer a JSON double carries exactly */
+		rc = get_uint(item, 9007199254740992.0, &v, err, err_len);
+		c->seed = v;
+		return rc;
+	}
+	if (!strcmp(k, "trainers_per_node"))
+		return get_count(item, &c->trainers_per_node, err, err_len);
+	if (!strcmp(k, "threads_per_rank"))
+		return get_count(item, &c->threads_per_rank, err, err_len);
+	if (!strcmp(k, "busy_poll_us")) {
+		rc = get_uint(item, 1000000, &v, err, err_len);
+		c->busy_poll_us = (uint32_t)v;
+		return rc;
+	}
+	return fail(err, err_len, EMBD_EINVAL, "config key '%s': unknown key", k);
+}
+
+static int check(const struct embd_config *c, char *err, size_t err_len)
+{
+	const struct embd_topology *t = &c->topology;
+
+	if (t->world_size != t->local_world_size)
+		return fail(err, err_len, EMBD_ENOTSUP,
+			    "config key '%s': world_size must equal local_world_size (one node; "
+			    "multi-node embd is a later issue)", "topology");
+	if (t->compute_device != EMBD_DEVICE_CPU)
+		return fail(err, err_len, EMBD_ENOTSUP,
+			    "config key '%s': compute_device must be cpu in this build", "topology");
+	if (c->tables.count == 0)
+		return fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
+	return 0;
+}
+
+/* A config without "tables" or "topology" takes the default's, parsed the same way. */
+static int parse_default_part(bool want_tables, struct embd_config *c, char *err, size_t err_len)
+{
+	cJSON *root = cJSON_Parse(default_text);
+	int rc = EMBD_ENOMEM;
+
+	if (!root)
+		return rc;
+	if (want_tables)
+		rc = embd_plan_tables_parse(cJSON_GetObjectItemCaseSensitive(root, "tables"),
+					    &c->tables, err, err_len);
+	else
+		rc = embd_plan_topology_parse(cJSON_GetObjectItemCaseSensitive(root, "topology"),
+					      &c->topology, err, err_len);
+	cJSON_Delete(root);
+	return rc;
+}
+
+int embd_config_parse(const char *text, size_t len, struct embd_config *out, char *err,
+		      size_t err_len)
+{
+	const cJSON *tables = NULL, *topology = NULL, *item;
+	const char *end = NULL;
+	cJSON *root;
+	int rc = 0;
+
+	memset(out, 0, sizeof(*out));
+	root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+	if (!root) {
+		size_t at = end && end >= text && end <= text + len ? (size_t)(end - text) : len;
+		unsigned line = 1;
+		for (size_t i = 0; i < at; i++)
+			line += text[i] == '\n';
+		if (err && err_len)
+			snprintf(err, err_len, "config: JSON syntax error at line %u, byte %zu", line, at);
+		return EMBD_EPARSE;
+	}
+	if (!cJSON_IsObject(root)) {
+		rc = fail(err, err_len, EMBD_EINVAL, "config: %s", "expected a JSON object");
+		goto out;
+	}
+	strcpy(out->socket_path, EMBD_CONFIG_DEFAULT_SOCKET);
+	out->seed = 2026;
+	out->threads_per_rank = 1;
+	out->log_level = EMBD_LOG_INFO;
+	out->busy_poll_us = 50;
+	cJSON_ArrayForEach(item, root) {
+		rc = parse_key(item, out, &tables, &topology, err, err_len);
+		if (rc)
+			goto out;
+	}
+	/* duplicate keys: cJSON keeps both; the strict reading refuses them */
+	for (const cJSON *a = root->child; a; a = a->next)
+		for (const cJSON *b = a->next; b; b = b->next)
+			if (!strcmp(a->string, b->string)) {
+				rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': given twice",
+					  a->string);
+				goto out;
+			}
+	rc = topology ? embd_plan_topology_parse(topology, &out->topology, err, err_len)
+		      : parse_default_part(false, out, err, err_len);
+	if (!rc)
+		rc = embd_plan_topology_validate(&out->topology, err, err_len);
+	if (rc)
+		goto out;
+	rc = tables ? embd_plan_tables_parse(tables, &out->tables, err, err_len)
+		    : parse_default_part(true, out, err, err_len);
+	if (rc)
+		goto out;
+	if (!out->trainers_per_node)
+		out->trainers_per_node = (uint32_t)out->topology.local_world_size;
+	if (!out->num_allowed_uids && !cJSON_GetObjectItemCaseSensitive(root, "allowed_uids")) {
+		out->allowed_uids[0] = getuid();
+		out->num_allowed_uids = 1;
+	}
+	rc = check(out, err, err_len);
+out:
+	cJSON_Delete(root);
+	if (rc)
+		embd_config_free(out);
+	return rc;
+}
+
+int embd_config_read_file(const char *path, char **out, size_t *out_len, char *err,
+			  size_t err_len)
+{
+	char *text = NULL;
+	size_t len = 0, cap = 0;
+	FILE *f = fopen(path, "rb");
+	int rc = 0;
+
+	*out = NULL;
+	*out_len = 0;
+	if (!f) {
+		if (err && err_len)
+			snprintf(err, err_len, "%s: cannot open", path);
+		return EMBD_ENOENT;
+	}
+	for (;;) {
+		if (cap - len < 4096) {
+			char *grown = realloc(text, cap ? cap * 2 + 1 : 65537);
+			if (!grown) {
+				rc = EMBD_ENOMEM;
+				goto out;
+			}
+			text = grown;
+			cap = cap ? cap * 2 : 65536;
+		}
+		size_t n = fread(text + len, 1, cap - len, f);
+		len += n;
+		if (n == 0)
+			break;
+	}
+	if (ferror(f)) {
+		if (err && err_len)
+			snprintf(err, err_len, "%s: read error", path);
+		rc = EMBD_EIO;
+		goto out;
+	}
+	text[len] = 0;
+	*out = text;
+	*out_len = len;
+	text = NULL;
+out:
+	free(text);
+	fclose(f);
+	return rc;
+}
+
+int embd_config_load(const char *path, struct embd_config *out, char *err, size_t err_len)
+{
+	char *text;
+	size_t len;
+	int rc;
+
+	memset(out, 0, sizeof(*out));
+	rc = embd_config_read_file(path, &text, &len, err, err_len);
+	if (rc)
+		return rc;
+	rc = embd_config_parse(text, len, out, err, err_len);
+	if (rc && err && err_len) {
+		/* prefix the path so the operator knows which file */
+		char inner[512];
+		snprintf(inner, sizeof(inner), "%s", err);
+		snprintf(err, err_len, "%s: %s", path, inner);
+	}
+	free(text);
+	return rc;
+}
+
+void embd_config_free(struct embd_config *config)
+{
+	if (!config)
+		return;
+	embd_plan_tables_free(&config->tables);
+}

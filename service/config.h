@@ -1,0 +1,81 @@
+/*
+ * service/config.h - the configuration of `embd`: one JSON object, parsed strictly (an unknown
+ * key or a wrong type is an error naming the key), with an embedded default so that `embd`
+ * alone runs a small CPU node.
+ *
+ * This comment is the reference for the file format. Every key is optional:
+ *
+ *   { "tables": [ ... ],            the planner's tables array (include/embd/plan.h)
+ *     "topology": { ... },          the planner's topology fields (include/embd/plan.h);
+ *                                   one node only for now: world_size == local_world_size
+ *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
+ *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
+ *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
+ *     "allowed_gids": [100],        ... or by primary gid (default: none)
+ *     "trainers_per_node": 2,       T trainers per step (default: local_world_size)
+ *     "seed": 2026,                 weight init seed (unsigned 64-bit)
+ *     "threads_per_rank": 1,        worker threads of each CPU rank
+ *     "log_level": "info",          error | warning | notice | info | debug
+ *     "checkpoint_dir": "",         accepted and reported; used by checkpointing (later)
+ *     "busy_poll_us": 50 }          how long the event loop spins on rings before sleeping
+ *
+ * Missing "tables" or "topology" take the embedded default's (embd_config_default_text).
+ * Command-line flags (--socket, --log-level) are applied by the caller after parsing.
+ */
+#ifndef EMBD_SERVICE_CONFIG_H
+#define EMBD_SERVICE_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/un.h>
+
+#include "embd/plan.h"
+#include "service/log.h"
+
+#define EMBD_CONFIG_IDS_MAX 64          /* entries of allowed_uids / allowed_gids */
+#define EMBD_CONFIG_PATH_MAX 4096
+#define EMBD_CONFIG_SOCKET_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
+#define EMBD_CONFIG_DEFAULT_SOCKET "/run/embd/embd.sock"
+
+struct embd_config {
+	struct embd_tables tables;                      /* owned; embd_config_free releases */
+	struct embd_topology topology;
+	char plan_file[EMBD_CONFIG_PATH_MAX];           /* "" = plan at start */
+	char socket_path[EMBD_CONFIG_SOCKET_MAX];
+	uint32_t num_allowed_uids;
+	uid_t allowed_uids[EMBD_CONFIG_IDS_MAX];        /* checked by embd_ctl_peer_check */
+	uint32_t num_allowed_gids;
+	gid_t allowed_gids[EMBD_CONFIG_IDS_MAX];
+	uint32_t trainers_per_node;
+	uint64_t seed;
+	uint32_t threads_per_rank;
+	enum embd_log_level log_level;
+	char checkpoint_dir[EMBD_CONFIG_PATH_MAX];      /* "" = none */
+	uint32_t busy_poll_us;
+};
+
+/* The embedded default configuration (JSON text, NUL-terminated). */
+const char *embd_config_default_text(void);
+
+/*
+ * Parses config text of len bytes into *out (zeroed first). Returns 0, EMBD_EPARSE for bad
+ * JSON (err gives line and column), EMBD_EINVAL for an unknown key, a wrong type or a value
+ * out of range (err names the key), or the planner's error for tables and topology.
+ * On error *out holds nothing to free; on success release it with embd_config_free.
+ */
+int embd_config_parse(const char *text, size_t len, struct embd_config *out, char *err,
+		      size_t err_len);
+
+/* Reads and parses a file (errors name the path). */
+int embd_config_load(const char *path, struct embd_config *out, char *err, size_t err_len);
+
+/* Reads a whole file into a malloc'ed NUL-terminated *out (errors name the path). */
+int embd_config_read_file(const char *path, char **out, size_t *out_len, char *err,
+			  size_t err_len);
+
+/* Releases what a parsed config owns. NULL and zeroed are fine. */
+void embd_config_free(struct embd_config *config);
+
+#endif /* EMBD_SERVICE_CONFIG_H */

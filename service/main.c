@@ -1,0 +1,206 @@
+/*
+ * embd: the node's embedding service. Reads its config (or the embedded default), plans or
+ * loads and checks the plan, starts the CPU ranks and their shards, and serves trainers on the
+ * control socket until SIGTERM / SIGINT. Signals are blocked in every thread and read from a
+ * signalfd by the event loop, so no handler ever runs in the middle of a step.
+ *
+ * For tests and systemd alike: "ready" is logged (and READY=1 sent through sd_notify when
+ * NOTIFY_SOCKET is set) only once the socket listens, and a stop by signal exits 0.
+ */
+#include <getopt.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+
+#include "service/config.h"
+#include "service/log.h"
+#include "service/ranks.h"
+#include "service/server.h"
+#include "service/step.h"
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: embd [--config FILE] [--socket PATH] [--log-level LEVEL]\n"
+		"       embd --print-default-config | --help | --version\n"
+		"\n"
+		"  --config FILE          service config (JSON, see service/config.h); without it\n"
+		"                         the embedded default (--print-default-config) is used\n"
+		"  --socket PATH          control socket, overrides the config's socket_path\n"
+		"  --log-level LEVEL      error, warning, notice, info or debug\n"
+		"  --print-default-config print the embedded default config and exit\n");
+}
+
+/* The plan: built from the config, or loaded from plan_file and checked against it. */
+static int make_plan(const struct embd_config *c, struct embd_plan **out, char *err,
+		     size_t err_len)
+{
+	const struct embd_tables *t = &c->tables;
+	char *text = NULL;
+	size_t len;
+	int rc;
+
+	if (!c->plan_file[0])
+		return embd_plan_build(t->specs, t->constraints, t->count, &c->topology, NULL, out,
+				       err, err_len);
+	rc = embd_config_read_file(c->plan_file, &text, &len, err, err_len);
+	if (rc)
+		return rc;
+	rc = embd_plan_parse_json(text, len, out, err, err_len);
+	free(text);
+	if (rc)
+		return rc;
+	const struct embd_topology *p = &(*out)->topology, *q = &c->topology;
+	if (p->world_size != q->world_size || p->local_world_size != q->local_world_size ||
+	    p->batch_size != q->batch_size || p->compute_device != q->compute_device) {
+		snprintf(err, err_len, "plan_file %.512s: built for world_size %d, local_world_size %d, "
+			 "batch_size %u; the config has %d, %d, %u", c->plan_file, p->world_size,
+			 p->local_world_size, p->batch_size, q->world_size, q->local_world_size,
+			 q->batch_size);
+		return EMBD_EMISMATCH;
+	}
+	return embd_plan_check(*out, t->specs, t->constraints, t->count, err, err_len);
+}
+
+static void log_plan(struct embd_plan *plan)
+{
+	char *text = NULL;
+
+	if (embd_plan_stats_text(plan, &text))
+		return;
+	for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
+		embd_log_info("plan: %s", line);
+	free(text);
+}
+
+int main(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "config", required_argument, NULL, 'c' },
+		{ "socket", required_argument, NULL, 's' },
+		{ "log-level", required_argument, NULL, 'l' },
+		{ "print-default-config", no_argument, NULL, 'p' },
+		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
+		{ NULL, 0, NULL, 0 },
+	};
+	const char *config_path = NULL, *socket_path = NULL, *level_name = NULL;
+	struct embd_config config = { 0 };
+	struct embd_plan *plan = NULL;
+	struct embd_ranks *ranks = NULL;
+	struct embd_step *step = NULL;
+	struct embd_server *server = NULL;
+	enum embd_log_level level;
+	char err[1024] = "";
+	int sigfd = -1, rc, opt;
+
+	while ((opt = getopt_long(argc, argv, "c:s:l:hV", opts, NULL)) != -1) {
+		switch (opt) {
+		case 'c': config_path = optarg; break;
+		case 's': socket_path = optarg; break;
+		case 'l': level_name = optarg; break;
+		case 'p': fputs(embd_config_default_text(), stdout); return 0;
+		case 'h': usage(stdout); return 0;
+		case 'V': printf("embd %s\n", EMBD_VERSION); return 0;
+		default: usage(stderr); return 2;
+		}
+	}
+	if (optind < argc) {
+		fprintf(stderr, "embd: unexpected argument '%s'\n", argv[optind]);
+		usage(stderr);
+		return 2;
+	}
+	if (level_name && embd_log_level_from_name(level_name, &level)) {
+		fprintf(stderr, "embd: --log-level: '%s' is not error, warning, notice, info or debug\n",
+			level_name);
+		return 2;
+	}
+	if (socket_path && strlen(socket_path) >= EMBD_CONFIG_SOCKET_MAX) {
+		fprintf(stderr, "embd: --socket: path longer than %zu bytes\n",
+			EMBD_CONFIG_SOCKET_MAX - 1);
+		return 2;
+	}
+	embd_log_init();
+	rc = config_path ? embd_config_load(config_path, &config, err, sizeof(err))
+			 : embd_config_parse(embd_config_default_text(),
+					     strlen(embd_config_default_text()), &config, err,
+					     sizeof(err));
+	if (rc) {
+		embd_log_error("config: %s", err);
+		return 1;
+	}
+	if (socket_path)
+		strcpy(config.socket_path, socket_path);
+	embd_log_set_level(level_name ? level : config.log_level);
+	if (level_name)
+		config.log_level = level;
+	embd_log_info("embd %s starting: %s, %u tables, %d ranks, %u trainers", EMBD_VERSION,
+		      config_path ? config_path : "embedded default config", config.tables.count,
+		      config.topology.local_world_size, config.trainers_per_node);
+	if (config.checkpoint_dir[0])
+		embd_log_info("checkpoint_dir %s (checkpoints are not written by this version)",
+			      config.checkpoint_dir);
+
+	rc = make_plan(&config, &plan, err, sizeof(err));
+	if (rc) {
+		embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
+		goto out;
+	}
+	char *json = NULL;
+	size_t json_len;
+	rc = embd_plan_write_json(plan, &json, &json_len);   /* also sets plan_hash */
+	free(json);
+	if (rc)
+		goto out;
+	log_plan(plan);
+
+	/* block before any thread exists, so every thread inherits the mask */
+	sigset_t mask;
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGTERM);
+	sigaddset(&mask, SIGINT);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	/* a trainer that hangs up mid-send must cost an EPIPE, not the service */
+	signal(SIGPIPE, SIG_IGN);
+	sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+	rc = sigfd < 0 ? EMBD_EIO : 0;
+	if (rc) {
+		embd_log_error("signalfd failed");
+		goto out;
+	}
+	rc = embd_ranks_create((uint32_t)config.topology.local_world_size, config.threads_per_rank,
+			       &ranks, err, sizeof(err));
+	if (!rc)
+		rc = embd_step_create(&config.tables, plan, ranks, config.seed,
+				      config.trainers_per_node, &step, err, sizeof(err));
+	if (!rc)
+		rc = embd_server_create(&config, step, ranks, plan->plan_hash, sigfd, &server, err,
+					sizeof(err));
+	if (rc) {
+		embd_log_error("start: %s", err);
+		goto out;
+	}
+	for (uint32_t r = 0; r < embd_ranks_count(ranks); r++)
+		embd_log_info("rank %u: NUMA node %d, %" PRIu64 " bytes of shards", r,
+			      embd_ranks_node(ranks, r), embd_ranks_memory_bytes(ranks, r));
+	embd_log_notice("ready: listening on %s, plan %016" PRIx64, config.socket_path,
+			plan->plan_hash);
+	sd_notify(0, "READY=1");
+	rc = embd_server_run(server);
+	sd_notify(0, "STOPPING=1");
+	embd_log_notice("stopped");
+out:
+	embd_server_destroy(server);
+	embd_step_destroy(step);
+	embd_ranks_destroy(ranks);
+	embd_plan_destroy(plan);
+	embd_config_free(&config);
+	if (sigfd >= 0)
+		close(sigfd);
+	return rc ? 1 : 0;
+}

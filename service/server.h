@@ -1,0 +1,40 @@
+/*
+ * service/server.h - the running service: the control socket, the clients and their regions,
+ * the step schedule, all driven by one io_uring event loop (ipc/evloop.h) on one thread.
+ *
+ * The step contract (what libembdclient implements from the other side): trainers connect,
+ * HELLO with a wanted local index or -1, get WELCOME (layout, step) and a region; per step s
+ * each posts FORWARD s, gets its completion once its pooled output is in its slab, posts
+ * BACKWARD s, and gets its completion once the optimizer ran. Forward of step s runs once
+ * every connected trainer posted FORWARD s (or sat s out after a refused batch); the very
+ * first step also waits for trainers_per_node trainers. Backward runs once every participant
+ * posted BACKWARD s. A participant hanging up aborts step s: nobody's parameters change, the
+ * others get EMBD_ECANCELED for step s, and the node moves on to s + 1.
+ */
+#ifndef EMBD_SERVICE_SERVER_H
+#define EMBD_SERVICE_SERVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "service/config.h"
+#include "service/step.h"
+
+struct embd_server;
+
+/*
+ * Listens on config->socket_path (creating its directory), watching the signalfd sigfd
+ * (SIGTERM / SIGINT, already blocked by the caller) for the request to stop. The server keeps
+ * pointers to config, step and ranks; they must outlive it.
+ */
+int embd_server_create(const struct embd_config *config, struct embd_step *step,
+		       struct embd_ranks *ranks, uint64_t plan_hash, int sigfd,
+		       struct embd_server **out, char *err, size_t err_len);
+
+/* Runs until the signalfd fires: 0, or EMBD_EIO when the event loop failed. */
+int embd_server_run(struct embd_server *server);
+
+/* Disconnects every client (unmapping regions, closing fds) and unlinks the socket. */
+void embd_server_destroy(struct embd_server *server);
+
+#endif /* EMBD_SERVICE_SERVER_H */

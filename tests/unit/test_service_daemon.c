@@ -1,0 +1,150 @@
+/*
+ * The `embd` binary's lifecycle, driven the way tests and systemd drive it: started with
+ * --socket on a private path, it logs "ready" on stderr once the socket listens, answers
+ * STATUS and STATS requests, welcomes a trainer with the layout of its config, and exits 0 on
+ * SIGTERM, removing its socket. Training through the service is libclient's integration tests.
+ */
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ipc/control.h"
+
+struct daemon {
+	pid_t pid;
+	FILE *log;                      /* its stderr */
+	char socket_path[108];
+};
+
+static void start_daemon(struct daemon *d, const char *const *extra)
+{
+	int fds[2];
+	const char *argv[16] = { EMBD_BINARY, "--socket", NULL };
+	int argc = 2;
+
+	snprintf(d->socket_path, sizeof(d->socket_path), "/tmp/embd-test-%d/embd.sock", (int)getpid());
+	argv[argc++] = d->socket_path;
+	for (; extra && *extra; extra++)
+		argv[argc++] = *extra;
+	argv[argc] = NULL;
+	cr_assert_eq(pipe(fds), 0);
+	d->pid = fork();
+	cr_assert_geq(d->pid, 0);
+	if (d->pid == 0) {
+		dup2(fds[1], 2);
+		close(fds[0]);
+		close(fds[1]);
+		execv(EMBD_BINARY, (char *const *)argv);
+		_exit(127);
+	}
+	close(fds[1]);
+	d->log = fdopen(fds[0], "r");
+	char line[2048];
+	while (fgets(line, sizeof(line), d->log))
+		if (strstr(line, "ready"))
+			return;
+	int status;
+	waitpid(d->pid, &status, 0);
+	cr_assert_fail("embd exited (status %d) before logging ready", status);
+}
+
+static int stop_daemon(struct daemon *d)
+{
+	int status = -1;
+	kill(d->pid, SIGTERM);
+	waitpid(d->pid, &status, 0);
+	fclose(d->log);
+	/* the service created the socket's directory; the test removes it */
+	char dir[sizeof(d->socket_path)];
+	snprintf(dir, sizeof(dir), "%s", d->socket_path);
+	*strrchr(dir, '/') = 0;
+	rmdir(dir);
+	return status;
+}
+
+/* Sends an empty request of type and returns the reply's JSON. */
+static cJSON *request(const char *path, enum embd_ctl_type type, enum embd_ctl_type reply)
+{
+	static uint8_t buf[EMBD_CTL_MSG_MAX];
+	static char text[EMBD_CTL_MSG_MAX];
+	struct embd_ctl_msg msg;
+	char err[256] = "";
+	int fd;
+
+	cr_assert_eq(embd_ctl_connect(path, &fd, err, sizeof(err)), 0, "connect: %s", err);
+	cr_assert_eq(embd_ctl_send(fd, type, NULL, 0, NULL, 0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(fd, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, reply, "expected reply type %d, got %u", reply, msg.type);
+	cr_assert_eq(embd_ctl_text_decode(&msg, text, sizeof(text), err, sizeof(err)), 0, "%s", err);
+	close(fd);
+	cJSON *root = cJSON_Parse(text);
+	cr_assert_not_null(root, "reply is not JSON: %s", text);
+	return root;
+}
+
+Test(daemon, ready_status_stats_sigterm)
+{
+	struct daemon d;
+
+	start_daemon(&d, NULL);
+	cJSON *status = request(d.socket_path, EMBD_CTL_STATUS_REQUEST, EMBD_CTL_STATUS_REPLY);
+	cr_assert_str_eq(cJSON_GetObjectItem(status, "version")->valuestring, EMBD_VERSION);
+	cr_assert_eq(cJSON_GetObjectItem(status, "step")->valuedouble, 0);
+	cJSON *config = cJSON_GetObjectItem(status, "config");
+	cr_assert_str_eq(cJSON_GetObjectItem(config, "socket_path")->valuestring, d.socket_path);
+	cr_assert_eq(cJSON_GetObjectItem(config, "num_tables")->valuedouble, 4);
+	cJSON_Delete(status);
+	cJSON *stats = request(d.socket_path, EMBD_CTL_STATS_REQUEST, EMBD_CTL_STATS_REPLY);
+	cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItem(stats, "ranks")), 2);
+	cJSON *rank0 = cJSON_GetArrayItem(cJSON_GetObjectItem(stats, "ranks"), 0);
+	cr_assert_gt(cJSON_GetObjectItem(rank0, "memory_bytes")->valuedouble, 0,
+		     "rank 0 should hold shard memory");
+	cJSON_Delete(stats);
+	int st = stop_daemon(&d);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
+	cr_assert_neq(access(d.socket_path, F_OK), 0, "the socket file should be gone");
+}
+
+Test(daemon, hello_gets_the_layout)
+{
+	static uint8_t buf[EMBD_CTL_MSG_MAX];
+	static struct embd_layout layout;
+	struct daemon d;
+	struct embd_ctl_msg msg;
+	struct embd_ctl_hello hello = { .protocol_version = EMBD_CTL_VERSION, .wanted_rank = 1,
+					.pid = getpid() };
+	uint8_t payload[sizeof(hello)];
+	char err[256] = "";
+	int fd;
+
+	start_daemon(&d, NULL);
+	cr_assert_eq(embd_ctl_connect(d.socket_path, &fd, err, sizeof(err)), 0, "%s", err);
+	embd_ctl_hello_encode(&hello, payload);
+	cr_assert_eq(embd_ctl_send(fd, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, err,
+				   sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(fd, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, EMBD_CTL_WELCOME, "expected WELCOME, got type %u", msg.type);
+	cr_assert_eq(embd_ctl_welcome_decode(&msg, &layout, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(layout.fixed.rank, 1, "asked for index 1, got %d", layout.fixed.rank);
+	cr_assert_eq(layout.fixed.num_features, 5);
+	cr_assert_eq(layout.fixed.total_dim, 256);
+	cr_assert_str_eq(layout.features[2].name, "clicked_item_id");
+	cr_assert_geq(msg.nfds, 1, "the region memfd should come with WELCOME");
+	embd_ctl_msg_close_fds(&msg);
+	/* the same index again is refused while the first holds it */
+	int fd2;
+	cr_assert_eq(embd_ctl_connect(d.socket_path, &fd2, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_send(fd2, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, err,
+				   sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(fd2, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, EMBD_CTL_ERROR, "expected ERROR for a taken index, got %u", msg.type);
+	close(fd2);
+	close(fd);
+	int st = stop_daemon(&d);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
+}
