@@ -9,6 +9,8 @@
 
 static const struct embctl_command commands[] = {
 	{ "plan", "shard tables onto ranks, or --check an existing plan", embctl_plan },
+	{ "stats", "live counters of a running embd (--json, --watch SECONDS)", embctl_stats },
+	{ "status", "version, step, plan and config of a running embd (JSON)", embctl_status },
 	{ NULL, NULL, NULL },
 };
 

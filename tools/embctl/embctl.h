@@ -12,5 +12,7 @@ struct embctl_command {
 };
 
 int embctl_plan(int argc, char **argv);
+int embctl_stats(int argc, char **argv);
+int embctl_status(int argc, char **argv);
 
 #endif

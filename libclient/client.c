@@ -1,0 +1,398 @@
+/*
+ * libembdclient (include/embd/client.h): the trainer's side of the control socket and the
+ * shared region.
+ *
+ * The one idea: the slab is carved once, at connect, into EMBD_CLIENT_SLOTS fixed batch
+ * slots (lengths, values, weights, pooled, grad, each 64-byte aligned), so a request is just
+ * a slot number turned into an SQE of slab spans; the service checks every span anyway.
+ * Waiting is bounded spinning, then a futex sleep on the CQ doorbell in 100 ms slices so a
+ * dead service is noticed (socket hangup) instead of sleeping forever.
+ */
+#include "embd/client.h"
+
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ipc/control.h"
+#include "ipc/doorbell.h"
+#include "ipc/protocol.h"
+#include "ipc/region.h"
+#include "libclient/client_priv.h"
+
+#define SPIN_ITERS 20000u
+#define SLEEP_SLICE_MS 100
+#define SPAN_ALIGN 64u
+
+struct slot_spans {
+	struct embd_slab_span lengths, values, weights, pooled, grad;
+};
+
+struct embd_client {
+	int sock;
+	struct embd_region *region;
+	int eventfd;
+	struct embd_doorbell sq_db, cq_db;
+	struct embd_client_layout layout;
+	struct embd_client_table *tables;
+	struct embd_client_feature *features;
+	struct slot_spans slots[EMBD_CLIENT_SLOTS];
+	uint64_t next_user_data;
+	char last_error[EMBD_CTL_TEXT_MAX + 64];
+};
+
+__attribute__((format(printf, 3, 4)))
+static int fail(struct embd_client *c, int code, const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(c->last_error, sizeof(c->last_error), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+static uint64_t align_up(uint64_t x, uint64_t a)
+{
+	return (x + a - 1) / a * a;
+}
+
+static struct embd_slab_span take(uint64_t *cursor, uint64_t bytes)
+{
+	struct embd_slab_span s = { align_up(*cursor, SPAN_ALIGN), bytes };
+
+	*cursor = s.offset + bytes;
+	return s;
+}
+
+/* Carves the slab into the batch slots; EMBD_ENOSPC when the service's slab is too small. */
+static int carve_slots(struct embd_client *c)
+{
+	const struct embd_client_layout *l = &c->layout;
+	uint64_t out_bytes = (uint64_t)l->batch_size * l->total_dim * sizeof(float), cursor = 0;
+
+	for (uint32_t i = 0; i < EMBD_CLIENT_SLOTS; i++) {
+		struct slot_spans *s = &c->slots[i];
+		s->lengths = take(&cursor, (uint64_t)l->num_features * l->batch_size * sizeof(int32_t));
+		s->values = take(&cursor, l->max_values * sizeof(int64_t));
+		s->weights = take(&cursor, l->max_values * sizeof(float));
+		s->pooled = take(&cursor, out_bytes);
+		s->grad = take(&cursor, out_bytes);
+	}
+	if (cursor > embd_region_slab_bytes(c->region))
+		return fail(c, EMBD_ENOSPC, "region: slab of %llu bytes, batch slots need %llu",
+			    (unsigned long long)embd_region_slab_bytes(c->region),
+			    (unsigned long long)cursor);
+	return 0;
+}
+
+static int take_layout(struct embd_client *c, const struct embd_layout *w)
+{
+	const struct embd_layout_fixed *f = &w->fixed;
+
+	c->tables = calloc(f->num_tables ? f->num_tables : 1, sizeof(*c->tables));
+	c->features = calloc(f->num_features ? f->num_features : 1, sizeof(*c->features));
+	if (!c->tables || !c->features)
+		return fail(c, EMBD_ENOMEM, "layout: out of memory");
+	for (uint32_t i = 0; i < f->num_tables; i++) {
+		memcpy(c->tables[i].name, w->tables[i].name, EMBD_NAME_MAX);
+		c->tables[i].num_embeddings = w->tables[i].num_embeddings;
+		c->tables[i].embedding_dim = w->tables[i].embedding_dim;
+		c->tables[i].pooling = (enum embd_pooling)w->tables[i].pooling;
+	}
+	for (uint32_t i = 0; i < f->num_features; i++) {
+		memcpy(c->features[i].name, w->features[i].name, EMBD_NAME_MAX);
+		c->features[i].table = w->features[i].table;
+		c->features[i].dim = w->features[i].dim;
+		c->features[i].offset = w->features[i].offset;
+	}
+	c->layout = (struct embd_client_layout){
+		.index = f->rank, .trainers_per_node = f->local_world_size,
+		.batch_size = f->batch_size, .total_dim = f->total_dim, .max_values = f->max_values,
+		.resumed_step = f->resumed_step, .num_tables = f->num_tables,
+		.num_features = f->num_features, .tables = c->tables, .features = c->features,
+	};
+	return 0;
+}
+
+/* Sends HELLO and takes WELCOME (or the service's ERROR) with its fds. */
+static int handshake(struct embd_client *c, int wanted_index, int timeout_ms)
+{
+	struct embd_ctl_hello hello = { .protocol_version = EMBD_CTL_VERSION,
+					.wanted_rank = wanted_index, .pid = (int32_t)getpid() };
+	uint8_t payload[sizeof(hello)];
+	struct embd_layout *w = NULL;
+	struct embd_ctl_msg msg = { .nfds = 0 };
+	uint8_t *buf = malloc(EMBD_CTL_MSG_MAX);
+	char *e = c->last_error;
+	size_t el = sizeof(c->last_error);
+	int rc, code;
+
+	w = calloc(1, sizeof(*w));
+	rc = fail(c, EMBD_ENOMEM, "connect: out of memory");
+	if (!buf || !w)
+		goto out;
+	embd_ctl_hello_encode(&hello, payload);
+	rc = embd_ctl_send(c->sock, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, e, el);
+	if (rc)
+		goto out;
+	rc = embd_ctl_recv(c->sock, buf, EMBD_CTL_MSG_MAX, timeout_ms, &msg, e, el);
+	if (rc)
+		goto out;
+	if (msg.type == EMBD_CTL_ERROR) {
+		char text[EMBD_CTL_TEXT_MAX + 1];
+		rc = embd_ctl_error_decode(&msg, &code, text, sizeof(text), e, el);
+		if (!rc)
+			rc = fail(c, code < 0 ? code : EMBD_EPROTO, "service refused: %s", text);
+		goto out;
+	}
+	rc = fail(c, EMBD_EPROTO, "connect: expected WELCOME, got message type %u", msg.type);
+	if (msg.type != EMBD_CTL_WELCOME || msg.nfds < 1)
+		goto out;
+	rc = embd_ctl_welcome_decode(&msg, w, e, el);
+	if (rc)
+		goto out;
+	rc = fail(c, EMBD_EPROTO, "WELCOME flags: eventfd announced but %u fds came", msg.nfds);
+	if (!!(w->fixed.flags & EMBD_LAYOUT_EVENTFD) != (msg.nfds == 2))
+		goto out;
+	rc = embd_region_attach(&c->region, msg.fds[0], e, el);
+	if (rc)
+		goto out;
+	msg.fds[0] = -1;
+	if (msg.nfds == 2) {
+		c->eventfd = msg.fds[1];
+		msg.fds[1] = -1;
+	}
+	msg.nfds = 0;
+	rc = take_layout(c, w);
+	if (!rc)
+		rc = carve_slots(c);
+out:
+	for (unsigned i = 0; i < msg.nfds; i++)
+		if (msg.fds[i] >= 0)
+			close(msg.fds[i]);
+	free(w);
+	free(buf);
+	return rc;
+}
+
+int embd_connect(const char *socket_path, int wanted_index, int timeout_ms,
+		 struct embd_client **out, char *err, size_t err_len)
+{
+	struct embd_client *c = calloc(1, sizeof(*c));
+	int rc = EMBD_ENOMEM;
+
+	*out = NULL;
+	if (!c)
+		goto out;
+	c->sock = -1;
+	c->eventfd = -1;
+	rc = embd_ctl_connect(socket_path, &c->sock, c->last_error, sizeof(c->last_error));
+	if (rc)
+		goto out;
+	rc = handshake(c, wanted_index, timeout_ms);
+	if (rc)
+		goto out;
+	embd_doorbell_init(&c->sq_db, embd_region_sq(c->region), c->eventfd);
+	embd_doorbell_init(&c->cq_db, embd_region_cq(c->region), -1);
+	c->last_error[0] = 0;
+	*out = c;
+	return 0;
+out:
+	if (err && err_len)
+		snprintf(err, err_len, "%s", c ? c->last_error : "connect: out of memory");
+	embd_close(c);
+	return rc;
+}
+
+void embd_close(struct embd_client *c)
+{
+	if (!c)
+		return;
+	embd_region_destroy(c->region);
+	if (c->eventfd >= 0)
+		close(c->eventfd);
+	if (c->sock >= 0)
+		close(c->sock);
+	free(c->tables);
+	free(c->features);
+	free(c);
+}
+
+const struct embd_client_layout *embd_layout(const struct embd_client *c)
+{
+	return &c->layout;
+}
+
+const char *embd_last_error(const struct embd_client *c)
+{
+	return c->last_error;
+}
+
+int embd_batch_get(struct embd_client *c, uint32_t slot, struct embd_batch *out)
+{
+	if (slot >= EMBD_CLIENT_SLOTS)
+		return fail(c, EMBD_EINVAL, "slot: %u, the region has %u", slot, EMBD_CLIENT_SLOTS);
+	uint8_t *slab = embd_region_slab(c->region);
+	const struct slot_spans *s = &c->slots[slot];
+	*out = (struct embd_batch){
+		.lengths = (int32_t *)(slab + s->lengths.offset),
+		.values = (int64_t *)(slab + s->values.offset),
+		.weights = (float *)(slab + s->weights.offset),
+		.pooled = (float *)(slab + s->pooled.offset),
+		.grad = (float *)(slab + s->grad.offset),
+	};
+	return 0;
+}
+
+int embd_client_push_sqe(struct embd_client *c, const struct embd_sqe *sqe)
+{
+	int rc = embd_ring_push(embd_region_sq(c->region), sqe);
+
+	if (rc == EMBD_ENOSPC)
+		return fail(c, rc, "submit: submission ring full, wait for completions first");
+	if (rc)
+		return fail(c, rc, "submit: submission ring is corrupt");
+	if (embd_doorbell_notify(embd_region_sq(c->region), &c->sq_db) < 0)
+		return fail(c, EMBD_EIO, "submit: cannot ring the service's doorbell");
+	return 0;
+}
+
+uint64_t embd_client_slab_bytes(const struct embd_client *c)
+{
+	return embd_region_slab_bytes(c->region);
+}
+
+int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
+			  struct embd_sqe *sqe)
+{
+	const struct embd_client_layout *l = &c->layout;
+
+	memset(sqe, 0, sizeof(*sqe));
+	if (req->op != EMBD_REQUEST_NOP && req->op != EMBD_REQUEST_FORWARD &&
+	    req->op != EMBD_REQUEST_BACKWARD)
+		return fail(c, EMBD_EINVAL, "op: %d is not NOP, FORWARD or BACKWARD", (int)req->op);
+	sqe->opcode = (uint16_t)req->op;
+	sqe->user_data = req->user_data;
+	sqe->step = req->step;
+	if (req->op == EMBD_REQUEST_NOP)
+		return 0;
+	if (req->slot >= EMBD_CLIENT_SLOTS)
+		return fail(c, EMBD_EINVAL, "slot: %u, the region has %u", req->slot,
+			    EMBD_CLIENT_SLOTS);
+	if (req->num_values > l->max_values)
+		return fail(c, EMBD_EINVAL, "num_values: %llu, at most %llu per batch",
+			    (unsigned long long)req->num_values, (unsigned long long)l->max_values);
+	const struct slot_spans *s = &c->slots[req->slot];
+	sqe->batch_size = l->batch_size;
+	sqe->num_values = req->num_values;
+	sqe->lengths = s->lengths;
+	sqe->values = (struct embd_slab_span){ s->values.offset, req->num_values * sizeof(int64_t) };
+	if (req->weighted) {
+		sqe->flags = EMBD_SQE_WEIGHTED;
+		sqe->weights = (struct embd_slab_span){ s->weights.offset,
+							req->num_values * sizeof(float) };
+	}
+	if (req->op == EMBD_REQUEST_FORWARD)
+		sqe->output = s->pooled;
+	else
+		sqe->grad = s->grad;
+	return 0;
+}
+
+int embd_submit(struct embd_client *c, const struct embd_request *req)
+{
+	struct embd_sqe sqe;
+	int rc = embd_client_sqe_build(c, req, &sqe);
+
+	return rc ? rc : embd_client_push_sqe(c, &sqe);
+}
+
+/* EMBD_ECONNRESET once the service closed the socket (a message would be a protocol error:
+ * nothing is sent to a trainer after WELCOME). */
+static int check_socket(struct embd_client *c)
+{
+	struct pollfd p = { .fd = c->sock, .events = POLLIN };
+
+	if (poll(&p, 1, 0) <= 0)
+		return 0;
+	if (p.revents & (POLLHUP | POLLERR))
+		return fail(c, EMBD_ECONNRESET, "the service closed the connection");
+	return fail(c, EMBD_EPROTO, "unexpected message from the service on the control socket");
+}
+
+int embd_poll(struct embd_client *c, struct embd_completion *out)
+{
+	struct embd_cqe cqe;
+	int rc = embd_ring_pop(embd_region_cq(c->region), &cqe);
+
+	if (rc == EMBD_EAGAIN) {
+		int sock = check_socket(c);
+		return sock ? sock : EMBD_EAGAIN;
+	}
+	if (rc)
+		return fail(c, rc, "completion ring is corrupt");
+	*out = (struct embd_completion){ cqe.user_data, cqe.step, cqe.result };
+	if (cqe.result) {
+		cqe.message[EMBD_CQE_MSG_BYTES - 1] = 0;
+		fail(c, cqe.result, "step %llu: %s", (unsigned long long)cqe.step,
+		     cqe.message[0] ? cqe.message : embd_strerror(cqe.result));
+	}
+	return 0;
+}
+
+int embd_wait(struct embd_client *c, struct embd_completion *out, int timeout_ms)
+{
+	struct embd_ring *cq = embd_region_cq(c->region);
+	int waited_ms = 0;
+
+	for (;;) {
+		int slice = timeout_ms < 0 || timeout_ms - waited_ms > SLEEP_SLICE_MS ?
+			    SLEEP_SLICE_MS : timeout_ms - waited_ms;
+		int rc = embd_doorbell_wait(cq, &c->cq_db, SPIN_ITERS, slice);
+		if (rc == 0)
+			return embd_poll(c, out);
+		if (rc != EMBD_ETIMEDOUT)
+			return fail(c, rc, "wait: cannot sleep on the completion doorbell");
+		rc = check_socket(c);
+		if (rc)
+			return rc;
+		waited_ms += slice;
+		if (timeout_ms >= 0 && waited_ms >= timeout_ms)
+			return fail(c, EMBD_ETIMEDOUT, "wait: no completion within %d ms", timeout_ms);
+	}
+}
+
+static int blocking(struct embd_client *c, enum embd_request_op op, uint32_t slot, uint64_t step,
+		    uint64_t num_values, int weighted)
+{
+	struct embd_request req = { .op = op, .slot = slot, .step = step, .num_values = num_values,
+				    .weighted = weighted, .user_data = ++c->next_user_data };
+	struct embd_completion done;
+	int rc = embd_submit(c, &req);
+
+	if (rc)
+		return rc;
+	rc = embd_wait(c, &done, -1);
+	if (rc)
+		return rc;
+	if (done.user_data != req.user_data)
+		return fail(c, EMBD_EPROTO, "completion for request %llu while waiting for %llu",
+			    (unsigned long long)done.user_data, (unsigned long long)req.user_data);
+	return done.result;
+}
+
+int embd_forward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t num_values,
+		 int weighted)
+{
+	return blocking(c, EMBD_REQUEST_FORWARD, slot, step, num_values, weighted);
+}
+
+int embd_backward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t num_values,
+		  int weighted)
+{
+	return blocking(c, EMBD_REQUEST_BACKWARD, slot, step, num_values, weighted);
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The README's main command: installs dependencies, builds into build/, starts embd with its
+# embedded default config on a private socket, trains the demo click-through model with two
+# trainer processes through it, prints their loss, and stops embd with SIGTERM.
+# Exits non-zero when the build fails or either trainer's loss did not fall.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+steps="${EMBD_DEMO_STEPS:-1000}"
+
+"$root/tools/install-deps.sh"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j"$(nproc)" --target embd embd-demo-trainer
+
+sock="$(mktemp -d /tmp/embd-demo.XXXXXX)/embd.sock"
+build/service/embd --socket "$sock" &
+embd_pid=$!
+stop() { kill -TERM "$embd_pid" 2>/dev/null || true; wait "$embd_pid" 2>/dev/null || true; rm -rf "$(dirname "$sock")"; }
+trap stop EXIT
+for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+[ -S "$sock" ] || { echo "run-demo: embd did not start" >&2; exit 1; }
+
+pids=()
+for i in 0 1; do
+	build/tools/demo/embd-demo-trainer --socket "$sock" --index "$i" --steps "$steps" --print-every 100 &
+	pids+=($!)
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+[ "$status" = 0 ] && echo "run-demo: the loss fell for both trainers" || echo "run-demo: FAILED" >&2
+exit "$status"
