@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine and passes every CPU test: installs packages, builds with warnings
-# as errors, runs ctest. `.ci/run` calls exactly this. Flags:
-#   --sanitize   also build and test under AddressSanitizer + UndefinedBehaviorSanitizer
-#   --asan-only  only the sanitizer build
+# as errors, runs ctest, then builds and runs the same suite again under AddressSanitizer +
+# UndefinedBehaviorSanitizer. `.ci/run` calls exactly this. Flags:
+#   --no-sanitize  only the plain build
+#   --asan-only    only the sanitizer build
 # Build folders: build/ and build-asan/ (EMBD_BUILD_DIR overrides the first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-plain=1 sanitize=0
+plain=1 sanitize=1
 for arg in "$@"; do
   case "$arg" in
-    --sanitize) sanitize=1 ;;
+    --no-sanitize) sanitize=0 ;;
     --asan-only) sanitize=1 plain=0 ;;
     *) echo "test.sh: unknown flag $arg" >&2; exit 2 ;;
   esac
