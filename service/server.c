@@ -53,7 +53,7 @@ struct client {
 	struct embd_sqe fwd, bwd;
 	uint64_t fwd_popped_ns, bwd_popped_ns;
 	struct embd_kjt kjt;
-	uint64_t sat_out;               /* step + 1 of a refused FORWARD: skip that step */
+	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
 	uint64_t requests, errors;
 };
 
@@ -407,6 +407,10 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 
 	c->requests++;
 	if (rc || sqe->opcode == EMBD_OP_NOP) {
+		/* a refused descriptor (bad opcode, batch size, span) counts as a refused FORWARD:
+		 * the trainer sits the collecting step out instead of stalling the others */
+		if (rc && sv->phase == COLLECT && !c->has_fwd)
+			c->sat_out = sv->s + 1;
 		complete(sv, c, sqe, popped_ns, rc, rc ? err : NULL);
 		return;
 	}
