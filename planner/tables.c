@@ -48,6 +48,7 @@ static int get_name(const struct ctx *x, const cJSON *item, const char *field, c
 static int get_number(const struct ctx *x, const cJSON *item, const char *field, double lo,
 		      double hi, bool integral, double *out)
 {
+	*out = 0; /* callers convert *out before they test the result */
 	if (!cJSON_IsNumber(item))
 		return fail(x, "'%s' must be a number", field);
 	double v = item->valuedouble;

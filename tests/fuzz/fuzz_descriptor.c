@@ -31,12 +31,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	memcpy(slab, data + sizeof(sqe), lim.slab_bytes);
 	if (embd_sqe_validate(&sqe, &lim, err, sizeof(err)) == 0 && sqe.opcode != EMBD_OP_NOP &&
 	    embd_kjt_view_build(&sqe, &lim, slab, lengths, 8, &kjt, err, sizeof(err)) == 0) {
-		volatile int64_t sink = 0;
+		/* touch every id and weight the view exposes (unsigned: fuzzed ids wrap freely) */
+		volatile uint64_t sink = 0;
 		for (uint64_t i = 0; i < kjt.num_values; i++)
-			sink += kjt.values[i];
+			sink += (uint64_t)kjt.values[i];
 		if (kjt.weights)
-			for (uint64_t i = 0; i < kjt.num_values; i++)
-				sink += (int64_t)kjt.weights[i];
+			for (uint64_t i = 0; i < kjt.num_values; i++) {
+				uint32_t bits;
+				memcpy(&bits, &kjt.weights[i], sizeof(bits));
+				sink += bits;
+			}
 		(void)sink;
 	}
 	free(slab);
