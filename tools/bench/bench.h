@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 struct bench_command {
 	const char *name;
@@ -29,5 +30,26 @@ int bench_planner_run(int argc, char **argv);
 
 /* embd-bench kernels (bench_kernels.c) */
 int bench_kernels_run(int argc, char **argv);
+
+/* A private embd started by a benchmark (bench_ipc.c). */
+struct bench_embd {
+	pid_t pid;
+	char socket_path[108];
+};
+
+/* The embd binary: --embd PATH in argv, else $EMBD_BENCH_EMBD, else the one built alongside.
+ * Call it first: it also notes the CPUs embd may use, before a benchmark pins its thread. */
+const char *bench_embd_path(int argc, char **argv);
+
+/* Writes config_json to a temp file and runs embd on a private socket under /tmp until it
+ * listens; it is killed by bench_embd_stop, at exit and on SIGINT/SIGTERM. Returns 0 or -1. */
+int bench_embd_start(const char *embd_path, const char *config_json, struct bench_embd *out);
+void bench_embd_stop(struct bench_embd *e);
+
+/* embd-bench ipc (bench_ipc.c) */
+int bench_ipc_run(int argc, char **argv);
+
+/* embd-bench e2e (bench_e2e.c) */
+int bench_e2e_run(int argc, char **argv);
 
 #endif

@@ -10,6 +10,8 @@
 static const struct bench_command commands[] = {
 	{ "planner", "plan time and plan quality at 100 to 10,000 tables", bench_planner_run },
 	{ "kernels", "CPU embedding kernels vs the memory limits and FBGEMM", bench_kernels_run },
+	{ "ipc", "NOP round trip through embd vs thread ping-pongs", bench_ipc_run },
+	{ "e2e", "forward+backward steps/s through embd vs in-process kernels", bench_e2e_run },
 	{ NULL, NULL, NULL },
 };
 

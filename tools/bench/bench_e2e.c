@@ -1,0 +1,363 @@
+/*
+ * embd-bench e2e: training steps (forward + backward with the fused optimizer) per second
+ * through a real embd, one trainer, against the same kernels called in this process on the
+ * same batches, the same shard shapes, optimizer, seed and number of worker threads. Rounds
+ * of the two alternate and the median round of each is reported, with the time split into
+ * forward and backward, so overhead_ratio = embd steps/s / in-process steps/s shows what the
+ * service costs per step. One embd and one set of in-process shards serve every size (its
+ * config plans for the largest), so both keep the memory (and huge pages) they got first.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <sched.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "embd/client.h"
+#include "kernels/embedding.h"
+#include "kernels/workers.h"
+
+#define E2E_TABLES 2                    /* table_wise tables, one feature each */
+#define E2E_DIM 64
+#define E2E_ROWS 1000000
+#define E2E_BATCH 2048                  /* B */
+#define E2E_BATCHES 4                   /* distinct batches, cycled */
+#define E2E_ROUNDS 3
+#define E2E_SEED 2026
+#define E2E_LR 0.05f
+#define E2E_EPS 1e-8f
+
+struct e2e {
+	uint32_t threads;
+	uint32_t pf;                            /* ids per bag */
+	uint64_t ids;                           /* per step, all features */
+	double round_s;
+	int32_t *lengths;                       /* [E2E_BATCHES][F * B] */
+	int64_t *values;                        /* [E2E_BATCHES][ids] */
+	float *grad;                            /* [B][total_dim] */
+	/* in-process */
+	struct embd_workers *workers;
+	struct embd_exec exec;
+	struct embd_shard *shards[E2E_TABLES];
+	int64_t *offsets;                       /* [F][B + 1] */
+	float *pooled;
+};
+
+struct split {
+	double steps_per_s, fwd_ms, bwd_ms;
+};
+
+static uint64_t rng_next(uint64_t *s)
+{
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+/* The batches of one size (x->pf ids per bag); replaces those of the last size. */
+static int make_batches(struct e2e *x)
+{
+	const uint64_t nl = (uint64_t)E2E_TABLES * E2E_BATCH;
+	uint64_t s = 42;
+
+	free(x->lengths);
+	free(x->values);
+	x->lengths = malloc(E2E_BATCHES * nl * sizeof(int32_t));
+	x->values = malloc(E2E_BATCHES * x->ids * sizeof(int64_t));
+	if (!x->lengths || !x->values)
+		return -1;
+	for (uint64_t i = 0; i < E2E_BATCHES * nl; i++)
+		x->lengths[i] = (int32_t)x->pf;
+	for (uint64_t i = 0; i < E2E_BATCHES * x->ids; i++)
+		x->values[i] = (int64_t)(rng_next(&s) % E2E_ROWS);
+	return 0;
+}
+
+/* The CPUs this process may use, in order (as the service pins its single rank). */
+static void allowed_cpus(int *cpus, uint32_t n)
+{
+	cpu_set_t set;
+	uint32_t k = 0;
+
+	if (sched_getaffinity(0, sizeof(set), &set) == 0)
+		for (int c = 0; c < CPU_SETSIZE && k < n; c++)
+			if (CPU_ISSET(c, &set))
+				cpus[k++] = c;
+	for (uint32_t i = k; i < n; i++)
+		cpus[i] = k ? cpus[i % k] : (int)i;
+}
+
+static int inprocess_setup(struct e2e *x)
+{
+	char err[256];
+	int cpus[256];
+
+	x->grad = malloc((uint64_t)E2E_BATCH * E2E_TABLES * E2E_DIM * sizeof(float));
+	x->offsets = malloc((uint64_t)E2E_TABLES * (E2E_BATCH + 1) * sizeof(int64_t));
+	x->pooled = malloc((uint64_t)E2E_BATCH * E2E_TABLES * E2E_DIM * sizeof(float));
+	if (!x->grad || !x->offsets || !x->pooled)
+		return -1;
+	for (uint64_t i = 0; i < (uint64_t)E2E_BATCH * E2E_TABLES * E2E_DIM; i++)
+		x->grad[i] = 0.01f * (float)((i % 7) + 1);
+	allowed_cpus(cpus, x->threads);
+	if (embd_workers_create(x->threads, cpus, &x->workers, err, sizeof(err))) {
+		fprintf(stderr, "embd-bench e2e: workers: %s\n", err);
+		return -1;
+	}
+	x->exec = (struct embd_exec){ .workers = x->workers, .isa = EMBD_ISA_AUTO };
+	for (uint32_t t = 0; t < E2E_TABLES; t++) {
+		struct embd_shard_desc d = {
+			.table_id = t, .num_embeddings = E2E_ROWS, .embedding_dim = E2E_DIM,
+			.dtype = EMBD_DTYPE_FP32, .row_offset = 0, .rows = E2E_ROWS,
+			.col_offset = 0, .cols = E2E_DIM,
+			.optimizer = { .type = EMBD_OPT_ROWWISE_ADAGRAD, .lr = E2E_LR, .eps = E2E_EPS },
+		};
+		if (embd_shard_create(&d, &x->shards[t], err, sizeof(err))) {
+			fprintf(stderr, "embd-bench e2e: shard: %s\n", err);
+			return -1;
+		}
+		embd_shard_init_weights(x->shards[t], E2E_SEED, &x->exec);
+	}
+	return 0;
+}
+
+static void inprocess_teardown(struct e2e *x)
+{
+	for (uint32_t t = 0; t < E2E_TABLES; t++)
+		embd_shard_destroy(x->shards[t]);
+	embd_workers_destroy(x->workers);
+}
+
+/* One in-process step on batch k: offsets from the lengths (as the service does), forward,
+ * then one fused backward per shard. */
+static int inprocess_step(struct e2e *x, uint64_t k, uint64_t *fwd_ns, uint64_t *bwd_ns)
+{
+	const uint64_t nl = (uint64_t)E2E_TABLES * E2E_BATCH;
+	const int32_t *len = x->lengths + (k % E2E_BATCHES) * nl;
+	const int64_t *val = x->values + (k % E2E_BATCHES) * x->ids;
+	struct embd_bag_batch bb[E2E_TABLES];
+	struct embd_kernel_err kerr;
+	uint64_t t0 = bench_now_ns(), at = 0;
+
+	for (uint32_t f = 0; f < E2E_TABLES; f++) {
+		int64_t *off = x->offsets + (uint64_t)f * (E2E_BATCH + 1);
+		uint64_t first = at;
+		off[0] = 0;
+		for (uint32_t b = 0; b < E2E_BATCH; b++) {
+			at += (uint64_t)len[(uint64_t)f * E2E_BATCH + b];
+			off[b + 1] = (int64_t)(at - first);
+		}
+		bb[f] = (struct embd_bag_batch){
+			.shard = x->shards[f], .feature = f, .batch_size = E2E_BATCH, .offsets = off,
+			.ids = val + first, .num_ids = at - first, .pooling = EMBD_POOLING_SUM,
+			.pooled = x->pooled, .pooled_grad = x->grad,
+			.pooled_stride = E2E_TABLES * E2E_DIM, .pooled_col = f * E2E_DIM,
+		};
+	}
+	int rc = embd_kernels_forward(&x->exec, bb, E2E_TABLES, &kerr);
+	uint64_t t1 = bench_now_ns();
+	for (uint32_t f = 0; f < E2E_TABLES && !rc; f++)
+		rc = embd_kernels_backward(&x->exec, x->shards[f], &bb[f], 1, &kerr);
+	*fwd_ns += t1 - t0;
+	*bwd_ns += bench_now_ns() - t1;
+	if (rc)
+		fprintf(stderr, "embd-bench e2e: in-process kernel: %s (%s)\n", embd_strerror(rc),
+			kerr.msg);
+	return rc;
+}
+
+/* One step through embd on batch k: write the KJT into the slot, forward, backward. */
+static int embd_step(struct e2e *x, struct embd_client *c, uint64_t step, uint64_t k,
+		     uint64_t *fwd_ns, uint64_t *bwd_ns)
+{
+	const uint64_t nl = (uint64_t)E2E_TABLES * E2E_BATCH;
+	uint32_t slot = (uint32_t)(step % EMBD_CLIENT_SLOTS);
+	struct embd_batch b;
+	uint64_t t0 = bench_now_ns();
+	int rc = embd_batch_get(c, slot, &b);
+
+	if (!rc) {
+		memcpy(b.lengths, x->lengths + (k % E2E_BATCHES) * nl, nl * sizeof(int32_t));
+		memcpy(b.values, x->values + (k % E2E_BATCHES) * x->ids, x->ids * sizeof(int64_t));
+		rc = embd_forward(c, slot, step, x->ids, 0);
+	}
+	uint64_t t1 = bench_now_ns();
+	if (!rc)
+		rc = embd_backward(c, slot, step, x->ids, 0);
+	*fwd_ns += t1 - t0;
+	*bwd_ns += bench_now_ns() - t1;
+	if (rc)
+		fprintf(stderr, "embd-bench e2e: step %llu: %s (%s)\n", (unsigned long long)step,
+			embd_strerror(rc), embd_last_error(c));
+	return rc;
+}
+
+static int compare_split(const void *a, const void *b)
+{
+	double x = ((const struct split *)a)->steps_per_s, y = ((const struct split *)b)->steps_per_s;
+	return (x > y) - (x < y);
+}
+
+static const char e2e_config_fmt[] =
+	"{ \"tables\": [\n"
+	"    { \"name\": \"t0\", \"num_embeddings\": %d, \"embedding_dim\": %d, \"pooling\": \"sum\",\n"
+	"      \"data_type\": \"fp32\",\n"
+	"      \"optimizer\": { \"type\": \"rowwise_adagrad\", \"lr\": %g, \"eps\": %g },\n"
+	"      \"constraints\": { \"sharding_types\": [\"table_wise\"], \"compute_kernels\": [\"fused\"],\n"
+	"                       \"pooling_factors\": [%u] } },\n"
+	"    { \"name\": \"t1\", \"num_embeddings\": %d, \"embedding_dim\": %d, \"pooling\": \"sum\",\n"
+	"      \"data_type\": \"fp32\",\n"
+	"      \"optimizer\": { \"type\": \"rowwise_adagrad\", \"lr\": %g, \"eps\": %g },\n"
+	"      \"constraints\": { \"sharding_types\": [\"table_wise\"], \"compute_kernels\": [\"fused\"],\n"
+	"                       \"pooling_factors\": [%u] } } ],\n"
+	"  \"topology\": { \"world_size\": 1, \"local_world_size\": 1, \"compute_device\": \"cpu\",\n"
+	"                \"hbm_cap\": \"16G\", \"ddr_cap\": \"16G\", \"batch_size\": %d },\n"
+	"  \"trainers_per_node\": 1, \"seed\": %d, \"threads_per_rank\": %u,\n"
+	"  \"log_level\": \"error\", \"busy_poll_us\": %u }\n";
+
+/* One size on a connected embd and the in-process shards. */
+static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsigned busy_poll_us)
+{
+	struct split se[E2E_ROUNDS], si[E2E_ROUNDS];
+	uint64_t k = 0, d0 = 0, d1 = 0;
+	int rc = make_batches(x);
+
+	for (int w = 0; w < 2 && !rc; w++)          /* warm-up */
+		rc = embd_step(x, c, (*step)++, k, &d0, &d1) || inprocess_step(x, k++, &d0, &d1);
+	for (int r = 0; r < E2E_ROUNDS && !rc; r++) {
+		for (int mode = 0; mode < 2 && !rc; mode++) {
+			uint64_t n = 0, fwd = 0, bwd = 0, t0 = bench_now_ns(), el;
+			do {
+				rc = mode == 0 ? embd_step(x, c, (*step)++, k++, &fwd, &bwd)
+					       : inprocess_step(x, k++, &fwd, &bwd);
+				n++;
+				el = bench_now_ns() - t0;
+			} while (!rc && (double)el < x->round_s * 1e9);
+			struct split sp = { (double)n * 1e9 / (double)el, (double)fwd / 1e6 / (double)n,
+					    (double)bwd / 1e6 / (double)n };
+			if (mode == 0)
+				se[r] = sp;
+			else
+				si[r] = sp;
+		}
+	}
+	if (rc)
+		return -1;
+	qsort(se, E2E_ROUNDS, sizeof(se[0]), compare_split);
+	qsort(si, E2E_ROUNDS, sizeof(si[0]), compare_split);
+	const struct split *me = &se[E2E_ROUNDS / 2], *mi = &si[E2E_ROUNDS / 2];
+	printf("{\"name\":\"e2e\",\"ids_per_step\":%llu,\"steps_per_s\":%.2f,"
+	       "\"inprocess_steps_per_s\":%.2f,\"overhead_ratio\":%.3f,\"batch_size\":%u,"
+	       "\"tables\":%d,\"dim\":%d,\"pooling_factor\":%u,\"threads\":%u,\"busy_poll_us\":%u,"
+	       "\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"inprocess_fwd_ms\":%.3f,\"inprocess_bwd_ms\":%.3f}\n",
+	       (unsigned long long)x->ids, me->steps_per_s, mi->steps_per_s,
+	       mi->steps_per_s > 0 ? me->steps_per_s / mi->steps_per_s : 0, E2E_BATCH, E2E_TABLES,
+	       E2E_DIM, x->pf, x->threads, busy_poll_us, me->fwd_ms, me->bwd_ms, mi->fwd_ms,
+	       mi->bwd_ms);
+	fflush(stdout);
+	return 0;
+}
+
+/* Sets up embd (planned for max_pf ids per bag) and the in-process shards, runs every size. */
+static int run_all(struct e2e *x, const char *embd, unsigned busy_poll_us, const uint32_t *pfs,
+		   int num_sizes, uint32_t max_pf)
+{
+	char config[4096], err[256];
+	struct bench_embd e = { 0 };
+	struct embd_client *c = NULL;
+	int rc = -1, fails = 0;
+
+	snprintf(config, sizeof(config), e2e_config_fmt, E2E_ROWS, E2E_DIM, (double)E2E_LR,
+		 (double)E2E_EPS, max_pf, E2E_ROWS, E2E_DIM, (double)E2E_LR, (double)E2E_EPS, max_pf,
+		 E2E_BATCH, E2E_SEED, x->threads, busy_poll_us);
+	if (inprocess_setup(x))
+		goto out;
+	if (bench_embd_start(embd, config, &e))
+		goto out;
+	rc = embd_connect(e.socket_path, 0, 30000, &c, err, sizeof(err));
+	if (rc) {
+		fprintf(stderr, "embd-bench e2e: connect: %s (%s)\n", embd_strerror(rc), err);
+		goto out;
+	}
+	const struct embd_client_layout *l = embd_layout(c);
+	if (l->batch_size != E2E_BATCH || l->total_dim != E2E_TABLES * E2E_DIM ||
+	    l->max_values < (uint64_t)E2E_TABLES * E2E_BATCH * max_pf ||
+	    l->num_features != E2E_TABLES) {
+		fprintf(stderr, "embd-bench e2e: unexpected layout (B %u, dim %u, max_values %llu)\n",
+			l->batch_size, l->total_dim, (unsigned long long)l->max_values);
+		rc = -1;
+		goto out;
+	}
+	uint64_t step = l->resumed_step;
+	for (uint32_t s = 0; s < EMBD_CLIENT_SLOTS; s++) {
+		struct embd_batch b;
+		if ((rc = embd_batch_get(c, s, &b)))
+			goto out;
+		memcpy(b.grad, x->grad, (uint64_t)E2E_BATCH * E2E_TABLES * E2E_DIM * sizeof(float));
+	}
+	for (int i = 0; i < num_sizes; i++) {
+		x->pf = pfs[i];
+		x->ids = (uint64_t)E2E_TABLES * E2E_BATCH * pfs[i];
+		if (run_size(x, c, &step, busy_poll_us))
+			fails++;
+	}
+	rc = fails ? -1 : 0;
+out:
+	embd_close(c);
+	bench_embd_stop(&e);
+	inprocess_teardown(x);
+	free(x->lengths);
+	free(x->values);
+	free(x->grad);
+	free(x->offsets);
+	free(x->pooled);
+	return rc ? -1 : 0;
+}
+
+int bench_e2e_run(int argc, char **argv)
+{
+	const char *embd = bench_embd_path(argc, argv);
+	uint64_t sizes[8] = { 65536, 262144 };
+	int num_sizes = 2, given = 0;
+	long nproc = sysconf(_SC_NPROCESSORS_ONLN);
+	uint32_t threads = nproc > 0 ? (uint32_t)nproc : 1;
+	unsigned busy_poll_us = 50;
+	double seconds = 1.0;
+	uint32_t pfs[8], max_pf = 1;
+
+	for (int i = 1; i < argc; i++) {
+		if (!strcmp(argv[i], "--embd") && i + 1 < argc) {
+			i++;
+		} else if (!strcmp(argv[i], "--ids") && i + 1 < argc && given < 8) {
+			sizes[given++] = strtoull(argv[++i], NULL, 0);
+			num_sizes = given;
+		} else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+			threads = (uint32_t)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--seconds") && i + 1 < argc) {
+			seconds = atof(argv[++i]);
+		} else if (!strcmp(argv[i], "--busy-poll-us") && i + 1 < argc) {
+			busy_poll_us = (unsigned)atoi(argv[++i]);
+		} else {
+			fprintf(stderr, "usage: embd-bench e2e [--ids N]... (65536 262144) [--threads T]"
+				" [--seconds S per mode per size (1)] [--busy-poll-us U (50)] [--embd PATH]\n");
+			return 2;
+		}
+	}
+	if (threads < 1 || threads > 256)
+		threads = 1;
+	for (int s = 0; s < num_sizes; s++) {
+		uint64_t per = (uint64_t)E2E_TABLES * E2E_BATCH;
+		uint64_t pf = (sizes[s] + per - 1) / per;
+		pfs[s] = (uint32_t)(pf < 1 ? 1 : pf > 4096 ? 4096 : pf);
+		if (pfs[s] > max_pf)
+			max_pf = pfs[s];
+	}
+	struct e2e x = { .threads = threads, .round_s = seconds / E2E_ROUNDS };
+	return run_all(&x, embd, busy_poll_us, pfs, num_sizes, max_pf) ? 1 : 0;
+}
