@@ -1,0 +1,117 @@
+/*
+ * service/checkpoint.h - checkpoint directories on disk: writing one so that a crash at any
+ * instant leaves the previous checkpoint or the new one complete, finding the newest valid
+ * one, retention, and assembling tables from a checkpoint's shard files (resharding).
+ *
+ * Layout: <checkpoint_dir>/step-<N>/ holds one .npy file per shard and state (manifest.h
+ * names them) and manifest.json. Writing (embd_ckpt_write_dir):
+ *   1. mkdir <root>/.tmp-step-<N> (a leftover one is removed first);
+ *   2. every array -> .npy, fsynced, its size and CRC-32C recorded;
+ *   3. manifest.json.tmp written, fsynced, renamed to manifest.json, directory fsynced;
+ *   4. .tmp-step-<N> renamed to step-<N>, <root> fsynced.
+ * A reader looks only at step-<N> directories, so a crash before 4 leaves nothing it reads;
+ * after 4 every byte is on disk. Readers (embd_ckpt_find) still check every file's size and
+ * CRC-32C against the manifest (disks and operators damage files too): a damaged checkpoint
+ * is reported by name through the skip callback and the previous one is tried.
+ *
+ * Multi-node (designed here; the single-node service writes num_nodes = 1):
+ *   shared directory (NFS-like, every node sees <root>): node k writes its shard files into
+ *     <root>/.tmp-step-<N>/ (step 2, names carry the node: "...n<k>..."), then reports its
+ *     file entries (name, bytes, crc32c, coordinates) to the rendezvous store under
+ *     "ckpt/<N>/node/<k>" and adds 1 to "ckpt/<N>/done". Node 0 waits for done == num_nodes,
+ *     merges the entries into one manifest and does steps 3 and 4 alone. A node that dies
+ *     before reporting leaves no manifest: the step-<N> never appears (all-or-nothing).
+ *   per-node directories (each node its own local disk): node k does steps 1-4 in its own
+ *     <root> with a per-node manifest (node = k, only its files), reports the manifest's
+ *     CRC-32C to the store, and node 0 writes <root>/cluster-step-<N>.json listing every
+ *     node's manifest CRC last. A restore takes the newest N whose cluster file exists and
+ *     whose local per-node manifest matches its entry; resharding to another node count then
+ *     needs every node's directory (copy them next to each other: the manifests merge).
+ * What the single-node build implements: num_nodes/node in the manifest and in every file
+ * entry, embd_ckpt_manifest_merge-free restore over any set of files (coordinates only). The
+ * store-driven protocol above waits for the store (branch dist-comm) to be merged.
+ */
+#ifndef EMBD_SERVICE_CHECKPOINT_H
+#define EMBD_SERVICE_CHECKPOINT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "embd/plan.h"
+#include "service/manifest.h"
+
+#define EMBD_CKPT_PATH_MAX 4096
+
+/* One array of a checkpoint to write: its manifest entry (name, table, state, coordinates,
+ * dtype, optimizer_step; bytes and crc32c are filled in by the write) and its data. */
+struct embd_ckpt_array {
+	struct embd_ckpt_file file;
+	const void *data;
+	uint32_t ndim;                  /* 2: rows x cols, 1: (rows,) per-row state */
+};
+
+/* Called for every checkpoint a reader skips, with its directory and the reason. */
+typedef void (*embd_ckpt_skip_fn)(void *arg, const char *dir, const char *why);
+
+/* <root>/step-<step> into out (cap bytes). */
+void embd_ckpt_dir_name(const char *root, uint64_t step, char *out, size_t cap);
+
+/*
+ * Writes step-<m->step> under root (created if missing) as described above. m's files are
+ * replaced by one entry per array (with bytes and crc32c). With sync false nothing is
+ * fsynced (tests of the format only). *bytes_out: bytes of all files written. Errors name the
+ * file. When step-<N> already holds a valid checkpoint, returns EMBD_EBUSY and writes nothing.
+ */
+int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
+			const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
+			uint64_t *bytes_out, char *err, size_t err_len);
+
+/*
+ * Loads dir's manifest and checks every file it lists (size and CRC-32C). Returns 0 with *m
+ * filled (free it with embd_ckpt_manifest_free), or EMBD_ENOENT / EMBD_EPARSE /
+ * EMBD_ECHECKSUM / EMBD_EIO naming the file.
+ */
+int embd_ckpt_open_dir(const char *dir, struct embd_ckpt_manifest *m, char *err, size_t err_len);
+
+/*
+ * The newest valid checkpoint under root with step <= max_step (UINT64_MAX: any): its
+ * directory into dir_out and its manifest into *m. Damaged ones are passed to skip (may be
+ * NULL). EMBD_ENOENT when there is none.
+ */
+int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, void *skip_arg,
+		   char *dir_out, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
+		   size_t err_len);
+
+/* Removes every step-<N> but the newest keep (keep 0: none removed) and stale .tmp-step-*
+ * directories. Returns the number removed or a negative code. */
+int embd_ckpt_retain(const char *root, uint32_t keep, char *err, size_t err_len);
+
+/* A destination for embd_ckpt_load: a rectangle of a table, as in a shard. */
+struct embd_ckpt_target {
+	uint32_t table;                 /* index into the manifest's tables */
+	int64_t row_offset, rows;
+	uint32_t col_offset, cols;
+	enum embd_data_type dtype;      /* of weights; state is fp32 */
+	void *weights;                  /* rows x cols */
+	float *momentum1;               /* rows x cols, or rows (rowwise_adagrad), or NULL */
+	float *momentum2;               /* rows x cols or NULL */
+	int64_t optimizer_step;         /* out: the largest of the source shards */
+};
+
+/*
+ * Fills every target from dir's files by global coordinates (any plan to any plan). Weights
+ * must be covered completely (EMBD_EPARSE names the table otherwise). A state with no file at
+ * all (a checkpoint written by `embctl import`) is left as it is. Per-row state over a
+ * different column split becomes the mean of the source shards' values weighted by the
+ * columns they share with the target, which is exact for a column merge (each source holds
+ * the mean of g^2 over its columns) and a copy for a split. Files are read one at a time.
+ */
+int embd_ckpt_load(const char *dir, const struct embd_ckpt_manifest *m,
+		   struct embd_ckpt_target *targets, uint32_t num_targets, char *err,
+		   size_t err_len);
+
+/* The index of table `name` in m, or -1. */
+int embd_ckpt_table_index(const struct embd_ckpt_manifest *m, const char *name);
+
+#endif /* EMBD_SERVICE_CHECKPOINT_H */
