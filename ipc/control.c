@@ -209,8 +209,12 @@ static int payload_rule(uint16_t type, uint32_t *want, bool *exact)
 	case EMBD_CTL_STATUS_REQUEST:
 		*want = 0;
 		return 0;
+	case EMBD_CTL_CHECKPOINT_REQUEST:
+		*want = sizeof(struct embd_ctl_checkpoint);
+		return 0;
 	case EMBD_CTL_STATS_REPLY:
 	case EMBD_CTL_STATUS_REPLY:
+	case EMBD_CTL_CHECKPOINT_REPLY:
 		*want = 0;
 		*exact = false;
 		return 0;

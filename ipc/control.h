@@ -33,6 +33,8 @@ enum embd_ctl_type {
 	EMBD_CTL_STATS_REPLY = 5,       /* service -> embctl: JSON text */
 	EMBD_CTL_STATUS_REQUEST = 6,    /* embctl -> service: empty */
 	EMBD_CTL_STATUS_REPLY = 7,      /* service -> embctl: JSON text */
+	EMBD_CTL_CHECKPOINT_REQUEST = 8,/* embctl -> service: struct embd_ctl_checkpoint */
+	EMBD_CTL_CHECKPOINT_REPLY = 9,  /* service -> embctl: JSON text (ckpt_service.h) */
 };
 
 /* Wire header of every message (host byte order: both ends are on one machine). */
@@ -50,6 +52,15 @@ struct embd_ctl_hello {
 	uint32_t protocol_version;      /* EMBD_CTL_VERSION */
 	int32_t wanted_rank;            /* local rank the trainer wants, or -1 for any */
 	int32_t pid;                    /* informational; the service trusts SO_PEERCRED */
+	uint32_t reserved;              /* zero */
+};
+
+/* CHECKPOINT_REQUEST payload: take a checkpoint now (at the next moment no step phase runs).
+ * Without WAIT the reply comes once the snapshot is taken ({"started": seq}); with WAIT once
+ * the checkpoint is on disk (its result). */
+#define EMBD_CTL_CHECKPOINT_WAIT (1u << 0)
+struct embd_ctl_checkpoint {
+	uint32_t flags;                 /* EMBD_CTL_CHECKPOINT_WAIT */
 	uint32_t reserved;              /* zero */
 };
 
@@ -184,11 +195,15 @@ int embd_ctl_error_decode(const struct embd_ctl_msg *msg, int *code_out, char *t
 			  char *err, size_t err_len);
 
 /*
- * STATS_REPLY / STATUS_REPLY: copies the text payload into text (text_cap bytes, NUL added);
+ * STATS_REPLY / STATUS_REPLY / CHECKPOINT_REPLY: copies the text payload into text (text_cap bytes, NUL added);
  * EMBD_EPROTO for an embedded NUL, EMBD_ENOSPC when it does not fit.
  */
 int embd_ctl_text_decode(const struct embd_ctl_msg *msg, char *text, size_t text_cap, char *err,
 			 size_t err_len);
+
+/* CHECKPOINT_REQUEST: decode checks flags and reserved (EMBD_EPROTO names the field). */
+int embd_ctl_checkpoint_decode(const struct embd_ctl_msg *msg, struct embd_ctl_checkpoint *out,
+			       char *err, size_t err_len);
 
 /* Closes the fds a message carries and clears msg->nfds (for refused messages). */
 void embd_ctl_msg_close_fds(struct embd_ctl_msg *msg);

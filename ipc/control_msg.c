@@ -246,8 +246,24 @@ int embd_ctl_error_decode(const struct embd_ctl_msg *msg, int *code_out, char *t
 int embd_ctl_text_decode(const struct embd_ctl_msg *msg, char *text, size_t text_cap, char *err,
 			 size_t err_len)
 {
-	if (msg->type != EMBD_CTL_STATS_REPLY && msg->type != EMBD_CTL_STATUS_REPLY)
+	if (msg->type != EMBD_CTL_STATS_REPLY && msg->type != EMBD_CTL_STATUS_REPLY &&
+	    msg->type != EMBD_CTL_CHECKPOINT_REPLY)
 		return ipc_fail(err, err_len, EMBD_EPROTO, "reply: message type %u carries no text",
 				(unsigned)msg->type);
 	return copy_text(msg, 0, text, text_cap, "reply", err, err_len);
+}
+
+int embd_ctl_checkpoint_decode(const struct embd_ctl_msg *msg, struct embd_ctl_checkpoint *out,
+			       char *err, size_t err_len)
+{
+	if (msg->type != EMBD_CTL_CHECKPOINT_REQUEST || msg->length != sizeof(*out))
+		return ipc_fail(err, err_len, EMBD_EPROTO, "checkpoint: type %u, %u bytes",
+				(unsigned)msg->type, msg->length);
+	memcpy(out, msg->payload, sizeof(*out));
+	if (out->flags & ~EMBD_CTL_CHECKPOINT_WAIT)
+		return ipc_fail(err, err_len, EMBD_EPROTO, "checkpoint.flags: unknown bits 0x%x",
+				out->flags & ~EMBD_CTL_CHECKPOINT_WAIT);
+	if (out->reserved)
+		return ipc_fail(err, err_len, EMBD_EPROTO, "checkpoint.reserved: must be zero");
+	return 0;
 }

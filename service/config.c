@@ -137,6 +137,15 @@ static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tab
 		return get_string(item, c->plan_file, sizeof(c->plan_file), err, err_len);
 	if (!strcmp(k, "checkpoint_dir"))
 		return get_string(item, c->checkpoint_dir, sizeof(c->checkpoint_dir), err, err_len);
+	if (!strcmp(k, "checkpoint_every_steps") || !strcmp(k, "checkpoint_every_seconds") ||
+	    !strcmp(k, "checkpoint_keep")) {
+		rc = get_uint(item, 4294967295.0, &v, err, err_len);
+		uint32_t *dst = !strcmp(k, "checkpoint_keep") ? &c->checkpoint_keep :
+				!strcmp(k, "checkpoint_every_steps") ? &c->checkpoint_every_steps :
+				&c->checkpoint_every_seconds;
+		*dst = (uint32_t)v;
+		return rc;
+	}
 	if (!strcmp(k, "socket_path")) {
 		rc = get_string(item, c->socket_path, sizeof(c->socket_path), err, err_len);
 		if (!rc && !c->socket_path[0])
@@ -233,6 +242,7 @@ int embd_config_parse(const char *text, size_t len, struct embd_config *out, cha
 	out->threads_per_rank = 1;
 	out->log_level = EMBD_LOG_INFO;
 	out->busy_poll_us = 50;
+	out->checkpoint_keep = 3;
 	cJSON_ArrayForEach(item, root) {
 		rc = parse_key(item, out, &tables, &topology, err, err_len);
 		if (rc)

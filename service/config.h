@@ -16,7 +16,12 @@
  *     "seed": 2026,                 weight init seed (unsigned 64-bit)
  *     "threads_per_rank": 1,        worker threads of each CPU rank
  *     "log_level": "info",          error | warning | notice | info | debug
- *     "checkpoint_dir": "",         accepted and reported; used by checkpointing (later)
+ *     "checkpoint_dir": "",         where checkpoints go (service/checkpoint.h); "" = none.
+ *                                   At start the newest valid one there is restored
+ *     "checkpoint_every_steps": 0,  a checkpoint every N completed steps (0 = off)
+ *     "checkpoint_every_seconds": 0,  ... and/or every T seconds while steps run (0 = off);
+ *                                   `embctl checkpoint` and SIGTERM take one too
+ *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all)
  *     "busy_poll_us": 50 }          how long the event loop spins on rings before sleeping
  *
  * Missing "tables" or "topology" take the embedded default's (embd_config_default_text).
@@ -53,6 +58,9 @@ struct embd_config {
 	uint32_t threads_per_rank;
 	enum embd_log_level log_level;
 	char checkpoint_dir[EMBD_CONFIG_PATH_MAX];      /* "" = none */
+	uint32_t checkpoint_every_steps;                /* 0 = off */
+	uint32_t checkpoint_every_seconds;              /* 0 = off */
+	uint32_t checkpoint_keep;                       /* 0 = keep all */
 	uint32_t busy_poll_us;
 };
 

@@ -17,6 +17,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "service/ckpt_service.h"
 #include "service/config.h"
 #include "service/log.h"
 #include "service/ranks.h"
@@ -95,6 +96,8 @@ int main(int argc, char **argv)
 	struct embd_ranks *ranks = NULL;
 	struct embd_step *step = NULL;
 	struct embd_server *server = NULL;
+	struct embd_ckpt_service *ckpt = NULL;
+	uint64_t resumed_step = 0;
 	enum embd_log_level level;
 	char err[1024] = "";
 	int sigfd = -1, rc, opt;
@@ -142,9 +145,6 @@ int main(int argc, char **argv)
 	embd_log_info("embd %s starting: %s, %u tables, %d ranks, %u trainers", EMBD_VERSION,
 		      config_path ? config_path : "embedded default config", config.tables.count,
 		      config.topology.local_world_size, config.trainers_per_node);
-	if (config.checkpoint_dir[0])
-		embd_log_info("checkpoint_dir %s (checkpoints are not written by this version)",
-			      config.checkpoint_dir);
 
 	rc = make_plan(&config, &plan, err, sizeof(err));
 	if (rc) {
@@ -178,9 +178,19 @@ int main(int argc, char **argv)
 	if (!rc)
 		rc = embd_step_create(&config.tables, plan, ranks, config.seed,
 				      config.trainers_per_node, &step, err, sizeof(err));
+	/* checkpoints: the newest valid one is restored before the socket accepts anyone */
+	if (!rc && config.checkpoint_dir[0]) {
+		rc = embd_ckpt_service_create(&config, step, plan, &ckpt, err, sizeof(err));
+		if (!rc)
+			rc = embd_ckpt_service_restore(ckpt, &resumed_step, err, sizeof(err));
+	}
 	if (!rc)
 		rc = embd_server_create(&config, step, ranks, plan->plan_hash, sigfd, &server, err,
 					sizeof(err));
+	if (!rc && ckpt && embd_server_set_checkpoints(server, ckpt, resumed_step)) {
+		rc = EMBD_EIO;
+		snprintf(err, sizeof(err), "cannot watch the checkpoint writer");
+	}
 	if (rc) {
 		embd_log_error("start: %s", err);
 		goto out;
@@ -188,14 +198,21 @@ int main(int argc, char **argv)
 	for (uint32_t r = 0; r < embd_ranks_count(ranks); r++)
 		embd_log_info("rank %u: NUMA node %d, %" PRIu64 " bytes of shards", r,
 			      embd_ranks_node(ranks, r), embd_ranks_memory_bytes(ranks, r));
-	embd_log_notice("ready: listening on %s, plan %016" PRIx64, config.socket_path,
-			plan->plan_hash);
+	embd_log_notice("ready: listening on %s, plan %016" PRIx64 ", step %" PRIu64,
+			config.socket_path, plan->plan_hash, resumed_step);
 	sd_notify(0, "READY=1");
 	rc = embd_server_run(server);
 	sd_notify(0, "STOPPING=1");
+	if (ckpt) {
+		/* the final checkpoint: no step phase runs any more, so the shards are at "step" */
+		int crc = embd_ckpt_service_final(ckpt, embd_server_step(server));
+		if (crc)
+			rc = crc;
+	}
 	embd_log_notice("stopped");
 out:
 	embd_server_destroy(server);
+	embd_ckpt_service_destroy(ckpt);
 	embd_step_destroy(step);
 	embd_ranks_destroy(ranks);
 	embd_plan_destroy(plan);

@@ -27,6 +27,7 @@
 #include "ipc/evloop.h"
 #include "ipc/protocol.h"
 #include "ipc/region.h"
+#include "service/ckpt_service.h"
 #include "service/log.h"
 #include "service/stats.h"
 
@@ -34,7 +35,7 @@
 #define RING_ENTRIES 64u
 #define TICK_MS 1000
 
-enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL };
+enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT };
 #define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
 
 struct client {
@@ -55,6 +56,7 @@ struct client {
 	struct embd_kjt kjt;
 	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
 	uint64_t requests, errors;
+	uint64_t ckpt_wait;             /* embctl checkpoint --wait: the checkpoint it waits for */
 };
 
 enum phase { COLLECT, WAIT_BACKWARD };
@@ -78,7 +80,12 @@ struct embd_server {
 	struct embd_stats stats;
 	struct embd_layout *layout;
 	uint8_t *msgbuf;
+	struct embd_ckpt_service *ckpt; /* NULL without checkpoint_dir */
 };
+
+static int checkpoint_request(struct embd_server *sv, struct client *c,
+			      const struct embd_ctl_msg *msg, char *err, size_t err_len);
+static void checkpoint_done(struct embd_server *sv);
 
 /* ---- completions ------------------------------------------------------------------------- */
 
@@ -310,6 +317,8 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 	else
 		rc = embd_stats_status_json(&sv->stats, sv->config, sv->s, sv->plan_hash, trainers,
 					    &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->ckpt)
+		rc = embd_ckpt_service_status_add(sv->ckpt, &text);
 	if (!rc && strlen(text) < EMBD_CTL_MSG_MAX - sizeof(struct embd_ctl_header))
 		embd_ctl_send(c->sock, type, text, (uint32_t)strlen(text), NULL, 0, NULL, 0);
 	else
@@ -339,6 +348,9 @@ static void socket_event(struct embd_server *sv, struct client *c)
 	case EMBD_CTL_STATUS_REQUEST:
 		reply_text(sv, c, EMBD_CTL_STATUS_REPLY);
 		break;
+	case EMBD_CTL_CHECKPOINT_REQUEST:
+		rc = checkpoint_request(sv, c, &msg, err, sizeof(err));
+		break;
 	default:
 		rc = EMBD_EPROTO;
 		snprintf(err, sizeof(err), "unexpected message type %u", msg.type);
@@ -362,6 +374,8 @@ static void next_step(struct embd_server *sv)
 {
 	sv->s++;
 	sv->phase = COLLECT;
+	if (sv->ckpt)
+		embd_ckpt_service_poll(sv->ckpt, sv->s);
 	for (uint32_t i = 0; i < MAX_CLIENTS; i++) {
 		struct client *c = &sv->clients[i];
 		if (c->used && c->has_fwd) {
@@ -615,6 +629,8 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 		} else if (kind == TAG_SOCKET && slot < MAX_CLIENTS && sv->clients[slot].used) {
 			socket_event(sv, &sv->clients[slot]);
 		}
+		else if (kind == TAG_CKPT)
+			checkpoint_done(sv);
 		/* TAG_DOORBELL: nothing to do but look at the rings again */
 	}
 }
@@ -705,7 +721,7 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	rc = embd_ctl_listen(config->socket_path, 128, &sv->listen_fd, err, err_len);
 	if (rc)
 		goto out;
-	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 2 * MAX_CLIENTS + 2, err, err_len);
+	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 2 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
 		goto out;
 	rc = embd_evloop_add_fd(sv->loop, sv->listen_fd, TAG(TAG_LISTEN, 0));
@@ -738,4 +754,70 @@ void embd_server_destroy(struct embd_server *sv)
 	free(sv->layout);
 	free(sv->msgbuf);
 	free(sv);
+}
+
+/* ---- checkpoints (service/ckpt_service.h) ------------------------------------------------- */
+
+int embd_server_set_checkpoints(struct embd_server *sv, struct embd_ckpt_service *ckpt,
+				uint64_t resumed_step)
+{
+	sv->ckpt = ckpt;
+	sv->s = resumed_step;
+	return embd_evloop_add_fd(sv->loop, embd_ckpt_service_fd(ckpt), TAG(TAG_CKPT, 0));
+}
+
+uint64_t embd_server_step(const struct embd_server *sv)
+{
+	return sv->s;
+}
+
+static void send_json(struct client *c, const char *text)
+{
+	embd_ctl_send(c->sock, EMBD_CTL_CHECKPOINT_REPLY, text, (uint32_t)strlen(text), NULL, 0,
+		      NULL, 0);
+}
+
+/* Outside a step phase the shards hold "sv->s steps completed", so the snapshot runs now. */
+static int checkpoint_request(struct embd_server *sv, struct client *c,
+			      const struct embd_ctl_msg *msg, char *err, size_t err_len)
+{
+	struct embd_ctl_checkpoint req;
+	char text[96];
+	int rc = embd_ctl_checkpoint_decode(msg, &req, err, err_len);
+
+	if (rc)
+		return rc;
+	if (!sv->ckpt) {
+		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: no checkpoint_dir configured",
+				    NULL, 0);
+		return 0;
+	}
+	uint64_t seq = embd_ckpt_service_request(sv->ckpt);
+	embd_ckpt_service_poll(sv->ckpt, sv->s);
+	if (req.flags & EMBD_CTL_CHECKPOINT_WAIT) {
+		c->ckpt_wait = seq;
+		return 0;
+	}
+	snprintf(text, sizeof(text), "{\"started\":%" PRIu64 ",\"step\":%" PRIu64 "}", seq, sv->s);
+	send_json(c, text);
+	return 0;
+}
+
+/* A background write ended: answer who waited for it, and start one that came due meanwhile. */
+static void checkpoint_done(struct embd_server *sv)
+{
+	uint64_t done = embd_ckpt_service_reap(sv->ckpt);
+	char *text = NULL;
+
+	for (uint32_t i = 0; i < MAX_CLIENTS; i++) {
+		struct client *c = &sv->clients[i];
+		if (!c->used || !c->ckpt_wait || c->ckpt_wait > done)
+			continue;
+		if (!text && embd_ckpt_service_result_json(sv->ckpt, &text))
+			break;
+		send_json(c, text);
+		c->ckpt_wait = 0;
+	}
+	free(text);
+	embd_ckpt_service_poll(sv->ckpt, sv->s);
 }

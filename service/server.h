@@ -34,6 +34,16 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 /* Runs until the signalfd fires: 0, or EMBD_EIO when the event loop failed. */
 int embd_server_run(struct embd_server *server);
 
+struct embd_ckpt_service;
+
+/* Hands the server its checkpointer (service/ckpt_service.h; it must outlive the server) and
+ * the step a restore resumed at (the first step trainers post). Call before run. */
+int embd_server_set_checkpoints(struct embd_server *server, struct embd_ckpt_service *ckpt,
+				uint64_t resumed_step);
+
+/* The step being collected or run (= steps completed outside a step phase). */
+uint64_t embd_server_step(const struct embd_server *server);
+
 /* Disconnects every client (unmapping regions, closing fds) and unlinks the socket. */
 void embd_server_destroy(struct embd_server *server);
 

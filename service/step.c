@@ -700,3 +700,19 @@ int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row
 	}
 	return EMBD_ENOENT;
 }
+
+uint32_t embd_step_num_shards(const struct embd_step *s)
+{
+	return s->num_shards;
+}
+
+void embd_step_shard_view(const struct embd_step *s, uint32_t i, struct embd_step_shard_view *out)
+{
+	const struct step_shard *ss = &s->shards[i];
+	const struct step_table *t = &s->tables[ss->table];
+
+	*out = (struct embd_step_shard_view){
+		.table = ss->table, .rank = ss->rank, .shard = ss->shard,
+		.replica = t->num_replicas > 1 && i != t->first_shard,
+	};
+}

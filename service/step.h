@@ -22,6 +22,7 @@
 #ifndef EMBD_SERVICE_STEP_H
 #define EMBD_SERVICE_STEP_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -103,5 +104,23 @@ void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out
  * holds it (data_parallel: replica on rank `replica`); EMBD_ENOENT when none does. */
 int embd_step_read_weight(const struct embd_step *step, uint32_t table, int64_t row,
 			  uint32_t col, uint32_t replica, float *out);
+
+/* ---- shards, for checkpoints ---------------------------------------------------------------
+ * Between steps (no forward or backward running) the shards may be read and, before the first
+ * step, written through these views; a data_parallel table's replicas beyond the first are
+ * marked so a checkpoint saves one copy and a restore fills all. */
+struct embd_step_shard_view {
+	uint32_t table;                 /* index into the tables the step was created with */
+	uint32_t rank;
+	bool replica;                   /* a data_parallel copy other than the table's first */
+	struct embd_shard *shard;       /* desc, weights, momentum1/2, step */
+};
+
+/* Shards of every table on this node, in plan order. */
+uint32_t embd_step_num_shards(const struct embd_step *step);
+
+/* Shard i (< embd_step_num_shards). */
+void embd_step_shard_view(const struct embd_step *step, uint32_t i,
+			  struct embd_step_shard_view *out);
 
 #endif /* EMBD_SERVICE_STEP_H */

@@ -13,6 +13,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	static struct embd_layout layout;
 	struct embd_ctl_hello hello;
 	struct embd_ctl_msg msg;
+	struct embd_ctl_checkpoint ckpt;
 	char err[128], text[256];
 	int code;
 
@@ -28,8 +29,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	case EMBD_CTL_ERROR:
 		embd_ctl_error_decode(&msg, &code, text, sizeof(text), err, sizeof(err));
 		break;
+	case EMBD_CTL_CHECKPOINT_REQUEST:
+		embd_ctl_checkpoint_decode(&msg, &ckpt, err, sizeof(err));
+		break;
 	case EMBD_CTL_STATS_REPLY:
 	case EMBD_CTL_STATUS_REPLY:
+	case EMBD_CTL_CHECKPOINT_REPLY:
 		embd_ctl_text_decode(&msg, text, sizeof(text), err, sizeof(err));
 		break;
 	default:

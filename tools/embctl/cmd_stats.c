@@ -14,11 +14,10 @@
 #include "ipc/control.h"
 #include "embctl.h"
 
-#define DEFAULT_SOCKET "/run/embd/embd.sock"
 #define REPLY_TIMEOUT_MS 5000
 
-/* Asks the service once; the reply's text goes to *text (malloc'ed). Exit-code style. */
-static int ask(const char *socket_path, enum embd_ctl_type request, char **text)
+int embctl_ask(const char *socket_path, enum embd_ctl_type request, const void *payload,
+	       uint32_t len, int timeout_ms, char **text)
 {
 	char err[EMBD_CTL_TEXT_MAX + 64] = "", etext[EMBD_CTL_TEXT_MAX + 1];
 	uint8_t *buf = malloc(EMBD_CTL_MSG_MAX);
@@ -29,8 +28,8 @@ static int ask(const char *socket_path, enum embd_ctl_type request, char **text)
 	if (!buf || !*text)
 		goto out;
 	if (embd_ctl_connect(socket_path, &sock, err, sizeof(err)) ||
-	    embd_ctl_send(sock, request, NULL, 0, NULL, 0, err, sizeof(err)) ||
-	    embd_ctl_recv(sock, buf, EMBD_CTL_MSG_MAX, REPLY_TIMEOUT_MS, &msg, err, sizeof(err)))
+	    embd_ctl_send(sock, request, payload, len, NULL, 0, err, sizeof(err)) ||
+	    embd_ctl_recv(sock, buf, EMBD_CTL_MSG_MAX, timeout_ms, &msg, err, sizeof(err)))
 		goto out;
 	if (msg.type == EMBD_CTL_ERROR) {
 		if (!embd_ctl_error_decode(&msg, &code, etext, sizeof(etext), err, sizeof(err)))
@@ -87,7 +86,7 @@ static int run(int argc, char **argv, enum embd_ctl_type request)
 		{ "watch", required_argument, NULL, 'w' }, { "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
-	const char *socket_path = DEFAULT_SOCKET;
+	const char *socket_path = EMBCTL_DEFAULT_SOCKET;
 	int json = request == EMBD_CTL_STATUS_REQUEST, watch_s = 0, opt;
 
 	while ((opt = getopt_long(argc, argv, "s:jw:h", opts, NULL)) != -1) {
@@ -102,7 +101,7 @@ static int run(int argc, char **argv, enum embd_ctl_type request)
 		goto usage;
 	for (;;) {
 		char *text = NULL;
-		int rc = ask(socket_path, request, &text);
+		int rc = embctl_ask(socket_path, request, NULL, 0, REPLY_TIMEOUT_MS, &text);
 		if (!rc && json) {
 			printf("%s\n", text);
 		} else if (!rc) {

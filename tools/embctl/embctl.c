@@ -1,6 +1,6 @@
 /*
  * embctl: runs one named subcommand (`embctl plan ...`); `embctl` alone lists them. Later
- * subcommands (stats, status, checkpoint) are one more entry in the table below.
+ * subcommands are one more entry in the table below.
  */
 #include "embctl.h"
 
@@ -11,6 +11,9 @@ static const struct embctl_command commands[] = {
 	{ "plan", "shard tables onto ranks, or --check an existing plan", embctl_plan },
 	{ "stats", "live counters of a running embd (--json, --watch SECONDS)", embctl_stats },
 	{ "status", "version, step, plan and config of a running embd (JSON)", embctl_status },
+	{ "checkpoint", "take a checkpoint now (--wait: until it is on disk)", embctl_checkpoint },
+	{ "export", "a table from a checkpoint directory to a .npy file (offline)", embctl_export },
+	{ "import", ".npy files as initial weights: a checkpoint embd restores", embctl_import },
 	{ NULL, NULL, NULL },
 };
 

@@ -5,6 +5,12 @@
 #ifndef EMBCTL_H
 #define EMBCTL_H
 
+#include <stdint.h>
+
+#include "ipc/control.h"
+
+#define EMBCTL_DEFAULT_SOCKET "/run/embd/embd.sock"
+
 struct embctl_command {
 	const char *name;
 	const char *summary;
@@ -14,5 +20,14 @@ struct embctl_command {
 int embctl_plan(int argc, char **argv);
 int embctl_stats(int argc, char **argv);
 int embctl_status(int argc, char **argv);
+int embctl_checkpoint(int argc, char **argv);
+int embctl_export(int argc, char **argv);
+int embctl_import(int argc, char **argv);
+
+/* Sends one request (payload of len bytes) and waits up to timeout_ms for its reply, whose
+ * text goes to *text (malloc'ed; the caller frees it even on failure). 0, or 1 with the
+ * error printed. */
+int embctl_ask(const char *socket_path, enum embd_ctl_type request, const void *payload,
+	       uint32_t len, int timeout_ms, char **text);
 
 #endif

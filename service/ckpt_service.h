@@ -1,0 +1,83 @@
+/*
+ * service/ckpt_service.h - checkpoints of the running service: when to take one (every N
+ * steps, every T seconds, on request, at SIGTERM), taking it without stalling the steps, and
+ * restoring the newest valid one at start.
+ *
+ * Snapshot buffer, not copy-on-write. At a step boundary every shard's weights and optimizer
+ * state are copied into one preallocated buffer (a memcpy of the node's shard bytes: the only
+ * time steps wait), then a background thread writes the files from the buffer while steps go
+ * on. Copy-on-write would stall less (only rows touched during the write are copied) but needs
+ * a hook in every backward kernel, CPU and CUDA, to copy a row before its first update, and a
+ * per-row bitmap per checkpoint; the step engine is being rewritten for multi-node at the same
+ * time, and a snapshot keeps checkpoints out of it entirely. The cost is memory: a second copy
+ * of the node's shards in host RAM (allocated and touched at start when checkpoint_dir is set,
+ * so the first stall is as short as the others). The stall is measured (status "stall_ms",
+ * embd-bench checkpoint).
+ *
+ * Threading: every call comes from the service's thread, outside embd_step_forward/backward
+ * (the shards are then at "steps completed = step": a forward changes no parameter). At most
+ * one write runs; a trigger that comes due meanwhile is taken when it ends.
+ */
+#ifndef EMBD_SERVICE_CKPT_SERVICE_H
+#define EMBD_SERVICE_CKPT_SERVICE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "embd/plan.h"
+#include "service/config.h"
+#include "service/step.h"
+
+struct embd_ckpt_service;
+
+/* For config->checkpoint_dir (must be set). Keeps pointers to config and step. */
+int embd_ckpt_service_create(const struct embd_config *config, struct embd_step *step,
+			     struct embd_plan *plan, struct embd_ckpt_service **out, char *err,
+			     size_t err_len);
+/* Waits for a running write, then frees everything. NULL is a no-op. */
+void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
+
+/*
+ * Restores the newest valid checkpoint into the step's shards (before any step ran), logging
+ * every damaged one it skips. *step_out: its step (0 when there is none, which returns 0 too).
+ * EMBD_EMISMATCH when the checkpoint's tables differ from the config's (err names the table).
+ */
+int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
+			      size_t err_len);
+
+/* An eventfd that becomes readable when a background write finished: call _reap then. */
+int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
+
+/* Asks for a checkpoint as soon as possible; returns the sequence number that will hold it. */
+uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
+
+/* Starts a checkpoint of `step` (steps completed) if one is due and none is being written. */
+void embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
+
+/* Joins a finished write (logging its result); returns the sequence number of the last
+ * finished checkpoint (0: none yet). Call when the fd fired; harmless otherwise. */
+uint64_t embd_ckpt_service_reap(struct embd_ckpt_service *ck);
+
+/* The result of the last finished checkpoint as JSON text (malloc'ed):
+ * {"ok":true,"step":N,"dir":"...","bytes":..,"write_ms":..,"stall_ms":..} or {"ok":false,...}.
+ * When ok is false, the error is in "error". */
+int embd_ckpt_service_result_json(const struct embd_ckpt_service *ck, char **out);
+
+/* Adds "resumed_step" and a "checkpoint" object (config, last result, in progress, worst
+ * stall) to the status JSON text *status (replaced by a new malloc'ed text). */
+int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **status);
+
+/* The final checkpoint at SIGTERM: waits for a running write, then writes `step` on this
+ * thread unless it is already on disk. */
+int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step);
+
+/* Worst snapshot copy so far (ms) and the last write's figures, for the benchmark. */
+struct embd_ckpt_figures {
+	double max_stall_ms, last_stall_ms, last_write_ms;
+	uint64_t last_bytes;
+	uint64_t written;               /* checkpoints written */
+};
+void embd_ckpt_service_figures(const struct embd_ckpt_service *ck, struct embd_ckpt_figures *out);
+
+#endif /* EMBD_SERVICE_CKPT_SERVICE_H */

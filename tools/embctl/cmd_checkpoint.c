@@ -1,0 +1,312 @@
+/*
+ * embctl checkpoint / export / import.
+ *   checkpoint [--wait]    asks a running embd for a checkpoint now (CHECKPOINT_REQUEST).
+ *   export                 assembles one table's weights from a checkpoint's shard files
+ *                          (any plan) into one .npy file, offline: no service involved.
+ *   import                 the other way, for initial weights: writes a checkpoint-format
+ *                          directory step-<S> (weights only, so optimizer state starts at 0)
+ *                          that embd restores at start like any checkpoint. Tables without an
+ *                          -i file get embd's own initial weights (config seed), because a
+ *                          restore needs every table of the config. Offline as well: a file
+ *                          format, not a service request, so it works before embd ever ran
+ *                          and the service needs no code path that rewrites live weights.
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "embctl.h"
+#include "kernels/device.h"
+#include "kernels/embedding.h"
+#include "service/checkpoint.h"
+#include "service/config.h"
+#include "service/npy.h"
+
+#define MAX_IMPORTS 64
+
+int embctl_checkpoint(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "socket", required_argument, NULL, 's' }, { "wait", no_argument, NULL, 'w' },
+		{ "timeout", required_argument, NULL, 't' }, { "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	const char *socket_path = EMBCTL_DEFAULT_SOCKET;
+	struct embd_ctl_checkpoint req = { 0 };
+	int timeout_s = 3600, opt;
+
+	while ((opt = getopt_long(argc, argv, "s:wt:h", opts, NULL)) != -1) {
+		switch (opt) {
+		case 's': socket_path = optarg; break;
+		case 'w': req.flags |= EMBD_CTL_CHECKPOINT_WAIT; break;
+		case 't': timeout_s = atoi(optarg); if (timeout_s < 1) goto usage; break;
+		default: goto usage;
+		}
+	}
+	if (optind != argc)
+		goto usage;
+	char *text = NULL;
+	int rc = embctl_ask(socket_path, EMBD_CTL_CHECKPOINT_REQUEST, &req, sizeof(req),
+			    timeout_s * 1000, &text);
+	if (!rc) {
+		printf("%s\n", text);
+		cJSON *r = cJSON_Parse(text);
+		const cJSON *ok = cJSON_GetObjectItemCaseSensitive(r, "ok");
+		if (!r || (ok && !cJSON_IsTrue(ok)))
+			rc = 1;
+		cJSON_Delete(r);
+	}
+	free(text);
+	return rc;
+usage:
+	fprintf(stderr, "usage: embctl checkpoint [--socket PATH] [--wait] [--timeout SECONDS]\n");
+	return 2;
+}
+
+static void print_skip(void *arg, const char *dir, const char *why)
+{
+	(void)arg;
+	fprintf(stderr, "embctl: skipping damaged checkpoint %s: %s\n", dir, why);
+}
+
+/* --dir, or the config's checkpoint_dir. */
+static int pick_dir(const char *dir, const char *config_path, struct embd_config *config,
+		    char *out, size_t cap)
+{
+	char err[1024];
+
+	if (config_path && embd_config_load(config_path, config, err, sizeof(err))) {
+		fprintf(stderr, "embctl: %s\n", err);
+		return 1;
+	}
+	if (!dir && (!config_path || !config->checkpoint_dir[0])) {
+		fprintf(stderr, "embctl: no --dir, and no --config with a checkpoint_dir\n");
+		return 2;
+	}
+	snprintf(out, cap, "%s", dir ? dir : config->checkpoint_dir);
+	return 0;
+}
+
+int embctl_export(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "table", required_argument, NULL, 't' }, { "step", required_argument, NULL, 's' },
+		{ "dir", required_argument, NULL, 'd' }, { "config", required_argument, NULL, 'c' },
+		{ "output", required_argument, NULL, 'o' }, { "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	const char *table = NULL, *dir = NULL, *config_path = NULL, *output = NULL;
+	char root[EMBD_CKPT_PATH_MAX], ckdir[EMBD_CKPT_PATH_MAX + 64], err[1024];
+	struct embd_config config = { 0 };
+	struct embd_ckpt_manifest m = { 0 };
+	uint64_t step = UINT64_MAX;
+	void *data = NULL;
+	int rc, opt;
+
+	while ((opt = getopt_long(argc, argv, "t:s:d:c:o:h", opts, NULL)) != -1) {
+		switch (opt) {
+		case 't': table = optarg; break;
+		case 's': step = strtoull(optarg, NULL, 10); break;
+		case 'd': dir = optarg; break;
+		case 'c': config_path = optarg; break;
+		case 'o': output = optarg; break;
+		default: goto usage;
+		}
+	}
+	if (optind != argc || !table || !output)
+		goto usage;
+	if ((rc = pick_dir(dir, config_path, &config, root, sizeof(root))))
+		goto out;
+	rc = 1;
+	if (embd_ckpt_find(root, step, print_skip, NULL, ckdir, sizeof(ckdir), &m, err, sizeof(err))) {
+		fprintf(stderr, "embctl: %s\n", err);
+		goto out;
+	}
+	if (step != UINT64_MAX && m.step != step) {
+		fprintf(stderr, "embctl: %s: no valid checkpoint of step %" PRIu64 " (newest before "
+			"it: %s)\n", root, step, ckdir);
+		goto out;
+	}
+	int k = embd_ckpt_table_index(&m, table);
+	if (k < 0) {
+		fprintf(stderr, "embctl: %s: no table '%s'\n", ckdir, table);
+		goto out;
+	}
+	const struct embd_ckpt_table *t = &m.tables[k];
+	uint32_t eb = embd_dtype_bytes(t->data_type);
+	data = malloc((size_t)t->num_embeddings * (size_t)t->embedding_dim * eb + 1);
+	if (!data) {
+		fprintf(stderr, "embctl: out of memory for table '%s'\n", table);
+		goto out;
+	}
+	struct embd_ckpt_target target = {
+		.table = (uint32_t)k, .rows = t->num_embeddings, .cols = (uint32_t)t->embedding_dim,
+		.dtype = t->data_type, .weights = data,
+	};
+	uint64_t shape[2] = { (uint64_t)t->num_embeddings, (uint64_t)t->embedding_dim };
+	if (embd_ckpt_load(ckdir, &m, &target, 1, err, sizeof(err)) ||
+	    embd_npy_write_file(output, t->data_type == EMBD_DTYPE_FP16 ? EMBD_NPY_F2 : EMBD_NPY_F4,
+				2, shape, data, true, NULL, NULL, err, sizeof(err))) {
+		fprintf(stderr, "embctl: %s\n", err);
+		goto out;
+	}
+	fprintf(stderr, "embctl: table '%s' (%lld x %d) of %s -> %s\n", table,
+		(long long)t->num_embeddings, t->embedding_dim, ckdir, output);
+	rc = 0;
+out:
+	free(data);
+	embd_ckpt_manifest_free(&m);
+	embd_config_free(&config);
+	return rc;
+usage:
+	fprintf(stderr, "usage: embctl export --table NAME [--step S] (--dir DIR | --config FILE) "
+		"-o FILE.npy\n");
+	return 2;
+}
+
+/* Table t's weights for import: the -i file (checked and converted) or embd's init values. */
+static int import_weights(const struct embd_config *c, uint32_t t, const char *file,
+			  void **out, char *err, size_t err_len)
+{
+	const struct embd_table_spec *s = &c->tables.specs[t];
+	uint64_t n = (uint64_t)s->num_embeddings * (uint64_t)s->embedding_dim;
+	bool f16 = s->data_type == EMBD_DTYPE_FP16;
+	struct embd_npy_header h;
+	void *src = NULL, *dst = malloc(n * (f16 ? 2 : 4) + 1);
+
+	*out = NULL;
+	if (!dst)
+		return snprintf(err, err_len, "table '%s': out of memory", s->name), EMBD_ENOMEM;
+	if (!file) {
+		for (uint64_t i = 0; i < n; i++) {
+			float v = embd_init_value(c->seed, t, s->num_embeddings,
+						  (int64_t)(i / (uint64_t)s->embedding_dim),
+						  (uint32_t)(i % (uint64_t)s->embedding_dim));
+			if (f16)
+				((uint16_t *)dst)[i] = embd_fp32_to_fp16(v);
+			else
+				((float *)dst)[i] = v;
+		}
+		*out = dst;
+		return 0;
+	}
+	int rc = embd_npy_read_file(file, &h, &src, err, err_len);
+	if (!rc && (h.ndim != 2 || h.shape[0] != (uint64_t)s->num_embeddings ||
+		    h.shape[1] != (uint64_t)s->embedding_dim ||
+		    (h.dtype != EMBD_NPY_F4 && h.dtype != EMBD_NPY_F2 && h.dtype != EMBD_NPY_F8))) {
+		rc = EMBD_EMISMATCH;
+		snprintf(err, err_len, "%s: shape (%" PRIu64 ", %" PRIu64 ") ndim %u dtype %s; table "
+			 "'%s' needs (%lld, %d) of <f4, <f2 or <f8", file, h.shape[0],
+			 h.ndim > 1 ? h.shape[1] : 0, h.ndim, embd_npy_dtype_name(h.dtype), s->name,
+			 (long long)s->num_embeddings, s->embedding_dim);
+	}
+	for (uint64_t i = 0; !rc && i < n; i++) {
+		float v = h.dtype == EMBD_NPY_F4 ? ((float *)src)[i] :
+			  h.dtype == EMBD_NPY_F8 ? (float)((double *)src)[i] :
+			  embd_fp16_to_fp32(((uint16_t *)src)[i]);
+		if (f16)
+			((uint16_t *)dst)[i] = embd_fp32_to_fp16(v);
+		else
+			((float *)dst)[i] = v;
+	}
+	free(src);
+	if (rc)
+		free(dst);
+	else
+		*out = dst;
+	return rc;
+}
+
+int embctl_import(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{ "table", required_argument, NULL, 't' }, { "input", required_argument, NULL, 'i' },
+		{ "config", required_argument, NULL, 'c' }, { "dir", required_argument, NULL, 'd' },
+		{ "step", required_argument, NULL, 's' }, { "help", no_argument, NULL, 'h' },
+		{ NULL, 0, NULL, 0 },
+	};
+	const char *names[MAX_IMPORTS], *files[MAX_IMPORTS], *dir = NULL, *config_path = NULL;
+	char root[EMBD_CKPT_PATH_MAX], err[1024];
+	struct embd_config config = { 0 };
+	struct embd_ckpt_manifest m = { 0 };
+	struct embd_ckpt_array *arrays = NULL;
+	uint32_t n_names = 0, n_files = 0;
+	const struct embd_tables *t = &config.tables;
+	uint64_t step = 0, bytes;
+	int rc, opt;
+
+	while ((opt = getopt_long(argc, argv, "t:i:c:d:s:h", opts, NULL)) != -1) {
+		switch (opt) {
+		case 't': if (n_names == MAX_IMPORTS) goto usage; names[n_names++] = optarg; break;
+		case 'i': if (n_files == MAX_IMPORTS) goto usage; files[n_files++] = optarg; break;
+		case 'c': config_path = optarg; break;
+		case 'd': dir = optarg; break;
+		case 's': step = strtoull(optarg, NULL, 10); break;
+		default: goto usage;
+		}
+	}
+	if (optind != argc || !config_path || !n_names || n_names != n_files)
+		goto usage;
+	if ((rc = pick_dir(dir, config_path, &config, root, sizeof(root))))
+		goto out;
+	rc = 1;
+	for (uint32_t k = 0; k < n_names; k++) {
+		uint32_t i = 0;
+		while (i < t->count && strcmp(t->specs[i].name, names[k]))
+			i++;
+		if (i == t->count) {
+			fprintf(stderr, "embctl: --table %s: not a table of %s\n", names[k], config_path);
+			goto out;
+		}
+	}
+	m = (struct embd_ckpt_manifest){ .step = step, .num_nodes = 1, .num_tables = t->count };
+	m.tables = calloc(t->count + 1, sizeof(*m.tables));
+	arrays = calloc(t->count + 1, sizeof(*arrays));
+	if (!m.tables || !arrays)
+		goto out;
+	for (uint32_t i = 0; i < t->count; i++) {
+		const struct embd_table_spec *s = &t->specs[i];
+		const char *file = NULL;
+		for (uint32_t k = 0; k < n_names; k++)
+			if (!strcmp(names[k], s->name))
+				file = files[k];
+		m.tables[i] = (struct embd_ckpt_table){
+			.num_embeddings = s->num_embeddings, .embedding_dim = s->embedding_dim,
+			.data_type = s->data_type, .optimizer = s->optimizer.type,
+		};
+		memcpy(m.tables[i].name, s->name, EMBD_NAME_MAX);
+		struct embd_ckpt_array *a = &arrays[i];
+		a->ndim = 2;
+		a->file = (struct embd_ckpt_file){
+			.table = i, .state = EMBD_CKPT_WEIGHT, .rows = s->num_embeddings,
+			.cols = (uint32_t)s->embedding_dim,
+			.dtype = s->data_type == EMBD_DTYPE_FP16 ? EMBD_NPY_F2 : EMBD_NPY_F4,
+		};
+		snprintf(a->file.name, sizeof(a->file.name), "t%u.import.weight.npy", i);
+		if (import_weights(&config, i, file, (void **)&a->data, err, sizeof(err))) {
+			fprintf(stderr, "embctl: %s\n", err);
+			goto out;
+		}
+	}
+	if (embd_ckpt_write_dir(root, &m, arrays, t->count, true, &bytes, err, sizeof(err))) {
+		fprintf(stderr, "embctl: %s\n", err);
+		goto out;
+	}
+	fprintf(stderr, "embctl: wrote %s/step-%" PRIu64 " (%" PRIu64 " bytes, %u tables, %u "
+		"imported); embd restores it at start\n", root, step, bytes, t->count, n_names);
+	rc = 0;
+out:
+	for (uint32_t i = 0; arrays && i < t->count; i++)
+		free((void *)arrays[i].data);
+	free(arrays);
+	embd_ckpt_manifest_free(&m);
+	embd_config_free(&config);
+	return rc;
+usage:
+	fprintf(stderr, "usage: embctl import --config FILE [--dir DIR] [--step S] --table NAME "
+		"-i FILE.npy [--table NAME -i FILE.npy ...]\n");
+	return 2;
+}
