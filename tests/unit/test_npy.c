@@ -13,6 +13,7 @@
 
 #include "embd/types.h"
 #include "service/npy.h"
+#include "tests/numpy_python.h"
 
 static char tmpdir[64];
 
@@ -30,23 +31,6 @@ static void teardown(void)
 }
 
 TestSuite(npy, .init = setup, .fini = teardown);
-
-/* A python3 that has numpy: $EMBD_PYTHON, /usr/bin/python3 or python3 on PATH; NULL if none. */
-static const char *numpy_python(void)
-{
-	static const char *candidates[] = { NULL, "/usr/bin/python3", "python3" };
-	static char cmd[256];
-
-	candidates[0] = getenv("EMBD_PYTHON");
-	for (size_t i = 0; i < 3; i++) {
-		if (!candidates[i])
-			continue;
-		snprintf(cmd, sizeof(cmd), "%s -c 'import numpy' >/dev/null 2>&1", candidates[i]);
-		if (system(cmd) == 0)
-			return candidates[i];
-	}
-	return NULL;
-}
 
 static int run_python(const char *py, const char *script)
 {
