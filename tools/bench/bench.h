@@ -52,4 +52,7 @@ int bench_ipc_run(int argc, char **argv);
 /* embd-bench e2e (bench_e2e.c) */
 int bench_e2e_run(int argc, char **argv);
 
+/* embd-bench checkpoint (bench_checkpoint.c) */
+int bench_checkpoint_run(int argc, char **argv);
+
 #endif

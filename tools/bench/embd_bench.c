@@ -12,6 +12,8 @@ static const struct bench_command commands[] = {
 	{ "kernels", "CPU embedding kernels vs the memory limits and FBGEMM", bench_kernels_run },
 	{ "ipc", "NOP round trip through embd vs thread ping-pongs", bench_ipc_run },
 	{ "e2e", "forward+backward steps/s through embd vs in-process kernels", bench_e2e_run },
+	{ "checkpoint", "checkpoint write speed and step stall vs the disk's dd speed",
+	  bench_checkpoint_run },
 	{ NULL, NULL, NULL },
 };
 
