@@ -546,3 +546,61 @@ Test(checkpoint, service_refuses_other_tables)
 	cr_expect(strstr(err, "'t9'"), "got '%s'", err);
 	node_stop(&b);
 }
+
+/* Waits (up to 10 s) until the service finished checkpoint seq. */
+static void wait_written(struct node *n, uint64_t seq)
+{
+	for (int i = 0; i < 1000 && embd_ckpt_service_reap(n->ck) < seq; i++)
+		usleep(10000);
+	cr_assert_geq(embd_ckpt_service_reap(n->ck), seq, "checkpoint %llu not written in 10 s",
+		      (unsigned long long)seq);
+}
+
+static bool has_step(uint64_t step)
+{
+	char dir[4200];
+	embd_ckpt_dir_name(root, step, dir, sizeof(dir));
+	return access(dir, F_OK) == 0;
+}
+
+Test(checkpoint, service_triggers_and_retention)
+{
+	struct node n;
+	char *json = NULL;
+
+	node_start(&n, "tw", 1);
+	n.config.checkpoint_every_steps = 3;
+	n.config.checkpoint_keep = 2;
+	embd_ckpt_service_poll(n.ck, 1);
+	embd_ckpt_service_poll(n.ck, 2);
+	cr_expect_eq(embd_ckpt_service_reap(n.ck), 0, "nothing is due before step 3");
+	embd_ckpt_service_poll(n.ck, 3);
+	wait_written(&n, 1);
+	cr_expect(has_step(3));
+	embd_ckpt_service_poll(n.ck, 5);
+	embd_ckpt_service_poll(n.ck, 6);
+	wait_written(&n, 2);
+	embd_ckpt_service_poll(n.ck, 9);
+	wait_written(&n, 3);
+	cr_expect(has_step(6) && has_step(9) && !has_step(3), "keep 2: steps 6 and 9 stay");
+	/* every T seconds: only once T passed, and only when steps ran since the last one */
+	n.config.checkpoint_every_steps = 0;
+	n.config.checkpoint_every_seconds = 1;
+	embd_ckpt_service_poll(n.ck, 10);
+	cr_expect_eq(embd_ckpt_service_reap(n.ck), 3, "not due before a second passed");
+	usleep(1100000);
+	embd_ckpt_service_poll(n.ck, 10);
+	wait_written(&n, 4);
+	cr_expect(has_step(10));
+	usleep(1100000);
+	embd_ckpt_service_poll(n.ck, 10);
+	cr_expect_eq(embd_ckpt_service_reap(n.ck), 4, "no new step, no new checkpoint");
+	/* a request for a step already on disk completes at once, successfully */
+	uint64_t seq = embd_ckpt_service_request(n.ck);
+	embd_ckpt_service_poll(n.ck, 10);
+	wait_written(&n, seq);
+	cr_assert_eq(embd_ckpt_service_result_json(n.ck, &json), 0);
+	cr_expect(strstr(json, "\"ok\":true") && strstr(json, "step-10"), "got %s", json);
+	free(json);
+	node_stop(&n);
+}

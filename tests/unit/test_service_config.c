@@ -45,7 +45,9 @@ Test(config, every_key_is_read)
 		"  \"plan_file\": \"/tmp/p.json\", \"socket_path\": \"/tmp/x.sock\","
 		"  \"allowed_uids\": [1, 2], \"allowed_gids\": [7], \"trainers_per_node\": 3,"
 		"  \"seed\": 12345678901, \"threads_per_rank\": 2, \"log_level\": \"debug\","
-		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0 }";
+		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
+		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
+		"  \"checkpoint_keep\": 0 }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -65,6 +67,9 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.log_level, EMBD_LOG_DEBUG);
 	cr_assert_str_eq(c.checkpoint_dir, "/tmp/ck");
 	cr_assert_eq(c.busy_poll_us, 0);
+	cr_assert_eq(c.checkpoint_every_steps, 100);
+	cr_assert_eq(c.checkpoint_every_seconds, 600);
+	cr_assert_eq(c.checkpoint_keep, 0);
 	embd_config_free(&c);
 }
 
@@ -79,6 +84,8 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.trainers_per_node, (uint32_t)c.topology.local_world_size);
 	cr_assert_eq(c.threads_per_rank, 1);
 	cr_assert_eq(c.busy_poll_us, 50);
+	cr_assert_eq(c.checkpoint_keep, 3);
+	cr_assert_eq(c.checkpoint_every_steps, 0);
 	embd_config_free(&c);
 	/* an explicit empty allowed_uids means nobody by uid */
 	rc = parse("{ \"allowed_uids\": [], \"allowed_gids\": [5] }", &c, err, sizeof(err));
@@ -112,6 +119,9 @@ Test(config, errors_name_the_key)
 		{ "{ \"log_level\": 3 }", "log_level" },
 		{ "{ \"checkpoint_dir\": false }", "checkpoint_dir" },
 		{ "{ \"busy_poll_us\": -5 }", "busy_poll_us" },
+		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
+		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
+		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
 		{ "{ \"seed\": 1, \"seed\": 2 }", "seed" },
 		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
 		  "\"compute_device\": \"cpu\" } }", "topology" },
