@@ -388,3 +388,43 @@ int embd_ckpt_retain(const char *root, uint32_t keep, char *err, size_t err_len)
 	free(steps);
 	return removed;
 }
+
+int embd_ckpt_find_nodes(const char *const *roots, uint32_t num_roots, uint64_t max_step,
+			 embd_ckpt_skip_fn skip, void *skip_arg, char (*dirs)[EMBD_CKPT_PATH_MAX + 64],
+			 struct embd_ckpt_manifest *m, char *err, size_t err_len)
+{
+	struct embd_ckpt_manifest *parts = calloc(num_roots + 1, sizeof(*parts));
+	char inner[768];
+	uint64_t *steps = NULL;
+	uint32_t n = 0;
+	int rc = parts ? list_steps(roots[0], "step-", &steps, &n, err, err_len) : EMBD_ENOMEM;
+
+	memset(m, 0, sizeof(*m));
+	if (rc)
+		goto out;
+	rc = EMBD_ENOENT;
+	snprintf(err, err_len, "%s and %u more: no step that every node holds valid", roots[0],
+		 num_roots - 1);
+	for (uint32_t i = 0; i < n && rc; i++) {
+		uint32_t k = 0;
+		int r = 0;
+		if (steps[i] > max_step)
+			continue;
+		for (; k < num_roots && !r; k++) {
+			embd_ckpt_dir_name(roots[k], steps[i], dirs[k], sizeof(dirs[k]));
+			r = embd_ckpt_open_dir(dirs[k], &parts[k], inner, sizeof(inner));
+		}
+		if (!r)
+			r = embd_ckpt_manifest_merge(parts, num_roots, m, inner, sizeof(inner));
+		for (uint32_t j = 0; j < k; j++)
+			embd_ckpt_manifest_free(&parts[j]);
+		if (!r)
+			rc = 0;
+		else if (skip)
+			skip(skip_arg, dirs[k - 1], inner);
+	}
+out:
+	free(steps);
+	free(parts);
+	return rc;
+}

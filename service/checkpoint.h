@@ -14,22 +14,21 @@
  * CRC-32C against the manifest (disks and operators damage files too): a damaged checkpoint
  * is reported by name through the skip callback and the previous one is tried.
  *
- * Multi-node (designed here; the single-node service writes num_nodes = 1):
- *   shared directory (NFS-like, every node sees <root>): node k writes its shard files into
- *     <root>/.tmp-step-<N>/ (step 2, names carry the node: "...n<k>..."), then reports its
- *     file entries (name, bytes, crc32c, coordinates) to the rendezvous store under
- *     "ckpt/<N>/node/<k>" and adds 1 to "ckpt/<N>/done". Node 0 waits for done == num_nodes,
- *     merges the entries into one manifest and does steps 3 and 4 alone. A node that dies
- *     before reporting leaves no manifest: the step-<N> never appears (all-or-nothing).
- *   per-node directories (each node its own local disk): node k does steps 1-4 in its own
- *     <root> with a per-node manifest (node = k, only its files), reports the manifest's
- *     CRC-32C to the store, and node 0 writes <root>/cluster-step-<N>.json listing every
- *     node's manifest CRC last. A restore takes the newest N whose cluster file exists and
- *     whose local per-node manifest matches its entry; resharding to another node count then
- *     needs every node's directory (copy them next to each other: the manifests merge).
- * What the single-node build implements: num_nodes/node in the manifest and in every file
- * entry, embd_ckpt_manifest_merge-free restore over any set of files (coordinates only). The
- * store-driven protocol above waits for the store (branch dist-comm) to be merged.
+ * Multi-node. Every node writes its own shards of the same step N; a cluster checkpoint is
+ * all-or-nothing. Two layouts:
+ *   per-node directories (each node its own local disk; IMPLEMENTED for readers): node k does
+ *     steps 1-4 in its own <root_k> with a manifest of only its files (node = k, num_nodes =
+ *     W). embd_ckpt_find_nodes takes the newest N that every node holds valid and merges the
+ *     manifests (embd_ckpt_manifest_merge); a step some node never finished is skipped, so no
+ *     cluster-wide file and no coordination are needed to read consistently. Resharding to
+ *     another node count needs every node's directory reachable (embctl export --dir ...).
+ *     Retention keeps K per node: K >= 2 keeps a common step while nodes are one step apart.
+ *   shared directory (NFS-like; NOT IMPLEMENTED, needs the rendezvous store of branch
+ *     dist-comm): every node writes its files into <root>/.tmp-step-N/ (names carry n<k>),
+ *     reports its file entries to the store under "ckpt/N/node/k" and adds 1 to
+ *     "ckpt/N/done"; node 0 waits for done == W, merges the entries and alone does steps 3
+ *     and 4. A node that dies before reporting leaves no manifest, so step-N never appears.
+ * The service itself still writes node 0 of 1: the node rank comes with the multi-node config.
  */
 #ifndef EMBD_SERVICE_CHECKPOINT_H
 #define EMBD_SERVICE_CHECKPOINT_H
@@ -110,6 +109,23 @@ struct embd_ckpt_target {
 int embd_ckpt_load(const char *dir, const struct embd_ckpt_manifest *m,
 		   struct embd_ckpt_target *targets, uint32_t num_targets, char *err,
 		   size_t err_len);
+
+/* The same over per-node directories: file f is read from dirs[f.node] (num_dirs > 1) or
+ * from dirs[0] (one directory, e.g. shared by every node). */
+int embd_ckpt_load_nodes(const char *const *dirs, uint32_t num_dirs,
+			 const struct embd_ckpt_manifest *m, struct embd_ckpt_target *targets,
+			 uint32_t num_targets, char *err, size_t err_len);
+
+/*
+ * Per-node directories: roots[k] holds node k's own checkpoints (manifest node = k,
+ * num_nodes = num_roots). Finds the newest step <= max_step that EVERY node has, valid,
+ * skipping (and reporting) steps some node lacks or has damaged, so a cluster checkpoint is
+ * all-or-nothing without a cluster-wide file. dirs_out[k] gets node k's step directory
+ * (each dir_cap bytes), *m the merged manifest (embd_ckpt_manifest_merge).
+ */
+int embd_ckpt_find_nodes(const char *const *roots, uint32_t num_roots, uint64_t max_step,
+			 embd_ckpt_skip_fn skip, void *skip_arg, char (*dirs_out)[EMBD_CKPT_PATH_MAX + 64],
+			 struct embd_ckpt_manifest *m, char *err, size_t err_len);
 
 /* The index of table `name` in m, or -1. */
 int embd_ckpt_table_index(const struct embd_ckpt_manifest *m, const char *name);

@@ -100,6 +100,14 @@ int embd_ckpt_load(const char *dir, const struct embd_ckpt_manifest *m,
 		   struct embd_ckpt_target *targets, uint32_t num_targets, char *err,
 		   size_t err_len)
 {
+	return embd_ckpt_load_nodes(&dir, 1, m, targets, num_targets, err, err_len);
+}
+
+int embd_ckpt_load_nodes(const char *const *dirs, uint32_t num_dirs,
+			 const struct embd_ckpt_manifest *m, struct embd_ckpt_target *targets,
+			 uint32_t num_targets, char *err, size_t err_len)
+{
+	const char *dir = dirs[0];
 	char path[EMBD_CKPT_PATH_MAX + 256];
 	uint64_t *covered = calloc(num_targets + 1, sizeof(uint64_t));
 	int rc = 0;
@@ -133,7 +141,13 @@ int embd_ckpt_load(const char *dir, const struct embd_ckpt_manifest *m,
 			continue;
 		struct embd_npy_header h;
 		void *data;
-		snprintf(path, sizeof(path), "%s/%s", dir, f->name);
+		if (num_dirs > 1 && f->node >= num_dirs) {
+			rc = EMBD_EINVAL;
+			snprintf(err, err_len, "%s: node %u, only %u node directories given", f->name,
+				 f->node, num_dirs);
+			break;
+		}
+		snprintf(path, sizeof(path), "%s/%s", dirs[num_dirs > 1 ? f->node : 0], f->name);
 		if ((rc = embd_npy_read_file(path, &h, &data, err, err_len)))
 			break;
 		rc = check_header(path, f, tab, &h, err, err_len);

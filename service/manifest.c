@@ -361,3 +361,65 @@ void embd_ckpt_manifest_free(struct embd_ckpt_manifest *m)
 	free(m->files);
 	memset(m, 0, sizeof(*m));
 }
+
+static bool same_tables(const struct embd_ckpt_manifest *a, const struct embd_ckpt_manifest *b)
+{
+	if (a->num_tables != b->num_tables)
+		return false;
+	for (uint32_t i = 0; i < a->num_tables; i++) {
+		const struct embd_ckpt_table *x = &a->tables[i], *y = &b->tables[i];
+		if (strcmp(x->name, y->name) || x->num_embeddings != y->num_embeddings ||
+		    x->embedding_dim != y->embedding_dim || x->data_type != y->data_type ||
+		    x->optimizer != y->optimizer)
+			return false;
+	}
+	return true;
+}
+
+int embd_ckpt_manifest_merge(const struct embd_ckpt_manifest *parts, uint32_t n,
+			     struct embd_ckpt_manifest *out, char *err, size_t err_len)
+{
+	uint64_t files = 0;
+
+	memset(out, 0, sizeof(*out));
+	if (!n)
+		return snprintf(err, err_len, "merge: no manifests"), EMBD_EINVAL;
+	for (uint32_t k = 0; k < n; k++) {
+		const struct embd_ckpt_manifest *p = &parts[k];
+		const char *what = p->node != k ? "node" : p->num_nodes != n ? "num_nodes" :
+				   p->step != parts[0].step ? "step" :
+				   p->plan_hash != parts[0].plan_hash ? "plan_hash" :
+				   !same_tables(p, &parts[0]) ? "tables" : NULL;
+		if (what)
+			return snprintf(err, err_len, "merge: node %u's manifest: %s differs (node %u of "
+					"%u, step %" PRIu64 "; expected node %u of %u, step %" PRIu64 ")",
+					k, what, p->node, p->num_nodes, p->step, k, n, parts[0].step),
+			       EMBD_EMISMATCH;
+		files += p->num_files;
+	}
+	*out = parts[0];
+	out->plan_json = parts[0].plan_json ? strdup(parts[0].plan_json) : NULL;
+	out->tables = calloc(parts[0].num_tables + 1, sizeof(*out->tables));
+	out->files = calloc(files + 1, sizeof(*out->files));
+	out->num_files = 0;
+	out->node = 0;
+	if (!out->tables || !out->files || (parts[0].plan_json && !out->plan_json)) {
+		embd_ckpt_manifest_free(out);
+		return EMBD_ENOMEM;
+	}
+	memcpy(out->tables, parts[0].tables, sizeof(*out->tables) * parts[0].num_tables);
+	for (uint32_t k = 0; k < n; k++)
+		for (uint32_t i = 0; i < parts[k].num_files; i++) {
+			const struct embd_ckpt_file *f = &parts[k].files[i];
+			for (uint32_t j = 0; j < out->num_files; j++)
+				if (overlap(&out->files[j], f) || !strcmp(out->files[j].name, f->name)) {
+					snprintf(err, err_len, "merge: node %u's '%s' overlaps node %u's '%s'",
+						 k, f->name, out->files[j].node, out->files[j].name);
+					embd_ckpt_manifest_free(out);
+					return EMBD_EMISMATCH;
+				}
+			out->files[out->num_files] = *f;
+			out->files[out->num_files++].node = k;
+		}
+	return 0;
+}

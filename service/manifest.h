@@ -86,6 +86,15 @@ int embd_ckpt_manifest_write(const struct embd_ckpt_manifest *m, char **out);
 int embd_ckpt_manifest_parse(const char *text, size_t len, struct embd_ckpt_manifest *out,
 			     char *err, size_t err_len);
 
+/*
+ * One manifest from the per-node manifests of one cluster checkpoint: parts[k] must be node
+ * k's (node == k, num_nodes == n), all of the same step, plan hash and tables; the files are
+ * concatenated (each keeps its node) and checked for overlaps across nodes. EMBD_EMISMATCH
+ * names what differs. *out is zeroed first; free it with embd_ckpt_manifest_free.
+ */
+int embd_ckpt_manifest_merge(const struct embd_ckpt_manifest *parts, uint32_t n,
+			     struct embd_ckpt_manifest *out, char *err, size_t err_len);
+
 /* Releases what a manifest owns. NULL and zeroed are fine. */
 void embd_ckpt_manifest_free(struct embd_ckpt_manifest *m);
 

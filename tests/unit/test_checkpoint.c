@@ -604,3 +604,73 @@ Test(checkpoint, service_triggers_and_retention)
 	free(json);
 	node_stop(&n);
 }
+
+/* ---- per-node directories ------------------------------------------------------------------ */
+
+/* Node `node` of num_nodes writes its shards as step under <root>/n<node>. */
+static void write_node(const struct rect *shards, uint32_t n, uint64_t step, uint32_t node,
+		       uint32_t num_nodes)
+{
+	struct embd_ckpt_manifest m;
+	struct embd_ckpt_table tab;
+	struct embd_ckpt_array arrays[16];
+	float *bufs[16];
+	char dir[128], err[512];
+	uint64_t bytes;
+
+	make_shards(&m, &tab, shards, n, arrays, bufs, step);
+	m.node = node;
+	m.num_nodes = num_nodes;
+	for (uint32_t i = 0; i < 2 * n; i++) {
+		arrays[i].file.node = node;
+		memmove(arrays[i].file.name + 3, arrays[i].file.name, strlen(arrays[i].file.name) + 1);
+		memcpy(arrays[i].file.name, "n0.", 3);
+		arrays[i].file.name[1] = (char)('0' + node);
+	}
+	snprintf(dir, sizeof(dir), "%s/n%u", root, node);
+	int rc = embd_ckpt_write_dir(dir, &m, arrays, 2 * n, false, &bytes, err, sizeof(err));
+	cr_assert_eq(rc, 0, "node %u write: %s", node, err);
+	for (uint32_t i = 0; i < 2 * n; i++)
+		free(bufs[i]);
+	free(m.files);
+}
+
+Test(checkpoint, per_node_directories_restore_the_newest_step_every_node_has)
+{
+	static const struct rect node0[] = { { 0, 20, 0, DIM } }, node1[] = { { 20, 17, 0, 6 },
+									      { 20, 17, 6, 6 } };
+	char roots[2][128], dirs[2][EMBD_CKPT_PATH_MAX + 64], err[512];
+	const char *rp[2] = { roots[0], roots[1] };
+	struct embd_ckpt_manifest m;
+	struct skips sk = { 0 };
+
+	write_node(node0, 1, 5, 0, 2);
+	write_node(node1, 2, 5, 1, 2);
+	write_node(node0, 1, 8, 0, 2); /* node 1 died before it wrote step 8 */
+	snprintf(roots[0], sizeof(roots[0]), "%s/n0", root);
+	snprintf(roots[1], sizeof(roots[1]), "%s/n1", root);
+	int rc = embd_ckpt_find_nodes(rp, 2, UINT64_MAX, on_skip, &sk, dirs, &m, err, sizeof(err));
+	cr_assert_eq(rc, 0, "find_nodes: %d %s", rc, err);
+	cr_expect_eq(m.step, 5, "expected step 5 (step 8 is on node 0 only), got %llu",
+		     (unsigned long long)m.step);
+	cr_expect_eq(sk.n, 1, "step 8 reported as skipped");
+	cr_expect_eq(m.num_files, 6);
+	float w[ROWS * DIM], m1[ROWS * DIM];
+	struct embd_ckpt_target t = { .table = 0, .rows = ROWS, .cols = DIM, .weights = w,
+				      .momentum1 = m1 };
+	const char *dp[2] = { dirs[0], dirs[1] };
+	rc = embd_ckpt_load_nodes(dp, 2, &m, &t, 1, err, sizeof(err));
+	cr_assert_eq(rc, 0, "load_nodes: %s", err);
+	for (int64_t r = 0; r < ROWS; r++)
+		for (uint32_t c = 0; c < DIM; c++)
+			cr_assert(w[r * DIM + c] == table_value(r, c) && m1[r * DIM + c] == -table_value(r, c),
+				  "row %lld col %u: expected %g, got %g", (long long)r, c,
+				  table_value(r, c), w[r * DIM + c]);
+	embd_ckpt_manifest_free(&m);
+	/* node manifests that disagree (another step count of nodes) are refused */
+	write_node(node1, 2, 9, 1, 3);
+	write_node(node0, 1, 9, 0, 2);
+	rc = embd_ckpt_find_nodes(rp, 2, 9, NULL, NULL, dirs, &m, err, sizeof(err));
+	cr_expect_eq(m.step, 5, "step 9's node manifests disagree: expected step 5 again");
+	embd_ckpt_manifest_free(&m);
+}

@@ -26,6 +26,7 @@
 #include "service/npy.h"
 
 #define MAX_IMPORTS 64
+#define MAX_NODES 64
 
 int embctl_checkpoint(int argc, char **argv)
 {
@@ -98,8 +99,11 @@ int embctl_export(int argc, char **argv)
 		{ "output", required_argument, NULL, 'o' }, { "help", no_argument, NULL, 'h' },
 		{ NULL, 0, NULL, 0 },
 	};
-	const char *table = NULL, *dir = NULL, *config_path = NULL, *output = NULL;
-	char root[EMBD_CKPT_PATH_MAX], ckdir[EMBD_CKPT_PATH_MAX + 64], err[1024];
+	static char ckdirs[MAX_NODES][EMBD_CKPT_PATH_MAX + 64];
+	const char *table = NULL, *dirs[MAX_NODES] = { NULL }, *config_path = NULL, *output = NULL;
+	const char *ckp[MAX_NODES];
+	char root[EMBD_CKPT_PATH_MAX], err[1024];
+	uint32_t n_dirs = 0;
 	struct embd_config config = { 0 };
 	struct embd_ckpt_manifest m = { 0 };
 	uint64_t step = UINT64_MAX;
@@ -110,7 +114,7 @@ int embctl_export(int argc, char **argv)
 		switch (opt) {
 		case 't': table = optarg; break;
 		case 's': step = strtoull(optarg, NULL, 10); break;
-		case 'd': dir = optarg; break;
+		case 'd': if (n_dirs == MAX_NODES) goto usage; dirs[n_dirs++] = optarg; break;
 		case 'c': config_path = optarg; break;
 		case 'o': output = optarg; break;
 		default: goto usage;
@@ -118,13 +122,22 @@ int embctl_export(int argc, char **argv)
 	}
 	if (optind != argc || !table || !output)
 		goto usage;
-	if ((rc = pick_dir(dir, config_path, &config, root, sizeof(root))))
+	if ((rc = pick_dir(dirs[0], config_path, &config, root, sizeof(root))))
 		goto out;
 	rc = 1;
-	if (embd_ckpt_find(root, step, print_skip, NULL, ckdir, sizeof(ckdir), &m, err, sizeof(err))) {
+	dirs[0] = root;
+	n_dirs = n_dirs ? n_dirs : 1;
+	/* several --dir: per-node directories of one cluster (service/checkpoint.h) */
+	if (n_dirs == 1 ? embd_ckpt_find(root, step, print_skip, NULL, ckdirs[0], sizeof(ckdirs[0]),
+					  &m, err, sizeof(err))
+			: embd_ckpt_find_nodes(dirs, n_dirs, step, print_skip, NULL, ckdirs, &m, err,
+					       sizeof(err))) {
 		fprintf(stderr, "embctl: %s\n", err);
 		goto out;
 	}
+	const char *ckdir = ckdirs[0];
+	for (uint32_t i = 0; i < n_dirs; i++)
+		ckp[i] = ckdirs[i];
 	if (step != UINT64_MAX && m.step != step) {
 		fprintf(stderr, "embctl: %s: no valid checkpoint of step %" PRIu64 " (newest before "
 			"it: %s)\n", root, step, ckdir);
@@ -147,7 +160,7 @@ int embctl_export(int argc, char **argv)
 		.dtype = t->data_type, .weights = data,
 	};
 	uint64_t shape[2] = { (uint64_t)t->num_embeddings, (uint64_t)t->embedding_dim };
-	if (embd_ckpt_load(ckdir, &m, &target, 1, err, sizeof(err)) ||
+	if (embd_ckpt_load_nodes(ckp, n_dirs, &m, &target, 1, err, sizeof(err)) ||
 	    embd_npy_write_file(output, t->data_type == EMBD_DTYPE_FP16 ? EMBD_NPY_F2 : EMBD_NPY_F4,
 				2, shape, data, true, NULL, NULL, err, sizeof(err))) {
 		fprintf(stderr, "embctl: %s\n", err);
@@ -162,8 +175,9 @@ out:
 	embd_config_free(&config);
 	return rc;
 usage:
-	fprintf(stderr, "usage: embctl export --table NAME [--step S] (--dir DIR | --config FILE) "
-		"-o FILE.npy\n");
+	fprintf(stderr, "usage: embctl export --table NAME [--step S] (--dir DIR [--dir DIR1 ...] | "
+		"--config FILE) -o FILE.npy\n  (several --dir: node 0's, node 1's, ... per-node "
+		"checkpoint directories)\n");
 	return 2;
 }
 
