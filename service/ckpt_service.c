@@ -15,11 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "service/checkpoint.h"
 #include "service/log.h"
+
+#define HUGE_PAGE (2u << 20)
 
 struct result {
 	int rc;                         /* 0, or why the write failed */
@@ -126,10 +129,14 @@ static int build_layout(struct embd_ckpt_service *ck, char *err, size_t err_len)
 		}
 	}
 	ck->num_arrays = k;
-	ck->buffer = aligned_alloc(64, total ? total : 64);
+	/* 2 MiB aligned and advised to huge pages, as shard memory is: fewer TLB misses in the
+	 * copy that steps wait for */
+	uint64_t rounded = (total + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
+	ck->buffer = aligned_alloc(HUGE_PAGE, rounded ? rounded : HUGE_PAGE);
 	if (!ck->buffer)
 		return snprintf(err, err_len, "checkpoint snapshot buffer: out of memory for %" PRIu64
 				" bytes", total), EMBD_ENOMEM;
+	madvise(ck->buffer, rounded, MADV_HUGEPAGE);
 	memset(ck->buffer, 0, total);   /* touched now, so no snapshot pays the page faults */
 	uint64_t off = 0;
 	for (uint32_t i = 0; i < k; i++) {
