@@ -7,8 +7,17 @@
  * collective: each participant calls it in the same order with agreeing sizes, and every call
  * fails with EMBD_ETIMEDOUT (message naming the peer that did not answer, where the engine
  * knows) once options.timeout_ms pass, instead of hanging. After a failure the handle is
- * broken: destroy it and create a new one (the cluster re-rendezvouses through the store).
- * Buffers are host memory for gloo and device memory for nccl. One thread at a time.
+ * broken: destroy it and create a new one (the cluster re-rendezvouses through the store,
+ * under a new prefix: the keys of a rendezvous stay in the store, so a prefix serves one
+ * create, e.g. "gloo/<generation>/"). An argument error (EMBD_EINVAL, found before any byte
+ * moves) leaves the handle usable. Buffers are host memory for gloo and device memory for
+ * nccl. One thread at a time per handle; different handles are independent.
+ *
+ * Benchmarks: embd_comm_alltoallv over gloo is the raw Gloo reference. It is one
+ * gloo::alltoallv on the caller's buffers (no staging copy; only a fresh tag per call), so
+ * `embd-bench dist` times it directly as "raw gloo alltoallv" beside the step engine's input
+ * and output dists. Over nccl it is one ncclGroupStart/ncclSend+ncclRecv per peer/End, which
+ * is what NCCL's own alltoall tests run.
  */
 #ifndef EMBD_SERVICE_COMM_H
 #define EMBD_SERVICE_COMM_H
@@ -31,15 +40,21 @@ struct embd_comm_options {
 	int timeout_ms;                 /* every collective and rendezvous wait */
 	const char *hostname;           /* gloo: address peers reach this node at ("" = 127.0.0.1) */
 	int cuda_device;                /* nccl: the local GPU */
-	const char *prefix;             /* store key prefix, so several comms can coexist */
+	const char *prefix;             /* store key prefix, so several comms can coexist
+					   (NULL = ""); one prefix per create, see above */
 };
 
-/* Rendezvous through store (every participant calls it) and connect. err names what failed. */
+/* "gloo", "nccl" (NULL for other values); the inverse returns EMBD_EINVAL for other names. */
+const char *embd_comm_backend_name(enum embd_comm_backend backend);
+int embd_comm_backend_from_name(const char *name, enum embd_comm_backend *out);
+
+/* Rendezvous through store (every participant calls it) and connect. err[err_len] names what
+ * failed (err may be NULL when err_len is 0). */
 int embd_comm_create(const struct embd_comm_options *options, struct embd_store *store,
 		     struct embd_comm **out, char *err, size_t err_len);
 void embd_comm_destroy(struct embd_comm *comm);
 
-/* EMBD_ENOTSUP when this build lacks the backend (nccl without CUDA). */
+/* 0, or EMBD_ENOTSUP when this build lacks the backend (nccl without CUDA). */
 int embd_comm_available(enum embd_comm_backend backend);
 
 /*

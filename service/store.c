@@ -125,12 +125,8 @@ static int try_connect(struct embd_store *s, struct addrinfo *res, int64_t deadl
 int embd_store_connect(const char *addr, uint16_t port, int timeout_ms,
 		       struct embd_store **out, char *err, size_t err_len)
 {
-	char scratch[8];
-	if (!err) {
-		err = scratch;
-		err_len = sizeof(scratch);
-	}
-	err[0] = '\0';
+	if (err_len)
+		err[0] = '\0';
 	*out = NULL;
 	struct embd_store *s = calloc(1, sizeof(*s));
 	if (!s) {

@@ -10,6 +10,8 @@
  * one (timeout, missing key, bad key) the handle is closed and every later call fails: connect
  * a new one. One handle is used by one thread at a time. The server runs on its own thread
  * inside the node-0 process; timeouts are in ms, 0 meaning "do not wait" (negative = 0).
+ * Functions with an err[err_len] argument write their message there (err may be NULL when
+ * err_len is 0); the others keep it on the handle (embd_store_error).
  */
 #ifndef EMBD_SERVICE_STORE_H
 #define EMBD_SERVICE_STORE_H

@@ -601,14 +601,10 @@ static int listen_on(const char *addr, uint16_t port, int *fd_out, uint16_t *por
 int embd_store_server_start(const char *addr, uint16_t port, struct embd_store_server **out,
 			    char *err, size_t err_len)
 {
-	char scratch[8];
 	int rc;
 
-	if (!err) {
-		err = scratch;
-		err_len = sizeof(scratch);
-	}
-	err[0] = '\0';
+	if (err_len)
+		err[0] = '\0';
 	*out = NULL;
 	struct embd_store_server *s = calloc(1, sizeof(*s));
 	if (!s) {

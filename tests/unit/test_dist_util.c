@@ -11,6 +11,13 @@
 #include <sys/wait.h>
 #include <time.h>
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#define TU_LEAK_CHECK() __lsan_do_recoverable_leak_check()
+#else
+#define TU_LEAK_CHECK() 0
+#endif
+
 int64_t tu_now_ms(void)
 {
 	struct timespec ts;
@@ -24,6 +31,9 @@ pid_t tu_spawn(tu_child_fn fn, int index, void *arg)
 	pid_t pid = fork();
 	if (pid == 0) {
 		int rc = fn(index, arg);
+		/* _exit skips LeakSanitizer's exit check: run it here so children are checked too */
+		if (rc == 0 && TU_LEAK_CHECK())
+			rc = TU_LEAKED;
 		fflush(NULL);
 		_exit(rc);
 	}
