@@ -17,11 +17,13 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include "service/comm.h"
 #include "service/config.h"
 #include "service/log.h"
 #include "service/ranks.h"
 #include "service/server.h"
 #include "service/step.h"
+#include "service/store.h"
 
 static void usage(FILE *f)
 {
@@ -67,6 +69,93 @@ static int make_plan(const struct embd_config *c, struct embd_plan **out, char *
 	return embd_plan_check(*out, t->specs, t->constraints, t->count, err, err_len);
 }
 
+/* What a node of several holds besides its step engine. */
+struct cluster {
+	struct embd_store_server *server;       /* node 0 only */
+	struct embd_store *store;
+	struct embd_comm *comm;
+};
+
+static void cluster_close(struct cluster *cl)
+{
+	embd_comm_destroy(cl->comm);
+	embd_store_close(cl->store);
+	embd_store_server_stop(cl->server);
+}
+
+/* TEMPORARY until service/rendezvous lands: env overrides and the plan through the store. */
+static int cluster_plan(struct embd_config *c, struct cluster *cl, struct embd_plan **plan,
+			char *err, size_t err_len)
+{
+	char *json = NULL;
+	size_t len;
+	int rc;
+
+	if (c->node_rank == 0) {
+		rc = make_plan(c, plan, err, err_len);
+		if (!rc)
+			rc = embd_plan_write_json(*plan, &json, &len);
+		if (!rc)
+			rc = embd_store_set(cl->store, "embd/plan", json, len);
+		free(json);
+		return rc;
+	}
+	void *v;
+	rc = embd_store_get(cl->store, "embd/plan", &v, &len);
+	if (rc)
+		return snprintf(err, err_len, "plan from node 0: %s", embd_store_error(cl->store)), rc;
+	rc = embd_plan_parse_json(v, len, plan, err, err_len);
+	free(v);
+	if (rc)
+		return rc;
+	const struct embd_topology *p = &(*plan)->topology, *q = &c->topology;
+	if (p->world_size != q->world_size || p->local_world_size != q->local_world_size ||
+	    p->batch_size != q->batch_size)
+		return snprintf(err, err_len, "node 0's plan: world_size %d, local_world_size %d, "
+				"batch_size %u; this node has %d, %d, %u", p->world_size,
+				p->local_world_size, p->batch_size, q->world_size, q->local_world_size,
+				q->batch_size), EMBD_EMISMATCH;
+	uint64_t mine = embd_plan_tables_hash(c->tables.specs, c->tables.count);
+	if ((*plan)->tables_hash != mine)
+		return snprintf(err, err_len, "node 0's tables differ from this node's (tables hash "
+				"%016" PRIx64 " vs %016" PRIx64 ")", (*plan)->tables_hash, mine),
+		       EMBD_EMISMATCH;
+	return embd_plan_check(*plan, c->tables.specs, c->tables.constraints, c->tables.count, err,
+			       err_len);
+}
+
+/*
+ * Several nodes: node 0 serves the store, every node connects, agrees on the plan (refusing
+ * to start on any difference) and joins the comm (one Gloo participant per node).
+ */
+static int cluster_join(struct embd_config *c, struct cluster *cl, struct embd_plan **plan,
+			char *err, size_t err_len)
+{
+	char inner[512];
+	int rc;
+
+	if (c->node_rank == 0) {
+		rc = embd_store_server_start("", c->master_port, &cl->server, inner, sizeof(inner));
+		if (rc)
+			return snprintf(err, err_len, "store: %s", inner), rc;
+	}
+	rc = embd_store_connect(c->master_addr, c->master_port, c->store_timeout_ms, &cl->store,
+				inner, sizeof(inner));
+	if (rc)
+		return snprintf(err, err_len, "store: %s", inner), rc;
+	rc = cluster_plan(c, cl, plan, err, err_len);
+	if (rc)
+		return rc;
+	struct embd_comm_options o = {
+		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
+		.timeout_ms = c->collective_timeout_ms, .hostname = "", .prefix = "comm/0/",
+	};
+	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
+	if (rc)
+		return snprintf(err, err_len, "comm: %s", inner), rc;
+	return 0;
+}
+
 static void log_plan(struct embd_plan *plan)
 {
 	char *text = NULL;
@@ -95,6 +184,7 @@ int main(int argc, char **argv)
 	struct embd_ranks *ranks = NULL;
 	struct embd_step *step = NULL;
 	struct embd_server *server = NULL;
+	struct cluster cluster = { 0 };
 	enum embd_log_level level;
 	char err[1024] = "";
 	int sigfd = -1, rc, opt;
@@ -146,19 +236,6 @@ int main(int argc, char **argv)
 		embd_log_info("checkpoint_dir %s (checkpoints are not written by this version)",
 			      config.checkpoint_dir);
 
-	rc = make_plan(&config, &plan, err, sizeof(err));
-	if (rc) {
-		embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
-		goto out;
-	}
-	char *json = NULL;
-	size_t json_len;
-	rc = embd_plan_write_json(plan, &json, &json_len);   /* also sets plan_hash */
-	free(json);
-	if (rc)
-		goto out;
-	log_plan(plan);
-
 	/* block before any thread exists, so every thread inherits the mask */
 	sigset_t mask;
 	sigemptyset(&mask);
@@ -173,11 +250,40 @@ int main(int argc, char **argv)
 		embd_log_error("signalfd failed");
 		goto out;
 	}
+	const uint32_t nodes = embd_config_nodes(&config);
+	if (nodes > 1) {
+		embd_log_info("node %u of %u: store at %s:%u, %s, collective timeout %d ms",
+			      config.node_rank, nodes, config.master_addr, config.master_port,
+			      config.backend == EMBD_COMM_GLOO ? "gloo" : "nccl",
+			      config.collective_timeout_ms);
+		rc = cluster_join(&config, &cluster, &plan, err, sizeof(err));
+		if (rc) {
+			embd_log_error("join: %s (%s)", err, embd_strerror(rc));
+			goto out;
+		}
+	} else {
+		rc = make_plan(&config, &plan, err, sizeof(err));
+		if (rc) {
+			embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
+			goto out;
+		}
+	}
+	char *json = NULL;
+	size_t json_len;
+	rc = embd_plan_write_json(plan, &json, &json_len);   /* also sets plan_hash */
+	free(json);
+	if (rc)
+		goto out;
+	log_plan(plan);
+
 	rc = embd_ranks_create((uint32_t)config.topology.local_world_size, config.threads_per_rank,
 			       &ranks, err, sizeof(err));
+	struct embd_step_cluster where = { config.node_rank, nodes, cluster.comm, cluster.store,
+					   config.collective_timeout_ms };
 	if (!rc)
-		rc = embd_step_create(&config.tables, plan, ranks, config.seed,
-				      config.trainers_per_node, &step, err, sizeof(err));
+		rc = embd_step_create_cluster(&config.tables, plan, ranks, config.seed,
+					      config.trainers_per_node, &where, &step, err,
+					      sizeof(err));
 	if (!rc)
 		rc = embd_server_create(&config, step, ranks, plan->plan_hash, sigfd, &server, err,
 					sizeof(err));
@@ -197,6 +303,7 @@ int main(int argc, char **argv)
 out:
 	embd_server_destroy(server);
 	embd_step_destroy(step);
+	cluster_close(&cluster);
 	embd_ranks_destroy(ranks);
 	embd_plan_destroy(plan);
 	embd_config_free(&config);
