@@ -17,23 +17,7 @@
 
 #define SLACK_MS 3000           /* scheduling slack of a loaded 2-core CI machine */
 
-static struct embd_store_server *server;
-static uint16_t port;
-
-static void start_server(void)
-{
-	char err[256] = "";
-	cr_assert_eq(embd_store_server_start("127.0.0.1", 0, &server, err, sizeof(err)), 0, "%s",
-		     err);
-	port = embd_store_server_port(server);
-}
-
-static void stop_server(void)
-{
-	embd_store_server_stop(server);
-}
-
-TestSuite(comm_gloo, .init = start_server, .fini = stop_server, .timeout = 40);
+TestSuite(comm_gloo, .init = tu_server_start, .fini = tu_server_stop, .timeout = 40);
 
 struct world {
 	int size;
@@ -47,7 +31,7 @@ static struct embd_comm *join(const struct world *w, int rank, struct embd_store
 {
 	char err[512] = "";
 	struct embd_comm *comm = NULL;
-	if (embd_store_connect("127.0.0.1", port, 5000, store, err, sizeof(err)) < 0) {
+	if (embd_store_connect("127.0.0.1", tu_port, 5000, store, err, sizeof(err)) < 0) {
 		fprintf(stderr, "[rank %d] store: %s\n", rank, err);
 		return NULL;
 	}
@@ -287,7 +271,7 @@ Test(comm_gloo, missing_rank_fails_rendezvous_naming_it)
 	struct embd_store *store = NULL;
 	struct embd_comm *comm = NULL;
 	char err[512] = "";
-	cr_assert_eq(embd_store_connect("127.0.0.1", port, 2000, &store, err, sizeof(err)), 0);
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 2000, &store, err, sizeof(err)), 0);
 	struct embd_comm_options o = { .backend = EMBD_COMM_GLOO, .rank = 0, .size = 2,
 				       .timeout_ms = 500, .hostname = "127.0.0.1",
 				       .prefix = "lonely/" };
@@ -307,7 +291,7 @@ Test(comm_gloo, bad_options)
 	struct embd_comm *comm = NULL;
 	char err[512] = "";
 	enum embd_comm_backend b;
-	cr_assert_eq(embd_store_connect("127.0.0.1", port, 2000, &store, err, sizeof(err)), 0);
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 2000, &store, err, sizeof(err)), 0);
 	struct embd_comm_options o = { .backend = EMBD_COMM_GLOO, .rank = 2, .size = 2,
 				       .timeout_ms = 500 };
 	cr_assert_eq(embd_comm_create(&o, store, &comm, err, sizeof(err)), EMBD_EINVAL);
@@ -338,7 +322,7 @@ Test(comm_gloo, nccl_without_cuda_is_enotsup)
 	struct embd_comm *comm = NULL;
 	char err[512] = "";
 	cr_assert_eq(avail, EMBD_ENOTSUP);
-	cr_assert_eq(embd_store_connect("127.0.0.1", port, 2000, &store, err, sizeof(err)), 0);
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 2000, &store, err, sizeof(err)), 0);
 	struct embd_comm_options o = { .backend = EMBD_COMM_NCCL, .rank = 0, .size = 1,
 				       .timeout_ms = 500 };
 	cr_assert_eq(embd_comm_create(&o, store, &comm, err, sizeof(err)), EMBD_ENOTSUP);

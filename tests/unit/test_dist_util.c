@@ -4,12 +4,16 @@
  */
 #include "test_dist_util.h"
 
+#include <criterion/criterion.h>
+
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
+
+#include "service/store.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/lsan_interface.h>
@@ -87,4 +91,22 @@ uint16_t tu_free_port(void)
 		abort();
 	close(fd);
 	return ntohs(a.sin_port);
+}
+
+struct embd_store_server *tu_server;
+uint16_t tu_port;
+
+void tu_server_start(void)
+{
+	char err[256] = "";
+	int rc = embd_store_server_start("127.0.0.1", 0, &tu_server, err, sizeof(err));
+	cr_assert_eq(rc, 0, "store server: %d %s", rc, err);
+	tu_port = embd_store_server_port(tu_server);
+	cr_assert_neq(tu_port, 0);
+}
+
+void tu_server_stop(void)
+{
+	embd_store_server_stop(tu_server);
+	tu_server = NULL;
 }

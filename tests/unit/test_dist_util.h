@@ -14,6 +14,8 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+struct embd_store_server;
+
 #define TU_CHECK(cond, ...)                                                                \
 	do {                                                                               \
 		if (!(cond)) {                                                             \
@@ -44,5 +46,12 @@ void tu_spawn_n(tu_child_fn fn, int n, void *arg, pid_t *pids);
 int tu_join(const pid_t *pids, int n, int timeout_ms, int *codes);
 /* A TCP port that was free a moment ago on 127.0.0.1 (bound to 0, read back, closed). */
 uint16_t tu_free_port(void);
+
+/* A store server on 127.0.0.1 at a free port, as a Criterion .init/.fini pair: children
+ * forked by the test connect to tu_port. */
+extern struct embd_store_server *tu_server;
+extern uint16_t tu_port;
+void tu_server_start(void);
+void tu_server_stop(void);
 
 #endif /* EMBD_TEST_DIST_UTIL_H */

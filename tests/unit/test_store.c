@@ -20,34 +20,16 @@
 
 #define SLACK_MS 1500           /* scheduling slack of a loaded 2-core CI machine */
 
-static struct embd_store_server *server;
-static uint16_t port;
-
-static void start_server(void)
-{
-	char err[256] = "";
-	int rc = embd_store_server_start("127.0.0.1", 0, &server, err, sizeof(err));
-	cr_assert_eq(rc, 0, "server start: %d %s", rc, err);
-	port = embd_store_server_port(server);
-	cr_assert_neq(port, 0);
-}
-
-static void stop_server(void)
-{
-	embd_store_server_stop(server);
-	server = NULL;
-}
-
 static struct embd_store *client(int timeout_ms)
 {
 	struct embd_store *s = NULL;
 	char err[256] = "";
-	int rc = embd_store_connect("127.0.0.1", port, timeout_ms, &s, err, sizeof(err));
+	int rc = embd_store_connect("127.0.0.1", tu_port, timeout_ms, &s, err, sizeof(err));
 	cr_assert_eq(rc, 0, "connect: %d %s", rc, err);
 	return s;
 }
 
-TestSuite(store, .init = start_server, .fini = stop_server, .timeout = 30);
+TestSuite(store, .init = tu_server_start, .fini = tu_server_stop, .timeout = 30);
 
 Test(store, set_get_check_add_delete)
 {
@@ -143,7 +125,7 @@ static int child_counter(int i, void *arg)
 	struct embd_store *s = NULL;
 	char err[256], key[32];
 	int64_t n;
-	TU_CHECK(embd_store_connect("127.0.0.1", port, 5000, &s, err, sizeof(err)) == 0, "%s", err);
+	TU_CHECK(embd_store_connect("127.0.0.1", tu_port, 5000, &s, err, sizeof(err)) == 0, "%s", err);
 	for (int k = 0; k < 20; k++)
 		TU_CHECK(embd_store_add(s, "count", 1, &n) == 0, "%s", embd_store_error(s));
 	snprintf(key, sizeof(key), "rank_%d", i);
@@ -191,7 +173,7 @@ static int child_late_setter(int i, void *arg)
 	struct embd_store *s = NULL;
 	char err[256];
 	usleep(300 * 1000);
-	TU_CHECK(embd_store_connect("127.0.0.1", port, 5000, &s, err, sizeof(err)) == 0, "%s", err);
+	TU_CHECK(embd_store_connect("127.0.0.1", tu_port, 5000, &s, err, sizeof(err)) == 0, "%s", err);
 	TU_CHECK(embd_store_set(s, "late", "here", 4) == 0, "%s", embd_store_error(s));
 	usleep(100 * 1000);
 	TU_CHECK(embd_store_set(s, "later", "x", 1) == 0, "%s", embd_store_error(s));
@@ -228,7 +210,7 @@ Test(store, timeouts_within_bounds_and_named)
 	void *v = NULL;
 	size_t len = 0;
 
-	snprintf(where, sizeof(where), "127.0.0.1:%u", port);
+	snprintf(where, sizeof(where), "127.0.0.1:%u", tu_port);
 	int64_t t0 = tu_now_ms();
 	cr_assert_eq(embd_store_get(s, "never", &v, &len), EMBD_ETIMEDOUT);
 	int64_t took = tu_now_ms() - t0;
@@ -266,7 +248,7 @@ Test(store, server_gone_is_connreset)
 {
 	struct embd_store *s = client(2000);
 	cr_assert_eq(embd_store_set(s, "a", "1", 1), 0);
-	stop_server();
+	tu_server_stop();
 	int64_t t0 = tu_now_ms();
 	int rc = embd_store_set(s, "b", "1", 1);
 	if (rc == 0)    /* the kernel may accept one send before the reset arrives */
@@ -275,7 +257,7 @@ Test(store, server_gone_is_connreset)
 	cr_assert(tu_now_ms() - t0 < 1000, "noticed late");
 	cr_assert_eq(embd_store_check(s, "a"), EMBD_ECONNRESET, "later calls fail too");
 	embd_store_close(s);
-	start_server();     /* for .fini */
+	tu_server_start();     /* for .fini */
 }
 
 static void *stop_later(void *arg)
@@ -292,8 +274,8 @@ Test(store, parked_get_sees_server_stop)
 	size_t len = 0;
 	pthread_t t;
 
-	cr_assert_eq(pthread_create(&t, NULL, stop_later, server), 0);
-	server = NULL;
+	cr_assert_eq(pthread_create(&t, NULL, stop_later, tu_server), 0);
+	tu_server = NULL;
 	int64_t t0 = tu_now_ms();
 	cr_assert_eq(embd_store_get(s, "x", &v, &len), EMBD_ECONNRESET, "%s", embd_store_error(s));
 	int64_t took = tu_now_ms() - t0;
@@ -301,7 +283,7 @@ Test(store, parked_get_sees_server_stop)
 		  (long long)took);
 	pthread_join(t, NULL);
 	embd_store_close(s);
-	start_server();
+	tu_server_start();
 }
 
 /* ---- connecting ------------------------------------------------------------------------ */
@@ -356,7 +338,7 @@ Test(store, connect_timeout_names_the_address)
 
 static int raw_connect(void)
 {
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons(port),
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons(tu_port),
 				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
 	int fd = socket(AF_INET, SOCK_STREAM, 0);
 	cr_assert_geq(fd, 0);
