@@ -21,6 +21,7 @@
 #include "service/config.h"
 #include "service/log.h"
 #include "service/ranks.h"
+#include "service/rendezvous.h"
 #include "service/server.h"
 #include "service/step.h"
 #include "service/store.h"
@@ -83,72 +84,60 @@ static void cluster_close(struct cluster *cl)
 	embd_store_server_stop(cl->server);
 }
 
-/* TEMPORARY until service/rendezvous lands: env overrides and the plan through the store. */
-static int cluster_plan(struct embd_config *c, struct cluster *cl, struct embd_plan **plan,
-			char *err, size_t err_len)
+/*
+ * env:// over the config (service/rendezvous.h): MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+ * LOCAL_WORLD_SIZE and NODE_RANK in the environment win over the config's keys.
+ */
+static int resolve_env(struct embd_config *c, struct embd_rendezvous *r, char *err,
+		       size_t err_len)
 {
-	char *json = NULL;
-	size_t len;
+	struct embd_rendezvous from_config;
 	int rc;
 
-	if (c->node_rank == 0) {
-		rc = make_plan(c, plan, err, err_len);
-		if (!rc)
-			rc = embd_plan_write_json(*plan, &json, &len);
-		if (!rc)
-			rc = embd_store_set(cl->store, "embd/plan", json, len);
-		free(json);
-		return rc;
-	}
-	void *v;
-	rc = embd_store_get(cl->store, "embd/plan", &v, &len);
-	if (rc)
-		return snprintf(err, err_len, "plan from node 0: %s", embd_store_error(cl->store)), rc;
-	rc = embd_plan_parse_json(v, len, plan, err, err_len);
-	free(v);
+	embd_rendezvous_defaults(&from_config);
+	snprintf(from_config.master_addr, sizeof(from_config.master_addr), "%s", c->master_addr);
+	from_config.master_port = c->master_port;
+	from_config.world_size = c->topology.world_size;
+	from_config.local_world_size = c->topology.local_world_size;
+	from_config.node_rank = (int32_t)c->node_rank;
+	from_config.backend = c->backend;
+	rc = embd_rendezvous_resolve(&from_config, r, err, err_len);
 	if (rc)
 		return rc;
-	const struct embd_topology *p = &(*plan)->topology, *q = &c->topology;
-	if (p->world_size != q->world_size || p->local_world_size != q->local_world_size ||
-	    p->batch_size != q->batch_size)
-		return snprintf(err, err_len, "node 0's plan: world_size %d, local_world_size %d, "
-				"batch_size %u; this node has %d, %d, %u", p->world_size,
-				p->local_world_size, p->batch_size, q->world_size, q->local_world_size,
-				q->batch_size), EMBD_EMISMATCH;
-	uint64_t mine = embd_plan_tables_hash(c->tables.specs, c->tables.count);
-	if ((*plan)->tables_hash != mine)
-		return snprintf(err, err_len, "node 0's tables differ from this node's (tables hash "
-				"%016" PRIx64 " vs %016" PRIx64 ")", (*plan)->tables_hash, mine),
-		       EMBD_EMISMATCH;
-	return embd_plan_check(*plan, c->tables.specs, c->tables.constraints, c->tables.count, err,
-			       err_len);
+	embd_rendezvous_apply_topology(r, &c->topology);
+	snprintf(c->master_addr, sizeof(c->master_addr), "%s", r->master_addr);
+	c->master_port = r->master_port;
+	c->node_rank = (uint32_t)r->node_rank;
+	if (embd_config_nodes(c) > 1 && c->trainers_per_node > 64)
+		return snprintf(err, err_len, "trainers_per_node %u: at most 64 on several nodes",
+				c->trainers_per_node), EMBD_EINVAL;
+	return 0;
 }
 
 /*
- * Several nodes: node 0 serves the store, every node connects, agrees on the plan (refusing
- * to start on any difference) and joins the comm (one Gloo participant per node).
+ * Several nodes: node 0 serves the store, every node connects, collective_plan makes every
+ * node agree on node 0's plan (or all refuse, naming the difference), and the comm joins
+ * one Gloo participant per node.
  */
-static int cluster_join(struct embd_config *c, struct cluster *cl, struct embd_plan **plan,
-			char *err, size_t err_len)
+static int cluster_join(const struct embd_config *c, const struct embd_rendezvous *r,
+			struct cluster *cl, struct embd_plan **plan, char *err, size_t err_len)
 {
-	char inner[512];
+	char inner[768];
 	int rc;
 
-	if (c->node_rank == 0) {
-		rc = embd_store_server_start("", c->master_port, &cl->server, inner, sizeof(inner));
-		if (rc)
-			return snprintf(err, err_len, "store: %s", inner), rc;
-	}
-	rc = embd_store_connect(c->master_addr, c->master_port, c->store_timeout_ms, &cl->store,
-				inner, sizeof(inner));
+	if (c->node_rank == 0 && (rc = make_plan(c, plan, inner, sizeof(inner))))
+		return snprintf(err, err_len, "plan: %s", inner), rc;
+	rc = embd_rendezvous_store(r, c->store_timeout_ms, &cl->server, &cl->store, inner,
+				   sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "store: %s", inner), rc;
-	rc = cluster_plan(c, cl, plan, err, err_len);
+	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, NULL,
+				  c->store_timeout_ms, plan, inner, sizeof(inner));
 	if (rc)
-		return rc;
+		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
 	struct embd_comm_options o = {
 		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
-		.timeout_ms = c->collective_timeout_ms, .hostname = "", .prefix = "comm/0/",
+		.timeout_ms = c->collective_timeout_ms, .hostname = "", .prefix = "embd/gloo/0/",
 	};
 	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
 	if (rc)
@@ -250,13 +239,19 @@ int main(int argc, char **argv)
 		embd_log_error("signalfd failed");
 		goto out;
 	}
+	struct embd_rendezvous rdv;
+	rc = resolve_env(&config, &rdv, err, sizeof(err));
+	if (rc) {
+		embd_log_error("env://: %s", err);
+		goto out;
+	}
 	const uint32_t nodes = embd_config_nodes(&config);
 	if (nodes > 1) {
 		embd_log_info("node %u of %u: store at %s:%u, %s, collective timeout %d ms",
 			      config.node_rank, nodes, config.master_addr, config.master_port,
 			      config.backend == EMBD_COMM_GLOO ? "gloo" : "nccl",
 			      config.collective_timeout_ms);
-		rc = cluster_join(&config, &cluster, &plan, err, sizeof(err));
+		rc = cluster_join(&config, &rdv, &cluster, &plan, err, sizeof(err));
 		if (rc) {
 			embd_log_error("join: %s (%s)", err, embd_strerror(rc));
 			goto out;

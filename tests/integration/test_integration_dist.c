@@ -30,6 +30,7 @@
 
 struct node {
 	pid_t pid;
+	bool rank_from_env;             /* config says node_rank 0, NODE_RANK says which */
 	char socket[108], config[128], log[128], plan[128];
 };
 
@@ -132,7 +133,8 @@ static void write_config(uint32_t n, const char *sharding, uint32_t world_nodes,
 	fprintf(f, ",\n \"trainers_per_node\": %d, \"seed\": %u, \"threads_per_rank\": 1, "
 		"\"busy_poll_us\": 20, \"master_addr\": \"127.0.0.1\", \"master_port\": %u, "
 		"\"node_rank\": %u, \"backend\": \"gloo\", \"collective_timeout_ms\": %d, "
-		"\"store_timeout_ms\": 8000 }\n", RANKS, SEED, port, n, TIMEOUT_MS);
+		"\"store_timeout_ms\": 8000 }\n", RANKS, SEED, port, nd->rank_from_env ? 0 : n,
+		TIMEOUT_MS);
 	fclose(f);
 }
 
@@ -163,6 +165,11 @@ static void spawn(uint32_t n)
 		unsetenv("NODE_RANK");
 		unsetenv("WORLD_SIZE");
 		unsetenv("LOCAL_WORLD_SIZE");
+		if (nd->rank_from_env) {
+			char rank[16];
+			snprintf(rank, sizeof(rank), "%u", n);
+			setenv("NODE_RANK", rank, 1);
+		}
 		execl(EMBD_BINARY, "embd", "--config", nd->config, "--socket", nd->socket,
 		      "--log-level", "warning", (char *)NULL);
 		_exit(127);
@@ -282,6 +289,13 @@ Test(dist, three_nodes_column_wise) { train_and_check(3, "column_wise"); }
 Test(dist, three_nodes_table_row_wise) { train_and_check(3, "table_row_wise"); }
 Test(dist, three_nodes_table_column_wise) { train_and_check(3, "table_column_wise"); }
 Test(dist, three_nodes_data_parallel) { train_and_check(3, "data_parallel"); }
+
+/* env:// wins: nodes 1 and 2 have node_rank 0 in their configs and NODE_RANK in the env. */
+Test(dist, node_rank_from_the_environment)
+{
+	nodes[1].rank_from_env = nodes[2].rank_from_env = true;
+	train_and_check(3, "table_wise");
+}
 
 /* ---- a node killed mid-step -------------------------------------------------------------- */
 
