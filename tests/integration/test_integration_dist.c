@@ -8,7 +8,8 @@
  * of the global batch (node 0's trainers, then node 1's, ...), within training_common.h's
  * tolerance. Failures: a node killed with SIGKILL mid-step gives the other node's trainers an
  * error naming it within collective_timeout_ms (no hang) and later steps a clear refusal;
- * nodes whose tables or world size differ are refused at join.
+ * a bad batch is refused for its trainer only while the cluster's step runs; nodes whose
+ * tables or world size differ are refused at join; NODE_RANK from the environment wins.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -417,6 +418,58 @@ static void peer_failure(int sig)
 
 Test(dist, killed_node_fails_the_step_on_the_others) { peer_failure(SIGKILL); }
 Test(dist, stalled_node_fails_the_step_on_the_others_within_the_timeout) { peer_failure(SIGSTOP); }
+
+/* ---- one bad batch ----------------------------------------------------------------------- */
+
+/* Trainer g of the bad-batch test: 0 when it got what it should, else 1 + why on stderr. */
+static int bad_batch_trainer(uint32_t g, uint32_t bad)
+{
+	struct embd_client *c;
+	struct embd_batch b;
+	char err[256];
+	uint64_t n;
+
+	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err)))
+		return fprintf(stderr, "trainer %u: %s\n", g, err), 1;
+	uint64_t s = embd_layout(c)->resumed_step;
+	if (g != bad) {
+		int rc = forward_backward(c, g, 0, s, true, &n);
+		if (rc)
+			fprintf(stderr, "trainer %u: step with a bad batch elsewhere: expected 0, got %d "
+				"(%s)\n", g, rc, embd_last_error(c));
+		embd_close(c);
+		return rc != 0;
+	}
+	embd_batch_get(c, 0, &b);
+	n = gen_batch(0, g, b.lengths, b.values);
+	b.values[0] = tables[0].rows;   /* one id past its table */
+	int rc = embd_forward(c, 0, s, n, 0);
+	bool named = strstr(embd_last_error(c), "values[0]") != NULL;
+	if (rc >= 0 || !named)
+		fprintf(stderr, "trainer %u: bad batch: expected an error naming values[0], got %d "
+			"(%s)\n", g, rc, embd_last_error(c));
+	embd_close(c);
+	return rc >= 0 || !named;
+}
+
+Test(dist, bad_batch_is_refused_for_its_trainer_only)
+{
+	const uint32_t bad = 3;         /* node 1's second trainer */
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "table_wise");
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		kids[g] = fork_child();
+		if (kids[g] == 0)
+			_exit(bad_batch_trainer(g, bad));
+	}
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "trainer %u (bad one: %u): expected "
+			  "exit 0, got status 0x%x (its stderr says why)", g, bad, st);
+	}
+}
 
 /* ---- refused at join --------------------------------------------------------------------- */
 
