@@ -774,7 +774,7 @@ void embd_step_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
 	*out = s->counts;
 	if (s->dist)
-		out->sent_bytes = step_dist_sent_bytes(s);
+		step_dist_counts(s, out);
 }
 
 int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row, uint32_t col,

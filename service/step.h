@@ -2,8 +2,8 @@
  * service/step.h - the step engine: one node's shards (placed by a plan on the node's ranks)
  * and the forward and backward of one training step over the batches of all its trainers.
  *
- * A step runs in phases, each explicit so that a later issue can put the cross-node
- * all-to-all between routing and lookup:
+ * A step runs in phases, each explicit so that the cross-node exchanges (below) sit between
+ * them:
  *   1. route     each trainer's KJT is checked and copied into per-rank INPUT buffers (the ids
  *                each rank must look up: whole bags for table_wise / column_wise /
  *                table_column_wise and one replica of data_parallel, the ids of the rank's row
@@ -73,6 +73,15 @@ struct embd_step_cluster {
 	int timeout_ms;                 /* the comm's collective timeout (for messages) */
 };
 
+/* The collectives of a step on several nodes, in order (service/step_dist.c). */
+enum embd_step_exchange {
+	EMBD_STEP_SIZES = 0,            /* forward: sizes, accept flags, status */
+	EMBD_STEP_INPUT = 1,            /* forward: ids, weights, offsets */
+	EMBD_STEP_OUTPUT = 2,           /* forward: pooled partials back */
+	EMBD_STEP_GRADS = 3,            /* backward: gradients of the pooled outputs */
+	EMBD_STEP_EXCHANGES
+};
+
 /* Work counters of the last forward (for stats). */
 struct embd_step_counts {
 	uint64_t ids;                   /* ids in the accepted batches */
@@ -80,6 +89,7 @@ struct embd_step_counts {
 	uint64_t input_bytes;           /* lengths, ids and weights copied in */
 	uint64_t output_bytes;          /* pooled floats written to trainers */
 	uint64_t sent_bytes;            /* bytes sent to other nodes (forward and backward) */
+	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* sent_bytes by exchange */
 };
 
 struct embd_step;

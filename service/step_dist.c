@@ -79,7 +79,7 @@ struct step_dist {
 	char why[96];
 	bool broken;
 	char broken_msg[256];
-	uint64_t sent_bytes;
+	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* of the last step, sent to others */
 };
 
 static uint64_t pad8(uint64_t n)
@@ -141,9 +141,13 @@ void step_dist_destroy(struct embd_step *s)
 	s->dist = NULL;
 }
 
-uint64_t step_dist_sent_bytes(const struct embd_step *s)
+void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
-	return s->dist->sent_bytes;
+	out->sent_bytes = 0;
+	for (int e = 0; e < EMBD_STEP_EXCHANGES; e++) {
+		out->exchange_bytes[e] = s->dist->exchange_bytes[e];
+		out->sent_bytes += s->dist->exchange_bytes[e];
+	}
 }
 
 static void sleep_ms(long ms)
@@ -219,16 +223,20 @@ static void describe_failure(struct embd_step *s, int rc, const char *what)
 
 /* Sizes the receive buffer from rbytes, runs the all-to-all of send, and breaks the comm on
  * failure (every later step is refused: the nodes may now disagree). */
-static int exchange(struct embd_step *s, struct vec *recv, const char *what)
+static int exchange(struct embd_step *s, struct vec *recv, enum embd_step_exchange which)
 {
+	static const char *const names[EMBD_STEP_EXCHANGES] = { "size", "input", "output",
+								 "gradient" };
 	struct step_dist *d = s->dist;
+	const char *what = names[which];
 	int rc;
 
 	d->roff[0] = 0;
+	d->exchange_bytes[which] = 0;
 	for (uint32_t p = 0; p < d->nodes; p++) {
 		d->roff[p + 1] = d->roff[p] + d->rbytes[p];
 		if (p != s->node)
-			d->sent_bytes += d->sbytes[p];
+			d->exchange_bytes[which] += d->sbytes[p];
 	}
 	recv->len = 0;
 	if ((rc = vec_reserve(recv, d->roff[d->nodes], 1)))
@@ -466,7 +474,7 @@ int step_dist_input(struct embd_step *s)
 	int rc;
 
 	d->seq++;
-	d->sent_bytes = 0;
+	memset(d->exchange_bytes, 0, sizeof(d->exchange_bytes));
 	d->rx.len = 0;
 	if (d->broken)
 		return refuse_broken(s);
@@ -494,7 +502,7 @@ int step_dist_input(struct embd_step *s)
 		memcpy((uint8_t *)d->send.p + m * H, &h, H);
 		d->sbytes[m] = d->rbytes[m] = H;
 	}
-	if ((rc = exchange(s, &d->in, "size")))
+	if ((rc = exchange(s, &d->in, EMBD_STEP_SIZES)))
 		return rc;
 	if ((rc = check_heads(s, &d->in, heads, 0, "size exchange:")))
 		return rc;
@@ -523,7 +531,7 @@ int step_dist_input(struct embd_step *s)
 		d->sbytes[m] = payload[m];
 		d->rbytes[m] = m == s->node ? 0 : heads[m].bytes;
 	}
-	if ((rc = exchange(s, &d->in, "input")))
+	if ((rc = exchange(s, &d->in, EMBD_STEP_INPUT)))
 		return rc;
 	/* bad peer data fails the step everywhere: the OUTPUT head carries it */
 	d->local_status = 0;
@@ -606,7 +614,7 @@ int step_dist_output(struct embd_step *s, int status, const char *why)
 	/* what comes back: exactly the blocks of the forward items staged for each node */
 	for (uint32_t m = 0; m < N; m++)
 		d->rbytes[m] = H + staged_block_bytes(s, m, true);
-	if ((rc = exchange(s, &d->out, "output")))
+	if ((rc = exchange(s, &d->out, EMBD_STEP_OUTPUT)))
 		return rc;
 	if ((rc = check_heads(s, &d->out, heads, 0, "lookup failed on")))
 		return rc;
@@ -668,7 +676,7 @@ int step_dist_grads(struct embd_step *s, int status, const char *why)
 		out += d->sbytes[m];
 		d->rbytes[m] = H + d->grad_expect[m];
 	}
-	if ((rc = exchange(s, &d->grad, "gradient")))
+	if ((rc = exchange(s, &d->grad, EMBD_STEP_GRADS)))
 		return rc;
 	for (uint32_t p = 0; p <= N; p++)
 		d->grad_off[p] = d->roff[p] + H;

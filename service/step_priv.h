@@ -127,7 +127,7 @@ int step_dist_output(struct embd_step *s, int status, const char *why);
 int step_dist_grads(struct embd_step *s, int status, const char *why);
 /* Where the gradient of a received item lies. */
 const float *step_dist_grad_of(const struct embd_step *s, const struct step_item *it);
-/* Bytes this node sent to others in the last step. */
-uint64_t step_dist_sent_bytes(const struct embd_step *s);
+/* sent_bytes and exchange_bytes of the last step. */
+void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out);
 
 #endif /* EMBD_SERVICE_STEP_PRIV_H */

@@ -52,4 +52,7 @@ int bench_ipc_run(int argc, char **argv);
 /* embd-bench e2e (bench_e2e.c) */
 int bench_e2e_run(int argc, char **argv);
 
+/* embd-bench dist (bench_dist.c) */
+int bench_dist_run(int argc, char **argv);
+
 #endif
