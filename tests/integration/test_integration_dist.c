@@ -11,13 +11,16 @@
  * a bad batch is refused for its trainer only while the cluster's step runs; nodes whose
  * tables or world size differ are refused at join; NODE_RANK from the environment wins.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -187,26 +190,61 @@ static void read_log(uint32_t n, char *out, size_t len)
 		fclose(f);
 }
 
-/* One port per test process: tests run in their own processes, other builds run beside. */
+/* A port that was free a moment ago on 127.0.0.1 (bound to 0, read back, closed): fixed
+ * ranges collide with the ephemeral ports Gloo's pairs and parallel tests hold. */
 static void pick_port(void)
 {
-	port = (uint16_t)(20000 + ((uint32_t)getpid() * 7919u + (uint32_t)now_ms()) % 30000);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	cr_assert(fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
+		  !getsockname(fd, (struct sockaddr *)&a, &len), "no free port: %s", strerror(errno));
+	port = ntohs(a.sin_port);
+	close(fd);
 }
 
-/* Starts N nodes (every sharding's plan from write_plan) and waits for every socket. */
+static void stop_node(uint32_t n, int sig)
+{
+	int status;
+
+	if (nodes[n].pid <= 0)
+		return;
+	kill(nodes[n].pid, sig);
+	for (int i = 0; i < 300 && waitpid(nodes[n].pid, &status, WNOHANG) == 0; i++)
+		usleep(10000);
+	kill(nodes[n].pid, SIGKILL);
+	waitpid(nodes[n].pid, &status, 0);
+	nodes[n].pid = 0;
+}
+
+/* Starts N nodes (every sharding's plan from write_plan) and waits for every socket. A
+ * port taken between pick_port and node 0's listen is retried with another one. */
 static void start_cluster(uint32_t N, const char *sharding)
 {
 	char log[4096];
 
 	num_nodes = N;
-	pick_port();
-	for (uint32_t n = 0; n < N; n++)
-		node_paths(n);
-	if (sharding)
-		write_plan(nodes[0].plan, sharding, N);
-	for (uint32_t n = 0; n < N; n++) {
-		write_config(n, sharding, N, NULL);
-		spawn(n);
+	for (int attempt = 0;; attempt++) {
+		pick_port();
+		for (uint32_t n = 0; n < N; n++)
+			node_paths(n);
+		if (sharding)
+			write_plan(nodes[0].plan, sharding, N);
+		for (uint32_t n = 0; n < N; n++) {
+			write_config(n, sharding, N, NULL);
+			spawn(n);
+		}
+		int st;
+		usleep(100000);
+		if (attempt == 3 || waitpid(nodes[0].pid, &st, WNOHANG) != nodes[0].pid)
+			break;
+		read_log(0, log, sizeof(log));
+		nodes[0].pid = 0;
+		if (!strstr(log, "Address already in use"))
+			cr_assert_fail("node 0 exited (status 0x%x) before listening: %s", st, log);
+		for (uint32_t n = 1; n < N; n++)
+			stop_node(n, SIGKILL);
 	}
 	for (uint32_t n = 0; n < N; n++) {
 		for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++) {
@@ -223,20 +261,6 @@ static void start_cluster(uint32_t N, const char *sharding)
 		cr_assert(access(nodes[n].socket, F_OK) == 0,
 			  "node %u did not listen on %s within 15 s: %s", n, nodes[n].socket, log);
 	}
-}
-
-static void stop_node(uint32_t n, int sig)
-{
-	int status;
-
-	if (nodes[n].pid <= 0)
-		return;
-	kill(nodes[n].pid, sig);
-	for (int i = 0; i < 300 && waitpid(nodes[n].pid, &status, WNOHANG) == 0; i++)
-		usleep(10000);
-	kill(nodes[n].pid, SIGKILL);
-	waitpid(nodes[n].pid, &status, 0);
-	nodes[n].pid = 0;
 }
 
 /* Criterion fini: after a failed assertion too, no embd or trainer outlives its test. */
