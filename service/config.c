@@ -172,6 +172,39 @@ static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tab
 		return get_count(item, &c->trainers_per_node, err, err_len);
 	if (!strcmp(k, "threads_per_rank"))
 		return get_count(item, &c->threads_per_rank, err, err_len);
+	if (!strcmp(k, "master_addr")) {
+		rc = get_string(item, c->master_addr, sizeof(c->master_addr), err, err_len);
+		if (!rc && !c->master_addr[0])
+			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must not be empty", k);
+		return rc;
+	}
+	if (!strcmp(k, "master_port")) {
+		rc = get_uint(item, 65535, &v, err, err_len);
+		if (!rc && !v)
+			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must be 1..65535", k);
+		c->master_port = (uint16_t)v;
+		return rc;
+	}
+	if (!strcmp(k, "node_rank")) {
+		rc = get_uint(item, 1 << 20, &v, err, err_len);
+		c->node_rank = (uint32_t)v;
+		return rc;
+	}
+	if (!strcmp(k, "backend")) {
+		if (!cJSON_IsString(item) || (strcmp(item->valuestring, "gloo") &&
+					      strcmp(item->valuestring, "nccl")))
+			return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected gloo or nccl",
+				    k);
+		c->backend = strcmp(item->valuestring, "gloo") ? EMBD_COMM_NCCL : EMBD_COMM_GLOO;
+		return 0;
+	}
+	if (!strcmp(k, "collective_timeout_ms") || !strcmp(k, "store_timeout_ms")) {
+		rc = get_uint(item, 86400000, &v, err, err_len);
+		if (!rc && !v && k[0] == 'c')
+			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must be at least 1", k);
+		*(k[0] == 'c' ? &c->collective_timeout_ms : &c->store_timeout_ms) = (int)v;
+		return rc;
+	}
 	if (!strcmp(k, "busy_poll_us")) {
 		rc = get_uint(item, 1000000, &v, err, err_len);
 		c->busy_poll_us = (uint32_t)v;
@@ -184,10 +217,20 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 {
 	const struct embd_topology *t = &c->topology;
 
-	if (t->world_size != t->local_world_size)
-		return fail(err, err_len, EMBD_ENOTSUP,
-			    "config key '%s': world_size must equal local_world_size (one node; "
-			    "multi-node embd is a later issue)", "topology");
+	if (t->world_size % t->local_world_size)
+		return fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': world_size must be a multiple of local_world_size",
+			    "topology");
+	if (c->node_rank >= embd_config_nodes(c))
+		return fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': must be below world_size / local_world_size",
+			    "node_rank");
+	if (embd_config_nodes(c) > 1 && c->trainers_per_node > 64)
+		return fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': at most 64 on several nodes", "trainers_per_node");
+	if (c->backend == EMBD_COMM_NCCL && t->compute_device != EMBD_DEVICE_CUDA)
+		return fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': nccl needs compute_device cuda; use gloo", "backend");
 	if (t->compute_device != EMBD_DEVICE_CPU)
 		return fail(err, err_len, EMBD_ENOTSUP,
 			    "config key '%s': compute_device must be cpu in this build", "topology");
@@ -243,6 +286,10 @@ int embd_config_parse(const char *text, size_t len, struct embd_config *out, cha
 	out->log_level = EMBD_LOG_INFO;
 	out->busy_poll_us = 50;
 	out->checkpoint_keep = 3;
+	strcpy(out->master_addr, "127.0.0.1");
+	out->master_port = 29500;
+	out->backend = EMBD_COMM_GLOO;
+	out->collective_timeout_ms = 30000;
 	cJSON_ArrayForEach(item, root) {
 		rc = parse_key(item, out, &tables, &topology, err, err_len);
 		if (rc)
@@ -272,6 +319,8 @@ int embd_config_parse(const char *text, size_t len, struct embd_config *out, cha
 		out->allowed_uids[0] = getuid();
 		out->num_allowed_uids = 1;
 	}
+	if (!out->store_timeout_ms)
+		out->store_timeout_ms = out->collective_timeout_ms;
 	rc = check(out, err, err_len);
 out:
 	cJSON_Delete(root);

@@ -7,7 +7,8 @@
  *
  *   { "tables": [ ... ],            the planner's tables array (include/embd/plan.h)
  *     "topology": { ... },          the planner's topology fields (include/embd/plan.h);
- *                                   one node only for now: world_size == local_world_size
+ *                                   world_size a multiple of local_world_size: node n
+ *                                   holds global ranks [n * L, (n + 1) * L)
  *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
  *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
  *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
@@ -16,14 +17,26 @@
  *     "seed": 2026,                 weight init seed (unsigned 64-bit)
  *     "threads_per_rank": 1,        worker threads of each CPU rank
  *     "log_level": "info",          error | warning | notice | info | debug
- *     "checkpoint_dir": "",         where checkpoints go (service/checkpoint.h); "" = none.
- *                                   At start the newest valid one there is restored
+ *     "checkpoint_dir": "",         where checkpoints go (service/checkpoint.h); "" = none. At start
+ *                                   the newest valid one there is restored (one node only)
  *     "checkpoint_every_steps": 0,  a checkpoint every N completed steps (0 = off)
  *     "checkpoint_every_seconds": 0,  ... and/or every T seconds while steps run (0 = off);
  *                                   `embctl checkpoint` and SIGTERM take one too
  *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all)
- *     "busy_poll_us": 50 }          how long the event loop spins on rings before sleeping
+ *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
+ *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the
+ *   environment variables MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
+ *   override these keys and the topology's sizes; see service/rendezvous.h):
+ *     "master_addr": "127.0.0.1",   where node 0 serves the rendezvous store
+ *     "master_port": 29500,         its TCP port
+ *     "node_rank": 0,               this node (0 .. world_size / local_world_size - 1)
+ *     "backend": "gloo",            gloo (CPU, one Gloo rank per node); nccl needs cuda
+ *     "collective_timeout_ms": 30000,  every collective: a node that does not answer within
+ *                                   it fails the step on the others (and breaks the comm)
+ *     "store_timeout_ms": 0 }       every store wait and the join; 0 = collective_timeout_ms
  *
+ * Trainers: trainers_per_node on every node (at most 64 on several nodes); the global batch
+ * is node 0's trainers' batches in trainer order, then node 1's, ...
  * Missing "tables" or "topology" take the embedded default's (embd_config_default_text).
  * Command-line flags (--socket, --log-level) are applied by the caller after parsing.
  */
@@ -37,6 +50,7 @@
 #include <sys/un.h>
 
 #include "embd/plan.h"
+#include "service/comm.h"
 #include "service/log.h"
 
 #define EMBD_CONFIG_IDS_MAX 64          /* entries of allowed_uids / allowed_gids */
@@ -62,7 +76,19 @@ struct embd_config {
 	uint32_t checkpoint_every_seconds;              /* 0 = off */
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
 	uint32_t busy_poll_us;
+	char master_addr[256];
+	uint16_t master_port;
+	uint32_t node_rank;
+	enum embd_comm_backend backend;
+	int collective_timeout_ms;
+	int store_timeout_ms;                           /* resolved: never 0 after parsing */
 };
+
+/* Nodes of the cluster: world_size / local_world_size. */
+static inline uint32_t embd_config_nodes(const struct embd_config *c)
+{
+	return (uint32_t)(c->topology.world_size / c->topology.local_world_size);
+}
 
 /* The embedded default configuration (JSON text, NUL-terminated). */
 const char *embd_config_default_text(void);

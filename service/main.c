@@ -18,11 +18,14 @@
 #include <unistd.h>
 
 #include "service/ckpt_service.h"
+#include "service/comm.h"
 #include "service/config.h"
 #include "service/log.h"
 #include "service/ranks.h"
+#include "service/rendezvous.h"
 #include "service/server.h"
 #include "service/step.h"
+#include "service/store.h"
 
 static void usage(FILE *f)
 {
@@ -68,6 +71,81 @@ static int make_plan(const struct embd_config *c, struct embd_plan **out, char *
 	return embd_plan_check(*out, t->specs, t->constraints, t->count, err, err_len);
 }
 
+/* What a node of several holds besides its step engine. */
+struct cluster {
+	struct embd_store_server *server;       /* node 0 only */
+	struct embd_store *store;
+	struct embd_comm *comm;
+};
+
+static void cluster_close(struct cluster *cl)
+{
+	embd_comm_destroy(cl->comm);
+	embd_store_close(cl->store);
+	embd_store_server_stop(cl->server);
+}
+
+/*
+ * env:// over the config (service/rendezvous.h): MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
+ * LOCAL_WORLD_SIZE and NODE_RANK in the environment win over the config's keys.
+ */
+static int resolve_env(struct embd_config *c, struct embd_rendezvous *r, char *err,
+		       size_t err_len)
+{
+	struct embd_rendezvous from_config;
+	int rc;
+
+	embd_rendezvous_defaults(&from_config);
+	snprintf(from_config.master_addr, sizeof(from_config.master_addr), "%s", c->master_addr);
+	from_config.master_port = c->master_port;
+	from_config.world_size = c->topology.world_size;
+	from_config.local_world_size = c->topology.local_world_size;
+	from_config.node_rank = (int32_t)c->node_rank;
+	from_config.backend = c->backend;
+	rc = embd_rendezvous_resolve(&from_config, r, err, err_len);
+	if (rc)
+		return rc;
+	embd_rendezvous_apply_topology(r, &c->topology);
+	snprintf(c->master_addr, sizeof(c->master_addr), "%s", r->master_addr);
+	c->master_port = r->master_port;
+	c->node_rank = (uint32_t)r->node_rank;
+	if (embd_config_nodes(c) > 1 && c->trainers_per_node > 64)
+		return snprintf(err, err_len, "trainers_per_node %u: at most 64 on several nodes",
+				c->trainers_per_node), EMBD_EINVAL;
+	return 0;
+}
+
+/*
+ * Several nodes: node 0 serves the store, every node connects, collective_plan makes every
+ * node agree on node 0's plan (or all refuse, naming the difference), and the comm joins
+ * one Gloo participant per node.
+ */
+static int cluster_join(const struct embd_config *c, const struct embd_rendezvous *r,
+			struct cluster *cl, struct embd_plan **plan, char *err, size_t err_len)
+{
+	char inner[768];
+	int rc;
+
+	if (c->node_rank == 0 && (rc = make_plan(c, plan, inner, sizeof(inner))))
+		return snprintf(err, err_len, "plan: %s", inner), rc;
+	rc = embd_rendezvous_store(r, c->store_timeout_ms, &cl->server, &cl->store, inner,
+				   sizeof(inner));
+	if (rc)
+		return snprintf(err, err_len, "store: %s", inner), rc;
+	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, NULL,
+				  c->store_timeout_ms, plan, inner, sizeof(inner));
+	if (rc)
+		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
+	struct embd_comm_options o = {
+		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
+		.timeout_ms = c->collective_timeout_ms, .hostname = "", .prefix = "embd/gloo/0/",
+	};
+	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
+	if (rc)
+		return snprintf(err, err_len, "comm: %s", inner), rc;
+	return 0;
+}
+
 static void log_plan(struct embd_plan *plan)
 {
 	char *text = NULL;
@@ -98,6 +176,7 @@ int main(int argc, char **argv)
 	struct embd_server *server = NULL;
 	struct embd_ckpt_service *ckpt = NULL;
 	uint64_t resumed_step = 0;
+	struct cluster cluster = { 0 };
 	enum embd_log_level level;
 	char err[1024] = "";
 	int sigfd = -1, rc, opt;
@@ -146,19 +225,6 @@ int main(int argc, char **argv)
 		      config_path ? config_path : "embedded default config", config.tables.count,
 		      config.topology.local_world_size, config.trainers_per_node);
 
-	rc = make_plan(&config, &plan, err, sizeof(err));
-	if (rc) {
-		embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
-		goto out;
-	}
-	char *json = NULL;
-	size_t json_len;
-	rc = embd_plan_write_json(plan, &json, &json_len);   /* also sets plan_hash */
-	free(json);
-	if (rc)
-		goto out;
-	log_plan(plan);
-
 	/* block before any thread exists, so every thread inherits the mask */
 	sigset_t mask;
 	sigemptyset(&mask);
@@ -173,11 +239,55 @@ int main(int argc, char **argv)
 		embd_log_error("signalfd failed");
 		goto out;
 	}
+	struct embd_rendezvous rdv;
+	rc = resolve_env(&config, &rdv, err, sizeof(err));
+	if (rc) {
+		embd_log_error("env://: %s", err);
+		goto out;
+	}
+	const uint32_t nodes = embd_config_nodes(&config);
+	/* Cluster checkpoints need node 0 to commit after every node reported (designed in
+	 * service/checkpoint.h, not wired yet): writing per-node pieces that no restore can
+	 * put together would be worse than refusing. */
+	if (nodes > 1 && config.checkpoint_dir[0]) {
+		embd_log_error("checkpoint_dir: checkpoints of a cluster (%u nodes) are not "
+			       "supported by this version; remove checkpoint_dir", nodes);
+		rc = EMBD_ENOTSUP;
+		goto out;
+	}
+	if (nodes > 1) {
+		embd_log_info("node %u of %u: store at %s:%u, %s, collective timeout %d ms",
+			      config.node_rank, nodes, config.master_addr, config.master_port,
+			      config.backend == EMBD_COMM_GLOO ? "gloo" : "nccl",
+			      config.collective_timeout_ms);
+		rc = cluster_join(&config, &rdv, &cluster, &plan, err, sizeof(err));
+		if (rc) {
+			embd_log_error("join: %s (%s)", err, embd_strerror(rc));
+			goto out;
+		}
+	} else {
+		rc = make_plan(&config, &plan, err, sizeof(err));
+		if (rc) {
+			embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
+			goto out;
+		}
+	}
+	char *json = NULL;
+	size_t json_len;
+	rc = embd_plan_write_json(plan, &json, &json_len);   /* also sets plan_hash */
+	free(json);
+	if (rc)
+		goto out;
+	log_plan(plan);
+
 	rc = embd_ranks_create((uint32_t)config.topology.local_world_size, config.threads_per_rank,
 			       &ranks, err, sizeof(err));
+	struct embd_step_cluster where = { config.node_rank, nodes, cluster.comm, cluster.store,
+					   config.collective_timeout_ms };
 	if (!rc)
-		rc = embd_step_create(&config.tables, plan, ranks, config.seed,
-				      config.trainers_per_node, &step, err, sizeof(err));
+		rc = embd_step_create_cluster(&config.tables, plan, ranks, config.seed,
+					      config.trainers_per_node, &where, &step, err,
+					      sizeof(err));
 	/* checkpoints: the newest valid one is restored before the socket accepts anyone */
 	if (!rc && config.checkpoint_dir[0]) {
 		rc = embd_ckpt_service_create(&config, step, plan, &ckpt, err, sizeof(err));
@@ -214,6 +324,7 @@ out:
 	embd_server_destroy(server);
 	embd_ckpt_service_destroy(ckpt);
 	embd_step_destroy(step);
+	cluster_close(&cluster);
 	embd_ranks_destroy(ranks);
 	embd_plan_destroy(plan);
 	embd_config_free(&config);

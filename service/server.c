@@ -69,6 +69,7 @@ struct embd_server {
 	struct embd_evloop *loop;
 	int listen_fd, sigfd;
 	bool stop, first_step_done;
+	bool cluster;                   /* several nodes: every step is collective */
 	struct client clients[MAX_CLIENTS];
 	uint64_t s;                     /* the step being collected or run */
 	enum phase phase;
@@ -124,8 +125,11 @@ static void drop_client(struct embd_server *sv, struct client *c, const char *wh
 		embd_log_info("trainer %d (pid %d, uid %u) left: %s", c->index, (int)c->peer.pid,
 			      (unsigned)c->peer.uid, why);
 	if (c->participant && sv->phase == WAIT_BACKWARD) {
+		char what[200];
+		snprintf(what, sizeof(what), "trainer %d on node %u %.150s", c->index,
+			 sv->config->node_rank, why);
 		c->participant = false;
-		abort_step(sv, why);
+		abort_step(sv, what);
 	}
 	embd_evloop_remove(sv->loop, TAG(TAG_SOCKET, slot));
 	if (c->region)
@@ -387,16 +391,23 @@ static void next_step(struct embd_server *sv)
 	}
 }
 
+/* A participant left before backward: the step is dropped here and, through the backward's
+ * collective, on every node (collectives may hold this thread up to collective_timeout_ms). */
 static void abort_step(struct embd_server *sv, const char *why)
 {
+	char msg[256];
+
 	embd_log_warning("step %" PRIu64 " aborted: %s", sv->s, why);
-	embd_step_abort(sv->step);
+	int rc = embd_step_abort(sv->step, why);
+	if (rc)
+		embd_log_error("step %" PRIu64 ": telling the other nodes of the abort failed: %s",
+			       sv->s, embd_strerror(rc));
+	snprintf(msg, sizeof(msg), "step aborted: %.200s", why);
 	sv->stats.aborted_steps++;
 	for (uint32_t i = 0; i < MAX_CLIENTS; i++) {
 		struct client *c = &sv->clients[i];
 		if (c->used && c->has_bwd)
-			complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED,
-				 "step aborted: a trainer hung up");
+			complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		c->has_bwd = c->participant = false;
 	}
 	sv->canceled_step = sv->s + 1;
@@ -430,7 +441,8 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 	}
 	if (sqe->opcode == EMBD_OP_BACKWARD) {
 		if (sqe->step + 1 == sv->canceled_step && !c->participant)
-			complete(sv, c, sqe, popped_ns, EMBD_ECANCELED, "step aborted: a trainer hung up");
+			complete(sv, c, sqe, popped_ns, EMBD_ECANCELED,
+				 "step aborted: a participant hung up");
 		else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 			complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				 "step: this trainer takes no part in that step's backward");
@@ -473,33 +485,39 @@ static void run_forward(struct embd_server *sv)
 {
 	uint32_t n = 0;
 
-	for (uint32_t i = 0; i < MAX_CLIENTS; i++) {
-		struct client *c = &sv->clients[i];
-		if (!c->used || !c->has_fwd)
-			continue;
-		uint8_t *slab = embd_region_slab(c->region);
-		sv->batches[n] = (struct embd_step_batch){
-			.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset) };
-		sv->batch_slot[n++] = i;
-	}
+	/* in trainer order: the global batch is node 0's trainers in order, then node 1's, ... */
+	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
+		for (uint32_t i = 0; i < MAX_CLIENTS; i++) {
+			struct client *c = &sv->clients[i];
+			if (!c->used || !c->has_fwd || c->index != index)
+				continue;
+			uint8_t *slab = embd_region_slab(c->region);
+			sv->batches[n] = (struct embd_step_batch){
+				.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset) };
+			sv->batch_slot[n++] = i;
+		}
 	sv->step_start_ns = embd_stats_now_ns();
 	sv->num_batches = n;
 	int rc = embd_step_forward(sv->step, sv->batches, n);
-	uint32_t accepted = 0;
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		int st = rc < 0 ? rc : sv->batches[k].status;
 		complete(sv, c, &c->fwd, c->fwd_popped_ns, st, st ? sv->batches[k].err : NULL);
 		c->has_fwd = false;
 		c->participant = st == 0;
-		accepted += st == 0;
 	}
 	sv->first_step_done = true;
-	if (accepted) {
+	/* on a cluster the backward is collective: this node takes part in it even when none
+	 * of its own trainers does (then advance() runs it at once) */
+	if (rc >= 0 && embd_step_cluster_accepted(sv->step)) {
 		sv->phase = WAIT_BACKWARD;
 		return;
 	}
-	embd_log_warning("step %" PRIu64 ": every batch was refused", sv->s);
+	if (rc >= 0 && sv->num_batches)
+		embd_log_warning("step %" PRIu64 ": every batch was refused", sv->s);
+	else if (rc < 0)
+		embd_log_error("step %" PRIu64 " forward failed: %s", sv->s,
+			       n ? sv->batches[0].err : embd_strerror(rc));
 	next_step(sv);
 }
 
@@ -519,8 +537,14 @@ static void run_backward(struct embd_server *sv)
 		complete(sv, c, &c->bwd, c->bwd_popped_ns, rc, rc ? sv->batches[k].err : NULL);
 		c->has_bwd = c->participant = false;
 	}
-	if (rc)
+	if (rc == EMBD_ECANCELED) {
+		/* another node's participant left: nobody's parameters changed */
+		sv->stats.aborted_steps++;
+		sv->canceled_step = sv->s + 1;
+		embd_log_warning("step %" PRIu64 " aborted by the cluster", sv->s);
+	} else if (rc) {
 		embd_log_error("step %" PRIu64 " backward failed: %s", sv->s, embd_strerror(rc));
+	}
 	struct embd_step_counts counts;
 	embd_step_counts(sv->step, &counts);
 	embd_stats_step(&sv->stats, &counts, embd_stats_now_ns() - sv->step_start_ns);
@@ -547,7 +571,9 @@ static void advance(struct embd_server *sv)
 	if (sv->phase == COLLECT) {
 		if (!sv->first_step_done && trainers < sv->config->trainers_per_node)
 			return;
-		if (!waiting && posted)
+		/* a cluster's step is collective: a node whose trainers all sat it out (or left)
+		 * still joins it, and waits in it for the others up to collective_timeout_ms */
+		if (!waiting && (posted || sv->cluster))
 			run_forward(sv);
 	} else if (!waiting) {
 		run_backward(sv);
@@ -708,6 +734,7 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	sv->ranks = ranks;
 	sv->plan_hash = plan_hash;
 	sv->sigfd = sigfd;
+	sv->cluster = embd_config_nodes(config) > 1;
 	sv->listen_fd = -1;
 	embd_stats_init(&sv->stats);
 	sv->batches = calloc(MAX_CLIENTS, sizeof(*sv->batches));

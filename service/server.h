@@ -10,6 +10,13 @@
  * first step also waits for trainers_per_node trainers. Backward runs once every participant
  * posted BACKWARD s. A participant hanging up aborts step s: nobody's parameters change, the
  * others get EMBD_ECANCELED for step s, and the node moves on to s + 1.
+ *
+ * On several nodes the schedule spans the cluster: node n runs the forward of step s when its
+ * own trainers are in (or at once when all sat it out), then the step's collectives; backward
+ * likewise, even with no participant of its own. An abort goes through the backward's
+ * collective, so every node's trainers get EMBD_ECANCELED. Collectives run on the loop's
+ * thread and may hold it up to collective_timeout_ms; a node that does not answer within it
+ * fails the step here with an error naming it, and later steps are refused (step.h).
  */
 #ifndef EMBD_SERVICE_SERVER_H
 #define EMBD_SERVICE_SERVER_H

@@ -2,13 +2,15 @@
  * The step engine (service/step.h). Routing turns every (trainer, feature, shard) into one
  * "item": a bag batch in its rank's private input buffer. Items are the unit of everything
  * after routing: a rank's lookup is one kernel call over its forward items, its backward one
- * call per shard over that shard's items, and the future all-to-all would ship exactly the
- * items of remote ranks. Each trainer is routed in one pass that reads every length and id of
+ * call per shard over that shard's items, and the input exchange (step_dist.c) ships exactly
+ * the items staged for other nodes. Each trainer is routed in one pass that reads every length and id of
  * its (shared, untrusted) batch exactly once; when a value is bad the trainer's items are
  * rolled back by truncating the per-rank buffers to where they were before it.
  */
 #include "service/step.h"
+#include "service/step_priv.h"
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,64 +19,7 @@
 #include "kernels/device.h"
 #include "kernels/jagged.h"
 
-#define NO_INDEX UINT64_MAX
-
-struct step_shard {
-	struct embd_shard *shard;
-	uint32_t table;
-	uint32_t rank;
-};
-
-struct step_table {
-	const struct embd_table_spec *spec;
-	enum embd_sharding_type type;
-	uint32_t first_shard, num_shards;       /* into step->shards, in the plan's order */
-	uint32_t num_replicas;                  /* data_parallel: = num_shards; else 1 */
-};
-
-struct step_item {
-	uint32_t shard, feature, trainer;
-	bool forward;                           /* data_parallel: only the trainer's replica */
-	bool weighted;
-	uint64_t offsets_at, ids_at, num_ids;
-	uint64_t lengths_at;                    /* full bag lengths (row-split mean) or NO_INDEX */
-	uint64_t partial_at;                    /* row-split partial sums or NO_INDEX (direct) */
-};
-
-/* A growable array of elements of one type; len/cap in elements. */
-struct vec {
-	void *p;
-	uint64_t len, cap;
-};
-
-/* One rank's explicit input (ids to look up) and output (partial sums) buffers. */
-struct rank_io {
-	struct vec offsets, ids, weights, lengths, partial, items, batches;
-	uint32_t *shards;                       /* indices into step->shards on this rank */
-	uint32_t num_shards;
-	int rc;
-	struct embd_kernel_err kerr;
-};
-
-struct embd_step {
-	uint32_t num_tables, num_shards, num_ranks, max_trainers;
-	struct step_table *tables;
-	struct step_shard *shards;
-	struct embd_ranks *ranks;
-	struct rank_io *io;
-	struct embd_step_layout layout;
-	char (*names)[EMBD_NAME_MAX];
-	uint32_t *dims, *offsets, *feature_tables;
-	int64_t *scratch_offsets;               /* F * B + 1: one trainer's private offsets */
-	uint64_t seed;
-	/* the step in flight */
-	struct embd_step_batch *batches;
-	uint32_t num_batches;
-	bool pending;
-	struct embd_step_counts counts;
-};
-
-static int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
+int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 {
 	/* allocated even for 0 elements, so that every item's pointers are valid */
 	if (v->p && v->len + extra <= v->cap)
@@ -91,7 +36,7 @@ static int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 }
 
 /* Reserves n elements at the end and returns their index. */
-static int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
+int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
 {
 	int rc = vec_reserve(v, n, elem);
 	if (rc)
@@ -101,18 +46,12 @@ static int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
 	return 0;
 }
 
-static void vec_free(struct vec *v)
+void vec_free(struct vec *v)
 {
 	free(v->p);
 	*v = (struct vec){ 0 };
 }
 
-#define VEC_AT(v, type, i) (&((type *)(v).p)[i])
-
-static bool row_split(enum embd_sharding_type t)
-{
-	return t == EMBD_SHARD_ROW_WISE || t == EMBD_SHARD_TABLE_ROW_WISE;
-}
 
 /* ---- creation ---------------------------------------------------------------------------- */
 
@@ -165,17 +104,23 @@ static int build_layout(struct embd_step *s, const struct embd_tables *tables,
 	return 0;
 }
 
+static const struct embd_plan_table *plan_table(const struct embd_plan *plan, const char *name)
+{
+	for (uint32_t p = 0; p < plan->num_tables; p++)
+		if (!strcmp(plan->tables[p].name, name))
+			return &plan->tables[p];
+	return NULL;
+}
+
 static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			const struct embd_plan *plan, char *err, size_t err_len)
 {
+	const uint32_t L = s->num_ranks, world = L * s->num_nodes;
 	uint32_t n = 0;
 	int rc;
 
 	for (uint32_t t = 0; t < tables->count; t++) {
-		const struct embd_plan_table *pt = NULL;
-		for (uint32_t p = 0; p < plan->num_tables && !pt; p++)
-			if (!strcmp(plan->tables[p].name, tables->specs[t].name))
-				pt = &plan->tables[p];
+		const struct embd_plan_table *pt = plan_table(plan, tables->specs[t].name);
 		if (!pt || !pt->num_shards) {
 			snprintf(err, err_len, "table %u '%s': not in the plan", t, tables->specs[t].name);
 			return EMBD_ENOENT;
@@ -186,67 +131,89 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			.num_replicas = pt->sharding_type == EMBD_SHARD_DATA_PARALLEL ? pt->num_shards : 1,
 		};
 		n += pt->num_shards;
+		if (pt->num_shards > s->max_table_shards)
+			s->max_table_shards = pt->num_shards;
 	}
 	s->num_shards = n;
 	s->shards = calloc(n ? n : 1, sizeof(*s->shards));
-	for (uint32_t r = 0; r < s->num_ranks; r++)
+	s->sources = calloc((size_t)s->max_trainers * s->layout.num_features *
+			    (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->sources));
+	for (uint32_t r = 0; r < s->num_io; r++)
 		s->io[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
-	if (!s->shards)
+	if (!s->shards || !s->sources)
 		return EMBD_ENOMEM;
-	for (uint32_t r = 0; r < s->num_ranks; r++)
+	for (uint32_t r = 0; r < s->num_io; r++)
 		if (!s->io[r].shards)
 			return EMBD_ENOMEM;
 	for (uint32_t t = 0; t < tables->count; t++) {
 		const struct embd_table_spec *spec = &tables->specs[t];
-		const struct embd_plan_table *pt = NULL;
-		for (uint32_t p = 0; p < plan->num_tables && !pt; p++)
-			if (!strcmp(plan->tables[p].name, spec->name))
-				pt = &plan->tables[p];
+		const struct embd_plan_table *pt = plan_table(plan, spec->name);
 		for (uint32_t k = 0; k < pt->num_shards; k++) {
 			const struct embd_plan_shard *ps = &pt->shards[k];
 			struct step_shard *ss = &s->shards[s->tables[t].first_shard + k];
-			if (ps->rank < 0 || (uint32_t)ps->rank >= s->num_ranks || ps->col_offset < 0 ||
+			if (ps->rank < 0 || (uint32_t)ps->rank >= world || ps->col_offset < 0 ||
 			    ps->cols <= 0) {
 				snprintf(err, err_len, "table '%s' shard %u: rank %d or columns [%d, +%d) "
-					 "outside this node's %u ranks and the table", spec->name, k,
-					 ps->rank, ps->col_offset, ps->cols, s->num_ranks);
+					 "outside the cluster's %u ranks and the table", spec->name, k,
+					 ps->rank, ps->col_offset, ps->cols, world);
 				return EMBD_EINVAL;
 			}
-			struct embd_shard_desc d = {
+			ss->desc = (struct embd_shard_desc){
 				.table_id = t, .num_embeddings = spec->num_embeddings,
 				.embedding_dim = (uint32_t)spec->embedding_dim, .dtype = spec->data_type,
 				.row_offset = ps->row_offset, .rows = ps->rows,
 				.col_offset = (uint32_t)ps->col_offset, .cols = (uint32_t)ps->cols,
 				.optimizer = spec->optimizer,
 			};
+			ss->table = t;
+			ss->rank = (uint32_t)ps->rank;
+			ss->node = ss->rank / L;
+			ss->local = ss->rank % L;
+			if (ss->node != s->node)
+				continue;       /* another node's memory */
 			char inner[192];
-			rc = embd_ranks_alloc_shard(s->ranks, (uint32_t)ps->rank, &d, &ss->shard, inner,
+			rc = embd_ranks_alloc_shard(s->ranks, ss->local, &ss->desc, &ss->shard, inner,
 						    sizeof(inner));
 			if (rc) {
 				snprintf(err, err_len, "table '%s' shard %u: %s", spec->name, k, inner);
 				return rc;
 			}
-			ss->table = t;
-			ss->rank = (uint32_t)ps->rank;
-			struct rank_io *io = &s->io[ss->rank];
+			s->tables[t].num_local++;
+			struct rank_io *io = &s->io[ss->local];
 			io->shards[io->num_shards++] = s->tables[t].first_shard + k;
+		}
+		if (s->tables[t].type == EMBD_SHARD_DATA_PARALLEL && !s->tables[t].num_local) {
+			snprintf(err, err_len, "table '%s': data_parallel without a replica on node %u",
+				 spec->name, s->node);
+			return EMBD_EINVAL;
 		}
 	}
 	return 0;
 }
 
-int embd_step_create(const struct embd_tables *tables, const struct embd_plan *plan,
-		     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
-		     struct embd_step **out, char *err, size_t err_len)
+int embd_step_create_cluster(const struct embd_tables *tables, const struct embd_plan *plan,
+			     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+			     const struct embd_step_cluster *cluster, struct embd_step **out,
+			     char *err, size_t err_len)
 {
+	uint32_t nodes = cluster && cluster->num_nodes ? cluster->num_nodes : 1;
+	uint32_t node = cluster ? cluster->node : 0;
 	struct embd_step *s;
 	int rc = EMBD_ENOMEM;
 
 	*out = NULL;
-	if (!max_trainers || !plan->topology.batch_size) {
-		snprintf(err, err_len, "max_trainers %u and batch_size %u must be at least 1",
-			 max_trainers, plan->topology.batch_size);
+	if (!max_trainers || !plan->topology.batch_size || node >= nodes ||
+	    (nodes > 1 && (max_trainers > 64 || !cluster->comm))) {
+		snprintf(err, err_len, "max_trainers %u (1..%u), batch_size %u, node %u of %u%s",
+			 max_trainers, nodes > 1 ? 64 : UINT32_MAX, plan->topology.batch_size, node,
+			 nodes, nodes > 1 && !cluster->comm ? ", no comm" : "");
 		return EMBD_EINVAL;
+	}
+	if (nodes > 1 && (uint64_t)plan->topology.world_size != (uint64_t)nodes *
+							 embd_ranks_count(ranks)) {
+		snprintf(err, err_len, "plan world_size %d: expected %u nodes x %u ranks",
+			 plan->topology.world_size, nodes, embd_ranks_count(ranks));
+		return EMBD_EMISMATCH;
 	}
 	s = calloc(1, sizeof(*s));
 	if (!s)
@@ -254,16 +221,21 @@ int embd_step_create(const struct embd_tables *tables, const struct embd_plan *p
 	s->ranks = ranks;
 	s->seed = seed;
 	s->max_trainers = max_trainers;
+	s->node = node;
+	s->num_nodes = nodes;
 	s->num_ranks = embd_ranks_count(ranks);
+	s->num_io = s->num_ranks + (nodes > 1 ? nodes : 0);
 	s->num_tables = tables->count;
 	s->tables = calloc(tables->count ? tables->count : 1, sizeof(*s->tables));
-	s->io = calloc(s->num_ranks, sizeof(*s->io));
+	s->io = calloc(s->num_io, sizeof(*s->io));
 	if (!s->tables || !s->io)
 		goto out;
 	rc = build_layout(s, tables, plan->topology.batch_size);
 	if (rc)
 		goto out;
 	rc = place_shards(s, tables, plan, err, err_len);
+	if (!rc && nodes > 1)
+		rc = step_dist_create(s, cluster, err, err_len);
 	if (rc)
 		goto out;
 	embd_ranks_run(ranks, init_rank, s);
@@ -276,14 +248,23 @@ out:
 	return rc;
 }
 
+int embd_step_create(const struct embd_tables *tables, const struct embd_plan *plan,
+		     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+		     struct embd_step **out, char *err, size_t err_len)
+{
+	return embd_step_create_cluster(tables, plan, ranks, seed, max_trainers, NULL, out, err,
+					err_len);
+}
+
 void embd_step_destroy(struct embd_step *s)
 {
 	if (!s)
 		return;
+	step_dist_destroy(s);
 	for (uint32_t i = 0; s->shards && i < s->num_shards; i++)
 		if (s->shards[i].shard)
 			embd_ranks_free_shard(s->ranks, s->shards[i].shard);
-	for (uint32_t r = 0; s->io && r < s->num_ranks; r++) {
+	for (uint32_t r = 0; s->io && r < s->num_io; r++) {
 		struct rank_io *io = &s->io[r];
 		struct vec *vs[] = { &io->offsets, &io->ids, &io->weights, &io->lengths,
 				     &io->partial, &io->items, &io->batches };
@@ -299,6 +280,7 @@ void embd_step_destroy(struct embd_step *s)
 	free(s->offsets);
 	free(s->feature_tables);
 	free(s->scratch_offsets);
+	free(s->sources);
 	free(s);
 }
 
@@ -315,7 +297,7 @@ static uint32_t find_row_shard(const struct embd_step *s, const struct step_tabl
 	uint32_t lo = 0, hi = t->num_shards;
 	while (hi - lo > 1) {
 		uint32_t mid = (lo + hi) / 2;
-		if (s->shards[t->first_shard + mid].shard->desc.row_offset <= row)
+		if (s->shards[t->first_shard + mid].desc.row_offset <= row)
 			lo = mid;
 		else
 			hi = mid;
@@ -364,8 +346,27 @@ static int check_batch(struct embd_step *s, struct embd_step_batch *b)
 	return rc;
 }
 
-/* Items of one (trainer, feature) on every shard of its table. */
-static int route_feature(struct embd_step *s, uint32_t trainer, uint32_t f,
+
+/*
+ * Where the items of shard k of table t go: the io of its local rank, or the staging io of
+ * its node. A data_parallel table is staged once per other node (its first replica there; the
+ * node hands the ids to every replica it holds); NO_INDEX: no item for this shard.
+ */
+static uint32_t item_dest(const struct embd_step *s, const struct step_table *t, uint32_t k)
+{
+	const struct step_shard *ss = &s->shards[t->first_shard + k];
+
+	if (ss->node == s->node)
+		return ss->local;
+	if (t->type == EMBD_SHARD_DATA_PARALLEL)
+		for (uint32_t j = 0; j < k; j++)
+			if (s->shards[t->first_shard + j].node == ss->node)
+				return UINT32_MAX;
+	return s->num_ranks + ss->node;
+}
+
+/* Items of one (batch, feature) on every shard of its table. */
+static int route_feature(struct embd_step *s, uint32_t batch, uint32_t f,
 			 struct embd_step_batch *b)
 {
 	const struct step_table *t = &s->tables[s->feature_tables[f]];
@@ -376,24 +377,32 @@ static int route_feature(struct embd_step *s, uint32_t trainer, uint32_t f,
 	const bool mean = t->spec->pooling == EMBD_POOLING_MEAN;
 	struct step_item *items[t->num_shards];
 	uint64_t item_at[t->num_shards];
+	uint32_t dest[t->num_shards], replica = 0;
 	int rc;
 
 	for (uint32_t k = 0; k < t->num_shards; k++) {
 		const struct step_shard *ss = &s->shards[t->first_shard + k];
-		struct rank_io *io = &s->io[ss->rank];
+		dest[k] = item_dest(s, t, k);
+		if (dest[k] == UINT32_MAX)
+			continue;
+		struct rank_io *io = &s->io[dest[k]];
+		const bool local = dest[k] < s->num_ranks;
 		struct step_item it = {
-			.shard = t->first_shard + k, .feature = f, .trainer = trainer,
-			.forward = t->num_replicas == 1 || k == trainer % t->num_replicas,
+			.shard = t->first_shard + k, .feature = f, .batch = batch,
+			.gtrainer = (s->node << 16) | batch,
+			/* data_parallel: the trainer's own local replica looks up, the others train */
+			.forward = t->num_replicas == 1 ||
+				   (local && replica++ == batch % t->num_local),
 			.weighted = b->kjt.weights != NULL,
-			.lengths_at = NO_INDEX, .partial_at = NO_INDEX,
+			.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = NO_PEER, .rx = NO_INDEX,
 		};
 		/* an unsplit shard holds every id of the bag; a row shard at most all of them */
 		if ((rc = vec_take(&io->offsets, B + 1, sizeof(int64_t), &it.offsets_at)) ||
 		    (rc = vec_reserve(&io->ids, n, sizeof(int64_t))) ||
 		    (rc = vec_reserve(&io->weights, n, sizeof(float))) ||
 		    (split && mean && (rc = vec_take(&io->lengths, B, sizeof(int32_t), &it.lengths_at))) ||
-		    (split && (rc = vec_take(&io->partial, (uint64_t)B * ss->shard->desc.cols,
-					      sizeof(float), &it.partial_at))) ||
+		    (split && local && (rc = vec_take(&io->partial, (uint64_t)B * ss->desc.cols,
+						       sizeof(float), &it.partial_at))) ||
 		    (rc = vec_take(&io->items, 1, sizeof(it), &item_at[k])))
 			return rc;
 		/* n ids reserved per item: a row shard fills only its part of them */
@@ -409,8 +418,8 @@ static int route_feature(struct embd_step *s, uint32_t trainer, uint32_t f,
 	}
 	/* the buffers stopped growing: item pointers are stable from here on */
 	for (uint32_t k = 0; k < t->num_shards; k++)
-		items[k] = VEC_AT(s->io[s->shards[t->first_shard + k].rank].items, struct step_item,
-				  item_at[k]);
+		items[k] = dest[k] == UINT32_MAX ? NULL :
+			   VEC_AT(s->io[dest[k]].items, struct step_item, item_at[k]);
 	/* one read of every id of the shared batch; each destination gets the value read */
 	const uint64_t max_row = (uint64_t)t->spec->num_embeddings;
 	for (uint32_t i = 0; i < B; i++) {
@@ -431,21 +440,24 @@ static int route_feature(struct embd_step *s, uint32_t trainer, uint32_t f,
 			}
 			for (uint32_t k = k0; k < k1; k++) {
 				struct step_item *it = items[k];
-				struct rank_io *io = &s->io[s->shards[it->shard].rank];
+				if (!it)
+					continue;
+				struct rank_io *io = &s->io[dest[k]];
 				*VEC_AT(io->ids, int64_t, it->ids_at + it->num_ids) = id;
 				*VEC_AT(io->weights, float, it->ids_at + it->num_ids) = w;
 				it->num_ids++;
 			}
 		}
-		for (uint32_t k = 0; k < t->num_shards; k++) {
-			struct rank_io *io = &s->io[s->shards[items[k]->shard].rank];
-			*VEC_AT(io->offsets, int64_t, items[k]->offsets_at + i + 1) =
-				(int64_t)items[k]->num_ids;
-		}
+		for (uint32_t k = 0; k < t->num_shards; k++)
+			if (items[k])
+				*VEC_AT(s->io[dest[k]].offsets, int64_t, items[k]->offsets_at + i + 1) =
+					(int64_t)items[k]->num_ids;
 	}
 	return 0;
 }
 
+/* Shard, then feature, then the global batch order (so every data_parallel replica of the
+ * cluster combines gradients in one order and stays bit-identical). */
 static int compare_items(const void *a, const void *b)
 {
 	const struct step_item *x = a, *y = b;
@@ -453,7 +465,7 @@ static int compare_items(const void *a, const void *b)
 		return x->shard < y->shard ? -1 : 1;
 	if (x->feature != y->feature)
 		return x->feature < y->feature ? -1 : 1;
-	return x->trainer < y->trainer ? -1 : x->trainer > y->trainer;
+	return x->gtrainer < y->gtrainer ? -1 : x->gtrainer > y->gtrainer;
 }
 
 /* Turns a rank's items into kernel bag batches (pointers fixed now that buffers stopped
@@ -468,25 +480,31 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 	for (uint64_t i = 0; i < n; i++) {
 		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 		const struct step_shard *ss = &s->shards[it->shard];
-		const struct embd_step_batch *tb = &s->batches[it->trainer];
 		const struct step_table *t = &s->tables[ss->table];
+		const bool remote = it->peer != NO_PEER;
 		struct embd_bag_batch *bb = VEC_AT(io->batches, struct embd_bag_batch, i);
-		bool direct = grad || it->partial_at == NO_INDEX;
+		/* direct: straight into (or from) the trainer's own output columns; a remote
+		 * data_parallel item has no output at all (it only trains) */
+		bool direct = !remote && (grad || it->partial_at == NO_INDEX);
 		*bb = (struct embd_bag_batch){
 			.shard = ss->shard, .feature = it->feature, .batch_size = s->layout.batch_size,
-			.offsets = VEC_AT(io->offsets, int64_t, it->offsets_at),
-			.ids = VEC_AT(io->ids, int64_t, it->ids_at),
-			.weights = it->weighted ? VEC_AT(io->weights, float, it->ids_at) : NULL,
+			.offsets = remote ? it->r_offsets : VEC_AT(io->offsets, int64_t, it->offsets_at),
+			.ids = remote ? it->r_ids : VEC_AT(io->ids, int64_t, it->ids_at),
+			.weights = !it->weighted ? NULL : remote ? it->r_weights :
+				   VEC_AT(io->weights, float, it->ids_at),
 			.num_ids = it->num_ids, .pooling = t->spec->pooling,
-			.mean_lengths = it->lengths_at == NO_INDEX ? NULL :
+			.mean_lengths = remote ? it->r_lengths : it->lengths_at == NO_INDEX ? NULL :
 					VEC_AT(io->lengths, int32_t, it->lengths_at),
-			.pooled_stride = direct ? s->layout.total_dim : ss->shard->desc.cols,
-			.pooled_col = direct ? s->offsets[it->feature] + ss->shard->desc.col_offset : 0,
+			.pooled_stride = direct ? s->layout.total_dim : ss->desc.cols,
+			.pooled_col = direct ? s->offsets[it->feature] + ss->desc.col_offset : 0,
 		};
 		if (grad)
-			bb->pooled_grad = tb->pooled_grad;
-		else
-			bb->pooled = direct ? tb->pooled : VEC_AT(io->partial, float, it->partial_at);
+			bb->pooled_grad = remote ? step_dist_grad_of(s, it) :
+				s->batches[it->batch].pooled_grad;
+		else if (direct)
+			bb->pooled = s->batches[it->batch].pooled;
+		else if (it->partial_at != NO_INDEX)
+			bb->pooled = VEC_AT(io->partial, float, it->partial_at);
 	}
 	io->batches.len = n;
 	return 0;
@@ -527,107 +545,147 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
 	}
 }
 
-/* Row-split tables: out = sum of the partials of their row shards, in shard order. */
+/*
+ * Outputs that did not go straight into a trainer's columns: the partial sums of row-split
+ * tables (out = their sum, in shard order, wherever the shard is) and the column blocks of
+ * shards on other nodes (copied). s->sources holds one pointer per (batch, feature, shard of
+ * the table): the rank's partial buffer here, the output exchange's buffer for other nodes.
+ */
 static void assemble(struct embd_step *s)
 {
-	const uint32_t B = s->layout.batch_size, D = s->layout.total_dim;
+	const uint32_t B = s->layout.batch_size, D = s->layout.total_dim, F = s->layout.num_features;
+	const uint32_t M = s->max_table_shards;
 
-	for (uint32_t i = 0; i < s->num_batches; i++) {
-		if (s->batches[i].status)
-			continue;
-		for (uint32_t f = 0; f < s->layout.num_features; f++)
-			if (row_split(s->tables[s->feature_tables[f]].type))
-				for (uint32_t b = 0; b < B; b++)
-					memset(&s->batches[i].pooled[(uint64_t)b * D + s->offsets[f]], 0,
-					       sizeof(float) * s->dims[f]);
-	}
 	for (uint32_t r = 0; r < s->num_ranks; r++) {
 		struct rank_io *io = &s->io[r];
 		for (uint64_t i = 0; i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
-			if (it->partial_at == NO_INDEX)
+			if (it->partial_at == NO_INDEX || it->batch == NO_BATCH)
 				continue;
-			const struct embd_shard_desc *d = &s->shards[it->shard].shard->desc;
-			const float *src = VEC_AT(io->partial, float, it->partial_at);
-			float *dst = s->batches[it->trainer].pooled + s->offsets[it->feature] +
-				     d->col_offset;
-			for (uint32_t b = 0; b < B; b++)
-				for (uint32_t c = 0; c < d->cols; c++)
-					dst[(uint64_t)b * D + c] += src[(uint64_t)b * d->cols + c];
+			const struct step_table *t = &s->tables[s->shards[it->shard].table];
+			s->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
+				   t->first_shard] = VEC_AT(io->partial, float, it->partial_at);
+		}
+	}
+	for (uint32_t i = 0; i < s->num_batches; i++) {
+		if (s->batches[i].status)
+			continue;
+		for (uint32_t f = 0; f < F; f++) {
+			const struct step_table *t = &s->tables[s->feature_tables[f]];
+			const bool split = row_split(t->type);
+			float *out = s->batches[i].pooled + s->offsets[f];
+			if (split)
+				for (uint32_t b = 0; b < B; b++)
+					memset(&out[(uint64_t)b * D], 0, sizeof(float) * s->dims[f]);
+			for (uint32_t k = 0; k < t->num_shards; k++) {
+				const float *src = s->sources[((uint64_t)i * F + f) * M + k];
+				if (!src)
+					continue;
+				const struct embd_shard_desc *d = &s->shards[t->first_shard + k].desc;
+				float *dst = out + d->col_offset;
+				for (uint32_t b = 0; b < B; b++)
+					for (uint32_t c = 0; c < d->cols; c++)
+						dst[(uint64_t)b * D + c] = (split ? dst[(uint64_t)b * D + c] : 0.0f) +
+									  src[(uint64_t)b * d->cols + c];
+			}
 		}
 	}
 }
 
 static void reset_io(struct embd_step *s)
 {
-	for (uint32_t r = 0; r < s->num_ranks; r++) {
+	for (uint32_t r = 0; r < s->num_io; r++) {
 		struct rank_io *io = &s->io[r];
 		io->offsets.len = io->ids.len = io->weights.len = io->lengths.len = 0;
 		io->partial.len = io->items.len = io->batches.len = 0;
 	}
 }
 
-static int fail_step(struct embd_step *s, int rc, const char *what, uint32_t rank)
+int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 {
+	char msg[sizeof(s->batches[0].err)];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
 	for (uint32_t i = 0; i < s->num_batches; i++)
 		if (!s->batches[i].status) {
 			s->batches[i].status = rc;
-			snprintf(s->batches[i].err, sizeof(s->batches[i].err), "%s on rank %u: %.150s",
-				 what, rank, s->io[rank].kerr.msg);
+			snprintf(s->batches[i].err, sizeof(s->batches[i].err), "%s", msg);
 		}
 	s->pending = false;
 	return rc;
 }
 
+/* Routes batch i; on a bad value rolls its items back and sets its status. */
+static void route_batch(struct embd_step *s, uint32_t i)
+{
+	struct embd_step_batch *b = &s->batches[i];
+	uint64_t saved[s->num_io][5];
+	int rc;
+
+	b->err[0] = 0;
+	for (uint32_t r = 0; r < s->num_io; r++) {
+		struct rank_io *io = &s->io[r];
+		uint64_t v[5] = { io->offsets.len, io->ids.len, io->lengths.len, io->partial.len,
+				  io->items.len };
+		memcpy(saved[r], v, sizeof(v));
+	}
+	rc = check_batch(s, b);
+	for (uint32_t f = 0; !rc && f < s->layout.num_features; f++)
+		rc = route_feature(s, i, f, b);
+	b->status = rc;
+	if (!rc) {
+		s->counts.ids += b->kjt.num_values;
+		s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size * 4 +
+					 b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
+		s->counts.output_bytes += (uint64_t)s->layout.batch_size * s->layout.total_dim * 4;
+		return;
+	}
+	if (rc == EMBD_ENOMEM)
+		snprintf(b->err, sizeof(b->err), "out of memory routing the batch");
+	for (uint32_t r = 0; r < s->num_io; r++) {
+		struct rank_io *io = &s->io[r];
+		io->offsets.len = saved[r][0];
+		io->ids.len = io->weights.len = saved[r][1];
+		io->lengths.len = saved[r][2];
+		io->partial.len = saved[r][3];
+		io->items.len = saved[r][4];
+	}
+}
+
 int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
-	uint64_t saved[s->num_ranks][5];
-	int accepted = 0, rc;
+	uint32_t accepted = 0;
+	int rc = 0;
 
 	s->pending = false;
 	s->batches = batches;
 	s->num_batches = n;
+	s->cluster_accepted = 0;
 	s->counts = (struct embd_step_counts){ 0 };
 	reset_io(s);
 	if (n > s->max_trainers)
 		return EMBD_EINVAL;
 	for (uint32_t i = 0; i < n; i++) {
-		struct embd_step_batch *b = &batches[i];
-		b->err[0] = 0;
-		for (uint32_t r = 0; r < s->num_ranks; r++) {
-			struct rank_io *io = &s->io[r];
-			uint64_t v[5] = { io->offsets.len, io->ids.len, io->lengths.len,
-					  io->partial.len, io->items.len };
-			memcpy(saved[r], v, sizeof(v));
-		}
-		rc = check_batch(s, b);
-		for (uint32_t f = 0; !rc && f < s->layout.num_features; f++)
-			rc = route_feature(s, i, f, b);
-		b->status = rc;
-		if (!rc) {
-			accepted++;
-			s->counts.ids += b->kjt.num_values;
-			s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size *
-				4 + b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
-			s->counts.output_bytes += (uint64_t)s->layout.batch_size *
-						  s->layout.total_dim * 4;
-			continue;
-		}
-		if (rc == EMBD_ENOMEM)
-			snprintf(b->err, sizeof(b->err), "out of memory routing the batch");
-		/* roll the refused trainer's items back */
-		for (uint32_t r = 0; r < s->num_ranks; r++) {
-			struct rank_io *io = &s->io[r];
-			io->offsets.len = saved[r][0];
-			io->ids.len = io->weights.len = saved[r][1];
-			io->lengths.len = saved[r][2];
-			io->partial.len = saved[r][3];
-			io->items.len = saved[r][4];
-		}
+		route_batch(s, i);
+		accepted += batches[i].status == 0;
 	}
-	if (!accepted)
+	s->cluster_accepted = accepted;
+	if (s->dist) {
+		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */
+		rc = step_dist_input(s);
+		if (rc)
+			return rc;
+	}
+	if (!s->cluster_accepted)
 		return 0;
-	for (uint32_t r = 0; r < s->num_ranks; r++) {
+	memset(s->sources, 0, sizeof(*s->sources) * n * s->layout.num_features *
+			      s->max_table_shards);
+	/* from here on a failure is reported to the other nodes before the step fails */
+	uint32_t failed_rank = 0;
+	for (uint32_t r = 0; r < s->num_ranks && !rc; r++) {
 		struct rank_io *io = &s->io[r];
 		if (io->items.len) /* a rank may hold no shard */
 			qsort(io->items.p, io->items.len, sizeof(struct step_item), compare_items);
@@ -636,47 +694,87 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 			if (it->forward)
 				s->counts.lookups += it->num_ids;
 		}
-		if (make_batches(s, io, false))
-			return fail_step(s, EMBD_ENOMEM, "lookup", r);
+		rc = make_batches(s, io, false);
+		failed_rank = r;
 	}
-	embd_ranks_run(s->ranks, lookup_rank, s);
-	for (uint32_t r = 0; r < s->num_ranks; r++)
-		if (s->io[r].rc)
-			return fail_step(s, s->io[r].rc, "lookup", r);
+	if (!rc) {
+		embd_ranks_run(s->ranks, lookup_rank, s);
+		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+			if ((rc = s->io[r].rc))
+				failed_rank = r;
+	}
+	char why[160] = "";
+	if (rc)
+		snprintf(why, sizeof(why), "lookup on rank %u of node %u: %.100s", failed_rank,
+			 s->node, rc == EMBD_ENOMEM ? "out of memory" : s->io[failed_rank].kerr.msg);
+	if (s->dist)
+		rc = step_dist_output(s, rc, why);
+	else if (rc)
+		return step_fail(s, rc, "%s", why);
+	if (rc)
+		return rc;
 	assemble(s);
 	s->pending = true;
-	return accepted;
+	return (int)accepted;
+}
+
+uint32_t embd_step_cluster_accepted(const struct embd_step *s)
+{
+	return s->cluster_accepted;
 }
 
 int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
+	int rc = 0;
+
 	if (!s->pending || batches != s->batches || n != s->num_batches)
 		return EMBD_EINVAL;
 	s->pending = false;
 	for (uint32_t i = 0; i < n; i++)
 		if (!batches[i].status && !batches[i].pooled_grad) {
 			snprintf(batches[i].err, sizeof(batches[i].err), "pooled_grad: missing");
-			return EMBD_EINVAL;
+			rc = EMBD_EINVAL;
 		}
-	for (uint32_t r = 0; r < s->num_ranks; r++)
-		if (make_batches(s, &s->io[r], true))
-			return fail_step(s, EMBD_ENOMEM, "backward", r);
-	embd_ranks_run(s->ranks, backward_rank, s);
-	for (uint32_t r = 0; r < s->num_ranks; r++)
-		if (s->io[r].rc)
-			return fail_step(s, s->io[r].rc, "backward", r);
+	if (s->dist) {
+		/* a missing gradient here aborts the step everywhere rather than half of it */
+		rc = step_dist_grads(s, rc, rc ? "a trainer's pooled_grad is missing" : "");
+		if (rc)
+			return rc;
+	} else if (rc) {
+		return rc;
+	}
+	uint32_t failed_rank = 0;
+	for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+		if ((rc = make_batches(s, &s->io[r], true)))
+			failed_rank = r;
+	if (!rc) {
+		embd_ranks_run(s->ranks, backward_rank, s);
+		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+			if ((rc = s->io[r].rc))
+				failed_rank = r;
+	}
+	if (rc)
+		return step_fail(s, rc, "backward on rank %u of node %u: %.150s", failed_rank, s->node,
+				 rc == EMBD_ENOMEM ? "out of memory" : s->io[failed_rank].kerr.msg);
 	return 0;
 }
 
-void embd_step_abort(struct embd_step *s)
+int embd_step_abort(struct embd_step *s, const char *why)
 {
+	int rc = 0;
+
+	if (s->dist && s->pending)
+		rc = step_dist_grads(s, EMBD_ECANCELED, why ? why : "aborted");
 	s->pending = false;
 	reset_io(s);
+	return rc == EMBD_ECANCELED ? 0 : rc;
 }
 
 void embd_step_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
 	*out = s->counts;
+	if (s->dist)
+		step_dist_counts(s, out);
 }
 
 int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row, uint32_t col,
@@ -687,8 +785,8 @@ int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row
 	const struct step_table *t = &s->tables[table];
 	for (uint32_t k = 0; k < t->num_shards; k++) {
 		const struct step_shard *ss = &s->shards[t->first_shard + k];
-		const struct embd_shard_desc *d = &ss->shard->desc;
-		if (t->num_replicas > 1 && ss->rank != replica)
+		const struct embd_shard_desc *d = &ss->desc;
+		if (!ss->shard || (t->num_replicas > 1 && ss->rank != replica))
 			continue;
 		if (row < d->row_offset || row >= d->row_offset + d->rows || col < d->col_offset ||
 		    col >= d->col_offset + d->cols)

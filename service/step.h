@@ -2,8 +2,8 @@
  * service/step.h - the step engine: one node's shards (placed by a plan on the node's ranks)
  * and the forward and backward of one training step over the batches of all its trainers.
  *
- * A step runs in phases, each explicit so that a later issue can put the cross-node
- * all-to-all between routing and lookup:
+ * A step runs in phases, each explicit so that the cross-node exchanges (below) sit between
+ * them:
  *   1. route     each trainer's KJT is checked and copied into per-rank INPUT buffers (the ids
  *                each rank must look up: whole bags for table_wise / column_wise /
  *                table_column_wise and one replica of data_parallel, the ids of the rank's row
@@ -18,6 +18,15 @@
  *                combined; every data_parallel replica gets the same update.
  * The global batch is the concatenation of the trainers' batches, so the result equals one
  * unsharded table trained on it. A step whose backward never runs changed no parameter.
+ *
+ * On several nodes (embd_step_create_cluster) each node holds the shards of its own ranks and
+ * runs the same phases with three collectives in forward and one in backward between them
+ * (service/step_dist.c): a fixed-size exchange of sizes, accept counts and status; ONE
+ * all-to-all of the ids routed to other nodes; after lookup ONE all-to-all of the pooled
+ * partials back to the trainers' nodes; in backward ONE all-to-all of the gradients (with
+ * every node's abort flag) to the owners. The global batch is node 0's batches, then node
+ * 1's, ... Every node calls forward and backward for every step, even with no batch of its
+ * own, so that the collectives line up.
  */
 #ifndef EMBD_SERVICE_STEP_H
 #define EMBD_SERVICE_STEP_H
@@ -55,12 +64,33 @@ struct embd_step_batch {
 	char err[224];
 };
 
+/* This node's place in a cluster of embd nodes (NULL or num_nodes 1: one node, no comm). */
+struct embd_comm;
+struct embd_store;
+struct embd_step_cluster {
+	uint32_t node, num_nodes;
+	struct embd_comm *comm;         /* one participant per node; used from the caller's thread */
+	struct embd_store *store;       /* to name the node that did not answer; may be NULL */
+	int timeout_ms;                 /* the comm's collective timeout (for messages) */
+};
+
+/* The collectives of a step on several nodes, in order (service/step_dist.c). */
+enum embd_step_exchange {
+	EMBD_STEP_SIZES = 0,            /* forward: sizes, accept flags, status */
+	EMBD_STEP_INPUT = 1,            /* forward: ids, weights, offsets */
+	EMBD_STEP_OUTPUT = 2,           /* forward: pooled partials back */
+	EMBD_STEP_GRADS = 3,            /* backward: gradients of the pooled outputs */
+	EMBD_STEP_EXCHANGES
+};
+
 /* Work counters of the last forward (for stats). */
 struct embd_step_counts {
 	uint64_t ids;                   /* ids in the accepted batches */
 	uint64_t lookups;               /* row reads by all ranks (column shards read a row each) */
 	uint64_t input_bytes;           /* lengths, ids and weights copied in */
 	uint64_t output_bytes;          /* pooled floats written to trainers */
+	uint64_t sent_bytes;            /* bytes sent to other nodes (forward and backward) */
+	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* sent_bytes by exchange */
 };
 
 struct embd_step;
@@ -73,6 +103,15 @@ struct embd_step;
 int embd_step_create(const struct embd_tables *tables, const struct embd_plan *plan,
 		     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
 		     struct embd_step **out, char *err, size_t err_len);
+/*
+ * The same for one node of a cluster: only the shards of the node's global ranks
+ * [node * L, (node + 1) * L) are allocated (L = embd_ranks_count(ranks) = the plan's
+ * local_world_size), and max_trainers is at most 64 (the accept flags of one node).
+ */
+int embd_step_create_cluster(const struct embd_tables *tables, const struct embd_plan *plan,
+			     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+			     const struct embd_step_cluster *cluster, struct embd_step **out,
+			     char *err, size_t err_len);
 /* Frees the shards. NULL is a no-op. */
 void embd_step_destroy(struct embd_step *step);
 
@@ -83,9 +122,16 @@ const struct embd_step_layout *embd_step_layout(const struct embd_step *step);
  * lengths, ids against their table's rows) and copied in; a refused batch gets status < 0 and
  * err naming the field, and the step runs without it. Returns the number of accepted batches
  * (>= 0), or a negative EMBD_E* code when the step itself failed (err in every batch).
- * The accepted trainers' routing is kept for embd_step_backward.
+ * The accepted trainers' routing is kept for embd_step_backward. On a cluster a failure of
+ * any node (or of a collective: EMBD_ETIMEDOUT naming the node) fails the step everywhere.
+ * After a collective failed, every later step fails at once with EMBD_EIO: the comm is broken
+ * and the nodes may disagree on parameters, so the cluster must be restarted.
  */
 int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+
+/* Accepted batches of the last forward over the whole cluster (= forward's result on one
+ * node). When it is > 0 every node must call backward or abort, even with none of its own. */
+uint32_t embd_step_cluster_accepted(const struct embd_step *step);
 
 /*
  * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
@@ -94,8 +140,13 @@ int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, u
  */
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 
-/* Drops the pending forward without touching any parameter (a trainer died). */
-void embd_step_abort(struct embd_step *step);
+/*
+ * Drops the pending forward without touching any parameter (a trainer died). On a cluster
+ * this is this node's part of the backward collective with an abort flag and why, so that
+ * every node drops the step (their backward returns EMBD_ECANCELED with why); it returns the
+ * collective's failure, if any.
+ */
+int embd_step_abort(struct embd_step *step, const char *why);
 
 /* Counters of the last forward. */
 void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out);

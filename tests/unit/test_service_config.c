@@ -124,7 +124,14 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
 		{ "{ \"seed\": 1, \"seed\": 2 }", "seed" },
 		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
-		  "\"compute_device\": \"cpu\" } }", "topology" },
+		  "\"compute_device\": \"cpu\" }, \"node_rank\": 2 }", "node_rank" },
+		{ "{ \"backend\": \"mpi\" }", "backend" },
+		{ "{ \"backend\": \"nccl\" }", "backend" },
+		{ "{ \"master_port\": 70000 }", "master_port" },
+		{ "{ \"master_port\": 0 }", "master_port" },
+		{ "{ \"master_addr\": \"\" }", "master_addr" },
+		{ "{ \"collective_timeout_ms\": 0 }", "collective_timeout_ms" },
+		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
 		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" } }", "topology" },
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
 		{ "{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10 } ] }", "embedding_dim" },
@@ -143,6 +150,34 @@ Test(config, errors_name_the_key)
 		if (!rc)
 			embd_config_free(&c);
 	}
+}
+
+/* Several nodes: world_size a multiple of local_world_size, the env:// keys, timeouts. */
+Test(config, cluster_keys)
+{
+	struct embd_config c;
+	char err[512] = "";
+	const char *text = "{ \"topology\": { \"world_size\": 6, \"local_world_size\": 2, "
+			   "\"compute_device\": \"cpu\" }, \"master_addr\": \"10.0.0.1\", "
+			   "\"master_port\": 29511, \"node_rank\": 2, \"backend\": \"gloo\", "
+			   "\"collective_timeout_ms\": 1500 }";
+	int rc = parse(text, &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "expected 0, got %d (%s)", rc, err);
+	cr_expect_eq(embd_config_nodes(&c), 3u, "nodes: expected 3, got %u", embd_config_nodes(&c));
+	cr_expect_str_eq(c.master_addr, "10.0.0.1");
+	cr_expect_eq(c.master_port, 29511);
+	cr_expect_eq(c.node_rank, 2u);
+	cr_expect_eq(c.backend, EMBD_COMM_GLOO);
+	cr_expect_eq(c.collective_timeout_ms, 1500);
+	cr_expect_eq(c.store_timeout_ms, 1500, "store_timeout_ms 0 means collective_timeout_ms, "
+		     "got %d", c.store_timeout_ms);
+	embd_config_free(&c);
+	rc = parse("{ }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s", err);
+	cr_expect_str_eq(c.master_addr, "127.0.0.1");
+	cr_expect_eq(c.master_port, 29500);
+	cr_expect_eq(embd_config_nodes(&c), 1u);
+	embd_config_free(&c);
 }
 
 Test(config, load_names_the_path)

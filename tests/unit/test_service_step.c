@@ -377,7 +377,7 @@ Test(step, abort_changes_no_row)
 	setup(&fx, EMBD_OPT_ADAM, EMBD_SHARD_ROW_WISE, 2);
 	fill_all(&fx, trs, batches, 2, 5);
 	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2);
-	embd_step_abort(fx.step);
+	embd_step_abort(fx.step, "test");
 	check_weights(&fx, 1, 0.0f, "after abort");
 	cr_assert_eq(embd_step_backward(fx.step, batches, 2), EMBD_EINVAL,
 		     "backward after abort: expected EMBD_EINVAL");

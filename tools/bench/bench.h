@@ -54,5 +54,7 @@ int bench_e2e_run(int argc, char **argv);
 
 /* embd-bench checkpoint (bench_checkpoint.c) */
 int bench_checkpoint_run(int argc, char **argv);
+/* embd-bench dist (bench_dist.c) */
+int bench_dist_run(int argc, char **argv);
 
 #endif

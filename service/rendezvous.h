@@ -1,0 +1,101 @@
+/*
+ * service/rendezvous.h - how the embd services of a cluster find each other and agree on one
+ * plan before any shard memory is allocated: torch.distributed's env:// (MASTER_ADDR,
+ * MASTER_PORT, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK; the environment wins over the
+ * config) and collective_plan (node 0 publishes its plan; every node proves it was built for
+ * the same tables and topology, or every node refuses, each naming the difference).
+ *
+ * The service's start, in order (node = one embd process per machine):
+ *
+ *   embd_rendezvous_resolve(&from_config, &r, err)      env:// over the config's values
+ *   embd_rendezvous_apply_topology(&r, &config.topology) the topology follows the env
+ *   node 0: build or load + check the plan (main.c's make_plan)
+ *   embd_rendezvous_store(&r, timeout, &server, &store)  node 0 serves the store, all connect
+ *   embd_collective_plan(store, &r, &tables, &topo, NULL, timeout, &plan, err)
+ *   embd_comm_create({ .rank = node_rank (gloo) or global rank (nccl), ... }, store, ...)
+ *   ... run; at exit: comm destroy, store close, then (node 0) server stop
+ *
+ * Node 0 must keep its store server running while any node still uses the store.
+ */
+#ifndef EMBD_SERVICE_RENDEZVOUS_H
+#define EMBD_SERVICE_RENDEZVOUS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "embd/plan.h"
+#include "service/comm.h"
+
+struct embd_store;
+struct embd_store_server;
+
+#define EMBD_RENDEZVOUS_ADDR_MAX 256            /* bytes of master_addr, NUL included */
+#define EMBD_RENDEZVOUS_DEFAULT_PORT 29500      /* torch.distributed's MASTER_PORT default */
+/* Version of the join records and store keys of collective_plan; peers must agree. */
+#define EMBD_RENDEZVOUS_PROTOCOL 1
+
+struct embd_rendezvous {
+	char master_addr[EMBD_RENDEZVOUS_ADDR_MAX];     /* node 0's address (store server) */
+	uint16_t master_port;
+	int32_t world_size;                             /* ranks in the cluster */
+	int32_t local_world_size;                       /* ranks per node (0 = world_size) */
+	int32_t node_rank;                              /* this node, 0..nodes-1 */
+	enum embd_comm_backend backend;                 /* gloo or nccl, as every node must */
+};
+
+/* torch's defaults: 127.0.0.1:29500, one node of one rank, gloo. */
+void embd_rendezvous_defaults(struct embd_rendezvous *r);
+
+/*
+ * *out = *config, then each of MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_WORLD_SIZE and
+ * NODE_RANK that is set in the environment replaces its field, then the whole is checked:
+ * world_size >= 1, local_world_size divides it, node_rank < world_size / local_world_size.
+ * EMBD_EINVAL names the variable (and its value) that is malformed or out of range, or the
+ * fields that disagree and where each came from ("WORLD_SIZE=6 (environment) is not a
+ * multiple of local_world_size 4 (config)").
+ */
+int embd_rendezvous_resolve(const struct embd_rendezvous *config, struct embd_rendezvous *out,
+			    char *err, size_t err_len);
+
+/* world_size / local_world_size. */
+int32_t embd_rendezvous_num_nodes(const struct embd_rendezvous *r);
+
+/* Sets the topology's world_size and local_world_size from r (env:// wins over the file). */
+void embd_rendezvous_apply_topology(const struct embd_rendezvous *r,
+				    struct embd_topology *topo);
+
+/*
+ * Node 0 starts the store server on every interface at master_port (*server set; stop it
+ * last), then every node, node 0 too, connects to master_addr:master_port, retrying until
+ * timeout_ms while node 0 is still starting. Other nodes get *server = NULL.
+ */
+int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
+			  struct embd_store_server **server, struct embd_store **store,
+			  char *err, size_t err_len);
+
+/*
+ * collective_plan. Every node calls it once with its own tables and topology (whose
+ * world_size and local_world_size must equal r's); on node 0, *plan is the plan it built or
+ * loaded and checked (kept, not copied); on the other nodes *plan is NULL on entry and
+ * receives node 0's plan, parsed and checked here (release it with embd_plan_destroy).
+ *
+ * Every node publishes a join record (protocol version, world_size, local_world_size,
+ * backend, the topology and the tables field by field, the tables hash). A joiner compares
+ * its record with node 0's; node 0 compares each joiner's; a difference is EMBD_EMISMATCH
+ * on both sides with the first differing field named, e.g. "table 'user' num_embeddings
+ * 1000 here, 2000 on node 0" (node 0 says "node 2: ... here, ... on node 2"). A joiner that
+ * agrees fetches the plan, checks it against its own tables (embd_plan_check) and compares
+ * the recomputed plan hash with node 0's. Node 0 then tells every node the outcome, so all
+ * return 0 or all fail. A node that does not show up within timeout_ms is EMBD_ETIMEDOUT
+ * naming it; the same node_rank joining twice is EMBD_EMISMATCH.
+ *
+ * prefix scopes the store keys (NULL = "embd/"): a restarted cluster re-uses a store only
+ * under a new prefix. Store keys: <prefix>join/<node>, joined/<node>, verdict/<node>,
+ * result/<node>, plan, plan_hash, outcome.
+ */
+int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,
+			 const struct embd_tables *tables, const struct embd_topology *topo,
+			 const char *prefix, int timeout_ms, struct embd_plan **plan,
+			 char *err, size_t err_len);
+
+#endif /* EMBD_SERVICE_RENDEZVOUS_H */

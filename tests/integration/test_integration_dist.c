@@ -1,0 +1,545 @@
+/*
+ * Integration: several real embd processes as the nodes of one cluster on 127.0.0.1 (each
+ * with its own socket and config, one MASTER_PORT per test), 2 ranks per node and one trainer
+ * process per rank. For every sharding type, with 2 and with 3 nodes, a plan that spreads the
+ * tables over the nodes (table_row_wise / table_column_wise inside one node, each table on
+ * another node; row_wise and data_parallel over every rank; column_wise with its two column
+ * shards on two nodes) trains K steps and every pooled output equals the unsharded reference
+ * of the global batch (node 0's trainers, then node 1's, ...), within training_common.h's
+ * tolerance. Failures: a node killed with SIGKILL mid-step gives the other node's trainers an
+ * error naming it within collective_timeout_ms (no hang) and later steps a clear refusal;
+ * a bad batch is refused for its trainer only while the cluster's step runs; nodes whose
+ * tables or world size differ are refused at join; NODE_RANK from the environment wins.
+ */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "embd/client.h"
+#include "tests/integration/training_common.h"
+
+#define MAX_NODES 3
+#define RANKS 2                         /* per node, and trainers per node */
+#define TIMEOUT_MS 2000                 /* collective_timeout_ms of every test */
+
+struct node {
+	pid_t pid;
+	bool rank_from_env;             /* config says node_rank 0, NODE_RANK says which */
+	char socket[108], config[128], log[128], plan[128];
+};
+
+static struct node nodes[MAX_NODES];
+static uint32_t num_nodes;
+static uint16_t port;
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* ---- plans that spread the tables over the nodes ----------------------------------------- */
+
+static void write_shard(FILE *f, bool first, int rank, int64_t row, int64_t rows, int col,
+			int cols)
+{
+	fprintf(f, "%s{\"rank\": %d, \"row_offset\": %lld, \"rows\": %lld, \"col_offset\": %d, "
+		"\"cols\": %d}", first ? "" : ", ", rank, (long long)row, (long long)rows, col, cols);
+}
+
+/* Table t's shards for sharding on N nodes: table 0 toward the last node, table 1 node 0. */
+static void write_table_shards(FILE *f, const char *sharding, uint32_t t, uint32_t N)
+{
+	const int W = (int)(N * RANKS), dim = (int)tables[t].dim;
+	const int64_t rows = tables[t].rows;
+	const int home = t == 0 ? (int)(N - 1) * RANKS : 0;     /* first rank of the table's node */
+
+	if (!strcmp(sharding, "table_wise")) {
+		write_shard(f, true, t == 0 ? W - 1 : 1, 0, rows, 0, dim);
+	} else if (!strcmp(sharding, "column_wise")) {
+		/* two column shards on two different nodes */
+		write_shard(f, true, t == 0 ? 1 : W - 1, 0, rows, 0, dim / 2);
+		write_shard(f, false, t == 0 ? W - 2 : 0, 0, rows, dim / 2, dim / 2);
+	} else if (!strcmp(sharding, "table_column_wise")) {
+		write_shard(f, true, home, 0, rows, 0, dim / 2);
+		write_shard(f, false, home + 1, 0, rows, dim / 2, dim / 2);
+	} else if (!strcmp(sharding, "row_wise") || !strcmp(sharding, "table_row_wise")) {
+		int n = !strcmp(sharding, "row_wise") ? W : RANKS;
+		int first = !strcmp(sharding, "row_wise") ? 0 : home;
+		int64_t block = (rows + n - 1) / n;
+		for (int r = 0; r < n; r++)
+			write_shard(f, r == 0, first + r, block * r,
+				    rows - block * r < block ? rows - block * r : block, 0, dim);
+	} else { /* data_parallel */
+		for (int r = 0; r < W; r++)
+			write_shard(f, r == 0, r, 0, rows, 0, dim);
+	}
+}
+
+static void topology_json(FILE *f, uint32_t N)
+{
+	fprintf(f, "{\"world_size\": %u, \"local_world_size\": %u, \"compute_device\": \"cpu\", "
+		"\"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", \"batch_size\": %d}", N * RANKS, RANKS,
+		BATCH);
+}
+
+static void write_plan(const char *path, const char *sharding, uint32_t N)
+{
+	FILE *f = fopen(path, "w");
+
+	cr_assert_not_null(f, "cannot write %s: %s", path, strerror(errno));
+	fprintf(f, "{\"version\": 1, \"topology\": ");
+	topology_json(f, N);
+	fprintf(f, ", \"tables\": [");
+	for (uint32_t t = 0; t < NUM_TABLES; t++) {
+		/* data_parallel trains with the dense kernel, as TorchRec's (its only CPU kernel) */
+		fprintf(f, "%s{\"name\": \"%s\", \"sharding_type\": \"%s\", \"compute_kernel\": "
+			"\"%s\", \"shards\": [", t ? ", " : "", tables[t].name, sharding,
+			strcmp(sharding, "data_parallel") ? "fused" : "dense");
+		write_table_shards(f, sharding, t, N);
+		fprintf(f, "]}");
+	}
+	fprintf(f, "]}\n");
+	fclose(f);
+}
+
+/* ---- the nodes --------------------------------------------------------------------------- */
+
+/* Node n's config; world_nodes: the world size it is told (N, or another one to mismatch);
+ * tables_json: other tables than every other node's, or NULL. */
+static void write_config(uint32_t n, const char *sharding, uint32_t world_nodes,
+			 const char *tables_json)
+{
+	struct node *nd = &nodes[n];
+	FILE *f = fopen(nd->config, "w");
+
+	cr_assert_not_null(f, "cannot write %s: %s", nd->config, strerror(errno));
+	fprintf(f, "{ ");
+	if (tables_json)
+		fprintf(f, "%s", tables_json);
+	else
+		write_tables(f, sharding);
+	fprintf(f, ", \"topology\": ");
+	topology_json(f, world_nodes);
+	if (sharding)
+		fprintf(f, ", \"plan_file\": \"%s\"", nd->plan);
+	fprintf(f, ",\n \"trainers_per_node\": %d, \"seed\": %u, \"threads_per_rank\": 1, "
+		"\"busy_poll_us\": 20, \"master_addr\": \"127.0.0.1\", \"master_port\": %u, "
+		"\"node_rank\": %u, \"backend\": \"gloo\", \"collective_timeout_ms\": %d, "
+		"\"store_timeout_ms\": 8000 }\n", RANKS, SEED, port, nd->rank_from_env ? 0 : n,
+		TIMEOUT_MS);
+	fclose(f);
+}
+
+static void node_paths(uint32_t n)
+{
+	struct node *nd = &nodes[n];
+	int pid = (int)getpid();
+
+	snprintf(nd->socket, sizeof(nd->socket), "/tmp/embd-dist-%d-%u.sock", pid, n);
+	snprintf(nd->config, sizeof(nd->config), "/tmp/embd-dist-%d-%u.json", pid, n);
+	snprintf(nd->log, sizeof(nd->log), "/tmp/embd-dist-%d-%u.log", pid, n);
+	snprintf(nd->plan, sizeof(nd->plan), "/tmp/embd-dist-%d-plan.json", pid);
+	unlink(nd->socket);
+}
+
+static void spawn(uint32_t n)
+{
+	struct node *nd = &nodes[n];
+
+	nd->pid = fork();
+	cr_assert(nd->pid >= 0);
+	if (nd->pid == 0) {
+		FILE *log = freopen(nd->log, "w", stderr);
+		(void)log;
+		/* the config's env:// keys must win here: clear what a CI shell may have set */
+		unsetenv("MASTER_ADDR");
+		unsetenv("MASTER_PORT");
+		unsetenv("NODE_RANK");
+		unsetenv("WORLD_SIZE");
+		unsetenv("LOCAL_WORLD_SIZE");
+		if (nd->rank_from_env) {
+			char rank[16];
+			snprintf(rank, sizeof(rank), "%u", n);
+			setenv("NODE_RANK", rank, 1);
+		}
+		execl(EMBD_BINARY, "embd", "--config", nd->config, "--socket", nd->socket,
+		      "--log-level", "warning", (char *)NULL);
+		_exit(127);
+	}
+}
+
+static void read_log(uint32_t n, char *out, size_t len)
+{
+	FILE *f = fopen(nodes[n].log, "r");
+	size_t got = f ? fread(out, 1, len - 1, f) : 0;
+
+	out[got] = 0;
+	if (f)
+		fclose(f);
+}
+
+/* A port that was free a moment ago on 127.0.0.1 (bound to 0, read back, closed): fixed
+ * ranges collide with the ephemeral ports Gloo's pairs and parallel tests hold. */
+static void pick_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	cr_assert(fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
+		  !getsockname(fd, (struct sockaddr *)&a, &len), "no free port: %s", strerror(errno));
+	port = ntohs(a.sin_port);
+	close(fd);
+}
+
+static void stop_node(uint32_t n, int sig)
+{
+	int status;
+
+	if (nodes[n].pid <= 0)
+		return;
+	kill(nodes[n].pid, sig);
+	for (int i = 0; i < 300 && waitpid(nodes[n].pid, &status, WNOHANG) == 0; i++)
+		usleep(10000);
+	kill(nodes[n].pid, SIGKILL);
+	waitpid(nodes[n].pid, &status, 0);
+	nodes[n].pid = 0;
+}
+
+/* Starts N nodes (every sharding's plan from write_plan) and waits for every socket. A
+ * port taken between pick_port and node 0's listen is retried with another one. */
+static void start_cluster(uint32_t N, const char *sharding)
+{
+	char log[4096];
+
+	num_nodes = N;
+	for (int attempt = 0;; attempt++) {
+		pick_port();
+		for (uint32_t n = 0; n < N; n++)
+			node_paths(n);
+		if (sharding)
+			write_plan(nodes[0].plan, sharding, N);
+		for (uint32_t n = 0; n < N; n++) {
+			write_config(n, sharding, N, NULL);
+			spawn(n);
+		}
+		int st;
+		usleep(100000);
+		if (attempt == 3 || waitpid(nodes[0].pid, &st, WNOHANG) != nodes[0].pid)
+			break;
+		read_log(0, log, sizeof(log));
+		nodes[0].pid = 0;
+		if (!strstr(log, "Address already in use"))
+			cr_assert_fail("node 0 exited (status 0x%x) before listening: %s", st, log);
+		for (uint32_t n = 1; n < N; n++)
+			stop_node(n, SIGKILL);
+	}
+	for (uint32_t n = 0; n < N; n++) {
+		for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++) {
+			int st;
+			if (waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid) {
+				nodes[n].pid = 0;
+				read_log(n, log, sizeof(log));
+				cr_assert_fail("node %u exited (status 0x%x) before listening (%s): %s", n,
+					       st, sharding ? sharding : "any", log);
+			}
+			usleep(10000);
+		}
+		read_log(n, log, sizeof(log));
+		cr_assert(access(nodes[n].socket, F_OK) == 0,
+			  "node %u did not listen on %s within 15 s: %s", n, nodes[n].socket, log);
+	}
+}
+
+/* Criterion fini: after a failed assertion too, no embd or trainer outlives its test. */
+static void stop_cluster(void)
+{
+	kill_children();
+	/* EMBD_TEST_KEEP=1 keeps each node's config, plan and log (stderr) for a post-mortem */
+	bool keep = getenv("EMBD_TEST_KEEP") != NULL;
+	for (uint32_t n = 0; n < num_nodes; n++) {
+		stop_node(n, SIGTERM);
+		unlink(nodes[n].socket);
+		if (keep)
+			continue;
+		unlink(nodes[n].config);
+		unlink(nodes[n].log);
+		unlink(nodes[n].plan);
+	}
+	num_nodes = 0;
+}
+
+TestSuite(dist, .fini = stop_cluster, .timeout = 40);
+
+/* ---- training every sharding type -------------------------------------------------------- */
+
+static void train_and_check(uint32_t N, const char *sharding)
+{
+	char what[64];
+	const char *sockets[MAX_NODES];
+
+	start_cluster(N, sharding);
+	struct shared *sh = shared_map();
+	for (uint32_t n = 0; n < N; n++)
+		sockets[n] = nodes[n].socket;
+	run_trainers(sh, N * RANKS, sockets, RANKS);
+	snprintf(what, sizeof(what), "%u nodes, %s", N, sharding);
+	check_against_reference(sh, N * RANKS, what);
+	for (uint32_t n = 0; n < N; n++)
+		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run after training", n);
+	munmap(sh, sizeof(*sh));
+}
+
+Test(dist, two_nodes_table_wise) { train_and_check(2, "table_wise"); }
+Test(dist, two_nodes_row_wise) { train_and_check(2, "row_wise"); }
+Test(dist, two_nodes_column_wise) { train_and_check(2, "column_wise"); }
+Test(dist, two_nodes_table_row_wise) { train_and_check(2, "table_row_wise"); }
+Test(dist, two_nodes_table_column_wise) { train_and_check(2, "table_column_wise"); }
+Test(dist, two_nodes_data_parallel) { train_and_check(2, "data_parallel"); }
+Test(dist, three_nodes_table_wise) { train_and_check(3, "table_wise"); }
+Test(dist, three_nodes_row_wise) { train_and_check(3, "row_wise"); }
+Test(dist, three_nodes_column_wise) { train_and_check(3, "column_wise"); }
+Test(dist, three_nodes_table_row_wise) { train_and_check(3, "table_row_wise"); }
+Test(dist, three_nodes_table_column_wise) { train_and_check(3, "table_column_wise"); }
+Test(dist, three_nodes_data_parallel) { train_and_check(3, "data_parallel"); }
+
+/* env:// wins: nodes 1 and 2 have node_rank 0 in their configs and NODE_RANK in the env. */
+Test(dist, node_rank_from_the_environment)
+{
+	nodes[1].rank_from_env = nodes[2].rank_from_env = true;
+	train_and_check(3, "table_wise");
+}
+
+/* ---- a node killed mid-step -------------------------------------------------------------- */
+
+/* Forward (and backward) of global trainer g's step-k batch as step `step`. */
+static int forward_backward(struct embd_client *c, uint32_t g, uint32_t k, uint64_t step,
+			    bool backward, uint64_t *num_values)
+{
+	struct embd_batch b;
+	const uint32_t D = embd_layout(c)->total_dim;
+
+	embd_batch_get(c, 0, &b);
+	*num_values = gen_batch(k, g, b.lengths, b.values);
+	int rc = embd_forward(c, 0, step, *num_values, 0);
+	if (rc || !backward)
+		return rc;
+	for (uint32_t i = 0; i < BATCH * D; i++)
+		b.grad[i] = gen_grad(k, g, i / D, i % D);
+	return embd_backward(c, 0, step, *num_values, 0);
+}
+
+/* What each trainer of the kill test reports. */
+struct kill_report {
+	int step0_rc, fwd1_rc, bwd1_rc, step2_rc;
+	uint64_t bwd1_ms;
+	char err1[256], err2[256];
+};
+
+/* Trainer g: step 0, forward of step 1, "ready"; node 0's trainers then post the backward of
+ * step 1 (node 1 is killed meanwhile) and try step 2; node 1's wait to be killed. */
+static void kill_trainer(struct kill_report *rep, uint32_t g, int ready_fd)
+{
+	struct embd_client *c;
+	char err[256], ok = 'y';
+	uint64_t n;
+
+	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err)))
+		_exit(2);
+	uint64_t s = embd_layout(c)->resumed_step;
+	rep->step0_rc = forward_backward(c, g, 0, s, true, &n);
+	rep->fwd1_rc = forward_backward(c, g, 1, s + 1, false, &n);
+	if (write(ready_fd, &ok, 1) != 1)
+		_exit(3);
+	if (g / RANKS != 0)
+		pause();
+	struct embd_batch b;
+	embd_batch_get(c, 0, &b);
+	memset(b.grad, 0, (size_t)BATCH * embd_layout(c)->total_dim * sizeof(float));
+	uint64_t t0 = now_ms();
+	rep->bwd1_rc = embd_backward(c, 0, s + 1, n, 0);
+	rep->bwd1_ms = now_ms() - t0;
+	snprintf(rep->err1, sizeof(rep->err1), "%s", embd_last_error(c));
+	rep->step2_rc = forward_backward(c, g, 2, s + 2, false, &n);
+	snprintf(rep->err2, sizeof(rep->err2), "%s", embd_last_error(c));
+	embd_close(c);
+	_exit(0);
+}
+
+/* Node 1 dies (SIGKILL) or stalls (SIGSTOP) while node 0's trainers are in the backward of a
+ * step: node 0's trainers get an error naming node 1 within the timeout, later steps a clear
+ * refusal, and node 0 keeps running. */
+static void peer_failure(int sig)
+{
+	int pipefd[2];
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "row_wise");
+	struct kill_report *rep = mmap(NULL, sizeof(*rep) * 2 * RANKS, PROT_READ | PROT_WRITE,
+				       MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	cr_assert(rep != MAP_FAILED);
+	memset(rep, 0, sizeof(*rep) * 2 * RANKS);
+	cr_assert_eq(pipe(pipefd), 0);
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		kids[g] = fork_child();
+		if (kids[g] == 0) {
+			close(pipefd[0]);
+			kill_trainer(&rep[g], g, pipefd[1]);
+		}
+	}
+	close(pipefd[1]);
+	/* every trainer through step 0 and the forward of step 1 */
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		struct pollfd pfd = { .fd = pipefd[0], .events = POLLIN };
+		char ok;
+		cr_assert_eq(poll(&pfd, 1, 10000), 1, "trainers did not finish step 0 and the "
+			     "forward of step 1 within 10 s (%u of 4 did)", g);
+		cr_assert_eq(read(pipefd[0], &ok, 1), 1);
+	}
+	close(pipefd[0]);
+	for (uint32_t g = 0; g < 2 * RANKS; g++)
+		cr_assert(rep[g].step0_rc == 0 && rep[g].fwd1_rc == 0, "trainer %u: step 0 %d, "
+			  "forward of step 1 %d: expected 0 and 0", g, rep[g].step0_rc, rep[g].fwd1_rc);
+	/* node 0's trainers are in the backward of step 1, waiting for node 1: kill it */
+	usleep(200000);
+	if (sig == SIGKILL)
+		stop_node(1, SIGKILL);
+	else
+		kill(nodes[1].pid, sig);
+	for (uint32_t g = 0; g < RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+	}
+	stop_node(1, SIGKILL);
+	for (uint32_t g = 0; g < RANKS; g++) {
+		cr_expect_lt(rep[g].bwd1_rc, 0, "trainer %u: backward of step 1 with node 1 killed: "
+			     "expected an error, got %d", g, rep[g].bwd1_rc);
+		cr_expect(strstr(rep[g].err1, "node 1") != NULL, "trainer %u: expected the error to "
+			  "name node 1, got '%s'", g, rep[g].err1);
+		cr_expect_leq(rep[g].bwd1_ms, TIMEOUT_MS + 1500, "trainer %u: the error came after "
+			      "%llu ms, expected within collective_timeout_ms %d (+1.5 s)", g,
+			      (unsigned long long)rep[g].bwd1_ms, TIMEOUT_MS);
+		cr_expect_lt(rep[g].step2_rc, 0, "trainer %u: step 2 after the failure: expected a "
+			     "refusal, got %d", g, rep[g].step2_rc);
+		cr_expect(strstr(rep[g].err2, "restart") != NULL, "trainer %u: step 2's refusal "
+			  "should say to restart the cluster, got '%s'", g, rep[g].err2);
+	}
+	cr_expect_eq(kill(nodes[0].pid, 0), 0, "node 0 should survive its peer's failure");
+	munmap(rep, sizeof(*rep) * 2 * RANKS);
+}
+
+Test(dist, killed_node_fails_the_step_on_the_others) { peer_failure(SIGKILL); }
+Test(dist, stalled_node_fails_the_step_on_the_others_within_the_timeout) { peer_failure(SIGSTOP); }
+
+/* ---- one bad batch ----------------------------------------------------------------------- */
+
+/* Trainer g of the bad-batch test: 0 when it got what it should, else 1 + why on stderr. */
+static int bad_batch_trainer(uint32_t g, uint32_t bad)
+{
+	struct embd_client *c;
+	struct embd_batch b;
+	char err[256];
+	uint64_t n;
+
+	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err)))
+		return fprintf(stderr, "trainer %u: %s\n", g, err), 1;
+	uint64_t s = embd_layout(c)->resumed_step;
+	if (g != bad) {
+		int rc = forward_backward(c, g, 0, s, true, &n);
+		if (rc)
+			fprintf(stderr, "trainer %u: step with a bad batch elsewhere: expected 0, got %d "
+				"(%s)\n", g, rc, embd_last_error(c));
+		embd_close(c);
+		return rc != 0;
+	}
+	embd_batch_get(c, 0, &b);
+	n = gen_batch(0, g, b.lengths, b.values);
+	b.values[0] = tables[0].rows;   /* one id past its table */
+	int rc = embd_forward(c, 0, s, n, 0);
+	bool named = strstr(embd_last_error(c), "values[0]") != NULL;
+	if (rc >= 0 || !named)
+		fprintf(stderr, "trainer %u: bad batch: expected an error naming values[0], got %d "
+			"(%s)\n", g, rc, embd_last_error(c));
+	embd_close(c);
+	return rc >= 0 || !named;
+}
+
+Test(dist, bad_batch_is_refused_for_its_trainer_only)
+{
+	const uint32_t bad = 3;         /* node 1's second trainer */
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "table_wise");
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		kids[g] = fork_child();
+		if (kids[g] == 0)
+			_exit(bad_batch_trainer(g, bad));
+	}
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "trainer %u (bad one: %u): expected "
+			  "exit 0, got status 0x%x (its stderr says why)", g, bad, st);
+	}
+}
+
+/* ---- refused at join --------------------------------------------------------------------- */
+
+/* Starts node 0 as configured and node 1 with its own tables or world size; node 1 must exit
+ * with an error mentioning word within store_timeout_ms (+ slack). */
+static void expect_join_refused(const char *tables_json, uint32_t world_nodes, const char *word)
+{
+	char log[8192];
+	int st = 0;
+
+	num_nodes = 2;
+	pick_port();
+	for (uint32_t n = 0; n < 2; n++)
+		node_paths(n);
+	write_config(0, NULL, 2, NULL);
+	write_config(1, NULL, world_nodes, tables_json);
+	spawn(0);
+	spawn(1);
+	uint64_t t0 = now_ms();
+	bool exited = false;
+	for (uint32_t n = 1; !exited && now_ms() - t0 < 12000;) {
+		if (waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid)
+			exited = true;
+		else
+			usleep(20000);
+	}
+	if (exited)
+		nodes[1].pid = 0;
+	read_log(1, log, sizeof(log));
+	cr_assert(exited, "node 1 with a mismatched %s should refuse to start; after 12 s it still "
+		  "runs: %s", word, log);
+	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "node 1: expected a failing exit, got "
+		  "status 0x%x", st);
+	cr_expect(strstr(log, word) != NULL, "node 1's refusal should name '%s', got: %s", word,
+		  log);
+}
+
+Test(dist, mismatched_tables_refused_at_join)
+{
+	expect_join_refused("\"tables\": [{\"name\": \"t_sum\", \"num_embeddings\": 65, "
+			    "\"embedding_dim\": 8, \"feature_names\": [\"f_a\", \"f_b\"]}, "
+			    "{\"name\": \"t_mean\", \"num_embeddings\": 40, \"embedding_dim\": 8, "
+			    "\"pooling\": \"mean\", \"feature_names\": [\"f_c\"]}]", 2, "table");
+}
+
+Test(dist, mismatched_world_size_refused_at_join)
+{
+	expect_join_refused(NULL, 3, "world_size");
+}

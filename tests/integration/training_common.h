@@ -1,0 +1,316 @@
+/*
+ * tests/integration/training_common.h - what the training integration tests share: the two
+ * tables of every config, deterministic batches and gradients of global trainer tr at step k,
+ * the trainer process body, and the check of every pooled output against the unsharded
+ * reference (tests/reference) trained on the global batch (trainer 0's bags, then trainer
+ * 1's, ...). Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
+ * sums and the trainers' gradients in another order than the reference).
+ */
+#ifndef EMBD_TESTS_TRAINING_COMMON_H
+#define EMBD_TESTS_TRAINING_COMMON_H
+
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "embd/client.h"
+#include "tests/reference/reference.h"
+
+#define K_STEPS 3
+#define BATCH 8
+#define SEED 2026u
+#define MAX_T 6
+#define MAX_COLS 32
+#define MAX_F 4
+#define REL_TOL 1e-5f
+#define ABS_TOL 1e-6f
+
+/* The tables of every config: table id = index (the service's convention, service/step.c). */
+struct test_table {
+	const char *name;
+	int64_t rows;
+	uint32_t dim;
+	enum embd_pooling pooling;
+	const char *pooling_name;
+	uint32_t num_features;
+	const char *features[2];
+	struct embd_optimizer_spec opt;
+	const char *opt_json;
+};
+
+static const struct test_table tables[] = {
+	{ "t_sum", 64, 8, EMBD_POOLING_SUM, "sum", 2, { "f_a", "f_b" },
+	  { .type = EMBD_OPT_SGD, .lr = 0.1f }, "{\"type\": \"sgd\", \"lr\": 0.1}" },
+	{ "t_mean", 40, 8, EMBD_POOLING_MEAN, "mean", 1, { "f_c", NULL },
+	  { .type = EMBD_OPT_ADAGRAD, .lr = 0.05f, .eps = 1e-8f },
+	  "{\"type\": \"adagrad\", \"lr\": 0.05, \"eps\": 1e-8}" },
+};
+#define NUM_TABLES 2
+#define NUM_F 3
+
+/* ---- deterministic batches and gradients ------------------------------------------------- */
+
+static uint64_t mix(uint64_t x)
+{
+	x += 0x9e3779b97f4a7c15ull;
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+static uint32_t feature_table(uint32_t f)
+{
+	return f < 2 ? 0 : 1;
+}
+
+/* Trainer `tr`'s batch of step k: lengths 0..3, ids in range. Returns the id count. */
+static uint64_t gen_batch(uint32_t k, uint32_t tr, int32_t *lengths, int64_t *values)
+{
+	uint64_t n = 0;
+
+	for (uint32_t f = 0; f < NUM_F; f++)
+		for (uint32_t b = 0; b < BATCH; b++) {
+			uint64_t h = mix(((uint64_t)k << 40) ^ ((uint64_t)tr << 32) ^ (f << 16) ^ b);
+			int32_t len = (int32_t)(h % 4);
+			lengths[f * BATCH + b] = len;
+			for (int32_t j = 0; j < len; j++)
+				values[n++] = (int64_t)(mix(h + (uint64_t)j + 1) %
+							(uint64_t)tables[feature_table(f)].rows);
+		}
+	return n;
+}
+
+/* dL/d(pooled) of trainer tr, step k, bag b, output column col: in [-1, 1]. */
+static float gen_grad(uint32_t k, uint32_t tr, uint32_t b, uint32_t col)
+{
+	uint64_t h = mix(0x5151000000000000ull ^ ((uint64_t)k << 40) ^ ((uint64_t)tr << 32) ^
+			 ((uint64_t)b << 16) ^ col);
+	return (float)((int)(h % 2001) - 1000) / 1000.0f;
+}
+
+/* ---- trainer processes ------------------------------------------------------------------- */
+
+/* What the trainer processes hand back, in a shared anonymous mapping. */
+struct shared {
+	uint32_t total_dim;
+	uint32_t feature_offset[MAX_F];
+	uint32_t feature_dim[MAX_F];
+	int rc[MAX_T];
+	char err[MAX_T][256];
+	float pooled[K_STEPS][MAX_T][BATCH * MAX_COLS];
+};
+
+static struct shared *shared_map(void)
+{
+	void *p = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE,
+		       MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	cr_assert(p != MAP_FAILED, "mmap: %s", strerror(errno));
+	memset(p, 0, sizeof(struct shared));
+	return p;
+}
+
+/* ---- the reference ----------------------------------------------------------------------- */
+
+static bool close_enough(float want, float got)
+{
+	return fabsf(want - got) <= ABS_TOL + REL_TOL * fabsf(want);
+}
+
+/* Replays the K steps of `trainers` trainers on the unsharded reference and compares. */
+static void check_against_reference(const struct shared *sh, uint32_t trainers, const char *what)
+{
+	struct embd_ref_table *ref[NUM_TABLES];
+	const uint32_t GB = BATCH * trainers;
+	static int32_t lengths[MAX_T][NUM_F * BATCH];
+	static int64_t values[MAX_T][NUM_F * BATCH * 4];
+	static int32_t glen[NUM_F][MAX_T * BATCH];
+	static int64_t gids[NUM_F][MAX_T * BATCH * 4];
+	static float gout[MAX_T * BATCH * MAX_COLS];
+	static float ggrad[NUM_F][MAX_T * BATCH * MAX_COLS];
+	uint32_t mismatches = 0;
+
+	for (uint32_t f = 0; f < NUM_F; f++)
+		cr_assert_eq(sh->feature_dim[f], tables[feature_table(f)].dim,
+			     "feature %u: expected dim %u, got %u", f, tables[feature_table(f)].dim,
+			     sh->feature_dim[f]);
+	for (uint32_t t = 0; t < NUM_TABLES; t++) {
+		ref[t] = embd_ref_table_create(t, tables[t].rows, tables[t].dim, EMBD_DTYPE_FP32,
+					       &tables[t].opt, SEED);
+		cr_assert_not_null(ref[t]);
+	}
+	for (uint32_t k = 0; k < K_STEPS; k++) {
+		/* the global batch: trainer 0's bags, then trainer 1's, ... per feature */
+		uint64_t pos[MAX_T] = { 0 };
+		uint64_t gn[NUM_F] = { 0 };
+		for (uint32_t tr = 0; tr < trainers; tr++)
+			gen_batch(k, tr, lengths[tr], values[tr]);
+		for (uint32_t f = 0; f < NUM_F; f++)
+			for (uint32_t tr = 0; tr < trainers; tr++)
+				for (uint32_t b = 0; b < BATCH; b++) {
+					int32_t len = lengths[tr][f * BATCH + b];
+					glen[f][tr * BATCH + b] = len;
+					for (int32_t j = 0; j < len; j++)
+						gids[f][gn[f]++] = values[tr][pos[tr]++];
+				}
+		for (uint32_t f = 0; f < NUM_F; f++) {
+			uint32_t t = feature_table(f), D = tables[t].dim, off = sh->feature_offset[f];
+			struct embd_ref_bags bags = { .batch_size = GB, .lengths = glen[f],
+						      .ids = gids[f], .pooling = tables[t].pooling };
+			embd_ref_forward(ref[t], &bags, gout);
+			for (uint32_t g = 0; g < GB; g++)
+				for (uint32_t c = 0; c < D; c++) {
+					float want = gout[g * D + c];
+					float got = sh->pooled[k][g / BATCH][(g % BATCH) * sh->total_dim +
+									   off + c];
+					if (!close_enough(want, got) && mismatches++ < 5)
+						cr_expect(false, "%s step %u feature %u trainer %u bag %u "
+							  "col %u: expected %.9g, got %.9g", what, k, f,
+							  g / BATCH, g % BATCH, c, want, got);
+					ggrad[f][g * D + c] = gen_grad(k, g / BATCH, g % BATCH, off + c);
+				}
+		}
+		for (uint32_t t = 0; t < NUM_TABLES; t++) {
+			struct embd_ref_bags bags[2];
+			uint32_t n = 0;
+			for (uint32_t f = 0; f < NUM_F; f++)
+				if (feature_table(f) == t)
+					bags[n++] = (struct embd_ref_bags){
+						.batch_size = GB, .lengths = glen[f], .ids = gids[f],
+						.pooling = tables[t].pooling, .grad = ggrad[f] };
+			cr_assert_eq(embd_ref_backward(ref[t], bags, n), 0);
+		}
+	}
+	for (uint32_t t = 0; t < NUM_TABLES; t++)
+		embd_ref_table_destroy(ref[t]);
+	cr_expect_eq(mismatches, 0, "%s: expected every pooled output within %g rel + %g abs of "
+		     "the reference, got %u mismatches", what, (double)REL_TOL, (double)ABS_TOL,
+		     mismatches);
+}
+
+/* Trainer (and other) child processes of a test, killed by kill_children() if still alive. */
+static pid_t children[16];
+static unsigned num_children;
+
+static pid_t fork_child(void)
+{
+	pid_t pid = fork();
+
+	cr_assert(pid >= 0, "fork: %s", strerror(errno));
+	if (pid > 0 && num_children < sizeof(children) / sizeof(children[0]))
+		children[num_children++] = pid;
+	return pid;
+}
+
+static void kill_children(void)
+{
+	int status;
+
+	for (unsigned i = 0; i < num_children; i++)
+		if (waitpid(children[i], &status, WNOHANG) == 0) {
+			kill(children[i], SIGKILL);
+			waitpid(children[i], &status, 0);
+		}
+	num_children = 0;
+}
+
+/* The "tables" array of a config, every table forced to sharding (NULL: planner's choice). */
+static void write_tables(FILE *f, const char *sharding)
+{
+	fprintf(f, "\"tables\": [\n");
+	for (uint32_t t = 0; t < NUM_TABLES; t++) {
+		const struct test_table *tt = &tables[t];
+		fprintf(f, "  {\"name\": \"%s\", \"num_embeddings\": %lld, \"embedding_dim\": %u, "
+			"\"pooling\": \"%s\", \"data_type\": \"fp32\", \"feature_names\": [",
+			tt->name, (long long)tt->rows, tt->dim, tt->pooling_name);
+		for (uint32_t k = 0; k < tt->num_features; k++)
+			fprintf(f, "%s\"%s\"", k ? ", " : "", tt->features[k]);
+		fprintf(f, "], \"optimizer\": %s", tt->opt_json);
+		if (sharding)
+			fprintf(f, ", \"constraints\": {\"sharding_types\": [\"%s\"], "
+				"\"min_partition\": 4}", sharding);
+		fprintf(f, "}%s\n", t + 1 < NUM_TABLES ? "," : "");
+	}
+	fprintf(f, "]");
+}
+
+/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
+ * k % 2; 0 or a negative code (text in sh->err). */
+static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
+{
+	struct embd_client *c;
+	char *err = sh->err[tr];
+	int rc = embd_connect(socket, (int)local, 10000, &c, err, 256);
+
+	if (rc)
+		return rc;
+	const struct embd_client_layout *l = embd_layout(c);
+	if (l->num_features != NUM_F || l->batch_size != BATCH || l->total_dim > MAX_COLS) {
+		snprintf(err, 256, "layout: %u features, B %u, %u columns; expected %u, %u, <= %u",
+			 l->num_features, l->batch_size, l->total_dim, NUM_F, BATCH, MAX_COLS);
+		embd_close(c);
+		return EMBD_EPROTO;
+	}
+	if (tr == 0) {
+		sh->total_dim = l->total_dim;
+		for (uint32_t f = 0; f < NUM_F; f++) {
+			sh->feature_offset[f] = l->features[f].offset;
+			sh->feature_dim[f] = l->features[f].dim;
+		}
+	}
+	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
+		struct embd_batch b;
+		uint64_t step = l->resumed_step + k;
+		embd_batch_get(c, k % 2, &b);
+		uint64_t n = gen_batch(k, tr, b.lengths, b.values);
+		rc = embd_forward(c, k % 2, step, n, 0);
+		if (rc) {
+			snprintf(err, 256, "step %u forward: %s", k, embd_last_error(c));
+			break;
+		}
+		memcpy(sh->pooled[k][tr], b.pooled, (size_t)BATCH * l->total_dim * sizeof(float));
+		for (uint32_t i = 0; i < BATCH; i++)
+			for (uint32_t col = 0; col < l->total_dim; col++)
+				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
+		rc = embd_backward(c, k % 2, step, n, 0);
+		if (rc)
+			snprintf(err, 256, "step %u backward: %s", k, embd_last_error(c));
+	}
+	embd_close(c);
+	return rc;
+}
+
+/* Runs trainers 0..n-1 as processes, trainer g on sockets[g / per_socket] with index
+ * g % per_socket, and asserts that each finished its K steps. */
+static void run_trainers(struct shared *sh, uint32_t n, const char *const *sockets,
+			 uint32_t per_socket)
+{
+	pid_t kids[MAX_T];
+
+	for (uint32_t g = 0; g < n; g++) {
+		sh->rc[g] = 1;  /* "did not report" */
+		kids[g] = fork_child();
+		if (kids[g] == 0) {
+			sh->rc[g] = trainer_run(sh, sockets[g / per_socket], g % per_socket, g);
+			_exit(0);
+		}
+	}
+	for (uint32_t g = 0; g < n; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+			  "trainer %u: expected exit 0, got status 0x%x", g, st);
+	}
+	for (uint32_t g = 0; g < n; g++)
+		cr_assert_eq(sh->rc[g], 0, "trainer %u (on %s): expected 0, got %d (%s)", g,
+			     sockets[g / per_socket], sh->rc[g], sh->err[g]);
+}
+
+#endif

@@ -1,0 +1,112 @@
+/*
+ * tests/unit/test_dist_util.c - forking and joining children for the distribution tests
+ * (test_dist_util.h).
+ */
+#include "test_dist_util.h"
+
+#include <criterion/criterion.h>
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+
+#include "service/store.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/lsan_interface.h>
+#define TU_LEAK_CHECK() __lsan_do_recoverable_leak_check()
+#else
+#define TU_LEAK_CHECK() 0
+#endif
+
+int64_t tu_now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+pid_t tu_spawn(tu_child_fn fn, int index, void *arg)
+{
+	fflush(NULL);
+	pid_t pid = fork();
+	if (pid == 0) {
+		int rc = fn(index, arg);
+		/* _exit skips LeakSanitizer's exit check: run it here so children are checked too */
+		if (rc == 0 && TU_LEAK_CHECK())
+			rc = TU_LEAKED;
+		fflush(NULL);
+		_exit(rc);
+	}
+	return pid;
+}
+
+void tu_spawn_n(tu_child_fn fn, int n, void *arg, pid_t *pids)
+{
+	for (int i = 0; i < n; i++)
+		pids[i] = tu_spawn(fn, i, arg);
+}
+
+int tu_join(const pid_t *pids, int n, int timeout_ms, int *codes)
+{
+	int64_t deadline = tu_now_ms() + timeout_ms;
+	int pending = n, failed = 0;
+
+	for (int i = 0; i < n; i++)
+		codes[i] = pids[i] > 0 ? TU_HUNG : 127;
+	for (int i = 0; i < n; i++)
+		if (pids[i] <= 0)
+			pending--;
+	while (pending > 0 && tu_now_ms() < deadline) {
+		for (int i = 0; i < n; i++) {
+			int status;
+			if (codes[i] != TU_HUNG || waitpid(pids[i], &status, WNOHANG) != pids[i])
+				continue;
+			codes[i] = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+			pending--;
+		}
+		if (pending > 0)
+			usleep(2000);
+	}
+	for (int i = 0; i < n; i++) {
+		if (codes[i] == TU_HUNG) {
+			kill(pids[i], SIGKILL);
+			waitpid(pids[i], NULL, 0);
+		}
+		failed += codes[i] != 0;
+	}
+	return failed;
+}
+
+uint16_t tu_free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
+	    getsockname(fd, (struct sockaddr *)&a, &len) < 0)
+		abort();
+	close(fd);
+	return ntohs(a.sin_port);
+}
+
+struct embd_store_server *tu_server;
+uint16_t tu_port;
+
+void tu_server_start(void)
+{
+	char err[256] = "";
+	int rc = embd_store_server_start("127.0.0.1", 0, &tu_server, err, sizeof(err));
+	cr_assert_eq(rc, 0, "store server: %d %s", rc, err);
+	tu_port = embd_store_server_port(tu_server);
+	cr_assert_neq(tu_port, 0);
+}
+
+void tu_server_stop(void)
+{
+	embd_store_server_stop(tu_server);
+	tu_server = NULL;
+}

@@ -1,0 +1,346 @@
+/*
+ * embd-bench dist: training steps per second of the step engine spread over N nodes on
+ * loopback (N = 1, 2, 3; 2 ranks and 2 trainers per node, fixed per-trainer batch), for every
+ * sharding type, beside a raw Gloo alltoallv of the same byte counts measured in the same run.
+ *
+ * Each node is a process of its own running what embd runs between its event-loop passes:
+ * rendezvous store, gloo comm (service/comm.h), its ranks and the step engine
+ * (embd_step_forward + embd_step_backward over its trainers' batches, in memory: the IPC
+ * cost is what `embd-bench e2e` measures). The raw reference is N more processes that call
+ * embd_comm_alltoallv directly, four times per step, each node sending to each peer the
+ * bytes the engine's exchange of that kind sent (sizes, ids, outputs, gradients; per node,
+ * split evenly over its peers). Three alternating rounds of each, medians.
+ * ratio_to_raw = steps_per_s / raw_alltoallv_steps_per_s: the
+ * share of a step that is the collectives themselves (1 = the engine adds nothing).
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "embd/plan.h"
+#include "service/comm.h"
+#include "service/ranks.h"
+#include "service/rendezvous.h"
+#include "service/step.h"
+#include "service/store.h"
+
+#define DIST_MAX_NODES 3
+#define DIST_L 2                        /* ranks and trainers per node */
+#define DIST_B 512                      /* per-trainer batch */
+#define DIST_TABLES 2
+#define DIST_ROWS 100000
+#define DIST_DIM 64
+#define DIST_PF 8                       /* ids per bag */
+#define DIST_WARMUP 3
+#define DIST_STEPS 20
+#define DIST_TIMEOUT_MS 30000
+#define DIST_ROUNDS 3
+
+struct dist_shared {
+	double seconds[DIST_MAX_NODES];
+	uint64_t xbytes[DIST_MAX_NODES][EMBD_STEP_EXCHANGES];
+	char err[DIST_MAX_NODES][256];
+};
+
+struct dist_run {
+	enum embd_sharding_type type;
+	uint32_t nodes;
+	uint16_t port;
+	struct dist_shared *sh;
+};
+
+static uint64_t rng_next(uint64_t *s)
+{
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+/* Store and comm of node `node` (none on one node). */
+static int join(const struct dist_run *r, uint32_t node, const char *prefix,
+		struct embd_store_server **server, struct embd_store **store,
+		struct embd_comm **comm, char *err, size_t err_len)
+{
+	struct embd_rendezvous rv;
+	char inner[200];
+
+	if (r->nodes == 1)
+		return 0;
+	embd_rendezvous_defaults(&rv);
+	rv.master_port = r->port;
+	rv.world_size = (int32_t)(r->nodes * DIST_L);
+	rv.local_world_size = DIST_L;
+	rv.node_rank = (int32_t)node;
+	int rc = embd_rendezvous_store(&rv, DIST_TIMEOUT_MS, server, store, inner, sizeof(inner));
+	if (rc)
+		return snprintf(err, err_len, "store: %s", inner), rc;
+	struct embd_comm_options o = { .backend = EMBD_COMM_GLOO, .rank = node, .size = r->nodes,
+				       .timeout_ms = DIST_TIMEOUT_MS, .hostname = "",
+				       .prefix = prefix };
+	rc = embd_comm_create(&o, *store, comm, inner, sizeof(inner));
+	if (rc)
+		snprintf(err, err_len, "comm: %s", inner);
+	return rc;
+}
+
+/* One node of the engine run: K steps of its DIST_L trainers; seconds of the timed ones. */
+static int node_main(const struct dist_run *r, uint32_t node)
+{
+	struct embd_table_spec specs[DIST_TABLES];
+	struct embd_table_constraints cons[DIST_TABLES];
+	struct embd_topology topo;
+	struct embd_plan *plan = NULL;
+	struct embd_store_server *server = NULL;
+	struct embd_store *store = NULL;
+	struct embd_comm *comm = NULL;
+	struct embd_ranks *ranks = NULL;
+	struct embd_step *step = NULL;
+	struct embd_step_batch batches[DIST_L];
+	char *err = r->sh->err[node];
+	int32_t *lengths = NULL;
+	int64_t *values = NULL;
+	float *bufs = NULL;
+	int rc;
+
+	memset(specs, 0, sizeof(specs));
+	memset(cons, 0, sizeof(cons));
+	for (uint32_t t = 0; t < DIST_TABLES; t++) {
+		snprintf(specs[t].name, sizeof(specs[t].name), "t%u", t);
+		specs[t].num_embeddings = DIST_ROWS;
+		specs[t].embedding_dim = DIST_DIM;
+		specs[t].optimizer = (struct embd_optimizer_spec){ .type = EMBD_OPT_SGD, .lr = 0.01f };
+		specs[t].num_features = 1;
+		snprintf(specs[t].feature_names[0], EMBD_NAME_MAX, "f%u", t);
+		cons[t] = (struct embd_table_constraints){ .sharding_types = 1u << r->type,
+			.min_partition = DIST_DIM / 2, .num_pooling_factors = 1,
+			.pooling_factors = { DIST_PF } };
+	}
+	embd_plan_topology_default(&topo, (int32_t)(r->nodes * DIST_L));
+	topo.local_world_size = DIST_L;
+	topo.compute_device = EMBD_DEVICE_CPU;
+	topo.batch_size = DIST_B;
+	topo.hbm_cap_bytes = 4ull << 30;
+	/* every node plans alike: the planner is deterministic (plan.h) */
+	rc = embd_plan_build(specs, cons, DIST_TABLES, &topo, NULL, &plan, err, 256);
+	if (!rc)
+		rc = join(r, node, "bench/step/", &server, &store, &comm, err, 256);
+	if (!rc)
+		rc = embd_ranks_create(DIST_L, 1, &ranks, err, 256);
+	struct embd_tables tables = { DIST_TABLES, specs, cons };
+	struct embd_step_cluster where = { node, r->nodes, comm, store, DIST_TIMEOUT_MS };
+	if (!rc)
+		rc = embd_step_create_cluster(&tables, plan, ranks, 7, DIST_L, &where, &step, err,
+					      256);
+	if (rc)
+		goto out;
+	const uint64_t nl = (uint64_t)DIST_TABLES * DIST_B, nv = nl * DIST_PF;
+	const uint64_t out_floats = (uint64_t)DIST_B * DIST_TABLES * DIST_DIM;
+	lengths = malloc(nl * sizeof(int32_t));
+	values = malloc(DIST_L * nv * sizeof(int64_t));
+	bufs = malloc(2 * DIST_L * out_floats * sizeof(float));
+	rc = EMBD_ENOMEM;
+	if (!lengths || !values || !bufs)
+		goto out;
+	uint64_t seed = 1000 + node;
+	for (uint64_t i = 0; i < nl; i++)
+		lengths[i] = DIST_PF;
+	for (uint64_t i = 0; i < DIST_L * nv; i++)
+		values[i] = (int64_t)(rng_next(&seed) % DIST_ROWS);
+	for (uint64_t i = 0; i < 2 * DIST_L * out_floats; i++)
+		bufs[i] = (float)(rng_next(&seed) % 2001) / 1000.0f - 1.0f;
+	uint64_t t0 = 0;
+	for (int k = 0; k < DIST_WARMUP + DIST_STEPS; k++) {
+		if (k == DIST_WARMUP)
+			t0 = bench_now_ns();
+		for (uint32_t i = 0; i < DIST_L; i++)
+			batches[i] = (struct embd_step_batch){
+				.kjt = { .num_features = DIST_TABLES, .batch_size = DIST_B,
+					 .lengths = lengths, .values = values + i * nv, .num_values = nv },
+				.pooled = bufs + 2 * i * out_floats,
+				.pooled_grad = bufs + (2 * i + 1) * out_floats,
+			};
+		rc = embd_step_forward(step, batches, DIST_L);
+		if (rc >= 0)
+			rc = embd_step_backward(step, batches, DIST_L);
+		if (rc < 0) {
+			snprintf(err, 256, "step %d: %s", k, batches[0].err);
+			goto out;
+		}
+	}
+	r->sh->seconds[node] = (double)(bench_now_ns() - t0) / 1e9;
+	struct embd_step_counts counts;
+	embd_step_counts(step, &counts);
+	memcpy(r->sh->xbytes[node], counts.exchange_bytes, sizeof(counts.exchange_bytes));
+	rc = 0;
+out:
+	free(lengths);
+	free(values);
+	free(bufs);
+	embd_step_destroy(step);
+	embd_ranks_destroy(ranks);
+	embd_comm_destroy(comm);
+	embd_store_close(store);
+	embd_store_server_stop(server);
+	embd_plan_destroy(plan);
+	return rc ? 1 : 0;
+}
+
+/* One node of the raw run: the engine's per-exchange byte counts, four alltoallvs a step. */
+static int raw_main(const struct dist_run *r, uint32_t node)
+{
+	struct embd_store_server *server = NULL;
+	struct embd_store *store = NULL;
+	struct embd_comm *comm = NULL;
+	uint64_t sb[EMBD_STEP_EXCHANGES][DIST_MAX_NODES], rb[EMBD_STEP_EXCHANGES][DIST_MAX_NODES];
+	uint64_t most_s = 1, most_r = 1;
+	char *err = r->sh->err[node];
+	void *send = NULL, *recv = NULL;
+	int rc;
+
+	for (int e = 0; e < EMBD_STEP_EXCHANGES; e++) {
+		uint64_t ts = 0, tr = 0;
+		for (uint32_t p = 0; p < r->nodes; p++) {
+			sb[e][p] = p == node ? 0 : r->sh->xbytes[node][e] / (r->nodes - 1);
+			rb[e][p] = p == node ? 0 : r->sh->xbytes[p][e] / (r->nodes - 1);
+			ts += sb[e][p];
+			tr += rb[e][p];
+		}
+		most_s = ts > most_s ? ts : most_s;
+		most_r = tr > most_r ? tr : most_r;
+	}
+	rc = join(r, node, "bench/raw/", &server, &store, &comm, err, 256);
+	send = calloc(1, most_s);
+	recv = calloc(1, most_r);
+	if (!rc && (!send || !recv))
+		rc = EMBD_ENOMEM;
+	uint64_t t0 = 0;
+	for (int k = 0; !rc && k < DIST_WARMUP + DIST_STEPS; k++) {
+		if (k == DIST_WARMUP)
+			t0 = bench_now_ns();
+		for (int e = 0; !rc && e < EMBD_STEP_EXCHANGES; e++)
+			if ((rc = embd_comm_alltoallv(comm, send, sb[e], recv, rb[e])))
+				snprintf(err, 256, "alltoallv: %s", embd_comm_error(comm));
+	}
+	if (!rc)
+		r->sh->seconds[node] = (double)(bench_now_ns() - t0) / 1e9;
+	free(send);
+	free(recv);
+	embd_comm_destroy(comm);
+	embd_store_close(store);
+	embd_store_server_stop(server);
+	return rc ? 1 : 0;
+}
+
+/* A TCP port that was free a moment ago on 127.0.0.1 (gloo's pairs take ephemeral ports
+ * too, so a counter could collide); 0 when none could be had. */
+static uint16_t free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	uint16_t port = 0;
+
+	if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
+	    !getsockname(fd, (struct sockaddr *)&a, &len))
+		port = ntohs(a.sin_port);
+	if (fd >= 0)
+		close(fd);
+	return port;
+}
+
+/* Runs fn on every node as a process; steps/s of the slowest, or 0 on failure. */
+static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, uint32_t),
+			const char *what)
+{
+	pid_t pids[DIST_MAX_NODES];
+	double slowest = 0;
+	bool ok = true;
+
+	r->port = free_port();  /* a fresh store per run */
+	if (!r->port)
+		return 0;
+	for (uint32_t n = 0; n < r->nodes; n++) {
+		r->sh->seconds[n] = 0;
+		r->sh->err[n][0] = 0;
+		pids[n] = fork();
+		if (pids[n] == 0)
+			_exit(fn(r, n));
+	}
+	for (uint32_t n = 0; n < r->nodes; n++) {
+		int st;
+		if (pids[n] < 0 || waitpid(pids[n], &st, 0) != pids[n] || !WIFEXITED(st) ||
+		    WEXITSTATUS(st)) {
+			fprintf(stderr, "embd-bench dist: %s %s on %u nodes, node %u failed: %s\n", what,
+				embd_plan_sharding_name(r->type), r->nodes, n, r->sh->err[n]);
+			ok = false;
+		}
+		if (r->sh->seconds[n] > slowest)
+			slowest = r->sh->seconds[n];
+	}
+	return ok && slowest > 0 ? DIST_STEPS / slowest : 0;
+}
+
+int bench_dist_run(int argc, char **argv)
+{
+	double step_ms[EMBD_SHARD_COUNT][DIST_MAX_NODES + 1];
+	struct dist_run r = { .port = 0 };
+
+	(void)argc;
+	(void)argv;
+	r.sh = mmap(NULL, sizeof(*r.sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1,
+		    0);
+	if (r.sh == MAP_FAILED)
+		return 1;
+	for (uint32_t n = 1; n <= DIST_MAX_NODES; n++)
+		for (int t = 0; t < EMBD_SHARD_COUNT; t++) {
+			r.type = (enum embd_sharding_type)t;
+			r.nodes = n;
+			/* engine and raw rounds alternate, medians reported: the load of a shared
+			 * machine drifts over a run */
+			double eng[DIST_ROUNDS], rawr[DIST_ROUNDS];
+			uint64_t bytes = 0;
+			for (int k = 0; k < DIST_ROUNDS; k++) {
+				memset(r.sh->xbytes, 0, sizeof(r.sh->xbytes));
+				eng[k] = run_nodes(&r, node_main, "engine");
+				bytes = 0;
+				for (uint32_t m = 0; m < n; m++)
+					for (int e = 0; e < EMBD_STEP_EXCHANGES; e++)
+						bytes += r.sh->xbytes[m][e];
+				rawr[k] = n > 1 && eng[k] > 0 ? run_nodes(&r, raw_main, "raw") : 0;
+			}
+			double sps = bench_median(eng, DIST_ROUNDS);
+			double raw = bench_median(rawr, DIST_ROUNDS);
+			step_ms[t][n] = sps > 0 ? 1000.0 / sps : 0;
+			printf("{\"name\":\"dist\",\"sharding_type\":\"%s\",\"nodes\":%u,"
+			       "\"trainers\":%u,\"batch_per_trainer\":%d,\"steps_per_s\":%.2f,"
+			       "\"bytes_per_step\":%llu,", embd_plan_sharding_name(r.type), n,
+			       n * DIST_L, DIST_B, sps, (unsigned long long)bytes);
+			if (raw > 0)
+				printf("\"raw_alltoallv_steps_per_s\":%.2f,\"ratio_to_raw\":%.3f}\n", raw,
+				       sps / raw);
+			else
+				printf("\"raw_alltoallv_steps_per_s\":null,\"ratio_to_raw\":null}\n");
+			fflush(stdout);
+		}
+	for (int t = 0; t < EMBD_SHARD_COUNT; t++)
+		printf("{\"name\":\"dist_scaling\",\"sharding_type\":\"%s\",\"batch_per_trainer\":%d,"
+		       "\"step_ms_1\":%.2f,\"step_ms_2\":%.2f,\"step_ms_3\":%.2f,"
+		       "\"growth_1_to_2\":%.2f,\"growth_1_to_3\":%.2f}\n",
+		       embd_plan_sharding_name((enum embd_sharding_type)t), DIST_B, step_ms[t][1],
+		       step_ms[t][2], step_ms[t][3],
+		       step_ms[t][1] > 0 ? step_ms[t][2] / step_ms[t][1] : 0,
+		       step_ms[t][1] > 0 ? step_ms[t][3] / step_ms[t][1] : 0);
+	munmap(r.sh, sizeof(*r.sh));
+	return 0;
+}
