@@ -358,3 +358,26 @@ out:
 	embd_ctl_msg_close_fds(&got);
 	return rc;
 }
+
+void embd_ctl_refuse(int sock, int code, const char *text)
+{
+	unsigned char buf[512];
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * EMBD_CTL_FDS_MAX)];
+	} ctl;
+
+	embd_ctl_send_error(sock, code, text, NULL, 0);
+	shutdown(sock, SHUT_RD);        /* from here on the peer's sends fail with EPIPE */
+	for (;;) {
+		struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
+		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+				     .msg_controllen = sizeof(ctl.buf) };
+		struct embd_ctl_msg got = { .nfds = 0 };
+		if (recvmsg(sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
+			break;
+		take_fds(&mh, &got);
+		embd_ctl_msg_close_fds(&got);
+	}
+	close(sock);
+}

@@ -180,6 +180,14 @@ int embd_ctl_welcome_decode(const struct embd_ctl_msg *msg, struct embd_layout *
 
 /* ERROR: code (negative EMBD_E*) and text (truncated to EMBD_CTL_TEXT_MAX). */
 int embd_ctl_send_error(int sock, int code, const char *text, char *err, size_t err_len);
+
+/*
+ * Refuses a connection: sends ERROR, stops reading, discards what the peer already sent (its
+ * HELLO, any fds) and closes `sock`. Closing a Unix socket with unread input would make the
+ * peer's next recv fail with ECONNRESET before it ever sees the ERROR; a peer whose HELLO
+ * comes later finds the socket shut and reads the queued ERROR (libembdclient does).
+ */
+void embd_ctl_refuse(int sock, int code, const char *text);
 int embd_ctl_error_decode(const struct embd_ctl_msg *msg, int *code_out, char *text, size_t text_cap,
 			  char *err, size_t err_len);
 

@@ -137,9 +137,11 @@ static int handshake(struct embd_client *c, int wanted_index, int timeout_ms)
 		goto out;
 	embd_ctl_hello_encode(&hello, payload);
 	rc = embd_ctl_send(c->sock, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, e, el);
-	if (rc)
+	/* a service that refuses us may have shut the socket before HELLO got there: its
+	 * ERROR is queued all the same */
+	if (rc && rc != EMBD_ECONNRESET)
 		goto out;
-	rc = embd_ctl_recv(c->sock, buf, EMBD_CTL_MSG_MAX, timeout_ms, &msg, e, el);
+	rc = embd_ctl_recv(c->sock, buf, EMBD_CTL_MSG_MAX, rc ? 0 : timeout_ms, &msg, e, el);
 	if (rc)
 		goto out;
 	if (msg.type == EMBD_CTL_ERROR) {

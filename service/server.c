@@ -153,13 +153,11 @@ static void accept_client(struct embd_server *sv)
 				cf->num_allowed_gids, err, sizeof(err))) {
 		embd_log_warning("refused peer uid %u gid %u pid %d: %s", (unsigned)peer.uid,
 				 (unsigned)peer.gid, (int)peer.pid, err);
-		embd_ctl_send_error(fd, EMBD_EACCES, err, NULL, 0);
-		close(fd);
+		embd_ctl_refuse(fd, EMBD_EACCES, err);
 		return;
 	}
 	if (!c) {
-		embd_ctl_send_error(fd, EMBD_EBUSY, "too many clients", NULL, 0);
-		close(fd);
+		embd_ctl_refuse(fd, EMBD_EBUSY, "too many clients");
 		return;
 	}
 	*c = (struct client){ .used = true, .sock = fd, .peer = peer, .index = -1, .eventfd = -1 };
