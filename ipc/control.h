@@ -132,6 +132,15 @@ int embd_ctl_connect(const char *path, int *fd_out, char *err, size_t err_len);
 int embd_ctl_peer_get(int sock, struct embd_ctl_peer *peer, char *err, size_t err_len);
 
 /*
+ * A pidfd of the process that connected `sock` (close-on-exec), which becomes readable when
+ * that process exits even if a child it forked still holds the socket. Taken race-free with
+ * SO_PEERPIDFD (Linux 6.5) where the kernel has it, else pidfd_open(peer_pid) (peer_pid from
+ * embd_ctl_peer_get). Returns 0, EMBD_ECONNRESET when the peer is already gone, or
+ * EMBD_ENOTSUP (no pidfd: an old kernel, or a peer in another pid namespace, whose pid is 0).
+ */
+int embd_ctl_peer_pidfd(int sock, pid_t peer_pid, int *pidfd_out, char *err, size_t err_len);
+
+/*
  * Allows the peer when its uid is in `uids` or its primary or any supplementary gid is in
  * `gids`; empty lists allow nobody. Returns 0 or EMBD_EACCES with the uid/gid named in err.
  */

@@ -34,12 +34,14 @@
 #define RING_ENTRIES 64u
 #define TICK_MS 1000
 
-enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL };
+enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_PIDFD };
 #define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
 
 struct client {
 	bool used;
 	int sock;
+	int pidfd;                      /* the peer process, or -1: its exit drops the client even
+					 * when a child it forked keeps the socket open */
 	struct embd_ctl_peer peer;
 	int32_t index;                  /* trainer index, -1 before HELLO (embctl stays -1) */
 	struct embd_region *region;
@@ -121,6 +123,10 @@ static void drop_client(struct embd_server *sv, struct client *c, const char *wh
 		abort_step(sv, why);
 	}
 	embd_evloop_remove(sv->loop, TAG(TAG_SOCKET, slot));
+	if (c->pidfd >= 0) {
+		embd_evloop_remove(sv->loop, TAG(TAG_PIDFD, slot));
+		close(c->pidfd);
+	}
 	if (c->region)
 		embd_evloop_remove(sv->loop, TAG(TAG_DOORBELL, slot));
 	embd_region_destroy(c->region);
@@ -160,10 +166,22 @@ static void accept_client(struct embd_server *sv)
 		embd_ctl_refuse(fd, EMBD_EBUSY, "too many clients");
 		return;
 	}
-	*c = (struct client){ .used = true, .sock = fd, .peer = peer, .index = -1, .eventfd = -1 };
-	if (embd_evloop_add_fd(sv->loop, fd, TAG(TAG_SOCKET, slot_of(sv, c)))) {
+	int pidfd;
+	int rc = embd_ctl_peer_pidfd(fd, peer.pid, &pidfd, err, sizeof(err));
+	if (rc == EMBD_ECONNRESET) {
 		close(fd);
-		memset(c, 0, sizeof(*c));
+		return;
+	}
+	if (rc)
+		embd_log_debug("client pid %d: %s; only a socket hangup will tell when it is gone",
+			       (int)peer.pid, err);
+	*c = (struct client){ .used = true, .sock = fd, .pidfd = pidfd, .peer = peer, .index = -1,
+			      .eventfd = -1 };
+	uint32_t slot = slot_of(sv, c);
+	if (embd_evloop_add_fd(sv->loop, fd, TAG(TAG_SOCKET, slot)) ||
+	    (pidfd >= 0 && embd_evloop_add_fd(sv->loop, pidfd, TAG(TAG_PIDFD, slot)))) {
+		embd_log_warning("client pid %d: cannot watch its socket and pidfd", (int)peer.pid);
+		drop_client(sv, c, "cannot watch it");
 	}
 }
 
@@ -595,6 +613,7 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 {
 	struct embd_event ev[64];
 	uint32_t n = 0;
+	bool accept = false;
 
 	if (embd_evloop_wait(sv->loop, ev, 64, timeout_ms, &n)) {
 		embd_log_error("event loop failed; stopping");
@@ -604,7 +623,7 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 	for (uint32_t i = 0; i < n; i++) {
 		uint32_t kind = (uint32_t)(ev[i].tag >> 32), slot = (uint32_t)ev[i].tag;
 		if (kind == TAG_LISTEN) {
-			accept_client(sv);
+			accept = true;
 		} else if (kind == TAG_SIGNAL) {
 			struct signalfd_siginfo si;
 			if (read(sv->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
@@ -612,9 +631,15 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 			sv->stop = true;
 		} else if (kind == TAG_SOCKET && slot < MAX_CLIENTS && sv->clients[slot].used) {
 			socket_event(sv, &sv->clients[slot]);
+		} else if (kind == TAG_PIDFD && slot < MAX_CLIENTS && sv->clients[slot].used) {
+			drop_client(sv, &sv->clients[slot], "its process exited");
 		}
 		/* TAG_DOORBELL: nothing to do but look at the rings again */
 	}
+	/* after the batch: a slot freed by it and taken by the newcomer must not receive the
+	 * old client's events that came in the same batch */
+	if (accept)
+		accept_client(sv);
 }
 
 /* While busy-polling, sockets and signals are looked at every this many passes: a pass over
