@@ -3,10 +3,14 @@
  * "item": a bag batch in its rank's private input buffer. Items are the unit of everything
  * after routing: a rank's lookup is one kernel call over its forward items, its backward one
  * call per shard over that shard's items, and the future all-to-all would ship exactly the
- * items of remote ranks. Each trainer is routed in one pass that reads every length and id of
- * its (shared, untrusted) batch exactly once; when a value is bad the trainer's items are
- * rolled back by truncating the per-rank buffers to where they were before it.
+ * items of remote ranks. Routing runs in two halves: on the event-loop thread each trainer's
+ * lengths are checked into private offsets and its items' room is reserved (a refused trainer
+ * is rolled back by truncating the per-rank buffers); then every rank, in parallel and on its
+ * own workers, copies the ids of its items out of the (shared, untrusted) batches, checking
+ * each value it read, so the bulk copy costs no serial time. A bad id refuses its trainer: its
+ * items are then dropped from every rank.
  */
+#include <stdatomic.h>
 #include "service/step.h"
 
 #include <stdbool.h>
@@ -39,6 +43,8 @@ struct step_item {
 	uint64_t offsets_at, ids_at, num_ids;
 	uint64_t lengths_at;                    /* full bag lengths (row-split mean) or NO_INDEX */
 	uint64_t partial_at;                    /* row-split partial sums or NO_INDEX (direct) */
+	int rc;                                 /* fill_item: EMBD_ERANGE for bad_id at bad_at */
+	int64_t bad_at, bad_id;
 };
 
 /* A growable array of elements of one type; len/cap in elements. */
@@ -65,7 +71,7 @@ struct embd_step {
 	struct embd_step_layout layout;
 	char (*names)[EMBD_NAME_MAX];
 	uint32_t *dims, *offsets, *feature_tables;
-	int64_t *scratch_offsets;               /* F * B + 1: one trainer's private offsets */
+	int64_t *scratch_offsets;               /* max_trainers x (F * B + 1): private offsets */
 	uint64_t seed;
 	/* the step in flight */
 	struct embd_step_batch *batches;
@@ -137,7 +143,8 @@ static int build_layout(struct embd_step *s, const struct embd_tables *tables,
 	s->dims = calloc(f ? f : 1, sizeof(uint32_t));
 	s->offsets = calloc(f ? f : 1, sizeof(uint32_t));
 	s->feature_tables = calloc(f ? f : 1, sizeof(uint32_t));
-	s->scratch_offsets = calloc((uint64_t)f * batch_size + 1, sizeof(int64_t));
+	s->scratch_offsets = calloc((uint64_t)s->max_trainers * ((uint64_t)f * batch_size + 1),
+				    sizeof(int64_t));
 	if (!s->names || !s->dims || !s->offsets || !s->feature_tables || !s->scratch_offsets)
 		return EMBD_ENOMEM;
 	f = 0;
@@ -309,22 +316,16 @@ const struct embd_step_layout *embd_step_layout(const struct embd_step *s)
 
 /* ---- routing ----------------------------------------------------------------------------- */
 
-/* The shard of a row-split table that holds row (shards ordered by row_offset). */
-static uint32_t find_row_shard(const struct embd_step *s, const struct step_table *t, int64_t row)
+/* Trainer i's private offsets: F * B + 1, feature-major (check_batch writes them). */
+static int64_t *trainer_offsets(const struct embd_step *s, uint32_t trainer)
 {
-	uint32_t lo = 0, hi = t->num_shards;
-	while (hi - lo > 1) {
-		uint32_t mid = (lo + hi) / 2;
-		if (s->shards[t->first_shard + mid].shard->desc.row_offset <= row)
-			lo = mid;
-		else
-			hi = mid;
-	}
-	return t->first_shard + lo;
+	const uint64_t FB = (uint64_t)s->layout.num_features * s->layout.batch_size;
+
+	return &s->scratch_offsets[trainer * (FB + 1)];
 }
 
-/* Checks what can be checked without reading ids, and fills scratch_offsets. */
-static int check_batch(struct embd_step *s, struct embd_step_batch *b)
+/* Checks what can be checked without reading ids, and fills the trainer's offsets. */
+static int check_batch(struct embd_step *s, uint32_t trainer, struct embd_step_batch *b)
 {
 	const struct embd_kjt *k = &b->kjt;
 	const struct embd_step_layout *l = &s->layout;
@@ -358,92 +359,148 @@ static int check_batch(struct embd_step *s, struct embd_step_batch *b)
 		}
 	char inner[160];
 	int rc = embd_jagged_offsets(k->lengths, (uint64_t)l->num_features * l->batch_size,
-				     k->num_values, s->scratch_offsets, inner, sizeof(inner));
+				     k->num_values, trainer_offsets(s, trainer), inner, sizeof(inner));
 	if (rc)
 		snprintf(b->err, sizeof(b->err), "lengths: %s", inner);
 	return rc;
 }
 
-/* Items of one (trainer, feature) on every shard of its table. */
+/* Reserves the items of one (trainer, feature) on every shard of its table: offsets, room for
+ * all n ids of the feature (a row shard fills only its part), and for row-split tables the
+ * partial sums (and, for mean, the full bag lengths). fill_item copies the ids later. */
 static int route_feature(struct embd_step *s, uint32_t trainer, uint32_t f,
 			 struct embd_step_batch *b)
 {
 	const struct step_table *t = &s->tables[s->feature_tables[f]];
 	const uint32_t B = s->layout.batch_size;
-	const int64_t *offs = &s->scratch_offsets[(uint64_t)f * B];
+	const int64_t *offs = trainer_offsets(s, trainer) + (uint64_t)f * B;
 	const uint64_t n = (uint64_t)(offs[B] - offs[0]);
 	const bool split = row_split(t->type);
 	const bool mean = t->spec->pooling == EMBD_POOLING_MEAN;
-	struct step_item *items[t->num_shards];
-	uint64_t item_at[t->num_shards];
 	int rc;
 
 	for (uint32_t k = 0; k < t->num_shards; k++) {
 		const struct step_shard *ss = &s->shards[t->first_shard + k];
 		struct rank_io *io = &s->io[ss->rank];
+		uint64_t item_at;
 		struct step_item it = {
 			.shard = t->first_shard + k, .feature = f, .trainer = trainer,
 			.forward = t->num_replicas == 1 || k == trainer % t->num_replicas,
 			.weighted = b->kjt.weights != NULL,
 			.lengths_at = NO_INDEX, .partial_at = NO_INDEX,
 		};
-		/* an unsplit shard holds every id of the bag; a row shard at most all of them */
 		if ((rc = vec_take(&io->offsets, B + 1, sizeof(int64_t), &it.offsets_at)) ||
-		    (rc = vec_reserve(&io->ids, n, sizeof(int64_t))) ||
+		    (rc = vec_take(&io->ids, n, sizeof(int64_t), &it.ids_at)) ||
 		    (rc = vec_reserve(&io->weights, n, sizeof(float))) ||
 		    (split && mean && (rc = vec_take(&io->lengths, B, sizeof(int32_t), &it.lengths_at))) ||
 		    (split && (rc = vec_take(&io->partial, (uint64_t)B * ss->shard->desc.cols,
 					      sizeof(float), &it.partial_at))) ||
-		    (rc = vec_take(&io->items, 1, sizeof(it), &item_at[k])))
+		    (rc = vec_take(&io->items, 1, sizeof(it), &item_at)))
 			return rc;
-		/* n ids reserved per item: a row shard fills only its part of them */
-		it.ids_at = io->ids.len;
-		io->ids.len += n;
 		io->weights.len = io->ids.len;
-		*VEC_AT(io->items, struct step_item, item_at[k]) = it;
-		*VEC_AT(io->offsets, int64_t, it.offsets_at) = 0;
+		*VEC_AT(io->items, struct step_item, item_at) = it;
 		if (split && mean)
 			for (uint32_t i = 0; i < B; i++)
 				*VEC_AT(io->lengths, int32_t, it.lengths_at + i) =
 					(int32_t)(offs[i + 1] - offs[i]);
 	}
-	/* the buffers stopped growing: item pointers are stable from here on */
-	for (uint32_t k = 0; k < t->num_shards; k++)
-		items[k] = VEC_AT(s->io[s->shards[t->first_shard + k].rank].items, struct step_item,
-				  item_at[k]);
-	/* one read of every id of the shared batch; each destination gets the value read */
+	return 0;
+}
+
+/* Copies an item's ids (and weights) out of its trainer's shared batch, reading each once and
+ * checking the value read; a row shard keeps the ids of its rows. Buffers no longer grow. */
+static void fill_item(const struct embd_step *s, struct rank_io *io, struct step_item *it)
+{
+	const struct step_table *t = &s->tables[s->feature_tables[it->feature]];
+	const struct embd_shard_desc *d = &s->shards[it->shard].shard->desc;
+	const struct embd_kjt *kjt = &s->batches[it->trainer].kjt;
+	const uint32_t B = s->layout.batch_size;
+	const int64_t *offs = trainer_offsets(s, it->trainer) + (uint64_t)it->feature * B;
 	const uint64_t max_row = (uint64_t)t->spec->num_embeddings;
+	const bool split = row_split(t->type);
+	int64_t *ids = VEC_AT(io->ids, int64_t, it->ids_at);
+	float *weights = VEC_AT(io->weights, float, it->ids_at);
+	int64_t *out = VEC_AT(io->offsets, int64_t, it->offsets_at);
+	uint64_t n = 0;
+
+	out[0] = 0;
 	for (uint32_t i = 0; i < B; i++) {
 		for (int64_t j = offs[i]; j < offs[i + 1]; j++) {
-			int64_t id = ((const volatile int64_t *)b->kjt.values)[j];
-			float w = b->kjt.weights ? ((const volatile float *)b->kjt.weights)[j] : 1.0f;
+			int64_t id = ((const volatile int64_t *)kjt->values)[j];
 			if ((uint64_t)id >= max_row) {
-				snprintf(b->err, sizeof(b->err),
-					 "values[%lld]: id %lld of feature '%s' outside table '%s' rows "
-					 "[0, %llu)", (long long)j, (long long)id, s->names[f],
-					 t->spec->name, (unsigned long long)max_row);
-				return EMBD_ERANGE;
+				it->rc = EMBD_ERANGE;
+				it->bad_at = j;
+				it->bad_id = id;
+				return;
 			}
-			uint32_t k0 = 0, k1 = t->num_shards;
-			if (split) {
-				k0 = find_row_shard(s, t, id) - t->first_shard;
-				k1 = k0 + 1;
-			}
-			for (uint32_t k = k0; k < k1; k++) {
-				struct step_item *it = items[k];
-				struct rank_io *io = &s->io[s->shards[it->shard].rank];
-				*VEC_AT(io->ids, int64_t, it->ids_at + it->num_ids) = id;
-				*VEC_AT(io->weights, float, it->ids_at + it->num_ids) = w;
-				it->num_ids++;
-			}
+			if (split && (id < d->row_offset || id >= d->row_offset + d->rows))
+				continue;
+			if (it->weighted)
+				weights[n] = ((const volatile float *)kjt->weights)[j];
+			ids[n++] = id;
 		}
-		for (uint32_t k = 0; k < t->num_shards; k++) {
-			struct rank_io *io = &s->io[s->shards[items[k]->shard].rank];
-			*VEC_AT(io->offsets, int64_t, items[k]->offsets_at + i + 1) =
-				(int64_t)items[k]->num_ids;
+		out[i + 1] = (int64_t)n;
+	}
+	it->num_ids = n;
+}
+
+struct fill_work {
+	const struct embd_step *s;
+	struct rank_io *io;
+	_Atomic uint64_t next;                  /* the next item to take */
+};
+
+static void fill_worker(void *arg, uint32_t worker, uint32_t num_workers)
+{
+	struct fill_work *w = arg;
+
+	(void)worker;
+	(void)num_workers;
+	for (uint64_t i; (i = atomic_fetch_add(&w->next, 1)) < w->io->items.len;)
+		fill_item(w->s, w->io, VEC_AT(w->io->items, struct step_item, i));
+}
+
+/* A rank fills its items on its own workers, one item per worker at a time. */
+static void fill_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_step *s = arg;
+	struct fill_work w = { .s = s, .io = &s->io[rank] };
+
+	atomic_init(&w.next, 0);
+	if (w.io->items.len)
+		embd_workers_run(exec->workers, fill_worker, &w);
+}
+
+/* After fill_rank: refuses each trainer with a bad id (naming the first one found) and drops
+ * its items from every rank (their buffer room just stays unused this step). */
+static void refuse_bad_ids(struct embd_step *s)
+{
+	for (uint32_t r = 0; r < s->num_ranks; r++) {
+		struct rank_io *io = &s->io[r];
+		for (uint64_t i = 0; i < io->items.len; i++) {
+			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+			struct embd_step_batch *b = &s->batches[it->trainer];
+			const struct step_table *t = &s->tables[s->feature_tables[it->feature]];
+			if (!it->rc || b->status)
+				continue;
+			b->status = it->rc;
+			snprintf(b->err, sizeof(b->err),
+				 "values[%lld]: id %lld of feature '%s' outside table '%s' rows "
+				 "[0, %llu)", (long long)it->bad_at, (long long)it->bad_id,
+				 s->names[it->feature], t->spec->name,
+				 (unsigned long long)t->spec->num_embeddings);
 		}
 	}
-	return 0;
+	for (uint32_t r = 0; r < s->num_ranks; r++) {
+		struct rank_io *io = &s->io[r];
+		uint64_t kept = 0;
+		for (uint64_t i = 0; i < io->items.len; i++) {
+			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+			if (!s->batches[it->trainer].status)
+				*VEC_AT(io->items, struct step_item, kept++) = *it;
+		}
+		io->items.len = kept;
+	}
 }
 
 static int compare_items(const void *a, const void *b)
@@ -582,6 +639,7 @@ static int fail_step(struct embd_step *s, int rc, const char *what, uint32_t ran
 int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
 	uint64_t saved[s->num_ranks][5];
+	uint32_t routed = 0;
 	int accepted = 0, rc;
 
 	s->pending = false;
@@ -600,17 +658,12 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 					  io->partial.len, io->items.len };
 			memcpy(saved[r], v, sizeof(v));
 		}
-		rc = check_batch(s, b);
+		rc = check_batch(s, i, b);
 		for (uint32_t f = 0; !rc && f < s->layout.num_features; f++)
 			rc = route_feature(s, i, f, b);
 		b->status = rc;
 		if (!rc) {
-			accepted++;
-			s->counts.ids += b->kjt.num_values;
-			s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size *
-				4 + b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
-			s->counts.output_bytes += (uint64_t)s->layout.batch_size *
-						  s->layout.total_dim * 4;
+			routed++;
 			continue;
 		}
 		if (rc == EMBD_ENOMEM)
@@ -624,6 +677,20 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 			io->partial.len = saved[r][3];
 			io->items.len = saved[r][4];
 		}
+	}
+	if (!routed)
+		return 0;
+	embd_ranks_run(s->ranks, fill_rank, s);
+	refuse_bad_ids(s);
+	for (uint32_t i = 0; i < n; i++) {
+		const struct embd_step_batch *b = &batches[i];
+		if (b->status)
+			continue;
+		accepted++;
+		s->counts.ids += b->kjt.num_values;
+		s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size * 4 +
+					 b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
+		s->counts.output_bytes += (uint64_t)s->layout.batch_size * s->layout.total_dim * 4;
 	}
 	if (!accepted)
 		return 0;
