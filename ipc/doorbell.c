@@ -100,6 +100,7 @@ int embd_doorbell_wait(struct embd_ring *ring, const struct embd_doorbell *db, u
 	for (uint32_t i = 0; i < spin_iters; i++) {
 		if (embd_ring_count(ring) != 0)
 			return 0;
+		embd_ring_touch_next(ring);
 		if (i >= DOORBELL_TIGHT_SPINS)
 			cpu_relax();
 	}
