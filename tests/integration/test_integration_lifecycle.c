@@ -384,12 +384,18 @@ Test(lifecycle, killed_trainers_leave_no_fds_or_memory)
 
 	start_batch(50, LEAK_BATCH);
 	cr_assert_eq(embd_connect(socket_path, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	/* the baseline: trainer 0 alone. A round's cancellation reaches trainer 0 before the
+	 * service has closed the dead trainer's fds, so each count below waits to settle. */
+	int fds0 = service_count_fds(service_pid);
+	cr_assert(fds0 > 0, "cannot read /proc/%d/fd", (int)service_pid);
 	/* two rounds first: the step engine's buffers and the allocator's arenas grow once */
 	for (int round = 0; round < 2; round++)
 		kill_round(t0, round);
-	int fds0 = service_count_fds(service_pid);
+	int settled = service_wait_fds(fds0);
+	cr_assert_eq(settled, fds0, "embd's open fds after 2 killed trainers: expected %d, got %d",
+		     fds0, settled);
 	long rss0 = rss_kb(service_pid);
-	cr_assert(fds0 > 0 && rss0 > 0, "cannot read /proc/%d", (int)service_pid);
+	cr_assert_gt(rss0, 0, "cannot read /proc/%d/status", (int)service_pid);
 	for (int round = 2; round < 2 + LEAK_ROUNDS; round++)
 		kill_round(t0, round);
 	int fds = service_wait_fds(fds0);
