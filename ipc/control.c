@@ -14,6 +14,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/pidfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -119,6 +120,37 @@ int embd_ctl_peer_get(int sock, struct embd_ctl_peer *peer, char *err, size_t er
 		peer->num_groups = glen / sizeof(gid_t);
 	for (unsigned i = 0; i < peer->num_groups; i++)
 		peer->groups[i] = groups[i];
+	return 0;
+}
+
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77                 /* Linux 6.5; Debian 12's headers predate it */
+#endif
+
+int embd_ctl_peer_pidfd(int sock, pid_t peer_pid, int *pidfd_out, char *err, size_t err_len)
+{
+	int fd = -1;
+	socklen_t len = sizeof(fd);
+
+	*pidfd_out = -1;
+	/* the socket's own record of its peer cannot name a recycled pid, pidfd_open can */
+	if (getsockopt(sock, SOL_SOCKET, SO_PEERPIDFD, &fd, &len) == 0 && len == sizeof(fd) &&
+	    fd >= 0) {
+		*pidfd_out = fd;
+		return 0;
+	}
+	if (errno == ESRCH)
+		return ipc_fail(err, err_len, EMBD_ECONNRESET, "peer pid %d: already exited",
+				(int)peer_pid);
+	if (peer_pid <= 0)
+		return ipc_fail(err, err_len, EMBD_ENOTSUP, "peer pid %d: not in this pid namespace",
+				(int)peer_pid);
+	fd = pidfd_open(peer_pid, 0);
+	if (fd < 0)
+		return ipc_fail(err, err_len, errno == ESRCH ? EMBD_ECONNRESET : EMBD_ENOTSUP,
+				"pidfd_open(%d): %s", (int)peer_pid, strerror(errno));
+	/* pidfd_open is close-on-exec already */
+	*pidfd_out = fd;
 	return 0;
 }
 
@@ -361,4 +393,27 @@ int embd_ctl_recv(int sock, void *buf, size_t buf_bytes, int timeout_ms, struct 
 out:
 	embd_ctl_msg_close_fds(&got);
 	return rc;
+}
+
+void embd_ctl_refuse(int sock, int code, const char *text)
+{
+	unsigned char buf[512];
+	union {
+		struct cmsghdr align;
+		char buf[CMSG_SPACE(sizeof(int) * EMBD_CTL_FDS_MAX)];
+	} ctl;
+
+	embd_ctl_send_error(sock, code, text, NULL, 0);
+	shutdown(sock, SHUT_RD);        /* from here on the peer's sends fail with EPIPE */
+	for (;;) {
+		struct iovec iov = { .iov_base = buf, .iov_len = sizeof(buf) };
+		struct msghdr mh = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+				     .msg_controllen = sizeof(ctl.buf) };
+		struct embd_ctl_msg got = { .nfds = 0 };
+		if (recvmsg(sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) <= 0)
+			break;
+		take_fds(&mh, &got);
+		embd_ctl_msg_close_fds(&got);
+	}
+	close(sock);
 }

@@ -143,6 +143,15 @@ int embd_ctl_connect(const char *path, int *fd_out, char *err, size_t err_len);
 int embd_ctl_peer_get(int sock, struct embd_ctl_peer *peer, char *err, size_t err_len);
 
 /*
+ * A pidfd of the process that connected `sock` (close-on-exec), which becomes readable when
+ * that process exits even if a child it forked still holds the socket. Taken race-free with
+ * SO_PEERPIDFD (Linux 6.5) where the kernel has it, else pidfd_open(peer_pid) (peer_pid from
+ * embd_ctl_peer_get). Returns 0, EMBD_ECONNRESET when the peer is already gone, or
+ * EMBD_ENOTSUP (no pidfd: an old kernel, or a peer in another pid namespace, whose pid is 0).
+ */
+int embd_ctl_peer_pidfd(int sock, pid_t peer_pid, int *pidfd_out, char *err, size_t err_len);
+
+/*
  * Allows the peer when its uid is in `uids` or its primary or any supplementary gid is in
  * `gids`; empty lists allow nobody. Returns 0 or EMBD_EACCES with the uid/gid named in err.
  */
@@ -191,6 +200,14 @@ int embd_ctl_welcome_decode(const struct embd_ctl_msg *msg, struct embd_layout *
 
 /* ERROR: code (negative EMBD_E*) and text (truncated to EMBD_CTL_TEXT_MAX). */
 int embd_ctl_send_error(int sock, int code, const char *text, char *err, size_t err_len);
+
+/*
+ * Refuses a connection: sends ERROR, stops reading, discards what the peer already sent (its
+ * HELLO, any fds) and closes `sock`. Closing a Unix socket with unread input would make the
+ * peer's next recv fail with ECONNRESET before it ever sees the ERROR; a peer whose HELLO
+ * comes later finds the socket shut and reads the queued ERROR (libembdclient does).
+ */
+void embd_ctl_refuse(int sock, int code, const char *text);
 int embd_ctl_error_decode(const struct embd_ctl_msg *msg, int *code_out, char *text, size_t text_cap,
 			  char *err, size_t err_len);
 

@@ -42,6 +42,7 @@ struct embd_evloop {
 	struct io_uring ring;
 	enum embd_doorbell_mode mode;
 	uint32_t max_sources;
+	uint32_t sources_end;           /* 1 + the highest slot ever taken: scans stop here */
 	struct source *src;
 };
 
@@ -145,7 +146,7 @@ enum embd_doorbell_mode embd_evloop_doorbell_mode(const struct embd_evloop *loop
 
 static struct source *find(struct embd_evloop *loop, uint64_t tag)
 {
-	for (uint32_t i = 0; i < loop->max_sources; i++)
+	for (uint32_t i = 0; i < loop->sources_end; i++)
 		if (loop->src[i].in_use && loop->src[i].tag == tag)
 			return &loop->src[i];
 	return NULL;
@@ -166,6 +167,8 @@ static int add_source(struct embd_evloop *loop, uint64_t tag, int fd, _Atomic ui
 		s->tag = tag;
 		s->fd = fd;
 		s->word = word;
+		if (i >= loop->sources_end)
+			loop->sources_end = i + 1;
 		return 0;
 	}
 	return EMBD_ENOSPC;
@@ -284,7 +287,7 @@ int embd_evloop_wait(struct embd_evloop *loop, struct embd_event *events, uint32
 
 	*n_out = 0;
 	/* sockets are level-triggered from the caller's view: re-poll each one that fired */
-	for (uint32_t i = 0; i < loop->max_sources; i++) {
+	for (uint32_t i = 0; i < loop->sources_end; i++) {
 		struct source *s = &loop->src[i];
 		if (s->in_use && !s->is_doorbell && !s->pending && arm(loop, s, 0) != 0)
 			break;
