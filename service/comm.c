@@ -17,7 +17,11 @@ static const struct embd_comm_engine *engine_of(enum embd_comm_backend backend)
 {
 	switch (backend) {
 	case EMBD_COMM_GLOO:
+#ifdef EMBD_HAVE_GLOO
 		return &embd_comm_gloo_engine;
+#else
+		return NULL;
+#endif
 	case EMBD_COMM_NCCL:
 #ifdef EMBD_HAVE_NCCL
 		return &embd_comm_nccl_engine;
@@ -81,7 +85,9 @@ int embd_comm_create(const struct embd_comm_options *options, struct embd_store 
 	}
 	const struct embd_comm_engine *engine = engine_of(options->backend);
 	if (!engine) {
-		snprintf(err, err_len, "comm %s: not in this build (built without CUDA)", name);
+		snprintf(err, err_len, "comm %s: not in this build (%s)", name,
+			 options->backend == EMBD_COMM_NCCL ? "built without CUDA and NCCL"
+							    : "built without Gloo");
 		return EMBD_ENOTSUP;
 	}
 	if (options->size == 0 || options->rank >= options->size) {

@@ -49,7 +49,8 @@ const char *embd_comm_backend_name(enum embd_comm_backend backend);
 int embd_comm_backend_from_name(const char *name, enum embd_comm_backend *out);
 
 /* Rendezvous through store (every participant calls it) and connect. err[err_len] names what
- * failed (err may be NULL when err_len is 0). */
+ * failed (err may be NULL when err_len is 0). The store handle's timeout is left at
+ * options.timeout_ms; the comm does not use the store after create returns. */
 int embd_comm_create(const struct embd_comm_options *options, struct embd_store *store,
 		     struct embd_comm **out, char *err, size_t err_len);
 void embd_comm_destroy(struct embd_comm *comm);

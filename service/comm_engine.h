@@ -54,8 +54,11 @@ struct embd_comm {
 int embd_comm_fail(struct embd_comm *comm, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
-/* The engines this build has (NULL where it lacks one: nccl without CUDA). */
+/* The engines this build has: gloo in the service's build (EMBD_HAVE_GLOO; tests/gpu builds
+ * without it), nccl where CUDA and NCCL are found (EMBD_HAVE_NCCL). */
+#ifdef EMBD_HAVE_GLOO
 extern const struct embd_comm_engine embd_comm_gloo_engine;
+#endif
 #ifdef EMBD_HAVE_NCCL
 extern const struct embd_comm_engine embd_comm_nccl_engine;
 #endif

@@ -89,7 +89,8 @@ int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
  * return 0 or all fail. A node that does not show up within timeout_ms is EMBD_ETIMEDOUT
  * naming it; the same node_rank joining twice is EMBD_EMISMATCH.
  *
- * prefix scopes the store keys (NULL = "embd/"): a restarted cluster re-uses a store only
+ * The store handle's timeout is left at timeout_ms. prefix scopes the store keys (NULL =
+ * "embd/"): a restarted cluster re-uses a store only
  * under a new prefix. Store keys: <prefix>join/<node>, joined/<node>, verdict/<node>,
  * result/<node>, plan, plan_hash, outcome.
  */

@@ -28,15 +28,18 @@ struct embd_store_server;
 	} while (0)
 
 #define TU_HUNG (-1)            /* tu_join's code for a child killed at the deadline */
-#define TU_LEAKED 99            /* a child that passed but leaked (sanitizer builds) */
 
 typedef int (*tu_child_fn)(int index, void *arg);
 
 int64_t tu_now_ms(void);
-/* Forks a child that runs fn(index, arg) and _exits with its return value (TU_LEAKED when it
- * returned 0 but LeakSanitizer finds leaks). */
+/* Forks a child that runs fn(index, arg) and _exits with its return value. */
 pid_t tu_spawn(tu_child_fn fn, int index, void *arg);
-/* Forks n children running fn(0..n-1, arg) into pids[n]. */
+/*
+ * Forks n children running fn(0..n-1, arg) into pids[n]; they start together once all are
+ * forked. Fork a batch of children this way rather than one by one: forking while earlier
+ * children keep the test's store-server thread busy can deadlock a sanitizer build's child
+ * (its allocator lock held by that thread at the fork).
+ */
 void tu_spawn_n(tu_child_fn fn, int n, void *arg, pid_t *pids);
 /*
  * Waits for n children until timeout_ms; codes[i] gets the exit status, 128 + signal for a

@@ -292,11 +292,16 @@ static int child_late_server(int i, void *arg)
 {
 	(void)i;
 	struct embd_store_server *srv = NULL;
+	struct embd_store *s = NULL;
+	const char *up = "up";
 	char err[256];
+	uint16_t p = *(uint16_t *)arg;
 	usleep(400 * 1000);
-	TU_CHECK(embd_store_server_start("127.0.0.1", *(uint16_t *)arg, &srv, err,
-					 sizeof(err)) == 0, "%s", err);
-	usleep(1500 * 1000);        /* serve while the parent connects and sets */
+	TU_CHECK(embd_store_server_start("127.0.0.1", p, &srv, err, sizeof(err)) == 0, "%s", err);
+	/* serve until the parent has connected and set "up" */
+	TU_CHECK(embd_store_connect("127.0.0.1", p, 10000, &s, err, sizeof(err)) == 0, "%s", err);
+	TU_CHECK(embd_store_wait(s, &up, 1) == 0, "%s", embd_store_error(s));
+	embd_store_close(s);
 	embd_store_server_stop(srv);
 	return 0;
 }
