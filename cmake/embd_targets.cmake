@@ -1,9 +1,10 @@
 # Helpers every module uses to declare its tests, so a module's CMakeLists.txt is the only
 # file that changes when the module gains a test.
 
-# embd_unit_test(test_foo LIBS lib...): tests/unit/test_foo.c, a Criterion test binary.
+# embd_unit_test(test_foo LIBS lib... [SOURCES ...] [TIMEOUT s] [JOBS n]): tests/unit/test_foo.c,
+# a Criterion test binary running n tests at once (default 2).
 function(embd_unit_test name)
-  cmake_parse_arguments(arg "" "TIMEOUT" "LIBS;SOURCES" ${ARGN})
+  cmake_parse_arguments(arg "" "TIMEOUT;JOBS" "LIBS;SOURCES" ${ARGN})
   if(NOT CRITERION_FOUND)
     message(WARNING "criterion not found: ${name} is not built (run tools/install-deps.sh)")
     return()
@@ -15,7 +16,10 @@ function(embd_unit_test name)
     set(arg_TIMEOUT 300)
   endif()
   # Criterion forks one process per test; -j2 keeps it inside CI's two cores.
-  add_test(NAME ${name} COMMAND ${name} -j2 --ascii)
+  if(NOT arg_JOBS)
+    set(arg_JOBS 2)
+  endif()
+  add_test(NAME ${name} COMMAND ${name} -j${arg_JOBS} --ascii)
   set_tests_properties(${name} PROPERTIES TIMEOUT ${arg_TIMEOUT} LABELS unit)
 endfunction()
 

@@ -262,8 +262,10 @@ Test(comm_gloo, peer_exits)
 
 Test(comm_gloo, peer_stalls)
 {
-	struct world w = { .size = 2, .timeout_ms = 1000, .victim = 0, .stall = true };
-	cr_assert_eq(run_world(child_lose_a_peer, &w, 1000 + 2 * SLACK_MS + 5000), 0);
+	/* 3 s, not less: the same timeout bounds the rendezvous, which a loaded sanitizer build
+	 * needs (a 1 s timeout failed rank 0's connect to rank 1 in CI) */
+	struct world w = { .size = 2, .timeout_ms = 3000, .victim = 0, .stall = true };
+	cr_assert_eq(run_world(child_lose_a_peer, &w, 3000 + 2 * SLACK_MS + 5000), 0);
 }
 
 Test(comm_gloo, missing_rank_fails_rendezvous_naming_it)
