@@ -17,7 +17,8 @@
 
 #define SLACK_MS 3000           /* scheduling slack of a loaded 2-core CI machine */
 
-TestSuite(comm_gloo, .init = tu_server_start, .fini = tu_server_stop, .timeout = 40);
+TestSuite(comm_gloo, .init = tu_server_process_start, .fini = tu_server_process_stop,
+	  .timeout = 40);
 
 struct world {
 	int size;

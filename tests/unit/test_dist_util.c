@@ -120,3 +120,41 @@ void tu_server_stop(void)
 	embd_store_server_stop(tu_server);
 	tu_server = NULL;
 }
+
+static pid_t server_pid;
+
+void tu_server_process_start(void)
+{
+	int port_pipe[2];
+	cr_assert_eq(pipe(port_pipe), 0);
+	fflush(NULL);
+	server_pid = fork();
+	cr_assert_geq(server_pid, 0);
+	if (server_pid == 0) {
+		char err[256] = "";
+		struct embd_store_server *server = NULL;
+		close(port_pipe[0]);
+		if (embd_store_server_start("127.0.0.1", 0, &server, err, sizeof(err)) < 0) {
+			fprintf(stderr, "store server: %s\n", err);
+			_exit(1);
+		}
+		uint16_t port = embd_store_server_port(server);
+		if (write(port_pipe[1], &port, sizeof(port)) != (ssize_t)sizeof(port))
+			_exit(1);
+		for (;;)
+			pause();        /* until tu_server_process_stop's SIGKILL */
+	}
+	close(port_pipe[1]);
+	ssize_t got = read(port_pipe[0], &tu_port, sizeof(tu_port));
+	close(port_pipe[0]);
+	cr_assert_eq(got, (ssize_t)sizeof(tu_port), "the store server process did not start");
+}
+
+void tu_server_process_stop(void)
+{
+	if (server_pid > 0) {
+		kill(server_pid, SIGKILL);
+		waitpid(server_pid, NULL, 0);
+	}
+	server_pid = 0;
+}

@@ -56,5 +56,12 @@ extern struct embd_store_server *tu_server;
 extern uint16_t tu_port;
 void tu_server_start(void);
 void tu_server_stop(void);
+/*
+ * The same server in a process of its own, so the test process has no thread when it forks
+ * its children: gcc 12's ASan allocator has no fork handlers, and a child forked while
+ * another thread held its lock hangs (seen as rare test_comm_gloo hangs under ctest).
+ */
+void tu_server_process_start(void);
+void tu_server_process_stop(void);
 
 #endif /* EMBD_TEST_DIST_UTIL_H */

@@ -238,7 +238,8 @@ static void run_cluster(struct cluster *c)
 	cr_assert_eq(failed, 0);
 }
 
-TestSuite(collective_plan, .init = tu_server_start, .fini = tu_server_stop, .timeout = 40);
+TestSuite(collective_plan, .init = tu_server_process_start,
+	  .fini = tu_server_process_stop, .timeout = 40);
 
 Test(collective_plan, agreeing_nodes_share_plan_and_hash)
 {
