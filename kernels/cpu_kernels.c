@@ -6,7 +6,8 @@
  * loops are pool_row.h / optim_row.h themselves, which the compiler vectorizes at each width.
  *
  * Every id is read once, checked against the shard's rows and only then used. Rows are
- * prefetched EMBD_PREFETCH_IDS ids ahead across bag boundaries, which is what makes P = 1 fast.
+ * prefetched EMBD_PREFETCH_IDS ids ahead across bag boundaries, which is what makes P = 1 fast,
+ * from the head of a chunk of bags (forward.c) to its end and no further.
  */
 #include "kernels/cpu_kernels.h"
 
@@ -35,12 +36,12 @@ struct bag_ctx {
 	uint32_t cols;
 	const int64_t *ids;
 	const float *weights;
-	uint64_t num_ids;
+	uint64_t prefetch_end;          /* no row at or after this id is prefetched (<= num_ids) */
 };
 
 static inline void prefetch_row(const struct bag_ctx *c, uint64_t k)
 {
-	if (k >= c->num_ids)
+	if (k >= c->prefetch_end)
 		return;
 	uint64_t r = (uint64_t)c->ids[k] - c->row_offset;
 	if (r >= c->rows)
@@ -222,10 +223,28 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 		.cols = d->cols,
 		.ids = bt->ids,
 		.weights = bt->weights,
-		.num_ids = bt->num_ids,
 	};
 	int fp16 = d->dtype == EMBD_DTYPE_FP16;
 
+	/*
+	 * Prefetching stops at the end of these bags' ids: the rows after them belong to the next
+	 * chunk, which another worker likely takes, and fetching them here only doubles their
+	 * traffic. The offset is read as a hint, clamped; each bag is still checked on its own.
+	 */
+	uint64_t end = (uint64_t)bt->offsets[last];
+	c.prefetch_end = end < bt->num_ids ? end : bt->num_ids;
+
+	/*
+	 * The rows of the first EMBD_PREFETCH_IDS ids: each id prefetches the row that many ids
+	 * ahead, so without this the head of every chunk of bags would wait on DRAM one row at a
+	 * time (at P = 1 that was a quarter of the gap to the gather limit). The offset is only a
+	 * hint here; prefetch_row checks what it reads.
+	 */
+	if (first < last) {
+		uint64_t s = (uint64_t)bt->offsets[first];
+		for (uint64_t k = s; k < s + EMBD_PREFETCH_IDS; k++)
+			prefetch_row(&c, k);
+	}
 	for (uint32_t b = first; b < last; b++) {
 		/* each offset is read once: the bag is checked on the values it is run with */
 		int64_t s = bt->offsets[b], e = bt->offsets[b + 1];

@@ -11,7 +11,20 @@
 
 #include "kernels/cpu_kernels.h"
 
-#define BAGS_PER_CHUNK 32
+/*
+ * A chunk is at least MIN_BAGS_PER_CHUNK bags and about CHUNK_IDS ids (from the batch's mean
+ * bag length). Counting ids, not bags, is what matters at small pooling factors: a chunk's
+ * first rows cannot be prefetched far ahead and each chunk costs an atomic on a shared line,
+ * so 32 one-id bags per chunk spent a large part of a P = 1 batch on chunk edges.
+ */
+#define MIN_BAGS_PER_CHUNK 32
+#define CHUNK_IDS 1024
+
+static uint64_t bags_per_chunk(const struct embd_bag_batch *bt)
+{
+	uint64_t bags = bt->num_ids ? CHUNK_IDS * (uint64_t)bt->batch_size / bt->num_ids : bt->batch_size;
+	return bags > MIN_BAGS_PER_CHUNK ? bags : MIN_BAGS_PER_CHUNK;
+}
 
 int embd_bag_batch_check(const struct embd_bag_batch *bt, const struct embd_shard *shard,
 			 bool backward, struct embd_kernel_err *err)
@@ -47,6 +60,7 @@ struct forward_job {
 	const struct embd_bag_batch *batches;
 	uint32_t n;
 	const uint64_t *first_chunk;    /* n + 1: chunk index where each batch starts */
+	const uint64_t *chunk_bags;     /* n: bags per chunk of each batch */
 	atomic_uint_fast64_t next;
 	struct embd_first_err *errs;        /* one per worker */
 };
@@ -66,9 +80,9 @@ static void forward_worker(void *arg, uint32_t worker, uint32_t num_workers)
 		while (job->first_chunk[i + 1] <= chunk)
 			i++; /* chunks are handed out in increasing order */
 		const struct embd_bag_batch *bt = &job->batches[i];
-		uint64_t first = (chunk - job->first_chunk[i]) * BAGS_PER_CHUNK;
-		uint64_t last = first + BAGS_PER_CHUNK < bt->batch_size ? first + BAGS_PER_CHUNK
-									 : bt->batch_size;
+		uint64_t per = job->chunk_bags[i];
+		uint64_t first = (chunk - job->first_chunk[i]) * per;
+		uint64_t last = first + per < bt->batch_size ? first + per : bt->batch_size;
 		struct embd_kernel_err e;
 		int rc = job->k->forward_bags(bt, (uint32_t)first, (uint32_t)last, &e);
 		embd_first_err_note(we, rc, i, &e);
@@ -80,7 +94,7 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 {
 	struct embd_workers *workers = exec ? exec->workers : NULL;
 	struct forward_job job = { .batches = batches, .n = n };
-	uint64_t *first_chunk = NULL;
+	uint64_t *first_chunk = NULL, *chunk_bags;
 	struct embd_first_err *errs = NULL, first = { 0 };
 	uint32_t nw = embd_workers_count(workers);
 	int rc;
@@ -95,17 +109,21 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 			return rc;
 	}
 	rc = EMBD_ENOMEM;
-	first_chunk = malloc((n + 1) * sizeof(*first_chunk));
+	first_chunk = malloc((2 * (uint64_t)n + 1) * sizeof(*first_chunk));
 	errs = calloc(nw, sizeof(*errs));
 	if (!first_chunk || !errs) {
 		embd_kernel_fail(err, rc, 0, -1, 0, "out of memory for %u batches", n);
 		goto out;
 	}
+	chunk_bags = first_chunk + n + 1;
 	first_chunk[0] = 0;
-	for (uint32_t i = 0; i < n; i++)
+	for (uint32_t i = 0; i < n; i++) {
+		chunk_bags[i] = bags_per_chunk(&batches[i]);
 		first_chunk[i + 1] = first_chunk[i] +
-				     (batches[i].batch_size + BAGS_PER_CHUNK - 1) / BAGS_PER_CHUNK;
+				     (batches[i].batch_size + chunk_bags[i] - 1) / chunk_bags[i];
+	}
 	job.first_chunk = first_chunk;
+	job.chunk_bags = chunk_bags;
 	job.errs = errs;
 	atomic_init(&job.next, 0);
 	embd_workers_run(workers, forward_worker, &job);

@@ -6,6 +6,7 @@
 #include "kernels/cpu_kernels.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 
 #ifdef EMBD_KERNELS_X86
@@ -20,32 +21,52 @@ static bool cpu_has_f16c(void)
 }
 #endif
 
+/* The best isa of this build and CPU, found by asking the CPU. */
+static enum embd_isa detect_best(void)
+{
+#ifdef EMBD_KERNELS_X86
+	__builtin_cpu_init();
+	if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || !cpu_has_f16c())
+		return EMBD_ISA_SCALAR;
+	if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+	    __builtin_cpu_supports("avx512vl"))
+		return EMBD_ISA_AVX512;
+	return EMBD_ISA_AVX2;
+#else
+	return EMBD_ISA_SCALAR;
+#endif
+}
+
+/*
+ * The answer is cached: CPUID traps to the hypervisor in a VM, 13 us each on the dev VMs, and
+ * every kernel call picks its isa, so two CPUIDs per call were a quarter of a 2048-bag P=1
+ * forward. Threads that race here compute the same value; 0 means not asked yet.
+ */
+static _Atomic int best_isa;
+
+enum embd_isa embd_kernels_isa_best(void)
+{
+	int isa = atomic_load_explicit(&best_isa, memory_order_relaxed);
+
+	if (!isa) {
+		isa = (int)detect_best();
+		atomic_store_explicit(&best_isa, isa, memory_order_relaxed);
+	}
+	return (enum embd_isa)isa;
+}
+
+/* Each isa includes the ones below it (AVX-512 here implies AVX2, FMA and F16C). */
 bool embd_kernels_isa_supported(enum embd_isa isa)
 {
 	switch (isa) {
 	case EMBD_ISA_AUTO:
 	case EMBD_ISA_SCALAR:
-		return true;
-#ifdef EMBD_KERNELS_X86
 	case EMBD_ISA_AVX2:
-		__builtin_cpu_init();
-		return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
 	case EMBD_ISA_AVX512:
-		return embd_kernels_isa_supported(EMBD_ISA_AVX2) && __builtin_cpu_supports("avx512f") &&
-		       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-#endif
+		return isa <= embd_kernels_isa_best();
 	default:
 		return false;
 	}
-}
-
-enum embd_isa embd_kernels_isa_best(void)
-{
-	if (embd_kernels_isa_supported(EMBD_ISA_AVX512))
-		return EMBD_ISA_AVX512;
-	if (embd_kernels_isa_supported(EMBD_ISA_AVX2))
-		return EMBD_ISA_AVX2;
-	return EMBD_ISA_SCALAR;
 }
 
 const char *embd_kernels_isa_name(enum embd_isa isa)

@@ -228,6 +228,52 @@ Test(kernels_forward, row_shards_sum_to_reference)
 	}
 }
 
+/*
+ * Bags of 0-2 ids, thousands of them: chunks of about a thousand ids hold hundreds of bags
+ * each and the last chunk is ragged, so chunk edges (the rows prefetched at a chunk's head,
+ * prefetching that stops at its end) are crossed many times, on every ISA and 3 workers.
+ */
+Test(kernels_forward, many_chunks_of_short_bags)
+{
+	struct trng r = { 8 };
+	check_unsharded(&r, 50000, 64, EMBD_DTYPE_FP32, 5001, 2, false, EMBD_POOLING_SUM);
+	check_unsharded(&r, 50000, 20, EMBD_DTYPE_FP16, 4099, 2, true, EMBD_POOLING_MEAN);
+	check_unsharded(&r, 50000, 129, EMBD_DTYPE_FP32, 3333, 1, true, EMBD_POOLING_MEAN);
+}
+
+/* An id out of range in a late chunk, with 3 workers: the first bad sample is reported. */
+Test(kernels_forward, out_of_range_id_in_a_late_chunk)
+{
+	struct trng r = { 9 };
+	struct embd_ref_table *ref = embd_ref_table_create(4, 1000, 16, EMBD_DTYPE_FP32, &sgd, 2);
+	struct embd_shard *s = tshard(ref, 2, 0, 1000, 0, 16);
+	struct embd_workers *three;
+	char msg[128];
+	struct tbags t;
+
+	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
+	tbags_random(&t, &r, 6000, 2, 0, 1000, 0, false);
+	uint32_t sample = 5000, later = 5900;
+	while (t.lengths[sample] == 0)
+		sample++;
+	while (t.lengths[later] == 0)
+		later++;
+	t.ids[t.offsets[sample]] = 1000;
+	t.ids[t.offsets[later]] = -5;
+	float *out = malloc(6000 * 16 * sizeof(float));
+	struct embd_exec ex = { .workers = three };
+	struct embd_kernel_err err = { 0 };
+	int rc = run_forward(&ex, s, &t, EMBD_POOLING_SUM, NULL, out, 16, 0, &err);
+	cr_assert_eq(rc, EMBD_ERANGE, "expected EMBD_ERANGE, got %d", rc);
+	cr_expect_eq(err.sample, sample, "sample: expected %u, got %lld", sample, (long long)err.sample);
+	cr_expect_eq(err.id, 1000, "id: expected 1000, got %lld", (long long)err.id);
+	free(out);
+	tbags_free(&t);
+	embd_workers_destroy(three);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
 Test(kernels_forward, out_of_range_ids_are_errors)
 {
 	struct trng r = { 7 };

@@ -44,6 +44,7 @@ struct opts {
 	enum embd_isa isa;
 	bool fbgemm;
 	const char *python;
+	const char *configs;            /* --config: comma-separated names to run, NULL for all */
 };
 
 struct bench {
@@ -52,6 +53,25 @@ struct bench {
 	struct embd_exec exec;
 	double copy_gbps;
 };
+
+/*
+ * Whether the config named name ("forward/64/1", "backward_sgd/128/20") is to run: every one
+ * without --config, else those listed (exact names, so that forward/64/1 is not forward/64/100).
+ */
+static bool config_selected(const struct opts *o, const char *name)
+{
+	size_t len = strlen(name);
+
+	if (!o->configs)
+		return true;
+	for (const char *p = o->configs; *p;) {
+		size_t n = strcspn(p, ",");
+		if (n == len && !strncmp(p, name, len))
+			return true;
+		p += n + (p[n] == ',');
+	}
+	return false;
+}
 
 /* ---- timing ------------------------------------------------------------------------------ */
 
@@ -465,6 +485,20 @@ static int bench_dim(struct bench *b, uint32_t dim, bool with_backward)
 	float *pooled = malloc((uint64_t)b->o.batch * dim * sizeof(float));
 	float *grad = malloc((uint64_t)b->o.batch * dim * sizeof(float));
 
+	bool any = false;
+	char name[64];
+	for (size_t i = 0; i < sizeof(pfs) / sizeof(pfs[0]); i++) {
+		snprintf(name, sizeof(name), "forward/%u/%u", dim, pfs[i]);
+		any = any || config_selected(&b->o, name);
+	}
+	for (int t = EMBD_OPT_SGD; with_backward && t <= EMBD_OPT_ADAM; t++) {
+		snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[t], dim, backward_P);
+		any = any || config_selected(&b->o, name);
+	}
+	if (!any) {
+		rc = 0;
+		goto out;
+	}
 	pool.n = POOL_IDS_MIN > 8 * max_batch_ids ? POOL_IDS_MIN : 8 * max_batch_ids;
 	pool.n -= pool.n % max_batch_ids;  /* whole batches at P = 100, and so at 20 and 1 */
 	pool.ids = malloc(pool.n * sizeof(int64_t));
@@ -494,6 +528,9 @@ static int bench_dim(struct bench *b, uint32_t dim, bool with_backward)
 	print_gather(b, &gjob, median_step_ns(b, gather_step, &g));
 	for (size_t i = 0; i < sizeof(pfs) / sizeof(pfs[0]); i++) {
 		struct kernel_arg a = { b, s, &pool, pfs[i], offsets, pooled, grad, 0, { 0 } };
+		snprintf(name, sizeof(name), "forward/%u/%u", dim, pfs[i]);
+		if (!config_selected(&b->o, name))
+			continue;
 		set_offsets(offsets, b->o.batch, pfs[i]);
 		/* the limit over the very batches of this config, runs interleaved with ours */
 		g = gather_prepare(b, &gjob, s, &pool, (uint64_t)b->o.batch * pfs[i]);
@@ -525,6 +562,9 @@ static int bench_dim(struct bench *b, uint32_t dim, bool with_backward)
 			struct embd_shard_desc od = d;
 			uint64_t wb, m1b, m2b;
 			struct embd_shard *os = NULL;
+			snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[t], dim, backward_P);
+			if (!config_selected(&b->o, name))
+				continue;
 			od.optimizer.type = t;
 			/* a shard of its own (state allocated like the weights), weights copied */
 			if (embd_shard_sizes(&od, &wb, &m1b, &m2b, err, sizeof(err)) ||
@@ -574,8 +614,11 @@ static void usage(FILE *f)
 {
 	fprintf(f, "usage: embd-bench kernels [--threads N] [--table-mib M] [--batch B] [--runs R]\n"
 		   "                          [--run-ms MS] [--isa scalar|avx2|avx512] [--no-fbgemm]\n"
-		   "defaults: all cores, 512 MiB tables (16x this L3), B 2048, 5 runs of 100 ms (medians);\n"
-		   "FBGEMM through $EMBD_BENCH_PYTHON (default python3)\n");
+		   "                          [--config NAME,...]\n"
+		   "defaults: all cores, 512 MiB tables, B 2048, 5 runs of 100 ms (medians);\n"
+		   "FBGEMM through $EMBD_BENCH_PYTHON (default python3); --config runs only the configs\n"
+		   "named, as forward/DIM/P (DIM 64 or 128, P 1, 20 or 100) and backward_OPT/128/20\n"
+		   "(OPT sgd, adagrad, rowwise_adagrad or adam); the limits run for every dim named\n");
 }
 
 int bench_kernels_run(int argc, char **argv)
@@ -602,6 +645,8 @@ int bench_kernels_run(int argc, char **argv)
 			b.o.batch = (uint32_t)atoi(v), i++;
 		} else if (v && !strcmp(argv[i], "--runs")) {
 			b.o.runs = atoi(v), i++;
+		} else if (v && !strcmp(argv[i], "--config")) {
+			b.o.configs = v, i++;
 		} else if (v && !strcmp(argv[i], "--run-ms")) {
 			b.o.run_ns = atof(v) * 1e6, i++;
 		} else if (v && !strcmp(argv[i], "--isa")) {
