@@ -26,13 +26,15 @@
  *   shared directory (NFS-like, or one machine; IMPLEMENTED, service/ckpt_service.c): every
  *     node writes its files into <root>/.tmp-step-N/ (embd_ckpt_write_part; names carry n<k>),
  *     reports its manifest (node = k, its files only) to the store under "ckpt/N/node/<k>" (or
- *     "error: why" when its write failed) and adds 1 to "ckpt/N/done"; node 0 waits for every
- *     node's key within store_timeout_ms, merges the entries (embd_ckpt_manifest_merge) and
- *     alone does steps 3 and 4 (embd_ckpt_commit). A node that dies or fails before reporting
+ *     "error: why" when its write failed); node 0 waits for every node's key within
+ *     store_timeout_ms (the keys, not a counter: a timeout then names the missing nodes),
+ *     merges the entries (embd_ckpt_manifest_merge), alone does steps 3 and 4
+ *     (embd_ckpt_commit) and deletes the keys. A node that dies or fails before reporting
  *     leaves no manifest: node 0 logs it by rank and removes .tmp-step-N (embd_ckpt_discard),
  *     so step-N never appears. Retention runs on node 0 only and removes stale .tmp-step-M
  *     only for M < N (the nodes may be writing a later step). Restore: node 0 takes the newest
- *     valid step-N (embd_ckpt_find) and publishes N under "ckpt/restore"; every other node
+ *     valid step-N (embd_ckpt_find) and publishes N under "ckpt/restore" (the others wait
+ *     store_timeout_ms for it, so it must cover node 0's CRC check); every other node
  *     opens that very directory (embd_ckpt_open_dir: a node that sees damage there fails,
  *     naming it) and loads its own shards by global coordinates, so any node count and plan
  *     restores any other. Triggers on a cluster: only checkpoint_every_steps (config.h).

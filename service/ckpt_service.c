@@ -236,7 +236,7 @@ static int commit_cluster(struct embd_ckpt_service *ck, uint64_t step)
 	const char *root = ck->config->checkpoint_dir;
 	struct result *w = &ck->w;
 	struct embd_ckpt_manifest *parts = calloc(n, sizeof(*parts)), merged = { 0 };
-	char (*keys)[64] = calloc(n, sizeof(*keys)), inner[512], done[64];
+	char (*keys)[64] = calloc(n, sizeof(*keys)), inner[512];
 	const char **names = calloc(n, sizeof(*names));
 	int rc = EMBD_ENOMEM;
 
@@ -281,8 +281,6 @@ out:
 		snprintf(w->err, sizeof(w->err), "out of memory");
 	if (rc && embd_ckpt_discard(root, step, inner, sizeof(inner)))
 		embd_log_warning("checkpoint of step %" PRIu64 ": %s", step, inner);
-	snprintf(done, sizeof(done), "ckpt/%" PRIu64 "/done", step);
-	embd_store_delete(ck->store, done);
 	for (uint32_t k = 0; keys && k < n; k++) {
 		embd_store_delete(ck->store, keys[k]);
 		embd_ckpt_manifest_free(&parts[k]);
@@ -309,9 +307,6 @@ static int write_cluster(struct embd_ckpt_service *ck, struct embd_ckpt_manifest
 	const char *report = text ? text : failed;
 	snprintf(key, sizeof(key), "ckpt/%" PRIu64 "/node/%u", m->step, m->node);
 	int src = embd_store_set(ck->store, key, report, strlen(report));
-	snprintf(key, sizeof(key), "ckpt/%" PRIu64 "/done", m->step);
-	if (!src)
-		src = embd_store_add(ck->store, key, 1, NULL);
 	free(text);
 	if (src && !rc) {
 		rc = src;

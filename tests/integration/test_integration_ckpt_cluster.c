@@ -3,7 +3,8 @@
  * "shared directory"), with the real embd nodes of dist_fixture.h. Two nodes checkpoint every
  * K steps, are stopped and restarted: the trainers resume at step K and every later pooled
  * output equals the reference's after 2 K steps (the one of a run without the stop; trainers
- * that reconnect to a running cluster are no such run: the steps go on without them). A
+ * that reconnect to a running cluster are no such run: the steps go on without them), and
+ * the cluster's next checkpoint restored on one node goes on like the reference too. A
  * checkpoint one node wrote under
  * table_wise restores on two nodes under row_wise: every output afterwards equals the one
  * node's own continuation of the same global batch. A node that dies before it reported its
@@ -125,8 +126,16 @@ Test(ckpt_cluster, two_nodes_stopped_and_restarted_resume_at_the_checkpoint)
 	struct shared *resumed = train(2, "row_wise", RANKS);
 	expect_resumed(resumed, T, K_STEPS, "restarted cluster");
 	check_against_reference_after(resumed, T, "restarted cluster", 1);
+	/* the cluster's checkpoint of step 2 K restores on one node (all T trainers there) */
+	wait_for_step(2 * K_STEPS);
+	stop_cluster();
+	use_checkpoints(0);
+	struct shared *one = train(1, "table_wise", T);
+	expect_resumed(one, T, 2 * K_STEPS, "1 node restoring the cluster's checkpoint");
+	check_against_reference_after(one, T, "1 node restoring the cluster's checkpoint", 2);
 	munmap(first, sizeof(*first));
 	munmap(resumed, sizeof(*resumed));
+	munmap(one, sizeof(*one));
 }
 
 Test(ckpt_cluster, one_node_table_wise_checkpoint_restores_on_two_nodes_row_wise)
