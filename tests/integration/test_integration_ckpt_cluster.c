@@ -7,7 +7,8 @@
  * the cluster's next checkpoint restored on one node goes on like the reference too. A
  * checkpoint one node wrote under
  * table_wise restores on two nodes under row_wise: every output afterwards equals the one
- * node's own continuation of the same global batch. A node that dies before it reported its
+ * node's own continuation of the same global batch; `embctl checkpoint` on a cluster is
+ * refused. A node that dies before it reported its
  * files leaves no step directory and no .tmp one, and node 0 names it.
  */
 #include <criterion/criterion.h>
@@ -150,6 +151,18 @@ Test(ckpt_cluster, one_node_table_wise_checkpoint_restores_on_two_nodes_row_wise
 	struct shared *two = train(2, "row_wise", 1);
 	expect_resumed(two, 2, K_STEPS, "2 nodes restoring 1 node's checkpoint");
 	check_against_reference_after(two, 2, "2 nodes restoring 1 node's checkpoint", 1);
+	/* one node of a cluster cannot choose a step for all: embctl checkpoint is refused */
+	char cmd[512], reply[512] = "";
+	snprintf(cmd, sizeof(cmd), "%s checkpoint --socket %s 2>&1", EMBCTL_BINARY,
+		 nodes[1].socket);
+	FILE *p = popen(cmd, "r");
+	cr_assert_not_null(p);
+	size_t got = fread(reply, 1, sizeof(reply) - 1, p);
+	reply[got] = 0;
+	cr_expect_neq(pclose(p), 0, "embctl checkpoint on a cluster: expected a failure, got: %s",
+		      reply);
+	cr_expect(strstr(reply, "checkpoint_every_steps") != NULL, "embctl checkpoint on a "
+		  "cluster: expected the refusal to name checkpoint_every_steps, got: %s", reply);
 	stop_nodes();
 	cr_expect(!has_step(2 * K_STEPS, false), "a cluster takes no checkpoint at SIGTERM");
 	/* the one node's own continuation from the same checkpoint */
