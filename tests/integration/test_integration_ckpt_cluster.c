@@ -8,7 +8,7 @@
  * checkpoint one node wrote under
  * table_wise restores on two nodes under row_wise: every output afterwards equals the one
  * node's own continuation of the same global batch; `embctl checkpoint` on a cluster is
- * refused. A node that dies before it reported its
+ * refused, and so is checkpoint_every_seconds at start. A node that dies before it reported its
  * files leaves no step directory and no .tmp one, and node 0 names it.
  */
 #include <criterion/criterion.h>
@@ -199,4 +199,35 @@ Test(ckpt_cluster, node_killed_before_reporting_leaves_no_checkpoint)
 	cr_expect(!has_step(K_STEPS, true), "expected node 0 to remove .tmp-step-%d", K_STEPS);
 	cr_expect_eq(kill(nodes[0].pid, 0), 0, "node 0 should keep running");
 	munmap(sh, sizeof(*sh));
+}
+
+Test(ckpt_cluster, every_seconds_is_refused_on_a_cluster)
+{
+	char log[8192];
+	int st = 0;
+
+	use_checkpoints(0);
+	strcat(dist_extra_json, ", \"checkpoint_every_seconds\": 5");
+	num_nodes = 2;
+	pick_port();
+	for (uint32_t n = 0; n < 2; n++) {
+		node_paths(n);
+		write_config(n, NULL, 2, NULL);
+		spawn(n);
+	}
+	for (uint32_t n = 0; n < 2; n++) {
+		bool exited = false;
+		for (int i = 0; i < 500 && !exited; i++) {
+			exited = waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid;
+			if (!exited)
+				usleep(20000);
+		}
+		read_log(n, log, sizeof(log));
+		cr_assert(exited, "node %u: expected it to refuse to start within 10 s: %s", n, log);
+		nodes[n].pid = 0;
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "node %u: expected a failing exit, "
+			  "got status 0x%x", n, st);
+		cr_expect(strstr(log, "checkpoint_every_seconds") != NULL, "node %u: expected the "
+			  "refusal to name checkpoint_every_seconds, got: %s", n, log);
+	}
 }
