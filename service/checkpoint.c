@@ -127,34 +127,31 @@ out:
 	return rc;
 }
 
-int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
-			const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
-			uint64_t *bytes_out, char *err, size_t err_len)
+/* step-<N> already there: EMBD_EBUSY when it is valid (nothing to write), removed when it is
+ * damaged (replaced by the new one). */
+static int check_final(const char *final, char *err, size_t err_len)
 {
-	char tmp[EMBD_CKPT_PATH_MAX + 64], final[EMBD_CKPT_PATH_MAX + 64];
-	char path[EMBD_CKPT_PATH_MAX + 256], inner[512];
 	struct embd_ckpt_manifest old;
-	uint64_t bytes = 0;
+	char inner[512];
 	int rc;
 
-	*bytes_out = 0;
-	if ((rc = mkdir_p(root, err, err_len)))
-		return rc;
-	embd_ckpt_dir_name(root, m->step, final, sizeof(final));
-	if (!access(final, F_OK)) {
-		rc = embd_ckpt_open_dir(final, &old, inner, sizeof(inner));
-		embd_ckpt_manifest_free(&old);
-		if (!rc)
-			return snprintf(err, err_len, "%s: already written", final), EMBD_EBUSY;
-		if ((rc = remove_dir(final, err, err_len)))   /* damaged: replaced */
-			return rc;
-	}
-	snprintf(tmp, sizeof(tmp), "%s/.tmp-step-%" PRIu64, root, m->step);
-	if ((rc = remove_dir(tmp, err, err_len)))
-		return rc;
-	if (mkdir(tmp, 0755))
-		return snprintf(err, err_len, "%s: mkdir: %s", tmp, strerror(errno)), EMBD_EIO;
+	if (access(final, F_OK))
+		return 0;
+	rc = embd_ckpt_open_dir(final, &old, inner, sizeof(inner));
+	embd_ckpt_manifest_free(&old);
+	if (!rc)
+		return snprintf(err, err_len, "%s: already written", final), EMBD_EBUSY;
+	return remove_dir(final, err, err_len);
+}
+
+/* Every array -> <tmp>/<name>.npy; m's files become one entry per array (bytes, crc32c). */
+static int write_arrays(const char *tmp, struct embd_ckpt_manifest *m,
+			const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
+			uint64_t *bytes, char *err, size_t err_len)
+{
+	char path[EMBD_CKPT_PATH_MAX + 256];
 	struct embd_ckpt_file *files = calloc(num_arrays + 1, sizeof(*files));
+
 	if (!files)
 		return EMBD_ENOMEM;
 	for (uint32_t i = 0; i < num_arrays; i++) {
@@ -162,33 +159,106 @@ int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
 		uint64_t shape[2] = { (uint64_t)a->file.rows, a->file.cols };
 		files[i] = a->file;
 		snprintf(path, sizeof(path), "%s/%s", tmp, a->file.name);
-		rc = embd_npy_write_file(path, a->file.dtype, a->ndim, shape, a->data, sync,
-					 &files[i].crc32c, &files[i].bytes, err, err_len);
-		if (rc)
-			goto out;
-		bytes += files[i].bytes;
+		int rc = embd_npy_write_file(path, a->file.dtype, a->ndim, shape, a->data, sync,
+					     &files[i].crc32c, &files[i].bytes, err, err_len);
+		if (rc) {
+			free(files);
+			return rc;
+		}
+		*bytes += files[i].bytes;
 	}
 	free(m->files);
 	m->files = files;
 	m->num_files = num_arrays;
-	files = NULL;
+	return 0;
+}
+
+/* Steps 3 and 4 of checkpoint.h: the manifest into tmp, tmp renamed to final, root fsynced. */
+static int commit_tmp(const char *root, const char *tmp, const char *final,
+		      struct embd_ckpt_manifest *m, bool sync, uint64_t *bytes, char *err,
+		      size_t err_len)
+{
+	int rc;
+
 	if (!m->created_unix_ms) {
 		struct timespec ts;
 		clock_gettime(CLOCK_REALTIME, &ts);
 		m->created_unix_ms = (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 	}
-	if ((rc = write_manifest(tmp, m, sync, &bytes, err, err_len)))
-		goto out;
-	if (rename(tmp, final)) {
-		rc = EMBD_EIO;
-		snprintf(err, err_len, "%s: rename: %s", final, strerror(errno));
-		goto out;
-	}
-	rc = sync ? fsync_path(root, err, err_len) : 0;
+	if ((rc = write_manifest(tmp, m, sync, bytes, err, err_len)))
+		return rc;
+	if (rename(tmp, final))
+		return snprintf(err, err_len, "%s: rename: %s", final, strerror(errno)), EMBD_EIO;
+	return sync ? fsync_path(root, err, err_len) : 0;
+}
+
+static void tmp_name(const char *root, uint64_t step, char *out, size_t cap)
+{
+	snprintf(out, cap, "%s/.tmp-step-%" PRIu64, root, step);
+}
+
+int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
+			const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
+			uint64_t *bytes_out, char *err, size_t err_len)
+{
+	char tmp[EMBD_CKPT_PATH_MAX + 64], final[EMBD_CKPT_PATH_MAX + 64];
+	uint64_t bytes = 0;
+	int rc;
+
+	*bytes_out = 0;
+	if ((rc = mkdir_p(root, err, err_len)))
+		return rc;
+	embd_ckpt_dir_name(root, m->step, final, sizeof(final));
+	if ((rc = check_final(final, err, err_len)))
+		return rc;
+	tmp_name(root, m->step, tmp, sizeof(tmp));
+	if ((rc = remove_dir(tmp, err, err_len)))
+		return rc;
+	if (mkdir(tmp, 0755))
+		return snprintf(err, err_len, "%s: mkdir: %s", tmp, strerror(errno)), EMBD_EIO;
+	if ((rc = write_arrays(tmp, m, arrays, num_arrays, sync, &bytes, err, err_len)) ||
+	    (rc = commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len)))
+		return rc;
 	*bytes_out = bytes;
-out:
-	free(files);
-	return rc;
+	return 0;
+}
+
+int embd_ckpt_write_part(const char *root, struct embd_ckpt_manifest *m,
+			 const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
+			 uint64_t *bytes_out, char *err, size_t err_len)
+{
+	char tmp[EMBD_CKPT_PATH_MAX + 64];
+	int rc;
+
+	*bytes_out = 0;
+	if ((rc = mkdir_p(root, err, err_len)))
+		return rc;
+	tmp_name(root, m->step, tmp, sizeof(tmp));
+	if (mkdir(tmp, 0755) && errno != EEXIST)   /* every node makes it; the first one wins */
+		return snprintf(err, err_len, "%s: mkdir: %s", tmp, strerror(errno)), EMBD_EIO;
+	return write_arrays(tmp, m, arrays, num_arrays, sync, bytes_out, err, err_len);
+}
+
+int embd_ckpt_commit(const char *root, struct embd_ckpt_manifest *m, bool sync, char *err,
+		     size_t err_len)
+{
+	char tmp[EMBD_CKPT_PATH_MAX + 64], final[EMBD_CKPT_PATH_MAX + 64];
+	uint64_t bytes = 0;
+	int rc;
+
+	embd_ckpt_dir_name(root, m->step, final, sizeof(final));
+	tmp_name(root, m->step, tmp, sizeof(tmp));
+	if ((rc = check_final(final, err, err_len)))
+		return rc;
+	return commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len);
+}
+
+int embd_ckpt_discard(const char *root, uint64_t step, char *err, size_t err_len)
+{
+	char tmp[EMBD_CKPT_PATH_MAX + 64];
+
+	tmp_name(root, step, tmp, sizeof(tmp));
+	return remove_dir(tmp, err, err_len);
 }
 
 /* ---- reading ----------------------------------------------------------------------------- */
@@ -362,7 +432,8 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 	return rc;
 }
 
-int embd_ckpt_retain(const char *root, uint32_t keep, char *err, size_t err_len)
+int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, char *err,
+		     size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX + 64];
 	uint64_t *steps;
@@ -372,7 +443,9 @@ int embd_ckpt_retain(const char *root, uint32_t keep, char *err, size_t err_len)
 	if ((rc = list_steps(root, ".tmp-step-", &steps, &n, err, err_len)))
 		return rc;
 	for (uint32_t i = 0; i < n; i++) {
-		snprintf(dir, sizeof(dir), "%s/.tmp-step-%" PRIu64, root, steps[i]);
+		if (steps[i] >= tmp_before)
+			continue;       /* a cluster's nodes may be writing it now */
+		tmp_name(root, steps[i], dir, sizeof(dir));
 		removed += !remove_dir(dir, err, err_len);
 	}
 	free(steps);

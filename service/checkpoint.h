@@ -23,12 +23,21 @@
  *     cluster-wide file and no coordination are needed to read consistently. Resharding to
  *     another node count needs every node's directory reachable (embctl export --dir ...).
  *     Retention keeps K per node: K >= 2 keeps a common step while nodes are one step apart.
- *   shared directory (NFS-like; NOT IMPLEMENTED, needs the rendezvous store of branch
- *     dist-comm): every node writes its files into <root>/.tmp-step-N/ (names carry n<k>),
- *     reports its file entries to the store under "ckpt/N/node/k" and adds 1 to
- *     "ckpt/N/done"; node 0 waits for done == W, merges the entries and alone does steps 3
- *     and 4. A node that dies before reporting leaves no manifest, so step-N never appears.
- * The service itself still writes node 0 of 1: the node rank comes with the multi-node config.
+ *   shared directory (NFS-like, or one machine; IMPLEMENTED, service/ckpt_service.c): every
+ *     node writes its files into <root>/.tmp-step-N/ (embd_ckpt_write_part; names carry n<k>),
+ *     reports its manifest (node = k, its files only) to the store under "ckpt/N/node/<k>" (or
+ *     "error: why" when its write failed); node 0 waits for every node's key within
+ *     store_timeout_ms (the keys, not a counter: a timeout then names the missing nodes),
+ *     merges the entries (embd_ckpt_manifest_merge), alone does steps 3 and 4
+ *     (embd_ckpt_commit) and deletes the keys. A node that dies or fails before reporting
+ *     leaves no manifest: node 0 logs it by rank and removes .tmp-step-N (embd_ckpt_discard),
+ *     so step-N never appears. Retention runs on node 0 only and removes stale .tmp-step-M
+ *     only for M < N (the nodes may be writing a later step). Restore: node 0 takes the newest
+ *     valid step-N (embd_ckpt_find) and publishes N under "ckpt/restore" (the others wait
+ *     store_timeout_ms for it, so it must cover node 0's CRC check); every other node
+ *     opens that very directory (embd_ckpt_open_dir: a node that sees damage there fails,
+ *     naming it) and loads its own shards by global coordinates, so any node count and plan
+ *     restores any other. Triggers on a cluster: only checkpoint_every_steps (config.h).
  */
 #ifndef EMBD_SERVICE_CHECKPOINT_H
 #define EMBD_SERVICE_CHECKPOINT_H
@@ -82,9 +91,25 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 		   char *dir_out, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
 		   size_t err_len);
 
-/* Removes every step-<N> but the newest keep (keep 0: none removed) and stale .tmp-step-*
- * directories. Returns the number removed or a negative code. */
-int embd_ckpt_retain(const char *root, uint32_t keep, char *err, size_t err_len);
+/* Removes every step-<N> but the newest keep (keep 0: none removed) and stale .tmp-step-<M>
+ * directories with M < tmp_before (UINT64_MAX: all). Returns the number removed or a
+ * negative code. */
+int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, char *err,
+		     size_t err_len);
+
+/*
+ * Shared-directory cluster checkpoints (above). _write_part: step 2 only, into
+ * <root>/.tmp-step-<m->step> (created if missing, never emptied: the other nodes write there
+ * too); m's files become this node's entries. _commit: node 0, once every node's entries are
+ * merged into m: steps 3 and 4 (EMBD_EBUSY when step-N is valid already; a damaged one is
+ * replaced). _discard: removes .tmp-step-<step> (a cluster checkpoint that cannot complete).
+ */
+int embd_ckpt_write_part(const char *root, struct embd_ckpt_manifest *m,
+			 const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
+			 uint64_t *bytes_out, char *err, size_t err_len);
+int embd_ckpt_commit(const char *root, struct embd_ckpt_manifest *m, bool sync, char *err,
+		     size_t err_len);
+int embd_ckpt_discard(const char *root, uint64_t step, char *err, size_t err_len);
 
 /* A destination for embd_ckpt_load: a rectangle of a table, as in a shard. */
 struct embd_ckpt_target {

@@ -21,6 +21,7 @@
 
 #include "service/checkpoint.h"
 #include "service/log.h"
+#include "service/store.h"
 
 #define HUGE_PAGE (2u << 20)
 
@@ -35,7 +36,8 @@ struct result {
 struct embd_ckpt_service {
 	const struct embd_config *config;
 	struct embd_step *step;
-	struct embd_ckpt_manifest base;         /* tables, plan: every write's manifest */
+	struct embd_ckpt_manifest base;         /* tables, plan, node: every write's manifest */
+	struct embd_store *store;               /* a cluster's: restore, then the writer's only */
 	struct embd_ckpt_array *arrays;
 	const void **sources;                   /* shard memory of each array */
 	uint64_t *array_bytes;
@@ -99,8 +101,8 @@ static int build_layout(struct embd_ckpt_service *ck, char *err, size_t err_len)
 		struct embd_step_shard_view v;
 		uint64_t bytes[3];
 		embd_step_shard_view(ck->step, i, &v);
-		if (v.replica)
-			continue;
+		if (v.replica || !v.shard)
+			continue;       /* one copy of data_parallel; another node's shard */
 		const struct embd_shard_desc *d = &v.shard->desc;
 		int rc = embd_shard_sizes(d, &bytes[0], &bytes[1], &bytes[2], err, err_len);
 		if (rc)
@@ -161,7 +163,8 @@ int embd_ckpt_service_create(const struct embd_config *config, struct embd_step 
 	ck->config = config;
 	ck->step = step;
 	ck->efd = -1;
-	ck->base.num_nodes = 1;
+	ck->base.node = config->node_rank;
+	ck->base.num_nodes = embd_config_nodes(config);
 	ck->base.num_tables = t->count;
 	ck->base.tables = calloc(t->count + 1, sizeof(*ck->base.tables));
 	if (!ck->base.tables)
@@ -178,6 +181,11 @@ int embd_ckpt_service_create(const struct embd_config *config, struct embd_step 
 		goto out;
 	ck->base.plan_hash = plan->plan_hash;
 	if ((rc = build_layout(ck, err, err_len)))
+		goto out;
+	/* a handle of its own: the service thread's one is busy in the steps' collectives */
+	if (ck->base.num_nodes > 1 &&
+	    (rc = embd_store_connect(config->master_addr, config->master_port,
+				     config->store_timeout_ms, &ck->store, err, err_len)))
 		goto out;
 	ck->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
 	if (ck->efd < 0) {
@@ -203,6 +211,7 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck)
 		pthread_join(ck->thread, NULL);
 	if (ck->efd >= 0)
 		close(ck->efd);
+	embd_store_close(ck->store);
 	embd_ckpt_manifest_free(&ck->base);
 	free(ck->arrays);
 	free(ck->sources);
@@ -219,25 +228,116 @@ int embd_ckpt_service_fd(const struct embd_ckpt_service *ck)
 
 /* ---- writing ----------------------------------------------------------------------------- */
 
+/* Node 0 of a cluster: waits for every node's report of step, merges them and commits
+ * (checkpoint.h, "shared directory"). Any failure drops .tmp-step-<step>. */
+static int commit_cluster(struct embd_ckpt_service *ck, uint64_t step)
+{
+	const uint32_t n = ck->base.num_nodes;
+	const char *root = ck->config->checkpoint_dir;
+	struct result *w = &ck->w;
+	struct embd_ckpt_manifest *parts = calloc(n, sizeof(*parts)), merged = { 0 };
+	char (*keys)[64] = calloc(n, sizeof(*keys)), inner[512];
+	const char **names = calloc(n, sizeof(*names));
+	int rc = EMBD_ENOMEM;
+
+	if (!parts || !keys || !names)
+		goto out;
+	for (uint32_t k = 0; k < n; k++) {
+		snprintf(keys[k], sizeof(keys[k]), "ckpt/%" PRIu64 "/node/%u", step, k);
+		names[k] = keys[k];
+	}
+	if ((rc = embd_store_wait(ck->store, names, n))) {
+		char missing[256] = "";
+		size_t len = 0;
+		for (uint32_t k = 0; k < n && len < sizeof(missing) - 16; k++)
+			if (embd_store_check(ck->store, keys[k]) != 1)
+				len += (size_t)snprintf(missing + len, sizeof(missing) - len, "%s%u",
+							len ? ", " : "", k);
+		snprintf(w->err, sizeof(w->err), "node %s did not report its files within "
+			 "store_timeout_ms %d (%s): step %" PRIu64 " is dropped", len ? missing : "?",
+			 ck->config->store_timeout_ms, embd_store_error(ck->store), step);
+		goto out;
+	}
+	for (uint32_t k = 0; k < n && !rc; k++) {
+		void *v = NULL;
+		size_t len = 0;
+		if ((rc = embd_store_get(ck->store, keys[k], &v, &len))) {
+			snprintf(w->err, sizeof(w->err), "node %u's report: %s", k,
+				 embd_store_error(ck->store));
+		} else if (!len || *(char *)v != '{') {
+			rc = EMBD_EIO;
+			snprintf(w->err, sizeof(w->err), "node %u: %.*s", k, (int)len, (char *)v);
+		} else if ((rc = embd_ckpt_manifest_parse(v, len, &parts[k], inner, sizeof(inner)))) {
+			snprintf(w->err, sizeof(w->err), "node %u's report: %s", k, inner);
+		}
+		free(v);
+	}
+	if (!rc)
+		rc = embd_ckpt_manifest_merge(parts, n, &merged, w->err, sizeof(w->err));
+	if (!rc)
+		rc = embd_ckpt_commit(root, &merged, true, w->err, sizeof(w->err));
+out:
+	if (rc == EMBD_ENOMEM && !w->err[0])
+		snprintf(w->err, sizeof(w->err), "out of memory");
+	if (rc && embd_ckpt_discard(root, step, inner, sizeof(inner)))
+		embd_log_warning("checkpoint of step %" PRIu64 ": %s", step, inner);
+	for (uint32_t k = 0; keys && k < n; k++) {
+		embd_store_delete(ck->store, keys[k]);
+		embd_ckpt_manifest_free(&parts[k]);
+	}
+	embd_ckpt_manifest_free(&merged);
+	free(parts);
+	free(keys);
+	free(names);
+	return rc;
+}
+
+/* Every node of a cluster: its part into .tmp-step-N, then its report (the manifest of its
+ * files, or why it has none); node 0 then commits. */
+static int write_cluster(struct embd_ckpt_service *ck, struct embd_ckpt_manifest *m)
+{
+	struct result *w = &ck->w;
+	char key[64], failed[sizeof(w->err) + 8], *text = NULL;
+	int rc = embd_ckpt_write_part(ck->config->checkpoint_dir, m, ck->arrays, ck->num_arrays,
+				      true, &w->bytes, w->err, sizeof(w->err));
+
+	if (!rc && (rc = embd_ckpt_manifest_write(m, &text)))
+		snprintf(w->err, sizeof(w->err), "cannot format this node's manifest");
+	snprintf(failed, sizeof(failed), "error: %s", w->err);
+	const char *report = text ? text : failed;
+	snprintf(key, sizeof(key), "ckpt/%" PRIu64 "/node/%u", m->step, m->node);
+	int src = embd_store_set(ck->store, key, report, strlen(report));
+	free(text);
+	if (src && !rc) {
+		rc = src;
+		snprintf(w->err, sizeof(w->err), "reporting to the store: %s",
+			 embd_store_error(ck->store));
+	}
+	return rc || m->node ? rc : commit_cluster(ck, m->step);
+}
+
 /* The write itself: the thread's body, or the final checkpoint's on the service thread. */
 static void write_snapshot(struct embd_ckpt_service *ck)
 {
 	struct embd_ckpt_manifest m = ck->base;        /* shares tables and plan */
 	struct result *w = &ck->w;
+	const char *root = ck->config->checkpoint_dir;
+	const bool cluster = ck->base.num_nodes > 1;
 	uint64_t t0 = now_ns();
 
 	m.files = NULL;
 	m.num_files = 0;
 	m.step = w->step;
 	m.created_unix_ms = 0;
-	embd_ckpt_dir_name(ck->config->checkpoint_dir, w->step, w->dir, sizeof(w->dir));
-	w->rc = embd_ckpt_write_dir(ck->config->checkpoint_dir, &m, ck->arrays, ck->num_arrays,
-				    true, &w->bytes, w->err, sizeof(w->err));
+	embd_ckpt_dir_name(root, w->step, w->dir, sizeof(w->dir));
+	w->rc = cluster ? write_cluster(ck, &m)
+			: embd_ckpt_write_dir(root, &m, ck->arrays, ck->num_arrays, true, &w->bytes,
+					      w->err, sizeof(w->err));
 	free(m.files);
-	if (!w->rc) {
+	if (!w->rc && !m.node) {
 		char inner[512];
-		int removed = embd_ckpt_retain(ck->config->checkpoint_dir, ck->config->checkpoint_keep,
-					       inner, sizeof(inner));
+		int removed = embd_ckpt_retain(root, ck->config->checkpoint_keep,
+					       cluster ? w->step : UINT64_MAX, inner, sizeof(inner));
 		if (removed < 0)
 			snprintf(w->err, sizeof(w->err), "retention: %s", inner);
 	}
@@ -336,15 +436,27 @@ static void finish(struct embd_ckpt_service *ck)
 	ck->last = *w;
 }
 
+static void join_writer(struct embd_ckpt_service *ck)
+{
+	pthread_join(ck->thread, NULL);
+	ck->running = false;
+	finish(ck);
+}
+
 void embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 {
 	const struct embd_config *c = ck->config;
-	bool due = ck->requested;
+	bool every = c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps;
+	bool due = ck->requested || every;
 
-	if (ck->running)
-		return;
-	if (c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps)
-		due = true;
+	if (ck->running) {
+		/* A cluster's nodes must all take the same steps: a due one waits for the write
+		 * before it (a stall) rather than moving to whichever step this node is at when its
+		 * write ends. One node alone takes it when the write ends. */
+		if (!every || ck->base.num_nodes == 1)
+			return;
+		join_writer(ck);
+	}
 	if (c->checkpoint_every_seconds && step != ck->last_step &&
 	    now_ns() - ck->last_ns >= (uint64_t)c->checkpoint_every_seconds * 1000000000u)
 		due = true;
@@ -373,20 +485,21 @@ uint64_t embd_ckpt_service_reap(struct embd_ckpt_service *ck)
 
 	if (read(ck->efd, &v, sizeof(v)) < 0 && errno != EAGAIN)
 		embd_log_warning("checkpoint: eventfd read: %s", strerror(errno));
-	if (ck->running && atomic_load_explicit(&ck->finished, memory_order_acquire)) {
-		pthread_join(ck->thread, NULL);
-		ck->running = false;
-		finish(ck);
-	}
+	if (ck->running && atomic_load_explicit(&ck->finished, memory_order_acquire))
+		join_writer(ck);
 	return ck->last.seq;
 }
 
 int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step)
 {
-	if (ck->running) {
-		pthread_join(ck->thread, NULL);
-		ck->running = false;
-		finish(ck);
+	if (ck->running)
+		join_writer(ck);
+	if (ck->base.num_nodes > 1) {
+		if (step != ck->last_step)
+			embd_log_notice("no final checkpoint of step %" PRIu64 ": a cluster takes only "
+					"checkpoint_every_steps (the last one is step %" PRIu64 ")", step,
+					ck->last_step);
+		return 0;
 	}
 	if (ck->last.seq && !ck->last.rc && ck->last.step == step)
 		return 0;
@@ -442,6 +555,59 @@ static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ck
 	return 0;
 }
 
+#define RESTORE_KEY "ckpt/restore"
+
+/* Which checkpoint a cluster restores (checkpoint.h): node 0 finds the newest valid one and
+ * publishes its step ("none", or "error: why"); every other node opens that very directory
+ * and fails on damage rather than take another step than node 0. */
+static int find_cluster(struct embd_ckpt_service *ck, char *dir, size_t dir_cap,
+			struct embd_ckpt_manifest *m, char *err, size_t err_len)
+{
+	const char *root = ck->config->checkpoint_dir;
+	char value[800], inner[600];
+	void *v = NULL;
+	size_t len = 0;
+	int rc;
+
+	if (!ck->base.node) {
+		rc = embd_ckpt_find(root, UINT64_MAX, log_skip, NULL, dir, dir_cap, m, err, err_len);
+		if (!rc)
+			snprintf(value, sizeof(value), "%" PRIu64, m->step);
+		else
+			snprintf(value, sizeof(value), rc == EMBD_ENOENT ? "none" : "error: %s", err);
+		if (embd_store_set(ck->store, RESTORE_KEY, value, strlen(value))) {
+			embd_ckpt_manifest_free(m);
+			return snprintf(err, err_len, "store: publishing the step to restore: %s",
+					embd_store_error(ck->store)), EMBD_EIO;
+		}
+		return rc;
+	}
+	if ((rc = embd_store_get(ck->store, RESTORE_KEY, &v, &len)))
+		return snprintf(err, err_len, "store: waiting for node 0's choice of checkpoint: %s",
+				embd_store_error(ck->store)), rc;
+	snprintf(value, sizeof(value), "%.*s", (int)len, (char *)v);
+	free(v);
+	if (!strcmp(value, "none"))
+		return snprintf(err, err_len, "%s: no valid checkpoint (node 0)", root), EMBD_ENOENT;
+	if (!strncmp(value, "error: ", 7))
+		return snprintf(err, err_len, "node 0 cannot choose a checkpoint: %s", value + 7),
+		       EMBD_EIO;
+	uint64_t step = strtoull(value, NULL, 10);
+	embd_ckpt_dir_name(root, step, dir, dir_cap);
+	rc = embd_ckpt_open_dir(dir, m, inner, sizeof(inner));
+	if (!rc && m->step != step) {
+		snprintf(inner, sizeof(inner), "its manifest is of step %" PRIu64, m->step);
+		embd_ckpt_manifest_free(m);
+		rc = EMBD_EPARSE;
+	}
+	/* never EMBD_ENOENT: this node must not start afresh while node 0 restores */
+	if (rc)
+		return snprintf(err, err_len, "%s: node 0 restores step %" PRIu64 ", this node cannot "
+				"(is checkpoint_dir one shared directory?): %s", dir, step, inner),
+		       rc == EMBD_ENOENT ? EMBD_EMISMATCH : rc;
+	return 0;
+}
+
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
 			      size_t err_len)
 {
@@ -456,8 +622,9 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 	memset(&m, 0, sizeof(m));
 	if (!targets || !index)
 		goto out;
-	rc = embd_ckpt_find(ck->config->checkpoint_dir, UINT64_MAX, log_skip, NULL, dir,
-			    sizeof(dir), &m, err, err_len);
+	rc = ck->base.num_nodes > 1 ? find_cluster(ck, dir, sizeof(dir), &m, err, err_len)
+				    : embd_ckpt_find(ck->config->checkpoint_dir, UINT64_MAX, log_skip,
+						     NULL, dir, sizeof(dir), &m, err, err_len);
 	if (rc == EMBD_ENOENT) {
 		embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
 			      ck->config->checkpoint_dir);
@@ -466,23 +633,27 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 	}
 	if (rc || (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
+	uint32_t num_targets = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		struct embd_step_shard_view v;
 		embd_step_shard_view(ck->step, i, &v);
+		if (!v.shard)
+			continue;       /* another node's */
 		const struct embd_shard_desc *d = &v.shard->desc;
-		targets[i] = (struct embd_ckpt_target){
+		targets[num_targets++] = (struct embd_ckpt_target){
 			.table = (uint32_t)index[v.table], .row_offset = d->row_offset, .rows = d->rows,
 			.col_offset = d->col_offset, .cols = d->cols, .dtype = d->dtype,
 			.weights = v.shard->weights, .momentum1 = v.shard->momentum1,
 			.momentum2 = v.shard->momentum2,
 		};
 	}
-	if ((rc = embd_ckpt_load(dir, &m, targets, n, err, err_len)))
+	if ((rc = embd_ckpt_load(dir, &m, targets, num_targets, err, err_len)))
 		goto out;
-	for (uint32_t i = 0; i < n; i++) {
+	for (uint32_t i = 0, k = 0; i < n; i++) {
 		struct embd_step_shard_view v;
 		embd_step_shard_view(ck->step, i, &v);
-		v.shard->step = targets[i].optimizer_step;
+		if (v.shard)
+			v.shard->step = targets[k++].optimizer_step;
 	}
 	ck->resumed_step = ck->last_step = *step_out = m.step;
 	embd_log_notice("restored %s: step %" PRIu64 ", %u files, written under plan %016" PRIx64

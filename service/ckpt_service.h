@@ -19,7 +19,10 @@
  *
  * Threading: every call comes from the service's thread, outside embd_step_forward/backward
  * (the shards are then at "steps completed = step": a forward changes no parameter). At most
- * one write runs; a trigger that comes due meanwhile is taken when it ends.
+ * one write runs; a trigger that comes due meanwhile is taken when it ends. On a cluster
+ * (shared directory, checkpoint.h) only checkpoint_every_steps triggers, and a due step whose
+ * previous write still runs waits for it (a stall), so that every node takes the same steps;
+ * the writer thread reports through its own store handle.
  */
 #ifndef EMBD_SERVICE_CKPT_SERVICE_H
 #define EMBD_SERVICE_CKPT_SERVICE_H
@@ -43,7 +46,7 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
 
 /*
  * Restores the newest valid checkpoint into the step's shards (before any step ran), logging
- * every damaged one it skips. *step_out: its step (0 when there is none, which returns 0 too).
+ * every damaged one it skips; on a cluster the one node 0 chose (checkpoint.h). *step_out: its step (0 when there is none, which returns 0 too).
  * EMBD_EMISMATCH when the checkpoint's tables differ from the config's (err names the table).
  */
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
@@ -72,7 +75,8 @@ int embd_ckpt_service_result_json(const struct embd_ckpt_service *ck, char **out
 int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **status);
 
 /* The final checkpoint at SIGTERM: waits for a running write, then writes `step` on this
- * thread unless it is already on disk. */
+ * thread unless it is already on disk (one node only: a cluster's nodes do not stop at one
+ * step they agreed on, so a cluster only waits for the running write). */
 int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step);
 
 /* Worst snapshot copy so far (ms) and the last write's figures, for the benchmark. */

@@ -18,10 +18,14 @@
  *     "threads_per_rank": 1,        worker threads of each CPU rank
  *     "log_level": "info",          error | warning | notice | info | debug
  *     "checkpoint_dir": "",         where checkpoints go (service/checkpoint.h); "" = none. At start
- *                                   the newest valid one there is restored (one node only)
+ *                                   the newest valid one there is restored. A cluster's
+ *                                   nodes share one directory (NFS or one machine)
  *     "checkpoint_every_steps": 0,  a checkpoint every N completed steps (0 = off)
  *     "checkpoint_every_seconds": 0,  ... and/or every T seconds while steps run (0 = off);
- *                                   `embctl checkpoint` and SIGTERM take one too
+ *                                   `embctl checkpoint` and SIGTERM take one too. On a
+ *                                   cluster only checkpoint_every_steps: every_seconds is
+ *                                   refused at start, `embctl checkpoint` answers ENOTSUP
+ *                                   and SIGTERM takes none (one node cannot pick the step)
  *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
  *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the

@@ -246,12 +246,10 @@ int main(int argc, char **argv)
 		goto out;
 	}
 	const uint32_t nodes = embd_config_nodes(&config);
-	/* Cluster checkpoints need node 0 to commit after every node reported (designed in
-	 * service/checkpoint.h, not wired yet): writing per-node pieces that no restore can
-	 * put together would be worse than refusing. */
-	if (nodes > 1 && config.checkpoint_dir[0]) {
-		embd_log_error("checkpoint_dir: checkpoints of a cluster (%u nodes) are not "
-			       "supported by this version; remove checkpoint_dir", nodes);
+	/* A cluster takes a checkpoint only at steps every node knows in advance (checkpoint.h) */
+	if (nodes > 1 && config.checkpoint_dir[0] && config.checkpoint_every_seconds) {
+		embd_log_error("checkpoint_every_seconds: not supported on a cluster (%u nodes): the "
+			       "nodes would not agree on the step; use checkpoint_every_steps", nodes);
 		rc = EMBD_ENOTSUP;
 		goto out;
 	}

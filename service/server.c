@@ -858,6 +858,12 @@ static int checkpoint_request(struct embd_server *sv, struct client *c,
 				    NULL, 0);
 		return 0;
 	}
+	if (sv->cluster) {
+		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: a cluster takes checkpoints "
+				    "only every checkpoint_every_steps (one node alone cannot choose "
+				    "a step for all)", NULL, 0);
+		return 0;
+	}
 	uint64_t seq = embd_ckpt_service_request(sv->ckpt);
 	embd_ckpt_service_poll(sv->ckpt, sv->s);
 	if (req.flags & EMBD_CTL_CHECKPOINT_WAIT) {

@@ -104,6 +104,7 @@ struct shared {
 	uint32_t feature_offset[MAX_F];
 	uint32_t feature_dim[MAX_F];
 	int rc[MAX_T];
+	uint64_t resumed_step[MAX_T];   /* the layout's, at connect */
 	char err[MAX_T][256];
 	float pooled[K_STEPS][MAX_T][BATCH * MAX_COLS];
 };
@@ -124,8 +125,11 @@ static bool close_enough(float want, float got)
 	return fabsf(want - got) <= ABS_TOL + REL_TOL * fabsf(want);
 }
 
-/* Replays the K steps of `trainers` trainers on the unsharded reference and compares. */
-static void check_against_reference(const struct shared *sh, uint32_t trainers, const char *what)
+/* Replays the K steps of `trainers` trainers on the unsharded reference and compares; with
+ * rounds_before > 0 the reference first trains that many rounds of the same K batches (a
+ * service that resumed from a checkpoint of step rounds_before * K). */
+static void check_against_reference_after(const struct shared *sh, uint32_t trainers,
+					  const char *what, uint32_t rounds_before)
 {
 	struct embd_ref_table *ref[NUM_TABLES];
 	const uint32_t GB = BATCH * trainers;
@@ -146,7 +150,9 @@ static void check_against_reference(const struct shared *sh, uint32_t trainers, 
 					       &tables[t].opt, SEED);
 		cr_assert_not_null(ref[t]);
 	}
-	for (uint32_t k = 0; k < K_STEPS; k++) {
+	for (uint32_t i = 0; i < (rounds_before + 1) * K_STEPS; i++) {
+		const uint32_t k = i % K_STEPS;
+		const bool compare = i >= rounds_before * K_STEPS;
 		/* the global batch: trainer 0's bags, then trainer 1's, ... per feature */
 		uint64_t pos[MAX_T] = { 0 };
 		uint64_t gn[NUM_F] = { 0 };
@@ -170,7 +176,7 @@ static void check_against_reference(const struct shared *sh, uint32_t trainers, 
 					float want = gout[g * D + c];
 					float got = sh->pooled[k][g / BATCH][(g % BATCH) * sh->total_dim +
 									   off + c];
-					if (!close_enough(want, got) && mismatches++ < 5)
+					if (compare && !close_enough(want, got) && mismatches++ < 5)
 						cr_expect(false, "%s step %u feature %u trainer %u bag %u "
 							  "col %u: expected %.9g, got %.9g", what, k, f,
 							  g / BATCH, g % BATCH, c, want, got);
@@ -193,6 +199,11 @@ static void check_against_reference(const struct shared *sh, uint32_t trainers, 
 	cr_expect_eq(mismatches, 0, "%s: expected every pooled output within %g rel + %g abs of "
 		     "the reference, got %u mismatches", what, (double)REL_TOL, (double)ABS_TOL,
 		     mismatches);
+}
+
+static void check_against_reference(const struct shared *sh, uint32_t trainers, const char *what)
+{
+	check_against_reference_after(sh, trainers, what, 0);
 }
 
 /* Trainer (and other) child processes of a test, killed by kill_children() if still alive. */
@@ -258,6 +269,7 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 		embd_close(c);
 		return EMBD_EPROTO;
 	}
+	sh->resumed_step[tr] = l->resumed_step;
 	if (tr == 0) {
 		sh->total_dim = l->total_dim;
 		for (uint32_t f = 0; f < NUM_F; f++) {

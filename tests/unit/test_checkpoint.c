@@ -368,7 +368,7 @@ Test(checkpoint, retention_keeps_the_newest)
 		write_shards(tw, 1, s * 100);
 	snprintf(path, sizeof(path), "%s/.tmp-step-900", root);
 	cr_assert_eq(mkdir(path, 0755), 0);
-	int removed = embd_ckpt_retain(root, 2, err, sizeof(err));
+	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, err, sizeof(err));
 	cr_expect_eq(removed, 4, "expected 3 old checkpoints and 1 .tmp removed, got %d (%s)",
 		     removed, err);
 	cr_expect_eq(count_entries("step-"), 2);
@@ -410,6 +410,7 @@ static void node_start(struct node *n, const char *kind, uint32_t num_ranks)
 	embd_plan_topology_default(&n->plan.topology, (int32_t)num_ranks);
 	n->plan.topology.batch_size = 4;
 	n->plan.topology.compute_device = EMBD_DEVICE_CPU;
+	n->config.topology = n->plan.topology;          /* one node, as a parsed config says */
 	n->plan.num_tables = 2;
 	n->plan.tables = n->ptables;
 	for (uint32_t t = 0; t < 2; t++) {
@@ -607,9 +608,11 @@ Test(checkpoint, service_triggers_and_retention)
 
 /* ---- per-node directories ------------------------------------------------------------------ */
 
-/* Node `node` of num_nodes writes its shards as step under <root>/n<node>. */
-static void write_node(const struct rect *shards, uint32_t n, uint64_t step, uint32_t node,
-		       uint32_t num_nodes)
+/* Node `node` of num_nodes writes its shards as step under <root>/n<node> (part NULL) or, as
+ * its part of a shared-directory checkpoint, into <root>/.tmp-step-<step>; *part then gets
+ * its manifest (free with embd_ckpt_manifest_free). */
+static void write_node_part(const struct rect *shards, uint32_t n, uint64_t step, uint32_t node,
+			    uint32_t num_nodes, struct embd_ckpt_manifest *part)
 {
 	struct embd_ckpt_manifest m;
 	struct embd_ckpt_table tab;
@@ -628,11 +631,25 @@ static void write_node(const struct rect *shards, uint32_t n, uint64_t step, uin
 		arrays[i].file.name[1] = (char)('0' + node);
 	}
 	snprintf(dir, sizeof(dir), "%s/n%u", root, node);
-	int rc = embd_ckpt_write_dir(dir, &m, arrays, 2 * n, false, &bytes, err, sizeof(err));
+	int rc = part ? embd_ckpt_write_part(root, &m, arrays, 2 * n, false, &bytes, err, sizeof(err))
+		      : embd_ckpt_write_dir(dir, &m, arrays, 2 * n, false, &bytes, err, sizeof(err));
 	cr_assert_eq(rc, 0, "node %u write: %s", node, err);
 	for (uint32_t i = 0; i < 2 * n; i++)
 		free(bufs[i]);
-	free(m.files);
+	if (!part) {
+		free(m.files);
+		return;
+	}
+	*part = m;
+	part->tables = malloc(sizeof(tab));
+	cr_assert_not_null(part->tables);
+	*part->tables = tab;
+}
+
+static void write_node(const struct rect *shards, uint32_t n, uint64_t step, uint32_t node,
+		       uint32_t num_nodes)
+{
+	write_node_part(shards, n, step, node, num_nodes, NULL);
 }
 
 Test(checkpoint, per_node_directories_restore_the_newest_step_every_node_has)
@@ -673,4 +690,41 @@ Test(checkpoint, per_node_directories_restore_the_newest_step_every_node_has)
 	rc = embd_ckpt_find_nodes(rp, 2, 9, NULL, NULL, dirs, &m, err, sizeof(err));
 	cr_expect_eq(m.step, 5, "step 9's node manifests disagree: expected step 5 again");
 	embd_ckpt_manifest_free(&m);
+}
+
+/* ---- a shared directory: every node's part, node 0's commit ---------------------------------- */
+
+Test(checkpoint, shared_directory_parts_appear_only_when_committed)
+{
+	static const struct rect node0[] = { { 0, 20, 0, DIM } }, node1[] = { { 20, 17, 0, 6 },
+									      { 20, 17, 6, 6 } };
+	struct embd_ckpt_manifest parts[2], m;
+	char dir[EMBD_CKPT_PATH_MAX + 64], err[512];
+
+	write_node_part(node0, 1, 7, 0, 2, &parts[0]);
+	write_node_part(node1, 2, 7, 1, 2, &parts[1]);
+	/* both parts on disk, no manifest: nothing to restore, and retention leaves them alone */
+	cr_expect_eq(embd_ckpt_find(root, UINT64_MAX, NULL, NULL, dir, sizeof(dir), &m, err,
+				    sizeof(err)), EMBD_ENOENT, "uncommitted parts must not be found");
+	cr_expect_eq(embd_ckpt_retain(root, 1, 7, err, sizeof(err)), 0,
+		     "retention must keep the .tmp of the step being written");
+	cr_expect_eq(count_entries(".tmp-step-7"), 1);
+	int rc = embd_ckpt_manifest_merge(parts, 2, &m, err, sizeof(err));
+	cr_assert_eq(rc, 0, "merge: %s", err);
+	rc = embd_ckpt_commit(root, &m, false, err, sizeof(err));
+	cr_assert_eq(rc, 0, "commit: %d %s", rc, err);
+	cr_expect_eq(embd_ckpt_commit(root, &m, false, err, sizeof(err)), EMBD_EBUSY,
+		     "a committed step is never overwritten");
+	embd_ckpt_manifest_free(&m);
+	embd_ckpt_manifest_free(&parts[0]);
+	embd_ckpt_manifest_free(&parts[1]);
+	cr_expect_eq(count_entries(".tmp-"), 0);
+	check_restore_into(tw, 1);      /* 2 nodes' row and column shards into one table */
+	/* a step some node never reported: node 0 discards it */
+	write_node_part(node0, 1, 9, 0, 2, &parts[0]);
+	embd_ckpt_manifest_free(&parts[0]);
+	cr_expect_eq(embd_ckpt_discard(root, 9, err, sizeof(err)), 0, "discard: %s", err);
+	cr_expect_eq(count_entries(".tmp-"), 0);
+	struct skips sk = { 0 };
+	cr_expect_eq(newest(&sk), 7);
 }

@@ -1,0 +1,278 @@
+/*
+ * tests/integration/dist_fixture.h - several real embd processes as the nodes of one cluster
+ * on 127.0.0.1 (each with its own socket, config and log, one MASTER_PORT per start), RANKS
+ * ranks per node: plans that spread the tables over the nodes, configs, start and stop. A
+ * test may set dist_trainers_per_node, dist_store_timeout_ms and dist_extra_json (more config
+ * keys, e.g. checkpoints) before start_cluster; stop_cluster resets them.
+ */
+#ifndef EMBD_TESTS_DIST_FIXTURE_H
+#define EMBD_TESTS_DIST_FIXTURE_H
+
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "tests/integration/training_common.h"
+
+#define MAX_NODES 3
+#define RANKS 2                         /* per node, and trainers per node */
+#define TIMEOUT_MS 2000                 /* collective_timeout_ms of every test */
+
+static uint32_t dist_trainers_per_node = RANKS;
+static int dist_store_timeout_ms = 8000;
+static char dist_extra_json[1024];      /* ", \"key\": value, ..." or "" */
+
+struct node {
+	pid_t pid;
+	bool rank_from_env;             /* config says node_rank 0, NODE_RANK says which */
+	char socket[108], config[128], log[128], plan[128];
+};
+
+static struct node nodes[MAX_NODES];
+static uint32_t num_nodes;
+static uint16_t port;
+
+/* ---- plans that spread the tables over the nodes ----------------------------------------- */
+
+static void write_shard(FILE *f, bool first, int rank, int64_t row, int64_t rows, int col,
+			int cols)
+{
+	fprintf(f, "%s{\"rank\": %d, \"row_offset\": %lld, \"rows\": %lld, \"col_offset\": %d, "
+		"\"cols\": %d}", first ? "" : ", ", rank, (long long)row, (long long)rows, col, cols);
+}
+
+/* Table t's shards for sharding on N nodes: table 0 toward the last node, table 1 node 0. */
+static void write_table_shards(FILE *f, const char *sharding, uint32_t t, uint32_t N)
+{
+	const int W = (int)(N * RANKS), dim = (int)tables[t].dim;
+	const int64_t rows = tables[t].rows;
+	const int home = t == 0 ? (int)(N - 1) * RANKS : 0;     /* first rank of the table's node */
+
+	if (!strcmp(sharding, "table_wise")) {
+		write_shard(f, true, t == 0 ? W - 1 : 1, 0, rows, 0, dim);
+	} else if (!strcmp(sharding, "column_wise")) {
+		/* two column shards on two different nodes */
+		write_shard(f, true, t == 0 ? 1 : W - 1, 0, rows, 0, dim / 2);
+		write_shard(f, false, t == 0 ? W - 2 : 0, 0, rows, dim / 2, dim / 2);
+	} else if (!strcmp(sharding, "table_column_wise")) {
+		write_shard(f, true, home, 0, rows, 0, dim / 2);
+		write_shard(f, false, home + 1, 0, rows, dim / 2, dim / 2);
+	} else if (!strcmp(sharding, "row_wise") || !strcmp(sharding, "table_row_wise")) {
+		int n = !strcmp(sharding, "row_wise") ? W : RANKS;
+		int first = !strcmp(sharding, "row_wise") ? 0 : home;
+		int64_t block = (rows + n - 1) / n;
+		for (int r = 0; r < n; r++)
+			write_shard(f, r == 0, first + r, block * r,
+				    rows - block * r < block ? rows - block * r : block, 0, dim);
+	} else { /* data_parallel */
+		for (int r = 0; r < W; r++)
+			write_shard(f, r == 0, r, 0, rows, 0, dim);
+	}
+}
+
+static void topology_json(FILE *f, uint32_t N)
+{
+	fprintf(f, "{\"world_size\": %u, \"local_world_size\": %u, \"compute_device\": \"cpu\", "
+		"\"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", \"batch_size\": %d}", N * RANKS, RANKS,
+		BATCH);
+}
+
+static void write_plan(const char *path, const char *sharding, uint32_t N)
+{
+	FILE *f = fopen(path, "w");
+
+	cr_assert_not_null(f, "cannot write %s: %s", path, strerror(errno));
+	fprintf(f, "{\"version\": 1, \"topology\": ");
+	topology_json(f, N);
+	fprintf(f, ", \"tables\": [");
+	for (uint32_t t = 0; t < NUM_TABLES; t++) {
+		/* data_parallel trains with the dense kernel, as TorchRec's (its only CPU kernel) */
+		fprintf(f, "%s{\"name\": \"%s\", \"sharding_type\": \"%s\", \"compute_kernel\": "
+			"\"%s\", \"shards\": [", t ? ", " : "", tables[t].name, sharding,
+			strcmp(sharding, "data_parallel") ? "fused" : "dense");
+		write_table_shards(f, sharding, t, N);
+		fprintf(f, "]}");
+	}
+	fprintf(f, "]}\n");
+	fclose(f);
+}
+
+/* ---- the nodes --------------------------------------------------------------------------- */
+
+/* Node n's config; world_nodes: the world size it is told (N, or another one to mismatch);
+ * tables_json: other tables than every other node's, or NULL. */
+static void write_config(uint32_t n, const char *sharding, uint32_t world_nodes,
+			 const char *tables_json)
+{
+	struct node *nd = &nodes[n];
+	FILE *f = fopen(nd->config, "w");
+
+	cr_assert_not_null(f, "cannot write %s: %s", nd->config, strerror(errno));
+	fprintf(f, "{ ");
+	if (tables_json)
+		fprintf(f, "%s", tables_json);
+	else
+		write_tables(f, sharding);
+	fprintf(f, ", \"topology\": ");
+	topology_json(f, world_nodes);
+	if (sharding)
+		fprintf(f, ", \"plan_file\": \"%s\"", nd->plan);
+	fprintf(f, ",\n \"trainers_per_node\": %u, \"seed\": %u, \"threads_per_rank\": 1, "
+		"\"busy_poll_us\": 20, \"master_addr\": \"127.0.0.1\", \"master_port\": %u, "
+		"\"node_rank\": %u, \"backend\": \"gloo\", \"collective_timeout_ms\": %d, "
+		"\"store_timeout_ms\": %d%s }\n", dist_trainers_per_node, SEED, port,
+		nd->rank_from_env ? 0 : n, TIMEOUT_MS, dist_store_timeout_ms, dist_extra_json);
+	fclose(f);
+}
+
+static void node_paths(uint32_t n)
+{
+	struct node *nd = &nodes[n];
+	int pid = (int)getpid();
+
+	snprintf(nd->socket, sizeof(nd->socket), "/tmp/embd-dist-%d-%u.sock", pid, n);
+	snprintf(nd->config, sizeof(nd->config), "/tmp/embd-dist-%d-%u.json", pid, n);
+	snprintf(nd->log, sizeof(nd->log), "/tmp/embd-dist-%d-%u.log", pid, n);
+	snprintf(nd->plan, sizeof(nd->plan), "/tmp/embd-dist-%d-plan.json", pid);
+	unlink(nd->socket);
+}
+
+static void spawn(uint32_t n)
+{
+	struct node *nd = &nodes[n];
+
+	nd->pid = fork();
+	cr_assert(nd->pid >= 0);
+	if (nd->pid == 0) {
+		FILE *log = freopen(nd->log, "w", stderr);
+		(void)log;
+		/* the config's env:// keys must win here: clear what a CI shell may have set */
+		unsetenv("MASTER_ADDR");
+		unsetenv("MASTER_PORT");
+		unsetenv("NODE_RANK");
+		unsetenv("WORLD_SIZE");
+		unsetenv("LOCAL_WORLD_SIZE");
+		if (nd->rank_from_env) {
+			char rank[16];
+			snprintf(rank, sizeof(rank), "%u", n);
+			setenv("NODE_RANK", rank, 1);
+		}
+		execl(EMBD_BINARY, "embd", "--config", nd->config, "--socket", nd->socket,
+		      "--log-level", "warning", (char *)NULL);
+		_exit(127);
+	}
+}
+
+static void read_log(uint32_t n, char *out, size_t len)
+{
+	FILE *f = fopen(nodes[n].log, "r");
+	size_t got = f ? fread(out, 1, len - 1, f) : 0;
+
+	out[got] = 0;
+	if (f)
+		fclose(f);
+}
+
+/* A port that was free a moment ago on 127.0.0.1 (bound to 0, read back, closed): fixed
+ * ranges collide with the ephemeral ports Gloo's pairs and parallel tests hold. */
+static void pick_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+	cr_assert(fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
+		  !getsockname(fd, (struct sockaddr *)&a, &len), "no free port: %s", strerror(errno));
+	port = ntohs(a.sin_port);
+	close(fd);
+}
+
+static void stop_node(uint32_t n, int sig)
+{
+	int status;
+
+	if (nodes[n].pid <= 0)
+		return;
+	kill(nodes[n].pid, sig);
+	for (int i = 0; i < 300 && waitpid(nodes[n].pid, &status, WNOHANG) == 0; i++)
+		usleep(10000);
+	kill(nodes[n].pid, SIGKILL);
+	waitpid(nodes[n].pid, &status, 0);
+	nodes[n].pid = 0;
+}
+
+/* Starts N nodes (every sharding's plan from write_plan) and waits for every socket. A
+ * port taken between pick_port and node 0's listen is retried with another one. */
+static void start_cluster(uint32_t N, const char *sharding)
+{
+	char log[4096];
+
+	num_nodes = N;
+	for (int attempt = 0;; attempt++) {
+		pick_port();
+		for (uint32_t n = 0; n < N; n++)
+			node_paths(n);
+		if (sharding)
+			write_plan(nodes[0].plan, sharding, N);
+		for (uint32_t n = 0; n < N; n++) {
+			write_config(n, sharding, N, NULL);
+			spawn(n);
+		}
+		int st;
+		usleep(100000);
+		if (attempt == 3 || waitpid(nodes[0].pid, &st, WNOHANG) != nodes[0].pid)
+			break;
+		read_log(0, log, sizeof(log));
+		nodes[0].pid = 0;
+		if (!strstr(log, "Address already in use"))
+			cr_assert_fail("node 0 exited (status 0x%x) before listening: %s", st, log);
+		for (uint32_t n = 1; n < N; n++)
+			stop_node(n, SIGKILL);
+	}
+	for (uint32_t n = 0; n < N; n++) {
+		for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++) {
+			int st;
+			if (waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid) {
+				nodes[n].pid = 0;
+				read_log(n, log, sizeof(log));
+				cr_assert_fail("node %u exited (status 0x%x) before listening (%s): %s", n,
+					       st, sharding ? sharding : "any", log);
+			}
+			usleep(10000);
+		}
+		read_log(n, log, sizeof(log));
+		cr_assert(access(nodes[n].socket, F_OK) == 0,
+			  "node %u did not listen on %s within 15 s: %s", n, nodes[n].socket, log);
+	}
+}
+
+/* Criterion fini: after a failed assertion too, no embd or trainer outlives its test. */
+static void stop_cluster(void)
+{
+	kill_children();
+	/* EMBD_TEST_KEEP=1 keeps each node's config, plan and log (stderr) for a post-mortem */
+	bool keep = getenv("EMBD_TEST_KEEP") != NULL;
+	for (uint32_t n = 0; n < num_nodes; n++) {
+		stop_node(n, SIGTERM);
+		unlink(nodes[n].socket);
+		if (keep)
+			continue;
+		unlink(nodes[n].config);
+		unlink(nodes[n].log);
+		unlink(nodes[n].plan);
+	}
+	num_nodes = 0;
+	dist_trainers_per_node = RANKS;
+	dist_store_timeout_ms = 8000;
+	dist_extra_json[0] = 0;
+}
+
+#endif /* EMBD_TESTS_DIST_FIXTURE_H */
