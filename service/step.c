@@ -3,9 +3,8 @@
  * "item": a bag batch in its rank's private input buffer. Items are the unit of everything
  * after routing: a rank's lookup is one kernel call over its forward items, its backward one
  * call per shard over that shard's items, and the input exchange (step_dist.c) ships exactly
- * the items staged for other nodes. Each trainer is routed in one pass that reads every length and id of
- * its (shared, untrusted) batch exactly once; when a value is bad the trainer's items are
- * rolled back by truncating the per-rank buffers to where they were before it.
+ * the items staged for other nodes. Routing (step_route.c) makes the items; this file creates
+ * the engine and runs lookup, assembly and backward over them.
  */
 #include "service/step.h"
 #include "service/step_priv.h"
@@ -17,7 +16,6 @@
 #include <string.h>
 
 #include "kernels/device.h"
-#include "kernels/jagged.h"
 
 int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 {
@@ -76,7 +74,8 @@ static int build_layout(struct embd_step *s, const struct embd_tables *tables,
 	s->dims = calloc(f ? f : 1, sizeof(uint32_t));
 	s->offsets = calloc(f ? f : 1, sizeof(uint32_t));
 	s->feature_tables = calloc(f ? f : 1, sizeof(uint32_t));
-	s->scratch_offsets = calloc((uint64_t)f * batch_size + 1, sizeof(int64_t));
+	s->scratch_offsets = calloc((uint64_t)s->max_trainers * ((uint64_t)f * batch_size + 1),
+				    sizeof(int64_t));
 	if (!s->names || !s->dims || !s->offsets || !s->feature_tables || !s->scratch_offsets)
 		return EMBD_ENOMEM;
 	f = 0;
@@ -138,9 +137,11 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 	s->shards = calloc(n ? n : 1, sizeof(*s->shards));
 	s->sources = calloc((size_t)s->max_trainers * s->layout.num_features *
 			    (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->sources));
+	s->refs = calloc((size_t)s->max_trainers * s->layout.num_features *
+			 (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->refs));
 	for (uint32_t r = 0; r < s->num_io; r++)
 		s->io[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
-	if (!s->shards || !s->sources)
+	if (!s->shards || !s->sources || !s->refs)
 		return EMBD_ENOMEM;
 	for (uint32_t r = 0; r < s->num_io; r++)
 		if (!s->io[r].shards)
@@ -281,179 +282,13 @@ void embd_step_destroy(struct embd_step *s)
 	free(s->feature_tables);
 	free(s->scratch_offsets);
 	free(s->sources);
+	free(s->refs);
 	free(s);
 }
 
 const struct embd_step_layout *embd_step_layout(const struct embd_step *s)
 {
 	return &s->layout;
-}
-
-/* ---- routing ----------------------------------------------------------------------------- */
-
-/* The shard of a row-split table that holds row (shards ordered by row_offset). */
-static uint32_t find_row_shard(const struct embd_step *s, const struct step_table *t, int64_t row)
-{
-	uint32_t lo = 0, hi = t->num_shards;
-	while (hi - lo > 1) {
-		uint32_t mid = (lo + hi) / 2;
-		if (s->shards[t->first_shard + mid].desc.row_offset <= row)
-			lo = mid;
-		else
-			hi = mid;
-	}
-	return t->first_shard + lo;
-}
-
-/* Checks what can be checked without reading ids, and fills scratch_offsets. */
-static int check_batch(struct embd_step *s, struct embd_step_batch *b)
-{
-	const struct embd_kjt *k = &b->kjt;
-	const struct embd_step_layout *l = &s->layout;
-
-	if (k->num_features != l->num_features) {
-		snprintf(b->err, sizeof(b->err), "num_features: %u, the layout has %u",
-			 k->num_features, l->num_features);
-		return EMBD_EINVAL;
-	}
-	if (k->batch_size != l->batch_size) {
-		snprintf(b->err, sizeof(b->err), "batch_size: %u, the layout's is %u", k->batch_size,
-			 l->batch_size);
-		return EMBD_EINVAL;
-	}
-	if (k->num_values > l->max_values) {
-		snprintf(b->err, sizeof(b->err), "num_values: %llu, at most %llu",
-			 (unsigned long long)k->num_values, (unsigned long long)l->max_values);
-		return EMBD_ERANGE;
-	}
-	if ((!k->lengths && l->num_features && l->batch_size) || (!k->values && k->num_values) ||
-	    !b->pooled) {
-		snprintf(b->err, sizeof(b->err), "%s: missing", !b->pooled ? "pooled" :
-			 !k->lengths ? "lengths" : "values");
-		return EMBD_EINVAL;
-	}
-	for (uint32_t f = 0; k->keys && f < k->num_features; f++)
-		if (!k->keys[f] || strncmp(k->keys[f], l->feature_names[f], EMBD_NAME_MAX)) {
-			snprintf(b->err, sizeof(b->err), "keys[%u]: '%.64s', expected feature '%s'", f,
-				 k->keys[f] ? k->keys[f] : "(null)", l->feature_names[f]);
-			return EMBD_ENOENT;
-		}
-	char inner[160];
-	int rc = embd_jagged_offsets(k->lengths, (uint64_t)l->num_features * l->batch_size,
-				     k->num_values, s->scratch_offsets, inner, sizeof(inner));
-	if (rc)
-		snprintf(b->err, sizeof(b->err), "lengths: %s", inner);
-	return rc;
-}
-
-
-/*
- * Where the items of shard k of table t go: the io of its local rank, or the staging io of
- * its node. A data_parallel table is staged once per other node (its first replica there; the
- * node hands the ids to every replica it holds); NO_INDEX: no item for this shard.
- */
-static uint32_t item_dest(const struct embd_step *s, const struct step_table *t, uint32_t k)
-{
-	const struct step_shard *ss = &s->shards[t->first_shard + k];
-
-	if (ss->node == s->node)
-		return ss->local;
-	if (t->type == EMBD_SHARD_DATA_PARALLEL)
-		for (uint32_t j = 0; j < k; j++)
-			if (s->shards[t->first_shard + j].node == ss->node)
-				return UINT32_MAX;
-	return s->num_ranks + ss->node;
-}
-
-/* Items of one (batch, feature) on every shard of its table. */
-static int route_feature(struct embd_step *s, uint32_t batch, uint32_t f,
-			 struct embd_step_batch *b)
-{
-	const struct step_table *t = &s->tables[s->feature_tables[f]];
-	const uint32_t B = s->layout.batch_size;
-	const int64_t *offs = &s->scratch_offsets[(uint64_t)f * B];
-	const uint64_t n = (uint64_t)(offs[B] - offs[0]);
-	const bool split = row_split(t->type);
-	const bool mean = t->spec->pooling == EMBD_POOLING_MEAN;
-	struct step_item *items[t->num_shards];
-	uint64_t item_at[t->num_shards];
-	uint32_t dest[t->num_shards], replica = 0;
-	int rc;
-
-	for (uint32_t k = 0; k < t->num_shards; k++) {
-		const struct step_shard *ss = &s->shards[t->first_shard + k];
-		dest[k] = item_dest(s, t, k);
-		if (dest[k] == UINT32_MAX)
-			continue;
-		struct rank_io *io = &s->io[dest[k]];
-		const bool local = dest[k] < s->num_ranks;
-		struct step_item it = {
-			.shard = t->first_shard + k, .feature = f, .batch = batch,
-			.gtrainer = (s->node << 16) | batch,
-			/* data_parallel: the trainer's own local replica looks up, the others train */
-			.forward = t->num_replicas == 1 ||
-				   (local && replica++ == batch % t->num_local),
-			.weighted = b->kjt.weights != NULL,
-			.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = NO_PEER, .rx = NO_INDEX,
-		};
-		/* an unsplit shard holds every id of the bag; a row shard at most all of them */
-		if ((rc = vec_take(&io->offsets, B + 1, sizeof(int64_t), &it.offsets_at)) ||
-		    (rc = vec_reserve(&io->ids, n, sizeof(int64_t))) ||
-		    (rc = vec_reserve(&io->weights, n, sizeof(float))) ||
-		    (split && mean && (rc = vec_take(&io->lengths, B, sizeof(int32_t), &it.lengths_at))) ||
-		    (split && local && (rc = vec_take(&io->partial, (uint64_t)B * ss->desc.cols,
-						       sizeof(float), &it.partial_at))) ||
-		    (rc = vec_take(&io->items, 1, sizeof(it), &item_at[k])))
-			return rc;
-		/* n ids reserved per item: a row shard fills only its part of them */
-		it.ids_at = io->ids.len;
-		io->ids.len += n;
-		io->weights.len = io->ids.len;
-		*VEC_AT(io->items, struct step_item, item_at[k]) = it;
-		*VEC_AT(io->offsets, int64_t, it.offsets_at) = 0;
-		if (split && mean)
-			for (uint32_t i = 0; i < B; i++)
-				*VEC_AT(io->lengths, int32_t, it.lengths_at + i) =
-					(int32_t)(offs[i + 1] - offs[i]);
-	}
-	/* the buffers stopped growing: item pointers are stable from here on */
-	for (uint32_t k = 0; k < t->num_shards; k++)
-		items[k] = dest[k] == UINT32_MAX ? NULL :
-			   VEC_AT(s->io[dest[k]].items, struct step_item, item_at[k]);
-	/* one read of every id of the shared batch; each destination gets the value read */
-	const uint64_t max_row = (uint64_t)t->spec->num_embeddings;
-	for (uint32_t i = 0; i < B; i++) {
-		for (int64_t j = offs[i]; j < offs[i + 1]; j++) {
-			int64_t id = ((const volatile int64_t *)b->kjt.values)[j];
-			float w = b->kjt.weights ? ((const volatile float *)b->kjt.weights)[j] : 1.0f;
-			if ((uint64_t)id >= max_row) {
-				snprintf(b->err, sizeof(b->err),
-					 "values[%lld]: id %lld of feature '%s' outside table '%s' rows "
-					 "[0, %llu)", (long long)j, (long long)id, s->names[f],
-					 t->spec->name, (unsigned long long)max_row);
-				return EMBD_ERANGE;
-			}
-			uint32_t k0 = 0, k1 = t->num_shards;
-			if (split) {
-				k0 = find_row_shard(s, t, id) - t->first_shard;
-				k1 = k0 + 1;
-			}
-			for (uint32_t k = k0; k < k1; k++) {
-				struct step_item *it = items[k];
-				if (!it)
-					continue;
-				struct rank_io *io = &s->io[dest[k]];
-				*VEC_AT(io->ids, int64_t, it->ids_at + it->num_ids) = id;
-				*VEC_AT(io->weights, float, it->ids_at + it->num_ids) = w;
-				it->num_ids++;
-			}
-		}
-		for (uint32_t k = 0; k < t->num_shards; k++)
-			if (items[k])
-				*VEC_AT(s->io[dest[k]].offsets, int64_t, items[k]->offsets_at + i + 1) =
-					(int64_t)items[k]->num_ids;
-	}
-	return 0;
 }
 
 /* Shard, then feature, then the global batch order (so every data_parallel replica of the
@@ -618,43 +453,6 @@ int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 	return rc;
 }
 
-/* Routes batch i; on a bad value rolls its items back and sets its status. */
-static void route_batch(struct embd_step *s, uint32_t i)
-{
-	struct embd_step_batch *b = &s->batches[i];
-	uint64_t saved[s->num_io][5];
-	int rc;
-
-	b->err[0] = 0;
-	for (uint32_t r = 0; r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
-		uint64_t v[5] = { io->offsets.len, io->ids.len, io->lengths.len, io->partial.len,
-				  io->items.len };
-		memcpy(saved[r], v, sizeof(v));
-	}
-	rc = check_batch(s, b);
-	for (uint32_t f = 0; !rc && f < s->layout.num_features; f++)
-		rc = route_feature(s, i, f, b);
-	b->status = rc;
-	if (!rc) {
-		s->counts.ids += b->kjt.num_values;
-		s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size * 4 +
-					 b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
-		s->counts.output_bytes += (uint64_t)s->layout.batch_size * s->layout.total_dim * 4;
-		return;
-	}
-	if (rc == EMBD_ENOMEM)
-		snprintf(b->err, sizeof(b->err), "out of memory routing the batch");
-	for (uint32_t r = 0; r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
-		io->offsets.len = saved[r][0];
-		io->ids.len = io->weights.len = saved[r][1];
-		io->lengths.len = saved[r][2];
-		io->partial.len = saved[r][3];
-		io->items.len = saved[r][4];
-	}
-}
-
 int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
 	uint32_t accepted = 0;
@@ -668,10 +466,10 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 	reset_io(s);
 	if (n > s->max_trainers)
 		return EMBD_EINVAL;
-	for (uint32_t i = 0; i < n; i++) {
-		route_batch(s, i);
-		accepted += batches[i].status == 0;
-	}
+	for (uint32_t i = 0; i < n; i++)
+		step_route_batch(s, i);
+	/* bad ids are known before the other nodes learn which batches this node accepted */
+	accepted = step_fill_batches(s);
 	s->cluster_accepted = accepted;
 	if (s->dist) {
 		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */

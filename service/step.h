@@ -4,7 +4,8 @@
  *
  * A step runs in phases, each explicit so that the cross-node exchanges (below) sit between
  * them:
- *   1. route     each trainer's KJT is checked and copied into per-rank INPUT buffers (the ids
+ *   1. route     each trainer's KJT is checked (on the caller's thread) and copied, by every
+ *                rank on its own workers, into per-rank INPUT buffers (the ids
  *                each rank must look up: whole bags for table_wise / column_wise /
  *                table_column_wise and one replica of data_parallel, the ids of the rank's row
  *                range for row_wise / table_row_wise);

@@ -1,6 +1,7 @@
 /*
- * service/step_priv.h - the step engine's private state, shared by step.c (routing, lookup,
- * backward on this node's ranks) and step_dist.c (the exchanges with the other nodes).
+ * service/step_priv.h - the step engine's private state, shared by step.c (creation, lookup,
+ * backward on this node's ranks), step_route.c (batches into items) and step_dist.c (the
+ * exchanges with the other nodes).
  *
  * Everything hangs off "items": one (trainer, feature, shard) bag batch. An item lives in the
  * rank_io of the rank that looks it up. io[0 .. L) are this node's ranks; io[L + m] is the
@@ -21,6 +22,7 @@
 #define NO_INDEX UINT64_MAX
 #define NO_PEER UINT32_MAX
 #define NO_BATCH UINT32_MAX
+#define NO_IO UINT32_MAX
 
 struct step_shard {
 	struct embd_shard *shard;               /* NULL when the shard lives on another node */
@@ -45,6 +47,9 @@ struct step_item {
 	uint32_t gtrainer;                      /* (node << 16) | batch: the global batch order */
 	bool forward;                           /* data_parallel: only the trainer's replica */
 	bool weighted;
+	bool copy;                              /* data_parallel: filled by its first replica's */
+	int rc;                                 /* fill: EMBD_ERANGE for bad_id at values[bad_at] */
+	int64_t bad_at, bad_id;
 	uint64_t offsets_at, ids_at, num_ids;
 	uint64_t lengths_at;                    /* full bag lengths (row-split mean) or NO_INDEX */
 	uint64_t partial_at;                    /* partial sums / remote outputs, or NO_INDEX */
@@ -54,6 +59,12 @@ struct step_item {
 	const int64_t *r_offsets, *r_ids;
 	const float *r_weights;
 	const int32_t *r_lengths;
+};
+
+/* Where routing put one item: s->io[io], items[at] (io NO_IO: the shard gets no item). */
+struct item_ref {
+	uint32_t io;
+	uint64_t at;
 };
 
 /* A growable array of elements of one type; len/cap in elements. */
@@ -91,8 +102,9 @@ struct embd_step {
 	struct embd_step_layout layout;
 	char (*names)[EMBD_NAME_MAX];
 	uint32_t *dims, *offsets, *feature_tables;
-	int64_t *scratch_offsets;               /* F * B + 1: one trainer's private offsets */
+	int64_t *scratch_offsets;               /* max_trainers x (F * B + 1): private offsets */
 	const float **sources;                  /* max_trainers * F * max_table_shards */
+	struct item_ref *refs;                  /* max_trainers * F * max_table_shards */
 	uint64_t seed;
 	struct step_dist *dist;                 /* NULL on one node */
 	/* the step in flight */
@@ -111,6 +123,15 @@ static inline bool row_split(enum embd_sharding_type t)
 /* Marks every accepted batch failed with rc and a message; returns rc. */
 int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
+
+/* ---- step_route.c ---- */
+
+/* Checks batch i into its private offsets and reserves its items; on a bad value rolls them
+ * back and sets the batch's status and err. Event-loop thread. */
+void step_route_batch(struct embd_step *s, uint32_t i);
+/* After step_route_batch of every batch: the ranks' workers copy the items' ids, trainers with
+ * a bad id are refused; returns the batches accepted on this node. */
+uint32_t step_fill_batches(struct embd_step *s);
 
 /* ---- step_dist.c ---- */
 

@@ -390,7 +390,7 @@ Test(step, abort_changes_no_row)
 
 /* The middle one of three trainers has a bad id: its items are dropped from every rank after
  * the ranks copied the ids, and the others' step stays exact (row_wise: up to the rounding of
- * its partial sums). */
+ * its partial sums; data_parallel: on every replica). */
 static void refused_batch_case(enum embd_sharding_type type)
 {
 	static struct fixture fx;
@@ -400,31 +400,41 @@ static void refused_batch_case(enum embd_sharding_type type)
 	setup(&fx, EMBD_OPT_ADAGRAD, type, 2);
 	for (uint32_t i = 0; i < 3; i++)
 		fill_trainer(&fx, &trs[i], 9 + i, false);
-	/* trainer 1: its first id of feature c is one past table t1's rows */
+	/* trainer 1: its first id of feature c is one past table t1's rows (24: two past) */
 	uint64_t first_c = 0, num_c = 0;
 	for (uint32_t i = 0; i < 2 * B; i++)
 		first_c += (uint64_t)trs[1].lengths[i];
 	for (uint32_t i = 2 * B; i < 3 * B; i++)
 		num_c += (uint64_t)trs[1].lengths[i];
-	cr_assert_gt(num_c, 0, "the seed should give feature c some ids");
+	cr_assert_gt(num_c, 1, "the seed should give feature c two ids or more");
 	trs[1].values[first_c] = 23;
+	/* and its last one too: the message still names the first, as a serial read would */
+	trs[1].values[first_c + num_c - 1] = 24;
 	for (uint32_t i = 0; i < 3; i++)
 		batches[i] = trs[i].batch;
 	int rc = embd_step_forward(fx.step, batches, 3);
 	cr_assert_eq(rc, 2, "expected 2 accepted batches, got %d", rc);
 	cr_assert_eq(batches[1].status, EMBD_ERANGE, "expected EMBD_ERANGE, got %d", batches[1].status);
-	cr_assert(strstr(batches[1].err, "values[") && strstr(batches[1].err, "'c'"),
-		  "error should name values[] and feature 'c': %s", batches[1].err);
+	char want[64];
+	snprintf(want, sizeof(want), "values[%llu]: id 23 of feature 'c'",
+		 (unsigned long long)first_c);
+	cr_assert(strstr(batches[1].err, want), "error should begin '%s': %s", want,
+		  batches[1].err);
 	for (uint32_t i = 0; i < 3; i++)
 		trs[i].batch.status = batches[i].status;
 	check_forward(&fx, trs, 3, type == EMBD_SHARD_ROW_WISE ? RW_TOL : 0.0f,
 		      "refused batch");
-	backward_and_check(&fx, trs, batches, 3, 1, "refused batch");
+	backward_and_check(&fx, trs, batches, 3, type == EMBD_SHARD_DATA_PARALLEL ? 2 : 1,
+			   "refused batch");
 	stop(&fx);
 }
 
 Test(step, refused_batch_leaves_others_exact) { refused_batch_case(EMBD_SHARD_COLUMN_WISE); }
 Test(step, refused_batch_leaves_others_exact_row_wise) { refused_batch_case(EMBD_SHARD_ROW_WISE); }
+Test(step, refused_batch_leaves_others_exact_data_parallel)
+{
+	refused_batch_case(EMBD_SHARD_DATA_PARALLEL);
+}
 
 Test(step, malformed_batches_name_the_field)
 {
