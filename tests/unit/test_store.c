@@ -1,5 +1,6 @@
 /*
- * Tests for service/store.h: the server in this process and clients in forked processes:
+ * Tests for service/store.h: the server in this process (or, for the tests that fork
+ * while it serves, in a process of its own) and clients in forked processes:
  * set/get/add/check/wait/delete, a get parked until a later set, timeouts within bounds and
  * naming key and addr:port, connect retries while the server starts late, and a server that
  * keeps serving after garbage bytes, a client that hangs up mid-frame or while parked.
@@ -30,6 +31,10 @@ static struct embd_store *client(int timeout_ms)
 }
 
 TestSuite(store, .init = tu_server_start, .fini = tu_server_stop, .timeout = 30);
+/* Tests that fork clients while the server runs take it in a process of its own, so this
+ * process has no thread at the fork (test_dist_util.h: tu_server_process_start). */
+TestSuite(store_forked, .init = tu_server_process_start, .fini = tu_server_process_stop,
+	  .timeout = 30);
 
 Test(store, set_get_check_add_delete)
 {
@@ -149,7 +154,7 @@ static int child_counter(int i, void *arg)
 	return 0;
 }
 
-Test(store, many_clients_add_set_wait)
+Test(store_forked, many_clients_add_set_wait)
 {
 	pid_t pids[NCHILD];
 	int codes[NCHILD];
@@ -181,7 +186,7 @@ static int child_late_setter(int i, void *arg)
 	return 0;
 }
 
-Test(store, get_waits_for_a_later_set)
+Test(store_forked, get_waits_for_a_later_set)
 {
 	struct embd_store *s = client(5000);
 	void *v = NULL;
@@ -306,7 +311,7 @@ static int child_late_server(int i, void *arg)
 	return 0;
 }
 
-Test(store, connect_retries_until_the_server_is_up)
+Test(store_forked, connect_retries_until_the_server_is_up)
 {
 	uint16_t late_port = tu_free_port();
 	struct embd_store *s = NULL;
