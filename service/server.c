@@ -29,68 +29,11 @@
 #include "ipc/region.h"
 #include "service/ckpt_service.h"
 #include "service/log.h"
+#include "service/server_priv.h"
 #include "service/stats.h"
 
-#define MAX_CLIENTS 256u
 #define RING_ENTRIES 64u
 #define TICK_MS 1000
-
-enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT, TAG_PIDFD };
-#define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
-
-struct client {
-	bool used;
-	int sock;
-	int pidfd;                      /* the peer process, or -1: its exit drops the client even
-					 * when a child it forked keeps the socket open */
-	struct embd_ctl_peer peer;
-	int32_t index;                  /* trainer index, -1 before HELLO (embctl stays -1) */
-	struct embd_region *region;
-	int eventfd;
-	struct embd_doorbell sq_db, cq_db;
-	bool db_armed;
-	struct embd_batch_limits limits;
-	int32_t *lengths;               /* private copy of the posted batch's lengths */
-	/* the step in flight, from this trainer's side */
-	bool has_fwd, has_bwd, participant;
-	struct embd_sqe fwd, bwd;
-	uint64_t fwd_popped_ns, bwd_popped_ns;
-	struct embd_kjt kjt;
-	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
-	uint64_t requests, errors;
-	uint64_t ckpt_wait;             /* embctl checkpoint --wait: the checkpoint it waits for */
-};
-
-enum phase { COLLECT, WAIT_BACKWARD };
-
-struct embd_server {
-	const struct embd_config *config;
-	struct embd_step *step;
-	struct embd_ranks *ranks;
-	uint64_t plan_hash;
-	struct embd_evloop *loop;
-	int listen_fd, sigfd;
-	bool stop, first_step_done;
-	bool cluster;                   /* several nodes: every step is collective */
-	struct client clients[MAX_CLIENTS];
-	uint32_t slots_end;             /* 1 + the highest slot in use: per-pass loops stop here */
-	bool dirty;                     /* something advance() looks at changed since it last ran */
-	uint64_t s;                     /* the step being collected or run */
-	enum phase phase;
-	uint64_t step_start_ns;
-	uint64_t canceled_step;         /* step + 1 of the last aborted step */
-	struct embd_step_batch *batches;
-	uint32_t batch_slot[MAX_CLIENTS];
-	uint32_t num_batches;
-	struct embd_stats stats;
-	struct embd_layout *layout;
-	uint8_t *msgbuf;
-	struct embd_ckpt_service *ckpt; /* NULL without checkpoint_dir */
-};
-
-static int checkpoint_request(struct embd_server *sv, struct client *c,
-			      const struct embd_ctl_msg *msg, char *err, size_t err_len);
-static void checkpoint_done(struct embd_server *sv);
 
 /* ---- completions ------------------------------------------------------------------------- */
 
@@ -377,7 +320,7 @@ static void socket_event(struct embd_server *sv, struct client *c)
 		reply_text(sv, c, EMBD_CTL_STATUS_REPLY);
 		break;
 	case EMBD_CTL_CHECKPOINT_REQUEST:
-		rc = checkpoint_request(sv, c, &msg, err, sizeof(err));
+		rc = embd_server_checkpoint_request(sv, c, &msg, err, sizeof(err));
 		break;
 	default:
 		rc = EMBD_EPROTO;
@@ -688,7 +631,7 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 			drop_client(sv, &sv->clients[slot], "its process exited");
 		}
 		else if (kind == TAG_CKPT)
-			checkpoint_done(sv);
+			embd_server_checkpoint_done(sv);
 		/* TAG_DOORBELL: nothing to do but look at the rings again */
 	}
 	/* after the batch: a slot freed by it and taken by the newcomer must not receive the
@@ -820,76 +763,4 @@ void embd_server_destroy(struct embd_server *sv)
 	free(sv->layout);
 	free(sv->msgbuf);
 	free(sv);
-}
-
-/* ---- checkpoints (service/ckpt_service.h) ------------------------------------------------- */
-
-int embd_server_set_checkpoints(struct embd_server *sv, struct embd_ckpt_service *ckpt,
-				uint64_t resumed_step)
-{
-	sv->ckpt = ckpt;
-	sv->s = resumed_step;
-	return embd_evloop_add_fd(sv->loop, embd_ckpt_service_fd(ckpt), TAG(TAG_CKPT, 0));
-}
-
-uint64_t embd_server_step(const struct embd_server *sv)
-{
-	return sv->s;
-}
-
-static void send_json(struct client *c, const char *text)
-{
-	embd_ctl_send(c->sock, EMBD_CTL_CHECKPOINT_REPLY, text, (uint32_t)strlen(text), NULL, 0,
-		      NULL, 0);
-}
-
-/* Outside a step phase the shards hold "sv->s steps completed", so the snapshot runs now. */
-static int checkpoint_request(struct embd_server *sv, struct client *c,
-			      const struct embd_ctl_msg *msg, char *err, size_t err_len)
-{
-	struct embd_ctl_checkpoint req;
-	char text[96];
-	int rc = embd_ctl_checkpoint_decode(msg, &req, err, err_len);
-
-	if (rc)
-		return rc;
-	if (!sv->ckpt) {
-		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: no checkpoint_dir configured",
-				    NULL, 0);
-		return 0;
-	}
-	if (sv->cluster) {
-		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: a cluster takes checkpoints "
-				    "only every checkpoint_every_steps (one node alone cannot choose "
-				    "a step for all)", NULL, 0);
-		return 0;
-	}
-	uint64_t seq = embd_ckpt_service_request(sv->ckpt);
-	embd_ckpt_service_poll(sv->ckpt, sv->s);
-	if (req.flags & EMBD_CTL_CHECKPOINT_WAIT) {
-		c->ckpt_wait = seq;
-		return 0;
-	}
-	snprintf(text, sizeof(text), "{\"started\":%" PRIu64 ",\"step\":%" PRIu64 "}", seq, sv->s);
-	send_json(c, text);
-	return 0;
-}
-
-/* A background write ended: answer who waited for it, and start one that came due meanwhile. */
-static void checkpoint_done(struct embd_server *sv)
-{
-	uint64_t done = embd_ckpt_service_reap(sv->ckpt);
-	char *text = NULL;
-
-	for (uint32_t i = 0; i < MAX_CLIENTS; i++) {
-		struct client *c = &sv->clients[i];
-		if (!c->used || !c->ckpt_wait || c->ckpt_wait > done)
-			continue;
-		if (!text && embd_ckpt_service_result_json(sv->ckpt, &text))
-			break;
-		send_json(c, text);
-		c->ckpt_wait = 0;
-	}
-	free(text);
-	embd_ckpt_service_poll(sv->ckpt, sv->s);
 }

@@ -1,0 +1,83 @@
+/*
+ * service/server_ckpt.c - the server's side of checkpoints (service/ckpt_service.h): the
+ * service handle and resumed step, `embctl checkpoint [--wait]` requests, and answering the
+ * waiters when a background write ends. On the server's thread, like the rest of the server.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ipc/evloop.h"
+#include "service/ckpt_service.h"
+#include "service/server_priv.h"
+
+int embd_server_set_checkpoints(struct embd_server *sv, struct embd_ckpt_service *ckpt,
+				uint64_t resumed_step)
+{
+	sv->ckpt = ckpt;
+	sv->s = resumed_step;
+	return embd_evloop_add_fd(sv->loop, embd_ckpt_service_fd(ckpt), TAG(TAG_CKPT, 0));
+}
+
+uint64_t embd_server_step(const struct embd_server *sv)
+{
+	return sv->s;
+}
+
+static void send_json(struct client *c, const char *text)
+{
+	embd_ctl_send(c->sock, EMBD_CTL_CHECKPOINT_REPLY, text, (uint32_t)strlen(text), NULL, 0,
+		      NULL, 0);
+}
+
+/* Outside a step phase the shards hold "sv->s steps completed", so the snapshot runs now. */
+int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
+				   const struct embd_ctl_msg *msg, char *err, size_t err_len)
+{
+	struct embd_ctl_checkpoint req;
+	char text[96];
+	int rc = embd_ctl_checkpoint_decode(msg, &req, err, err_len);
+
+	if (rc)
+		return rc;
+	if (!sv->ckpt) {
+		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: no checkpoint_dir configured",
+				    NULL, 0);
+		return 0;
+	}
+	if (sv->cluster) {
+		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: a cluster takes checkpoints "
+				    "only every checkpoint_every_steps (one node alone cannot choose "
+				    "a step for all)", NULL, 0);
+		return 0;
+	}
+	uint64_t seq = embd_ckpt_service_request(sv->ckpt);
+	embd_ckpt_service_poll(sv->ckpt, sv->s);
+	if (req.flags & EMBD_CTL_CHECKPOINT_WAIT) {
+		c->ckpt_wait = seq;
+		return 0;
+	}
+	snprintf(text, sizeof(text), "{\"started\":%" PRIu64 ",\"step\":%" PRIu64 "}", seq, sv->s);
+	send_json(c, text);
+	return 0;
+}
+
+/* A background write ended: answer who waited for it, and start one that came due meanwhile. */
+void embd_server_checkpoint_done(struct embd_server *sv)
+{
+	uint64_t done = embd_ckpt_service_reap(sv->ckpt);
+	char *text = NULL;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (!c->used || !c->ckpt_wait || c->ckpt_wait > done)
+			continue;
+		if (!text && embd_ckpt_service_result_json(sv->ckpt, &text))
+			break;
+		send_json(c, text);
+		c->ckpt_wait = 0;
+	}
+	free(text);
+	embd_ckpt_service_poll(sv->ckpt, sv->s);
+}

@@ -1,0 +1,80 @@
+/*
+ * service/server_priv.h - the server's state (service/server.h), shared by server.c (the
+ * loop, the sessions and the step schedule) and server_ckpt.c (the checkpoint requests).
+ * Everything here runs on the server's one thread.
+ */
+#ifndef EMBD_SERVICE_SERVER_PRIV_H
+#define EMBD_SERVICE_SERVER_PRIV_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ipc/control.h"
+#include "ipc/doorbell.h"
+#include "ipc/protocol.h"
+#include "service/server.h"
+#include "service/stats.h"
+
+#define MAX_CLIENTS 256u
+
+enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT, TAG_PIDFD };
+#define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
+
+struct client {
+	bool used;
+	int sock;
+	int pidfd;                      /* the peer process, or -1: its exit drops the client even
+					 * when a child it forked keeps the socket open */
+	struct embd_ctl_peer peer;
+	int32_t index;                  /* trainer index, -1 before HELLO (embctl stays -1) */
+	struct embd_region *region;
+	int eventfd;
+	struct embd_doorbell sq_db, cq_db;
+	bool db_armed;
+	struct embd_batch_limits limits;
+	int32_t *lengths;               /* private copy of the posted batch's lengths */
+	/* the step in flight, from this trainer's side */
+	bool has_fwd, has_bwd, participant;
+	struct embd_sqe fwd, bwd;
+	uint64_t fwd_popped_ns, bwd_popped_ns;
+	struct embd_kjt kjt;
+	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
+	uint64_t requests, errors;
+	uint64_t ckpt_wait;             /* embctl checkpoint --wait: the checkpoint it waits for */
+};
+
+enum phase { COLLECT, WAIT_BACKWARD };
+
+struct embd_server {
+	const struct embd_config *config;
+	struct embd_step *step;
+	struct embd_ranks *ranks;
+	uint64_t plan_hash;
+	struct embd_evloop *loop;
+	int listen_fd, sigfd;
+	bool stop, first_step_done;
+	bool cluster;                   /* several nodes: every step is collective */
+	struct client clients[MAX_CLIENTS];
+	uint32_t slots_end;             /* 1 + the highest slot in use: per-pass loops stop here */
+	bool dirty;                     /* something advance() looks at changed since it last ran */
+	uint64_t s;                     /* the step being collected or run */
+	enum phase phase;
+	uint64_t step_start_ns;
+	uint64_t canceled_step;         /* step + 1 of the last aborted step */
+	struct embd_step_batch *batches;
+	uint32_t batch_slot[MAX_CLIENTS];
+	uint32_t num_batches;
+	struct embd_stats stats;
+	struct embd_layout *layout;
+	uint8_t *msgbuf;
+	struct embd_ckpt_service *ckpt; /* NULL without checkpoint_dir */
+};
+
+/* embctl checkpoint [--wait] from client c (server_ckpt.c). */
+int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
+				   const struct embd_ctl_msg *msg, char *err, size_t err_len);
+/* A background checkpoint write ended (its fd fired in the loop). */
+void embd_server_checkpoint_done(struct embd_server *sv);
+
+#endif /* EMBD_SERVICE_SERVER_PRIV_H */
