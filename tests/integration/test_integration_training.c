@@ -8,7 +8,6 @@
  * Tables, batches and the reference check: training_common.h.
  */
 #include <criterion/criterion.h>
-#include <dirent.h>
 #include <errno.h>
 #include <math.h>
 #include <poll.h>
@@ -22,10 +21,9 @@
 
 #include "embd/client.h"
 #include "libclient/client_priv.h"
+#include "tests/integration/service_fixture.h"
 #include "tests/integration/training_common.h"
 
-static pid_t service_pid;
-static char socket_path[108];
 static char config_path[128];
 
 /* ---- the service -------------------------------------------------------------------------- */
@@ -46,27 +44,9 @@ static void write_config(const char *sharding, uint32_t trainers)
 
 static void start(const char *sharding, uint32_t trainers)
 {
-	snprintf(socket_path, sizeof(socket_path), "/tmp/embd-train-%d.sock", (int)getpid());
 	snprintf(config_path, sizeof(config_path), "/tmp/embd-train-%d.json", (int)getpid());
-	unlink(socket_path);
 	write_config(sharding, trainers);
-	service_pid = fork();
-	cr_assert(service_pid >= 0);
-	if (service_pid == 0) {
-		execl(EMBD_BINARY, "embd", "--config", config_path, "--socket", socket_path,
-		      "--log-level", "error", (char *)NULL);
-		_exit(127);
-	}
-	for (int i = 0; i < 500 && access(socket_path, F_OK) != 0; i++) {
-		int st;
-		if (waitpid(service_pid, &st, WNOHANG) == service_pid) {
-			service_pid = 0;
-			cr_assert_fail("embd exited (status 0x%x) before creating its socket "
-				       "(sharding %s)", st, sharding ? sharding : "any");
-		}
-		usleep(10000);
-	}
-	cr_assert(access(socket_path, F_OK) == 0, "embd did not create %s within 5 s", socket_path);
+	service_spawn(config_path, "error");
 }
 
 /* Criterion fini: runs after a failed assertion too, so no embd outlives its test. */
@@ -75,16 +55,9 @@ static void stop(void)
 	int status;
 
 	kill_children();
-	if (service_pid > 0) {
-		kill(service_pid, SIGTERM);
-		for (int i = 0; i < 300 && waitpid(service_pid, &status, WNOHANG) == 0; i++)
-			usleep(10000);
-		kill(service_pid, SIGKILL);
-		waitpid(service_pid, &status, 0);
-		service_pid = 0;
-	}
+	service_stop_within(3000, &status);
 	unlink(config_path);
-	unlink(socket_path);
+	unlink(service_log_path);
 }
 
 TestSuite(training, .fini = stop, .timeout = 60);
@@ -111,33 +84,6 @@ Test(training, four_concurrent_trainers_equal_reference) { train_and_check(NULL,
 
 /* ---- a trainer killed mid-step ----------------------------------------------------------- */
 
-static int count_fds(pid_t pid)
-{
-	char path[64];
-	int n = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-	DIR *d = opendir(path);
-	if (!d)
-		return -1;
-	for (struct dirent *e; (e = readdir(d));)
-		n += e->d_name[0] != '.';
-	closedir(d);
-	return n;
-}
-
-/* Polls up to 3 s for the service's fd count to equal want; returns the last count. */
-static int wait_fds(int want)
-{
-	int n = count_fds(service_pid);
-
-	for (int i = 0; i < 300 && n != want; i++) {
-		usleep(10000);
-		n = count_fds(service_pid);
-	}
-	return n;
-}
-
 /* Blocking forward + backward of trainer tr's deterministic step-k batch. */
 static int one_step(struct embd_client *c, uint32_t tr, uint32_t k, uint64_t step)
 {
@@ -162,10 +108,10 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 	int pipefd[2];
 
 	start(NULL, 2);
-	int fds_idle = count_fds(service_pid);
+	int fds_idle = service_count_fds(service_pid);
 	cr_assert_gt(fds_idle, 0, "cannot read /proc/%d/fd", (int)service_pid);
 	cr_assert_eq(embd_connect(socket_path, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	int fds_one = count_fds(service_pid);
+	int fds_one = service_count_fds(service_pid);
 	uint64_t s = embd_layout(t0)->resumed_step;
 	cr_assert_eq(pipe(pipefd), 0);
 	pid_t kid = fork_child();
@@ -217,7 +163,7 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 		     "expected EMBD_ECANCELED (%d), got %d (%s)", (unsigned long long)s,
 		     EMBD_ECANCELED, done.result, embd_last_error(t0));
 	cr_expect_eq(kill(service_pid, 0), 0, "embd should survive a killed trainer");
-	int fds = wait_fds(fds_one);
+	int fds = service_wait_fds(fds_one);
 	cr_expect_eq(fds, fds_one, "embd's open fds after the dead trainer was dropped: expected "
 		     "%d (one trainer connected), got %d", fds_one, fds);
 	/* the service still answers, and trainer 1 comes back under the same index */
@@ -244,7 +190,7 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 		  (unsigned long long)next, st);
 	embd_close(t1);
 	embd_close(t0);
-	fds = wait_fds(fds_idle);
+	fds = service_wait_fds(fds_idle);
 	cr_expect_eq(fds, fds_idle, "embd's open fds with no trainer: expected %d as before the "
 		     "test, got %d", fds_idle, fds);
 }
