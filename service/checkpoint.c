@@ -159,6 +159,8 @@ static int write_arrays(const char *tmp, struct embd_ckpt_manifest *m,
 		uint64_t shape[2] = { (uint64_t)a->file.rows, a->file.cols };
 		files[i] = a->file;
 		snprintf(path, sizeof(path), "%s/%s", tmp, a->file.name);
+		if (a->await_data)
+			a->await_data(a->await_arg, i);
 		int rc = embd_npy_write_file(path, a->file.dtype, a->ndim, shape, a->data, sync,
 					     &files[i].crc32c, &files[i].bytes, err, err_len);
 		if (rc) {

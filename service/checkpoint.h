@@ -57,6 +57,10 @@ struct embd_ckpt_array {
 	struct embd_ckpt_file file;
 	const void *data;
 	uint32_t ndim;                  /* 2: rows x cols, 1: (rows,) per-row state */
+	/* When set, called with await_arg and the array's index before data is read: blocks
+	 * until data holds the array (a snapshot still being copied, ckpt_snapshot.h). */
+	void (*await_data)(void *arg, uint32_t index);
+	void *await_arg;
 };
 
 /* Called for every checkpoint a reader skips, with its directory and the reason. */

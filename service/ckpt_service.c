@@ -1,8 +1,8 @@
 /*
- * Checkpoints of the running service (service/ckpt_service.h). The snapshot layout (one
- * array per shard and state, at a fixed 64-byte aligned offset of one buffer) is computed
- * once at create, so a snapshot is a loop of memcpy and the writer thread owns the buffer
- * until it signals the eventfd; the service thread never touches it in between.
+ * Checkpoints of the running service (service/ckpt_service.h). The shards' copy is
+ * service/ckpt_snapshot.c's; here: when to take one, the writer thread (which runs the copier
+ * thread beside it and owns the snapshot until it signals the eventfd), the cluster's
+ * reports and commit, restore, and the stall accounting.
  */
 #include "service/ckpt_service.h"
 
@@ -20,10 +20,9 @@
 #include <unistd.h>
 
 #include "service/checkpoint.h"
+#include "service/ckpt_snapshot.h"
 #include "service/log.h"
 #include "service/store.h"
-
-#define HUGE_PAGE (2u << 20)
 
 struct result {
 	int rc;                         /* 0, or why the write failed */
@@ -38,12 +37,9 @@ struct embd_ckpt_service {
 	struct embd_step *step;
 	struct embd_ckpt_manifest base;         /* tables, plan, node: every write's manifest */
 	struct embd_store *store;               /* a cluster's: restore, then the writer's only */
-	struct embd_ckpt_array *arrays;
-	const void **sources;                   /* shard memory of each array */
-	uint64_t *array_bytes;
-	struct embd_shard **array_shards;
+	struct embd_ckpt_snapshot *snap;
+	const struct embd_ckpt_array *arrays;   /* the snapshot's */
 	uint32_t num_arrays;
-	uint8_t *buffer;
 	int efd;
 	/* the write in flight (owned by the thread while running) */
 	pthread_t thread;
@@ -55,6 +51,11 @@ struct embd_ckpt_service {
 	bool requested;
 	uint64_t last_step, last_ns;            /* of the last started (or restored) checkpoint */
 	uint64_t resumed_step;
+	/* the steps' share of the running checkpoint (service thread): the boundary's own time
+	 * (waiting for the previous write, the begin), then per step the hooks' copies */
+	bool accounting;
+	double boundary_ms, cur_stall_ms;
+	uint64_t hook_seen_ns;
 	/* results */
 	struct result last;                     /* the last finished one (seq 0: none) */
 	double max_stall_ms;
@@ -66,86 +67,6 @@ static uint64_t now_ns(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* A file name from the table name: unsafe characters become '_'; the index keeps it unique. */
-static void array_name(char *out, size_t cap, uint32_t table, const char *name, int64_t row,
-		       uint32_t col, uint32_t node, enum embd_ckpt_state state)
-{
-	char safe[EMBD_NAME_MAX];
-	size_t i = 0;
-
-	for (; name[i] && i + 1 < sizeof(safe); i++) {
-		char c = name[i];
-		bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-			  c == '_' || c == '-';
-		safe[i] = ok ? c : '_';
-	}
-	safe[i] = 0;
-	snprintf(out, cap, "t%u-%s.r%lld.c%u.n%u.%s.npy", table, safe, (long long)row, col, node,
-		 embd_ckpt_state_name(state));
-}
-
-static int build_layout(struct embd_ckpt_service *ck, char *err, size_t err_len)
-{
-	uint32_t n = embd_step_num_shards(ck->step), k = 0;
-	uint64_t total = 0;
-
-	ck->arrays = calloc(3 * (size_t)n + 1, sizeof(*ck->arrays));
-	ck->sources = calloc(3 * (size_t)n + 1, sizeof(*ck->sources));
-	ck->array_bytes = calloc(3 * (size_t)n + 1, sizeof(*ck->array_bytes));
-	ck->array_shards = calloc(3 * (size_t)n + 1, sizeof(*ck->array_shards));
-	if (!ck->arrays || !ck->sources || !ck->array_bytes || !ck->array_shards)
-		return EMBD_ENOMEM;
-	for (uint32_t i = 0; i < n; i++) {
-		struct embd_step_shard_view v;
-		uint64_t bytes[3];
-		embd_step_shard_view(ck->step, i, &v);
-		if (v.replica || !v.shard)
-			continue;       /* one copy of data_parallel; another node's shard */
-		const struct embd_shard_desc *d = &v.shard->desc;
-		int rc = embd_shard_sizes(d, &bytes[0], &bytes[1], &bytes[2], err, err_len);
-		if (rc)
-			return rc;
-		const void *src[3] = { v.shard->weights, v.shard->momentum1, v.shard->momentum2 };
-		for (int s = 0; s < 3; s++) {
-			if (!bytes[s])
-				continue;
-			struct embd_ckpt_array *a = &ck->arrays[k];
-			bool per_row = s && d->optimizer.type == EMBD_OPT_ROWWISE_ADAGRAD;
-			a->file = (struct embd_ckpt_file){
-				.table = v.table, .state = (enum embd_ckpt_state)s,
-				.row_offset = d->row_offset, .rows = d->rows, .col_offset = d->col_offset,
-				.cols = d->cols, .dtype = !s && d->dtype == EMBD_DTYPE_FP16 ? EMBD_NPY_F2 :
-				EMBD_NPY_F4, .node = ck->base.node,
-			};
-			a->ndim = per_row ? 1 : 2;
-			array_name(a->file.name, sizeof(a->file.name), v.table,
-				   ck->config->tables.specs[v.table].name, d->row_offset, d->col_offset,
-				   ck->base.node, a->file.state);
-			ck->sources[k] = src[s];
-			ck->array_bytes[k] = bytes[s];
-			ck->array_shards[k] = v.shard;
-			total += (bytes[s] + 63) / 64 * 64;
-			k++;
-		}
-	}
-	ck->num_arrays = k;
-	/* 2 MiB aligned and advised to huge pages, as shard memory is: fewer TLB misses in the
-	 * copy that steps wait for */
-	uint64_t rounded = (total + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-	ck->buffer = aligned_alloc(HUGE_PAGE, rounded ? rounded : HUGE_PAGE);
-	if (!ck->buffer)
-		return snprintf(err, err_len, "checkpoint snapshot buffer: out of memory for %" PRIu64
-				" bytes", total), EMBD_ENOMEM;
-	madvise(ck->buffer, rounded, MADV_HUGEPAGE);
-	memset(ck->buffer, 0, total);   /* touched now, so no snapshot pays the page faults */
-	uint64_t off = 0;
-	for (uint32_t i = 0; i < k; i++) {
-		ck->arrays[i].data = ck->buffer + off;
-		off += (ck->array_bytes[i] + 63) / 64 * 64;
-	}
-	return 0;
 }
 
 int embd_ckpt_service_create(const struct embd_config *config, struct embd_step *step,
@@ -180,8 +101,10 @@ int embd_ckpt_service_create(const struct embd_config *config, struct embd_step 
 	if ((rc = embd_plan_write_json(plan, &ck->base.plan_json, &len)))
 		goto out;
 	ck->base.plan_hash = plan->plan_hash;
-	if ((rc = build_layout(ck, err, err_len)))
+	if ((rc = embd_ckpt_snapshot_create(t, step, ck->base.node, &ck->snap, err, err_len)))
 		goto out;
+	ck->arrays = embd_ckpt_snapshot_arrays(ck->snap, &ck->num_arrays);
+	embd_step_set_update_hook(step, embd_ckpt_snapshot_before_update, ck->snap);
 	/* a handle of its own: the service thread's one is busy in the steps' collectives */
 	if (ck->base.num_nodes > 1 &&
 	    (rc = embd_store_connect(config->master_addr, config->master_port,
@@ -209,15 +132,13 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck)
 		return;
 	if (ck->running)
 		pthread_join(ck->thread, NULL);
+	if (ck->snap)
+		embd_step_set_update_hook(ck->step, NULL, NULL);
 	if (ck->efd >= 0)
 		close(ck->efd);
 	embd_store_close(ck->store);
 	embd_ckpt_manifest_free(&ck->base);
-	free(ck->arrays);
-	free(ck->sources);
-	free(ck->array_bytes);
-	free(ck->array_shards);
-	free(ck->buffer);
+	embd_ckpt_snapshot_destroy(ck->snap);
 	free(ck);
 }
 
@@ -344,73 +265,59 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 	w->write_ms = (double)(now_ns() - t0) / 1e6;
 }
 
+static void *copier_main(void *arg)
+{
+	embd_ckpt_snapshot_copy(arg);
+	return NULL;
+}
+
 static void *writer_main(void *arg)
 {
 	struct embd_ckpt_service *ck = arg;
 	uint64_t one = 1;
+	pthread_t copier;
+	bool started = !pthread_create(&copier, NULL, copier_main, ck->snap);
 
+	if (!started)
+		embd_ckpt_snapshot_copy(ck->snap);      /* the steps wait on this one's rows */
 	write_snapshot(ck);
+	if (started)
+		pthread_join(copier, NULL);
 	atomic_store_explicit(&ck->finished, true, memory_order_release);
 	if (write(ck->efd, &one, sizeof(one)) != sizeof(one))
 		embd_log_warning("checkpoint: cannot signal the service (eventfd)");
 	return NULL;
 }
 
-/* One copier's part of the snapshot: bytes [from, to) of all arrays laid end to end. */
-struct copy_part {
-	const struct embd_ckpt_service *ck;
-	uint64_t from, to;
-	pthread_t thread;
-	bool started;
-};
-
-static void *copy_part(void *arg)
+/* The steps' share of the checkpoint since the last boundary: that boundary's own time and
+ * the hooks' copies in the step after it (rank workers summed: an upper bound). */
+static void account_step(struct embd_ckpt_service *ck)
 {
-	struct copy_part *p = arg;
-	uint64_t at = 0;
-
-	for (uint32_t i = 0; i < p->ck->num_arrays && at < p->to; i++) {
-		uint64_t n = p->ck->array_bytes[i], lo = p->from > at ? p->from - at : 0;
-		uint64_t hi = p->to - at < n ? p->to - at : n;
-		if (lo < hi)
-			memcpy((uint8_t *)p->ck->arrays[i].data + lo, (const uint8_t *)p->ck->sources[i] + lo,
-			       hi - lo);
-		at += n;
-	}
-	return NULL;
+	if (!ck->accounting)
+		return;
+	uint64_t hook = embd_ckpt_snapshot_hook_ns(ck->snap);
+	double ms = ck->boundary_ms + (double)(hook - ck->hook_seen_ns) / 1e6;
+	ck->hook_seen_ns = hook;
+	ck->boundary_ms = 0;
+	if (ms > ck->cur_stall_ms)
+		ck->cur_stall_ms = ms;
+	if (ms > ck->max_stall_ms)
+		ck->max_stall_ms = ms;
 }
 
-/* Copies the shards into the buffer: the stall. Memory bandwidth is shared, but one core
- * rarely saturates it, so the copy is split over up to COPY_THREADS threads (one per CPU). */
-#define COPY_THREADS 8
-static void snapshot(struct embd_ckpt_service *ck, uint64_t step)
+/* Starts the snapshot of `step` at this boundary: only marks the shards "not copied"
+ * (ckpt_snapshot.h); waited_ms is what this boundary already spent waiting for the previous
+ * write. */
+static void snapshot(struct embd_ckpt_service *ck, uint64_t step, double waited_ms)
 {
-	struct copy_part parts[COPY_THREADS];
-	uint64_t t0 = now_ns(), total = 0;
-	long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-	uint32_t n = cpus < 1 ? 1 : cpus > COPY_THREADS ? COPY_THREADS : (uint32_t)cpus;
+	uint64_t t0 = now_ns();
 
-	for (uint32_t i = 0; i < ck->num_arrays; i++) {
-		total += ck->array_bytes[i];
-		ck->arrays[i].file.optimizer_step = ck->array_shards[i]->step;
-	}
-	if (total < (64u << 20))
-		n = 1;          /* thread start-up costs more than it saves */
-	for (uint32_t k = 0; k < n; k++) {
-		parts[k] = (struct copy_part){ .ck = ck, .from = total * k / n,
-					       .to = total * (k + 1) / n };
-		parts[k].started = k && !pthread_create(&parts[k].thread, NULL, copy_part, &parts[k]);
-	}
-	for (uint32_t k = 0; k < n; k++)
-		if (!parts[k].started)
-			copy_part(&parts[k]);   /* part 0, or one whose thread did not start */
-	for (uint32_t k = 1; k < n; k++)
-		if (parts[k].started)
-			pthread_join(parts[k].thread, NULL);
+	embd_ckpt_snapshot_begin(ck->snap);
 	ck->w = (struct result){ .seq = ++ck->seq_started, .step = step };
-	ck->w.stall_ms = (double)(now_ns() - t0) / 1e6;
-	if (ck->w.stall_ms > ck->max_stall_ms)
-		ck->max_stall_ms = ck->w.stall_ms;
+	ck->accounting = true;
+	ck->boundary_ms = waited_ms + (double)(now_ns() - t0) / 1e6;
+	ck->cur_stall_ms = 0;
+	ck->hook_seen_ns = 0;
 	ck->requested = false;
 	ck->last_step = step;
 	ck->last_ns = now_ns();
@@ -419,6 +326,10 @@ static void snapshot(struct embd_ckpt_service *ck, uint64_t step)
 static void finish(struct embd_ckpt_service *ck)
 {
 	struct result *w = &ck->w;
+
+	account_step(ck);
+	ck->accounting = false;
+	w->stall_ms = ck->cur_stall_ms;
 
 	if (w->rc == EMBD_EBUSY) {      /* this step is on disk already: nothing to add */
 		w->rc = 0;
@@ -449,20 +360,25 @@ void embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 	bool every = c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps;
 	bool due = ck->requested || every;
 
+	double waited_ms = 0;
+
+	account_step(ck);
 	if (ck->running) {
 		/* A cluster's nodes must all take the same steps: a due one waits for the write
 		 * before it (a stall) rather than moving to whichever step this node is at when its
 		 * write ends. One node alone takes it when the write ends. */
 		if (!every || ck->base.num_nodes == 1)
 			return;
+		uint64_t t0 = now_ns();
 		join_writer(ck);
+		waited_ms = (double)(now_ns() - t0) / 1e6;
 	}
 	if (c->checkpoint_every_seconds && step != ck->last_step &&
 	    now_ns() - ck->last_ns >= (uint64_t)c->checkpoint_every_seconds * 1000000000u)
 		due = true;
 	if (!due)
 		return;
-	snapshot(ck, step);
+	snapshot(ck, step, waited_ms);
 	atomic_store(&ck->finished, false);
 	if (pthread_create(&ck->thread, NULL, writer_main, ck)) {
 		ck->w.rc = EMBD_EIO;
@@ -505,7 +421,8 @@ int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step)
 		return 0;
 	if (ck->last_step == step && step == ck->resumed_step && !ck->seq_started)
 		return 0;       /* nothing trained since the restore */
-	snapshot(ck, step);
+	snapshot(ck, step, 0);
+	embd_ckpt_snapshot_copy(ck->snap);     /* no steps run any more: all on this thread */
 	write_snapshot(ck);
 	finish(ck);
 	return ck->last.rc;

@@ -3,19 +3,17 @@
  * steps, every T seconds, on request, at SIGTERM), taking it without stalling the steps, and
  * restoring the newest valid one at start.
  *
- * Snapshot buffer, not copy-on-write. At a step boundary every shard's weights and optimizer
- * state are copied into one preallocated buffer (a memcpy of the node's shard bytes: the only
- * time steps wait), then a background thread writes the files from the buffer while steps go
- * on. Copy-on-write would stall less (only rows touched during the write are copied) but needs
- * a hook in every backward kernel, CPU and CUDA, to copy a row before its first update, and a
- * per-row bitmap per checkpoint; the step engine is being rewritten for multi-node at the same
- * time, and a snapshot keeps checkpoints out of it entirely. The cost is memory: a second copy
- * of the node's shards in host RAM (allocated and touched at start when checkpoint_dir is set,
- * so the first stall is as short as the others). The stall is measured (status "stall_ms",
- * embd-bench checkpoint): ~95 ms per GiB of shards on a 2-core VM, 10-30% of the write time
- * there. Two ways to cut it, not done: overlap the copy with the next forward (forward only
- * reads parameters; wait for the copy before backward), or copy-on-write at the step level
- * (before a backward, copy the rows it will update that the writer has not yet written).
+ * Snapshot, copied before write (service/ckpt_snapshot.h). At a step boundary the shards are
+ * only marked "not copied"; a copier thread then copies them into a preallocated buffer while
+ * the steps go on, each backward first saving the rows it updates that the copier has not
+ * reached, and the writer thread writes each array from the buffer as soon as it is
+ * complete. The steps' cost (status "stall_ms", embd-bench checkpoint): the boundary
+ * (microseconds) plus, per step while the copier runs, the copies of that step's updated
+ * rows. Why not a plain memcpy at the boundary (the first version): the steps waited ~95 ms
+ * per GiB, 10-30% of the write time. Why not copy-on-write in the kernels: a hook before the
+ * kernels, on the ids they are given, needs no change to any CPU or CUDA kernel. The cost is
+ * memory: a second copy of the node's shards in host RAM (allocated and touched at start
+ * when checkpoint_dir is set).
  *
  * Threading: every call comes from the service's thread, outside embd_step_forward/backward
  * (the shards are then at "steps completed = step": a forward changes no parameter). At most

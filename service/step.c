@@ -375,6 +375,9 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
 		uint64_t first = i;
 		while (i < io->items.len && VEC_AT(io->items, struct step_item, i)->shard == shard)
 			i++;
+		if (s->update_hook && i > first)
+			s->update_hook(s->update_hook_arg, s->shards[shard].shard, all + first,
+				       (uint32_t)(i - first));
 		io->rc = embd_kernels_backward(exec, s->shards[shard].shard, all + first,
 					       (uint32_t)(i - first), &io->kerr);
 	}
@@ -595,6 +598,12 @@ int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row
 		return 0;
 	}
 	return EMBD_ENOENT;
+}
+
+void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg)
+{
+	s->update_hook = hook;
+	s->update_hook_arg = arg;
 }
 
 uint32_t embd_step_num_shards(const struct embd_step *s)

@@ -95,6 +95,8 @@ struct embd_step_counts {
 };
 
 struct embd_step;
+struct embd_shard;
+struct embd_bag_batch;
 
 /*
  * Allocates and initialises (embd_init_value with seed) the shards of every table of plan
@@ -167,6 +169,16 @@ struct embd_step_shard_view {
 	bool replica;                   /* a data_parallel copy other than the table's first */
 	struct embd_shard *shard;       /* desc, weights, momentum1/2, step */
 };
+
+/*
+ * Called on the rank worker that runs a backward, before the optimizer updates any row of
+ * shard: the batches' ids name the rows about to change (ids outside the shard are refused by
+ * the kernel and change nothing). A checkpoint's copy-before-write (service/ckpt_snapshot.h)
+ * saves those rows first. Set it between steps; NULL removes it.
+ */
+typedef void (*embd_step_update_hook)(void *arg, const struct embd_shard *shard,
+				      const struct embd_bag_batch *batches, uint32_t n);
+void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg);
 
 /* Shards of every table on this node, in plan order. */
 uint32_t embd_step_num_shards(const struct embd_step *step);

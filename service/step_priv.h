@@ -113,6 +113,8 @@ struct embd_step {
 	uint32_t cluster_accepted;
 	bool pending;
 	struct embd_step_counts counts;
+	embd_step_update_hook update_hook;      /* before a backward updates rows, or NULL */
+	void *update_hook_arg;
 };
 
 static inline bool row_split(enum embd_sharding_type t)

@@ -74,6 +74,7 @@ static void make_shards(struct embd_ckpt_manifest *m, struct embd_ckpt_table *ta
 				for (uint32_t c = 0; c < s->cols; c++)
 					b[r * s->cols + c] = table_value(s->row + r, s->col + c) * (st ? -1.0f : 1.0f);
 			struct embd_ckpt_array *a = &arrays[2 * k + st];
+			*a = (struct embd_ckpt_array){ 0 };
 			a->ndim = 2;
 			a->data = b;
 			a->file = (struct embd_ckpt_file){ .state = st ? EMBD_CKPT_MOMENTUM1 : EMBD_CKPT_WEIGHT,
