@@ -20,7 +20,7 @@
 #include "service/stats.h"
 
 #define HUGE_PAGE (2u << 20)
-#define CHUNK_BYTES (256u << 10)
+#define CHUNK_BYTES (32u << 10)
 #define MAX_STATES 3
 
 enum { CHUNK_PENDING, CHUNK_BUSY, CHUNK_DONE };
