@@ -12,6 +12,13 @@
  * split evenly over its peers). Three alternating rounds of each, medians.
  * ratio_to_raw = steps_per_s / raw_alltoallv_steps_per_s: the
  * share of a step that is the collectives themselves (1 = the engine adds nothing).
+ *
+ * On one machine the nodes' lookups and optimizer steps share its cores with the collectives,
+ * so a third reference runs the whole cluster's work (every trainer's batch, as many ranks) in
+ * ONE node process: its compute without any collective (one_node_steps_per_s). A step that
+ * does the two one after the other takes 1/raw + 1/one_node seconds (serial_bound);
+ * ratio_to_serial_bound above 1 means compute and collectives overlap, below 1 is the
+ * engine's own overhead.
  */
 #include <errno.h>
 #include <signal.h>
@@ -36,6 +43,7 @@
 
 #define DIST_MAX_NODES 3
 #define DIST_L 2                        /* ranks and trainers per node */
+#define DIST_MAX_L (DIST_MAX_NODES * DIST_L)    /* the one-node run of a whole cluster's work */
 #define DIST_B 512                      /* per-trainer batch */
 #define DIST_TABLES 2
 #define DIST_ROWS 100000
@@ -55,6 +63,7 @@ struct dist_shared {
 struct dist_run {
 	enum embd_sharding_type type;
 	uint32_t nodes;
+	uint32_t local;                         /* ranks and trainers per node */
 	uint16_t port;
 	struct dist_shared *sh;
 };
@@ -79,8 +88,8 @@ static int join(const struct dist_run *r, uint32_t node, const char *prefix,
 		return 0;
 	embd_rendezvous_defaults(&rv);
 	rv.master_port = r->port;
-	rv.world_size = (int32_t)(r->nodes * DIST_L);
-	rv.local_world_size = DIST_L;
+	rv.world_size = (int32_t)(r->nodes * r->local);
+	rv.local_world_size = (int32_t)r->local;
 	rv.node_rank = (int32_t)node;
 	int rc = embd_rendezvous_store(&rv, DIST_TIMEOUT_MS, server, store, inner, sizeof(inner));
 	if (rc)
@@ -94,7 +103,7 @@ static int join(const struct dist_run *r, uint32_t node, const char *prefix,
 	return rc;
 }
 
-/* One node of the engine run: K steps of its DIST_L trainers; seconds of the timed ones. */
+/* One node of the engine run: K steps of its r->local trainers; seconds of the timed ones. */
 static int node_main(const struct dist_run *r, uint32_t node)
 {
 	struct embd_table_spec specs[DIST_TABLES];
@@ -106,7 +115,8 @@ static int node_main(const struct dist_run *r, uint32_t node)
 	struct embd_comm *comm = NULL;
 	struct embd_ranks *ranks = NULL;
 	struct embd_step *step = NULL;
-	struct embd_step_batch batches[DIST_L];
+	struct embd_step_batch batches[DIST_MAX_L];
+	const uint32_t L = r->local;
 	char *err = r->sh->err[node];
 	int32_t *lengths = NULL;
 	int64_t *values = NULL;
@@ -126,8 +136,8 @@ static int node_main(const struct dist_run *r, uint32_t node)
 			.min_partition = DIST_DIM / 2, .num_pooling_factors = 1,
 			.pooling_factors = { DIST_PF } };
 	}
-	embd_plan_topology_default(&topo, (int32_t)(r->nodes * DIST_L));
-	topo.local_world_size = DIST_L;
+	embd_plan_topology_default(&topo, (int32_t)(r->nodes * L));
+	topo.local_world_size = (int32_t)L;
 	topo.compute_device = EMBD_DEVICE_CPU;
 	topo.batch_size = DIST_B;
 	topo.hbm_cap_bytes = 4ull << 30;
@@ -136,43 +146,43 @@ static int node_main(const struct dist_run *r, uint32_t node)
 	if (!rc)
 		rc = join(r, node, "bench/step/", &server, &store, &comm, err, 256);
 	if (!rc)
-		rc = embd_ranks_create(DIST_L, 1, &ranks, err, 256);
+		rc = embd_ranks_create(L, 1, &ranks, err, 256);
 	struct embd_tables tables = { DIST_TABLES, specs, cons };
 	struct embd_step_cluster where = { node, r->nodes, comm, store, DIST_TIMEOUT_MS };
 	if (!rc)
-		rc = embd_step_create_cluster(&tables, plan, ranks, 7, DIST_L, &where, &step, err,
+		rc = embd_step_create_cluster(&tables, plan, ranks, 7, L, &where, &step, err,
 					      256);
 	if (rc)
 		goto out;
 	const uint64_t nl = (uint64_t)DIST_TABLES * DIST_B, nv = nl * DIST_PF;
 	const uint64_t out_floats = (uint64_t)DIST_B * DIST_TABLES * DIST_DIM;
 	lengths = malloc(nl * sizeof(int32_t));
-	values = malloc(DIST_L * nv * sizeof(int64_t));
-	bufs = malloc(2 * DIST_L * out_floats * sizeof(float));
+	values = malloc(L * nv * sizeof(int64_t));
+	bufs = malloc(2 * L * out_floats * sizeof(float));
 	rc = EMBD_ENOMEM;
 	if (!lengths || !values || !bufs)
 		goto out;
 	uint64_t seed = 1000 + node;
 	for (uint64_t i = 0; i < nl; i++)
 		lengths[i] = DIST_PF;
-	for (uint64_t i = 0; i < DIST_L * nv; i++)
+	for (uint64_t i = 0; i < L * nv; i++)
 		values[i] = (int64_t)(rng_next(&seed) % DIST_ROWS);
-	for (uint64_t i = 0; i < 2 * DIST_L * out_floats; i++)
+	for (uint64_t i = 0; i < 2 * L * out_floats; i++)
 		bufs[i] = (float)(rng_next(&seed) % 2001) / 1000.0f - 1.0f;
 	uint64_t t0 = 0;
 	for (int k = 0; k < DIST_WARMUP + DIST_STEPS; k++) {
 		if (k == DIST_WARMUP)
 			t0 = bench_now_ns();
-		for (uint32_t i = 0; i < DIST_L; i++)
+		for (uint32_t i = 0; i < L; i++)
 			batches[i] = (struct embd_step_batch){
 				.kjt = { .num_features = DIST_TABLES, .batch_size = DIST_B,
 					 .lengths = lengths, .values = values + i * nv, .num_values = nv },
 				.pooled = bufs + 2 * i * out_floats,
 				.pooled_grad = bufs + (2 * i + 1) * out_floats,
 			};
-		rc = embd_step_forward(step, batches, DIST_L);
+		rc = embd_step_forward(step, batches, L);
 		if (rc >= 0)
-			rc = embd_step_backward(step, batches, DIST_L);
+			rc = embd_step_backward(step, batches, L);
 		if (rc < 0) {
 			snprintf(err, 256, "step %d: %s", k, batches[0].err);
 			goto out;
@@ -305,32 +315,43 @@ int bench_dist_run(int argc, char **argv)
 	for (uint32_t n = 1; n <= DIST_MAX_NODES; n++)
 		for (int t = 0; t < EMBD_SHARD_COUNT; t++) {
 			r.type = (enum embd_sharding_type)t;
-			r.nodes = n;
 			/* engine and raw rounds alternate, medians reported: the load of a shared
 			 * machine drifts over a run */
-			double eng[DIST_ROUNDS], rawr[DIST_ROUNDS];
+			double eng[DIST_ROUNDS], rawr[DIST_ROUNDS], one[DIST_ROUNDS];
 			uint64_t bytes = 0;
 			for (int k = 0; k < DIST_ROUNDS; k++) {
 				memset(r.sh->xbytes, 0, sizeof(r.sh->xbytes));
+				r.nodes = n;
+				r.local = DIST_L;
 				eng[k] = run_nodes(&r, node_main, "engine");
 				bytes = 0;
 				for (uint32_t m = 0; m < n; m++)
 					for (int e = 0; e < EMBD_STEP_EXCHANGES; e++)
 						bytes += r.sh->xbytes[m][e];
 				rawr[k] = n > 1 && eng[k] > 0 ? run_nodes(&r, raw_main, "raw") : 0;
+				/* the cluster's whole work on one node process: its compute alone */
+				r.nodes = 1;
+				r.local = n * DIST_L;
+				one[k] = n > 1 ? run_nodes(&r, node_main, "one-node") : 0;
 			}
 			double sps = bench_median(eng, DIST_ROUNDS);
 			double raw = bench_median(rawr, DIST_ROUNDS);
+			double alone = bench_median(one, DIST_ROUNDS);
 			step_ms[t][n] = sps > 0 ? 1000.0 / sps : 0;
 			printf("{\"name\":\"dist\",\"sharding_type\":\"%s\",\"nodes\":%u,"
 			       "\"trainers\":%u,\"batch_per_trainer\":%d,\"steps_per_s\":%.2f,"
 			       "\"bytes_per_step\":%llu,", embd_plan_sharding_name(r.type), n,
 			       n * DIST_L, DIST_B, sps, (unsigned long long)bytes);
-			if (raw > 0)
-				printf("\"raw_alltoallv_steps_per_s\":%.2f,\"ratio_to_raw\":%.3f}\n", raw,
-				       sps / raw);
-			else
+			if (raw > 0 && alone > 0) {
+				/* compute and collectives one after the other, nothing overlapped */
+				double serial = 1.0 / (1.0 / raw + 1.0 / alone);
+				printf("\"raw_alltoallv_steps_per_s\":%.2f,\"ratio_to_raw\":%.3f,"
+				       "\"one_node_steps_per_s\":%.2f,\"serial_bound_steps_per_s\":%.2f,"
+				       "\"ratio_to_serial_bound\":%.3f}\n", raw, sps / raw, alone, serial,
+				       sps / serial);
+			} else {
 				printf("\"raw_alltoallv_steps_per_s\":null,\"ratio_to_raw\":null}\n");
+			}
 			fflush(stdout);
 		}
 	for (int t = 0; t < EMBD_SHARD_COUNT; t++)
