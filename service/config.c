@@ -6,6 +6,7 @@
  */
 #include "service/config.h"
 
+#include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
@@ -178,6 +179,22 @@ static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tab
 			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must not be empty", k);
 		return rc;
 	}
+	if (!strcmp(k, "gloo_ifname")) {
+		rc = get_string(item, c->gloo_ifname, sizeof(c->gloo_ifname), err, err_len);
+		if (!rc && (!c->gloo_ifname[0] || strchr(c->gloo_ifname, ',')))
+			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': expected one interface "
+				  "name", k);
+		return rc;
+	}
+	if (!strcmp(k, "comm_addr")) {
+		unsigned char bin[sizeof(struct in6_addr)];
+		rc = get_string(item, c->comm_addr, sizeof(c->comm_addr), err, err_len);
+		if (!rc && inet_pton(AF_INET, c->comm_addr, bin) != 1 &&
+		    inet_pton(AF_INET6, c->comm_addr, bin) != 1)
+			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': not a numeric IPv4 or "
+				  "IPv6 address", k);
+		return rc;
+	}
 	if (!strcmp(k, "master_port")) {
 		rc = get_uint(item, 65535, &v, err, err_len);
 		if (!rc && !v)
@@ -228,6 +245,9 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 	if (embd_config_nodes(c) > 1 && c->trainers_per_node > 64)
 		return fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': at most 64 on several nodes", "trainers_per_node");
+	if (c->gloo_ifname[0] && c->comm_addr[0])
+		return fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': give comm_addr or gloo_ifname, not both", "comm_addr");
 	if (c->backend == EMBD_COMM_NCCL && t->compute_device != EMBD_DEVICE_CUDA)
 		return fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': nccl needs compute_device cuda; use gloo", "backend");

@@ -33,6 +33,13 @@
  *   override these keys and the topology's sizes; see service/rendezvous.h):
  *     "master_addr": "127.0.0.1",   where node 0 serves the rendezvous store
  *     "master_port": 29500,         its TCP port
+ *     "gloo_ifname": "",            the interface whose address this node's Gloo device
+ *                                   listens on and advertises (GLOO_SOCKET_IFNAME in the
+ *                                   environment wins, as in torch; one name, not a list)
+ *     "comm_addr": "",              ... or that numeric address of this host (not with
+ *                                   gloo_ifname). Neither: the local address of the route to
+ *                                   master_addr (service/rendezvous.h,
+ *                                   embd_rendezvous_comm_addr): 127.0.0.1 on one host
  *     "node_rank": 0,               this node (0 .. world_size / local_world_size - 1)
  *     "backend": "gloo",            gloo (CPU, one Gloo rank per node); nccl needs cuda
  *     "collective_timeout_ms": 30000,  every collective: a node that does not answer within
@@ -82,6 +89,8 @@ struct embd_config {
 	uint32_t busy_poll_us;
 	char master_addr[256];
 	uint16_t master_port;
+	char gloo_ifname[16];                           /* "" = not given (IFNAMSIZ) */
+	char comm_addr[64];                             /* "" = not given */
 	uint32_t node_rank;
 	enum embd_comm_backend backend;
 	int collective_timeout_ms;

@@ -102,6 +102,8 @@ static int resolve_env(struct embd_config *c, struct embd_rendezvous *r, char *e
 	from_config.local_world_size = c->topology.local_world_size;
 	from_config.node_rank = (int32_t)c->node_rank;
 	from_config.backend = c->backend;
+	snprintf(from_config.gloo_ifname, sizeof(from_config.gloo_ifname), "%s", c->gloo_ifname);
+	snprintf(from_config.comm_addr, sizeof(from_config.comm_addr), "%s", c->comm_addr);
 	rc = embd_rendezvous_resolve(&from_config, r, err, err_len);
 	if (rc)
 		return rc;
@@ -136,9 +138,17 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 				  c->store_timeout_ms, plan, inner, sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
+	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX] = "";
+	const char *how = NULL;
+	if (c->backend == EMBD_COMM_GLOO) {
+		if ((rc = embd_rendezvous_comm_addr(r, addr, sizeof(addr), &how, inner,
+						    sizeof(inner))))
+			return snprintf(err, err_len, "comm: %s", inner), rc;
+		embd_log_info("gloo: node %u listens on %s (%s)", c->node_rank, addr, how);
+	}
 	struct embd_comm_options o = {
 		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
-		.timeout_ms = c->collective_timeout_ms, .hostname = "", .prefix = "embd/gloo/0/",
+		.timeout_ms = c->collective_timeout_ms, .hostname = addr, .prefix = "embd/gloo/0/",
 	};
 	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
 	if (rc)

@@ -6,10 +6,17 @@
  * Each field remembers where its value came from, so a message about two fields that do not
  * fit together says which one the operator should look at: the environment or the config.
  */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "embd/types.h"
 #include "service/rendezvous.h"
@@ -84,6 +91,20 @@ int embd_rendezvous_resolve(const struct embd_rendezvous *config, struct embd_re
 	if (env_node)
 		out->node_rank = (int32_t)v;
 
+	const char *ifname = getenv("GLOO_SOCKET_IFNAME");
+	if (ifname && *ifname) {
+		/* torch opens one Gloo device per name of a list; embd runs one per node */
+		if (strlen(ifname) >= sizeof(out->gloo_ifname) || strchr(ifname, ',')) {
+			snprintf(err, err_len, "GLOO_SOCKET_IFNAME=\"%.64s\" (environment): expected "
+				 "one interface name of 1..%zu bytes", ifname,
+				 sizeof(out->gloo_ifname) - 1);
+			return EMBD_EINVAL;
+		}
+		strcpy(out->gloo_ifname, ifname);
+		out->ifname_from_env = true;
+		out->comm_addr[0] = 0;
+	}
+
 	/* the config's own values: env_int already bounded the environment's */
 	if (!out->master_addr[0]) {
 		snprintf(err, err_len, "master_addr (config): empty");
@@ -127,6 +148,154 @@ int embd_rendezvous_resolve(const struct embd_rendezvous *config, struct embd_re
 		return EMBD_EINVAL;
 	}
 	return 0;
+}
+
+/* "GLOO_SOCKET_IFNAME=x (environment)" or "gloo_ifname \"x\" (config)", for messages. */
+static const char *ifname_origin(const struct embd_rendezvous *r, char *buf, size_t len)
+{
+	snprintf(buf, len, r->ifname_from_env ? "GLOO_SOCKET_IFNAME=%s (environment)" :
+		 "gloo_ifname \"%s\" (config)", r->gloo_ifname);
+	return buf;
+}
+
+/* Numeric text of the address at sa. */
+static int addr_text(const struct sockaddr *sa, char *out, size_t out_len)
+{
+	const void *a = sa->sa_family == AF_INET ?
+		(const void *)&((const struct sockaddr_in *)sa)->sin_addr :
+		(const void *)&((const struct sockaddr_in6 *)sa)->sin6_addr;
+	return inet_ntop(sa->sa_family, a, out, (socklen_t)out_len) ? 0 : EMBD_EINVAL;
+}
+
+/* The interface's first IPv4 address, else its first IPv6 one that is not link-local (a
+ * link-local address needs a scope that Gloo's address exchange does not carry). */
+static int interface_addr(const struct embd_rendezvous *r, char *out, size_t out_len,
+			  char *err, size_t err_len)
+{
+	const struct sockaddr *best = NULL;
+	struct ifaddrs *all = NULL;
+	char what[96];
+	int rc = 0;
+
+	if (!if_nametoindex(r->gloo_ifname)) {
+		snprintf(err, err_len, "%s: no such network interface",
+			 ifname_origin(r, what, sizeof(what)));
+		return EMBD_EINVAL;
+	}
+	if (getifaddrs(&all)) {
+		snprintf(err, err_len, "%s: getifaddrs: %s", ifname_origin(r, what, sizeof(what)),
+			 strerror(errno));
+		return EMBD_EIO;
+	}
+	for (const struct ifaddrs *i = all; i; i = i->ifa_next) {
+		const struct sockaddr *sa = i->ifa_addr;
+		if (!sa || strcmp(i->ifa_name, r->gloo_ifname))
+			continue;
+		if (sa->sa_family == AF_INET) {
+			best = sa;
+			break;
+		}
+		if (sa->sa_family == AF_INET6 && !best &&
+		    !IN6_IS_ADDR_LINKLOCAL(&((const struct sockaddr_in6 *)sa)->sin6_addr))
+			best = sa;
+	}
+	if (!best) {
+		snprintf(err, err_len, "%s: the interface has no IPv4 or IPv6 address",
+			 ifname_origin(r, what, sizeof(what)));
+		rc = EMBD_EINVAL;
+	} else {
+		rc = addr_text(best, out, out_len);
+	}
+	freeifaddrs(all);
+	return rc;
+}
+
+/* comm_addr, once a socket could bind to it: an address of this host. */
+static int own_addr(const struct embd_rendezvous *r, char *out, size_t out_len, char *err,
+		    size_t err_len)
+{
+	struct sockaddr_storage ss = { 0 };
+	struct sockaddr_in *in = (struct sockaddr_in *)&ss;
+	struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&ss;
+	socklen_t len = sizeof(*in);
+	int fd = -1, rc = 0;
+
+	if (inet_pton(AF_INET, r->comm_addr, &in->sin_addr) == 1) {
+		in->sin_family = AF_INET;
+	} else if (inet_pton(AF_INET6, r->comm_addr, &in6->sin6_addr) == 1) {
+		in6->sin6_family = AF_INET6;
+		len = sizeof(*in6);
+	} else {
+		snprintf(err, err_len, "comm_addr \"%s\" (config): not a numeric IPv4 or IPv6 "
+			 "address", r->comm_addr);
+		return EMBD_EINVAL;
+	}
+	fd = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0 || bind(fd, (struct sockaddr *)&ss, len)) {
+		snprintf(err, err_len, "comm_addr \"%s\" (config): not an address of this host "
+			 "(%s)", r->comm_addr, strerror(errno));
+		rc = EMBD_EINVAL;
+		goto out;
+	}
+	rc = addr_text((struct sockaddr *)&ss, out, out_len);
+out:
+	if (fd >= 0)
+		close(fd);
+	return rc;
+}
+
+/* The source address the kernel picks for master_addr:master_port. connect() on a UDP socket
+ * only looks the route up; no packet leaves. */
+static int route_addr(const struct embd_rendezvous *r, char *out, size_t out_len, char *err,
+		      size_t err_len)
+{
+	struct addrinfo hints = { .ai_socktype = SOCK_DGRAM }, *res = NULL;
+	char port[8];
+	int rc, saved = 0;
+
+	snprintf(port, sizeof(port), "%u", r->master_port);
+	if ((rc = getaddrinfo(r->master_addr, port, &hints, &res))) {
+		snprintf(err, err_len, "master_addr \"%.64s\": cannot resolve it to choose the "
+			 "local address for gloo (%s); set GLOO_SOCKET_IFNAME or comm_addr",
+			 r->master_addr, gai_strerror(rc));
+		return EMBD_EIO;
+	}
+	rc = EMBD_EIO;
+	for (const struct addrinfo *a = res; a && rc; a = a->ai_next) {
+		struct sockaddr_storage ss;
+		socklen_t len = sizeof(ss);
+		int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+		if (fd < 0 || connect(fd, a->ai_addr, a->ai_addrlen) ||
+		    getsockname(fd, (struct sockaddr *)&ss, &len))
+			saved = errno;
+		else
+			rc = addr_text((struct sockaddr *)&ss, out, out_len);
+		if (fd >= 0)
+			close(fd);
+	}
+	freeaddrinfo(res);
+	if (rc)
+		snprintf(err, err_len, "master_addr \"%.64s\": no route to it to choose the local "
+			 "address for gloo (%s); set GLOO_SOCKET_IFNAME or comm_addr",
+			 r->master_addr, strerror(saved));
+	return rc;
+}
+
+int embd_rendezvous_comm_addr(const struct embd_rendezvous *r, char *out, size_t out_len,
+			      const char **how, char *err, size_t err_len)
+{
+	if (err_len)
+		err[0] = '\0';
+	if (r->gloo_ifname[0]) {
+		*how = r->ifname_from_env ? "interface GLOO_SOCKET_IFNAME" : "interface gloo_ifname";
+		return interface_addr(r, out, out_len, err, err_len);
+	}
+	if (r->comm_addr[0]) {
+		*how = "comm_addr";
+		return own_addr(r, out, out_len, err, err_len);
+	}
+	*how = "the route to master_addr";
+	return route_addr(r, out, out_len, err, err_len);
 }
 
 int32_t embd_rendezvous_num_nodes(const struct embd_rendezvous *r)

@@ -20,6 +20,7 @@
 #ifndef EMBD_SERVICE_RENDEZVOUS_H
 #define EMBD_SERVICE_RENDEZVOUS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -30,6 +31,8 @@ struct embd_store;
 struct embd_store_server;
 
 #define EMBD_RENDEZVOUS_ADDR_MAX 256            /* bytes of master_addr, NUL included */
+#define EMBD_RENDEZVOUS_IFNAME_MAX 16           /* IFNAMSIZ: an interface name, NUL included */
+#define EMBD_RENDEZVOUS_COMM_ADDR_MAX 64        /* a numeric IPv4 or IPv6 address, NUL included */
 #define EMBD_RENDEZVOUS_DEFAULT_PORT 29500      /* torch.distributed's MASTER_PORT default */
 /* Version of the join records and store keys of collective_plan; peers must agree. */
 #define EMBD_RENDEZVOUS_PROTOCOL 1
@@ -41,14 +44,20 @@ struct embd_rendezvous {
 	int32_t local_world_size;                       /* ranks per node (0 = world_size) */
 	int32_t node_rank;                              /* this node, 0..nodes-1 */
 	enum embd_comm_backend backend;                 /* gloo or nccl, as every node must */
+	/* where this node's Gloo device listens (embd_rendezvous_comm_addr); "" = not given */
+	char gloo_ifname[EMBD_RENDEZVOUS_IFNAME_MAX];   /* GLOO_SOCKET_IFNAME or the config's */
+	bool ifname_from_env;
+	char comm_addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX];  /* the config's comm_addr */
 };
 
 /* torch's defaults: 127.0.0.1:29500, one node of one rank, gloo. */
 void embd_rendezvous_defaults(struct embd_rendezvous *r);
 
 /*
- * *out = *config, then each of MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_WORLD_SIZE and
- * NODE_RANK that is set in the environment replaces its field, then the whole is checked:
+ * *out = *config, then each of MASTER_ADDR, MASTER_PORT, WORLD_SIZE, LOCAL_WORLD_SIZE,
+ * NODE_RANK and GLOO_SOCKET_IFNAME (gloo_ifname; it also sets comm_addr aside, as torch's
+ * variable wins over everything) that is set and not empty in the environment replaces its
+ * field, then the whole is checked:
  * world_size >= 1, local_world_size divides it, node_rank < world_size / local_world_size.
  * EMBD_EINVAL names the variable (and its value) that is malformed or out of range, or the
  * fields that disagree and where each came from ("WORLD_SIZE=6 (environment) is not a
@@ -56,6 +65,24 @@ void embd_rendezvous_defaults(struct embd_rendezvous *r);
  */
 int embd_rendezvous_resolve(const struct embd_rendezvous *config, struct embd_rendezvous *out,
 			    char *err, size_t err_len);
+
+/*
+ * The address this node's Gloo device listens on and advertises to its peers, as numeric
+ * text in out[out_len] (EMBD_RENDEZVOUS_COMM_ADDR_MAX is enough), and in *how a few words on
+ * where it came from, for the log. In order:
+ *   gloo_ifname (GLOO_SOCKET_IFNAME or the config key)  that interface's first IPv4 address,
+ *                                 else its first IPv6 address that is not link-local;
+ *   comm_addr (config)           that address, which must belong to this host;
+ *   neither                      the local address of the route to master_addr:master_port
+ *                                (a UDP socket connected there, read back with getsockname:
+ *                                nothing is sent), so 127.0.0.1 on a loopback cluster and the
+ *                                outward address of each host on a real one.
+ * EMBD_EINVAL names the variable or key and its value (no such interface, an interface
+ * without an address, an address not of this host); EMBD_EIO names master_addr when it does
+ * not resolve or there is no route to it.
+ */
+int embd_rendezvous_comm_addr(const struct embd_rendezvous *r, char *out, size_t out_len,
+			      const char **how, char *err, size_t err_len);
 
 /* world_size / local_world_size. */
 int32_t embd_rendezvous_num_nodes(const struct embd_rendezvous *r);

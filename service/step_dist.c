@@ -28,32 +28,8 @@
 #include "service/comm.h"
 #include "service/log.h"
 #include "service/step_priv.h"
+#include "service/step_wire.h"
 #include "service/store.h"
-
-#define WIRE_MAGIC 0x31504554534d4245ull        /* "EMBSTEP1" */
-#define MAX_MESSAGE_BYTES (1ull << 36)
-
-/* The head of every message between two nodes (152 bytes, a multiple of 8). */
-struct wire_head {
-	uint64_t magic;
-	uint64_t seq;                           /* forwards run by the sender's engine */
-	int64_t status;                         /* 0, or why the sender fails the step */
-	uint64_t bytes;                         /* HELLO: bytes of the INPUT message to follow */
-	uint64_t out_bytes;                     /* HELLO: bytes of OUTPUT the sender expects back */
-	uint64_t grad_bytes;                    /* HELLO: bytes of GRADS the sender will send */
-	uint64_t accepted_mask;                 /* HELLO: the sender's accepted batches */
-	char why[96];
-};
-
-/* One staged item on the wire, followed by int64 offsets[B + 1], int64 ids[num_ids], float
- * weights[num_ids] (WIRE_WEIGHTED) and int32 lengths[B] (WIRE_LENGTHS), each padded to 8. */
-struct wire_item {
-	uint32_t gtrainer, feature, shard, flags;
-	uint64_t num_ids;
-};
-#define WIRE_WEIGHTED 1u
-#define WIRE_LENGTHS 2u
-#define WIRE_FORWARD 4u
 
 /* What this node received: one record per wire item, in arrival order. */
 struct wire_rx {
@@ -81,11 +57,6 @@ struct step_dist {
 	char broken_msg[256];
 	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* of the last step, sent to others */
 };
-
-static uint64_t pad8(uint64_t n)
-{
-	return (n + 7) & ~7ull;
-}
 
 int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluster, char *err,
 		     size_t err_len)
@@ -273,18 +244,15 @@ static int check_heads(struct embd_step *s, const struct vec *recv, struct wire_
 	struct step_dist *d = s->dist;
 
 	for (uint32_t p = 0; p < d->nodes; p++) {
-		if (d->rbytes[p] < sizeof(struct wire_head))
-			return step_fail(s, EMBD_EPROTO, "node %u sent %" PRIu64 " bytes, less than a "
-					 "head", p, d->rbytes[p]);
-		memcpy(&heads[p], (const uint8_t *)recv->p + d->roff[p], sizeof(heads[p]));
-		heads[p].why[sizeof(heads[p].why) - 1] = 0;
-		if (heads[p].magic != WIRE_MAGIC || heads[p].seq != d->seq) {
+		char err[256];
+		int rc = step_wire_head(p, (const uint8_t *)recv->p + d->roff[p], d->rbytes[p], d->seq,
+					s->node, &heads[p], err, sizeof(err));
+		if (rc == EMBD_EMISMATCH) {
 			d->broken = true;
-			snprintf(d->broken_msg, sizeof(d->broken_msg), "node %u is at step exchange "
-				 "%" PRIu64 " (magic %016" PRIx64 "), node %u at %" PRIu64, p,
-				 heads[p].seq, heads[p].magic, s->node, d->seq);
-			return step_fail(s, EMBD_EMISMATCH, "%s", d->broken_msg);
+			snprintf(d->broken_msg, sizeof(d->broken_msg), "%s", err);
 		}
+		if (rc)
+			return step_fail(s, rc, "%s", err);
 	}
 	for (uint32_t p = 0; p < d->nodes; p++)
 		if (heads[p].status)
@@ -298,7 +266,7 @@ static int check_heads(struct embd_step *s, const struct vec *recv, struct wire_
 static uint64_t item_wire_bytes(const struct step_item *it, uint32_t B, bool lengths)
 {
 	return sizeof(struct wire_item) + (B + 1ull) * 8 + it->num_ids * 8 +
-	       (it->weighted ? pad8(it->num_ids * 4) : 0) + (lengths ? pad8(B * 4ull) : 0);
+	       (it->weighted ? wire_pad8(it->num_ids * 4) : 0) + (lengths ? wire_pad8(B * 4ull) : 0);
 }
 
 /* Bytes of the pooled blocks of the items staged for node m (forward ones only, or all):
@@ -338,14 +306,14 @@ static void pack_items(const struct embd_step *s, uint32_t m, uint8_t *out)
 		memcpy(out, VEC_AT(io->ids, int64_t, it->ids_at), it->num_ids * 8);
 		out += it->num_ids * 8;
 		if (it->weighted) {
-			memset(out, 0, pad8(it->num_ids * 4));
+			memset(out, 0, wire_pad8(it->num_ids * 4));
 			memcpy(out, VEC_AT(io->weights, float, it->ids_at), it->num_ids * 4);
-			out += pad8(it->num_ids * 4);
+			out += wire_pad8(it->num_ids * 4);
 		}
 		if (lengths) {
-			memset(out, 0, pad8(B * 4ull));
+			memset(out, 0, wire_pad8(B * 4ull));
 			memcpy(out, VEC_AT(io->lengths, int32_t, it->lengths_at), B * 4ull);
-			out += pad8(B * 4ull);
+			out += wire_pad8(B * 4ull);
 		}
 	}
 }
@@ -373,95 +341,51 @@ static int add_rx_item(struct embd_step *s, uint32_t shard, const struct step_it
 	return 0;
 }
 
-/* Checks the INPUT message of peer p (len bytes at buf) and turns it into local items.
- * err gets what was wrong, naming the node and the item. */
-static int unpack_peer(struct embd_step *s, uint32_t p, const uint8_t *buf, uint64_t len,
-		       char *err, size_t err_len)
+/* step_wire_input's walk over one peer's INPUT message: grad_at, bytes into its GRADS. */
+struct unpack {
+	struct embd_step *s;
+	uint64_t grad_at;
+};
+
+/* One checked item of peer p's INPUT message onto local items (step_wire_item_fn). */
+static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wire_item *w)
 {
+	struct unpack *u = arg;
+	struct embd_step *s = u->s;
 	struct step_dist *d = s->dist;
 	const uint32_t B = s->layout.batch_size;
-	uint64_t at = 0, grad_at = 0, seq = 0;
+	const struct step_shard *ss = &s->shards[w->shard];
+	const struct step_table *t = &s->tables[ss->table];
+	const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
+	uint64_t rx_at, partial_at = NO_INDEX;
 	int rc;
 
-	for (; at < len; seq++) {
-		struct wire_item w;
-		if (len - at < sizeof(w))
-			goto bad_size;
-		memcpy(&w, buf + at, sizeof(w));
-		at += sizeof(w);
-		if (w.shard >= s->num_shards || s->shards[w.shard].node != s->node ||
-		    w.feature >= s->layout.num_features ||
-		    s->feature_tables[w.feature] != s->shards[w.shard].table ||
-		    (w.gtrainer >> 16) != p) {
-			snprintf(err, err_len, "from node %u, item %" PRIu64 ": shard %u, feature %u, "
-				 "trainer %u are not this node's or do not match", p, seq, w.shard,
-				 w.feature, w.gtrainer);
-			return EMBD_EPROTO;
-		}
-		const struct step_shard *ss = &s->shards[w.shard];
-		const struct step_table *t = &s->tables[ss->table];
-		const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
-		const bool lengths = row_split(t->type) && t->spec->pooling == EMBD_POOLING_MEAN;
-		const bool weighted = w.flags & WIRE_WEIGHTED;
-		if (!!(w.flags & WIRE_FORWARD) != !dp || !!(w.flags & WIRE_LENGTHS) != lengths ||
-		    (w.flags & ~7u)) {
-			snprintf(err, err_len, "from node %u, item %" PRIu64 ": flags %#x do not fit "
-				 "table %u", p, seq, w.flags, ss->table);
-			return EMBD_EPROTO;
-		}
-		if (w.num_ids > (len - at) / 8)
-			goto bad_size;
-		struct step_item proto = {
-			.shard = w.shard, .feature = w.feature, .batch = NO_BATCH,
-			.gtrainer = w.gtrainer, .weighted = weighted, .num_ids = w.num_ids,
-			.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = p, .rx = d->rx.len,
-		};
-		uint64_t need = (B + 1ull) * 8 + w.num_ids * 8 + (weighted ? pad8(w.num_ids * 4) : 0) +
-				(lengths ? pad8(B * 4ull) : 0);
-		if (need > len - at)
-			goto bad_size;
-		/* the buffer is 8-aligned and every part a multiple of 8 bytes */
-		proto.r_offsets = (const int64_t *)(buf + at);
-		proto.r_ids = proto.r_offsets + B + 1;
-		proto.r_weights = weighted ? (const float *)(proto.r_ids + w.num_ids) : NULL;
-		proto.r_lengths = lengths ? (const int32_t *)(buf + at + need - pad8(B * 4ull)) : NULL;
-		at += need;
-		if (proto.r_offsets[0] != 0 || proto.r_offsets[B] != (int64_t)w.num_ids) {
-			snprintf(err, err_len, "from node %u, item %" PRIu64 ": offsets [%lld .. %lld] "
-				 "for %" PRIu64 " ids", p, seq, (long long)proto.r_offsets[0],
-				 (long long)proto.r_offsets[B], w.num_ids);
-			return EMBD_EPROTO;
-		}
-		for (uint32_t b = 0; b < B; b++)
-			if (proto.r_offsets[b + 1] < proto.r_offsets[b]) {
-				snprintf(err, err_len, "from node %u, item %" PRIu64 ": offsets decrease "
-					 "at bag %u", p, seq, b);
-				return EMBD_EPROTO;
-			}
-		uint64_t rx_at, partial_at = NO_INDEX;
-		if ((rc = vec_take(&d->rx, 1, sizeof(struct wire_rx), &rx_at)))
+	(void)seq;
+	struct step_item proto = {
+		.shard = w->shard, .feature = w->feature, .batch = NO_BATCH,
+		.gtrainer = w->gtrainer, .weighted = w->weighted, .num_ids = w->num_ids,
+		.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = p, .rx = d->rx.len,
+		.r_offsets = w->offsets, .r_ids = w->ids, .r_weights = w->weights,
+		.r_lengths = w->lengths,
+	};
+	if ((rc = vec_take(&d->rx, 1, sizeof(struct wire_rx), &rx_at)))
+		return rc;
+	/* no output until the lookup wrote it (out_at set below) */
+	*VEC_AT(d->rx, struct wire_rx, rx_at) = (struct wire_rx){
+		.peer = p, .rank = ss->local, .cols = ss->desc.cols, .forward = false,
+		.out_at = NO_INDEX, .grad_at = u->grad_at,
+	};
+	u->grad_at += (uint64_t)B * ss->desc.cols * 4;
+	/* data_parallel: every replica of this node trains on it, none looks it up */
+	for (uint32_t k = 0; k < t->num_shards; k++) {
+		const struct step_shard *rs = &s->shards[t->first_shard + k];
+		if ((dp ? rs->node == s->node : t->first_shard + k == w->shard) &&
+		    (rc = add_rx_item(s, t->first_shard + k, &proto, !dp, &partial_at)))
 			return rc;
-		/* no output until the lookup wrote it (out_at set below) */
-		*VEC_AT(d->rx, struct wire_rx, rx_at) = (struct wire_rx){
-			.peer = p, .rank = ss->local, .cols = ss->desc.cols, .forward = false,
-			.out_at = NO_INDEX, .grad_at = grad_at,
-		};
-		grad_at += (uint64_t)B * ss->desc.cols * 4;
-		/* data_parallel: every replica of this node trains on it, none looks it up */
-		for (uint32_t k = 0; k < t->num_shards; k++) {
-			const struct step_shard *rs = &s->shards[t->first_shard + k];
-			if ((dp ? rs->node == s->node : t->first_shard + k == w.shard) &&
-			    (rc = add_rx_item(s, t->first_shard + k, &proto, !dp, &partial_at)))
-				return rc;
-		}
-		VEC_AT(d->rx, struct wire_rx, rx_at)->forward = !dp;
-		VEC_AT(d->rx, struct wire_rx, rx_at)->out_at = partial_at;
 	}
+	VEC_AT(d->rx, struct wire_rx, rx_at)->forward = !dp;
+	VEC_AT(d->rx, struct wire_rx, rx_at)->out_at = partial_at;
 	return 0;
-bad_size:
-	snprintf(err, err_len, "from node %u: input message of %" PRIu64 " bytes ends inside item "
-		 "%" PRIu64, p, len, seq);
-	return EMBD_EPROTO;
 }
 
 int step_dist_input(struct embd_step *s)
@@ -510,13 +434,9 @@ int step_dist_input(struct embd_step *s)
 	for (uint32_t p = 0; p < N; p++) {
 		s->cluster_accepted += (uint32_t)__builtin_popcountll(heads[p].accepted_mask);
 		/* sizes a sane peer of this version can send; anything else is a broken peer */
-		if (heads[p].bytes > MAX_MESSAGE_BYTES || heads[p].out_bytes > MAX_MESSAGE_BYTES ||
-		    heads[p].grad_bytes > MAX_MESSAGE_BYTES) {
+		if ((rc = step_wire_hello(p, &heads[p], d->broken_msg, sizeof(d->broken_msg)))) {
 			d->broken = true;
-			snprintf(d->broken_msg, sizeof(d->broken_msg), "node %u announced messages of "
-				 "%" PRIu64 "/%" PRIu64 "/%" PRIu64 " bytes", p, heads[p].bytes,
-				 heads[p].out_bytes, heads[p].grad_bytes);
-			return step_fail(s, EMBD_EPROTO, "%s", d->broken_msg);
+			return step_fail(s, rc, "%s", d->broken_msg);
 		}
 		d->out_expect[p] = p == s->node ? 0 : heads[p].out_bytes;
 		d->grad_expect[p] = p == s->node ? 0 : heads[p].grad_bytes;
@@ -538,18 +458,12 @@ int step_dist_input(struct embd_step *s)
 	d->why[0] = 0;
 	for (uint32_t p = 0; p < N; p++) {
 		d->rx_first[p] = d->rx.len;
-		if (!d->local_status)
-			d->local_status = unpack_peer(s, p, (const uint8_t *)d->in.p + d->roff[p],
-						      d->rbytes[p], d->why, sizeof(d->why));
+		struct unpack u = { .s = s };
 		/* the gradients p announced must be exactly those of the items it sent */
-		uint64_t grads = 0;
-		for (uint64_t j = d->rx_first[p]; j < d->rx.len; j++)
-			grads += (uint64_t)B * VEC_AT(d->rx, struct wire_rx, j)->cols * 4;
-		if (!d->local_status && grads != d->grad_expect[p]) {
-			d->local_status = EMBD_EPROTO;
-			snprintf(d->why, sizeof(d->why), "node %u announced %" PRIu64 " gradient bytes "
-				 "for items of %" PRIu64, p, d->grad_expect[p], grads);
-		}
+		if (!d->local_status)
+			d->local_status = step_wire_input(s, p, (const uint8_t *)d->in.p + d->roff[p],
+							  d->rbytes[p], d->grad_expect[p], unpack_item,
+							  &u, d->why, sizeof(d->why));
 	}
 	d->rx_first[N] = d->rx.len;
 	return 0;

@@ -7,6 +7,7 @@ packages=(
   build-essential cmake pkg-config clang libclang-rt-14-dev
   liburing-dev libnuma-dev libcriterion-dev libgloo-dev libcjson-dev libsystemd-dev
   python3 python3-numpy
+  iproute2
 )
 
 missing=()

@@ -37,19 +37,9 @@ static uint64_t now_ms(void)
 
 static void train_and_check(uint32_t N, const char *sharding)
 {
-	char what[64];
-	const char *sockets[MAX_NODES];
-
-	start_cluster(N, sharding);
-	struct shared *sh = shared_map();
-	for (uint32_t n = 0; n < N; n++)
-		sockets[n] = nodes[n].socket;
-	run_trainers(sh, N * RANKS, sockets, RANKS);
-	snprintf(what, sizeof(what), "%u nodes, %s", N, sharding);
-	check_against_reference(sh, N * RANKS, what);
+	train_cluster(N, sharding, "");
 	for (uint32_t n = 0; n < N; n++)
 		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run after training", n);
-	munmap(sh, sizeof(*sh));
 }
 
 Test(dist, two_nodes_table_wise) { train_and_check(2, "table_wise"); }

@@ -301,6 +301,10 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 
 /* Runs trainers 0..n-1 as processes, trainer g on sockets[g / per_socket] with index
  * g % per_socket, and asserts that each finished its K steps. */
+/* Runs in each trainer process of run_trainers before it connects, with the index of its
+ * socket (its node), or NULL: e.g. to enter the node's network namespace. */
+static void (*trainer_setup)(uint32_t socket_index);
+
 static void run_trainers(struct shared *sh, uint32_t n, const char *const *sockets,
 			 uint32_t per_socket)
 {
@@ -310,6 +314,8 @@ static void run_trainers(struct shared *sh, uint32_t n, const char *const *socke
 		sh->rc[g] = 1;  /* "did not report" */
 		kids[g] = fork_child();
 		if (kids[g] == 0) {
+			if (trainer_setup)
+				trainer_setup(g / per_socket);
 			sh->rc[g] = trainer_run(sh, sockets[g / per_socket], g % per_socket, g);
 			_exit(0);
 		}

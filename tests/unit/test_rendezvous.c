@@ -1,6 +1,8 @@
 /*
  * Tests for service/rendezvous.h: env:// (the environment overrides the config, a bad value
- * is refused naming its variable, inconsistent sizes name where each came from) and
+ * is refused naming its variable, inconsistent sizes name where each came from), the address
+ * of this node's Gloo device (the route to master_addr by default, GLOO_SOCKET_IFNAME or
+ * gloo_ifname, comm_addr; bad ones refused naming the variable or key) and
  * collective_plan over forked nodes: agreeing nodes end with the same plan and hash; a node
  * with another table, world size or protocol, or a plan built for another topology, is
  * refused with a message naming the field, on both sides; a missing node is a timeout naming
@@ -21,7 +23,7 @@
 /* ---- env:// ---------------------------------------------------------------------------- */
 
 static const char *const env_names[] = { "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
-					 "LOCAL_WORLD_SIZE", "NODE_RANK" };
+					 "LOCAL_WORLD_SIZE", "NODE_RANK", "GLOO_SOCKET_IFNAME" };
 
 static void clear_env(void)
 {
@@ -117,6 +119,97 @@ Test(rendezvous_env, bad_values_are_named)
 	expect_refused("WORLD_SIZE", "6", "WORLD_SIZE 6 (environment) is not a multiple of "
 			"local_world_size 4 (config)");
 	expect_refused("NODE_RANK", "2", "NODE_RANK 2 (environment) is not below the 2 nodes");
+}
+
+/* ---- the address of this node's Gloo device -------------------------------------------- */
+
+/* The resolved config of a node whose master is at master, with gloo_ifname / comm_addr. */
+static struct embd_rendezvous comm_config(const char *master, const char *ifname,
+					  const char *addr)
+{
+	struct embd_rendezvous c, r;
+	char err[256];
+
+	embd_rendezvous_defaults(&c);
+	strcpy(c.master_addr, master);
+	strcpy(c.gloo_ifname, ifname);
+	strcpy(c.comm_addr, addr);
+	cr_assert_eq(embd_rendezvous_resolve(&c, &r, err, sizeof(err)), 0, "%s", err);
+	return r;
+}
+
+static int comm_addr(const struct embd_rendezvous *r, char *out, char *err, size_t err_len)
+{
+	const char *how = NULL;
+	int rc = embd_rendezvous_comm_addr(r, out, EMBD_RENDEZVOUS_COMM_ADDR_MAX, &how, err,
+					   err_len);
+	cr_assert_not_null(how, "how the address was chosen is always said");
+	return rc;
+}
+
+Test(comm_addr, default_is_the_route_to_master_addr, .init = clear_env)
+{
+	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX], err[256];
+	struct embd_rendezvous r = comm_config("127.0.0.1", "", "");
+
+	cr_assert_eq(comm_addr(&r, addr, err, sizeof(err)), 0, "%s", err);
+	cr_expect_str_eq(addr, "127.0.0.1", "a loopback master: a loopback cluster, got %s", addr);
+	r = comm_config("::1", "", "");
+	if (comm_addr(&r, addr, err, sizeof(err)) == 0)   /* hosts without IPv6 refuse it */
+		cr_expect_str_eq(addr, "::1");
+}
+
+Test(comm_addr, interface_from_config_or_environment, .init = clear_env)
+{
+	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX], err[256];
+	struct embd_rendezvous r = comm_config("192.0.2.1", "lo", "");
+
+	cr_assert_eq(comm_addr(&r, addr, err, sizeof(err)), 0, "%s", err);
+	cr_expect_str_eq(addr, "127.0.0.1", "gloo_ifname lo: expected 127.0.0.1, got %s", addr);
+	setenv("GLOO_SOCKET_IFNAME", "lo", 1);
+	r = comm_config("192.0.2.1", "no-such-if0", "10.9.9.9");
+	cr_expect(r.ifname_from_env);
+	cr_expect_str_eq(r.comm_addr, "", "GLOO_SOCKET_IFNAME wins over comm_addr");
+	cr_assert_eq(comm_addr(&r, addr, err, sizeof(err)), 0, "%s", err);
+	cr_expect_str_eq(addr, "127.0.0.1");
+}
+
+Test(comm_addr, missing_interface_is_named, .init = clear_env)
+{
+	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX], err[256];
+	struct embd_rendezvous r = comm_config("127.0.0.1", "no-such-if0", "");
+
+	cr_expect_eq(comm_addr(&r, addr, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "gloo_ifname \"no-such-if0\" (config): no such") != NULL, "got '%s'",
+		  err);
+	setenv("GLOO_SOCKET_IFNAME", "no-such-if1", 1);
+	r = comm_config("127.0.0.1", "", "");
+	cr_expect_eq(comm_addr(&r, addr, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "GLOO_SOCKET_IFNAME=no-such-if1 (environment)") != NULL, "got '%s'",
+		  err);
+}
+
+Test(comm_addr, interface_lists_are_refused, .init = clear_env)
+{
+	expect_refused("GLOO_SOCKET_IFNAME", "eth0,eth1", "GLOO_SOCKET_IFNAME=\"eth0,eth1\"");
+	expect_refused("GLOO_SOCKET_IFNAME", "a-name-of-16-byte", "GLOO_SOCKET_IFNAME");
+}
+
+Test(comm_addr, comm_addr_must_be_this_hosts, .init = clear_env)
+{
+	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX], err[256];
+	struct embd_rendezvous r = comm_config("192.0.2.1", "", "127.0.0.1");
+
+	cr_assert_eq(comm_addr(&r, addr, err, sizeof(err)), 0, "%s", err);
+	cr_expect_str_eq(addr, "127.0.0.1");
+	/* TEST-NET-1: documentation only, never an address of this host */
+	r = comm_config("127.0.0.1", "", "192.0.2.77");
+	cr_expect_eq(comm_addr(&r, addr, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "comm_addr \"192.0.2.77\" (config): not an address of this host") !=
+		  NULL, "got '%s'", err);
+	r = comm_config("127.0.0.1", "", "not-an-address");
+	cr_expect_eq(comm_addr(&r, addr, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "comm_addr") != NULL, "got '%s'", err);
 }
 
 /* ---- collective_plan ------------------------------------------------------------------- */

@@ -130,6 +130,13 @@ Test(config, errors_name_the_key)
 		{ "{ \"master_port\": 70000 }", "master_port" },
 		{ "{ \"master_port\": 0 }", "master_port" },
 		{ "{ \"master_addr\": \"\" }", "master_addr" },
+		{ "{ \"gloo_ifname\": \"\" }", "gloo_ifname" },
+		{ "{ \"gloo_ifname\": \"eth0,eth1\" }", "gloo_ifname" },
+		{ "{ \"gloo_ifname\": \"a-name-of-16-byte\" }", "gloo_ifname" },
+		{ "{ \"gloo_ifname\": 0 }", "gloo_ifname" },
+		{ "{ \"comm_addr\": \"node1.example\" }", "comm_addr" },
+		{ "{ \"comm_addr\": \"10.0.0.256\" }", "comm_addr" },
+		{ "{ \"comm_addr\": \"10.0.0.1\", \"gloo_ifname\": \"eth0\" }", "comm_addr" },
 		{ "{ \"collective_timeout_ms\": 0 }", "collective_timeout_ms" },
 		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
 		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" } }", "topology" },
@@ -160,7 +167,7 @@ Test(config, cluster_keys)
 	const char *text = "{ \"topology\": { \"world_size\": 6, \"local_world_size\": 2, "
 			   "\"compute_device\": \"cpu\" }, \"master_addr\": \"10.0.0.1\", "
 			   "\"master_port\": 29511, \"node_rank\": 2, \"backend\": \"gloo\", "
-			   "\"collective_timeout_ms\": 1500 }";
+			   "\"collective_timeout_ms\": 1500, \"gloo_ifname\": \"eth1\" }";
 	int rc = parse(text, &c, err, sizeof(err));
 	cr_assert_eq(rc, 0, "expected 0, got %d (%s)", rc, err);
 	cr_expect_eq(embd_config_nodes(&c), 3u, "nodes: expected 3, got %u", embd_config_nodes(&c));
@@ -169,6 +176,8 @@ Test(config, cluster_keys)
 	cr_expect_eq(c.node_rank, 2u);
 	cr_expect_eq(c.backend, EMBD_COMM_GLOO);
 	cr_expect_eq(c.collective_timeout_ms, 1500);
+	cr_expect_str_eq(c.gloo_ifname, "eth1");
+	cr_expect_str_eq(c.comm_addr, "");
 	cr_expect_eq(c.store_timeout_ms, 1500, "store_timeout_ms 0 means collective_timeout_ms, "
 		     "got %d", c.store_timeout_ms);
 	embd_config_free(&c);
@@ -177,6 +186,11 @@ Test(config, cluster_keys)
 	cr_expect_str_eq(c.master_addr, "127.0.0.1");
 	cr_expect_eq(c.master_port, 29500);
 	cr_expect_eq(embd_config_nodes(&c), 1u);
+	cr_expect_str_eq(c.gloo_ifname, "", "gloo_ifname: none by default");
+	embd_config_free(&c);
+	rc = parse("{ \"comm_addr\": \"fd00::2\" }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s", err);
+	cr_expect_str_eq(c.comm_addr, "fd00::2");
 	embd_config_free(&c);
 }
 
