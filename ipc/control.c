@@ -82,17 +82,25 @@ int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_
 		}
 		unlink(path);   /* stale socket of a dead service */
 	}
+	/* Bound and listening under a temporary name first, then renamed into place: a client
+	 * (or a script waiting for the path to appear) never finds a socket nobody listens on. */
+	struct sockaddr_un tmp = addr;
+	int n = snprintf(tmp.sun_path, sizeof(tmp.sun_path), "%s.%d", path, (int)getpid());
+	if (n < 0 || (size_t)n >= sizeof(tmp.sun_path))
+		return ipc_fail(err, err_len, EMBD_EINVAL, "listen %s: path too long", path);
+	unlink(tmp.sun_path);
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return ipc_fail(err, err_len, EMBD_EIO, "socket: %s", strerror(errno));
-	if (bind(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
-		rc = ipc_fail(err, err_len, EMBD_EIO, "bind %s: %s", path, strerror(errno));
+	if (bind(fd, (struct sockaddr *)&tmp, sizeof(tmp)) != 0) {
+		rc = ipc_fail(err, err_len, EMBD_EIO, "bind %s: %s", tmp.sun_path, strerror(errno));
 		goto out;
 	}
 	/* access is decided by SO_PEERCRED; the mode only keeps strangers from connecting */
-	if (chmod(path, 0660) != 0 || listen(fd, backlog) != 0) {
+	if (chmod(tmp.sun_path, 0660) != 0 || listen(fd, backlog) != 0 ||
+	    rename(tmp.sun_path, path) != 0) {
 		rc = ipc_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(errno));
-		unlink(path);
+		unlink(tmp.sun_path);
 		goto out;
 	}
 	*fd_out = fd;
