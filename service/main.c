@@ -132,8 +132,12 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 				   sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "store: %s", inner), rc;
-	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, NULL,
+	char *settings = NULL;
+	if ((rc = embd_config_join_settings(c, &settings)))
+		return snprintf(err, err_len, "out of memory"), rc;
+	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, settings, NULL,
 				  c->store_timeout_ms, plan, inner, sizeof(inner));
+	free(settings);
 	if (rc)
 		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
 	struct embd_comm_options o = {
