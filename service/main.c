@@ -250,13 +250,6 @@ int main(int argc, char **argv)
 		goto out;
 	}
 	const uint32_t nodes = embd_config_nodes(&config);
-	/* A cluster takes a checkpoint only at steps every node knows in advance (checkpoint.h) */
-	if (nodes > 1 && config.checkpoint_dir[0] && config.checkpoint_every_seconds) {
-		embd_log_error("checkpoint_every_seconds: not supported on a cluster (%u nodes): the "
-			       "nodes would not agree on the step; use checkpoint_every_steps", nodes);
-		rc = EMBD_ENOTSUP;
-		goto out;
-	}
 	if (nodes > 1) {
 		embd_log_info("node %u of %u: store at %s:%u, %s, collective timeout %d ms",
 			      config.node_rank, nodes, config.master_addr, config.master_port,

@@ -2,7 +2,8 @@
  * The step engine's exchanges with the other nodes (service/step.h, step_priv.h). Per step:
  *
  *   forward   1. HELLO  fixed-size all-to-all: every node tells every node its step number,
- *                       status, accepted batches and how many input bytes follow for it;
+ *                       status, accepted batches, how many input bytes follow for it, and
+ *                       whether it wants a checkpoint after this step (step.h);
  *             2. INPUT  all-to-all of the items staged for each node (ids, weights, offsets,
  *                       full bag lengths), sized exactly by HELLO; skipped by every node alike
  *                       when the cluster accepted nothing or a node failed;
@@ -33,7 +34,7 @@
 #define WIRE_MAGIC 0x31504554534d4245ull        /* "EMBSTEP1" */
 #define MAX_MESSAGE_BYTES (1ull << 36)
 
-/* The head of every message between two nodes (152 bytes, a multiple of 8). */
+/* The head of every message between two nodes (160 bytes, a multiple of 8). */
 struct wire_head {
 	uint64_t magic;
 	uint64_t seq;                           /* forwards run by the sender's engine */
@@ -42,8 +43,12 @@ struct wire_head {
 	uint64_t out_bytes;                     /* HELLO: bytes of OUTPUT the sender expects back */
 	uint64_t grad_bytes;                    /* HELLO: bytes of GRADS the sender will send */
 	uint64_t accepted_mask;                 /* HELLO: the sender's accepted batches */
+	uint64_t flags;                         /* HELLO: WIRE_HELLO_* */
 	char why[96];
 };
+
+/* The sender wants every node to checkpoint at the boundary after this step. */
+#define WIRE_HELLO_CHECKPOINT 1u
 
 /* One staged item on the wire, followed by int64 offsets[B + 1], int64 ids[num_ids], float
  * weights[num_ids] (WIRE_WEIGHTED) and int32 lengths[B] (WIRE_LENGTHS), each padded to 8. */
@@ -498,7 +503,8 @@ int step_dist_input(struct embd_step *s)
 	for (uint32_t m = 0; m < N; m++) {
 		struct wire_head h = { .magic = WIRE_MAGIC, .seq = d->seq, .bytes = payload[m],
 				       .out_bytes = out_b[m], .grad_bytes = grad_b[m],
-				       .accepted_mask = mask };
+				       .accepted_mask = mask,
+				       .flags = s->ckpt_want ? WIRE_HELLO_CHECKPOINT : 0 };
 		memcpy((uint8_t *)d->send.p + m * H, &h, H);
 		d->sbytes[m] = d->rbytes[m] = H;
 	}
@@ -518,6 +524,7 @@ int step_dist_input(struct embd_step *s)
 				 heads[p].out_bytes, heads[p].grad_bytes);
 			return step_fail(s, EMBD_EPROTO, "%s", d->broken_msg);
 		}
+		s->cluster_ckpt |= (heads[p].flags & WIRE_HELLO_CHECKPOINT) != 0;
 		d->out_expect[p] = p == s->node ? 0 : heads[p].out_bytes;
 		d->grad_expect[p] = p == s->node ? 0 : heads[p].grad_bytes;
 	}
