@@ -121,6 +121,9 @@ static int commit(const struct embd_ckpt_cluster *cl, uint64_t step, char (*keys
 		}
 		free(v);
 	}
+	if (!rc && !shared)
+		embd_log_info("checkpoint of step %" PRIu64 ": complete, every one of the %u nodes "
+			      "committed it in its own directory", step, n);
 	if (!rc && shared)
 		rc = embd_ckpt_manifest_merge(parts, n, &merged, err, err_len);
 	if (!rc && shared)
