@@ -532,6 +532,9 @@ int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **stat
 	}
 	cJSON_AddNumberToObject(root, "resumed_step", (double)ck->resumed_step);
 	cJSON_AddStringToObject(o, "dir", ck->config->checkpoint_dir);
+	if (ck->base.num_nodes > 1)
+		cJSON_AddStringToObject(o, "layout",
+					embd_config_layout_name(ck->config->checkpoint_layout));
 	cJSON_AddNumberToObject(o, "every_steps", ck->config->checkpoint_every_steps);
 	cJSON_AddNumberToObject(o, "every_seconds", ck->config->checkpoint_every_seconds);
 	cJSON_AddNumberToObject(o, "keep", ck->config->checkpoint_keep);
