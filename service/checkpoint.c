@@ -434,8 +434,8 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 	return rc;
 }
 
-int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, char *err,
-		     size_t err_len)
+int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, uint64_t spare,
+		     char *err, size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX + 64];
 	uint64_t *steps;
@@ -456,6 +456,8 @@ int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, char 
 	if ((rc = list_steps(root, "step-", &steps, &n, err, err_len)))
 		return rc;
 	for (uint32_t i = keep; i < n; i++) {
+		if (steps[i] == spare)
+			continue;
 		embd_ckpt_dir_name(root, steps[i], dir, sizeof(dir));
 		if (!(rc = remove_dir(dir, err, err_len)))
 			removed++;

@@ -15,18 +15,23 @@
  * is reported by name through the skip callback and the previous one is tried.
  *
  * Multi-node. Every node writes its own shards of the same step N; a cluster checkpoint is
- * all-or-nothing. Two layouts:
- *   per-node directories (each node its own local disk; IMPLEMENTED for readers): node k does
- *     steps 1-4 in its own <root_k> with a manifest of only its files (node = k, num_nodes =
- *     W). embd_ckpt_find_nodes takes the newest N that every node holds valid and merges the
- *     manifests (embd_ckpt_manifest_merge); a step some node never finished is skipped, so no
- *     cluster-wide file and no coordination are needed to read consistently. Resharding to
- *     another node count needs every node's directory reachable (embctl export --dir ...).
- *     Retention keeps K per node: K >= 2 keeps a common step while nodes are one step apart.
- *   shared directory (NFS-like, or one machine; IMPLEMENTED, service/ckpt_service.c): every
- *     node writes its files into <root>/.tmp-step-N/ (embd_ckpt_write_part; names carry n<k>),
- *     reports its manifest (node = k, its files only) to the store under "ckpt/N/node/<k>" (or
- *     "error: why" when its write failed); node 0 waits for every node's key within
+ * all-or-nothing. Two layouts (config key checkpoint_layout; the store protocol is
+ * service/ckpt_cluster.h):
+ *   per-node directories ("per_node": each node its own local disk): node k does steps 1-4
+ *     in its own <root_k> with a manifest of only its files (node = k, num_nodes = W), then
+ *     reports "ok" through the store; node 0 logs the cluster checkpoint complete once every
+ *     node reported (and names the nodes that did not). A step some node never finished or
+ *     holds damaged is no cluster checkpoint: readers take the newest N that EVERY node holds
+ *     valid (embd_ckpt_find_nodes offline, merging the manifests; the service agrees on it
+ *     through the store). The service restores this layout only under the same plan and node
+ *     count (each node reads only its own disk); resharding needs every node's directory in
+ *     one place (embctl export --dir ..., or copy them into one shared directory). Retention
+ *     keeps the newest K per node and never removes the newest step every node holds (the
+ *     last one node 0 declared complete, or the restored one).
+ *   shared directory ("shared", the default; NFS-like, or one machine): every node writes its
+ *     files into <root>/.tmp-step-N/ (embd_ckpt_write_part; names carry n<k>), reports its
+ *     manifest (node = k, its files only) to the store under "ckpt/N/node/<k>" (or "error:
+ *     why" when its write failed); node 0 waits for every node's key within
  *     store_timeout_ms (the keys, not a counter: a timeout then names the missing nodes),
  *     merges the entries (embd_ckpt_manifest_merge), alone does steps 3 and 4
  *     (embd_ckpt_commit) and deletes the keys. A node that dies or fails before reporting
@@ -37,7 +42,9 @@
  *     store_timeout_ms for it, so it must cover node 0's CRC check); every other node
  *     opens that very directory (embd_ckpt_open_dir: a node that sees damage there fails,
  *     naming it) and loads its own shards by global coordinates, so any node count and plan
- *     restores any other. Triggers on a cluster: only checkpoint_every_steps (config.h).
+ *     restores any other.
+ * In both layouts node 0 then publishes its verdict, which every node waits for, so every
+ * node's result is the cluster's. Triggers on a cluster: service/ckpt_service.h.
  */
 #ifndef EMBD_SERVICE_CHECKPOINT_H
 #define EMBD_SERVICE_CHECKPOINT_H
@@ -95,11 +102,12 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 		   char *dir_out, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
 		   size_t err_len);
 
-/* Removes every step-<N> but the newest keep (keep 0: none removed) and stale .tmp-step-<M>
- * directories with M < tmp_before (UINT64_MAX: all). Returns the number removed or a
- * negative code. */
-int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, char *err,
-		     size_t err_len);
+/* Removes every step-<N> but the newest keep (keep 0: none removed) and step-<spare>
+ * (UINT64_MAX: none spared; per-node directories spare the newest step every node holds),
+ * and stale .tmp-step-<M> directories with M < tmp_before (UINT64_MAX: all). Returns the
+ * number removed or a negative code. */
+int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, uint64_t spare,
+		     char *err, size_t err_len);
 
 /*
  * Shared-directory cluster checkpoints (above). _write_part: step 2 only, into

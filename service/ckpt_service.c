@@ -1,8 +1,9 @@
 /*
  * Checkpoints of the running service (service/ckpt_service.h). The shards' copy is
- * service/ckpt_snapshot.c's; here: when to take one, the writer thread (which runs the copier
- * thread beside it and owns the snapshot until it signals the eventfd), the cluster's
- * reports and commit, restore, and the stall accounting.
+ * service/ckpt_snapshot.c's, the cluster's store protocol service/ckpt_cluster.c's; here: when
+ * to take one (on a cluster, as agreed through the steps), the writer thread (which runs the
+ * copier thread beside it and owns the snapshot until it signals the eventfd), restore,
+ * retention, and the stall accounting.
  */
 #include "service/ckpt_service.h"
 
@@ -20,6 +21,7 @@
 #include <unistd.h>
 
 #include "service/checkpoint.h"
+#include "service/ckpt_cluster.h"
 #include "service/ckpt_snapshot.h"
 #include "service/log.h"
 #include "service/store.h"
@@ -37,6 +39,7 @@ struct embd_ckpt_service {
 	struct embd_step *step;
 	struct embd_ckpt_manifest base;         /* tables, plan, node: every write's manifest */
 	struct embd_store *store;               /* a cluster's: restore, then the writer's only */
+	struct embd_ckpt_cluster cl;            /* store, config, node: ckpt_cluster.h */
 	struct embd_ckpt_snapshot *snap;
 	const struct embd_ckpt_array *arrays;   /* the snapshot's */
 	uint32_t num_arrays;
@@ -49,6 +52,10 @@ struct embd_ckpt_service {
 	/* triggers */
 	uint64_t seq_started;
 	bool requested;
+	bool agreed;                            /* a cluster's nodes agreed on this boundary */
+	bool stopping;                          /* SIGTERM on a cluster: ask for a final one */
+	uint64_t common_step;                   /* the newest step every node holds (per_node
+						 * retention spares it); UINT64_MAX: none known */
 	uint64_t last_step, last_ns;            /* of the last started (or restored) checkpoint */
 	uint64_t resumed_step;
 	/* the steps' share of the running checkpoint (service thread): the boundary's own time
@@ -116,6 +123,10 @@ int embd_ckpt_service_create(const struct embd_config *config, struct embd_step 
 		snprintf(err, err_len, "checkpoints: eventfd: %s", strerror(errno));
 		goto out;
 	}
+	ck->cl = (struct embd_ckpt_cluster){ .store = ck->store, .config = config,
+					     .node = ck->base.node, .num_nodes = ck->base.num_nodes,
+					     .plan_hash = ck->base.plan_hash };
+	ck->common_step = UINT64_MAX;
 	ck->last_ns = now_ns();
 	*out = ck;
 	return 0;
@@ -149,94 +160,6 @@ int embd_ckpt_service_fd(const struct embd_ckpt_service *ck)
 
 /* ---- writing ----------------------------------------------------------------------------- */
 
-/* Node 0 of a cluster: waits for every node's report of step, merges them and commits
- * (checkpoint.h, "shared directory"). Any failure drops .tmp-step-<step>. */
-static int commit_cluster(struct embd_ckpt_service *ck, uint64_t step)
-{
-	const uint32_t n = ck->base.num_nodes;
-	const char *root = ck->config->checkpoint_dir;
-	struct result *w = &ck->w;
-	struct embd_ckpt_manifest *parts = calloc(n, sizeof(*parts)), merged = { 0 };
-	char (*keys)[64] = calloc(n, sizeof(*keys)), inner[512];
-	const char **names = calloc(n, sizeof(*names));
-	int rc = EMBD_ENOMEM;
-
-	if (!parts || !keys || !names)
-		goto out;
-	for (uint32_t k = 0; k < n; k++) {
-		snprintf(keys[k], sizeof(keys[k]), "ckpt/%" PRIu64 "/node/%u", step, k);
-		names[k] = keys[k];
-	}
-	if ((rc = embd_store_wait(ck->store, names, n))) {
-		char missing[256] = "";
-		size_t len = 0;
-		for (uint32_t k = 0; k < n && len < sizeof(missing) - 16; k++)
-			if (embd_store_check(ck->store, keys[k]) != 1)
-				len += (size_t)snprintf(missing + len, sizeof(missing) - len, "%s%u",
-							len ? ", " : "", k);
-		snprintf(w->err, sizeof(w->err), "node %s did not report its files within "
-			 "store_timeout_ms %d (%s): step %" PRIu64 " is dropped", len ? missing : "?",
-			 ck->config->store_timeout_ms, embd_store_error(ck->store), step);
-		goto out;
-	}
-	for (uint32_t k = 0; k < n && !rc; k++) {
-		void *v = NULL;
-		size_t len = 0;
-		if ((rc = embd_store_get(ck->store, keys[k], &v, &len))) {
-			snprintf(w->err, sizeof(w->err), "node %u's report: %s", k,
-				 embd_store_error(ck->store));
-		} else if (!len || *(char *)v != '{') {
-			rc = EMBD_EIO;
-			snprintf(w->err, sizeof(w->err), "node %u: %.*s", k, (int)len, (char *)v);
-		} else if ((rc = embd_ckpt_manifest_parse(v, len, &parts[k], inner, sizeof(inner)))) {
-			snprintf(w->err, sizeof(w->err), "node %u's report: %s", k, inner);
-		}
-		free(v);
-	}
-	if (!rc)
-		rc = embd_ckpt_manifest_merge(parts, n, &merged, w->err, sizeof(w->err));
-	if (!rc)
-		rc = embd_ckpt_commit(root, &merged, true, w->err, sizeof(w->err));
-out:
-	if (rc == EMBD_ENOMEM && !w->err[0])
-		snprintf(w->err, sizeof(w->err), "out of memory");
-	if (rc && embd_ckpt_discard(root, step, inner, sizeof(inner)))
-		embd_log_warning("checkpoint of step %" PRIu64 ": %s", step, inner);
-	for (uint32_t k = 0; keys && k < n; k++) {
-		embd_store_delete(ck->store, keys[k]);
-		embd_ckpt_manifest_free(&parts[k]);
-	}
-	embd_ckpt_manifest_free(&merged);
-	free(parts);
-	free(keys);
-	free(names);
-	return rc;
-}
-
-/* Every node of a cluster: its part into .tmp-step-N, then its report (the manifest of its
- * files, or why it has none); node 0 then commits. */
-static int write_cluster(struct embd_ckpt_service *ck, struct embd_ckpt_manifest *m)
-{
-	struct result *w = &ck->w;
-	char key[64], failed[sizeof(w->err) + 8], *text = NULL;
-	int rc = embd_ckpt_write_part(ck->config->checkpoint_dir, m, ck->arrays, ck->num_arrays,
-				      true, &w->bytes, w->err, sizeof(w->err));
-
-	if (!rc && (rc = embd_ckpt_manifest_write(m, &text)))
-		snprintf(w->err, sizeof(w->err), "cannot format this node's manifest");
-	snprintf(failed, sizeof(failed), "error: %s", w->err);
-	const char *report = text ? text : failed;
-	snprintf(key, sizeof(key), "ckpt/%" PRIu64 "/node/%u", m->step, m->node);
-	int src = embd_store_set(ck->store, key, report, strlen(report));
-	free(text);
-	if (src && !rc) {
-		rc = src;
-		snprintf(w->err, sizeof(w->err), "reporting to the store: %s",
-			 embd_store_error(ck->store));
-	}
-	return rc || m->node ? rc : commit_cluster(ck, m->step);
-}
-
 /* The write itself: the thread's body, or the final checkpoint's on the service thread. */
 static void write_snapshot(struct embd_ckpt_service *ck)
 {
@@ -251,15 +174,23 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 	m.step = w->step;
 	m.created_unix_ms = 0;
 	embd_ckpt_dir_name(root, w->step, w->dir, sizeof(w->dir));
-	w->rc = cluster ? write_cluster(ck, &m)
+	w->rc = cluster ? embd_ckpt_cluster_write(&ck->cl, &m, ck->arrays, ck->num_arrays,
+						  &w->bytes, w->err, sizeof(w->err))
 			: embd_ckpt_write_dir(root, &m, ck->arrays, ck->num_arrays, true, &w->bytes,
 					      w->err, sizeof(w->err));
 	free(m.files);
-	if (!w->rc && !m.node) {
+	if (!w->rc || w->rc == EMBD_EBUSY)
+		ck->common_step = w->step;
+	/* shared: node 0 alone, sparing the .tmp of later steps the nodes may be writing;
+	 * per_node: every node in its own directory, sparing the newest step all hold */
+	const bool per_node = cluster && ck->config->checkpoint_layout == EMBD_CKPT_PER_NODE;
+	if (per_node || (!w->rc && !m.node)) {
 		char inner[512];
 		int removed = embd_ckpt_retain(root, ck->config->checkpoint_keep,
-					       cluster ? w->step : UINT64_MAX, inner, sizeof(inner));
-		if (removed < 0)
+					       cluster && !per_node ? w->step : UINT64_MAX,
+					       per_node ? ck->common_step : UINT64_MAX, inner,
+					       sizeof(inner));
+		if (removed < 0 && !w->rc)
 			snprintf(w->err, sizeof(w->err), "retention: %s", inner);
 	}
 	w->write_ms = (double)(now_ns() - t0) / 1e6;
@@ -354,30 +285,9 @@ static void join_writer(struct embd_ckpt_service *ck)
 	finish(ck);
 }
 
-void embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
+/* Starts the write of the snapshot of `step` taken at this boundary. */
+static void start(struct embd_ckpt_service *ck, uint64_t step, double waited_ms)
 {
-	const struct embd_config *c = ck->config;
-	bool every = c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps;
-	bool due = ck->requested || every;
-
-	double waited_ms = 0;
-
-	account_step(ck);
-	if (ck->running) {
-		/* A cluster's nodes must all take the same steps: a due one waits for the write
-		 * before it (a stall) rather than moving to whichever step this node is at when its
-		 * write ends. One node alone takes it when the write ends. */
-		if (!every || ck->base.num_nodes == 1)
-			return;
-		uint64_t t0 = now_ns();
-		join_writer(ck);
-		waited_ms = (double)(now_ns() - t0) / 1e6;
-	}
-	if (c->checkpoint_every_seconds && step != ck->last_step &&
-	    now_ns() - ck->last_ns >= (uint64_t)c->checkpoint_every_seconds * 1000000000u)
-		due = true;
-	if (!due)
-		return;
 	snapshot(ck, step, waited_ms);
 	atomic_store(&ck->finished, false);
 	if (pthread_create(&ck->thread, NULL, writer_main, ck)) {
@@ -387,6 +297,56 @@ void embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 		return;
 	}
 	ck->running = true;
+}
+
+/* Node 0's checkpoint_every_seconds timer (on a cluster only node 0's counts). */
+static bool timer_due(const struct embd_ckpt_service *ck, uint64_t step)
+{
+	const struct embd_config *c = ck->config;
+	return c->checkpoint_every_seconds && step != ck->last_step &&
+	       now_ns() - ck->last_ns >= (uint64_t)c->checkpoint_every_seconds * 1000000000u;
+}
+
+bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
+{
+	const struct embd_config *c = ck->config;
+	const bool cluster = ck->base.num_nodes > 1;
+	bool every = c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps;
+	/* a cluster takes only the steps every node knows: every_steps, and the agreed ones */
+	bool must = every || (cluster && ck->agreed);
+	double waited_ms = 0;
+
+	ck->agreed = false;
+	account_step(ck);
+	if (ck->running) {
+		/* A cluster's nodes must all take the same steps: a due one waits for the write
+		 * before it (a stall) rather than moving to whichever step this node is at when its
+		 * write ends. One node alone takes it when the write ends. */
+		if (!must || !cluster)
+			return false;
+		uint64_t t0 = now_ns();
+		join_writer(ck);
+		waited_ms = (double)(now_ns() - t0) / 1e6;
+	}
+	if (!must && (cluster || !(ck->requested || timer_due(ck, step))))
+		return false;
+	start(ck, step, waited_ms);
+	return true;
+}
+
+bool embd_ckpt_service_wanted(const struct embd_ckpt_service *ck, uint64_t step)
+{
+	return ck->requested || ck->stopping || (ck->base.node == 0 && timer_due(ck, step));
+}
+
+void embd_ckpt_service_agreed(struct embd_ckpt_service *ck)
+{
+	ck->agreed = true;
+}
+
+void embd_ckpt_service_stopping(struct embd_ckpt_service *ck)
+{
+	ck->stopping = true;
 }
 
 uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck)
@@ -408,19 +368,20 @@ uint64_t embd_ckpt_service_reap(struct embd_ckpt_service *ck)
 
 int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step)
 {
+	char err[512];
+
 	if (ck->running)
 		join_writer(ck);
-	if (ck->base.num_nodes > 1) {
-		if (step != ck->last_step)
-			embd_log_notice("no final checkpoint of step %" PRIu64 ": a cluster takes only "
-					"checkpoint_every_steps (the last one is step %" PRIu64 ")", step,
-					ck->last_step);
-		return 0;
-	}
 	if (ck->last.seq && !ck->last.rc && ck->last.step == step)
 		return 0;
 	if (ck->last_step == step && step == ck->resumed_step && !ck->seq_started)
 		return 0;       /* nothing trained since the restore */
+	/* a cluster's idle nodes write only when every node stops at this step (ckpt_cluster.h) */
+	if (ck->base.num_nodes > 1 && embd_ckpt_cluster_stop_barrier(&ck->cl, step, err,
+								     sizeof(err))) {
+		embd_log_warning("no final checkpoint of step %" PRIu64 ": %s", step, err);
+		return 0;
+	}
 	snapshot(ck, step, 0);
 	embd_ckpt_snapshot_copy(ck->snap);     /* no steps run any more: all on this thread */
 	write_snapshot(ck);
@@ -472,59 +433,6 @@ static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ck
 	return 0;
 }
 
-#define RESTORE_KEY "ckpt/restore"
-
-/* Which checkpoint a cluster restores (checkpoint.h): node 0 finds the newest valid one and
- * publishes its step ("none", or "error: why"); every other node opens that very directory
- * and fails on damage rather than take another step than node 0. */
-static int find_cluster(struct embd_ckpt_service *ck, char *dir, size_t dir_cap,
-			struct embd_ckpt_manifest *m, char *err, size_t err_len)
-{
-	const char *root = ck->config->checkpoint_dir;
-	char value[800], inner[600];
-	void *v = NULL;
-	size_t len = 0;
-	int rc;
-
-	if (!ck->base.node) {
-		rc = embd_ckpt_find(root, UINT64_MAX, log_skip, NULL, dir, dir_cap, m, err, err_len);
-		if (!rc)
-			snprintf(value, sizeof(value), "%" PRIu64, m->step);
-		else
-			snprintf(value, sizeof(value), rc == EMBD_ENOENT ? "none" : "error: %s", err);
-		if (embd_store_set(ck->store, RESTORE_KEY, value, strlen(value))) {
-			embd_ckpt_manifest_free(m);
-			return snprintf(err, err_len, "store: publishing the step to restore: %s",
-					embd_store_error(ck->store)), EMBD_EIO;
-		}
-		return rc;
-	}
-	if ((rc = embd_store_get(ck->store, RESTORE_KEY, &v, &len)))
-		return snprintf(err, err_len, "store: waiting for node 0's choice of checkpoint: %s",
-				embd_store_error(ck->store)), rc;
-	snprintf(value, sizeof(value), "%.*s", (int)len, (char *)v);
-	free(v);
-	if (!strcmp(value, "none"))
-		return snprintf(err, err_len, "%s: no valid checkpoint (node 0)", root), EMBD_ENOENT;
-	if (!strncmp(value, "error: ", 7))
-		return snprintf(err, err_len, "node 0 cannot choose a checkpoint: %s", value + 7),
-		       EMBD_EIO;
-	uint64_t step = strtoull(value, NULL, 10);
-	embd_ckpt_dir_name(root, step, dir, dir_cap);
-	rc = embd_ckpt_open_dir(dir, m, inner, sizeof(inner));
-	if (!rc && m->step != step) {
-		snprintf(inner, sizeof(inner), "its manifest is of step %" PRIu64, m->step);
-		embd_ckpt_manifest_free(m);
-		rc = EMBD_EPARSE;
-	}
-	/* never EMBD_ENOENT: this node must not start afresh while node 0 restores */
-	if (rc)
-		return snprintf(err, err_len, "%s: node 0 restores step %" PRIu64 ", this node cannot "
-				"(is checkpoint_dir one shared directory?): %s", dir, step, inner),
-		       rc == EMBD_ENOENT ? EMBD_EMISMATCH : rc;
-	return 0;
-}
-
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
 			      size_t err_len)
 {
@@ -539,7 +447,8 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 	memset(&m, 0, sizeof(m));
 	if (!targets || !index)
 		goto out;
-	rc = ck->base.num_nodes > 1 ? find_cluster(ck, dir, sizeof(dir), &m, err, err_len)
+	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, log_skip, dir, sizeof(dir),
+							     &m, err, err_len)
 				    : embd_ckpt_find(ck->config->checkpoint_dir, UINT64_MAX, log_skip,
 						     NULL, dir, sizeof(dir), &m, err, err_len);
 	if (rc == EMBD_ENOENT) {
@@ -572,7 +481,7 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 		if (v.shard)
 			v.shard->step = targets[k++].optimizer_step;
 	}
-	ck->resumed_step = ck->last_step = *step_out = m.step;
+	ck->resumed_step = ck->last_step = ck->common_step = *step_out = m.step;
 	embd_log_notice("restored %s: step %" PRIu64 ", %u files, written under plan %016" PRIx64
 			"%s", dir, m.step, m.num_files, m.plan_hash,
 			m.plan_hash == ck->base.plan_hash ? "" : " (resharded to this plan)");
@@ -623,6 +532,9 @@ int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **stat
 	}
 	cJSON_AddNumberToObject(root, "resumed_step", (double)ck->resumed_step);
 	cJSON_AddStringToObject(o, "dir", ck->config->checkpoint_dir);
+	if (ck->base.num_nodes > 1)
+		cJSON_AddStringToObject(o, "layout",
+					embd_config_layout_name(ck->config->checkpoint_layout));
 	cJSON_AddNumberToObject(o, "every_steps", ck->config->checkpoint_every_steps);
 	cJSON_AddNumberToObject(o, "every_seconds", ck->config->checkpoint_every_seconds);
 	cJSON_AddNumberToObject(o, "keep", ck->config->checkpoint_keep);

@@ -17,10 +17,18 @@
  *
  * Threading: every call comes from the service's thread, outside embd_step_forward/backward
  * (the shards are then at "steps completed = step": a forward changes no parameter). At most
- * one write runs; a trigger that comes due meanwhile is taken when it ends. On a cluster
- * (shared directory, checkpoint.h) only checkpoint_every_steps triggers, and a due step whose
- * previous write still runs waits for it (a stall), so that every node takes the same steps;
- * the writer thread reports through its own store handle.
+ * one write runs; a trigger that comes due meanwhile is taken when it ends.
+ *
+ * A cluster (either layout, checkpoint.h) must take every checkpoint at the same step on every
+ * node. checkpoint_every_steps is known to all in advance. The other triggers are agreed
+ * through the steps: a node that wants one (`embctl checkpoint`, node 0's every_seconds timer
+ * alone, so that the nodes do not race, or a pending SIGTERM: embd_ckpt_service_wanted) sets
+ * a flag in its HELLO, the first exchange of the next step, which every node sees in that same
+ * step (embd_step_cluster_checkpoint); every node then calls embd_ckpt_service_agreed and takes
+ * the checkpoint at the boundary after that step. A due step whose previous write still runs
+ * waits for it (a stall). The writer thread reports through its own store handle, and every
+ * node's result is the cluster's (node 0's verdict, ckpt_cluster.h), so `embctl checkpoint
+ * --wait` answers alike on every node.
  */
 #ifndef EMBD_SERVICE_CKPT_SERVICE_H
 #define EMBD_SERVICE_CKPT_SERVICE_H
@@ -53,11 +61,20 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 /* An eventfd that becomes readable when a background write finished: call _reap then. */
 int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
 
-/* Asks for a checkpoint as soon as possible; returns the sequence number that will hold it. */
+/* Asks for a checkpoint as soon as possible (on a cluster: at the boundary after the next step,
+ * as agreed); returns the sequence number that will hold it. */
 uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
 
-/* Starts a checkpoint of `step` (steps completed) if one is due and none is being written. */
-void embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
+/* At a step boundary: starts a checkpoint of `step` (steps completed) if one is due and none
+ * is being written (a cluster's due one waits for the running write). True when one started. */
+bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
+
+/* A cluster's agreement: _wanted, this node's HELLO flag for the step about to run (a
+ * request, node 0's timer, or SIGTERM); _agreed, some node flagged the step that just ran, so
+ * the next _poll takes a checkpoint; _stopping, SIGTERM: flag every step from now on. */
+bool embd_ckpt_service_wanted(const struct embd_ckpt_service *ck, uint64_t step);
+void embd_ckpt_service_agreed(struct embd_ckpt_service *ck);
+void embd_ckpt_service_stopping(struct embd_ckpt_service *ck);
 
 /* Joins a finished write (logging its result); returns the sequence number of the last
  * finished checkpoint (0: none yet). Call when the fd fired; harmless otherwise. */
@@ -73,8 +90,10 @@ int embd_ckpt_service_result_json(const struct embd_ckpt_service *ck, char **out
 int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **status);
 
 /* The final checkpoint at SIGTERM: waits for a running write, then writes `step` on this
- * thread unless it is already on disk (one node only: a cluster's nodes do not stop at one
- * step they agreed on, so a cluster only waits for the running write). */
+ * thread unless it is already on disk (the last checkpoint's step, or the restored one with
+ * nothing trained since). A cluster's node writes only when every node stops at `step`
+ * (embd_ckpt_cluster_stop_barrier, store_timeout_ms): SIGTERM to one idle node alone
+ * writes nothing. */
 int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step);
 
 /* Worst snapshot copy so far (ms) and the last write's figures, for the benchmark. */

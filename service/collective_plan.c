@@ -84,14 +84,16 @@ static cJSON *table_json(const struct embd_table_spec *t)
 	return o;
 }
 
-/* This node's join record as JSON text (malloc'ed), or NULL when out of memory. */
+/* This node's join record as JSON text (malloc'ed), or NULL when out of memory or when
+ * settings is not a JSON object. */
 static char *join_record(const struct embd_rendezvous *r, const struct embd_tables *tables,
-			 const struct embd_topology *topo)
+			 const struct embd_topology *topo, const char *settings)
 {
 	char hash[17];
 	char *text = NULL;
 	cJSON *o = cJSON_CreateObject(), *arr = cJSON_CreateArray(), *t = topology_json(topo);
-	if (!o || !arr || !t)
+	cJSON *extra = settings ? cJSON_Parse(settings) : cJSON_CreateObject();
+	if (!o || !arr || !t || !cJSON_IsObject(extra))
 		goto out;
 	/* the protocol first: when it differs, nothing after it is compared */
 	cJSON_AddNumberToObject(o, "protocol", EMBD_RENDEZVOUS_PROTOCOL);
@@ -112,8 +114,14 @@ static char *join_record(const struct embd_rendezvous *r, const struct embd_tabl
 	snprintf(hash, sizeof(hash), "%016" PRIx64,
 		 embd_plan_tables_hash(tables->specs, tables->count));
 	cJSON_AddStringToObject(o, "tables_hash", hash);
+	/* the settings' members at the top, so that a message names them by their own key */
+	while (extra->child) {
+		cJSON *item = cJSON_DetachItemViaPointer(extra, extra->child);
+		cJSON_AddItemToObject(o, item->string, item);
+	}
 	text = cJSON_PrintUnformatted(o);
 out:
+	cJSON_Delete(extra);
 	cJSON_Delete(o);
 	cJSON_Delete(arr);
 	cJSON_Delete(t);
@@ -552,7 +560,7 @@ refuse:
 
 int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,
 			 const struct embd_tables *tables, const struct embd_topology *topo,
-			 const char *prefix, int timeout_ms, struct embd_plan **plan,
+			 const char *settings, const char *prefix, int timeout_ms, struct embd_plan **plan,
 			 char *err, size_t err_len)
 {
 	struct exchange x = { store, prefix ? prefix : "embd/", r->node_rank,
@@ -566,9 +574,10 @@ int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous 
 			    r->local_world_size);
 	if ((r->node_rank == 0) != (*plan != NULL))
 		return fail(&x, EMBD_EINVAL, "node 0 passes its plan, the others NULL");
-	char *record = join_record(r, tables, topo);
+	char *record = join_record(r, tables, topo, settings);
 	if (!record)
-		return fail(&x, EMBD_ENOMEM, "out of memory for the join record");
+		return fail(&x, EMBD_ENOMEM, "out of memory for the join record (or settings is "
+			    "not a JSON object)");
 	embd_store_set_timeout(store, timeout_ms);
 	int rc = r->node_rank == 0 ? node0(&x, record, *plan)
 				   : joiner(&x, record, tables, topo, plan);

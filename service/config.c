@@ -138,6 +138,15 @@ static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tab
 		return get_string(item, c->plan_file, sizeof(c->plan_file), err, err_len);
 	if (!strcmp(k, "checkpoint_dir"))
 		return get_string(item, c->checkpoint_dir, sizeof(c->checkpoint_dir), err, err_len);
+	if (!strcmp(k, "checkpoint_layout")) {
+		if (!cJSON_IsString(item) || (strcmp(item->valuestring, "shared") &&
+					      strcmp(item->valuestring, "per_node")))
+			return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected shared or "
+				    "per_node", k);
+		c->checkpoint_layout = strcmp(item->valuestring, "shared") ? EMBD_CKPT_PER_NODE
+									   : EMBD_CKPT_SHARED;
+		return 0;
+	}
 	if (!strcmp(k, "checkpoint_every_steps") || !strcmp(k, "checkpoint_every_seconds") ||
 	    !strcmp(k, "checkpoint_keep")) {
 		rc = get_uint(item, 4294967295.0, &v, err, err_len);
@@ -414,6 +423,29 @@ int embd_config_load(const char *path, struct embd_config *out, char *err, size_
 	}
 	free(text);
 	return rc;
+}
+
+const char *embd_config_layout_name(enum embd_ckpt_layout layout)
+{
+	return layout == EMBD_CKPT_PER_NODE ? "per_node" : "shared";
+}
+
+int embd_config_join_settings(const struct embd_config *c, char **out)
+{
+	cJSON *o = cJSON_CreateObject();
+
+	*out = NULL;
+	if (!o)
+		return EMBD_ENOMEM;
+	/* the directory's path may differ (per-node disks, NFS mounted elsewhere): set or not */
+	cJSON_AddStringToObject(o, "checkpoint_dir", c->checkpoint_dir[0] ? "set" : "unset");
+	cJSON_AddStringToObject(o, "checkpoint_layout", embd_config_layout_name(c->checkpoint_layout));
+	cJSON_AddNumberToObject(o, "checkpoint_every_steps", c->checkpoint_every_steps);
+	cJSON_AddNumberToObject(o, "checkpoint_every_seconds", c->checkpoint_every_seconds);
+	cJSON_AddNumberToObject(o, "checkpoint_keep", c->checkpoint_keep);
+	*out = cJSON_PrintUnformatted(o);
+	cJSON_Delete(o);
+	return *out ? 0 : EMBD_ENOMEM;
 }
 
 void embd_config_free(struct embd_config *config)

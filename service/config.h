@@ -18,15 +18,20 @@
  *     "threads_per_rank": 1,        worker threads of each CPU rank
  *     "log_level": "info",          error | warning | notice | info | debug
  *     "checkpoint_dir": "",         where checkpoints go (service/checkpoint.h); "" = none. At start
- *                                   the newest valid one there is restored. A cluster's
- *                                   nodes share one directory (NFS or one machine)
+ *                                   the newest valid one there is restored
+ *     "checkpoint_layout": "shared",  a cluster's directories: "shared" (every node's
+ *                                   checkpoint_dir is one directory, NFS or one machine) or
+ *                                   "per_node" (each node its own disk: step-N/ with its
+ *                                   own shards and manifest; restores only under the same
+ *                                   plan and node count). Ignored on one node
  *     "checkpoint_every_steps": 0,  a checkpoint every N completed steps (0 = off)
  *     "checkpoint_every_seconds": 0,  ... and/or every T seconds while steps run (0 = off);
  *                                   `embctl checkpoint` and SIGTERM take one too. On a
- *                                   cluster only checkpoint_every_steps: every_seconds is
- *                                   refused at start, `embctl checkpoint` answers ENOTSUP
- *                                   and SIGTERM takes none (one node cannot pick the step)
+ *                                   cluster node 0's timer decides, and every trigger is
+ *                                   agreed through the step's first exchange (ckpt_service.h)
  *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all)
+ *   every node of a cluster must have the same checkpoint_layout, every_steps,
+ *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
  *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the
  *   environment variables MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
@@ -69,6 +74,9 @@
 #define EMBD_CONFIG_SOCKET_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
 #define EMBD_CONFIG_DEFAULT_SOCKET "/run/embd/embd.sock"
 
+/* checkpoint_layout */
+enum embd_ckpt_layout { EMBD_CKPT_SHARED = 0, EMBD_CKPT_PER_NODE = 1 };
+
 struct embd_config {
 	struct embd_tables tables;                      /* owned; embd_config_free releases */
 	struct embd_topology topology;
@@ -83,6 +91,7 @@ struct embd_config {
 	uint32_t threads_per_rank;
 	enum embd_log_level log_level;
 	char checkpoint_dir[EMBD_CONFIG_PATH_MAX];      /* "" = none */
+	enum embd_ckpt_layout checkpoint_layout;
 	uint32_t checkpoint_every_steps;                /* 0 = off */
 	uint32_t checkpoint_every_seconds;              /* 0 = off */
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
@@ -121,6 +130,14 @@ int embd_config_load(const char *path, struct embd_config *out, char *err, size_
 /* Reads a whole file into a malloc'ed NUL-terminated *out (errors name the path). */
 int embd_config_read_file(const char *path, char **out, size_t *out_len, char *err,
 			  size_t err_len);
+
+/* "shared" or "per_node". */
+const char *embd_config_layout_name(enum embd_ckpt_layout layout);
+
+/* The settings beside tables and topology that every node of a cluster must share, as a JSON
+ * object for the join record (rendezvous.h: embd_collective_plan's settings); *out is
+ * malloc'ed. checkpoint_dir is compared as "set" / "unset" only. */
+int embd_config_join_settings(const struct embd_config *c, char **out);
 
 /* Releases what a parsed config owns. NULL and zeroed are fine. */
 void embd_config_free(struct embd_config *config);

@@ -134,8 +134,12 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 				   sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "store: %s", inner), rc;
-	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, NULL,
+	char *settings = NULL;
+	if ((rc = embd_config_join_settings(c, &settings)))
+		return snprintf(err, err_len, "out of memory"), rc;
+	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, settings, NULL,
 				  c->store_timeout_ms, plan, inner, sizeof(inner));
+	free(settings);
 	if (rc)
 		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
 	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX] = "";
@@ -256,13 +260,6 @@ int main(int argc, char **argv)
 		goto out;
 	}
 	const uint32_t nodes = embd_config_nodes(&config);
-	/* A cluster takes a checkpoint only at steps every node knows in advance (checkpoint.h) */
-	if (nodes > 1 && config.checkpoint_dir[0] && config.checkpoint_every_seconds) {
-		embd_log_error("checkpoint_every_seconds: not supported on a cluster (%u nodes): the "
-			       "nodes would not agree on the step; use checkpoint_every_steps", nodes);
-		rc = EMBD_ENOTSUP;
-		goto out;
-	}
 	if (nodes > 1) {
 		embd_log_info("node %u of %u: store at %s:%u, %s, collective timeout %d ms",
 			      config.node_rank, nodes, config.master_addr, config.master_port,

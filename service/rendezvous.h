@@ -11,7 +11,7 @@
  *   embd_rendezvous_apply_topology(&r, &config.topology) the topology follows the env
  *   node 0: build or load + check the plan (main.c's make_plan)
  *   embd_rendezvous_store(&r, timeout, &server, &store)  node 0 serves the store, all connect
- *   embd_collective_plan(store, &r, &tables, &topo, NULL, timeout, &plan, err)
+ *   embd_collective_plan(store, &r, &tables, &topo, settings, NULL, timeout, &plan, err)
  *   embd_comm_create({ .rank = node_rank (gloo) or global rank (nccl), ... }, store, ...)
  *   ... run; at exit: comm destroy, store close, then (node 0) server stop
  *
@@ -35,7 +35,7 @@ struct embd_store_server;
 #define EMBD_RENDEZVOUS_COMM_ADDR_MAX 64        /* a numeric IPv4 or IPv6 address, NUL included */
 #define EMBD_RENDEZVOUS_DEFAULT_PORT 29500      /* torch.distributed's MASTER_PORT default */
 /* Version of the join records and store keys of collective_plan; peers must agree. */
-#define EMBD_RENDEZVOUS_PROTOCOL 1
+#define EMBD_RENDEZVOUS_PROTOCOL 2
 
 struct embd_rendezvous {
 	char master_addr[EMBD_RENDEZVOUS_ADDR_MAX];     /* node 0's address (store server) */
@@ -107,7 +107,10 @@ int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
  * receives node 0's plan, parsed and checked here (release it with embd_plan_destroy).
  *
  * Every node publishes a join record (protocol version, world_size, local_world_size,
- * backend, the topology and the tables field by field, the tables hash). A joiner compares
+ * backend, the topology and the tables field by field, the tables hash, and the members of
+ * settings: a JSON object of the caller's other keys every node must share, e.g.
+ * {"checkpoint_every_steps": 10}; NULL = none; named by their own key in messages,
+ * "checkpoint_every_steps 10 here, 0 on node 0"). A joiner compares
  * its record with node 0's; node 0 compares each joiner's; a difference is EMBD_EMISMATCH
  * on both sides with the first differing field named, e.g. "table 'user' num_embeddings
  * 1000 here, 2000 on node 0" (node 0 says "node 2: ... here, ... on node 2"). A joiner that
@@ -123,7 +126,7 @@ int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
  */
 int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,
 			 const struct embd_tables *tables, const struct embd_topology *topo,
-			 const char *prefix, int timeout_ms, struct embd_plan **plan,
+			 const char *settings, const char *prefix, int timeout_ms, struct embd_plan **plan,
 			 char *err, size_t err_len);
 
 #endif /* EMBD_SERVICE_RENDEZVOUS_H */

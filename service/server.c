@@ -345,8 +345,16 @@ static void next_step(struct embd_server *sv)
 {
 	sv->s++;
 	sv->phase = COLLECT;
-	if (sv->ckpt)
-		embd_ckpt_service_poll(sv->ckpt, sv->s);
+	if (sv->ckpt) {
+		if (sv->ckpt_agreed)
+			embd_ckpt_service_agreed(sv->ckpt);
+		sv->ckpt_agreed = false;
+		/* SIGTERM on a cluster: this boundary's checkpoint is the final one; no more steps */
+		if (embd_ckpt_service_poll(sv->ckpt, sv->s) && sv->stopping) {
+			sv->stop = true;
+			return;
+		}
+	}
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
 		if (c->used && c->has_fwd) {
@@ -466,7 +474,11 @@ static void run_forward(struct embd_server *sv)
 		}
 	sv->step_start_ns = embd_stats_now_ns();
 	sv->num_batches = n;
+	if (sv->cluster && sv->ckpt)
+		embd_step_want_checkpoint(sv->step, embd_ckpt_service_wanted(sv->ckpt, sv->s));
 	int rc = embd_step_forward(sv->step, sv->batches, n);
+	/* taken at the boundary after this step (next_step), never inside it */
+	sv->ckpt_agreed = rc >= 0 && sv->ckpt && embd_step_cluster_checkpoint(sv->step);
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		int st = rc < 0 ? rc : sv->batches[k].status;
@@ -524,7 +536,7 @@ static void advance(struct embd_server *sv)
 {
 	uint32_t trainers = 0, waiting = 0, posted = 0;
 
-	if (!sv->dirty)
+	if (!sv->dirty || sv->stop)
 		return;
 	sv->dirty = false;
 
@@ -621,10 +633,9 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 		if (kind == TAG_LISTEN) {
 			accept = true;
 		} else if (kind == TAG_SIGNAL) {
-			struct signalfd_siginfo si;
+			struct signalfd_siginfo si = { 0 };
 			if (read(sv->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
-				embd_log_notice("signal %u: stopping", si.ssi_signo);
-			sv->stop = true;
+				embd_server_checkpoint_signal(sv, si.ssi_signo);
 		} else if (kind == TAG_SOCKET && slot < MAX_CLIENTS && sv->clients[slot].used) {
 			socket_event(sv, &sv->clients[slot]);
 		} else if (kind == TAG_PIDFD && slot < MAX_CLIENTS && sv->clients[slot].used) {
@@ -654,6 +665,11 @@ int embd_server_run(struct embd_server *sv)
 
 	while (!sv->stop) {
 		passes++;
+		if (sv->stopping && embd_stats_now_ns() >= sv->stop_deadline_ns) {
+			embd_log_notice("no step within %u ms of the signal: stopping at step %" PRIu64,
+					STOP_DRAIN_MS, sv->s);
+			break;
+		}
 		if (passes % SPIN_EVENT_PASSES == 0)
 			handle_events(sv, 0);
 		if (poll_rings(sv)) {
@@ -666,7 +682,7 @@ int embd_server_run(struct embd_server *sv)
 				embd_stats_now_ns() - idle_since < spin_ns))
 			continue;
 		if (prepare_sleep(sv))
-			handle_events(sv, TICK_MS);
+			handle_events(sv, sv->stopping ? STOP_TICK_MS : TICK_MS);
 		finish_sleep(sv);
 		idle_since = 0;
 	}

@@ -1,7 +1,8 @@
 /*
  * service/server_ckpt.c - the server's side of checkpoints (service/ckpt_service.h): the
- * service handle and resumed step, `embctl checkpoint [--wait]` requests, and answering the
- * waiters when a background write ends. On the server's thread, like the rest of the server.
+ * service handle and resumed step, `embctl checkpoint [--wait]` requests, answering the
+ * waiters when a background write ends, and SIGTERM on a cluster (the final checkpoint is
+ * agreed like any other). On the server's thread, like the rest of the server.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -10,6 +11,7 @@
 
 #include "ipc/evloop.h"
 #include "service/ckpt_service.h"
+#include "service/log.h"
 #include "service/server_priv.h"
 
 int embd_server_set_checkpoints(struct embd_server *sv, struct embd_ckpt_service *ckpt,
@@ -31,7 +33,8 @@ static void send_json(struct client *c, const char *text)
 		      NULL, 0);
 }
 
-/* Outside a step phase the shards hold "sv->s steps completed", so the snapshot runs now. */
+/* Outside a step phase the shards hold "sv->s steps completed", so on one node the snapshot
+ * runs now. */
 int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
 				   const struct embd_ctl_msg *msg, char *err, size_t err_len)
 {
@@ -46,21 +49,37 @@ int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
 				    NULL, 0);
 		return 0;
 	}
-	if (sv->cluster) {
-		embd_ctl_send_error(c->sock, EMBD_ENOTSUP, "checkpoint: a cluster takes checkpoints "
-				    "only every checkpoint_every_steps (one node alone cannot choose "
-				    "a step for all)", NULL, 0);
-		return 0;
-	}
+	/* on a cluster the next step's HELLO carries the request (ckpt_service.h): the
+	 * checkpoint is of the boundary after that step, on every node */
 	uint64_t seq = embd_ckpt_service_request(sv->ckpt);
 	embd_ckpt_service_poll(sv->ckpt, sv->s);
 	if (req.flags & EMBD_CTL_CHECKPOINT_WAIT) {
 		c->ckpt_wait = seq;
 		return 0;
 	}
-	snprintf(text, sizeof(text), "{\"started\":%" PRIu64 ",\"step\":%" PRIu64 "}", seq, sv->s);
+	if (sv->cluster)
+		snprintf(text, sizeof(text), "{\"requested\":%" PRIu64 ",\"step_at_least\":%" PRIu64
+			 "}", seq, sv->s + 1);
+	else
+		snprintf(text, sizeof(text), "{\"started\":%" PRIu64 ",\"step\":%" PRIu64 "}", seq,
+			 sv->s);
 	send_json(c, text);
 	return 0;
+}
+
+void embd_server_checkpoint_signal(struct embd_server *sv, uint32_t signo)
+{
+	if (!sv->cluster || !sv->ckpt || sv->stopping) {
+		embd_log_notice("signal %u: stopping", signo);
+		sv->stop = true;
+		return;
+	}
+	/* the final checkpoint must be the cluster's: the next step's HELLO asks for it; with no
+	 * step by the deadline, embd_ckpt_service_final takes it idle (every node stopping) */
+	embd_log_notice("signal %u: stopping after the cluster's final checkpoint", signo);
+	sv->stopping = true;
+	sv->stop_deadline_ns = embd_stats_now_ns() + STOP_DRAIN_MS * 1000000ull;
+	embd_ckpt_service_stopping(sv->ckpt);
 }
 
 /* A background write ended: answer who waited for it, and start one that came due meanwhile. */

@@ -17,6 +17,11 @@
 #include "service/stats.h"
 
 #define MAX_CLIENTS 256u
+/* SIGTERM on a cluster with checkpoints: how long to wait for a step to carry the final
+ * checkpoint's flag (steps run every few ms while trainers train) before taking it idle, and
+ * how often the loop looks at the clock meanwhile. */
+#define STOP_DRAIN_MS 1000u
+#define STOP_TICK_MS 20
 
 enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT, TAG_PIDFD };
 #define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
@@ -69,11 +74,17 @@ struct embd_server {
 	struct embd_layout *layout;
 	uint8_t *msgbuf;
 	struct embd_ckpt_service *ckpt; /* NULL without checkpoint_dir */
+	bool ckpt_agreed;               /* the cluster agreed on a checkpoint after this step */
+	bool stopping;                  /* SIGTERM on a cluster: the final checkpoint first */
+	uint64_t stop_deadline_ns;      /* ... then stop once no step came by this time */
 };
 
 /* embctl checkpoint [--wait] from client c (server_ckpt.c). */
 int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
 				   const struct embd_ctl_msg *msg, char *err, size_t err_len);
+/* SIGTERM or SIGINT: stop now, or (a cluster with checkpoints) ask for the cluster's final
+ * checkpoint and stop after it, or at the drain deadline. */
+void embd_server_checkpoint_signal(struct embd_server *sv, uint32_t signo);
 /* A background checkpoint write ended (its fd fired in the loop). */
 void embd_server_checkpoint_done(struct embd_server *sv);
 

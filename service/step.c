@@ -465,6 +465,7 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 	s->batches = batches;
 	s->num_batches = n;
 	s->cluster_accepted = 0;
+	s->cluster_ckpt = false;
 	s->counts = (struct embd_step_counts){ 0 };
 	reset_io(s);
 	if (n > s->max_trainers)
@@ -522,6 +523,16 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 uint32_t embd_step_cluster_accepted(const struct embd_step *s)
 {
 	return s->cluster_accepted;
+}
+
+void embd_step_want_checkpoint(struct embd_step *s, bool want)
+{
+	s->ckpt_want = want;
+}
+
+bool embd_step_cluster_checkpoint(const struct embd_step *s)
+{
+	return s->cluster_ckpt;
 }
 
 int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)

@@ -136,6 +136,13 @@ int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, u
  * node). When it is > 0 every node must call backward or abort, even with none of its own. */
 uint32_t embd_step_cluster_accepted(const struct embd_step *step);
 
+/* Checkpoints a cluster agrees on (service/ckpt_service.h): _want sets this node's flag in the
+ * HELLO of the next forwards; _cluster_checkpoint says whether any node's HELLO of the last
+ * forward carried it, the same answer on every node (false on one node, and when the forward
+ * failed before or in HELLO). */
+void embd_step_want_checkpoint(struct embd_step *step, bool want);
+bool embd_step_cluster_checkpoint(const struct embd_step *step);
+
 /*
  * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
  * set for every accepted batch). Applies the fused optimizer to every shard once.

@@ -2,7 +2,8 @@
  * The step engine's exchanges with the other nodes (service/step.h, step_priv.h). Per step:
  *
  *   forward   1. HELLO  fixed-size all-to-all: every node tells every node its step number,
- *                       status, accepted batches and how many input bytes follow for it;
+ *                       status, accepted batches, how many input bytes follow for it, and
+ *                       whether it wants a checkpoint after this step (step.h);
  *             2. INPUT  all-to-all of the items staged for each node (ids, weights, offsets,
  *                       full bag lengths), sized exactly by HELLO; skipped by every node alike
  *                       when the cluster accepted nothing or a node failed;
@@ -422,7 +423,8 @@ int step_dist_input(struct embd_step *s)
 	for (uint32_t m = 0; m < N; m++) {
 		struct wire_head h = { .magic = WIRE_MAGIC, .seq = d->seq, .bytes = payload[m],
 				       .out_bytes = out_b[m], .grad_bytes = grad_b[m],
-				       .accepted_mask = mask };
+				       .accepted_mask = mask,
+				       .flags = s->ckpt_want ? WIRE_HELLO_CHECKPOINT : 0 };
 		memcpy((uint8_t *)d->send.p + m * H, &h, H);
 		d->sbytes[m] = d->rbytes[m] = H;
 	}
@@ -438,6 +440,7 @@ int step_dist_input(struct embd_step *s)
 			d->broken = true;
 			return step_fail(s, rc, "%s", d->broken_msg);
 		}
+		s->cluster_ckpt |= (heads[p].flags & WIRE_HELLO_CHECKPOINT) != 0;
 		d->out_expect[p] = p == s->node ? 0 : heads[p].out_bytes;
 		d->grad_expect[p] = p == s->node ? 0 : heads[p].grad_bytes;
 	}

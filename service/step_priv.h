@@ -111,6 +111,8 @@ struct embd_step {
 	struct embd_step_batch *batches;
 	uint32_t num_batches;
 	uint32_t cluster_accepted;
+	bool ckpt_want;                         /* this node's HELLO flag (embd_step_want_checkpoint) */
+	bool cluster_ckpt;                      /* some node's HELLO of this step carried it */
 	bool pending;
 	struct embd_step_counts counts;
 	embd_step_update_hook update_hook;      /* before a backward updates rows, or NULL */

@@ -40,6 +40,11 @@ int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t 
 			 "not whole items", p, head->bytes);
 		return EMBD_EPROTO;
 	}
+	if (head->flags & ~(uint64_t)WIRE_HELLO_KNOWN) {
+		snprintf(err, err_len, "node %u sent unknown flags 0x%" PRIx64 " in its sizes message", p,
+			 head->flags);
+		return EMBD_EPROTO;
+	}
 	return 0;
 }
 

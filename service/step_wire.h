@@ -20,7 +20,7 @@
 #define WIRE_MAGIC 0x31504554534d4245ull        /* "EMBSTEP1" */
 #define MAX_MESSAGE_BYTES (1ull << 36)
 
-/* The head of every message between two nodes (152 bytes, a multiple of 8). */
+/* The head of every message between two nodes (160 bytes, a multiple of 8). */
 struct wire_head {
 	uint64_t magic;
 	uint64_t seq;                           /* forwards run by the sender's engine */
@@ -29,8 +29,13 @@ struct wire_head {
 	uint64_t out_bytes;                     /* HELLO: bytes of OUTPUT the sender expects back */
 	uint64_t grad_bytes;                    /* HELLO: bytes of GRADS the sender will send */
 	uint64_t accepted_mask;                 /* HELLO: the sender's accepted batches */
+	uint64_t flags;                         /* HELLO: WIRE_HELLO_* */
 	char why[96];
 };
+
+/* The sender wants every node to checkpoint at the boundary after this step. */
+#define WIRE_HELLO_CHECKPOINT 1u
+#define WIRE_HELLO_KNOWN WIRE_HELLO_CHECKPOINT
 
 /* One staged item on the wire, followed by int64 offsets[B + 1], int64 ids[num_ids], float
  * weights[num_ids] (WIRE_WEIGHTED) and int32 lengths[B] (WIRE_LENGTHS), each padded to 8. */
@@ -59,7 +64,8 @@ int step_wire_head(uint32_t p, const uint8_t *msg, uint64_t len, uint64_t seq, u
 /*
  * The sizes a HELLO head announces: each at most MAX_MESSAGE_BYTES (what a sane peer of this
  * version can send) and the INPUT bytes a multiple of 8 (the receive buffer keeps every
- * peer's INPUT 8-aligned, which step_wire_input relies on). EMBD_EPROTO naming node p.
+ * peer's INPUT 8-aligned, which step_wire_input relies on); no flag this version does not
+ * know. EMBD_EPROTO naming node p.
  */
 int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t err_len);
 

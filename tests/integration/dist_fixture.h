@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "tests/integration/training_common.h"
@@ -34,6 +35,7 @@
 static uint32_t dist_trainers_per_node = RANKS;
 static int dist_store_timeout_ms = 8000;
 static char dist_extra_json[1024];      /* ", \"key\": value, ..." or "" */
+static char dist_node_json[MAX_NODES][256];     /* the same, for one node */
 static char dist_master_addr[64] = "127.0.0.1";
 
 struct node {
@@ -136,20 +138,38 @@ static void write_config(uint32_t n, const char *sharding, uint32_t world_nodes,
 	fprintf(f, ",\n \"trainers_per_node\": %u, \"seed\": %u, \"threads_per_rank\": 1, "
 		"\"busy_poll_us\": 20, \"master_addr\": \"%s\", \"master_port\": %u, "
 		"\"node_rank\": %u, \"backend\": \"gloo\", \"collective_timeout_ms\": %d, "
-		"\"store_timeout_ms\": %d%s }\n", dist_trainers_per_node, SEED, dist_master_addr, port,
-		nd->rank_from_env ? 0 : n, TIMEOUT_MS, dist_store_timeout_ms, dist_extra_json);
+		"\"store_timeout_ms\": %d%s%s }\n", dist_trainers_per_node, SEED, dist_master_addr,
+		port, nd->rank_from_env ? 0 : n, TIMEOUT_MS, dist_store_timeout_ms, dist_extra_json,
+		dist_node_json[n]);
 	fclose(f);
+}
+
+/* This test process's part of every name under /tmp: its pid and a tag drawn once per
+ * process, since test runs in other PID namespaces may share /tmp (and reuse the pid). */
+static const char *dist_run_id(void)
+{
+	static char id[40];
+	static pid_t owner;
+
+	if (owner != getpid()) {
+		struct timespec ts;
+		clock_gettime(CLOCK_REALTIME, &ts);
+		owner = getpid();
+		snprintf(id, sizeof(id), "%d-%06lx", (int)owner,
+			 ((unsigned long)ts.tv_nsec ^ ((unsigned long)ts.tv_sec << 20)) & 0xfffffful);
+	}
+	return id;
 }
 
 static void node_paths(uint32_t n)
 {
 	struct node *nd = &nodes[n];
-	int pid = (int)getpid();
+	const char *id = dist_run_id();
 
-	snprintf(nd->socket, sizeof(nd->socket), "/tmp/embd-dist-%d-%u.sock", pid, n);
-	snprintf(nd->config, sizeof(nd->config), "/tmp/embd-dist-%d-%u.json", pid, n);
-	snprintf(nd->log, sizeof(nd->log), "/tmp/embd-dist-%d-%u.log", pid, n);
-	snprintf(nd->plan, sizeof(nd->plan), "/tmp/embd-dist-%d-plan.json", pid);
+	snprintf(nd->socket, sizeof(nd->socket), "/tmp/embd-dist-%s-%u.sock", id, n);
+	snprintf(nd->config, sizeof(nd->config), "/tmp/embd-dist-%s-%u.json", id, n);
+	snprintf(nd->log, sizeof(nd->log), "/tmp/embd-dist-%s-%u.log", id, n);
+	snprintf(nd->plan, sizeof(nd->plan), "/tmp/embd-dist-%s-plan.json", id);
 	unlink(nd->socket);
 }
 
@@ -325,6 +345,7 @@ static void stop_cluster(void)
 	dist_trainers_per_node = RANKS;
 	dist_store_timeout_ms = 8000;
 	dist_extra_json[0] = 0;
+	memset(dist_node_json, 0, sizeof(dist_node_json));
 }
 
 #endif /* EMBD_TESTS_DIST_FIXTURE_H */

@@ -1,60 +1,39 @@
 /*
- * Integration: checkpoints of a cluster in one shared checkpoint_dir (service/checkpoint.h,
- * "shared directory"), with the real embd nodes of dist_fixture.h. Two nodes checkpoint every
- * K steps, are stopped and restarted: the trainers resume at step K and every later pooled
- * output equals the reference's after 2 K steps (the one of a run without the stop; trainers
- * that reconnect to a running cluster are no such run: the steps go on without them), and
- * the cluster's next checkpoint restored on one node goes on like the reference too. A
- * checkpoint one node wrote under
- * table_wise restores on two nodes under row_wise: every output afterwards equals the one
- * node's own continuation of the same global batch; `embctl checkpoint` on a cluster is
- * refused, and so is checkpoint_every_seconds at start. A node that dies before it reported its
- * files leaves no step directory and no .tmp one, and node 0 names it.
+ * Integration: checkpoints of a cluster, in one shared checkpoint_dir and in per-node
+ * directories (service/checkpoint.h), with the real embd nodes of dist_fixture.h. Two nodes
+ * checkpoint every K steps, are stopped and restarted: the trainers resume at step K and every
+ * later pooled output equals the reference's after 2 K steps (the one of a run without the
+ * stop; trainers that reconnect to a running cluster are no such run: the steps go on without
+ * them), and the cluster's next checkpoint restored on one node goes on like the reference
+ * too; the same with per-node directories. A checkpoint one node wrote under table_wise
+ * restores on two nodes under row_wise: every output afterwards equals the one node's own
+ * continuation of the same global batch. A node that dies before it reported its files leaves
+ * no step directory and no .tmp one, and node 0 names it; with per-node directories a node
+ * whose newest step is damaged makes the cluster restore the previous common step. Nodes
+ * with different checkpoint settings refuse to start, naming the key.
  */
-#include <criterion/criterion.h>
-#include <stdio.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include "tests/integration/ckpt_cluster_fixture.h"
 
-#include "tests/integration/dist_fixture.h"
+TestSuite(ckpt_cluster, .fini = ckpt_cluster_fini, .timeout = 40);
 
-static char ckpt_root[128];
-
-static void remove_root(void)
+/* The same in checkpoint_layout per_node: node n's checkpoint_dir is <root>/node<n>. */
+static void use_per_node_checkpoints(uint32_t every_steps)
 {
-	char cmd[192];
-
-	if (!ckpt_root[0] || getenv("EMBD_TEST_KEEP"))
-		return;
-	snprintf(cmd, sizeof(cmd), "rm -rf '%s'", ckpt_root);
-	if (system(cmd))
-		fprintf(stderr, "cannot remove %s\n", ckpt_root);
+	snprintf(ckpt_root, sizeof(ckpt_root), "/tmp/embd-ckpt-cluster-%s", dist_run_id());
+	snprintf(dist_extra_json, sizeof(dist_extra_json), ", \"checkpoint_layout\": \"per_node\", "
+		 "\"checkpoint_every_steps\": %u, \"checkpoint_keep\": 0", every_steps);
+	for (uint32_t n = 0; n < MAX_NODES; n++)
+		snprintf(dist_node_json[n], sizeof(dist_node_json[n]), ", \"checkpoint_dir\": "
+			 "\"%s/node%u\"", ckpt_root, n);
 }
 
-static void fini(void)
-{
-	stop_cluster();
-	remove_root();
-}
-
-TestSuite(ckpt_cluster, .fini = fini, .timeout = 40);
-
-/* A fresh checkpoint_dir for this test and the config keys that point at it. */
-static void use_checkpoints(uint32_t every_steps)
-{
-	snprintf(ckpt_root, sizeof(ckpt_root), "/tmp/embd-ckpt-cluster-%d", (int)getpid());
-	snprintf(dist_extra_json, sizeof(dist_extra_json), ", \"checkpoint_dir\": \"%s\", "
-		 "\"checkpoint_every_steps\": %u, \"checkpoint_keep\": 0", ckpt_root, every_steps);
-}
-
-static bool has_step(uint64_t step, bool tmp)
+/* <root>/node<n>/step-<step>/manifest.json exists (per_node layout). */
+static bool node_has_step(uint32_t n, uint64_t step)
 {
 	char path[192];
 
-	snprintf(path, sizeof(path), "%s/%sstep-%llu%s", ckpt_root, tmp ? ".tmp-" : "",
-		 (unsigned long long)step, tmp ? "" : "/manifest.json");
+	snprintf(path, sizeof(path), "%s/node%u/step-%llu/manifest.json", ckpt_root, n,
+		 (unsigned long long)step);
 	return access(path, F_OK) == 0;
 }
 
@@ -64,36 +43,6 @@ static void wait_for_step(uint64_t step)
 		usleep(20000);
 	cr_assert(has_step(step, false), "expected %s/step-%llu within 10 s", ckpt_root,
 		  (unsigned long long)step);
-}
-
-/* Stops every node (SIGTERM), keeping the checkpoint directory. */
-static void stop_nodes(void)
-{
-	for (uint32_t n = 0; n < num_nodes; n++)
-		stop_node(n, SIGTERM);
-}
-
-/* N nodes of sharding, trainers_per_node each, run K_STEPS into a new mapping. */
-static struct shared *train(uint32_t N, const char *sharding, uint32_t per_node)
-{
-	const char *sockets[MAX_NODES];
-	struct shared *sh = shared_map();
-
-	dist_trainers_per_node = per_node;
-	start_cluster(N, sharding);
-	for (uint32_t n = 0; n < N; n++)
-		sockets[n] = nodes[n].socket;
-	run_trainers(sh, N * per_node, sockets, per_node);
-	return sh;
-}
-
-static void expect_resumed(const struct shared *sh, uint32_t trainers, uint64_t step,
-			   const char *what)
-{
-	for (uint32_t g = 0; g < trainers; g++)
-		cr_expect_eq(sh->resumed_step[g], step, "%s: trainer %u: expected resumed step %llu, "
-			     "got %llu", what, g, (unsigned long long)step,
-			     (unsigned long long)sh->resumed_step[g]);
 }
 
 static void expect_same_outputs(const struct shared *want, const struct shared *got,
@@ -114,21 +63,24 @@ static void expect_same_outputs(const struct shared *want, const struct shared *
 		     "with, got %u mismatches", what, mismatches);
 }
 
+
 Test(ckpt_cluster, two_nodes_stopped_and_restarted_resume_at_the_checkpoint)
 {
 	const uint32_t T = 2 * RANKS;
 
-	/* K steps, the checkpoint of step K, stop, restart, K more: as 2 K steps of the reference */
+	/* K steps, the checkpoint of step K, a crash (SIGKILL: no final checkpoint), restart, K
+	 * more: as 2 K steps of the reference */
 	use_checkpoints(K_STEPS);
 	struct shared *first = train(2, "row_wise", RANKS);
 	check_against_reference(first, T, "2 nodes before the checkpoint");
 	wait_for_step(K_STEPS);
-	stop_nodes();
+	kill_nodes();
 	struct shared *resumed = train(2, "row_wise", RANKS);
 	expect_resumed(resumed, T, K_STEPS, "restarted cluster");
 	check_against_reference_after(resumed, T, "restarted cluster", 1);
 	/* the cluster's checkpoint of step 2 K restores on one node (all T trainers there) */
 	wait_for_step(2 * K_STEPS);
+	kill_nodes();
 	stop_cluster();
 	use_checkpoints(0);
 	struct shared *one = train(1, "table_wise", T);
@@ -151,20 +103,9 @@ Test(ckpt_cluster, one_node_table_wise_checkpoint_restores_on_two_nodes_row_wise
 	struct shared *two = train(2, "row_wise", 1);
 	expect_resumed(two, 2, K_STEPS, "2 nodes restoring 1 node's checkpoint");
 	check_against_reference_after(two, 2, "2 nodes restoring 1 node's checkpoint", 1);
-	/* one node of a cluster cannot choose a step for all: embctl checkpoint is refused */
-	char cmd[512], reply[512] = "";
-	snprintf(cmd, sizeof(cmd), "%s checkpoint --socket %s 2>&1", EMBCTL_BINARY,
-		 nodes[1].socket);
-	FILE *p = popen(cmd, "r");
-	cr_assert_not_null(p);
-	size_t got = fread(reply, 1, sizeof(reply) - 1, p);
-	reply[got] = 0;
-	cr_expect_neq(pclose(p), 0, "embctl checkpoint on a cluster: expected a failure, got: %s",
-		      reply);
-	cr_expect(strstr(reply, "checkpoint_every_steps") != NULL, "embctl checkpoint on a "
-		  "cluster: expected the refusal to name checkpoint_every_steps, got: %s", reply);
-	stop_nodes();
-	cr_expect(!has_step(2 * K_STEPS, false), "a cluster takes no checkpoint at SIGTERM");
+	/* SIGKILL: no final checkpoint, so that the one node restores the same step K */
+	kill_nodes();
+	cr_expect(!has_step(2 * K_STEPS, false), "expected no step-%d after SIGKILL", 2 * K_STEPS);
 	/* the one node's own continuation from the same checkpoint */
 	struct shared *one = train(1, "table_wise", 2);
 	expect_resumed(one, 2, K_STEPS, "1 node restoring its checkpoint");
@@ -201,13 +142,90 @@ Test(ckpt_cluster, node_killed_before_reporting_leaves_no_checkpoint)
 	munmap(sh, sizeof(*sh));
 }
 
-Test(ckpt_cluster, every_seconds_is_refused_on_a_cluster)
+/* Per-node directories: each node writes and commits its own step-K (every K steps) and its
+ * own final one at SIGTERM; the cluster restarts from the newest like from a shared
+ * directory. */
+Test(ckpt_cluster, per_node_directories_stopped_and_restarted_resume_at_the_checkpoint)
+{
+	const uint32_t T = 2 * RANKS;
+	char dir[192];
+	int entries;
+
+	use_per_node_checkpoints(K_STEPS);
+	struct shared *first = train(2, "row_wise", RANKS);
+	check_against_reference(first, T, "2 nodes (per-node directories) before the checkpoint");
+	for (int i = 0; i < 500 && !(node_has_step(0, K_STEPS) && node_has_step(1, K_STEPS)); i++)
+		usleep(20000);
+	cr_assert(node_has_step(0, K_STEPS) && node_has_step(1, K_STEPS), "expected step-%d in "
+		  "%s/node0 and node1 within 10 s", K_STEPS, ckpt_root);
+	cr_expect(!has_step(K_STEPS, false), "expected nothing in the root itself");
+	stop_nodes();
+	/* the final checkpoint: K, or K + 1 after the empty step of the trainers' hangup */
+	long long newest[2];
+	for (uint32_t n = 0; n < 2; n++) {
+		snprintf(dir, sizeof(dir), "%s/node%u", ckpt_root, n);
+		newest[n] = newest_step(dir, &entries);
+	}
+	cr_assert(newest[0] == newest[1] && newest[0] >= K_STEPS && newest[0] <= K_STEPS + 1,
+		  "expected both nodes' newest step at %d or %d, got %lld and %lld", K_STEPS,
+		  K_STEPS + 1, newest[0], newest[1]);
+	struct shared *resumed = train(2, "row_wise", RANKS);
+	expect_resumed(resumed, T, (uint64_t)newest[0], "restarted cluster (per-node directories)");
+	check_against_reference_after(resumed, T, "restarted cluster (per-node directories)", 1);
+	munmap(first, sizeof(*first));
+	munmap(resumed, sizeof(*resumed));
+}
+
+/* Node 1's newest step is damaged and node 0's newest is missing on node 1: the cluster
+ * restores the newest step both hold valid. */
+Test(ckpt_cluster, per_node_damaged_newest_step_restores_the_previous_common_one)
+{
+	char path[512];
+
+	char dir0[192], dir1[192];
+	int entries;
+
+	use_per_node_checkpoints(1);
+	struct shared *sh = train(2, "row_wise", RANKS);
+	for (int i = 0; i < 500 && !(node_has_step(0, K_STEPS) && node_has_step(1, K_STEPS)); i++)
+		usleep(20000);
+	usleep(300000);         /* the empty step the trainers' hangup may trigger, and its write */
+	kill_nodes();
+	snprintf(dir0, sizeof(dir0), "%s/node0", ckpt_root);
+	snprintf(dir1, sizeof(dir1), "%s/node1", ckpt_root);
+	long long n0 = newest_step(dir0, &entries), N = newest_step(dir1, &entries);
+	N = n0 < N ? n0 : N;
+	cr_assert(N >= K_STEPS, "expected steps 1..%d at least on both nodes, got %lld", K_STEPS,
+		  N);
+	/* node 1: step N's weight file of table 0 loses a byte; step N - 1 is removed on node 0 */
+	snprintf(path, sizeof(path), "%s/step-%lld/t0-t_sum.r32.c0.n1.weight.npy", dir1, N);
+	struct stat st;
+	cr_assert(stat(path, &st) == 0, "expected %s", path);
+	cr_assert(truncate(path, st.st_size - 1) == 0, "truncate %s", path);
+	snprintf(path, sizeof(path), "rm -rf %s/step-%lld", dir0, N - 1);
+	cr_assert(system(path) == 0);
+	/* any step above N on one node only (written as the other was killed) goes too */
+	snprintf(path, sizeof(path), "rm -rf %s/step-%lld %s/step-%lld", dir0, N + 1, dir1, N + 1);
+	cr_assert(system(path) == 0);
+	struct shared *again = train(2, "row_wise", RANKS);
+	expect_resumed(again, 2 * RANKS, (uint64_t)N - 2, "node 1's newest step damaged, node "
+		       "0's previous one gone");
+	char log[8192];
+	read_log(1, log, sizeof(log));
+	cr_expect(strstr(log, "damaged") != NULL, "node 1 should report its damaged step; log: %s",
+		  log);
+	munmap(sh, sizeof(*sh));
+	munmap(again, sizeof(*again));
+}
+
+/* Checkpoint settings must agree at join: both nodes refuse, naming the key. */
+Test(ckpt_cluster, different_checkpoint_settings_are_refused_at_join)
 {
 	char log[8192];
 	int st = 0;
 
 	use_checkpoints(0);
-	strcat(dist_extra_json, ", \"checkpoint_every_seconds\": 5");
+	snprintf(dist_node_json[1], sizeof(dist_node_json[1]), ", \"checkpoint_every_seconds\": 5");
 	num_nodes = 2;
 	pick_port();
 	for (uint32_t n = 0; n < 2; n++) {
@@ -216,18 +234,14 @@ Test(ckpt_cluster, every_seconds_is_refused_on_a_cluster)
 		spawn(n);
 	}
 	for (uint32_t n = 0; n < 2; n++) {
-		bool exited = false;
-		for (int i = 0; i < 500 && !exited; i++) {
-			exited = waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid;
-			if (!exited)
-				usleep(20000);
-		}
+		bool exited = node_exits_within(n, 10000, &st);
 		read_log(n, log, sizeof(log));
 		cr_assert(exited, "node %u: expected it to refuse to start within 10 s: %s", n, log);
-		nodes[n].pid = 0;
 		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "node %u: expected a failing exit, "
 			  "got status 0x%x", n, st);
-		cr_expect(strstr(log, "checkpoint_every_seconds") != NULL, "node %u: expected the "
-			  "refusal to name checkpoint_every_seconds, got: %s", n, log);
+		cr_expect(strstr(log, n ? "checkpoint_every_seconds 5 here, 0 on node 0"
+					: "checkpoint_every_seconds 0 here, 5 on node 1") != NULL,
+			  "node %u: expected the refusal to name checkpoint_every_seconds and both "
+			  "values, got: %s", n, log);
 	}
 }

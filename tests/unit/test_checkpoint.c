@@ -369,7 +369,7 @@ Test(checkpoint, retention_keeps_the_newest)
 		write_shards(tw, 1, s * 100);
 	snprintf(path, sizeof(path), "%s/.tmp-step-900", root);
 	cr_assert_eq(mkdir(path, 0755), 0);
-	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, err, sizeof(err));
+	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, UINT64_MAX, err, sizeof(err));
 	cr_expect_eq(removed, 4, "expected 3 old checkpoints and 1 .tmp removed, got %d (%s)",
 		     removed, err);
 	cr_expect_eq(count_entries("step-"), 2);
@@ -377,6 +377,24 @@ Test(checkpoint, retention_keeps_the_newest)
 	cr_expect_eq(newest(&sk), 500);
 	snprintf(path, sizeof(path), "%s/step-400", root);
 	cr_expect_eq(access(path, F_OK), 0, "step-400 kept");
+}
+
+Test(checkpoint, retention_spares_the_step_every_node_holds)
+{
+	char path[256], err[512];
+
+	/* per-node directories: 300 is the newest step every node holds, 400 and 500 are this
+	 * node's part of cluster checkpoints that failed elsewhere */
+	for (uint64_t s = 1; s <= 5; s++)
+		write_shards(tw, 1, s * 100);
+	int removed = embd_ckpt_retain(root, 1, UINT64_MAX, 300, err, sizeof(err));
+	cr_expect_eq(removed, 3, "expected steps 100, 200 and 400 removed, got %d (%s)", removed,
+		     err);
+	snprintf(path, sizeof(path), "%s/step-300", root);
+	cr_expect_eq(access(path, F_OK), 0, "expected step-300 spared");
+	snprintf(path, sizeof(path), "%s/step-500", root);
+	cr_expect_eq(access(path, F_OK), 0, "expected step-500 kept (the newest)");
+	cr_expect_eq(count_entries("step-"), 2);
 }
 
 /* ---- the service: restore into a step engine under another plan -------------------------- */
@@ -707,7 +725,7 @@ Test(checkpoint, shared_directory_parts_appear_only_when_committed)
 	/* both parts on disk, no manifest: nothing to restore, and retention leaves them alone */
 	cr_expect_eq(embd_ckpt_find(root, UINT64_MAX, NULL, NULL, dir, sizeof(dir), &m, err,
 				    sizeof(err)), EMBD_ENOENT, "uncommitted parts must not be found");
-	cr_expect_eq(embd_ckpt_retain(root, 1, 7, err, sizeof(err)), 0,
+	cr_expect_eq(embd_ckpt_retain(root, 1, 7, UINT64_MAX, err, sizeof(err)), 0,
 		     "retention must keep the .tmp of the step being written");
 	cr_expect_eq(count_entries(".tmp-step-7"), 1);
 	int rc = embd_ckpt_manifest_merge(parts, 2, &m, err, sizeof(err));

@@ -226,6 +226,7 @@ enum twist {
 	TWIST_WORLD_SIZE,       /* the altered node has two ranks more (one node more) */
 	TWIST_EXTRA_TABLE,      /* the altered node has a third table */
 	TWIST_PLAN_TOPOLOGY,    /* node 0's plan was built for batch_size 1024 */
+	TWIST_SETTINGS,         /* the altered node's settings differ (checkpoint_every_steps) */
 };
 
 struct cluster {
@@ -286,8 +287,11 @@ static int child_node(int node, void *arg)
 	}
 	TU_CHECK(embd_store_connect("127.0.0.1", tu_port, 5000, &store, err, sizeof(err)) == 0, "%s",
 		 err);
-	int rc = embd_collective_plan(store, &r, &tables, &topo, "t/", c->timeout_ms, &plan, err,
-				      sizeof(err));
+	const char *settings = altered && c->twist == TWIST_SETTINGS
+		? "{\"checkpoint_dir\": \"set\", \"checkpoint_every_steps\": 10}"
+		: "{\"checkpoint_dir\": \"set\", \"checkpoint_every_steps\": 0}";
+	int rc = embd_collective_plan(store, &r, &tables, &topo, settings, "t/", c->timeout_ms,
+				      &plan, err, sizeof(err));
 	fprintf(stderr, "[node %d] collective_plan: %d %s\n", node, rc, err);
 	TU_CHECK(rc == c->want_rc[node], "node %d: expected %d (%s), got %d: %s", node,
 		 c->want_rc[node], embd_strerror(c->want_rc[node]), rc, err);
@@ -387,6 +391,17 @@ Test(collective_plan, different_world_size_is_named_on_both_sides)
 	run_cluster(&c);
 }
 
+Test(collective_plan, different_settings_are_named_by_key_on_both_sides)
+{
+	struct cluster c = {
+		.nodes = 2, .local = 2, .twist = TWIST_SETTINGS, .altered = 1, .timeout_ms = 10000,
+		.absent = -1, .want_rc = { EMBD_EMISMATCH, EMBD_EMISMATCH },
+		.want_msg = { "node 1: checkpoint_every_steps 0 here, 10 on node 1",
+			      "checkpoint_every_steps 10 here, 0 on node 0" },
+	};
+	run_cluster(&c);
+}
+
 Test(collective_plan, extra_table_is_named)
 {
 	struct cluster c = {
@@ -430,13 +445,13 @@ static int child_old_protocol(int node, void *arg)
 	char err[256];
 	void *v = NULL;
 	size_t len;
-	const char *record = "{\"protocol\": 2, \"node_rank\": 1, \"world_size\": 2}";
+	const char *record = "{\"protocol\": 1, \"node_rank\": 1, \"world_size\": 2}";
 	TU_CHECK(embd_store_connect("127.0.0.1", tu_port, 5000, &s, err, sizeof(err)) == 0, "%s", err);
 	TU_CHECK(embd_store_add(s, "t/joined/1", 1, NULL) == 0, "%s", embd_store_error(s));
 	TU_CHECK(embd_store_set(s, "t/join/1", record, strlen(record)) == 0, "%s",
 		 embd_store_error(s));
 	TU_CHECK(embd_store_get(s, "t/verdict/1", &v, &len) == 0, "%s", embd_store_error(s));
-	TU_CHECK(len > 20 && memmem(v, len, "protocol version 1 here, 2 on node 1", 36),
+	TU_CHECK(len > 20 && memmem(v, len, "protocol version 2 here, 1 on node 1", 36),
 		 "verdict: %.*s", (int)len, (char *)v);
 	free(v);
 	TU_CHECK(embd_store_set(s, "t/result/1", "refused", 7) == 0, "%s", embd_store_error(s));
@@ -449,7 +464,7 @@ Test(collective_plan, other_protocol_version_is_refused)
 	struct cluster c = {
 		.nodes = 2, .local = 1, .altered = -1, .timeout_ms = 10000, .absent = 1,
 		.want_rc = { EMBD_EMISMATCH },
-		.want_msg = { "node 1: protocol version 1 here, 2 on node 1" },
+		.want_msg = { "node 1: protocol version 2 here, 1 on node 1" },
 		.stand_in = child_old_protocol,
 	};
 	run_cluster(&c);

@@ -47,7 +47,7 @@ Test(config, every_key_is_read)
 		"  \"seed\": 12345678901, \"threads_per_rank\": 2, \"log_level\": \"debug\","
 		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
-		"  \"checkpoint_keep\": 0 }";
+		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\" }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -70,6 +70,7 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_every_steps, 100);
 	cr_assert_eq(c.checkpoint_every_seconds, 600);
 	cr_assert_eq(c.checkpoint_keep, 0);
+	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
 	embd_config_free(&c);
 }
 
@@ -85,6 +86,7 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.threads_per_rank, 1);
 	cr_assert_eq(c.busy_poll_us, 50);
 	cr_assert_eq(c.checkpoint_keep, 3);
+	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
 	cr_assert_eq(c.checkpoint_every_steps, 0);
 	embd_config_free(&c);
 	/* an explicit empty allowed_uids means nobody by uid */
@@ -118,6 +120,7 @@ Test(config, errors_name_the_key)
 		{ "{ \"log_level\": \"loud\" }", "log_level" },
 		{ "{ \"log_level\": 3 }", "log_level" },
 		{ "{ \"checkpoint_dir\": false }", "checkpoint_dir" },
+		{ "{ \"checkpoint_layout\": \"nfs\" }", "checkpoint_layout" },
 		{ "{ \"busy_poll_us\": -5 }", "busy_poll_us" },
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },

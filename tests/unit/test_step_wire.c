@@ -126,6 +126,15 @@ Test(step_wire, oversize_byte_counts)
 	REFUSED(step_wire_hello(WP_PEER, &h, err, sizeof(err)), EMBD_EPROTO, "announced messages");
 }
 
+Test(step_wire, unknown_hello_flags)
+{
+	struct wire_head h = wp_hello(0, 0);
+	h.flags = WIRE_HELLO_CHECKPOINT;
+	cr_expect_eq(step_wire_hello(WP_PEER, &h, err, sizeof(err)), 0, "%s", err);
+	h.flags = 2;
+	REFUSED(step_wire_hello(WP_PEER, &h, err, sizeof(err)), EMBD_EPROTO, "unknown flags 0x2");
+}
+
 Test(step_wire, input_bytes_not_whole_items)
 {
 	struct wire_head h = wp_hello(36, 0);

@@ -1,0 +1,64 @@
+/*
+ * service/ckpt_cluster.h - the store protocol of a cluster's checkpoints (both layouts of
+ * service/checkpoint.h): every node's report, node 0's verdict that every node hears, the
+ * choice of the step to restore, and the barrier of a final checkpoint at SIGTERM while idle.
+ * The idea: node 0 decides everything and publishes the decision under one key the others
+ * wait for, so every node returns the same outcome (a `--wait` on any node answers with the
+ * cluster's result). Private to ckpt_service.c; every call blocks on the store (the writer
+ * thread's handle, or the service thread's before steps run / after they stopped).
+ */
+#ifndef EMBD_SERVICE_CKPT_CLUSTER_H
+#define EMBD_SERVICE_CKPT_CLUSTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "service/checkpoint.h"
+#include "service/config.h"
+
+struct embd_store;
+
+struct embd_ckpt_cluster {
+	struct embd_store *store;
+	const struct embd_config *config;       /* checkpoint_dir, layout, store_timeout_ms */
+	uint32_t node, num_nodes;
+	uint64_t plan_hash;                     /* per_node restores only this plan */
+};
+
+/*
+ * This node's part of step m->step: shared layout, its files into .tmp-step-N
+ * (embd_ckpt_write_part); per_node, a whole step-N of its own in its checkpoint_dir
+ * (embd_ckpt_write_dir). Then its report "ckpt/N/node/<k>" (its manifest, "ok" or "error:
+ * why"). Node 0 waits store_timeout_ms for every report, commits (shared: merged manifest,
+ * rename) or checks (per_node), and publishes the verdict "ckpt/N/done"; every other node
+ * waits for it (twice store_timeout_ms: node 0's wait starts after its own write). Returns
+ * the cluster's outcome on every node: 0 (EMBD_EBUSY on node 0 when the step was on disk
+ * already), or the failure with err naming the node.
+ */
+int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt_manifest *m,
+			    const struct embd_ckpt_array *arrays, uint32_t num_arrays,
+			    uint64_t *bytes, char *err, size_t err_len);
+
+/*
+ * The checkpoint a cluster restores, the same on every node; dir and *m are this node's.
+ * Shared: node 0 finds the newest valid step and publishes it ("ckpt/restore"); the others
+ * open that very directory. Per_node: rounds r = 0, 1, ...: every node publishes the newest
+ * step <= bound it holds valid ("ckpt/restore/<r>/node/<k>"), node 0 answers with the step
+ * when all agree, or with the smallest as the next bound ("ckpt/restore/<r>"), so the newest
+ * step that every node holds valid wins. Per_node restores only a checkpoint of this plan
+ * and node count (EMBD_EMISMATCH otherwise, saying how to reshard). EMBD_ENOENT: none.
+ */
+int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn skip,
+			   char *dir, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
+			   size_t err_len);
+
+/*
+ * SIGTERM on an idle cluster: every node stopping at `step` says so ("ckpt/stop/<step>/
+ * node/<k>"); node 0 waits store_timeout_ms for all and publishes "go" or why not; 0 when
+ * every node stops at step (then each writes its part), EMBD_ETIMEDOUT naming the nodes that
+ * did not (then no node writes anything).
+ */
+int embd_ckpt_cluster_stop_barrier(const struct embd_ckpt_cluster *cl, uint64_t step,
+				   char *err, size_t err_len);
+
+#endif /* EMBD_SERVICE_CKPT_CLUSTER_H */
