@@ -477,8 +477,8 @@ static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ck
 /* Which checkpoint a cluster restores (checkpoint.h): node 0 finds the newest valid one and
  * publishes its step ("none", or "error: why"); every other node opens that very directory
  * and fails on damage rather than take another step than node 0. */
-static int find_cluster(struct embd_ckpt_service *ck, char *dir, size_t dir_cap,
-			struct embd_ckpt_manifest *m, char *err, size_t err_len)
+static int find_cluster(struct embd_ckpt_service *ck, const char *restore_key, char *dir,
+			size_t dir_cap, struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	const char *root = ck->config->checkpoint_dir;
 	char value[800], inner[600];
@@ -492,14 +492,14 @@ static int find_cluster(struct embd_ckpt_service *ck, char *dir, size_t dir_cap,
 			snprintf(value, sizeof(value), "%" PRIu64, m->step);
 		else
 			snprintf(value, sizeof(value), rc == EMBD_ENOENT ? "none" : "error: %s", err);
-		if (embd_store_set(ck->store, RESTORE_KEY, value, strlen(value))) {
+		if (embd_store_set(ck->store, restore_key, value, strlen(value))) {
 			embd_ckpt_manifest_free(m);
 			return snprintf(err, err_len, "store: publishing the step to restore: %s",
 					embd_store_error(ck->store)), EMBD_EIO;
 		}
 		return rc;
 	}
-	if ((rc = embd_store_get(ck->store, RESTORE_KEY, &v, &len)))
+	if ((rc = embd_store_get(ck->store, restore_key, &v, &len)))
 		return snprintf(err, err_len, "store: waiting for node 0's choice of checkpoint: %s",
 				embd_store_error(ck->store)), rc;
 	snprintf(value, sizeof(value), "%.*s", (int)len, (char *)v);
@@ -525,8 +525,10 @@ static int find_cluster(struct embd_ckpt_service *ck, char *dir, size_t dir_cap,
 	return 0;
 }
 
-int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
-			      size_t err_len)
+/* The newest valid checkpoint into the shards; on a cluster node 0 publishes its choice at
+ * restore_key. EMBD_ENOENT (not logged) when there is none. */
+static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64_t *step_out,
+		   char *err, size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX + 64];
 	struct embd_ckpt_manifest m;
@@ -539,15 +541,10 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 	memset(&m, 0, sizeof(m));
 	if (!targets || !index)
 		goto out;
-	rc = ck->base.num_nodes > 1 ? find_cluster(ck, dir, sizeof(dir), &m, err, err_len)
+	rc = ck->base.num_nodes > 1 ? find_cluster(ck, restore_key, dir, sizeof(dir), &m, err,
+						   err_len)
 				    : embd_ckpt_find(ck->config->checkpoint_dir, UINT64_MAX, log_skip,
 						     NULL, dir, sizeof(dir), &m, err, err_len);
-	if (rc == EMBD_ENOENT) {
-		embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
-			      ck->config->checkpoint_dir);
-		rc = 0;
-		goto out;
-	}
 	if (rc || (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
 	uint32_t num_targets = 0;
@@ -581,6 +578,29 @@ out:
 	free(targets);
 	free(index);
 	return rc;
+}
+
+int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
+			      size_t err_len)
+{
+	int rc = restore(ck, RESTORE_KEY, step_out, err, err_len);
+
+	if (rc != EMBD_ENOENT)
+		return rc;
+	embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
+		      ck->config->checkpoint_dir);
+	return 0;
+}
+
+int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *restore_key,
+				      uint64_t *step_out, char *err, size_t err_len)
+{
+	/* the writer reads the snapshot buffer, never the shards: it may go on, but its step
+	 * would be reported again after the restore, so the restore waits for it */
+	if (ck->running)
+		join_writer(ck);
+	ck->requested = false;
+	return restore(ck, restore_key, step_out, err, err_len);
 }
 
 /* ---- reporting --------------------------------------------------------------------------- */

@@ -550,6 +550,58 @@ refuse:
 	return rc;
 }
 
+/* A restarted node: node 0's record and plan checked as a joiner does, without counting in. */
+static int rejoiner(const struct exchange *x, const char *record,
+		    const struct embd_tables *tables, const struct embd_topology *topo,
+		    struct embd_plan **out)
+{
+	char k[EMBD_STORE_KEY_MAX + 1], msg[MSG_MAX] = "", *theirs = NULL;
+	size_t len = 0;
+	int rc = fetch(x, key(x, k, sizeof(k), "join/0"), "node 0's join record", &theirs, &len);
+
+	if (rc < 0)
+		return rc;
+	rc = compare_records(record, theirs, len, "on node 0", msg, sizeof(msg));
+	free(theirs);
+	if (rc == 0)
+		rc = check_plan(x, tables, topo, out, msg, sizeof(msg));
+	return rc < 0 ? fail(x, rc, "rejoining: %s", msg) : 0;
+}
+
+int embd_collective_plan_rejoin(struct embd_store *store, const struct embd_rendezvous *r,
+				const struct embd_tables *tables,
+				const struct embd_topology *topo, int timeout_ms,
+				struct embd_plan **plan, char *err, size_t err_len)
+{
+	struct exchange x = { store, "embd/", r->node_rank, embd_rendezvous_num_nodes(r),
+			      timeout_ms, err, err_len };
+	char k[EMBD_STORE_KEY_MAX + 1], *outcome = NULL;
+	size_t len = 0;
+
+	if (err_len)
+		err[0] = '\0';
+	if (r->node_rank == 0)
+		return 0;       /* node 0's store is new whenever node 0 is; its plan stays */
+	*plan = NULL;
+	embd_store_set_timeout(store, timeout_ms);
+	int rc = embd_store_check(store, key(&x, k, sizeof(k), "outcome"));
+	if (rc <= 0)
+		return rc < 0 ? fail(&x, rc, "%s", embd_store_error(store)) : 0;
+	if ((rc = fetch(&x, k, "node 0's outcome", &outcome, &len)) < 0)
+		return rc;
+	rc = strcmp(outcome, OK) ? fail(&x, EMBD_EMISMATCH, "the cluster's start failed: %.900s",
+					outcome) : 0;
+	free(outcome);
+	if (rc < 0)
+		return rc;
+	char *record = join_record(r, tables, topo);
+	if (!record)
+		return fail(&x, EMBD_ENOMEM, "out of memory for the join record");
+	rc = rejoiner(&x, record, tables, topo, plan);
+	cJSON_free(record);
+	return rc < 0 ? rc : 1;
+}
+
 int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,
 			 const struct embd_tables *tables, const struct embd_topology *topo,
 			 const char *prefix, int timeout_ms, struct embd_plan **plan,

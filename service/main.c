@@ -22,6 +22,7 @@
 #include "service/config.h"
 #include "service/log.h"
 #include "service/ranks.h"
+#include "service/regroup.h"
 #include "service/rendezvous.h"
 #include "service/server.h"
 #include "service/step.h"
@@ -75,11 +76,14 @@ static int make_plan(const struct embd_config *c, struct embd_plan **out, char *
 struct cluster {
 	struct embd_store_server *server;       /* node 0 only */
 	struct embd_store *store;
-	struct embd_comm *comm;
+	struct embd_comm *comm;                 /* generation 0; then owned by regroup */
+	struct embd_regroup *regroup;
+	bool rejoining;                         /* restarted into a running cluster */
 };
 
 static void cluster_close(struct cluster *cl)
 {
+	embd_regroup_destroy(cl->regroup);
 	embd_comm_destroy(cl->comm);
 	embd_store_close(cl->store);
 	embd_store_server_stop(cl->server);
@@ -132,6 +136,22 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 				   sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "store: %s", inner), rc;
+	struct embd_regroup_options ro = {
+		.node = c->node_rank, .nodes = embd_config_nodes(c), .backend = c->backend,
+		.collective_timeout_ms = c->collective_timeout_ms,
+		.store_timeout_ms = c->store_timeout_ms,
+	};
+	/* a node that restarts into a running cluster joins its next generation instead */
+	rc = embd_collective_plan_rejoin(cl->store, r, &c->tables, &c->topology,
+					 c->store_timeout_ms, plan, inner, sizeof(inner));
+	if (rc < 0)
+		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
+	if (rc == 1) {
+		embd_log_warning("node %u: the cluster runs already: rejoining it (this node's "
+				 "shards are lost until a restore)", c->node_rank);
+		cl->rejoining = true;
+		return embd_regroup_create(&ro, cl->store, NULL, &cl->regroup);
+	}
 	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, NULL,
 				  c->store_timeout_ms, plan, inner, sizeof(inner));
 	if (rc)
@@ -143,7 +163,10 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "comm: %s", inner), rc;
-	return 0;
+	rc = embd_regroup_create(&ro, cl->store, cl->comm, &cl->regroup);
+	if (!rc)
+		cl->comm = NULL;
+	return rc;
 }
 
 static void log_plan(struct embd_plan *plan)
@@ -280,8 +303,9 @@ int main(int argc, char **argv)
 
 	rc = embd_ranks_create((uint32_t)config.topology.local_world_size, config.threads_per_rank,
 			       &ranks, err, sizeof(err));
-	struct embd_step_cluster where = { config.node_rank, nodes, cluster.comm, cluster.store,
-					   config.collective_timeout_ms };
+	struct embd_step_cluster where = {
+		config.node_rank, nodes, cluster.regroup ? embd_regroup_comm(cluster.regroup) : NULL,
+		cluster.store, config.collective_timeout_ms };
 	if (!rc)
 		rc = embd_step_create_cluster(&config.tables, plan, ranks, config.seed,
 					      config.trainers_per_node, &where, &step, err,
@@ -289,7 +313,8 @@ int main(int argc, char **argv)
 	/* checkpoints: the newest valid one is restored before the socket accepts anyone */
 	if (!rc && config.checkpoint_dir[0]) {
 		rc = embd_ckpt_service_create(&config, step, plan, &ckpt, err, sizeof(err));
-		if (!rc)
+		/* a rejoining node restores when the cluster decides it (service/regroup.h) */
+		if (!rc && !cluster.rejoining)
 			rc = embd_ckpt_service_restore(ckpt, &resumed_step, err, sizeof(err));
 	}
 	if (!rc)
@@ -303,6 +328,8 @@ int main(int argc, char **argv)
 		embd_log_error("start: %s", err);
 		goto out;
 	}
+	if (cluster.regroup)
+		embd_server_set_regroup(server, cluster.regroup, cluster.rejoining, resumed_step);
 	for (uint32_t r = 0; r < embd_ranks_count(ranks); r++)
 		embd_log_info("rank %u: NUMA node %d, %" PRIu64 " bytes of shards", r,
 			      embd_ranks_node(ranks, r), embd_ranks_memory_bytes(ranks, r));

@@ -99,4 +99,16 @@ int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous 
 			 const char *prefix, int timeout_ms, struct embd_plan **plan,
 			 char *err, size_t err_len);
 
+/*
+ * A node other than node 0 that restarts into a running cluster (node 0 published a
+ * successful outcome under "embd/" before): compares its join record with node 0's and
+ * checks node 0's plan as a joiner does (same messages), without joining the start's
+ * exchange again. Returns 1 with *plan set when the cluster was running, 0 when it was not
+ * (node 0 always, its *plan untouched; call embd_collective_plan), or a negative code.
+ */
+int embd_collective_plan_rejoin(struct embd_store *store, const struct embd_rendezvous *r,
+				const struct embd_tables *tables,
+				const struct embd_topology *topo, int timeout_ms,
+				struct embd_plan **plan, char *err, size_t err_len);
+
 #endif /* EMBD_SERVICE_RENDEZVOUS_H */
