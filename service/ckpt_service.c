@@ -600,7 +600,11 @@ int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *
 	if (ck->running)
 		join_writer(ck);
 	ck->requested = false;
-	return restore(ck, restore_key, step_out, err, err_len);
+	/* node 0 may first wait that long for a write in flight of its own */
+	embd_store_set_timeout(ck->store, 2 * ck->config->store_timeout_ms);
+	int rc = restore(ck, restore_key, step_out, err, err_len);
+	embd_store_set_timeout(ck->store, ck->config->store_timeout_ms);
+	return rc;
 }
 
 /* ---- reporting --------------------------------------------------------------------------- */

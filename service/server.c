@@ -290,6 +290,8 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 					    &text);
 	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->ckpt)
 		rc = embd_ckpt_service_status_add(sv->ckpt, &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->rg)
+		rc = embd_server_regroup_status_add(sv, &text);
 	if (!rc && strlen(text) < EMBD_CTL_MSG_MAX - sizeof(struct embd_ctl_header))
 		embd_ctl_send(c->sock, type, text, (uint32_t)strlen(text), NULL, 0, NULL, 0);
 	else
@@ -345,7 +347,8 @@ static void next_step(struct embd_server *sv)
 {
 	sv->s++;
 	sv->phase = COLLECT;
-	if (sv->ckpt)
+	/* a cluster that is re-forming completed no step: nothing to checkpoint */
+	if (sv->ckpt && (!sv->rg || embd_server_regroup_running(sv)))
 		embd_ckpt_service_poll(sv->ckpt, sv->s);
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];

@@ -94,6 +94,8 @@ bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
 			      const struct embd_sqe *sqe, uint64_t popped_ns);
 /* Whether steps may run (no re-forming, no refusal). */
 bool embd_server_regroup_running(const struct embd_server *sv);
+/* Adds the "cluster" object (service/stats.h) to the status JSON text *status. */
+int embd_server_regroup_status_add(const struct embd_server *sv, char **status);
 /* How long the loop may sleep (ms): short while forming. */
 int embd_server_regroup_sleep_ms(const struct embd_server *sv, int idle_ms);
 

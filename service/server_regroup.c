@@ -10,8 +10,10 @@
  * the completion's step set to it (libembdclient copies it into embd_layout()->resumed_step);
  * a trainer that connects later gets it in WELCOME.
  */
+#include <cjson/cJSON.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "service/ckpt_service.h"
@@ -219,4 +221,26 @@ bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
 		return true;
 	}
 	return false;
+}
+
+int embd_server_regroup_status_add(const struct embd_server *sv, char **status)
+{
+	static const char *const names[] = { "running", "forming", "lost", "detached" };
+	cJSON *root = cJSON_Parse(*status), *o;
+
+	if (!root || !(o = cJSON_AddObjectToObject(root, "cluster"))) {
+		cJSON_Delete(root);
+		return EMBD_ENOMEM;
+	}
+	cJSON_AddNumberToObject(o, "generation", (double)embd_regroup_generation(sv->rg));
+	cJSON_AddStringToObject(o, "state", names[sv->rg_state]);
+	cJSON_AddNumberToObject(o, "applied_step", (double)sv->applied);
+	cJSON_AddStringToObject(o, "message", sv->rg_state == RG_RUNNING ? "" : sv->rg_msg);
+	char *text = cJSON_PrintUnformatted(root);
+	cJSON_Delete(root);
+	if (!text)
+		return EMBD_ENOMEM;
+	free(*status);
+	*status = text;
+	return 0;
 }

@@ -301,6 +301,7 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 
 /* Runs trainers 0..n-1 as processes, trainer g on sockets[g / per_socket] with index
  * g % per_socket, and asserts that each finished its K steps. */
+__attribute__((unused))        /* tests that drive their trainers step by step do not */
 static void run_trainers(struct shared *sh, uint32_t n, const char *const *sockets,
 			 uint32_t per_socket)
 {
