@@ -343,13 +343,27 @@ static int wait_joiners(const struct exchange *x, const char *kind, const char *
 		keys[n - 1] = key(x, names[n], sizeof(names[n]), "%s/%d", kind, n);
 	rc = embd_store_wait(x->store, keys, (size_t)(x->nodes - 1));
 	if (rc == EMBD_ETIMEDOUT) {
-		char missing[256] = "";
-		size_t at = 0;
-		for (int32_t n = 1; n < x->nodes && at + 16 < sizeof(missing); n++)
-			if (embd_store_check(x->store, keys[n - 1]) == 0)
-				at += (size_t)snprintf(missing + at, sizeof(missing) - at, "%s%d",
-						       at ? ", " : "", n);
-		rc = fail(x, rc, "node(s) %s did not %s within %d ms", missing, what, x->timeout_ms);
+		char missing[256] = "", stale[256] = "", k[EMBD_STORE_KEY_MAX + 1];
+		size_t at = 0, st = 0;
+		for (int32_t n = 1; n < x->nodes && at + 16 < sizeof(missing); n++) {
+			if (embd_store_check(x->store, keys[n - 1]) != 0)
+				continue;
+			at += (size_t)snprintf(missing + at, sizeof(missing) - at, "%s%d",
+					       at ? ", " : "", n);
+			/* a node of the cluster this node 0 replaces (service/regroup.h) */
+			if (embd_store_check(x->store, key(x, k, sizeof(k), "stale/%d", n)) == 1 &&
+			    st + 16 < sizeof(stale))
+				st += (size_t)snprintf(stale + st, sizeof(stale) - st, "%s%d",
+						       st ? ", " : "", n);
+		}
+		if (st)
+			rc = fail(x, rc, "node(s) %s did not %s within %d ms: node(s) %s still run the "
+				  "cluster node 0 had before it restarted (a restarted node 0 is not "
+				  "resumed): restart every embd node", missing, what, x->timeout_ms,
+				  stale);
+		else
+			rc = fail(x, rc, "node(s) %s did not %s within %d ms", missing, what,
+				  x->timeout_ms);
 	} else if (rc < 0) {
 		rc = fail(x, rc, "%s", embd_store_error(x->store));
 	}

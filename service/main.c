@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/signalfd.h>
 #include <systemd/sd-daemon.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "service/ckpt_service.h"
@@ -136,6 +137,16 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 				   sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "store: %s", inner), rc;
+	if (c->node_rank == 0) {
+		/* which store this is, for nodes that reconnect after a failure (regroup.h) */
+		struct timespec ts;
+		char id[64];
+		clock_gettime(CLOCK_REALTIME, &ts);
+		snprintf(id, sizeof(id), "%d.%lld.%09ld", (int)getpid(), (long long)ts.tv_sec,
+			 ts.tv_nsec);
+		if ((rc = embd_store_set(cl->store, EMBD_REGROUP_INSTANCE_KEY, id, strlen(id))))
+			return snprintf(err, err_len, "store: %s", embd_store_error(cl->store)), rc;
+	}
 	struct embd_regroup_options ro = {
 		.node = c->node_rank, .nodes = embd_config_nodes(c), .backend = c->backend,
 		.collective_timeout_ms = c->collective_timeout_ms,

@@ -28,6 +28,7 @@ struct embd_regroup {
 	bool forming;
 	bool fresh;                             /* restarted: opens a generation of its own */
 	char prefix[48];
+	char instance[64];                      /* node 0's store (EMBD_REGROUP_INSTANCE_KEY) */
 };
 
 /* ---- the decision ------------------------------------------------------------------------ */
@@ -102,6 +103,15 @@ int embd_regroup_create(const struct embd_regroup_options *o, struct embd_store 
 	rg->fresh = comm == NULL;
 	rg->forming = comm == NULL;
 	snprintf(rg->prefix, sizeof(rg->prefix), "embd/gen/0/");
+	/* which store this is: a store that answers again after a failure is the same only if
+	 * it still holds this value (node 0 stalled, not restarted) */
+	void *v = NULL;
+	size_t len = 0;
+	embd_store_set_timeout(store, o->store_timeout_ms);
+	if (embd_store_check(store, EMBD_REGROUP_INSTANCE_KEY) == 1 &&
+	    !embd_store_get(store, EMBD_REGROUP_INSTANCE_KEY, &v, &len))
+		snprintf(rg->instance, sizeof(rg->instance), "%.*s", (int)len, (char *)v);
+	free(v);
 	*out = rg;
 	return 0;
 }
@@ -319,4 +329,30 @@ int embd_regroup_finish(struct embd_regroup *rg, char *err, size_t err_len)
 		return 0;
 	snprintf(err, err_len, "%.300s", embd_comm_error(rg->comm));
 	return next_generation(rg, "barrier", err, err_len);
+}
+
+int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len)
+{
+	void *v = NULL;
+	size_t len = 0;
+	char k[64];
+
+	if (embd_store_reconnect(rg->store, LOOK_MS))
+		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
+	embd_store_set_timeout(rg->store, LOOK_MS);
+	int rc = embd_store_check(rg->store, EMBD_REGROUP_INSTANCE_KEY);
+	if (rc == 1 && !embd_store_get(rg->store, EMBD_REGROUP_INSTANCE_KEY, &v, &len)) {
+		bool same = rg->instance[0] && len == strlen(rg->instance) &&
+			    !memcmp(v, rg->instance, len);
+		free(v);
+		if (same)
+			return 1;
+	}
+	if (rc < 0)
+		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
+	/* a new store: node 0 restarted. Tell it, so that it names this node when it gives up */
+	snprintf(k, sizeof(k), "embd/stale/%u", rg->o.node);
+	embd_store_set(rg->store, k, "1", 1);
+	snprintf(err, err_len, "node 0 restarted (a new store)");
+	return 0;
 }

@@ -15,9 +15,14 @@
  *
  * The decision (embd_regroup_decide): every node still holds the same applied step and none
  * restarted -> RESUME at that step; otherwise RESTORE the newest cluster checkpoint when
- * checkpoints are configured, else LOST (steps refused, naming the node). Node 0's own restart
- * is not handled: its store is new and empty, so the survivors' store handles fail and they
- * refuse steps until every node is restarted (DETACHED).
+ * checkpoints are configured, else LOST (steps refused, naming the node).
+ *
+ * Node 0 serves the store. When the store fails, a node is detached and tries to connect
+ * again (embd_regroup_reattach): the same store (node 0 was stalled: it still holds node 0's
+ * EMBD_REGROUP_INSTANCE_KEY) lets it re-form as above; a new one (node 0 restarted, its
+ * store empty) is not resumed: the node marks itself in it as "embd/stale/<n>" (so the new
+ * node 0, whose start waits for joiners that never come, names it when it gives up) and keeps
+ * refusing steps until every node is restarted.
  */
 #ifndef EMBD_SERVICE_REGROUP_H
 #define EMBD_SERVICE_REGROUP_H
@@ -30,6 +35,9 @@
 
 struct embd_store;
 struct embd_regroup;
+
+/* Set by node 0 in its store at start (a value unique to that process), read by every node. */
+#define EMBD_REGROUP_INSTANCE_KEY "embd/instance"
 
 /* What a node holds when a generation forms (its state record). */
 struct embd_regroup_state {
@@ -100,6 +108,11 @@ int embd_regroup_poll(struct embd_regroup *rg, const struct embd_regroup_state *
 /* After the decision was carried out (a restore included): a barrier on the new comm, so no
  * node runs a step while another still restores. A failure starts the next generation. */
 int embd_regroup_finish(struct embd_regroup *rg, char *err, size_t err_len);
+
+/* Detached (the store failed): connects the store handle again (for a moment). 1 when it is
+ * node 0's same store (call _start); 0 when it does not answer yet or is a new one (err says
+ * which; a new one gets this node's stale mark). */
+int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len);
 
 /* The store key prefix of the current generation ("embd/gen/<g>/"), for keys of its own. */
 const char *embd_regroup_prefix(const struct embd_regroup *rg);

@@ -92,7 +92,9 @@ int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
  * The store handle's timeout is left at timeout_ms. prefix scopes the store keys (NULL =
  * "embd/"): a restarted cluster re-uses a store only
  * under a new prefix. Store keys: <prefix>join/<node>, joined/<node>, verdict/<node>,
- * result/<node>, plan, plan_hash, outcome.
+ * result/<node>, plan, plan_hash, outcome; a node missing at the timeout that left
+ * <prefix>stale/<node> (service/regroup.h: it still runs the cluster of a node 0 that
+ * restarted) is named as such.
  */
 int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,
 			 const struct embd_tables *tables, const struct embd_topology *topo,

@@ -5,6 +5,8 @@
  * in the new generation, and the decision is carried out between steps: resume at the agreed
  * step, restore the newest cluster checkpoint, or refuse every step naming the node that lost
  * its state. The loop keeps serving meanwhile; the store is looked at every FORMING_LOOK_MS.
+ * When the store itself fails the node is detached and tries node 0's store again every
+ * DETACHED_LOOK_NS (each try may hold the loop ~2 s while a stalled node 0 does not answer).
  *
  * A trainer learns the step to post from the refusal of its next FORWARD: EMBD_ERESUMED with
  * the completion's step set to it (libembdclient copies it into embd_layout()->resumed_step);
@@ -23,6 +25,7 @@
 
 #define RUNNING_LOOK_NS 250000000ull    /* running: a look for a newer generation */
 #define FORMING_LOOK_MS 50              /* forming: a look for the missing nodes */
+#define DETACHED_LOOK_NS 500000000ull   /* detached: a try at node 0's store */
 
 void embd_server_set_regroup(struct embd_server *sv, struct embd_regroup *rg, bool lost,
 			     uint64_t resumed_step)
@@ -43,7 +46,11 @@ bool embd_server_regroup_running(const struct embd_server *sv)
 
 int embd_server_regroup_sleep_ms(const struct embd_server *sv, int idle_ms)
 {
-	return sv->rg_state == RG_FORMING ? FORMING_LOOK_MS : idle_ms;
+	if (sv->rg_state == RG_FORMING || sv->rg_state == RG_DETACHED)
+		return FORMING_LOOK_MS;
+	/* running: the look for a newer generation is due this often even when idle */
+	return sv->rg_state == RG_RUNNING && idle_ms > (int)(RUNNING_LOOK_NS / 1000000) ?
+	       (int)(RUNNING_LOOK_NS / 1000000) : idle_ms;
 }
 
 /* Drops the step in flight on this node (its comm is broken: nothing was applied) and answers
@@ -76,8 +83,17 @@ static void refuse_all(struct embd_server *sv, enum regroup_state state, const c
 {
 	sv->rg_state = state;
 	snprintf(sv->rg_msg, sizeof(sv->rg_msg), fmt, what);
+	embd_step_comm_break(sv->step, sv->rg_msg);     /* the step in flight runs no collective */
 	drop_step(sv, sv->rg_msg);
 	embd_log_error("node %u: every step is refused: %s", sv->config->node_rank, sv->rg_msg);
+}
+
+/* The store failed: steps wait (EMBD_EAGAIN) while the node tries node 0's store again. */
+static void detach(struct embd_server *sv, const char *err)
+{
+	embd_log_error("node %u: %s", sv->config->node_rank, err);
+	refuse_all(sv, RG_DETACHED, "%s", "node 0 (the store) does not answer: waiting for it");
+	sv->rg_next_ns = embd_stats_now_ns() + DETACHED_LOOK_NS;
 }
 
 static void start(struct embd_server *sv, const char *why)
@@ -88,7 +104,7 @@ static void start(struct embd_server *sv, const char *why)
 	snprintf(sv->rg_msg, sizeof(sv->rg_msg), "cluster re-forming after: %s", why);
 	drop_step(sv, sv->rg_msg);
 	if (embd_regroup_start(sv->rg, err, sizeof(err))) {
-		refuse_all(sv, RG_DETACHED, "%.60s: restart every embd node", err);
+		detach(sv, err);
 		return;
 	}
 	sv->rg_state = RG_FORMING;
@@ -127,7 +143,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	/* nobody steps before everybody restored */
 	if ((rc = embd_regroup_finish(sv->rg, err, sizeof(err)))) {
 		if (rc != EMBD_EAGAIN)
-			refuse_all(sv, RG_DETACHED, "%.60s: restart every embd node", err);
+			detach(sv, err);
 		return false;
 	}
 	rc = embd_step_comm_set(sv->step, embd_regroup_comm(sv->rg), gen);
@@ -142,7 +158,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	sv->canceled_step = 0;
 	sv->rg_state = RG_RUNNING;
 	sv->dirty = true;
-	embd_log_notice("node %u: cluster re-formed (generation %" PRIu64 "): %s at step %" PRIu64
+	embd_log_warning("node %u: cluster re-formed (generation %" PRIu64 "): %s at step %" PRIu64
 			"%s%s", sv->config->node_rank, gen,
 			d->verdict == EMBD_REGROUP_RESTORE ? "restored the checkpoint" : "resuming",
 			step, d->why[0] ? " after " : "", d->why);
@@ -169,9 +185,19 @@ void embd_server_regroup_tick(struct embd_server *sv)
 		sv->rg_next_ns = now + RUNNING_LOOK_NS;
 		rc = embd_regroup_newer(sv->rg, err, sizeof(err));
 		if (rc < 0)
-			refuse_all(sv, RG_DETACHED, "%.60s: restart every embd node", err);
+			detach(sv, err);
 		else if (rc)
 			start(sv, "another node re-forms the cluster");
+		return;
+	}
+	if (sv->rg_state == RG_DETACHED && now >= sv->rg_next_ns) {
+		/* node 0 stalled comes back with the same store; a restarted one is not resumed */
+		sv->rg_next_ns = now + DETACHED_LOOK_NS;
+		rc = embd_regroup_reattach(sv->rg, err, sizeof(err));
+		if (rc == 1)
+			start(sv, "node 0's store answers again");
+		else if (strstr(err, "restarted"))
+			refuse_all(sv, RG_LOST, "%.40s: restart every embd node", err);
 		return;
 	}
 	if (sv->rg_state != RG_FORMING || now < sv->rg_next_ns)
@@ -185,7 +211,7 @@ void embd_server_regroup_tick(struct embd_server *sv)
 		return;
 	}
 	if (rc < 0) {
-		refuse_all(sv, RG_DETACHED, "%.60s: restart every embd node", err);
+		detach(sv, err);
 		return;
 	}
 	apply(sv, &d);
@@ -197,7 +223,7 @@ bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
 	const char *why;
 	char msg[EMBD_CQE_MSG_BYTES];
 
-	if (sv->rg_state == RG_FORMING) {
+	if (sv->rg_state == RG_FORMING || sv->rg_state == RG_DETACHED) {
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EAGAIN, sv->rg_msg);
 		return true;
 	}

@@ -113,7 +113,8 @@ static int train_until(struct embd_client *c, struct shared_all *all, uint32_t g
 			*step = r->resumed_at = embd_layout(c)->resumed_step;
 		} else if (rc == EMBD_EAGAIN) {
 			usleep(20000);
-		} else if (rc == EMBD_EIO && strstr(embd_last_error(c), "state lost")) {
+		} else if (rc == EMBD_EIO && (strstr(embd_last_error(c), "state lost") ||
+						 strstr(embd_last_error(c), "restart every"))) {
 			return rc;
 		} else {
 			(*step)++;
@@ -221,11 +222,14 @@ static void stall_trainer(struct shared_all *all, uint32_t g, int go_fd)
 	_exit(0);
 }
 
-Test(regroup, stalled_node_resumes_and_training_equals_the_reference)
+/* Node `victim` stalls while every trainer is between forward and backward of step 1; the
+ * other node's trainers post their backward, then the victim continues and so do its. */
+static void stall(uint32_t victim)
 {
-	const uint32_t T = 2 * RANKS;
+	const uint32_t T = 2 * RANKS, other = 1 - victim;
 	int go[2][2];
 	pid_t kids[2 * RANKS];
+	char who[16];
 
 	start_cluster(2, "row_wise");
 	struct shared_all *all = map_all();
@@ -236,41 +240,49 @@ Test(regroup, stalled_node_resumes_and_training_equals_the_reference)
 			stall_trainer(all, g, go[g / RANKS][0]);
 	}
 	wait_until(all, 0, T, 10000, "finish step 0 and the forward of step 1");
-	/* every trainer between forward and backward of step 1: node 1 stalls */
-	cr_assert_eq(kill(nodes[1].pid, SIGSTOP), 0);
-	cr_assert_eq(write(go[0][1], "gg", 2), 2);
-	/* node 0's trainers' backward fails within the timeout, naming node 1 */
-	uint64_t end = now_ms() + TIMEOUT_MS + 3000;
-	while (now_ms() < end && (!all->rep[0].failures || !all->rep[1].failures))
+	/* every trainer between forward and backward of step 1: the victim stalls */
+	cr_assert_eq(kill(nodes[victim].pid, SIGSTOP), 0);
+	cr_assert_eq(write(go[other][1], "gg", 2), 2);
+	/* the other node's trainers' backward fails within the timeout, naming the victim
+	 * (node 0 stalled: its store too, which costs the other node up to 3 s more) */
+	uint64_t end = now_ms() + TIMEOUT_MS + 6000;
+	while (now_ms() < end && (!all->rep[other * RANKS].failures ||
+				  !all->rep[other * RANKS + 1].failures))
 		usleep(10000);
-	kill(nodes[1].pid, SIGCONT);
-	cr_assert_eq(write(go[1][1], "gg", 2), 2);
+	kill(nodes[victim].pid, SIGCONT);
+	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
 	join_trainers(kids, T);
+	snprintf(who, sizeof(who), "node %u", victim);
 	for (uint32_t g = 0; g < T; g++) {
 		const struct report *r = &all->rep[g];
 		cr_expect_eq(r->rc, 0, "trainer %u: expected its steps to complete after the cluster "
 			     "resumed, got %d (last error '%s')", g, r->rc, r->last_err);
 		cr_expect(r->failures > 0, "trainer %u: expected a failed step", g);
-		if (g < RANKS)
-			cr_expect(strstr(r->first_err, "node 1") != NULL, "trainer %u: expected the "
-				  "first error to name node 1, got '%s'", g, r->first_err);
+		if (g / RANKS == other)
+			cr_expect(strstr(r->first_err, who) != NULL, "trainer %u: expected the first "
+				  "error to name %s, got '%s'", g, who, r->first_err);
 	}
-	cr_expect(all->rep[0].resumed && all->rep[0].resumed_at == 1, "trainer 0: expected "
-		  "EMBD_ERESUMED naming step 1, got %d times, step %llu", all->rep[0].resumed,
-		  (unsigned long long)all->rep[0].resumed_at);
-	check_against_reference(all->sh, T, "2 nodes after node 1 stalled");
+	const struct report *r = &all->rep[other * RANKS];
+	cr_expect(r->resumed && r->resumed_at == 1, "trainer %u: expected EMBD_ERESUMED naming "
+		  "step 1, got %d times, step %llu", other * RANKS, r->resumed,
+		  (unsigned long long)r->resumed_at);
+	check_against_reference(all->sh, T, victim ? "2 nodes after node 1 stalled" :
+			       "2 nodes after node 0 (the store) stalled");
 	for (uint32_t n = 0; n < 2; n++)
 		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run", n);
 	munmap(all->sh, sizeof(*all->sh));
 	munmap(all, sizeof(*all));
 }
 
+Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1); }
+Test(regroup, stalled_node_0_and_its_store_resume) { stall(0); }
+
 /* ---- a killed node restarts -------------------------------------------------------------- */
 
-/* Node 0's trainer g: steps 0..2, pause until go, then post step 3 until the cluster tells it
- * where it resumed, and complete the steps up to 2 again. Node 1's first trainers stop after
- * step 2 (their node is then killed). */
-static void restart_trainer(struct shared_all *all, uint32_t g, int go_fd)
+/* Trainer g of the surviving node: steps 0..2, pause until go, then post step 3 until the
+ * cluster tells it where it resumed, and complete the steps up to 2 again. The other node's
+ * first trainers stop after step 2 (their node is then killed). */
+static void restart_trainer(struct shared_all *all, uint32_t g, int go_fd, uint32_t survivor)
 {
 	struct embd_client *c = connect_trainer(all, g);
 	struct report *r = &all->rep[g];
@@ -280,7 +292,7 @@ static void restart_trainer(struct shared_all *all, uint32_t g, int go_fd)
 	if (r->rc)
 		_exit(4);
 	r->phase_done = true;
-	if (g / RANKS == 0) {
+	if (g / RANKS == survivor) {
 		wait_byte(go_fd);
 		r->rc = 1;
 		r->failures = 0;
@@ -302,24 +314,30 @@ static void late_trainer(struct shared_all *all, uint32_t g)
 	_exit(0);
 }
 
-static void restart_node1(void)
+/* Kills node n and starts it again; node 1 must listen again (node 0 never does: it waits
+ * for joiners that still run the old cluster). */
+static void restart_node(uint32_t n)
 {
 	char log[4096];
 
-	stop_node(1, SIGKILL);
-	unlink(nodes[1].socket);
-	spawn(1);
-	for (int i = 0; i < 1500 && access(nodes[1].socket, F_OK) != 0; i++)
+	stop_node(n, SIGKILL);
+	unlink(nodes[n].socket);
+	spawn(n);
+	if (n == 0)
+		return;
+	for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++)
 		usleep(10000);
-	read_log(1, log, sizeof(log));
-	cr_assert(access(nodes[1].socket, F_OK) == 0, "restarted node 1 did not listen: %s", log);
+	read_log(n, log, sizeof(log));
+	cr_assert(access(nodes[n].socket, F_OK) == 0, "restarted node %u did not listen: %s", n,
+		  log);
 }
 
-/* Node 1 is killed after step 2 ran (and the cluster checkpoint of step 2 was written, when
- * with_checkpoints) and restarted; node 0's trainers then post step 3. */
-static struct shared_all *kill_and_restart(bool with_checkpoints, pid_t *kids)
+/* Node `victim` is killed after step 2 ran (and the cluster checkpoint of step 2 was
+ * written, when with_checkpoints) and restarted (node 1 gets new trainers); the other node's
+ * trainers then post step 3. */
+static struct shared_all *kill_and_restart(bool with_checkpoints, uint32_t victim, pid_t *kids)
 {
-	const uint32_t T = 2 * RANKS;
+	const uint32_t T = 2 * RANKS, survivor = 1 - victim;
 	int go[2];
 
 	if (with_checkpoints) {
@@ -333,10 +351,10 @@ static struct shared_all *kill_and_restart(bool with_checkpoints, pid_t *kids)
 	for (uint32_t g = 0; g < T; g++) {
 		kids[g] = fork_child();
 		if (kids[g] == 0)
-			restart_trainer(all, g, go[0]);
+			restart_trainer(all, g, go[0], survivor);
 	}
 	wait_until(all, 0, T, 15000, "run steps 0..2");
-	for (uint32_t g = RANKS; g < T; g++) {
+	for (uint32_t g = victim * RANKS; g < (victim + 1) * RANKS; g++) {
 		int st;
 		waitpid(kids[g], &st, 0);
 	}
@@ -347,15 +365,17 @@ static struct shared_all *kill_and_restart(bool with_checkpoints, pid_t *kids)
 			usleep(20000);
 		cr_assert(access(path, F_OK) == 0, "expected %s within 10 s", path);
 	}
-	restart_node1();
-	for (uint32_t g = RANKS; g < T; g++) {
+	restart_node(victim);
+	for (uint32_t g = RANKS; victim == 1 && g < T; g++) {
 		all->rep[g].rc = 1;
 		kids[g] = fork_child();
 		if (kids[g] == 0)
 			late_trainer(all, g);
 	}
 	cr_assert_eq(write(go[1], "gg", 2), 2);
-	join_trainers(kids, T);
+	join_trainers(kids + survivor * RANKS, RANKS);
+	if (victim == 1)
+		join_trainers(kids + RANKS, RANKS);
 	return all;
 }
 
@@ -363,7 +383,7 @@ Test(regroup, restarted_node_makes_the_cluster_restore_its_checkpoint)
 {
 	const uint32_t T = 2 * RANKS;
 	pid_t kids[2 * RANKS];
-	struct shared_all *all = kill_and_restart(true, kids);
+	struct shared_all *all = kill_and_restart(true, 1, kids);
 
 	for (uint32_t g = 0; g < T; g++)
 		cr_expect_eq(all->rep[g].rc, 0, "trainer %u: expected step 2 to run again after the "
@@ -384,7 +404,7 @@ Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
 	const uint32_t T = 2 * RANKS;
 	pid_t kids[2 * RANKS];
 	uint64_t t0 = now_ms();
-	struct shared_all *all = kill_and_restart(false, kids);
+	struct shared_all *all = kill_and_restart(false, 1, kids);
 
 	for (uint32_t g = 0; g < T; g++) {
 		const struct report *r = &all->rep[g];
@@ -395,6 +415,36 @@ Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
 			  "1, got '%s'", g, r->last_err);
 	}
 	cr_expect_lt(now_ms() - t0, 30000, "expected the refusals within 30 s of the start");
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
+}
+
+/* Node 0 restarted: a new store, so the cluster is not resumed; both sides say so. */
+Test(regroup, restarted_node_0_is_refused_clearly_on_both_sides)
+{
+	pid_t kids[2 * RANKS];
+	char log[8192];
+	int st = 0;
+
+	dist_store_timeout_ms = 3000;
+	struct shared_all *all = kill_and_restart(false, 0, kids);
+	for (uint32_t g = RANKS; g < 2 * RANKS; g++) {
+		const struct report *r = &all->rep[g];
+		cr_expect_eq(r->rc, EMBD_EIO, "trainer %u: expected EMBD_EIO, got %d ('%s')", g, r->rc,
+			     r->last_err);
+		cr_expect(strstr(r->last_err, "node 0 restarted") != NULL, "trainer %u: expected "
+			  "the refusal to say node 0 restarted, got '%s'", g, r->last_err);
+	}
+	/* the new node 0 gives up after store_timeout_ms, naming node 1 */
+	pid_t pid = nodes[0].pid;
+	for (int i = 0; i < 1000 && waitpid(pid, &st, WNOHANG) != pid; i++)
+		usleep(10000);
+	read_log(0, log, sizeof(log));
+	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 1, "the new node 0: expected exit 1 within "
+		  "10 s, got status 0x%x", st);
+	nodes[0].pid = 0;
+	cr_expect(strstr(log, "node(s) 1 still run the cluster node 0 had before it restarted"),
+		  "the new node 0 should name node 1 as running the old cluster: %s", log);
 	munmap(all->sh, sizeof(*all->sh));
 	munmap(all, sizeof(*all));
 }
