@@ -342,6 +342,9 @@ int embd_poll(struct embd_client *c, struct embd_completion *out)
 	if (rc)
 		return fail(c, rc, "completion ring is corrupt");
 	*out = (struct embd_completion){ cqe.user_data, cqe.step, cqe.result };
+	/* the cluster re-formed at another step (service/regroup.h): that step is the next */
+	if (cqe.result == EMBD_ERESUMED)
+		c->layout.resumed_step = cqe.step;
 	if (cqe.result) {
 		cqe.message[EMBD_CQE_MSG_BYTES - 1] = 0;
 		fail(c, cqe.result, "step %llu: %s", (unsigned long long)cqe.step,

@@ -15,8 +15,11 @@
 #include "service/log.h"
 #include "service/store.h"
 
+/* Store keys of this file: "ckpt/..." or a generation's "embd/gen/<g>/restore/<r>/node/<k>". */
+#define CKPT_KEY_MAX 128
+
 /* Who did not set prefix<k> (k < n) after a failed wait: "1, 2" into out. */
-static void missing_nodes(const struct embd_ckpt_cluster *cl, char (*keys)[80], char *out,
+static void missing_nodes(const struct embd_ckpt_cluster *cl, char (*keys)[CKPT_KEY_MAX], char *out,
 			  size_t cap)
 {
 	size_t len = 0;
@@ -30,7 +33,7 @@ static void missing_nodes(const struct embd_ckpt_cluster *cl, char (*keys)[80], 
 }
 
 /* Node 0: waits for every node's key keys[k]; on a timeout err names the missing nodes. */
-static int wait_all(const struct embd_ckpt_cluster *cl, char (*keys)[80], const char *what,
+static int wait_all(const struct embd_ckpt_cluster *cl, char (*keys)[CKPT_KEY_MAX], const char *what,
 		    char *err, size_t err_len)
 {
 	const char **names = calloc(cl->num_nodes, sizeof(*names));
@@ -98,7 +101,7 @@ static void publish_verdict(const struct embd_ckpt_cluster *cl, const char *key,
 /* ---- writing ----------------------------------------------------------------------------- */
 
 /* Node 0: every node's report of step, then the commit (shared) or the check (per_node). */
-static int commit(const struct embd_ckpt_cluster *cl, uint64_t step, char (*keys)[80],
+static int commit(const struct embd_ckpt_cluster *cl, uint64_t step, char (*keys)[CKPT_KEY_MAX],
 		  char *err, size_t err_len)
 {
 	const uint32_t n = cl->num_nodes;
@@ -148,7 +151,7 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 {
 	const char *root = cl->config->checkpoint_dir;
 	const bool shared = cl->config->checkpoint_layout == EMBD_CKPT_SHARED;
-	char (*keys)[80] = calloc(cl->num_nodes, sizeof(*keys)), done[80], *text = NULL;
+	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), done[CKPT_KEY_MAX], *text = NULL;
 	char *failed = malloc(err_len + 8);
 	int rc = shared ? embd_ckpt_write_part(root, m, arrays, num_arrays, true, bytes, err,
 					       err_len)
@@ -189,13 +192,12 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 
 /* ---- restore ----------------------------------------------------------------------------- */
 
-#define RESTORE_KEY "ckpt/restore"
-
 /* Shared: node 0 finds the newest valid step and publishes it ("none", or "error: why");
  * every other node opens that very directory and fails on damage rather than take another
  * step than node 0. */
-static int find_shared(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn skip, char *dir,
-		       size_t dir_cap, struct embd_ckpt_manifest *m, char *err, size_t err_len)
+static int find_shared(const struct embd_ckpt_cluster *cl, const char *key, embd_ckpt_skip_fn skip,
+		       char *dir, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
+		       size_t err_len)
 {
 	const char *root = cl->config->checkpoint_dir;
 	char value[800], inner[600];
@@ -209,14 +211,14 @@ static int find_shared(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn ski
 			snprintf(value, sizeof(value), "%" PRIu64, m->step);
 		else
 			snprintf(value, sizeof(value), rc == EMBD_ENOENT ? "none" : "error: %s", err);
-		if (embd_store_set(cl->store, RESTORE_KEY, value, strlen(value))) {
+		if (embd_store_set(cl->store, key, value, strlen(value))) {
 			embd_ckpt_manifest_free(m);
 			return snprintf(err, err_len, "store: publishing the step to restore: %s",
 					embd_store_error(cl->store)), EMBD_EIO;
 		}
 		return rc;
 	}
-	if ((rc = embd_store_get(cl->store, RESTORE_KEY, &v, &len)))
+	if ((rc = embd_store_get(cl->store, key, &v, &len)))
 		return snprintf(err, err_len, "store: waiting for node 0's choice of checkpoint: %s",
 				embd_store_error(cl->store)), rc;
 	snprintf(value, sizeof(value), "%.*s", (int)len, (char *)v);
@@ -243,7 +245,7 @@ static int find_shared(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn ski
 }
 
 /* Per_node, node 0's part of round r: every node's newest valid step, then the answer. */
-static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*keys)[80],
+static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*keys)[CKPT_KEY_MAX],
 			char *answer, size_t cap, char *err, size_t err_len)
 {
 	uint64_t lowest = UINT64_MAX, highest = 0;
@@ -280,11 +282,12 @@ static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*k
 }
 
 /* Per_node: rounds until every node holds the same newest valid step (ckpt_cluster.h). */
-static int find_per_node(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn skip, char *dir,
-			 size_t dir_cap, struct embd_ckpt_manifest *m, char *err, size_t err_len)
+static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
+			 embd_ckpt_skip_fn skip, char *dir, size_t dir_cap,
+			 struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	const char *root = cl->config->checkpoint_dir;
-	char (*keys)[80] = calloc(cl->num_nodes, sizeof(*keys)), key[80], value[640], answer[64];
+	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), key[CKPT_KEY_MAX], value[640], answer[64];
 	uint64_t bound = UINT64_MAX;
 	int rc = keys ? 0 : EMBD_ENOMEM;
 
@@ -297,8 +300,8 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn s
 		else
 			snprintf(value, sizeof(value), frc == EMBD_ENOENT ? "none" : "error: %s", err);
 		for (uint32_t k = 0; k < cl->num_nodes; k++)
-			snprintf(keys[k], sizeof(keys[k]), RESTORE_KEY "/%u/node/%u", r, k);
-		snprintf(key, sizeof(key), RESTORE_KEY "/%u", r);
+			snprintf(keys[k], sizeof(keys[k]), "%s/%u/node/%u", base, r, k);
+		snprintf(key, sizeof(key), "%s/%u", base, r);
 		if (embd_store_set(cl->store, keys[cl->node], value, strlen(value))) {
 			rc = EMBD_EIO;
 			snprintf(err, err_len, "store: %s", embd_store_error(cl->store));
@@ -353,13 +356,13 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn s
 	return 0;
 }
 
-int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn skip,
-			   char *dir, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
-			   size_t err_len)
+int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,
+			   embd_ckpt_skip_fn skip, char *dir, size_t dir_cap,
+			   struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	return cl->config->checkpoint_layout == EMBD_CKPT_SHARED
-		       ? find_shared(cl, skip, dir, dir_cap, m, err, err_len)
-		       : find_per_node(cl, skip, dir, dir_cap, m, err, err_len);
+		       ? find_shared(cl, key, skip, dir, dir_cap, m, err, err_len)
+		       : find_per_node(cl, key, skip, dir, dir_cap, m, err, err_len);
 }
 
 /* ---- the final checkpoint of an idle cluster ---------------------------------------------- */
@@ -367,7 +370,7 @@ int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn
 int embd_ckpt_cluster_stop_barrier(const struct embd_ckpt_cluster *cl, uint64_t step,
 				   char *err, size_t err_len)
 {
-	char (*keys)[80] = calloc(cl->num_nodes, sizeof(*keys)), go[80];
+	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), go[CKPT_KEY_MAX];
 	int rc;
 
 	if (!keys)

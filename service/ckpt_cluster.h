@@ -41,16 +41,19 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 
 /*
  * The checkpoint a cluster restores, the same on every node; dir and *m are this node's.
- * Shared: node 0 finds the newest valid step and publishes it ("ckpt/restore"); the others
+ * key: the store key of this restore (EMBD_CKPT_RESTORE_KEY at start; one per generation when
+ * a re-formed cluster restores, service/regroup.h).
+ * Shared: node 0 finds the newest valid step and publishes it at key; the others
  * open that very directory. Per_node: rounds r = 0, 1, ...: every node publishes the newest
- * step <= bound it holds valid ("ckpt/restore/<r>/node/<k>"), node 0 answers with the step
- * when all agree, or with the smallest as the next bound ("ckpt/restore/<r>"), so the newest
+ * step <= bound it holds valid ("<key>/<r>/node/<k>"), node 0 answers with the step
+ * when all agree, or with the smallest as the next bound ("<key>/<r>"), so the newest
  * step that every node holds valid wins. Per_node restores only a checkpoint of this plan
  * and node count (EMBD_EMISMATCH otherwise, saying how to reshard). EMBD_ENOENT: none.
  */
-int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, embd_ckpt_skip_fn skip,
-			   char *dir, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
-			   size_t err_len);
+#define EMBD_CKPT_RESTORE_KEY "ckpt/restore"
+int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,
+			   embd_ckpt_skip_fn skip, char *dir, size_t dir_cap,
+			   struct embd_ckpt_manifest *m, char *err, size_t err_len);
 
 /*
  * SIGTERM on an idle cluster: every node stopping at `step` says so ("ckpt/stop/<step>/

@@ -433,8 +433,10 @@ static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ck
 	return 0;
 }
 
-int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
-			      size_t err_len)
+/* The newest valid checkpoint into the shards; on a cluster the one chosen through the store
+ * at restore_key (ckpt_cluster.h). EMBD_ENOENT (not logged) when there is none. */
+static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64_t *step_out,
+		   char *err, size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX + 64];
 	struct embd_ckpt_manifest m;
@@ -447,16 +449,10 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 	memset(&m, 0, sizeof(m));
 	if (!targets || !index)
 		goto out;
-	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, log_skip, dir, sizeof(dir),
-							     &m, err, err_len)
+	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, restore_key, log_skip, dir,
+							     sizeof(dir), &m, err, err_len)
 				    : embd_ckpt_find(ck->config->checkpoint_dir, UINT64_MAX, log_skip,
 						     NULL, dir, sizeof(dir), &m, err, err_len);
-	if (rc == EMBD_ENOENT) {
-		embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
-			      ck->config->checkpoint_dir);
-		rc = 0;
-		goto out;
-	}
 	if (rc || (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
 	uint32_t num_targets = 0;
@@ -489,6 +485,33 @@ out:
 	embd_ckpt_manifest_free(&m);
 	free(targets);
 	free(index);
+	return rc;
+}
+
+int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
+			      size_t err_len)
+{
+	int rc = restore(ck, EMBD_CKPT_RESTORE_KEY, step_out, err, err_len);
+
+	if (rc != EMBD_ENOENT)
+		return rc;
+	embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
+		      ck->config->checkpoint_dir);
+	return 0;
+}
+
+int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *restore_key,
+				      uint64_t *step_out, char *err, size_t err_len)
+{
+	/* the writer reads the snapshot buffer, never the shards: it may go on, but its step
+	 * would be reported again after the restore, so the restore waits for it */
+	if (ck->running)
+		join_writer(ck);
+	ck->requested = false;
+	/* node 0 may first wait that long for a write in flight of its own */
+	embd_store_set_timeout(ck->store, 2 * ck->config->store_timeout_ms);
+	int rc = restore(ck, restore_key, step_out, err, err_len);
+	embd_store_set_timeout(ck->store, ck->config->store_timeout_ms);
 	return rc;
 }
 

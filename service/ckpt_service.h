@@ -58,6 +58,15 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
 			      size_t err_len);
 
+/*
+ * The same while the service runs, when a re-formed cluster decided to restore
+ * (service/regroup.h): between steps, no forward pending. Waits for a running write first.
+ * Node 0 publishes its choice at restore_key (one key per generation), the others restore that
+ * one. EMBD_ENOENT when there is no valid checkpoint (on every node alike).
+ */
+int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *restore_key,
+				      uint64_t *step_out, char *err, size_t err_len);
+
 /* An eventfd that becomes readable when a background write finished: call _reap then. */
 int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
 

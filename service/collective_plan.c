@@ -351,13 +351,27 @@ static int wait_joiners(const struct exchange *x, const char *kind, const char *
 		keys[n - 1] = key(x, names[n], sizeof(names[n]), "%s/%d", kind, n);
 	rc = embd_store_wait(x->store, keys, (size_t)(x->nodes - 1));
 	if (rc == EMBD_ETIMEDOUT) {
-		char missing[256] = "";
-		size_t at = 0;
-		for (int32_t n = 1; n < x->nodes && at + 16 < sizeof(missing); n++)
-			if (embd_store_check(x->store, keys[n - 1]) == 0)
-				at += (size_t)snprintf(missing + at, sizeof(missing) - at, "%s%d",
-						       at ? ", " : "", n);
-		rc = fail(x, rc, "node(s) %s did not %s within %d ms", missing, what, x->timeout_ms);
+		char missing[256] = "", stale[256] = "", k[EMBD_STORE_KEY_MAX + 1];
+		size_t at = 0, st = 0;
+		for (int32_t n = 1; n < x->nodes && at + 16 < sizeof(missing); n++) {
+			if (embd_store_check(x->store, keys[n - 1]) != 0)
+				continue;
+			at += (size_t)snprintf(missing + at, sizeof(missing) - at, "%s%d",
+					       at ? ", " : "", n);
+			/* a node of the cluster this node 0 replaces (service/regroup.h) */
+			if (embd_store_check(x->store, key(x, k, sizeof(k), "stale/%d", n)) == 1 &&
+			    st + 16 < sizeof(stale))
+				st += (size_t)snprintf(stale + st, sizeof(stale) - st, "%s%d",
+						       st ? ", " : "", n);
+		}
+		if (st)
+			rc = fail(x, rc, "node(s) %s did not %s within %d ms: node(s) %s still run the "
+				  "cluster node 0 had before it restarted (a restarted node 0 is not "
+				  "resumed): restart every embd node", missing, what, x->timeout_ms,
+				  stale);
+		else
+			rc = fail(x, rc, "node(s) %s did not %s within %d ms", missing, what,
+				  x->timeout_ms);
 	} else if (rc < 0) {
 		rc = fail(x, rc, "%s", embd_store_error(x->store));
 	}
@@ -556,6 +570,58 @@ refuse:
 	if (mine < 0)
 		return fail(x, mine, "%s", msg);
 	return rc;
+}
+
+/* A restarted node: node 0's record and plan checked as a joiner does, without counting in. */
+static int rejoiner(const struct exchange *x, const char *record,
+		    const struct embd_tables *tables, const struct embd_topology *topo,
+		    struct embd_plan **out)
+{
+	char k[EMBD_STORE_KEY_MAX + 1], msg[MSG_MAX] = "", *theirs = NULL;
+	size_t len = 0;
+	int rc = fetch(x, key(x, k, sizeof(k), "join/0"), "node 0's join record", &theirs, &len);
+
+	if (rc < 0)
+		return rc;
+	rc = compare_records(record, theirs, len, "on node 0", msg, sizeof(msg));
+	free(theirs);
+	if (rc == 0)
+		rc = check_plan(x, tables, topo, out, msg, sizeof(msg));
+	return rc < 0 ? fail(x, rc, "rejoining: %s", msg) : 0;
+}
+
+int embd_collective_plan_rejoin(struct embd_store *store, const struct embd_rendezvous *r,
+				const struct embd_tables *tables,
+				const struct embd_topology *topo, const char *settings,
+				int timeout_ms, struct embd_plan **plan, char *err, size_t err_len)
+{
+	struct exchange x = { store, "embd/", r->node_rank, embd_rendezvous_num_nodes(r),
+			      timeout_ms, err, err_len };
+	char k[EMBD_STORE_KEY_MAX + 1], *outcome = NULL;
+	size_t len = 0;
+
+	if (err_len)
+		err[0] = '\0';
+	if (r->node_rank == 0)
+		return 0;       /* node 0's store is new whenever node 0 is; its plan stays */
+	*plan = NULL;
+	embd_store_set_timeout(store, timeout_ms);
+	int rc = embd_store_check(store, key(&x, k, sizeof(k), "outcome"));
+	if (rc <= 0)
+		return rc < 0 ? fail(&x, rc, "%s", embd_store_error(store)) : 0;
+	if ((rc = fetch(&x, k, "node 0's outcome", &outcome, &len)) < 0)
+		return rc;
+	rc = strcmp(outcome, OK) ? fail(&x, EMBD_EMISMATCH, "the cluster's start failed: %.900s",
+					outcome) : 0;
+	free(outcome);
+	if (rc < 0)
+		return rc;
+	char *record = join_record(r, tables, topo, settings);
+	if (!record)
+		return fail(&x, EMBD_ENOMEM, "out of memory for the join record");
+	rc = rejoiner(&x, record, tables, topo, plan);
+	cJSON_free(record);
+	return rc < 0 ? rc : 1;
 }
 
 int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,

@@ -48,8 +48,15 @@
  *     "node_rank": 0,               this node (0 .. world_size / local_world_size - 1)
  *     "backend": "gloo",            gloo (CPU, one Gloo rank per node); nccl needs cuda
  *     "collective_timeout_ms": 30000,  every collective: a node that does not answer within
- *                                   it fails the step on the others (and breaks the comm)
- *     "store_timeout_ms": 0 }       every store wait and the join; 0 = collective_timeout_ms
+ *                                   it fails the step on the others (and breaks the comm,
+ *                                   which is re-formed: service/regroup.h); also the comm
+ *                                   rendezvous and barrier of a re-formed generation
+ *     "store_timeout_ms": 0 }       every store wait and the join, and a re-forming
+ *                                   generation's wait for the states (a runtime restore
+ *                                   waits twice it for node 0's choice); 0 =
+ *                                   collective_timeout_ms. Re-forming waits for a missing
+ *                                   node without limit, serving meanwhile (FORWARDs get
+ *                                   EMBD_EAGAIN naming it)
  *
  * Trainers: trainers_per_node on every node (at most 64 on several nodes); the global batch
  * is node 0's trainers' batches in trainer order, then node 1's, ...

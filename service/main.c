@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/signalfd.h>
 #include <systemd/sd-daemon.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "service/ckpt_service.h"
@@ -22,6 +23,7 @@
 #include "service/config.h"
 #include "service/log.h"
 #include "service/ranks.h"
+#include "service/regroup.h"
 #include "service/rendezvous.h"
 #include "service/server.h"
 #include "service/step.h"
@@ -75,11 +77,14 @@ static int make_plan(const struct embd_config *c, struct embd_plan **out, char *
 struct cluster {
 	struct embd_store_server *server;       /* node 0 only */
 	struct embd_store *store;
-	struct embd_comm *comm;
+	struct embd_comm *comm;                 /* generation 0; then owned by regroup */
+	struct embd_regroup *regroup;
+	bool rejoining;                         /* restarted into a running cluster */
 };
 
 static void cluster_close(struct cluster *cl)
 {
+	embd_regroup_destroy(cl->regroup);
 	embd_comm_destroy(cl->comm);
 	embd_store_close(cl->store);
 	embd_store_server_stop(cl->server);
@@ -134,14 +139,6 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 				   sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "store: %s", inner), rc;
-	char *settings = NULL;
-	if ((rc = embd_config_join_settings(c, &settings)))
-		return snprintf(err, err_len, "out of memory"), rc;
-	rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, settings, NULL,
-				  c->store_timeout_ms, plan, inner, sizeof(inner));
-	free(settings);
-	if (rc)
-		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
 	char addr[EMBD_RENDEZVOUS_COMM_ADDR_MAX] = "";
 	const char *how = NULL;
 	if (c->backend == EMBD_COMM_GLOO) {
@@ -150,6 +147,41 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 			return snprintf(err, err_len, "comm: %s", inner), rc;
 		embd_log_info("gloo: node %u listens on %s (%s)", c->node_rank, addr, how);
 	}
+	if (c->node_rank == 0) {
+		/* which store this is, for nodes that reconnect after a failure (regroup.h) */
+		struct timespec ts;
+		char id[64];
+		clock_gettime(CLOCK_REALTIME, &ts);
+		snprintf(id, sizeof(id), "%d.%lld.%09ld", (int)getpid(), (long long)ts.tv_sec,
+			 ts.tv_nsec);
+		if ((rc = embd_store_set(cl->store, EMBD_REGROUP_INSTANCE_KEY, id, strlen(id))))
+			return snprintf(err, err_len, "store: %s", embd_store_error(cl->store)), rc;
+	}
+	struct embd_regroup_options ro = {
+		.node = c->node_rank, .nodes = embd_config_nodes(c), .backend = c->backend,
+		.collective_timeout_ms = c->collective_timeout_ms,
+		.store_timeout_ms = c->store_timeout_ms,
+	};
+	snprintf(ro.hostname, sizeof(ro.hostname), "%s", addr);
+	char *settings = NULL;
+	if ((rc = embd_config_join_settings(c, &settings)))
+		return snprintf(err, err_len, "out of memory"), rc;
+	/* a node that restarts into a running cluster joins its next generation instead */
+	rc = embd_collective_plan_rejoin(cl->store, r, &c->tables, &c->topology, settings,
+					 c->store_timeout_ms, plan, inner, sizeof(inner));
+	if (rc == 0)
+		rc = embd_collective_plan(cl->store, r, &c->tables, &c->topology, settings, NULL,
+					  c->store_timeout_ms, plan, inner, sizeof(inner));
+	else if (rc == 1)
+		embd_log_warning("node %u: the cluster runs already: rejoining it (this node's "
+				 "shards are lost until a restore)", c->node_rank);
+	free(settings);
+	if (rc == 1) {
+		cl->rejoining = true;
+		return embd_regroup_create(&ro, cl->store, NULL, &cl->regroup);
+	}
+	if (rc)
+		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
 	struct embd_comm_options o = {
 		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
 		.timeout_ms = c->collective_timeout_ms, .hostname = addr, .prefix = "embd/gloo/0/",
@@ -157,7 +189,10 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "comm: %s", inner), rc;
-	return 0;
+	rc = embd_regroup_create(&ro, cl->store, cl->comm, &cl->regroup);
+	if (!rc)
+		cl->comm = NULL;
+	return rc;
 }
 
 static void log_plan(struct embd_plan *plan)
@@ -287,8 +322,9 @@ int main(int argc, char **argv)
 
 	rc = embd_ranks_create((uint32_t)config.topology.local_world_size, config.threads_per_rank,
 			       &ranks, err, sizeof(err));
-	struct embd_step_cluster where = { config.node_rank, nodes, cluster.comm, cluster.store,
-					   config.collective_timeout_ms };
+	struct embd_step_cluster where = {
+		config.node_rank, nodes, cluster.regroup ? embd_regroup_comm(cluster.regroup) : NULL,
+		cluster.store, config.collective_timeout_ms };
 	if (!rc)
 		rc = embd_step_create_cluster(&config.tables, plan, ranks, config.seed,
 					      config.trainers_per_node, &where, &step, err,
@@ -296,7 +332,8 @@ int main(int argc, char **argv)
 	/* checkpoints: the newest valid one is restored before the socket accepts anyone */
 	if (!rc && config.checkpoint_dir[0]) {
 		rc = embd_ckpt_service_create(&config, step, plan, &ckpt, err, sizeof(err));
-		if (!rc)
+		/* a rejoining node restores when the cluster decides it (service/regroup.h) */
+		if (!rc && !cluster.rejoining)
 			rc = embd_ckpt_service_restore(ckpt, &resumed_step, err, sizeof(err));
 	}
 	if (!rc)
@@ -310,6 +347,8 @@ int main(int argc, char **argv)
 		embd_log_error("start: %s", err);
 		goto out;
 	}
+	if (cluster.regroup)
+		embd_server_set_regroup(server, cluster.regroup, cluster.rejoining, resumed_step);
 	for (uint32_t r = 0; r < embd_ranks_count(ranks); r++)
 		embd_log_info("rank %u: NUMA node %d, %" PRIu64 " bytes of shards", r,
 			      embd_ranks_node(ranks, r), embd_ranks_memory_bytes(ranks, r));

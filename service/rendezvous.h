@@ -122,11 +122,25 @@ int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
  * The store handle's timeout is left at timeout_ms. prefix scopes the store keys (NULL =
  * "embd/"): a restarted cluster re-uses a store only
  * under a new prefix. Store keys: <prefix>join/<node>, joined/<node>, verdict/<node>,
- * result/<node>, plan, plan_hash, outcome.
+ * result/<node>, plan, plan_hash, outcome; a node missing at the timeout that left
+ * <prefix>stale/<node> (service/regroup.h: it still runs the cluster of a node 0 that
+ * restarted) is named as such.
  */
 int embd_collective_plan(struct embd_store *store, const struct embd_rendezvous *r,
 			 const struct embd_tables *tables, const struct embd_topology *topo,
 			 const char *settings, const char *prefix, int timeout_ms, struct embd_plan **plan,
 			 char *err, size_t err_len);
+
+/*
+ * A node other than node 0 that restarts into a running cluster (node 0 published a
+ * successful outcome under "embd/" before): compares its join record with node 0's and
+ * checks node 0's plan as a joiner does (same messages), without joining the start's
+ * exchange again. Returns 1 with *plan set when the cluster was running, 0 when it was not
+ * (node 0 always, its *plan untouched; call embd_collective_plan), or a negative code.
+ */
+int embd_collective_plan_rejoin(struct embd_store *store, const struct embd_rendezvous *r,
+				const struct embd_tables *tables,
+				const struct embd_topology *topo, const char *settings,
+				int timeout_ms, struct embd_plan **plan, char *err, size_t err_len);
 
 #endif /* EMBD_SERVICE_RENDEZVOUS_H */

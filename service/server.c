@@ -37,8 +37,8 @@
 
 /* ---- completions ------------------------------------------------------------------------- */
 
-static void complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
-		     uint64_t popped_ns, int result, const char *msg)
+void embd_server_complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			  uint64_t popped_ns, int result, const char *msg)
 {
 	struct embd_cqe cqe;
 
@@ -290,6 +290,8 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 					    &text);
 	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->ckpt)
 		rc = embd_ckpt_service_status_add(sv->ckpt, &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->rg)
+		rc = embd_server_regroup_status_add(sv, &text);
 	if (!rc && strlen(text) < EMBD_CTL_MSG_MAX - sizeof(struct embd_ctl_header))
 		embd_ctl_send(c->sock, type, text, (uint32_t)strlen(text), NULL, 0, NULL, 0);
 	else
@@ -346,13 +348,17 @@ static void next_step(struct embd_server *sv)
 	sv->s++;
 	sv->phase = COLLECT;
 	if (sv->ckpt) {
-		if (sv->ckpt_agreed)
-			embd_ckpt_service_agreed(sv->ckpt);
+		bool agreed = sv->ckpt_agreed;
 		sv->ckpt_agreed = false;
-		/* SIGTERM on a cluster: this boundary's checkpoint is the final one; no more steps */
-		if (embd_ckpt_service_poll(sv->ckpt, sv->s) && sv->stopping) {
-			sv->stop = true;
-			return;
+		/* a cluster that is re-forming completed no step: nothing to checkpoint */
+		if (!sv->rg || embd_server_regroup_running(sv)) {
+			if (agreed)
+				embd_ckpt_service_agreed(sv->ckpt);
+			/* SIGTERM on a cluster: this boundary's checkpoint is the final one */
+			if (embd_ckpt_service_poll(sv->ckpt, sv->s) && sv->stopping) {
+				sv->stop = true;
+				return;
+			}
 		}
 	}
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
@@ -382,7 +388,7 @@ static void abort_step(struct embd_server *sv, const char *why)
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
 		if (c->used && c->has_bwd)
-			complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
+			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		c->has_bwd = c->participant = false;
 	}
 	sv->canceled_step = sv->s + 1;
@@ -412,15 +418,15 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 		 * the trainer sits the collecting step out instead of stalling the others */
 		if (rc && sv->phase == COLLECT && !c->has_fwd)
 			c->sat_out = sv->s + 1;
-		complete(sv, c, sqe, popped_ns, rc, rc ? err : NULL);
+		embd_server_complete(sv, c, sqe, popped_ns, rc, rc ? err : NULL);
 		return;
 	}
 	if (sqe->opcode == EMBD_OP_BACKWARD) {
 		if (sqe->step + 1 == sv->canceled_step && !c->participant)
-			complete(sv, c, sqe, popped_ns, EMBD_ECANCELED,
+			embd_server_complete(sv, c, sqe, popped_ns, EMBD_ECANCELED,
 				 "step aborted: a participant hung up");
 		else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
-			complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
+			embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				 "step: this trainer takes no part in that step's backward");
 		else {
 			c->bwd = *sqe;
@@ -430,6 +436,8 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 		return;
 	}
 	/* FORWARD */
+	if (sv->rg && embd_server_regroup_gate(sv, c, sqe, popped_ns))
+		return;
 	if (sv->phase == WAIT_BACKWARD && sqe->step == sv->s + 1) {
 		/* early for the next step: keep it; it is looked at again once step s is done */
 		c->fwd = *sqe;
@@ -440,7 +448,7 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 	if (sqe->step != sv->s) {
 		snprintf(err, sizeof(err), "step: %" PRIu64 ", the service is at step %" PRIu64,
 			 sqe->step, sv->s);
-		complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
 		return;
 	}
 	rc = embd_kjt_view_build(sqe, &c->limits, embd_region_slab(c->region), c->lengths,
@@ -448,7 +456,7 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 				 err, sizeof(err));
 	if (rc) {
 		c->sat_out = sv->s + 1;
-		complete(sv, c, sqe, popped_ns, rc, err);
+		embd_server_complete(sv, c, sqe, popped_ns, rc, err);
 		return;
 	}
 	c->fwd = *sqe;
@@ -482,7 +490,8 @@ static void run_forward(struct embd_server *sv)
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		int st = rc < 0 ? rc : sv->batches[k].status;
-		complete(sv, c, &c->fwd, c->fwd_popped_ns, st, st ? sv->batches[k].err : NULL);
+		embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, st,
+				     st ? sv->batches[k].err : NULL);
 		c->has_fwd = false;
 		c->participant = st == 0;
 	}
@@ -514,9 +523,12 @@ static void run_backward(struct embd_server *sv)
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		if (!c->participant)
 			continue;
-		complete(sv, c, &c->bwd, c->bwd_popped_ns, rc, rc ? sv->batches[k].err : NULL);
+		embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, rc,
+				     rc ? sv->batches[k].err : NULL);
 		c->has_bwd = c->participant = false;
 	}
+	if (rc == 0)
+		sv->applied = sv->s + 1;
 	if (rc == EMBD_ECANCELED) {
 		/* another node's participant left: nobody's parameters changed */
 		sv->stats.aborted_steps++;
@@ -536,7 +548,7 @@ static void advance(struct embd_server *sv)
 {
 	uint32_t trainers = 0, waiting = 0, posted = 0;
 
-	if (!sv->dirty || sv->stop)
+	if (!sv->dirty || sv->stop || (sv->rg && !embd_server_regroup_running(sv)))
 		return;
 	sv->dirty = false;
 
@@ -672,6 +684,8 @@ int embd_server_run(struct embd_server *sv)
 		}
 		if (passes % SPIN_EVENT_PASSES == 0)
 			handle_events(sv, 0);
+		if (passes % SPIN_EVENT_PASSES == 0 && sv->rg)
+			embd_server_regroup_tick(sv);
 		if (poll_rings(sv)) {
 			idle_since = 0;
 			continue;
@@ -681,10 +695,13 @@ int embd_server_run(struct embd_server *sv)
 		if (spin_ns && (passes % SPIN_CLOCK_PASSES ||
 				embd_stats_now_ns() - idle_since < spin_ns))
 			continue;
+		int tick_ms = sv->stopping ? STOP_TICK_MS : TICK_MS;
 		if (prepare_sleep(sv))
-			handle_events(sv, sv->stopping ? STOP_TICK_MS : TICK_MS);
+			handle_events(sv, sv->rg ? embd_server_regroup_sleep_ms(sv, tick_ms) : tick_ms);
 		finish_sleep(sv);
 		idle_since = 0;
+		if (sv->rg)
+			embd_server_regroup_tick(sv);
 	}
 	return 0;
 }

@@ -16,7 +16,10 @@
  * likewise, even with no participant of its own. An abort goes through the backward's
  * collective, so every node's trainers get EMBD_ECANCELED. Collectives run on the loop's
  * thread and may hold it up to collective_timeout_ms; a node that does not answer within it
- * fails the step here with an error naming it, and later steps are refused (step.h).
+ * fails the step here with an error naming it, and the nodes re-form the cluster
+ * (service/regroup.h, server_regroup.c): meanwhile FORWARDs are refused with EMBD_EAGAIN, then
+ * the cluster resumes (a FORWARD of another step than the agreed one gets EMBD_ERESUMED with
+ * that step), restores a checkpoint, or refuses every step when the state was lost.
  */
 #ifndef EMBD_SERVICE_SERVER_H
 #define EMBD_SERVICE_SERVER_H
@@ -47,6 +50,15 @@ struct embd_ckpt_service;
  * the step a restore resumed at (the first step trainers post). Call before run. */
 int embd_server_set_checkpoints(struct embd_server *server, struct embd_ckpt_service *ckpt,
 				uint64_t resumed_step);
+
+struct embd_regroup;
+
+/* A cluster's node: hands the server the regroup handle (service/regroup.h; it must outlive
+ * the server) that re-forms the cluster after a failure; lost: this process restarted into a
+ * running cluster (its shards are gone until a restore). resumed_step: the step its parameters
+ * are at. Call before run. */
+void embd_server_set_regroup(struct embd_server *server, struct embd_regroup *rg, bool lost,
+			     uint64_t resumed_step);
 
 /* The step being collected or run (= steps completed outside a step phase). */
 uint64_t embd_server_step(const struct embd_server *server);

@@ -77,7 +77,35 @@ struct embd_server {
 	bool ckpt_agreed;               /* the cluster agreed on a checkpoint after this step */
 	bool stopping;                  /* SIGTERM on a cluster: the final checkpoint first */
 	uint64_t stop_deadline_ns;      /* ... then stop once no step came by this time */
+	/* re-forming the cluster after a failure (server_regroup.c); rg NULL on one node */
+	struct embd_regroup *rg;
+	enum regroup_state { RG_RUNNING, RG_FORMING, RG_LOST, RG_DETACHED } rg_state;
+	uint64_t rg_next_ns;            /* the next look at the store */
+	uint64_t applied;               /* the step after the last backward that applied */
+	bool lost;                      /* restarted into a running cluster: shards are gone */
+	bool regrouped;                 /* re-formed once: a FORWARD of another step learns it */
+	char rg_msg[EMBD_CQE_MSG_BYTES];/* why FORWARDs are refused while not running */
 };
+
+/* A completion for sqe of client c (server.c). */
+void embd_server_complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			  uint64_t popped_ns, int result, const char *msg);
+
+/* ---- server_regroup.c ---- */
+
+/* Every pass of the loop: notices a failed collective or a newer generation and drives the
+ * forming of the next one (short store looks, at most every few tens of ms). */
+void embd_server_regroup_tick(struct embd_server *sv);
+/* A FORWARD the cluster cannot run now (re-forming, state lost, or of another step than the
+ * one a re-formed cluster resumed at) is completed here: true. */
+bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
+			      const struct embd_sqe *sqe, uint64_t popped_ns);
+/* Whether steps may run (no re-forming, no refusal). */
+bool embd_server_regroup_running(const struct embd_server *sv);
+/* Adds the "cluster" object (service/stats.h) to the status JSON text *status. */
+int embd_server_regroup_status_add(const struct embd_server *sv, char **status);
+/* How long the loop may sleep (ms): short while forming. */
+int embd_server_regroup_sleep_ms(const struct embd_server *sv, int idle_ms);
 
 /* embctl checkpoint [--wait] from client c (server_ckpt.c). */
 int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,

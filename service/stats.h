@@ -20,7 +20,11 @@
  * STATUS JSON: { "version": "0.1.0", "uptime_s", "step": next step to run, "plan_hash": "16
  * hex digits", "clients": connected count, "config": { "socket_path", "num_tables",
  * "world_size", "local_world_size", "trainers_per_node", "threads_per_rank", "batch_size",
- * "busy_poll_us", "checkpoint_dir", "log_level" } }
+ * "busy_poll_us", "checkpoint_dir", "log_level" } }; with checkpoint_dir also "resumed_step"
+ * and "checkpoint" (service/ckpt_service.h); on a cluster also "cluster": { "generation": the
+ * comm's (service/regroup.h), "state": "running" | "forming" | "lost" | "detached",
+ * "applied_step": the step the parameters are at, "message": why steps are refused ("" when
+ * running) }.
  */
 #ifndef EMBD_SERVICE_STATS_H
 #define EMBD_SERVICE_STATS_H

@@ -204,10 +204,10 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 
 	*out = NULL;
 	if (!max_trainers || !plan->topology.batch_size || node >= nodes ||
-	    (nodes > 1 && (max_trainers > 64 || !cluster->comm))) {
-		snprintf(err, err_len, "max_trainers %u (1..%u), batch_size %u, node %u of %u%s",
+	    (nodes > 1 && max_trainers > 64)) {
+		snprintf(err, err_len, "max_trainers %u (1..%u), batch_size %u, node %u of %u",
 			 max_trainers, nodes > 1 ? 64 : UINT32_MAX, plan->topology.batch_size, node,
-			 nodes, nodes > 1 && !cluster->comm ? ", no comm" : "");
+			 nodes);
 		return EMBD_EINVAL;
 	}
 	if (nodes > 1 && (uint64_t)plan->topology.world_size != (uint64_t)nodes *

@@ -70,7 +70,8 @@ struct embd_comm;
 struct embd_store;
 struct embd_step_cluster {
 	uint32_t node, num_nodes;
-	struct embd_comm *comm;         /* one participant per node; used from the caller's thread */
+	struct embd_comm *comm;         /* one participant per node; used from the caller's thread;
+					   NULL: broken until embd_step_comm_set (a rejoining node) */
 	struct embd_store *store;       /* to name the node that did not answer; may be NULL */
 	int timeout_ms;                 /* the comm's collective timeout (for messages) */
 };
@@ -128,7 +129,8 @@ const struct embd_step_layout *embd_step_layout(const struct embd_step *step);
  * The accepted trainers' routing is kept for embd_step_backward. On a cluster a failure of
  * any node (or of a collective: EMBD_ETIMEDOUT naming the node) fails the step everywhere.
  * After a collective failed, every later step fails at once with EMBD_EIO: the comm is broken
- * and the nodes may disagree on parameters, so the cluster must be restarted.
+ * and the nodes may disagree on parameters, until embd_step_comm_set hands the engine the comm
+ * of a re-formed cluster (service/regroup.h decides whether the parameters still agree).
  */
 int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 
@@ -157,6 +159,15 @@ int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, 
  * collective's failure, if any.
  */
 int embd_step_abort(struct embd_step *step, const char *why);
+
+/* On a cluster: true when a failed collective (or embd_step_comm_break) broke the comm, with
+ * *why (may be NULL) the failure, naming the node; false on one node. */
+bool embd_step_comm_broken(const struct embd_step *step, const char **why);
+/* Breaks the comm from outside (another node opened a new generation): steps are refused. */
+void embd_step_comm_break(struct embd_step *step, const char *why);
+/* Between steps (none pending): the comm of generation gen, same size and rank (the caller
+ * keeps owning it); exchanges count from 0 again. EMBD_EINVAL otherwise. */
+int embd_step_comm_set(struct embd_step *step, struct embd_comm *comm, uint64_t gen);
 
 /* Counters of the last forward. */
 void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out);

@@ -16,7 +16,8 @@
  * Sizes of 3 and 4 need no exchange: both ends derive them from the items of 2. Every node
  * sends every message (a failed node sends its status and zeros of the right size), so the
  * collectives stay in line and every node takes the same decision from the same headers.
- * A failed collective breaks the comm for good (comm.h); later steps fail at once.
+ * A failed collective breaks the comm (comm.h): later steps fail at once until the service
+ * re-forms the cluster (service/regroup.h) and hands the engine the new generation's comm.
  * Data from peers is checked like trainer data: no index is used before it is checked.
  */
 #include <inttypes.h>
@@ -46,6 +47,7 @@ struct step_dist {
 	int timeout_ms;
 	uint32_t nodes;
 	uint64_t seq;
+	uint64_t gen;                           /* the comm's generation (regroup.h), for keys */
 	uint64_t *sbytes, *rbytes, *roff;       /* per peer, of the exchange at hand */
 	struct vec send, in, out, grad;         /* bytes; in and grad live until backward */
 	struct vec rx;                          /* struct wire_rx */
@@ -83,6 +85,13 @@ int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluste
 	if (!d->sbytes || !d->rbytes || !d->roff || !d->rx_first || !d->grad_off ||
 	    !d->out_expect || !d->grad_expect)
 		return EMBD_ENOMEM;
+	if (!comm) {
+		/* a node that rejoins a running cluster: no step until it is in a generation */
+		d->broken = true;
+		snprintf(d->broken_msg, sizeof(d->broken_msg), "node %u restarted, rejoining",
+			 s->node);
+		return 0;
+	}
 	if (embd_comm_size(comm) != N || embd_comm_rank(comm) != s->node) {
 		snprintf(err, err_len, "comm: participant %u of %u, the step engine is node %u of %u",
 			 embd_comm_rank(comm), embd_comm_size(comm), s->node, N);
@@ -146,7 +155,8 @@ static void missing_nodes(struct embd_step *s, char *out, size_t len)
 	if (!d->store)
 		return;
 	embd_store_set_timeout(d->store, window_ms);
-	snprintf(key, sizeof(key), "embd/failed/%" PRIu64 "/%u", d->seq, s->node);
+	snprintf(key, sizeof(key), "embd/failed/%" PRIu64 "/%" PRIu64 "/%u", d->gen, d->seq,
+		 s->node);
 	if (embd_store_set(d->store, key, "1", 1)) {
 		snprintf(out, len, "node 0");
 		return;
@@ -158,7 +168,8 @@ static void missing_nodes(struct embd_step *s, char *out, size_t len)
 		for (uint32_t p = 0; p < d->nodes; p++) {
 			if (seen[p])
 				continue;
-			snprintf(key, sizeof(key), "embd/failed/%" PRIu64 "/%u", d->seq, p);
+			snprintf(key, sizeof(key), "embd/failed/%" PRIu64 "/%" PRIu64 "/%u", d->gen,
+				 d->seq, p);
 			seen[p] = embd_store_check(d->store, key) == 1;
 			all &= seen[p];
 		}
@@ -225,9 +236,42 @@ static int exchange(struct embd_step *s, struct vec *recv, enum embd_step_exchan
 
 static int refuse_broken(struct embd_step *s)
 {
-	/* the completion message holds ~100 bytes: the instruction first */
-	return step_fail(s, EMBD_EIO, "restart every embd node of the cluster: %s",
-			 s->dist->broken_msg);
+	/* the completion message holds ~100 bytes: what happens first */
+	return step_fail(s, EMBD_EIO, "cluster re-forming after: %s", s->dist->broken_msg);
+}
+
+bool embd_step_comm_broken(const struct embd_step *s, const char **why)
+{
+	if (!s->dist || !s->dist->broken)
+		return false;
+	if (why)
+		*why = s->dist->broken_msg;
+	return true;
+}
+
+void embd_step_comm_break(struct embd_step *s, const char *why)
+{
+	struct step_dist *d = s->dist;
+
+	if (!d || d->broken)
+		return;
+	d->broken = true;
+	snprintf(d->broken_msg, sizeof(d->broken_msg), "%s", why);
+}
+
+int embd_step_comm_set(struct embd_step *s, struct embd_comm *comm, uint64_t gen)
+{
+	struct step_dist *d = s->dist;
+
+	if (!d || s->pending || embd_comm_size(comm) != d->nodes ||
+	    embd_comm_rank(comm) != s->node)
+		return EMBD_EINVAL;
+	d->comm = comm;
+	d->seq = 0;             /* every node counts the new comm's exchanges from 0 */
+	d->gen = gen;
+	d->broken = false;
+	d->broken_msg[0] = 0;
+	return 0;
 }
 
 static void put_head(struct step_dist *d, uint8_t *at, int status, const char *why)

@@ -30,6 +30,8 @@ struct embd_store {
 	int fd;
 	int timeout_ms;
 	char where[300];                /* "addr:port" for messages */
+	char host[256];                 /* to connect again (embd_store_reconnect) */
+	uint16_t port;
 	char err[512];
 	uint8_t *reply;                 /* body of the last response */
 	size_t reply_len, reply_cap;
@@ -122,6 +124,33 @@ static int try_connect(struct embd_store *s, struct addrinfo *res, int64_t deadl
 	return last;
 }
 
+/* Connects s to s->host:s->port, retrying until timeout_ms; 0 or EMBD_ETIMEDOUT (s->err). */
+static int connect_retrying(struct embd_store *s, int timeout_ms)
+{
+	struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+				  .ai_flags = AI_NUMERICSERV };
+	char service[8];
+	snprintf(service, sizeof(service), "%u", s->port);
+	int64_t deadline = now_ms() + timeout_ms;
+	int delay_ms = RETRY_MIN_MS;
+	for (;;) {
+		/* A name that does not resolve yet (DNS of a starting cluster) is retried too. */
+		struct addrinfo *res = NULL;
+		int gai = getaddrinfo(s->host, service, &hints, &res);
+		int last = gai ? 0 : try_connect(s, res, deadline);
+		if (res)
+			freeaddrinfo(res);
+		if (!gai && last == 0)
+			return 0;
+		if (ms_left(deadline) == 0)
+			return fail(s, EMBD_ETIMEDOUT, "cannot connect within %d ms: %s", timeout_ms,
+				    gai ? gai_strerror(gai) : strerror(last));
+		int left = ms_left(deadline);
+		usleep((useconds_t)(delay_ms < left ? delay_ms : left) * 1000u);
+		delay_ms = delay_ms * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : delay_ms * 2;
+	}
+}
+
 int embd_store_connect(const char *addr, uint16_t port, int timeout_ms,
 		       struct embd_store **out, char *err, size_t err_len)
 {
@@ -135,37 +164,24 @@ int embd_store_connect(const char *addr, uint16_t port, int timeout_ms,
 	}
 	s->fd = -1;
 	s->timeout_ms = timeout_ms < 0 ? 0 : timeout_ms;
-	snprintf(s->where, sizeof(s->where), "%s:%u", addr && *addr ? addr : "127.0.0.1", port);
-
-	struct addrinfo hints = { .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-				  .ai_flags = AI_NUMERICSERV };
-	char service[8];
-	snprintf(service, sizeof(service), "%u", port);
-	int64_t deadline = now_ms() + s->timeout_ms;
-	int delay_ms = RETRY_MIN_MS;
-	int rc;
-	for (;;) {
-		/* A name that does not resolve yet (DNS of a starting cluster) is retried too. */
-		struct addrinfo *res = NULL;
-		int gai = getaddrinfo(addr && *addr ? addr : "127.0.0.1", service, &hints, &res);
-		int last = gai ? 0 : try_connect(s, res, deadline);
-		if (res)
-			freeaddrinfo(res);
-		if (!gai && last == 0)
-			break;
-		if (ms_left(deadline) == 0) {
-			rc = fail(s, EMBD_ETIMEDOUT, "cannot connect within %d ms: %s", s->timeout_ms,
-				  gai ? gai_strerror(gai) : strerror(last));
-			snprintf(err, err_len, "%s", s->err);
-			free(s);
-			return rc;
-		}
-		int left = ms_left(deadline);
-		usleep((useconds_t)(delay_ms < left ? delay_ms : left) * 1000u);
-		delay_ms = delay_ms * 2 > RETRY_MAX_MS ? RETRY_MAX_MS : delay_ms * 2;
+	snprintf(s->host, sizeof(s->host), "%s", addr && *addr ? addr : "127.0.0.1");
+	s->port = port;
+	snprintf(s->where, sizeof(s->where), "%s:%u", s->host, port);
+	int rc = connect_retrying(s, s->timeout_ms);
+	if (rc) {
+		snprintf(err, err_len, "%s", s->err);
+		free(s);
+		return rc;
 	}
 	*out = s;
 	return 0;
+}
+
+int embd_store_reconnect(struct embd_store *s, int timeout_ms)
+{
+	if (s->fd >= 0)
+		return 0;
+	return connect_retrying(s, timeout_ms < 0 ? 0 : timeout_ms);
 }
 
 void embd_store_close(struct embd_store *s)

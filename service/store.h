@@ -38,6 +38,10 @@ void embd_store_server_stop(struct embd_store_server *server);
 int embd_store_connect(const char *addr, uint16_t port, int timeout_ms,
 		       struct embd_store **out, char *err, size_t err_len);
 void embd_store_close(struct embd_store *store);
+/* A handle closed by an error connects again to the same addr:port (retrying until
+ * timeout_ms): 0, at once when it is still open, or EMBD_ETIMEDOUT. Whether the server is the
+ * same one is the caller's to check (a key it set before, e.g. embd/instance). */
+int embd_store_reconnect(struct embd_store *store, int timeout_ms);
 
 /* The timeout (ms) used by get/wait/add on this handle (initially connect's timeout_ms). */
 void embd_store_set_timeout(struct embd_store *store, int timeout_ms);

@@ -56,7 +56,9 @@ struct embd_client_layout {
 	uint32_t batch_size;             /* B of every batch this trainer posts */
 	uint32_t total_dim;              /* columns of the pooled output */
 	uint64_t max_values;             /* most ids one batch may hold */
-	uint64_t resumed_step;           /* the first step this trainer posts */
+	uint64_t resumed_step;           /* the first step this trainer posts; after a
+					    completion with EMBD_ERESUMED (a cluster that re-formed
+					    after a node failed), the step to post next */
 	uint32_t num_tables, num_features;
 	const struct embd_client_table *tables;      /* num_tables */
 	const struct embd_client_feature *features;  /* num_features, KJT key order */
@@ -145,6 +147,9 @@ EMBD_CLIENT_API int embd_wait(struct embd_client *client, struct embd_completion
  * Blocking forward / backward of step `step` on slot `slot`: submit, then wait for that
  * completion. Returns its result (0, EMBD_ECANCELED when the step was aborted because
  * another trainer died, or the validation error of this batch, named in embd_last_error).
+ * On a cluster also: an error naming the node that failed; EMBD_EAGAIN while the cluster
+ * re-forms (post the same step again a little later); EMBD_ERESUMED when it re-formed at
+ * another step (embd_layout(client)->resumed_step is then the step to post).
  * Do not call with async requests in flight on the same handle.
  */
 EMBD_CLIENT_API int embd_forward(struct embd_client *client, uint32_t slot, uint64_t step,

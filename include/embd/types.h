@@ -43,6 +43,8 @@ enum embd_error {
 	EMBD_EMISMATCH = -1002,            /* peers or files disagree (version, tables, plan hash) */
 	EMBD_EINFEASIBLE = -1003,          /* the planner found no placement within the caps */
 	EMBD_ECHECKSUM = -1004,            /* a stored file does not match its checksum */
+	EMBD_ERESUMED = -1005,             /* the cluster re-formed and resumed at another step:
+					      the completion's step is the one to post next */
 };
 
 /* A short static description of an EMBD_E* code (never NULL). */
@@ -68,6 +70,7 @@ static inline const char *embd_strerror(int err)
 	case EMBD_EMISMATCH: return "mismatch between peers or files";
 	case EMBD_EINFEASIBLE: return "no feasible placement";
 	case EMBD_ECHECKSUM: return "checksum mismatch";
+	case EMBD_ERESUMED: return "cluster resumed at another step";
 	default: return "unknown error";
 	}
 }

@@ -299,12 +299,13 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 	return rc;
 }
 
-/* Runs trainers 0..n-1 as processes, trainer g on sockets[g / per_socket] with index
- * g % per_socket, and asserts that each finished its K steps. */
 /* Runs in each trainer process of run_trainers before it connects, with the index of its
  * socket (its node), or NULL: e.g. to enter the node's network namespace. */
 static void (*trainer_setup)(uint32_t socket_index);
 
+/* Runs trainers 0..n-1 as processes, trainer g on sockets[g / per_socket] with index
+ * g % per_socket, and asserts that each finished its K steps. */
+__attribute__((unused))        /* tests that drive their trainers step by step do not */
 static void run_trainers(struct shared *sh, uint32_t n, const char *const *sockets,
 			 uint32_t per_socket)
 {

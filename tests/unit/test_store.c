@@ -2,8 +2,9 @@
  * Tests for service/store.h: the server in this process (or, for the tests that fork
  * while it serves, in a process of its own) and clients in forked processes:
  * set/get/add/check/wait/delete, a get parked until a later set, timeouts within bounds and
- * naming key and addr:port, connect retries while the server starts late, and a server that
- * keeps serving after garbage bytes, a client that hangs up mid-frame or while parked.
+ * naming key and addr:port, connect retries while the server starts late, a closed handle
+ * that connects again to a new server on the same port, and a server that keeps serving
+ * after garbage bytes, a client that hangs up mid-frame or while parked.
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -469,4 +470,38 @@ Test(store, pipelined_requests_are_answered_in_order)
 	cr_assert_eq(embd_wire_get_u32(buf + 4 + len0), 5u);
 	cr_assert_eq(embd_wire_get_u32(buf + 8 + len0), 0u);
 	cr_assert_eq(buf[12 + len0], 0, "p does not exist");
+}
+
+/* ---- connecting again ------------------------------------------------------------------- */
+
+/* A handle closed by a server that went away connects again to whatever serves the same
+ * address later (the caller tells old from new by a key of its own: service/regroup.h). */
+Test(store, reconnect_reaches_a_new_server_on_the_same_port)
+{
+	uint16_t p = tu_free_port();
+	struct embd_store_server *a = NULL, *b = NULL;
+	struct embd_store *s = NULL;
+	char err[256] = "";
+
+	cr_assert_eq(embd_store_server_start("127.0.0.1", p, &a, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_store_connect("127.0.0.1", p, 2000, &s, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_store_reconnect(s, 100), 0, "an open handle: expected 0 at once");
+	cr_assert_eq(embd_store_set(s, "old", "1", 1), 0, "%s", embd_store_error(s));
+	embd_store_server_stop(a);
+	int rc = embd_store_check(s, "old");
+	if (rc >= 0)    /* the kernel may take one request before the reset arrives */
+		rc = embd_store_check(s, "old");
+	cr_assert_eq(rc, EMBD_ECONNRESET, "server gone: expected ECONNRESET, got %d", rc);
+	int64_t t0 = tu_now_ms();
+	rc = embd_store_reconnect(s, 300);
+	cr_assert_eq(rc, EMBD_ETIMEDOUT, "no server: expected ETIMEDOUT, got %d", rc);
+	cr_assert(tu_now_ms() - t0 >= 250, "gave up after %lld ms, expected ~300",
+		  (long long)(tu_now_ms() - t0));
+	cr_assert_eq(embd_store_server_start("127.0.0.1", p, &b, err, sizeof(err)), 0, "%s", err);
+	rc = embd_store_reconnect(s, 2000);
+	cr_assert_eq(rc, 0, "new server: expected 0, got %d (%s)", rc, embd_store_error(s));
+	cr_assert_eq(embd_store_check(s, "old"), 0, "the new server should not hold 'old'");
+	cr_assert_eq(embd_store_set(s, "new", "1", 1), 0, "%s", embd_store_error(s));
+	embd_store_close(s);
+	embd_store_server_stop(b);
 }

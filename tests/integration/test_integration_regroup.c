@@ -1,0 +1,450 @@
+/*
+ * Integration: a cluster of real embd nodes (dist_fixture.h) that re-forms after a node
+ * failed (service/regroup.h). Trainers post step s with global batch s, and go on like a real
+ * training loop would: EMBD_EAGAIN -> the same step again a little later, EMBD_ERESUMED -> the
+ * step the completion names, another error -> the next step. The pooled outputs of the steps
+ * that completed are compared with the unsharded reference trained on batches 0, 1, 2.
+ *  - node 1 SIGSTOPped while every trainer is between forward and backward of step 1, then
+ *    SIGCONTed: node 0's trainers get an error naming node 1, then the cluster resumes at
+ *    step 1 and the outputs equal the reference;
+ *  - node 1 SIGKILLed and restarted after the cluster checkpoint of step 2 (and step 2 run):
+ *    every node restores step 2, node 0's trainers learn it from EMBD_ERESUMED, and the
+ *    outputs of the redone step 2 equal the reference;
+ *  - the same without checkpoints: steps are refused, saying the cluster state was lost and
+ *    naming node 1, within seconds.
+ */
+#include <criterion/criterion.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "embd/client.h"
+#include "tests/integration/dist_fixture.h"
+
+static char ckpt_root[128];
+
+static void fini(void)
+{
+	char cmd[192];
+
+	stop_cluster();
+	if (ckpt_root[0] && !getenv("EMBD_TEST_KEEP")) {
+		snprintf(cmd, sizeof(cmd), "rm -rf '%s'", ckpt_root);
+		if (system(cmd))
+			fprintf(stderr, "cannot remove %s\n", ckpt_root);
+	}
+	ckpt_root[0] = 0;
+}
+
+TestSuite(regroup, .fini = fini, .timeout = 60);
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* What each trainer reports (shared mapping, one per global trainer). */
+struct report {
+	int rc;                         /* 0: its steps completed; 1: did not report */
+	int resumed;                    /* EMBD_ERESUMED completions */
+	uint64_t resumed_at;            /* the step the last one named */
+	int failures;
+	char first_err[256];            /* the first failure */
+	char last_err[256];
+	bool phase_done;                /* reached the pause point */
+};
+
+struct shared_all {
+	struct shared *sh;              /* shared_map()'s */
+	struct report rep[MAX_T];
+};
+
+/* Forward and backward of step `step` with global batch `step` (past the last batch: batch
+ * step % K_STEPS, output not kept: a step the cluster should refuse); 0 or the failure. */
+static int one_step(struct embd_client *c, struct shared *sh, uint32_t g, uint64_t step)
+{
+	const uint32_t D = embd_layout(c)->total_dim, k = (uint32_t)(step % K_STEPS);
+	struct embd_batch b;
+
+	embd_batch_get(c, 0, &b);
+	uint64_t n = gen_batch(k, g, b.lengths, b.values);
+	int rc = embd_forward(c, 0, step, n, 0);
+	if (rc)
+		return rc;
+	if (step < K_STEPS)
+		memcpy(sh->pooled[step][g], b.pooled, (size_t)BATCH * D * sizeof(float));
+	for (uint32_t i = 0; i < BATCH * D; i++)
+		b.grad[i] = gen_grad(k, g, i / D, i % D);
+	return embd_backward(c, 0, step, n, 0);
+}
+
+/*
+ * Runs steps from *step until step `end` completed (and, with must_resume, only after an
+ * EMBD_ERESUMED), as a training loop that survives a cluster re-forming would; 0, or the
+ * refusal that ends it (a lost state), or EMBD_ETIMEDOUT after 20 s.
+ */
+static int train_until(struct embd_client *c, struct shared_all *all, uint32_t g, uint64_t *step,
+		       uint64_t end, bool must_resume)
+{
+	struct report *r = &all->rep[g];
+	const uint64_t deadline = now_ms() + 20000;
+	bool last_ok = false;
+
+	while (now_ms() < deadline) {
+		if (*step >= end && last_ok && (!must_resume || r->resumed))
+			return 0;
+		int rc = one_step(c, all->sh, g, *step);
+		last_ok = rc == 0;
+		if (!rc) {
+			(*step)++;
+			continue;
+		}
+		r->failures++;
+		if (!r->first_err[0])
+			snprintf(r->first_err, sizeof(r->first_err), "%s", embd_last_error(c));
+		snprintf(r->last_err, sizeof(r->last_err), "%s", embd_last_error(c));
+		if (rc == EMBD_ERESUMED) {
+			r->resumed++;
+			*step = r->resumed_at = embd_layout(c)->resumed_step;
+		} else if (rc == EMBD_EAGAIN) {
+			usleep(20000);
+		} else if (rc == EMBD_EIO && (strstr(embd_last_error(c), "state lost") ||
+						 strstr(embd_last_error(c), "restart every"))) {
+			return rc;
+		} else {
+			(*step)++;
+		}
+	}
+	return EMBD_ETIMEDOUT;
+}
+
+static struct shared_all *map_all(void)
+{
+	struct shared_all *all = mmap(NULL, sizeof(*all), PROT_READ | PROT_WRITE,
+				      MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	cr_assert(all != MAP_FAILED);
+	memset(all, 0, sizeof(*all));
+	all->sh = shared_map();
+	for (uint32_t g = 0; g < MAX_T; g++)
+		all->rep[g].rc = 1;
+	return all;
+}
+
+static struct embd_client *connect_trainer(struct shared_all *all, uint32_t g)
+{
+	struct embd_client *c = NULL;
+	char err[256];
+
+	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err))) {
+		snprintf(all->rep[g].first_err, sizeof(all->rep[g].first_err), "connect: %.200s",
+			 err);
+		_exit(2);
+	}
+	if (g == 0) {
+		const struct embd_client_layout *l = embd_layout(c);
+		all->sh->total_dim = l->total_dim;
+		for (uint32_t f = 0; f < NUM_F; f++) {
+			all->sh->feature_offset[f] = l->features[f].offset;
+			all->sh->feature_dim[f] = l->features[f].dim;
+		}
+	}
+	return c;
+}
+
+static void wait_byte(int fd)
+{
+	char b;
+	if (read(fd, &b, 1) != 1)
+		_exit(3);
+}
+
+static void wait_until(struct shared_all *all, uint32_t first, uint32_t n, int timeout_ms,
+		       const char *what)
+{
+	uint64_t end = now_ms() + (uint64_t)timeout_ms;
+	bool all_done = false;
+
+	while (!all_done && now_ms() < end) {
+		all_done = true;
+		for (uint32_t g = first; g < first + n; g++)
+			all_done &= all->rep[g].phase_done;
+		usleep(10000);
+	}
+	cr_assert(all_done, "trainers %u..%u did not %s within %d ms", first, first + n - 1, what,
+		  timeout_ms);
+}
+
+static void join_trainers(const pid_t *kids, uint32_t n)
+{
+	for (uint32_t g = 0; g < n; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+	}
+}
+
+/* ---- a stalled node resumes -------------------------------------------------------------- */
+
+/* Trainer g: step 0, forward of step 1, pause (phase_done) until its go byte, backward of
+ * step 1, then on to step 3. */
+static void stall_trainer(struct shared_all *all, uint32_t g, int go_fd)
+{
+	struct embd_client *c = connect_trainer(all, g);
+	struct report *r = &all->rep[g];
+	uint64_t step = embd_layout(c)->resumed_step;
+	const uint32_t D = embd_layout(c)->total_dim;
+	struct embd_batch b;
+
+	if (one_step(c, all->sh, g, step))
+		_exit(4);
+	step++;
+	embd_batch_get(c, 0, &b);
+	uint64_t n = gen_batch((uint32_t)step, g, b.lengths, b.values);
+	if (embd_forward(c, 0, step, n, 0))
+		_exit(5);
+	r->phase_done = true;
+	wait_byte(go_fd);
+	memset(b.grad, 0, (size_t)BATCH * D * sizeof(float));
+	int rc = embd_backward(c, 0, step, n, 0);
+	if (rc) {
+		r->failures++;
+		snprintf(r->first_err, sizeof(r->first_err), "%s", embd_last_error(c));
+		step++;
+	} else {
+		step++;         /* applied: this node's state is ahead (the test then fails) */
+	}
+	r->rc = train_until(c, all, g, &step, K_STEPS, false);
+	embd_close(c);
+	_exit(0);
+}
+
+/* Node `victim` stalls while every trainer is between forward and backward of step 1; the
+ * other node's trainers post their backward, then the victim continues and so do its. */
+static void stall(uint32_t victim)
+{
+	const uint32_t T = 2 * RANKS, other = 1 - victim;
+	int go[2][2];
+	pid_t kids[2 * RANKS];
+	char who[16];
+
+	start_cluster(2, "row_wise");
+	struct shared_all *all = map_all();
+	cr_assert(pipe(go[0]) == 0 && pipe(go[1]) == 0);
+	for (uint32_t g = 0; g < T; g++) {
+		kids[g] = fork_child();
+		if (kids[g] == 0)
+			stall_trainer(all, g, go[g / RANKS][0]);
+	}
+	wait_until(all, 0, T, 10000, "finish step 0 and the forward of step 1");
+	/* every trainer between forward and backward of step 1: the victim stalls */
+	cr_assert_eq(kill(nodes[victim].pid, SIGSTOP), 0);
+	cr_assert_eq(write(go[other][1], "gg", 2), 2);
+	/* the other node's trainers' backward fails within the timeout, naming the victim
+	 * (node 0 stalled: its store too, which costs the other node up to 3 s more) */
+	uint64_t end = now_ms() + TIMEOUT_MS + 6000;
+	while (now_ms() < end && (!all->rep[other * RANKS].failures ||
+				  !all->rep[other * RANKS + 1].failures))
+		usleep(10000);
+	kill(nodes[victim].pid, SIGCONT);
+	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
+	join_trainers(kids, T);
+	snprintf(who, sizeof(who), "node %u", victim);
+	for (uint32_t g = 0; g < T; g++) {
+		const struct report *r = &all->rep[g];
+		cr_expect_eq(r->rc, 0, "trainer %u: expected its steps to complete after the cluster "
+			     "resumed, got %d (last error '%s')", g, r->rc, r->last_err);
+		cr_expect(r->failures > 0, "trainer %u: expected a failed step", g);
+		if (g / RANKS == other)
+			cr_expect(strstr(r->first_err, who) != NULL, "trainer %u: expected the first "
+				  "error to name %s, got '%s'", g, who, r->first_err);
+	}
+	const struct report *r = &all->rep[other * RANKS];
+	cr_expect(r->resumed && r->resumed_at == 1, "trainer %u: expected EMBD_ERESUMED naming "
+		  "step 1, got %d times, step %llu", other * RANKS, r->resumed,
+		  (unsigned long long)r->resumed_at);
+	check_against_reference(all->sh, T, victim ? "2 nodes after node 1 stalled" :
+			       "2 nodes after node 0 (the store) stalled");
+	for (uint32_t n = 0; n < 2; n++)
+		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run", n);
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
+}
+
+Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1); }
+Test(regroup, stalled_node_0_and_its_store_resume) { stall(0); }
+
+/* ---- a killed node restarts -------------------------------------------------------------- */
+
+/* Trainer g of the surviving node: steps 0..2, pause until go, then post step 3 until the
+ * cluster tells it where it resumed, and complete the steps up to 2 again. The other node's
+ * first trainers stop after step 2 (their node is then killed). */
+static void restart_trainer(struct shared_all *all, uint32_t g, int go_fd, uint32_t survivor)
+{
+	struct embd_client *c = connect_trainer(all, g);
+	struct report *r = &all->rep[g];
+	uint64_t step = embd_layout(c)->resumed_step;
+
+	r->rc = train_until(c, all, g, &step, K_STEPS, false);
+	if (r->rc)
+		_exit(4);
+	r->phase_done = true;
+	if (g / RANKS == survivor) {
+		wait_byte(go_fd);
+		r->rc = 1;
+		r->failures = 0;
+		r->first_err[0] = 0;
+		r->rc = train_until(c, all, g, &step, K_STEPS, true);
+	}
+	embd_close(c);
+	_exit(0);
+}
+
+/* A trainer of the restarted node 1: from its WELCOME's step to the last one. */
+static void late_trainer(struct shared_all *all, uint32_t g)
+{
+	struct embd_client *c = connect_trainer(all, g);
+	uint64_t step = embd_layout(c)->resumed_step;
+
+	all->rep[g].rc = train_until(c, all, g, &step, K_STEPS, false);
+	embd_close(c);
+	_exit(0);
+}
+
+/* Kills node n and starts it again; node 1 must listen again (node 0 never does: it waits
+ * for joiners that still run the old cluster). */
+static void restart_node(uint32_t n)
+{
+	char log[4096];
+
+	stop_node(n, SIGKILL);
+	unlink(nodes[n].socket);
+	spawn(n);
+	if (n == 0)
+		return;
+	for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++)
+		usleep(10000);
+	read_log(n, log, sizeof(log));
+	cr_assert(access(nodes[n].socket, F_OK) == 0, "restarted node %u did not listen: %s", n,
+		  log);
+}
+
+/* Node `victim` is killed after step 2 ran (and the cluster checkpoint of step 2 was
+ * written, when with_checkpoints) and restarted (node 1 gets new trainers); the other node's
+ * trainers then post step 3. */
+static struct shared_all *kill_and_restart(bool with_checkpoints, uint32_t victim, pid_t *kids)
+{
+	const uint32_t T = 2 * RANKS, survivor = 1 - victim;
+	int go[2];
+
+	if (with_checkpoints) {
+		snprintf(ckpt_root, sizeof(ckpt_root), "/tmp/embd-regroup-%d", (int)getpid());
+		snprintf(dist_extra_json, sizeof(dist_extra_json), ", \"checkpoint_dir\": \"%s\", "
+			 "\"checkpoint_every_steps\": 2, \"checkpoint_keep\": 0", ckpt_root);
+	}
+	start_cluster(2, "row_wise");
+	struct shared_all *all = map_all();
+	cr_assert(pipe(go) == 0);
+	for (uint32_t g = 0; g < T; g++) {
+		kids[g] = fork_child();
+		if (kids[g] == 0)
+			restart_trainer(all, g, go[0], survivor);
+	}
+	wait_until(all, 0, T, 15000, "run steps 0..2");
+	for (uint32_t g = victim * RANKS; g < (victim + 1) * RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+	}
+	if (with_checkpoints) {
+		char path[192];
+		snprintf(path, sizeof(path), "%s/step-2/manifest.json", ckpt_root);
+		for (int i = 0; i < 500 && access(path, F_OK) != 0; i++)
+			usleep(20000);
+		cr_assert(access(path, F_OK) == 0, "expected %s within 10 s", path);
+	}
+	restart_node(victim);
+	for (uint32_t g = RANKS; victim == 1 && g < T; g++) {
+		all->rep[g].rc = 1;
+		kids[g] = fork_child();
+		if (kids[g] == 0)
+			late_trainer(all, g);
+	}
+	cr_assert_eq(write(go[1], "gg", 2), 2);
+	join_trainers(kids + survivor * RANKS, RANKS);
+	if (victim == 1)
+		join_trainers(kids + RANKS, RANKS);
+	return all;
+}
+
+Test(regroup, restarted_node_makes_the_cluster_restore_its_checkpoint)
+{
+	const uint32_t T = 2 * RANKS;
+	pid_t kids[2 * RANKS];
+	struct shared_all *all = kill_and_restart(true, 1, kids);
+
+	for (uint32_t g = 0; g < T; g++)
+		cr_expect_eq(all->rep[g].rc, 0, "trainer %u: expected step 2 to run again after the "
+			     "restore, got %d (last error '%s')", g, all->rep[g].rc,
+			     all->rep[g].last_err);
+	for (uint32_t g = 0; g < RANKS; g++)
+		cr_expect(all->rep[g].resumed_at == 2, "trainer %u: expected EMBD_ERESUMED naming "
+			  "step 2 (the checkpoint), got step %llu ('%s')", g,
+			  (unsigned long long)all->rep[g].resumed_at, all->rep[g].last_err);
+	/* step 2's outputs come from the redone step: equal only if node 0 restored too */
+	check_against_reference(all->sh, T, "2 nodes after node 1 restarted (restored step 2)");
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
+}
+
+Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
+{
+	const uint32_t T = 2 * RANKS;
+	pid_t kids[2 * RANKS];
+	uint64_t t0 = now_ms();
+	struct shared_all *all = kill_and_restart(false, 1, kids);
+
+	for (uint32_t g = 0; g < T; g++) {
+		const struct report *r = &all->rep[g];
+		cr_expect_eq(r->rc, EMBD_EIO, "trainer %u: expected EMBD_EIO (state lost), got %d "
+			     "('%s')", g, r->rc, r->last_err);
+		cr_expect(strstr(r->last_err, "state lost") && strstr(r->last_err, "node 1"),
+			  "trainer %u: expected the refusal to say the state was lost, naming node "
+			  "1, got '%s'", g, r->last_err);
+	}
+	cr_expect_lt(now_ms() - t0, 30000, "expected the refusals within 30 s of the start");
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
+}
+
+/* Node 0 restarted: a new store, so the cluster is not resumed; both sides say so. */
+Test(regroup, restarted_node_0_is_refused_clearly_on_both_sides)
+{
+	pid_t kids[2 * RANKS];
+	char log[8192];
+	int st = 0;
+
+	dist_store_timeout_ms = 3000;
+	struct shared_all *all = kill_and_restart(false, 0, kids);
+	for (uint32_t g = RANKS; g < 2 * RANKS; g++) {
+		const struct report *r = &all->rep[g];
+		cr_expect_eq(r->rc, EMBD_EIO, "trainer %u: expected EMBD_EIO, got %d ('%s')", g, r->rc,
+			     r->last_err);
+		cr_expect(strstr(r->last_err, "node 0 restarted") != NULL, "trainer %u: expected "
+			  "the refusal to say node 0 restarted, got '%s'", g, r->last_err);
+	}
+	/* the new node 0 gives up after store_timeout_ms, naming node 1 */
+	pid_t pid = nodes[0].pid;
+	for (int i = 0; i < 1000 && waitpid(pid, &st, WNOHANG) != pid; i++)
+		usleep(10000);
+	read_log(0, log, sizeof(log));
+	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 1, "the new node 0: expected exit 1 within "
+		  "10 s, got status 0x%x", st);
+	nodes[0].pid = 0;
+	cr_expect(strstr(log, "node(s) 1 still run the cluster node 0 had before it restarted"),
+		  "the new node 0 should name node 1 as running the old cluster: %s", log);
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
+}

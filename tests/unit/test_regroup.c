@@ -1,0 +1,209 @@
+/*
+ * Tests for service/regroup.h: the decision every node takes from the state records (resume
+ * when every node applied the same step, restore or lost naming the node that restarted or the
+ * nodes that disagree), the state record's text and its malformed forms, and generations
+ * formed by forked processes through a real store with real Gloo comms: two nodes whose
+ * collective failed meet in generation 1 and resume; a node that restarted (no comm) opens the
+ * next generation, the running node sees it, and both decide to restore.
+ */
+#include <criterion/criterion.h>
+#include <stdbool.h>
+#include <string.h>
+
+#include "embd/types.h"
+#include "service/comm.h"
+#include "service/regroup.h"
+#include "service/store.h"
+#include "test_dist_util.h"
+
+TestSuite(regroup, .timeout = 40);
+
+/* ---- the decision ------------------------------------------------------------------------ */
+
+Test(regroup, same_applied_step_resumes_there)
+{
+	struct embd_regroup_state st[3] = { { 7, false }, { 7, false }, { 7, false } };
+	struct embd_regroup_decision d;
+
+	embd_regroup_decide(st, 3, true, &d);
+	cr_expect_eq(d.verdict, EMBD_REGROUP_RESUME, "expected RESUME, got %d", d.verdict);
+	cr_expect_eq(d.step, 7, "expected step 7, got %llu", (unsigned long long)d.step);
+}
+
+Test(regroup, a_restarted_node_restores_or_is_named_lost)
+{
+	struct embd_regroup_state st[3] = { { 7, false }, { 0, true }, { 7, false } };
+	struct embd_regroup_decision d;
+
+	embd_regroup_decide(st, 3, true, &d);
+	cr_expect_eq(d.verdict, EMBD_REGROUP_RESTORE, "with checkpoints: expected RESTORE, got %d",
+		     d.verdict);
+	embd_regroup_decide(st, 3, false, &d);
+	cr_expect_eq(d.verdict, EMBD_REGROUP_LOST, "without: expected LOST, got %d", d.verdict);
+	cr_expect(strstr(d.why, "node 1 restarted") != NULL, "expected the why to name node 1, "
+		  "got '%s'", d.why);
+	/* a restarted node with the same step number still lost its shards */
+	st[1].applied = 7;
+	embd_regroup_decide(st, 3, false, &d);
+	cr_expect_eq(d.verdict, EMBD_REGROUP_LOST, "expected LOST, got %d", d.verdict);
+}
+
+Test(regroup, half_applied_gradient_exchange_is_not_resumed)
+{
+	struct embd_regroup_state st[2] = { { 5, false }, { 4, false } };
+	struct embd_regroup_decision d;
+
+	embd_regroup_decide(st, 2, false, &d);
+	cr_expect_eq(d.verdict, EMBD_REGROUP_LOST, "expected LOST, got %d", d.verdict);
+	cr_expect(strstr(d.why, "0 at 5") && strstr(d.why, "1 at 4"), "expected both nodes' steps "
+		  "named, got '%s'", d.why);
+	embd_regroup_decide(st, 2, true, &d);
+	cr_expect_eq(d.verdict, EMBD_REGROUP_RESTORE, "expected RESTORE, got %d", d.verdict);
+}
+
+Test(regroup, state_records_round_trip_and_malformed_ones_are_refused)
+{
+	struct embd_regroup_state in = { 123456789012ull, true }, out = { 0 };
+	char text[64];
+
+	cr_assert_eq(embd_regroup_state_format(&in, text, sizeof(text)), 0);
+	cr_assert_eq(embd_regroup_state_parse(text, strlen(text), &out), 0, "'%s' refused", text);
+	cr_expect(out.applied == in.applied && out.lost, "expected 123456789012/lost, got %llu/%d",
+		  (unsigned long long)out.applied, out.lost);
+	static const char *const bad[] = { "", "applied 1", "applied -1 lost 0", "applied 1 lost 2",
+					   "applied 1 lost 0 x", "lost 0 applied 1" };
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+		cr_expect_eq(embd_regroup_state_parse(bad[i], strlen(bad[i]), &out), EMBD_EPARSE,
+			     "'%s': expected EMBD_EPARSE", bad[i]);
+}
+
+/* ---- generations through a real store ---------------------------------------------------- */
+
+#define NODES 2
+#define TIMEOUT_MS 3000
+
+struct scenario {
+	bool restarted;                 /* node 1 starts without a comm (restarted) */
+};
+
+static struct embd_regroup *node_start(int node, bool no_comm, struct embd_store **store)
+{
+	char err[512] = "";
+	struct embd_comm *comm = NULL;
+	struct embd_regroup *rg = NULL;
+
+	if (embd_store_connect("127.0.0.1", tu_port, 5000, store, err, sizeof(err)) < 0) {
+		fprintf(stderr, "[node %d] store: %s\n", node, err);
+		return NULL;
+	}
+	struct embd_comm_options co = {
+		.backend = EMBD_COMM_GLOO, .rank = (uint32_t)node, .size = NODES,
+		.timeout_ms = TIMEOUT_MS, .hostname = "", .prefix = "embd/gen/0/gloo/",
+	};
+	if (embd_comm_create(&co, *store, &comm, err, sizeof(err))) {
+		fprintf(stderr, "[node %d] comm: %s\n", node, err);
+		return NULL;
+	}
+	struct embd_regroup_options o = { .node = (uint32_t)node, .nodes = NODES,
+					  .backend = EMBD_COMM_GLOO,
+					  .collective_timeout_ms = TIMEOUT_MS,
+					  .store_timeout_ms = TIMEOUT_MS };
+	if (embd_regroup_create(&o, *store, comm, &rg))
+		return NULL;
+	if (!no_comm)
+		return rg;
+	/* a restart: the process that held generation 0 is gone, a new one has no comm */
+	embd_regroup_destroy(rg);
+	return embd_regroup_create(&o, *store, NULL, &rg) ? NULL : rg;
+}
+
+/* Polls until the generation formed (or 10 s); 1 = formed. */
+static int form(struct embd_regroup *rg, const struct embd_regroup_state *mine,
+		struct embd_regroup_decision *d, int node)
+{
+	char err[512];
+	int64_t end = tu_now_ms() + 10000;
+
+	while (tu_now_ms() < end) {
+		int rc = embd_regroup_poll(rg, mine, true, d, err, sizeof(err));
+		if (rc == 1)
+			return embd_regroup_finish(rg, err, sizeof(err)) == 0;
+		if (rc < 0 && rc != EMBD_EAGAIN) {
+			fprintf(stderr, "[node %d] poll: %d %s\n", node, rc, err);
+			return 0;
+		}
+		usleep(20000);
+	}
+	fprintf(stderr, "[node %d] not formed within 10 s: %s\n", node, err);
+	return 0;
+}
+
+static int regroup_node(int node, void *arg)
+{
+	const struct scenario *sc = arg;
+	struct embd_store *store = NULL;
+	struct embd_regroup_decision d;
+	char err[512];
+	const bool restarted = sc->restarted && node == 1;
+	struct embd_regroup *rg = node_start(node, restarted, &store);
+
+	TU_CHECK(rg != NULL, "node %d could not start", node);
+	struct embd_regroup_state mine = { .applied = restarted ? 0 : 3, .lost = restarted };
+	if (!sc->restarted) {
+		/* both saw their collective fail: both start generation 1 */
+		TU_CHECK(embd_regroup_start(rg, err, sizeof(err)) == 0, "start: %s", err);
+	} else if (!restarted) {
+		/* running at generation 0 until the restarted node opens the next one */
+		int64_t end = tu_now_ms() + 10000;
+		int rc = 0;
+		while (tu_now_ms() < end && (rc = embd_regroup_newer(rg, err, sizeof(err))) == 0)
+			usleep(20000);
+		TU_CHECK(rc == 1, "expected to see a newer generation open, got %d (%s)", rc, err);
+		TU_CHECK(embd_regroup_start(rg, err, sizeof(err)) == 0, "start: %s", err);
+	}
+	TU_CHECK(form(rg, &mine, &d, node), "node %d: generation not formed", node);
+	TU_CHECK(embd_regroup_generation(rg) == 1, "expected generation 1, got %llu",
+		 (unsigned long long)embd_regroup_generation(rg));
+	if (sc->restarted) {
+		TU_CHECK(d.verdict == EMBD_REGROUP_RESTORE && strstr(d.why, "node 1"),
+			 "expected RESTORE naming node 1, got %d '%s'", d.verdict, d.why);
+	} else {
+		TU_CHECK(d.verdict == EMBD_REGROUP_RESUME && d.step == 3,
+			 "expected RESUME at 3, got %d at %llu", d.verdict,
+			 (unsigned long long)d.step);
+	}
+	/* the new comm works */
+	uint64_t v = (uint64_t)node + 1;
+	struct embd_comm *comm = embd_regroup_comm(rg);
+	TU_CHECK(comm && embd_comm_allreduce_u64(comm, &v, 1) == 0 && v == 3,
+		 "allreduce on generation 1: expected 3, got %llu", (unsigned long long)v);
+	embd_regroup_destroy(rg);
+	embd_store_close(store);
+	return 0;
+}
+
+static void run(struct scenario *sc)
+{
+	pid_t pids[NODES];
+	int codes[NODES];
+
+	tu_spawn_n(regroup_node, NODES, sc, pids);
+	tu_join(pids, NODES, 30000, codes);
+	for (int i = 0; i < NODES; i++)
+		cr_expect_eq(codes[i], 0, "node %d exited %d (%s)", i, codes[i],
+			     codes[i] == TU_HUNG ? "hung" : "failed");
+}
+
+Test(regroup, failed_nodes_meet_in_the_next_generation_and_resume,
+     .init = tu_server_process_start, .fini = tu_server_process_stop)
+{
+	struct scenario sc = { .restarted = false };
+	run(&sc);
+}
+
+Test(regroup, a_restarted_node_opens_a_generation_the_others_join,
+     .init = tu_server_process_start, .fini = tu_server_process_stop)
+{
+	struct scenario sc = { .restarted = true };
+	run(&sc);
+}
