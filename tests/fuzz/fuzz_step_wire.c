@@ -35,8 +35,9 @@ static int touch_item(void *arg, uint32_t p, uint64_t seq, const struct step_wir
 		if (it->ids[i] < d->row_offset || it->ids[i] >= d->row_offset + d->rows)
 			abort();
 		if (it->weights)
-			sum += it->weights[i];
+			sum += it->weights[i];     /* reads every weight, so ASan sees an overrun */
 	}
+	(void)sum;
 	return 0;
 }
 
