@@ -19,8 +19,13 @@
  * does the two one after the other takes 1/raw + 1/one_node seconds (serial_bound);
  * ratio_to_serial_bound above 1 means compute and collectives overlap, below 1 is the
  * engine's own overhead.
+ *
+ * --cores-per-node K gives node n's processes (its ranks, Gloo's threads) the cores
+ * [n*K, (n+1)*K) and the one-node run the cluster's N*K cores, as separate machines would have
+ * them; --max-nodes N (1-3) stops at N nodes.
  */
 #include <errno.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -64,6 +69,8 @@ struct dist_run {
 	enum embd_sharding_type type;
 	uint32_t nodes;
 	uint32_t local;                         /* ranks and trainers per node */
+	uint32_t cores_per_node;                /* 0: every process may run on every core */
+	uint32_t cores_this_run;                /* of one process of this run (one-node: all) */
 	uint16_t port;
 	struct dist_shared *sh;
 };
@@ -269,6 +276,17 @@ static uint16_t free_port(void)
 	return port;
 }
 
+/* This process (and the threads it starts: ranks, Gloo) on cores [first, first + count). */
+static int pin_cores(uint32_t first, uint32_t count)
+{
+	cpu_set_t set;
+
+	CPU_ZERO(&set);
+	for (uint32_t c = first; c < first + count; c++)
+		CPU_SET(c, &set);
+	return sched_setaffinity(0, sizeof(set), &set);
+}
+
 /* Runs fn on every node as a process; steps/s of the slowest, or 0 on failure. */
 static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, uint32_t),
 			const char *what)
@@ -284,8 +302,15 @@ static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, u
 		r->sh->seconds[n] = 0;
 		r->sh->err[n][0] = 0;
 		pids[n] = fork();
-		if (pids[n] == 0)
+		if (pids[n] == 0) {
+			if (r->cores_this_run && pin_cores(n * r->cores_this_run, r->cores_this_run)) {
+				snprintf(r->sh->err[n], sizeof(r->sh->err[n]), "cores %u-%u: %s",
+					 n * r->cores_this_run, (n + 1) * r->cores_this_run - 1,
+					 strerror(errno));
+				_exit(1);
+			}
 			_exit(fn(r, n));
+		}
 	}
 	for (uint32_t n = 0; n < r->nodes; n++) {
 		int st;
@@ -303,16 +328,37 @@ static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, u
 
 int bench_dist_run(int argc, char **argv)
 {
-	double step_ms[EMBD_SHARD_COUNT][DIST_MAX_NODES + 1];
+	double step_ms[EMBD_SHARD_COUNT][DIST_MAX_NODES + 1] = { { 0 } };
 	struct dist_run r = { .port = 0 };
+	uint32_t max_nodes = DIST_MAX_NODES;
 
-	(void)argc;
-	(void)argv;
+	for (int i = 1; i < argc; i++) {      /* argv[0] is "dist" */
+		if (!strcmp(argv[i], "--cores-per-node") && i + 1 < argc) {
+			r.cores_per_node = (uint32_t)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--max-nodes") && i + 1 < argc) {
+			max_nodes = (uint32_t)atoi(argv[++i]);
+		} else {
+			fprintf(stderr, "embd-bench dist: unknown argument %s (--cores-per-node K, "
+				"--max-nodes N)\n", argv[i]);
+			return 2;
+		}
+	}
+	if (max_nodes < 1 || max_nodes > DIST_MAX_NODES) {
+		fprintf(stderr, "embd-bench dist: --max-nodes %u: 1 to %d\n", max_nodes,
+			DIST_MAX_NODES);
+		return 2;
+	}
+	if (r.cores_per_node && (long)(r.cores_per_node * max_nodes) > sysconf(_SC_NPROCESSORS_ONLN)) {
+		fprintf(stderr, "embd-bench dist: --cores-per-node %u x %u nodes: this machine has "
+			"%ld cores (--max-nodes lowers the count)\n", r.cores_per_node, max_nodes,
+			sysconf(_SC_NPROCESSORS_ONLN));
+		return 2;
+	}
 	r.sh = mmap(NULL, sizeof(*r.sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1,
 		    0);
 	if (r.sh == MAP_FAILED)
 		return 1;
-	for (uint32_t n = 1; n <= DIST_MAX_NODES; n++)
+	for (uint32_t n = 1; n <= max_nodes; n++)
 		for (int t = 0; t < EMBD_SHARD_COUNT; t++) {
 			r.type = (enum embd_sharding_type)t;
 			/* engine and raw rounds alternate, medians reported: the load of a shared
@@ -323,6 +369,7 @@ int bench_dist_run(int argc, char **argv)
 				memset(r.sh->xbytes, 0, sizeof(r.sh->xbytes));
 				r.nodes = n;
 				r.local = DIST_L;
+				r.cores_this_run = r.cores_per_node;
 				eng[k] = run_nodes(&r, node_main, "engine");
 				bytes = 0;
 				for (uint32_t m = 0; m < n; m++)
@@ -332,6 +379,7 @@ int bench_dist_run(int argc, char **argv)
 				/* the cluster's whole work on one node process: its compute alone */
 				r.nodes = 1;
 				r.local = n * DIST_L;
+				r.cores_this_run = n * r.cores_per_node;        /* the cluster's cores */
 				one[k] = n > 1 ? run_nodes(&r, node_main, "one-node") : 0;
 			}
 			double sps = bench_median(eng, DIST_ROUNDS);
@@ -339,9 +387,10 @@ int bench_dist_run(int argc, char **argv)
 			double alone = bench_median(one, DIST_ROUNDS);
 			step_ms[t][n] = sps > 0 ? 1000.0 / sps : 0;
 			printf("{\"name\":\"dist\",\"sharding_type\":\"%s\",\"nodes\":%u,"
-			       "\"trainers\":%u,\"batch_per_trainer\":%d,\"steps_per_s\":%.2f,"
-			       "\"bytes_per_step\":%llu,", embd_plan_sharding_name(r.type), n,
-			       n * DIST_L, DIST_B, sps, (unsigned long long)bytes);
+			       "\"trainers\":%u,\"batch_per_trainer\":%d,\"cores_per_node\":%u,"
+			       "\"steps_per_s\":%.2f,\"bytes_per_step\":%llu,",
+			       embd_plan_sharding_name(r.type), n, n * DIST_L, DIST_B, r.cores_per_node,
+			       sps, (unsigned long long)bytes);
 			if (raw > 0 && alone > 0) {
 				/* compute and collectives one after the other, nothing overlapped */
 				double serial = 1.0 / (1.0 / raw + 1.0 / alone);
@@ -354,14 +403,16 @@ int bench_dist_run(int argc, char **argv)
 			}
 			fflush(stdout);
 		}
-	for (int t = 0; t < EMBD_SHARD_COUNT; t++)
-		printf("{\"name\":\"dist_scaling\",\"sharding_type\":\"%s\",\"batch_per_trainer\":%d,"
-		       "\"step_ms_1\":%.2f,\"step_ms_2\":%.2f,\"step_ms_3\":%.2f,"
-		       "\"growth_1_to_2\":%.2f,\"growth_1_to_3\":%.2f}\n",
-		       embd_plan_sharding_name((enum embd_sharding_type)t), DIST_B, step_ms[t][1],
-		       step_ms[t][2], step_ms[t][3],
-		       step_ms[t][1] > 0 ? step_ms[t][2] / step_ms[t][1] : 0,
-		       step_ms[t][1] > 0 ? step_ms[t][3] / step_ms[t][1] : 0);
+	for (int t = 0; t < EMBD_SHARD_COUNT; t++) {
+		printf("{\"name\":\"dist_scaling\",\"sharding_type\":\"%s\",\"batch_per_trainer\":%d",
+		       embd_plan_sharding_name((enum embd_sharding_type)t), DIST_B);
+		for (uint32_t n = 1; n <= max_nodes; n++)
+			printf(",\"step_ms_%u\":%.2f", n, step_ms[t][n]);
+		for (uint32_t n = 2; n <= max_nodes; n++)
+			printf(",\"growth_1_to_%u\":%.2f", n,
+			       step_ms[t][1] > 0 ? step_ms[t][n] / step_ms[t][1] : 0);
+		printf("}\n");
+	}
 	munmap(r.sh, sizeof(*r.sh));
 	return 0;
 }
