@@ -82,8 +82,9 @@ int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_
 		}
 		unlink(path);   /* stale socket of a dead service */
 	}
-	/* Bound and listening under a temporary name first, then renamed into place: a client
-	 * (or a script waiting for the path to appear) never finds a socket nobody listens on. */
+	/* Bound and listening under a temporary name first, then linked into place: a client
+	 * (or a script waiting for the path to appear) never finds a socket nobody listens on,
+	 * and link(), unlike rename(), fails when another service took the path meanwhile. */
 	struct sockaddr_un tmp = addr;
 	int n = snprintf(tmp.sun_path, sizeof(tmp.sun_path), "%s.%d", path, (int)getpid());
 	if (n < 0 || (size_t)n >= sizeof(tmp.sun_path))
@@ -97,12 +98,20 @@ int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_
 		goto out;
 	}
 	/* access is decided by SO_PEERCRED; the mode only keeps strangers from connecting */
-	if (chmod(tmp.sun_path, 0660) != 0 || listen(fd, backlog) != 0 ||
-	    rename(tmp.sun_path, path) != 0) {
+	if (chmod(tmp.sun_path, 0660) != 0 || listen(fd, backlog) != 0) {
 		rc = ipc_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(errno));
 		unlink(tmp.sun_path);
 		goto out;
 	}
+	if (link(tmp.sun_path, path) != 0) {
+		int e = errno;
+		unlink(tmp.sun_path);
+		rc = e == EEXIST ? ipc_fail(err, err_len, EMBD_EBUSY, "listen %s: another service "
+					    "took the path while this one started", path)
+				 : ipc_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(e));
+		goto out;
+	}
+	unlink(tmp.sun_path);
 	*fd_out = fd;
 	return 0;
 out:

@@ -1,8 +1,10 @@
 /*
  * Tests for ipc/control.h over a socketpair: HELLO and WELCOME round trips with a memfd passed
- * by SCM_RIGHTS, the peer credential check, ERROR and text replies, and refused messages.
+ * by SCM_RIGHTS, the peer credential check, ERROR and text replies, and refused messages;
+ * and embd_ctl_listen on a real path.
  */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -140,4 +142,29 @@ Test(control, error_text_and_bad_headers)
 	cr_assert(strstr(err, "header.type"), "got \"%s\"", err);
 	close(sv[0]);
 	close(sv[1]);
+}
+
+/* The path appears only once it is listened on (a temporary name is linked into place and
+ * removed again), and a second service on the same path is refused naming it. */
+Test(control, listen_publishes_the_path_once_listening_and_refuses_a_second_service)
+{
+	char path[108], tmp[120];
+	int fd = -1, fd2 = -1, client = -1;
+	char err[256];
+	struct stat st;
+
+	snprintf(path, sizeof(path), "/tmp/embd-test-control-%d.sock", (int)getpid());
+	snprintf(tmp, sizeof(tmp), "%s.%d", path, (int)getpid());
+	unlink(path);
+	cr_assert_eq(embd_ctl_listen(path, 4, &fd, err, sizeof(err)), 0, "%s", err);
+	cr_expect_eq(lstat(tmp, &st), -1, "the temporary name %s should be gone", tmp);
+	cr_expect_eq(embd_ctl_connect(path, &client, err, sizeof(err)), 0, "%s", err);
+	int rc = embd_ctl_listen(path, 4, &fd2, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EBUSY, "a second listener: expected EMBD_EBUSY, got %d (%s)", rc, err);
+	cr_expect(strstr(err, path) != NULL, "the refusal should name the path: %s", err);
+	cr_expect_eq(lstat(tmp, &st), -1, "the refused service's temporary name should be gone");
+	if (client >= 0)
+		close(client);
+	close(fd);
+	unlink(path);
 }
