@@ -126,6 +126,8 @@ int embd_ckpt_service_create(const struct embd_config *config, struct embd_step 
 	ck->cl = (struct embd_ckpt_cluster){ .store = ck->store, .config = config,
 					     .node = ck->base.node, .num_nodes = ck->base.num_nodes,
 					     .plan_hash = ck->base.plan_hash };
+	const char *delay = getenv(EMBD_CKPT_WRITE_DELAY_ENV);
+	ck->cl.write_delay_ms = delay ? atoi(delay) : 0;
 	ck->common_step = UINT64_MAX;
 	ck->last_ns = now_ns();
 	*out = ck;
