@@ -121,6 +121,9 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	uint64_t step = d->step;
 	int rc;
 
+	/* the checkpoints' own store handle may have failed while the cluster re-formed */
+	if (sv->ckpt)
+		embd_ckpt_service_regrouped(sv->ckpt);
 	if (d->verdict == EMBD_REGROUP_LOST) {
 		refuse_all(sv, RG_LOST, "cluster state lost (%.50s): restore from a checkpoint",
 			   d->why);

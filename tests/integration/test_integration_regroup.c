@@ -6,7 +6,11 @@
  * that completed are compared with the unsharded reference trained on batches 0, 1, 2.
  *  - node 1 SIGSTOPped while every trainer is between forward and backward of step 1, then
  *    SIGCONTed: node 0's trainers get an error naming node 1, then the cluster resumes at
- *    step 1 and the outputs equal the reference;
+ *    step 1 and the outputs equal the reference; the same with node 0 (and its store);
+ *  - node 0 SIGSTOPped while its checkpoint of step 1 is being written (slowed by the write
+ *    delay hook) until node 1's wait for the verdict failed on its broken store handle: the
+ *    cluster resumes, the checkpoints of steps 2 and 3 are committed (node 1 reconnected the
+ *    handle) and the restarted cluster resumes at step 3 equal to the reference;
  *  - node 1 SIGKILLed and restarted after the cluster checkpoint of step 2 (and step 2 run):
  *    every node restores step 2, node 0's trainers learn it from EMBD_ERESUMED, and the
  *    outputs of the redone step 2 equal the reference;
@@ -25,24 +29,10 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "tests/integration/dist_fixture.h"
+#include "service/ckpt_cluster.h"
+#include "tests/integration/ckpt_cluster_fixture.h"
 
-static char ckpt_root[128];
-
-static void fini(void)
-{
-	char cmd[192];
-
-	stop_cluster();
-	if (ckpt_root[0] && !getenv("EMBD_TEST_KEEP")) {
-		snprintf(cmd, sizeof(cmd), "rm -rf '%s'", ckpt_root);
-		if (system(cmd))
-			fprintf(stderr, "cannot remove %s\n", ckpt_root);
-	}
-	ckpt_root[0] = 0;
-}
-
-TestSuite(regroup, .fini = fini, .timeout = 60);
+TestSuite(regroup, .fini = ckpt_cluster_fini, .timeout = 60);
 
 static uint64_t now_ms(void)
 {
@@ -225,15 +215,38 @@ static void stall_trainer(struct shared_all *all, uint32_t g, int go_fd)
 	_exit(0);
 }
 
+/* Whether node n's log holds text, looking for up to ms. */
+static bool log_shows(uint32_t n, const char *text, int ms)
+{
+	static char log[65536];
+	uint64_t end = now_ms() + (uint64_t)ms;
+
+	do {
+		read_log(n, log, sizeof(log));
+		if (strstr(log, text))
+			return true;
+		usleep(20000);
+	} while (now_ms() < end);
+	return false;
+}
+
 /* Node `victim` stalls while every trainer is between forward and backward of step 1; the
- * other node's trainers post their backward, then the victim continues and so do its. */
-static void stall(uint32_t victim)
+ * other node's trainers post their backward, then the victim continues and so do its. With
+ * checkpoints (every step, one directory, node 0's writes slowed by 1.5 s), the victim is
+ * node 0, stopped while it still writes the checkpoint of step 1, until node 1 gave up that
+ * checkpoint: node 1's store handle for checkpoints failed on the stalled store. */
+static void stall(uint32_t victim, bool checkpoints)
 {
 	const uint32_t T = 2 * RANKS, other = 1 - victim;
 	int go[2][2];
 	pid_t kids[2 * RANKS];
 	char who[16];
 
+	if (checkpoints) {
+		use_checkpoints(1);
+		dist_store_timeout_ms = 1000;
+		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=1500", EMBD_CKPT_WRITE_DELAY_ENV);
+	}
 	start_cluster(2, "row_wise");
 	struct shared_all *all = map_all();
 	cr_assert(pipe(go[0]) == 0 && pipe(go[1]) == 0);
@@ -252,7 +265,10 @@ static void stall(uint32_t victim)
 	while (now_ms() < end && (!all->rep[other * RANKS].failures ||
 				  !all->rep[other * RANKS + 1].failures))
 		usleep(10000);
+	/* node 1's wait for the verdict: twice store_timeout_ms plus the store's reply slack */
+	bool gave_up = !checkpoints || log_shows(1, "checkpoint of step 1 failed", 10000);
 	kill(nodes[victim].pid, SIGCONT);
+	cr_assert(gave_up, "node 1 should give up the checkpoint of step 1 while node 0 stalls");
 	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
 	join_trainers(kids, T);
 	snprintf(who, sizeof(who), "node %u", victim);
@@ -275,10 +291,25 @@ static void stall(uint32_t victim)
 		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run", n);
 	munmap(all->sh, sizeof(*all->sh));
 	munmap(all, sizeof(*all));
+	if (!checkpoints)
+		return;
+	/* the checkpoints after the stall need node 1's store handle for checkpoints again */
+	for (int i = 0; i < 500 && !has_step(K_STEPS, false); i++)
+		usleep(20000);
+	char log[8192];
+	read_log(1, log, sizeof(log));
+	cr_assert(has_step(2, false) && has_step(K_STEPS, false), "expected the checkpoints of "
+		  "steps 2 and %d after the cluster resumed; node 1's log: %s", K_STEPS, log);
+	kill_nodes();
+	struct shared *resumed = train(2, "row_wise", RANKS);
+	expect_resumed(resumed, T, K_STEPS, "restarted after node 0 stalled");
+	check_against_reference_after(resumed, T, "restarted after node 0 stalled", 1);
+	munmap(resumed, sizeof(*resumed));
 }
 
-Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1); }
-Test(regroup, stalled_node_0_and_its_store_resume) { stall(0); }
+Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1, false); }
+Test(regroup, stalled_node_0_and_its_store_resume) { stall(0, false); }
+Test(regroup, checkpoints_after_node_0_stalled_mid_write_commit_and_restore) { stall(0, true); }
 
 /* ---- a killed node restarts -------------------------------------------------------------- */
 
