@@ -3,7 +3,8 @@
  * one that decides: it waits for every node's key, then publishes one verdict key that the
  * others wait for. A node that dies or is late never makes node 0 commit without it (node 0
  * names it and drops the step), and a verdict key nobody publishes only costs the waiters
- * their timeout, so every path ends in bounded time.
+ * their timeout, so every path ends in bounded time: a write's verdict is waited for as long
+ * as node 0 itself writes (its "writing" mark, ckpt_cluster.h), no longer.
  */
 #include "service/ckpt_cluster.h"
 

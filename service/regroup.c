@@ -337,7 +337,10 @@ int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *w
 	char k[96], mine[160];
 	int rc = 0;
 
-	snprintf(mine, sizeof(mine), restore_rc ? "error: %.140s" : "ok", why);
+	if (restore_rc)
+		snprintf(mine, sizeof(mine), "error: %.140s", why);
+	else
+		snprintf(mine, sizeof(mine), "ok");
 	snprintf(k, sizeof(k), "%srestored/%u", rg->prefix, rg->o.node);
 	embd_store_set_timeout(rg->store, rg->o.store_timeout_ms);
 	/* a failed set shows below as this node's record missing (the store is gone) */
