@@ -22,7 +22,7 @@ static void checkpoint_wait_on_node_1(int node0_delay_ms)
 	use_checkpoints(0);
 	dist_trainers_per_node = RANKS;
 	if (node0_delay_ms) {
-		dist_store_timeout_ms = 1000;
+		dist_store_timeout_ms = 2000;
 		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=%d", EMBD_CKPT_WRITE_DELAY_ENV,
 			 node0_delay_ms);
 	}
@@ -71,10 +71,10 @@ Test(ckpt_agreed, embctl_checkpoint_wait_on_node_1_answers_with_the_cluster_chec
 	checkpoint_wait_on_node_1(0);
 }
 
-/* node 0 writes 3.5 s, node 1's first wait for the verdict is 2 s (store_timeout_ms 1000) */
+/* node 0 writes 5 s, node 1's first wait for the verdict is 4 s (store_timeout_ms 2000) */
 Test(ckpt_agreed, embctl_checkpoint_wait_on_node_1_outwaits_a_slow_node_0)
 {
-	checkpoint_wait_on_node_1(3500);
+	checkpoint_wait_on_node_1(5000);
 }
 
 Test(ckpt_agreed, every_seconds_on_a_cluster_checkpoints_and_restores)

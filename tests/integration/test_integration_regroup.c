@@ -232,7 +232,7 @@ static bool log_shows(uint32_t n, const char *text, int ms)
 
 /* Node `victim` stalls while every trainer is between forward and backward of step 1; the
  * other node's trainers post their backward, then the victim continues and so do its. With
- * checkpoints (every step, one directory, node 0's writes slowed by 1.5 s), the victim is
+ * checkpoints (every step, one directory, node 0's writes slowed by 2.5 s), the victim is
  * node 0, stopped while it still writes the checkpoint of step 1, until node 1 gave up that
  * checkpoint: node 1's store handle for checkpoints failed on the stalled store. */
 static void stall(uint32_t victim, bool checkpoints)
@@ -244,8 +244,8 @@ static void stall(uint32_t victim, bool checkpoints)
 
 	if (checkpoints) {
 		use_checkpoints(1);
-		dist_store_timeout_ms = 1000;
-		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=1500", EMBD_CKPT_WRITE_DELAY_ENV);
+		dist_store_timeout_ms = 2000;
+		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=2500", EMBD_CKPT_WRITE_DELAY_ENV);
 	}
 	start_cluster(2, "row_wise");
 	struct shared_all *all = map_all();
@@ -266,7 +266,7 @@ static void stall(uint32_t victim, bool checkpoints)
 				  !all->rep[other * RANKS + 1].failures))
 		usleep(10000);
 	/* node 1's wait for the verdict: twice store_timeout_ms plus the store's reply slack */
-	bool gave_up = !checkpoints || log_shows(1, "checkpoint of step 1 failed", 10000);
+	bool gave_up = !checkpoints || log_shows(1, "checkpoint of step 1 failed", 15000);
 	kill(nodes[victim].pid, SIGCONT);
 	cr_assert(gave_up, "node 1 should give up the checkpoint of step 1 while node 0 stalls");
 	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
@@ -301,6 +301,7 @@ static void stall(uint32_t victim, bool checkpoints)
 	cr_assert(has_step(2, false) && has_step(K_STEPS, false), "expected the checkpoints of "
 		  "steps 2 and %d after the cluster resumed; node 1's log: %s", K_STEPS, log);
 	kill_nodes();
+	nodes[0].env[0] = 0;    /* the restarted cluster writes at full speed */
 	struct shared *resumed = train(2, "row_wise", RANKS);
 	expect_resumed(resumed, T, K_STEPS, "restarted after node 0 stalled");
 	check_against_reference_after(resumed, T, "restarted after node 0 stalled", 1);
