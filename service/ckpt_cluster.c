@@ -3,14 +3,17 @@
  * one that decides: it waits for every node's key, then publishes one verdict key that the
  * others wait for. A node that dies or is late never makes node 0 commit without it (node 0
  * names it and drops the step), and a verdict key nobody publishes only costs the waiters
- * their timeout, so every path ends in bounded time.
+ * their timeout, so every path ends in bounded time: a write's verdict is waited for as long
+ * as node 0 itself writes (its "writing" mark, ckpt_cluster.h), no longer.
  */
 #include "service/ckpt_cluster.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "service/log.h"
 #include "service/store.h"
@@ -54,22 +57,34 @@ static int wait_all(const struct embd_ckpt_cluster *cl, char (*keys)[CKPT_KEY_MA
 }
 
 /* Any node: node 0's verdict under key ("ok", "go", or "error: why"), waiting up to twice
- * store_timeout_ms; 0 when it is `good`. The last reader deletes it (acks counted under
- * key/acks), so a long run leaves no keys behind. */
-static int read_verdict(const struct embd_ckpt_cluster *cl, const char *key, const char *good,
-			char *err, size_t err_len)
+ * store_timeout_ms, then on while node 0's mark `busy` (NULL: none) is there (ckpt_cluster.h);
+ * 0 when it is `good`. The last reader deletes it (acks counted under key/acks), so a long
+ * run leaves no keys behind. */
+static int read_verdict(const struct embd_ckpt_cluster *cl, const char *key, const char *busy,
+			const char *good, char *err, size_t err_len)
 {
 	char acks[96];
 	void *v = NULL;
 	size_t len = 0;
 	int64_t seen = 0;
+	int busy_rc = 0;
 
 	embd_store_set_timeout(cl->store, 2 * cl->config->store_timeout_ms);
 	int rc = embd_store_get(cl->store, key, &v, &len);
 	embd_store_set_timeout(cl->store, cl->config->store_timeout_ms);
+	/* a timeout the store answered leaves the handle usable: look at the mark */
+	while (rc == EMBD_ETIMEDOUT && busy && (busy_rc = embd_store_check(cl->store, busy)) == 1)
+		rc = embd_store_get(cl->store, key, &v, &len);
+	if (rc == EMBD_ETIMEDOUT && busy && busy_rc == 0) {
+		/* the mark goes only after the verdict is set: it may have come meanwhile */
+		embd_store_set_timeout(cl->store, 0);
+		rc = embd_store_get(cl->store, key, &v, &len);
+		embd_store_set_timeout(cl->store, cl->config->store_timeout_ms);
+	}
 	if (rc)
 		return snprintf(err, err_len, "no word from node 0 (%s) within twice "
-				"store_timeout_ms: %s", key, embd_store_error(cl->store)), rc;
+				"store_timeout_ms%s: %s", key, busy ? ", nor while it wrote" : "",
+				embd_store_error(cl->store)), rc;
 	if (len != strlen(good) || memcmp(v, good, len)) {
 		rc = EMBD_EIO;
 		snprintf(err, err_len, "node 0: %.*s", (int)(len > 7 && !memcmp(v, "error: ", 7) ?
@@ -152,16 +167,26 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 	const char *root = cl->config->checkpoint_dir;
 	const bool shared = cl->config->checkpoint_layout == EMBD_CKPT_SHARED;
 	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), done[CKPT_KEY_MAX], *text = NULL;
-	char *failed = malloc(err_len + 8);
-	int rc = shared ? embd_ckpt_write_part(root, m, arrays, num_arrays, true, bytes, err,
-					       err_len)
-			: embd_ckpt_write_dir(root, m, arrays, num_arrays, true, bytes, err, err_len);
+	char *failed = malloc(err_len + 8), busy[CKPT_KEY_MAX];
+	int rc;
 
 	if (!keys || !failed) {
 		free(keys);
 		free(failed);
 		return snprintf(err, err_len, "out of memory"), EMBD_ENOMEM;
 	}
+	snprintf(busy, sizeof(busy), "ckpt/%" PRIu64 "/writing", m->step);
+	/* the others wait for the verdict while this mark is there (ckpt_cluster.h) */
+	if (cl->node == 0 && embd_store_set(cl->store, busy, "1", 1))
+		embd_log_warning("checkpoints: cannot set %s: %s", busy, embd_store_error(cl->store));
+	if (cl->write_delay_ms > 0) {
+		struct timespec d = { .tv_sec = cl->write_delay_ms / 1000,
+				      .tv_nsec = (long)(cl->write_delay_ms % 1000) * 1000000 };
+		while (nanosleep(&d, &d) && errno == EINTR)
+			;
+	}
+	rc = shared ? embd_ckpt_write_part(root, m, arrays, num_arrays, true, bytes, err, err_len)
+		    : embd_ckpt_write_dir(root, m, arrays, num_arrays, true, bytes, err, err_len);
 	if (rc == EMBD_EBUSY && !shared)
 		rc = 0;         /* this node holds that step already: its part is there */
 	if (!rc && shared && (rc = embd_ckpt_manifest_write(m, &text)))
@@ -181,8 +206,9 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 		int crc = commit(cl, m->step, keys, err, err_len);
 		rc = rc ? rc : crc;
 		publish_verdict(cl, done, rc, "ok", err);
+		embd_store_delete(cl->store, busy);
 	} else if (!rc) {
-		rc = read_verdict(cl, done, "ok", err, err_len);
+		rc = read_verdict(cl, done, busy, "ok", err, err_len);
 	}
 	free(text);
 	free(keys);
@@ -386,7 +412,7 @@ int embd_ckpt_cluster_stop_barrier(const struct embd_ckpt_cluster *cl, uint64_t 
 		for (uint32_t k = 0; k < cl->num_nodes; k++)
 			embd_store_delete(cl->store, keys[k]);
 	} else {
-		rc = read_verdict(cl, go, "go", err, err_len);
+		rc = read_verdict(cl, go, NULL, "go", err, err_len);
 	}
 	free(keys);
 	return rc;

@@ -18,11 +18,16 @@
 
 struct embd_store;
 
+/* The test hook of a slow write: this many ms of sleep before a node writes its part (read
+ * from the environment at start, so that a test can slow one node; 0 when unset). */
+#define EMBD_CKPT_WRITE_DELAY_ENV "EMBD_TEST_CKPT_WRITE_DELAY_MS"
+
 struct embd_ckpt_cluster {
 	struct embd_store *store;
 	const struct embd_config *config;       /* checkpoint_dir, layout, store_timeout_ms */
 	uint32_t node, num_nodes;
 	uint64_t plan_hash;                     /* per_node restores only this plan */
+	int write_delay_ms;                     /* EMBD_CKPT_WRITE_DELAY_ENV */
 };
 
 /*
@@ -31,9 +36,17 @@ struct embd_ckpt_cluster {
  * (embd_ckpt_write_dir). Then its report "ckpt/N/node/<k>" (its manifest, "ok" or "error:
  * why"). Node 0 waits store_timeout_ms for every report, commits (shared: merged manifest,
  * rename) or checks (per_node), and publishes the verdict "ckpt/N/done"; every other node
- * waits for it (twice store_timeout_ms: node 0's wait starts after its own write). Returns
- * the cluster's outcome on every node: 0 (EMBD_EBUSY on node 0 when the step was on disk
- * already), or the failure with err naming the node.
+ * waits for it. Returns the cluster's outcome on every node: 0 (EMBD_EBUSY on node 0 when
+ * the step was on disk already), or the failure with err naming the node.
+ *
+ * How long the others wait: node 0's verdict comes after node 0's own write, which may take
+ * far longer than any timeout (a bigger part, a slower disk). So node 0 marks "ckpt/N/writing"
+ * before it writes and deletes the mark only after it published the verdict. Another node
+ * waits twice store_timeout_ms, then store_timeout_ms more at a time for as long as the mark
+ * is there (node 0 works on step N and has not given up: it always ends with a verdict),
+ * and gives up when the mark is gone without a verdict (node 0 never started step N) or the
+ * store does not answer (node 0 died or stalls: a store call fails within its timeout plus
+ * the client's reply slack).
  */
 int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt_manifest *m,
 			    const struct embd_ckpt_array *arrays, uint32_t num_arrays,

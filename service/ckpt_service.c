@@ -54,6 +54,7 @@ struct embd_ckpt_service {
 	bool requested;
 	bool agreed;                            /* a cluster's nodes agreed on this boundary */
 	bool stopping;                          /* SIGTERM on a cluster: ask for a final one */
+	bool reattach;                          /* re-formed: reconnect store once no write runs */
 	uint64_t common_step;                   /* the newest step every node holds (per_node
 						 * retention spares it); UINT64_MAX: none known */
 	uint64_t last_step, last_ns;            /* of the last started (or restored) checkpoint */
@@ -126,6 +127,8 @@ int embd_ckpt_service_create(const struct embd_config *config, struct embd_step 
 	ck->cl = (struct embd_ckpt_cluster){ .store = ck->store, .config = config,
 					     .node = ck->base.node, .num_nodes = ck->base.num_nodes,
 					     .plan_hash = ck->base.plan_hash };
+	const char *delay = getenv(EMBD_CKPT_WRITE_DELAY_ENV);
+	ck->cl.write_delay_ms = delay ? atoi(delay) : 0;
 	ck->common_step = UINT64_MAX;
 	ck->last_ns = now_ns();
 	*out = ck;
@@ -278,16 +281,41 @@ static void finish(struct embd_ckpt_service *ck)
 	ck->last = *w;
 }
 
+/* The regrouped cluster's store again for the writer's handle, on the service thread while no
+ * writer runs (the handle is the writer's while it does). A failure is retried at the next
+ * start; meanwhile a write fails at once, naming the closed connection. */
+static void reattach_store(struct embd_ckpt_service *ck)
+{
+	if (!ck->reattach || ck->running)
+		return;
+	if (embd_store_reconnect(ck->store, ck->config->store_timeout_ms)) {
+		embd_log_warning("checkpoints: cannot reconnect to node 0's store: %s",
+				 embd_store_error(ck->store));
+		return;
+	}
+	ck->reattach = false;
+}
+
+void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck)
+{
+	if (!ck->store)
+		return;
+	ck->reattach = true;
+	reattach_store(ck);
+}
+
 static void join_writer(struct embd_ckpt_service *ck)
 {
 	pthread_join(ck->thread, NULL);
 	ck->running = false;
 	finish(ck);
+	reattach_store(ck);
 }
 
 /* Starts the write of the snapshot of `step` taken at this boundary. */
 static void start(struct embd_ckpt_service *ck, uint64_t step, double waited_ms)
 {
+	reattach_store(ck);
 	snapshot(ck, step, waited_ms);
 	atomic_store(&ck->finished, false);
 	if (pthread_create(&ck->thread, NULL, writer_main, ck)) {

@@ -67,6 +67,15 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *restore_key,
 				      uint64_t *step_out, char *err, size_t err_len);
 
+/*
+ * The cluster re-formed (service/regroup.h; the service thread, before the decision is carried
+ * out): the writer's store handle may have failed meanwhile (a write waited on node 0 while it
+ * stalled), and a failed handle fails every later call. It is connected again to the same
+ * store (embd_store_reconnect, at once when it is still open) as soon as no write runs: now,
+ * or when the running write is joined (_reap, _poll, _restore_running), never under it.
+ */
+void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck);
+
 /* An eventfd that becomes readable when a background write finished: call _reap then. */
 int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
 

@@ -331,6 +331,39 @@ int embd_regroup_finish(struct embd_regroup *rg, char *err, size_t err_len)
 	return next_generation(rg, "barrier", err, err_len);
 }
 
+int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *why, char *err,
+			  size_t err_len)
+{
+	char k[96], mine[160];
+	int rc = 0;
+
+	if (restore_rc)
+		snprintf(mine, sizeof(mine), "error: %.140s", why);
+	else
+		snprintf(mine, sizeof(mine), "ok");
+	snprintf(k, sizeof(k), "%srestored/%u", rg->prefix, rg->o.node);
+	embd_store_set_timeout(rg->store, rg->o.store_timeout_ms);
+	/* a failed set shows below as this node's record missing (the store is gone) */
+	embd_store_set(rg->store, k, mine, strlen(mine));
+	for (uint32_t n = 0; n < rg->o.nodes && !rc; n++) {
+		void *v = NULL;
+		size_t len = 0;
+		snprintf(k, sizeof(k), "%srestored/%u", rg->prefix, n);
+		if (embd_store_get(rg->store, k, &v, &len)) {
+			rc = EMBD_ETIMEDOUT;
+			snprintf(err, err_len, "node %u did not report its restore within "
+				 "store_timeout_ms %d", n, rg->o.store_timeout_ms);
+		} else if (len != 2 || memcmp(v, "ok", 2)) {
+			rc = EMBD_EIO;
+			snprintf(err, err_len, "node %u's restore failed: %.*s", n,
+				 (int)(len > 7 && !memcmp(v, "error: ", 7) ? len - 7 : len),
+				 (char *)v + (len > 7 && !memcmp(v, "error: ", 7) ? 7 : 0));
+		}
+		free(v);
+	}
+	return rc;
+}
+
 int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len)
 {
 	void *v = NULL;

@@ -111,6 +111,18 @@ int embd_regroup_poll(struct embd_regroup *rg, const struct embd_regroup_state *
  * node runs a step while another still restores. A failure starts the next generation. */
 int embd_regroup_finish(struct embd_regroup *rg, char *err, size_t err_len);
 
+/*
+ * After a RESTORE decision, every node's outcome, so that a restore failing on one node does
+ * not leave the others waiting: this node publishes its own ("<prefix>restored/<n>": "ok" or
+ * "error: why"; restore_rc 0 or the failure, why its message), then reads every node's,
+ * waiting store_timeout_ms for each. 0 when every node restored; otherwise err names the
+ * first node that failed and why ("node 1's restore failed: ...", EMBD_EIO) or that did not
+ * report ("node 1 did not report its restore within store_timeout_ms 8000",
+ * EMBD_ETIMEDOUT, also when the store fails meanwhile), and the cluster's state is lost.
+ */
+int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *why, char *err,
+			  size_t err_len);
+
 /* Detached (the store failed): connects the store handle again (for a moment). 1 when it is
  * node 0's same store (call _start); 0 when it does not answer yet or is a new one (err says
  * which; a new one gets this node's stale mark). */

@@ -33,6 +33,15 @@ static void send_json(struct client *c, const char *text)
 		      NULL, 0);
 }
 
+/* A checkpoint due now starts, unless the cluster re-forms: its step in flight failed, sv->s
+ * ran ahead of the parameters until the decision sets it again, and a cluster's nodes take
+ * checkpoints only at boundaries of steps they completed together (server.c, next_step). */
+static void poll_running(struct embd_server *sv)
+{
+	if (!sv->rg || embd_server_regroup_running(sv))
+		embd_ckpt_service_poll(sv->ckpt, sv->s);
+}
+
 /* Outside a step phase the shards hold "sv->s steps completed", so on one node the snapshot
  * runs now. */
 int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
@@ -52,7 +61,7 @@ int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
 	/* on a cluster the next step's HELLO carries the request (ckpt_service.h): the
 	 * checkpoint is of the boundary after that step, on every node */
 	uint64_t seq = embd_ckpt_service_request(sv->ckpt);
-	embd_ckpt_service_poll(sv->ckpt, sv->s);
+	poll_running(sv);
 	if (req.flags & EMBD_CTL_CHECKPOINT_WAIT) {
 		c->ckpt_wait = seq;
 		return 0;
@@ -98,5 +107,5 @@ void embd_server_checkpoint_done(struct embd_server *sv)
 		c->ckpt_wait = 0;
 	}
 	free(text);
-	embd_ckpt_service_poll(sv->ckpt, sv->s);
+	poll_running(sv);
 }

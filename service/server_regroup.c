@@ -121,6 +121,9 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	uint64_t step = d->step;
 	int rc;
 
+	/* the checkpoints' own store handle may have failed while the cluster re-formed */
+	if (sv->ckpt)
+		embd_ckpt_service_regrouped(sv->ckpt);
 	if (d->verdict == EMBD_REGROUP_LOST) {
 		refuse_all(sv, RG_LOST, "cluster state lost (%.50s): restore from a checkpoint",
 			   d->why);
@@ -134,9 +137,13 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 				   d->why);
 			return true;
 		}
-		if (rc) {
+		if (rc)
 			embd_log_error("restore after %s: %s", d->why, err);
-			refuse_all(sv, RG_LOST, "cluster state lost, restore failed: %.50s", err);
+		/* every node hears whether every other one restored: none waits for a failed one */
+		char outcome[512];
+		if (embd_regroup_restored(sv->rg, rc, err, outcome, sizeof(outcome))) {
+			embd_log_error("node %u: %s", sv->config->node_rank, outcome);
+			refuse_all(sv, RG_LOST, "cluster state lost, %.80s", outcome);
 			return true;
 		}
 	}

@@ -1,7 +1,8 @@
 /*
  * tests/integration/ckpt_cluster_fixture.h - cluster checkpoint tests' common parts on top of
  * dist_fixture.h: a checkpoint root per test process (one shared checkpoint_dir), whether a
- * step directory is there, stopping and restarting the nodes, the resumed step of a run.
+ * step directory is there, stopping and restarting the nodes, the resumed step of a run
+ * (not every test uses every helper, hence the unused attributes).
  */
 #ifndef EMBD_TESTS_CKPT_CLUSTER_FIXTURE_H
 #define EMBD_TESTS_CKPT_CLUSTER_FIXTURE_H
@@ -64,7 +65,7 @@ static bool has_step(uint64_t step, bool tmp)
 
 /* Stops every node (SIGTERM to all first, as a job scheduler does: a cluster's final
  * checkpoint needs every node), keeping the checkpoint directory. */
-static void stop_nodes(void)
+__attribute__((unused)) static void stop_nodes(void)
 {
 	for (uint32_t n = 0; n < num_nodes; n++)
 		if (nodes[n].pid > 0)
@@ -79,7 +80,7 @@ static void stop_nodes(void)
 }
 
 /* Whether node n exits within ms (its wait status in *st); an exited node's pid is cleared. */
-static bool node_exits_within(uint32_t n, int ms, int *st)
+__attribute__((unused)) static bool node_exits_within(uint32_t n, int ms, int *st)
 {
 	for (int waited = 0; waited <= ms; waited += 20) {
 		if (waitpid(nodes[n].pid, st, WNOHANG) == nodes[n].pid) {
@@ -93,7 +94,7 @@ static bool node_exits_within(uint32_t n, int ms, int *st)
 
 /* The newest step-<N> with a manifest under dir (-1: none) and how many step-<N> and
  * .tmp-step-<N> entries dir holds. */
-static long long newest_step(const char *dir, int *entries)
+__attribute__((unused)) static long long newest_step(const char *dir, int *entries)
 {
 	DIR *d = opendir(dir);
 	long long newest = -1;

@@ -4,8 +4,9 @@
  * ranks per node: plans that spread the tables over the nodes, configs, start and stop. A
  * test may set dist_trainers_per_node, dist_store_timeout_ms, dist_extra_json (more config
  * keys, e.g. checkpoints), dist_master_addr, and each node's netns (a network namespace under
- * /run/netns that the node runs in) and gloo_ifname (its GLOO_SOCKET_IFNAME) before
- * start_cluster; stop_cluster resets them.
+ * /run/netns that the node runs in), gloo_ifname (its GLOO_SOCKET_IFNAME) and env (one
+ * "NAME=value" in its environment, e.g. a test hook) before start_cluster; stop_cluster
+ * resets them.
  */
 #ifndef EMBD_TESTS_DIST_FIXTURE_H
 #define EMBD_TESTS_DIST_FIXTURE_H
@@ -43,6 +44,7 @@ struct node {
 	bool rank_from_env;             /* config says node_rank 0, NODE_RANK says which */
 	char netns[32];                 /* "" or the network namespace the node runs in */
 	char gloo_ifname[16];           /* "" or GLOO_SOCKET_IFNAME for the node */
+	char env[96];                   /* "" or "NAME=value" for the node's environment */
 	char socket[108], config[128], log[128], plan[128];
 };
 
@@ -209,6 +211,8 @@ static void spawn(uint32_t n)
 		unsetenv("GLOO_SOCKET_IFNAME");
 		if (nd->gloo_ifname[0])
 			setenv("GLOO_SOCKET_IFNAME", nd->gloo_ifname, 1);
+		if (nd->env[0])
+			putenv(nd->env);
 		enter_node_netns(n);
 		if (nd->rank_from_env) {
 			char rank[16];
@@ -340,7 +344,7 @@ static void stop_cluster(void)
 	}
 	num_nodes = 0;
 	for (uint32_t n = 0; n < MAX_NODES; n++)
-		nodes[n].netns[0] = nodes[n].gloo_ifname[0] = 0;
+		nodes[n].netns[0] = nodes[n].gloo_ifname[0] = nodes[n].env[0] = 0;
 	strcpy(dist_master_addr, "127.0.0.1");
 	dist_trainers_per_node = RANKS;
 	dist_store_timeout_ms = 8000;

@@ -2,21 +2,30 @@
  * Integration: the checkpoint triggers a cluster agrees on through its steps (service/
  * ckpt_service.h), with the real embd nodes of dist_fixture.h and one shared checkpoint_dir.
  * `embctl checkpoint --wait` on node 1 answers with a committed cluster checkpoint of the step
- * it names; node 0's checkpoint_every_seconds timer produces a checkpoint both nodes restore;
+ * it names, also when node 0's own write takes longer than node 1's first wait for the
+ * verdict (twice store_timeout_ms; node 0 slowed by the write-delay hook); node 0's checkpoint_every_seconds timer produces a checkpoint both nodes restore;
  * SIGTERM to both idle nodes leaves a final checkpoint of the current step that the restarted
  * cluster resumes exactly from (equal to the reference); SIGTERM to one idle node alone ends
  * it in bounded time and leaves no checkpoint.
  */
+#include "service/ckpt_cluster.h"
 #include "tests/integration/ckpt_cluster_fixture.h"
 
 TestSuite(ckpt_agreed, .fini = ckpt_cluster_fini, .timeout = 60);
 
-Test(ckpt_agreed, embctl_checkpoint_wait_on_node_1_answers_with_the_cluster_checkpoint)
+/* `embctl checkpoint --wait` on node 1 while the trainers run; node 0's write of its part
+ * sleeps node0_delay_ms first (EMBD_CKPT_WRITE_DELAY_ENV, 0: none). */
+static void checkpoint_wait_on_node_1(int node0_delay_ms)
 {
 	char out[160], cmd[512], reply[512] = "";
 
 	use_checkpoints(0);
 	dist_trainers_per_node = RANKS;
+	if (node0_delay_ms) {
+		dist_store_timeout_ms = 2000;
+		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=%d", EMBD_CKPT_WRITE_DELAY_ENV,
+			 node0_delay_ms);
+	}
 	start_cluster(2, "row_wise");
 	/* embctl waits on node 1 before any step: the next step's HELLO carries the request */
 	snprintf(out, sizeof(out), "/tmp/embd-ckpt-agreed-%s.out", dist_run_id());
@@ -55,6 +64,17 @@ Test(ckpt_agreed, embctl_checkpoint_wait_on_node_1_answers_with_the_cluster_chec
 	snprintf(path, sizeof(path), "%s/step-%llu/t0-t_sum.r0.c0.n0.weight.npy", ckpt_root, step);
 	cr_expect(access(path, F_OK) == 0, "expected node 0's file %s", path);
 	munmap(sh, sizeof(*sh));
+}
+
+Test(ckpt_agreed, embctl_checkpoint_wait_on_node_1_answers_with_the_cluster_checkpoint)
+{
+	checkpoint_wait_on_node_1(0);
+}
+
+/* node 0 writes 5 s, node 1's first wait for the verdict is 4 s (store_timeout_ms 2000) */
+Test(ckpt_agreed, embctl_checkpoint_wait_on_node_1_outwaits_a_slow_node_0)
+{
+	checkpoint_wait_on_node_1(5000);
 }
 
 Test(ckpt_agreed, every_seconds_on_a_cluster_checkpoints_and_restores)

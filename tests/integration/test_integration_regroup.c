@@ -6,12 +6,19 @@
  * that completed are compared with the unsharded reference trained on batches 0, 1, 2.
  *  - node 1 SIGSTOPped while every trainer is between forward and backward of step 1, then
  *    SIGCONTed: node 0's trainers get an error naming node 1, then the cluster resumes at
- *    step 1 and the outputs equal the reference;
+ *    step 1 and the outputs equal the reference; the same with node 0 (and its store);
+ *  - node 0 SIGSTOPped while its checkpoint of step 1 is being written (slowed by the write
+ *    delay hook) until node 1's wait for the verdict failed on its broken store handle: the
+ *    cluster resumes, the checkpoints of steps 2 and 3 are committed (node 1 reconnected the
+ *    handle) and the restarted cluster resumes at step 3 equal to the reference;
  *  - node 1 SIGKILLed and restarted after the cluster checkpoint of step 2 (and step 2 run):
  *    every node restores step 2, node 0's trainers learn it from EMBD_ERESUMED, and the
  *    outputs of the redone step 2 equal the reference;
  *  - the same without checkpoints: steps are refused, saying the cluster state was lost and
- *    naming node 1, within seconds.
+ *    naming node 1, within seconds;
+ *  - the same with per-node checkpoint directories where node 1's step 2 is a copy of node
+ *    0's (valid files, another node's shards): node 1's restore fails, node 0's succeeds, and
+ *    both refuse steps naming node 1's failed restore (node 0 used to wait for it forever).
  */
 #include <criterion/criterion.h>
 #include <poll.h>
@@ -22,24 +29,10 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "tests/integration/dist_fixture.h"
+#include "service/ckpt_cluster.h"
+#include "tests/integration/ckpt_cluster_fixture.h"
 
-static char ckpt_root[128];
-
-static void fini(void)
-{
-	char cmd[192];
-
-	stop_cluster();
-	if (ckpt_root[0] && !getenv("EMBD_TEST_KEEP")) {
-		snprintf(cmd, sizeof(cmd), "rm -rf '%s'", ckpt_root);
-		if (system(cmd))
-			fprintf(stderr, "cannot remove %s\n", ckpt_root);
-	}
-	ckpt_root[0] = 0;
-}
-
-TestSuite(regroup, .fini = fini, .timeout = 60);
+TestSuite(regroup, .fini = ckpt_cluster_fini, .timeout = 60);
 
 static uint64_t now_ms(void)
 {
@@ -222,15 +215,38 @@ static void stall_trainer(struct shared_all *all, uint32_t g, int go_fd)
 	_exit(0);
 }
 
+/* Whether node n's log holds text, looking for up to ms. */
+static bool log_shows(uint32_t n, const char *text, int ms)
+{
+	static char log[65536];
+	uint64_t end = now_ms() + (uint64_t)ms;
+
+	do {
+		read_log(n, log, sizeof(log));
+		if (strstr(log, text))
+			return true;
+		usleep(20000);
+	} while (now_ms() < end);
+	return false;
+}
+
 /* Node `victim` stalls while every trainer is between forward and backward of step 1; the
- * other node's trainers post their backward, then the victim continues and so do its. */
-static void stall(uint32_t victim)
+ * other node's trainers post their backward, then the victim continues and so do its. With
+ * checkpoints (every step, one directory, node 0's writes slowed by 2.5 s), the victim is
+ * node 0, stopped while it still writes the checkpoint of step 1, until node 1 gave up that
+ * checkpoint: node 1's store handle for checkpoints failed on the stalled store. */
+static void stall(uint32_t victim, bool checkpoints)
 {
 	const uint32_t T = 2 * RANKS, other = 1 - victim;
 	int go[2][2];
 	pid_t kids[2 * RANKS];
 	char who[16];
 
+	if (checkpoints) {
+		use_checkpoints(1);
+		dist_store_timeout_ms = 2000;
+		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=2500", EMBD_CKPT_WRITE_DELAY_ENV);
+	}
 	start_cluster(2, "row_wise");
 	struct shared_all *all = map_all();
 	cr_assert(pipe(go[0]) == 0 && pipe(go[1]) == 0);
@@ -249,7 +265,10 @@ static void stall(uint32_t victim)
 	while (now_ms() < end && (!all->rep[other * RANKS].failures ||
 				  !all->rep[other * RANKS + 1].failures))
 		usleep(10000);
+	/* node 1's wait for the verdict: twice store_timeout_ms plus the store's reply slack */
+	bool gave_up = !checkpoints || log_shows(1, "checkpoint of step 1 failed", 15000);
 	kill(nodes[victim].pid, SIGCONT);
+	cr_assert(gave_up, "node 1 should give up the checkpoint of step 1 while node 0 stalls");
 	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
 	join_trainers(kids, T);
 	snprintf(who, sizeof(who), "node %u", victim);
@@ -272,10 +291,26 @@ static void stall(uint32_t victim)
 		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run", n);
 	munmap(all->sh, sizeof(*all->sh));
 	munmap(all, sizeof(*all));
+	if (!checkpoints)
+		return;
+	/* the checkpoints after the stall need node 1's store handle for checkpoints again */
+	for (int i = 0; i < 500 && !has_step(K_STEPS, false); i++)
+		usleep(20000);
+	char log[8192];
+	read_log(1, log, sizeof(log));
+	cr_assert(has_step(2, false) && has_step(K_STEPS, false), "expected the checkpoints of "
+		  "steps 2 and %d after the cluster resumed; node 1's log: %s", K_STEPS, log);
+	kill_nodes();
+	nodes[0].env[0] = 0;    /* the restarted cluster writes at full speed */
+	struct shared *resumed = train(2, "row_wise", RANKS);
+	expect_resumed(resumed, T, K_STEPS, "restarted after node 0 stalled");
+	check_against_reference_after(resumed, T, "restarted after node 0 stalled", 1);
+	munmap(resumed, sizeof(*resumed));
 }
 
-Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1); }
-Test(regroup, stalled_node_0_and_its_store_resume) { stall(0); }
+Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1, false); }
+Test(regroup, stalled_node_0_and_its_store_resume) { stall(0, false); }
+Test(regroup, checkpoints_after_node_0_stalled_mid_write_commit_and_restore) { stall(0, true); }
 
 /* ---- a killed node restarts -------------------------------------------------------------- */
 
@@ -332,18 +367,31 @@ static void restart_node(uint32_t n)
 		  log);
 }
 
+enum checkpoints {
+	NO_CHECKPOINTS,
+	SHARED_DIR,                     /* one checkpoint_dir */
+	PER_NODE_VICTIM_HOLDS_NODE_0S,  /* per_node; the victim's step-2 replaced by node 0's */
+};
+
 /* Node `victim` is killed after step 2 ran (and the cluster checkpoint of step 2 was
- * written, when with_checkpoints) and restarted (node 1 gets new trainers); the other node's
+ * written, with checkpoints) and restarted (node 1 gets new trainers); the other node's
  * trainers then post step 3. */
-static struct shared_all *kill_and_restart(bool with_checkpoints, uint32_t victim, pid_t *kids)
+static struct shared_all *kill_and_restart(enum checkpoints ck, uint32_t victim, pid_t *kids)
 {
 	const uint32_t T = 2 * RANKS, survivor = 1 - victim;
+	const char *every = "\"checkpoint_every_steps\": 2, \"checkpoint_keep\": 0";
+	char path[192], cmd[512];
 	int go[2];
 
-	if (with_checkpoints) {
-		snprintf(ckpt_root, sizeof(ckpt_root), "/tmp/embd-regroup-%d", (int)getpid());
-		snprintf(dist_extra_json, sizeof(dist_extra_json), ", \"checkpoint_dir\": \"%s\", "
-			 "\"checkpoint_every_steps\": 2, \"checkpoint_keep\": 0", ckpt_root);
+	snprintf(ckpt_root, sizeof(ckpt_root), "/tmp/embd-regroup-%s", dist_run_id());
+	if (ck == SHARED_DIR)
+		snprintf(dist_extra_json, sizeof(dist_extra_json), ", \"checkpoint_dir\": \"%s\", %s",
+			 ckpt_root, every);
+	for (uint32_t n = 0; ck == PER_NODE_VICTIM_HOLDS_NODE_0S && n < 2; n++) {
+		snprintf(dist_extra_json, sizeof(dist_extra_json), ", \"checkpoint_layout\": "
+			 "\"per_node\", %s", every);
+		snprintf(dist_node_json[n], sizeof(dist_node_json[n]), ", \"checkpoint_dir\": "
+			 "\"%s/node%u\"", ckpt_root, n);
 	}
 	start_cluster(2, "row_wise");
 	struct shared_all *all = map_all();
@@ -358,12 +406,19 @@ static struct shared_all *kill_and_restart(bool with_checkpoints, uint32_t victi
 		int st;
 		waitpid(kids[g], &st, 0);
 	}
-	if (with_checkpoints) {
-		char path[192];
-		snprintf(path, sizeof(path), "%s/step-2/manifest.json", ckpt_root);
+	for (uint32_t n = 0; ck != NO_CHECKPOINTS && n < 2; n++) {
+		snprintf(path, sizeof(path), "%s%s/step-2/manifest.json", ckpt_root,
+			 ck == SHARED_DIR ? "" : n ? "/node1" : "/node0");
 		for (int i = 0; i < 500 && access(path, F_OK) != 0; i++)
 			usleep(20000);
 		cr_assert(access(path, F_OK) == 0, "expected %s within 10 s", path);
+	}
+	if (ck == PER_NODE_VICTIM_HOLDS_NODE_0S) {
+		/* valid files and manifest, but written by node 0: only the victim's load fails */
+		stop_node(victim, SIGKILL);
+		snprintf(cmd, sizeof(cmd), "rm -rf '%s/node%u/step-2' && cp -r '%s/node0/step-2' "
+			 "'%s/node%u/step-2'", ckpt_root, victim, ckpt_root, ckpt_root, victim);
+		cr_assert_eq(system(cmd), 0, "%s failed", cmd);
 	}
 	restart_node(victim);
 	for (uint32_t g = RANKS; victim == 1 && g < T; g++) {
@@ -383,7 +438,7 @@ Test(regroup, restarted_node_makes_the_cluster_restore_its_checkpoint)
 {
 	const uint32_t T = 2 * RANKS;
 	pid_t kids[2 * RANKS];
-	struct shared_all *all = kill_and_restart(true, 1, kids);
+	struct shared_all *all = kill_and_restart(SHARED_DIR, 1, kids);
 
 	for (uint32_t g = 0; g < T; g++)
 		cr_expect_eq(all->rep[g].rc, 0, "trainer %u: expected step 2 to run again after the "
@@ -404,7 +459,7 @@ Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
 	const uint32_t T = 2 * RANKS;
 	pid_t kids[2 * RANKS];
 	uint64_t t0 = now_ms();
-	struct shared_all *all = kill_and_restart(false, 1, kids);
+	struct shared_all *all = kill_and_restart(NO_CHECKPOINTS, 1, kids);
 
 	for (uint32_t g = 0; g < T; g++) {
 		const struct report *r = &all->rep[g];
@@ -419,6 +474,30 @@ Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
 	munmap(all, sizeof(*all));
 }
 
+/* A restore that fails on node 1 only: every node learns it through the store and refuses
+ * steps naming node 1 and why, instead of waiting for it. */
+Test(regroup, restore_failing_on_node_1_is_refused_on_both_nodes_naming_it)
+{
+	const uint32_t T = 2 * RANKS;
+	pid_t kids[2 * RANKS];
+	char log[8192];
+	struct shared_all *all = kill_and_restart(PER_NODE_VICTIM_HOLDS_NODE_0S, 1, kids);
+
+	for (uint32_t g = 0; g < T; g++) {
+		const struct report *r = &all->rep[g];
+		cr_expect_eq(r->rc, EMBD_EIO, "trainer %u: expected EMBD_EIO (state lost), got %d "
+			     "('%s')", g, r->rc, r->last_err);
+		cr_expect(strstr(r->last_err, "state lost") &&
+			  strstr(r->last_err, "node 1's restore failed"), "trainer %u: expected the "
+			  "refusal to name node 1's failed restore, got '%s'", g, r->last_err);
+	}
+	read_log(0, log, sizeof(log));
+	cr_expect(strstr(log, "node 1's restore failed") && strstr(log, "written by node 0"),
+		  "node 0's log should say why node 1's restore failed: %s", log);
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
+}
+
 /* Node 0 restarted: a new store, so the cluster is not resumed; both sides say so. */
 Test(regroup, restarted_node_0_is_refused_clearly_on_both_sides)
 {
@@ -427,7 +506,7 @@ Test(regroup, restarted_node_0_is_refused_clearly_on_both_sides)
 	int st = 0;
 
 	dist_store_timeout_ms = 3000;
-	struct shared_all *all = kill_and_restart(false, 0, kids);
+	struct shared_all *all = kill_and_restart(NO_CHECKPOINTS, 0, kids);
 	for (uint32_t g = RANKS; g < 2 * RANKS; g++) {
 		const struct report *r = &all->rep[g];
 		cr_expect_eq(r->rc, EMBD_EIO, "trainer %u: expected EMBD_EIO, got %d ('%s')", g, r->rc,

@@ -4,7 +4,9 @@
  * nodes that disagree), the state record's text and its malformed forms, and generations
  * formed by forked processes through a real store with real Gloo comms: two nodes whose
  * collective failed meet in generation 1 and resume; a node that restarted (no comm) opens the
- * next generation, the running node sees it, and both decide to restore.
+ * next generation, the running node sees it, and both decide to restore. After a restore,
+ * every node hears every node's outcome: a node that did not report is named after
+ * store_timeout_ms, a failed one with its reason, on every node alike.
  */
 #include <criterion/criterion.h>
 #include <stdbool.h>
@@ -206,4 +208,55 @@ Test(regroup, a_restarted_node_opens_a_generation_the_others_join,
 {
 	struct scenario sc = { .restarted = true };
 	run(&sc);
+}
+
+/* ---- every node's restore outcome -------------------------------------------------------- */
+
+/* Two nodes' regroup handles in this process (no comm: the outcome needs only the store),
+ * taking turns: node 1 failed its restore, node 0 did not. */
+Test(regroup, a_restore_failed_or_missing_on_one_node_is_named_on_every_node,
+     .init = tu_server_start, .fini = tu_server_stop)
+{
+	const struct embd_regroup_options o0 = { .node = 0, .nodes = NODES,
+						  .backend = EMBD_COMM_GLOO,
+						  .collective_timeout_ms = TIMEOUT_MS,
+						  .store_timeout_ms = 300 };
+	struct embd_regroup_options o1 = o0;
+	struct embd_store *s0 = NULL, *s1 = NULL;
+	struct embd_regroup *rg0 = NULL, *rg1 = NULL;
+	char err[512] = "";
+
+	o1.node = 1;
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, &s0, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, &s1, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_regroup_create(&o0, s0, NULL, &rg0), 0);
+	cr_assert_eq(embd_regroup_create(&o1, s1, NULL, &rg1), 0);
+	/* node 1 has not said anything yet: node 0 names it after store_timeout_ms */
+	int64_t t0 = tu_now_ms();
+	int rc = embd_regroup_restored(rg0, 0, "", err, sizeof(err));
+	cr_expect_eq(rc, EMBD_ETIMEDOUT, "node 0 alone: expected EMBD_ETIMEDOUT, got %d (%s)", rc,
+		     err);
+	cr_expect(strstr(err, "node 1 did not report its restore within store_timeout_ms 300"),
+		  "node 0 alone: expected node 1 named, got '%s'", err);
+	cr_expect(tu_now_ms() - t0 < 3000, "expected the wait to end after store_timeout_ms, took "
+		  "%lld ms", (long long)(tu_now_ms() - t0));
+	/* node 1's restore failed: both name node 1 and why */
+	rc = embd_regroup_restored(rg1, EMBD_EMISMATCH, "step-2 was written by node 0", err,
+				   sizeof(err));
+	cr_expect(rc == EMBD_EIO && !strcmp(err, "node 1's restore failed: step-2 was written by "
+					     "node 0"), "node 1: expected EMBD_EIO naming itself, got "
+		  "%d '%s'", rc, err);
+	rc = embd_regroup_restored(rg0, 0, "", err, sizeof(err));
+	cr_expect(rc == EMBD_EIO && !strcmp(err, "node 1's restore failed: step-2 was written by "
+					     "node 0"), "node 0: expected EMBD_EIO naming node 1, "
+		  "got %d '%s'", rc, err);
+	/* node 1 restored after all (its record replaced): every node goes on */
+	cr_expect_eq(embd_regroup_restored(rg1, 0, "", err, sizeof(err)), 0, "node 1: %s", err);
+	cr_expect_eq(embd_regroup_restored(rg0, 0, "", err, sizeof(err)), 0, "node 0: %s", err);
+	embd_regroup_destroy(rg0);
+	embd_regroup_destroy(rg1);
+	embd_store_close(s0);
+	embd_store_close(s1);
 }
