@@ -145,7 +145,6 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 		if ((rc = embd_rendezvous_comm_addr(r, addr, sizeof(addr), &how, inner,
 						    sizeof(inner))))
 			return snprintf(err, err_len, "comm: %s", inner), rc;
-		embd_log_info("gloo: node %u listens on %s (%s)", c->node_rank, addr, how);
 	}
 	if (c->node_rank == 0) {
 		/* which store this is, for nodes that reconnect after a failure (regroup.h) */
@@ -178,10 +177,20 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 	free(settings);
 	if (rc == 1) {
 		cl->rejoining = true;
+		if (how)
+			embd_log_info("gloo: node %u listens on %s (%s)", c->node_rank, addr, how);
 		return embd_regroup_create(&ro, cl->store, NULL, &cl->regroup);
 	}
 	if (rc)
 		return snprintf(err, err_len, "collective_plan: %s", inner), rc;
+	if (c->backend == EMBD_COMM_GLOO) {
+		/* every node is in: node 0 may learn its outward address from the others */
+		if ((rc = embd_rendezvous_comm_addr_settle(r, cl->store, addr, sizeof(addr), &how,
+							   inner, sizeof(inner))))
+			return snprintf(err, err_len, "comm: %s", inner), rc;
+		snprintf(ro.hostname, sizeof(ro.hostname), "%s", addr);
+		embd_log_info("gloo: node %u listens on %s (%s)", c->node_rank, addr, how);
+	}
 	struct embd_comm_options o = {
 		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
 		.timeout_ms = c->collective_timeout_ms, .hostname = addr, .prefix = "embd/gloo/0/",

@@ -8,6 +8,7 @@
  */
 #include <arpa/inet.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
@@ -327,4 +328,63 @@ int embd_rendezvous_store(const struct embd_rendezvous *r, int timeout_ms,
 		*server = NULL;
 	}
 	return rc;
+}
+
+/* 127.0.0.0/8, ::1 and the IPv4-mapped loopback, as numeric text. */
+static bool is_loopback(const char *text)
+{
+	struct in_addr a4;
+	struct in6_addr a6;
+
+	if (inet_pton(AF_INET, text, &a4) == 1)
+		return (ntohl(a4.s_addr) >> 24) == 127;
+	if (inet_pton(AF_INET6, text, &a6) != 1)
+		return false;
+	if (IN6_IS_ADDR_V4MAPPED(&a6))
+		return a6.s6_addr[12] == 127;
+	return IN6_IS_ADDR_LOOPBACK(&a6);
+}
+
+#define SEEN_KEY "embd/node0-seen-by/"
+
+int embd_rendezvous_comm_addr_settle(const struct embd_rendezvous *r, struct embd_store *store,
+				     char *addr, size_t addr_len, const char **how, char *err,
+				     size_t err_len)
+{
+	char key[64], seen[INET6_ADDRSTRLEN + 1];
+	int32_t nodes = embd_rendezvous_num_nodes(r);
+	int rc;
+
+	if (err_len)
+		err[0] = '\0';
+	if (r->node_rank != 0) {
+		if ((rc = embd_store_server_addr(store, seen, sizeof(seen))))
+			return snprintf(err, err_len, "store: its address as this node reaches it: "
+					"not connected"), rc;
+		snprintf(key, sizeof(key), SEEN_KEY "%d", r->node_rank);
+		if ((rc = embd_store_set(store, key, seen, strlen(seen))))
+			snprintf(err, err_len, "store: %s", embd_store_error(store));
+		return rc;
+	}
+	if (r->gloo_ifname[0] || r->comm_addr[0] || !is_loopback(addr))
+		return 0;       /* the operator's choice, or not on loopback */
+	/* node 0's own route to master_addr stays on this host (master_addr names it, and the
+	 * name may well resolve to 127.0.1.1): what its peers see tells whether they are here */
+	for (int32_t k = 1; k < nodes; k++) {
+		void *v = NULL;
+		size_t len = 0;
+		snprintf(key, sizeof(key), SEEN_KEY "%d", k);
+		if ((rc = embd_store_get(store, key, &v, &len)))
+			return snprintf(err, err_len, "store: waiting for node %d to say how it reaches "
+					"node 0: %s", k, embd_store_error(store)), rc;
+		snprintf(seen, sizeof(seen), "%.*s", (int)(len < sizeof(seen) ? len : sizeof(seen) - 1),
+			 (const char *)v);
+		free(v);
+		if (!is_loopback(seen) && strlen(seen) < addr_len) {
+			snprintf(addr, addr_len, "%s", seen);
+			*how = "the address its peers reach it at";
+			return 0;
+		}
+	}
+	return 0;
 }

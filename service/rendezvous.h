@@ -84,6 +84,19 @@ int embd_rendezvous_resolve(const struct embd_rendezvous *config, struct embd_re
 int embd_rendezvous_comm_addr(const struct embd_rendezvous *r, char *out, size_t out_len,
 			      const char **how, char *err, size_t err_len);
 
+/*
+ * Once every node is connected to the store: node 0's choice by the route (neither
+ * gloo_ifname nor comm_addr set) is its own loopback address whenever master_addr names node 0 itself (its hostname often
+ * resolves to 127.0.1.1), which peers on other hosts cannot reach. So every other node
+ * publishes the address it reaches the store (node 0) at, and node 0, when its own choice is
+ * a loopback address, takes the first of those that is not (and keeps its own when all are:
+ * every node is on this host). addr[addr_len] is node 0's choice, replaced in place, *how too.
+ * Waits up to the store's timeout for each peer's word.
+ */
+int embd_rendezvous_comm_addr_settle(const struct embd_rendezvous *r, struct embd_store *store,
+				     char *addr, size_t addr_len, const char **how, char *err,
+				     size_t err_len);
+
 /* world_size / local_world_size. */
 int32_t embd_rendezvous_num_nodes(const struct embd_rendezvous *r);
 

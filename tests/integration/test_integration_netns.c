@@ -5,7 +5,9 @@
  * 127.0.0.1 is a different host for every node and a Gloo device that advertised it could
  * not connect. master_addr is node 0's 10.77.0.1, nodes 0 and 1 find their Gloo address by
  * the route to it (the default) and node 2 by GLOO_SOCKET_IFNAME=eth0; then forward and K
- * training steps equal the unsharded reference, as in test_integration_dist.c.
+ * training steps equal the unsharded reference, as in test_integration_dist.c. One more case
+ * (198.18.0.0/24) gives node 0 MASTER_ADDR=127.0.0.1, so its own route is loopback and it must
+ * advertise the address its peer reaches it at.
  *
  * Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2 with veth and bridge support:
  * skipped with the reason otherwise. Names carry the test process's pid, so parallel runs
@@ -76,7 +78,7 @@ static void teardown(void)
 
 /* The hub with its bridge and N node namespaces linked to it; cr_skip when the machine does
  * not allow it (the first command that failed is the reason). */
-static void make_network(uint32_t N)
+static void make_network(uint32_t N, const char *subnet)
 {
 	const int pid = (int)getpid();
 
@@ -100,9 +102,9 @@ static void make_network(uint32_t N)
 		if (sh("ip -n %s link add p%u type veth peer name eth0 netns %s", hub, n, nd->netns))
 			cr_skip_test("no veth pair between %s and %s", hub, nd->netns);
 		cr_assert_eq(sh("ip -n %s link set p%u master br0 up && "
-				"ip -n %s addr add 10.77.0.%u/24 dev eth0 && "
+				"ip -n %s addr add %s.%u/24 dev eth0 && "
 				"ip -n %s link set eth0 up && ip -n %s link set lo up", hub, n,
-				nd->netns, n + 1, nd->netns, nd->netns), 0,
+				nd->netns, subnet, n + 1, nd->netns, nd->netns), 0,
 			     "configuring %s's link failed", nd->netns);
 	}
 }
@@ -111,7 +113,7 @@ TestSuite(netns, .fini = teardown, .timeout = 60);
 
 static void train_in_namespaces(uint32_t N, const char *sharding)
 {
-	make_network(N);
+	make_network(N, "10.77.0");
 	strcpy(dist_master_addr, "10.77.0.1");
 	if (N > 2)
 		strcpy(nodes[2].gloo_ifname, "eth0");
@@ -122,3 +124,17 @@ static void train_in_namespaces(uint32_t N, const char *sharding)
 Test(netns, two_hosts_row_wise) { train_in_namespaces(2, "row_wise"); }
 Test(netns, two_hosts_table_column_wise) { train_in_namespaces(2, "table_column_wise"); }
 Test(netns, three_hosts_table_row_wise) { train_in_namespaces(3, "table_row_wise"); }
+
+/* Node 0 reaches its own store through 127.0.0.1 (as when master_addr is node 0's hostname,
+ * which resolves to 127.0.1.1 there): its route is loopback, and it must advertise the
+ * address its peers reach it at instead. The subnet sorts above 127/8, so Gloo makes node 1
+ * the connecting side of the pair (the larger address connects): a node 0 advertising
+ * 127.0.0.1 would send node 1 to its own loopback. */
+Test(netns, node_0_addressed_by_loopback_advertises_its_peers_view)
+{
+	make_network(2, "198.18.0");
+	strcpy(dist_master_addr, "198.18.0.1");
+	strcpy(nodes[0].env, "MASTER_ADDR=127.0.0.1");
+	trainer_setup = enter_node_netns;
+	train_cluster(2, "table_wise", "node 0 addressed by loopback");
+}
