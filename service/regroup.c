@@ -374,15 +374,19 @@ int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len)
 		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
 	embd_store_set_timeout(rg->store, LOOK_MS);
 	int rc = embd_store_check(rg->store, EMBD_REGROUP_INSTANCE_KEY);
-	if (rc == 1 && !embd_store_get(rg->store, EMBD_REGROUP_INSTANCE_KEY, &v, &len)) {
+	/* only a value that was read and differs (or no key at all) means a new store: a read
+	 * that fails is node 0 stalling again, to be tried once more later */
+	if (rc == 1)
+		rc = embd_store_get(rg->store, EMBD_REGROUP_INSTANCE_KEY, &v, &len) ? -1 : 1;
+	if (rc < 0)
+		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
+	if (rc == 1) {
 		bool same = rg->instance[0] && len == strlen(rg->instance) &&
 			    !memcmp(v, rg->instance, len);
 		free(v);
 		if (same)
 			return 1;
 	}
-	if (rc < 0)
-		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
 	/* a new store: node 0 restarted. Tell it, so that it names this node when it gives up */
 	snprintf(k, sizeof(k), "embd/stale/%u", rg->o.node);
 	embd_store_set(rg->store, k, "1", 1);
