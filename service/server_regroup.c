@@ -54,7 +54,9 @@ int embd_server_regroup_sleep_ms(const struct embd_server *sv, int idle_ms)
 }
 
 /* Drops the step in flight on this node (its comm is broken: nothing was applied) and answers
- * every request kept for it; the trainers post again once the cluster runs. */
+ * every request kept for it; the trainers post again once the cluster runs. A BACKWARD of the
+ * dropped step, kept or still to come, is EMBD_ECANCELED like an aborted step's: no parameter
+ * changed, post the step again. */
 static void drop_step(struct embd_server *sv, const char *why)
 {
 	char msg[EMBD_CQE_MSG_BYTES];
@@ -63,13 +65,15 @@ static void drop_step(struct embd_server *sv, const char *why)
 	if (sv->phase == WAIT_BACKWARD) {
 		embd_step_abort(sv->step, why);         /* refused at once: no collective */
 		sv->stats.aborted_steps++;
+		embd_server_cancel_step(sv, msg);
 	}
+	sv->ckpt_agreed = false;                /* agreed for a step that did not complete */
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
 		if (!c->used)
 			continue;
 		if (c->has_bwd)
-			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_EIO, msg);
+			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		if (c->has_fwd)
 			embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, EMBD_EAGAIN, msg);
 		c->has_bwd = c->has_fwd = c->participant = false;
@@ -162,7 +166,6 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	sv->phase = COLLECT;
 	sv->lost = false;
 	sv->regrouped = true;
-	sv->canceled_step = 0;
 	sv->rg_state = RG_RUNNING;
 	sv->dirty = true;
 	embd_log_warning("node %u: cluster re-formed (generation %" PRIu64 "): %s at step %" PRIu64
