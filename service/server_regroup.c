@@ -135,23 +135,38 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	}
 	if (d->verdict == EMBD_REGROUP_RESTORE) {
 		snprintf(key, sizeof(key), "%srestore", embd_regroup_prefix(sv->rg));
+		const uint64_t t0 = embd_stats_now_ns();
 		rc = embd_ckpt_service_restore_running(sv->ckpt, key, &step, err, sizeof(err));
-		if (rc == EMBD_ENOENT) {
-			refuse_all(sv, RG_LOST, "cluster state lost (%.50s), no checkpoint yet",
-				   d->why);
-			return true;
-		}
-		if (rc)
+		const int restore_ms = (int)((embd_stats_now_ns() - t0) / 1000000);
+		if (rc) {
 			embd_log_error("restore after %s: %s", d->why, err);
-		/* every node hears whether every other one restored: none waits for a failed one */
+		} else {
+			/* this node's parameters are at step now, whatever comes next: a later
+			 * generation weighs them so, and does not restore them again */
+			sv->applied = step;
+			sv->lost = false;
+		}
+		/* every node hears whether every other one restored, and all take one decision:
+		 * a transient failure anywhere tries the next generation, a data failure is lost */
 		char outcome[512];
-		if (embd_regroup_restored(sv->rg, rc, err, outcome, sizeof(outcome))) {
+		rc = embd_regroup_restored(sv->rg, rc, err, restore_ms, outcome, sizeof(outcome));
+		if (rc == EMBD_EIO) {
 			embd_log_error("node %u: %s", sv->config->node_rank, outcome);
 			refuse_all(sv, RG_LOST, "cluster state lost, %.80s", outcome);
 			return true;
 		}
+		if (rc) {
+			embd_log_warning("node %u: %s", sv->config->node_rank, outcome);
+			if (rc != EMBD_EAGAIN)
+				detach(sv, outcome);
+			else
+				snprintf(sv->rg_msg, sizeof(sv->rg_msg), "cluster re-forming: %.80s",
+					 outcome);
+			return false;
+		}
 	}
-	/* nobody steps before everybody restored */
+	/* nobody steps before everybody restored (the outcomes above: a barrier that waited as
+	 * long as a restore; this one only sees the others leave it) */
 	if ((rc = embd_regroup_finish(sv->rg, err, sizeof(err)))) {
 		if (rc != EMBD_EAGAIN)
 			detach(sv, err);
@@ -164,7 +179,6 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	}
 	sv->s = sv->applied = step;
 	sv->phase = COLLECT;
-	sv->lost = false;
 	sv->regrouped = true;
 	sv->rg_state = RG_RUNNING;
 	sv->dirty = true;

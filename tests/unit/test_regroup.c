@@ -5,12 +5,15 @@
  * formed by forked processes through a real store with real Gloo comms: two nodes whose
  * collective failed meet in generation 1 and resume; a node that restarted (no comm) opens the
  * next generation, the running node sees it, and both decide to restore. After a restore,
- * every node hears every node's outcome: a node that did not report is named after
- * store_timeout_ms, a failed one with its reason, on every node alike.
+ * every node reads the same outcome records: a node that did not report (its record written
+ * by whoever gave up on it) or failed transiently sends both to the next generation, one whose
+ * data failed is named on both with its reason, a slow restore is waited for.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "embd/types.h"
 #include "service/comm.h"
@@ -212,9 +215,39 @@ Test(regroup, a_restarted_node_opens_a_generation_the_others_join,
 
 /* ---- every node's restore outcome -------------------------------------------------------- */
 
-/* Two nodes' regroup handles in this process (no comm: the outcome needs only the store),
- * taking turns: node 1 failed its restore, node 0 did not. */
-Test(regroup, a_restore_failed_or_missing_on_one_node_is_named_on_every_node,
+/* One node's embd_regroup_restored, run on a thread of its own so both nodes wait alike. */
+struct turn {
+	struct embd_regroup *rg;
+	int restore_rc;
+	const char *why;
+	int restore_ms, delay_ms;       /* its restore's time; a sleep before it reports */
+	int rc;
+	char err[512];
+};
+
+static void *turn_run(void *arg)
+{
+	struct turn *t = arg;
+
+	if (t->delay_ms)
+		usleep((useconds_t)t->delay_ms * 1000);
+	t->err[0] = 0;
+	t->rc = embd_regroup_restored(t->rg, t->restore_rc, t->why, t->restore_ms, t->err,
+				      sizeof(t->err));
+	return NULL;
+}
+
+static void both_report(struct turn *t0, struct turn *t1)
+{
+	pthread_t th;
+
+	cr_assert_eq(pthread_create(&th, NULL, turn_run, t1), 0);
+	turn_run(t0);
+	pthread_join(th, NULL);
+}
+
+/* Two nodes' regroup handles in this process (no comm: the outcome needs only the store). */
+Test(regroup, restore_outcomes_decide_alike_on_every_node,
      .init = tu_server_start, .fini = tu_server_stop)
 {
 	const struct embd_regroup_options o0 = { .node = 0, .nodes = NODES,
@@ -233,28 +266,71 @@ Test(regroup, a_restore_failed_or_missing_on_one_node_is_named_on_every_node,
 		     "%s", err);
 	cr_assert_eq(embd_regroup_create(&o0, s0, NULL, &rg0), 0);
 	cr_assert_eq(embd_regroup_create(&o1, s1, NULL, &rg1), 0);
-	/* node 1 has not said anything yet: node 0 names it after store_timeout_ms */
-	int64_t t0 = tu_now_ms();
-	int rc = embd_regroup_restored(rg0, 0, "", err, sizeof(err));
-	cr_expect_eq(rc, EMBD_ETIMEDOUT, "node 0 alone: expected EMBD_ETIMEDOUT, got %d (%s)", rc,
-		     err);
-	cr_expect(strstr(err, "node 1 did not report its restore within store_timeout_ms 300"),
-		  "node 0 alone: expected node 1 named, got '%s'", err);
-	cr_expect(tu_now_ms() - t0 < 3000, "expected the wait to end after store_timeout_ms, took "
-		  "%lld ms", (long long)(tu_now_ms() - t0));
-	/* node 1's restore failed: both name node 1 and why */
-	rc = embd_regroup_restored(rg1, EMBD_EMISMATCH, "step-2 was written by node 0", err,
-				   sizeof(err));
-	cr_expect(rc == EMBD_EIO && !strcmp(err, "node 1's restore failed: step-2 was written by "
-					     "node 0"), "node 1: expected EMBD_EIO naming itself, got "
-		  "%d '%s'", rc, err);
-	rc = embd_regroup_restored(rg0, 0, "", err, sizeof(err));
-	cr_expect(rc == EMBD_EIO && !strcmp(err, "node 1's restore failed: step-2 was written by "
-					     "node 0"), "node 0: expected EMBD_EIO naming node 1, "
-		  "got %d '%s'", rc, err);
-	/* node 1 restored after all (its record replaced): every node goes on */
-	cr_expect_eq(embd_regroup_restored(rg1, 0, "", err, sizeof(err)), 0, "node 1: %s", err);
-	cr_expect_eq(embd_regroup_restored(rg0, 0, "", err, sizeof(err)), 0, "node 0: %s", err);
+	/* handles made without a comm are restarted nodes, each opening a generation of its
+	 * own at first: after that, both meet in the newest */
+	cr_assert_eq(embd_regroup_start(rg0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_start(rg1, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_start(rg0, err, sizeof(err)), 0, "%s", err);
+	const uint64_t g = embd_regroup_generation(rg1);
+	cr_assert_eq(embd_regroup_generation(rg0), g);
+	struct turn t0 = { .rg = rg0, .why = "" }, t1 = { .rg = rg1, .why = "" };
+
+	/* node 0 says nothing within store_timeout_ms: node 1 writes node 0's record as late,
+	 * node 0 reads that very record, and both move on to the next generation */
+	int64_t t_start = tu_now_ms();
+	t1.rc = embd_regroup_restored(rg1, 0, "", 0, t1.err, sizeof(t1.err));
+	cr_expect(tu_now_ms() - t_start < 3000, "expected the wait to end after store_timeout_ms, "
+		  "took %lld ms", (long long)(tu_now_ms() - t_start));
+	t0.rc = embd_regroup_restored(rg0, 0, "", 0, t0.err, sizeof(t0.err));
+	for (int n = 0; n < NODES; n++) {
+		const struct turn *t = n ? &t1 : &t0;
+		cr_expect(t->rc == EMBD_EAGAIN && strstr(t->err, "node 0 did not report its restore "
+							   "within 300 ms"),
+			  "node %d: expected EMBD_EAGAIN naming node 0 as late, got %d '%s'", n,
+			  t->rc, t->err);
+		cr_expect_eq(embd_regroup_generation(t->rg), g + 1, "node %d: expected generation "
+			     "%llu, got %llu", n, (unsigned long long)g + 1,
+			     (unsigned long long)embd_regroup_generation(t->rg));
+	}
+
+	/* a transient failure on node 1 (node 0's choice of checkpoint came too late): both
+	 * try the next generation, none calls the state lost */
+	t1.restore_rc = EMBD_ETIMEDOUT;
+	t1.why = "store: waiting for node 0's choice of checkpoint: timed out";
+	both_report(&t0, &t1);
+	for (int n = 0; n < NODES; n++) {
+		const struct turn *t = n ? &t1 : &t0;
+		cr_expect(t->rc == EMBD_EAGAIN && strstr(t->err, "node 1's restore did not complete: "
+							   "store: waiting"),
+			  "node %d: expected EMBD_EAGAIN naming node 1, got %d '%s'", n, t->rc,
+			  t->err);
+		cr_expect_eq(embd_regroup_generation(t->rg), g + 2, "node %d: expected generation "
+			     "%llu, got %llu", n, (unsigned long long)g + 2,
+			     (unsigned long long)embd_regroup_generation(t->rg));
+	}
+
+	/* a restore that takes longer than store_timeout_ms on node 0: node 1 waits as long
+	 * as its own restore took on top, and both go on */
+	t1.restore_rc = 0;
+	t0.delay_ms = 700;
+	t0.restore_ms = t1.restore_ms = 1500;
+	both_report(&t0, &t1);
+	cr_expect(t0.rc == 0 && t1.rc == 0, "a slow restore: expected 0 on both, got %d '%s' and "
+		  "%d '%s'", t0.rc, t0.err, t1.rc, t1.err);
+
+	/* node 1's restore failed on its data: both name node 1 and why, state lost */
+	cr_assert_eq(embd_regroup_start(rg0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_start(rg1, err, sizeof(err)), 0, "%s", err);
+	t0.delay_ms = t0.restore_ms = t1.restore_ms = 0;
+	t1.restore_rc = EMBD_EMISMATCH;
+	t1.why = "step-2 was written by node 0";
+	both_report(&t0, &t1);
+	for (int n = 0; n < NODES; n++) {
+		const struct turn *t = n ? &t1 : &t0;
+		cr_expect(t->rc == EMBD_EIO && !strcmp(t->err, "node 1's restore failed: step-2 was "
+							  "written by node 0"),
+			  "node %d: expected EMBD_EIO naming node 1, got %d '%s'", n, t->rc, t->err);
+	}
 	embd_regroup_destroy(rg0);
 	embd_regroup_destroy(rg1);
 	embd_store_close(s0);
