@@ -55,12 +55,6 @@ void embd_server_complete(struct embd_server *sv, struct client *c, const struct
 	embd_stats_request(&sv->stats, embd_stats_now_ns() - popped_ns);
 }
 
-void embd_server_cancel_step(struct embd_server *sv, const char *why)
-{
-	sv->canceled_step = sv->s + 1;
-	snprintf(sv->canceled_why, sizeof(sv->canceled_why), "%s", why);
-}
-
 /* ---- clients ------------------------------------------------------------------------------ */
 
 static uint32_t slot_of(const struct embd_server *sv, const struct client *c)
@@ -536,8 +530,7 @@ static void run_backward(struct embd_server *sv)
 				     rc ? sv->batches[k].err : NULL);
 		c->has_bwd = c->participant = false;
 	}
-	/* applied, or (another node's participant left) dropped by every node alike */
-	if (rc == 0 || rc == EMBD_ECANCELED)
+	if (rc == 0 || rc == EMBD_ECANCELED)   /* or dropped alike (a participant left) */
 		sv->applied = sv->s + 1;
 	if (rc == EMBD_ECANCELED) {
 		sv->stats.aborted_steps++;

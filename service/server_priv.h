@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "ipc/control.h"
 #include "ipc/doorbell.h"
@@ -94,8 +95,12 @@ struct embd_server {
 void embd_server_complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
 			  uint64_t popped_ns, int result, const char *msg);
 /* Step sv->s ends with no update (aborted, or dropped by re-forming): a BACKWARD of it that
- * comes later is answered EMBD_ECANCELED with why (server.c). */
-void embd_server_cancel_step(struct embd_server *sv, const char *why);
+ * comes later is answered EMBD_ECANCELED with why. */
+static inline void embd_server_cancel_step(struct embd_server *sv, const char *why)
+{
+	sv->canceled_step = sv->s + 1;
+	snprintf(sv->canceled_why, sizeof(sv->canceled_why), "%s", why);
+}
 
 /* ---- server_regroup.c ---- */
 
