@@ -7,12 +7,20 @@
  * next generation, the running node sees it, and both decide to restore. After a restore,
  * every node reads the same outcome records: a node that did not report (its record written
  * by whoever gave up on it) or failed transiently sends both to the next generation, one whose
- * data failed is named on both with its reason, a slow restore is waited for.
+ * data failed is named on both with its reason, a slow restore is waited for. Reattaching
+ * through a relay in front of the store that holds the read of node 0's instance key (node 0
+ * stalling again between the key check and the read): not a new store, tried again later.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "embd/types.h"
@@ -335,4 +343,126 @@ Test(regroup, restore_outcomes_decide_alike_on_every_node,
 	embd_regroup_destroy(rg1);
 	embd_store_close(s0);
 	embd_store_close(s1);
+}
+
+/* ---- reattaching to node 0's store -------------------------------------------------------- */
+
+/* A relay in front of the real store: whole requests client -> store (store_wire.h framing),
+ * bytes back as they come; while `hold` is set a GET of EMBD_REGROUP_INSTANCE_KEY is kept
+ * (never answered), as a node 0 that stalls between the key check and the read would. */
+static atomic_bool hold;
+
+static bool read_full(int fd, uint8_t *p, size_t n)
+{
+	for (size_t at = 0; at < n;) {
+		ssize_t r = read(fd, p + at, n - at);
+		if (r <= 0)
+			return false;
+		at += (size_t)r;
+	}
+	return true;
+}
+
+static void *relay_conn(void *arg)
+{
+	int cfd = (int)(intptr_t)arg, sfd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons(tu_port),
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	uint8_t *b = malloc(1 << 16);
+
+	if (!b || connect(sfd, (struct sockaddr *)&a, sizeof(a)))
+		goto out;
+	for (;;) {
+		struct pollfd p[2] = { { cfd, POLLIN, 0 }, { sfd, POLLIN, 0 } };
+		if (poll(p, 2, -1) < 0)
+			break;
+		if (p[1].revents) {
+			ssize_t r = read(sfd, b, 1 << 16);
+			if (r <= 0 || write(cfd, b, (size_t)r) != r)
+				break;
+		}
+		if (!p[0].revents)
+			continue;
+		if (!read_full(cfd, b, 4))
+			break;
+		uint32_t len = ntohl(*(uint32_t *)b);
+		if (len > (1 << 16) - 4 || !read_full(cfd, b + 4, len))
+			break;
+		bool get = len > 1 && b[4] == 2 && memmem(b + 5, len - 1, EMBD_REGROUP_INSTANCE_KEY,
+							  strlen(EMBD_REGROUP_INSTANCE_KEY));
+		if (!(get && atomic_load(&hold)) && write(sfd, b, 4 + len) != (ssize_t)(4 + len))
+			break;
+	}
+out:
+	free(b);
+	close(sfd);
+	close(cfd);
+	return NULL;
+}
+
+static void *relay_accept(void *arg)
+{
+	int lfd = (int)(intptr_t)arg, cfd;
+	pthread_t th;
+
+	while ((cfd = accept(lfd, NULL, NULL)) >= 0)
+		if (!pthread_create(&th, NULL, relay_conn, (void *)(intptr_t)cfd))
+			pthread_detach(th);
+	return NULL;
+}
+
+/* The relay's port (it lives as long as the test process). */
+static uint16_t relay_start(void)
+{
+	int lfd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t alen = sizeof(a);
+	pthread_t th;
+
+	cr_assert(lfd >= 0 && !bind(lfd, (struct sockaddr *)&a, sizeof(a)) && !listen(lfd, 8) &&
+		  !getsockname(lfd, (struct sockaddr *)&a, &alen));
+	cr_assert_eq(pthread_create(&th, NULL, relay_accept, (void *)(intptr_t)lfd), 0);
+	pthread_detach(th);
+	return ntohs(a.sin_port);
+}
+
+Test(regroup, reattach_after_a_failed_read_of_node_0s_instance_tries_again,
+     .init = tu_server_start, .fini = tu_server_stop)
+{
+	const struct embd_regroup_options o = { .node = 1, .nodes = NODES,
+						 .backend = EMBD_COMM_GLOO,
+						 .collective_timeout_ms = TIMEOUT_MS,
+						 .store_timeout_ms = 1000 };
+	struct embd_store *direct = NULL, *s1 = NULL;
+	struct embd_regroup *rg = NULL;
+	char err[512] = "";
+
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, &direct, err, sizeof(err)),
+		     0, "%s", err);
+	cr_assert_eq(embd_store_set(direct, EMBD_REGROUP_INSTANCE_KEY, "node-0-a", 8), 0);
+	uint16_t relay = relay_start();
+	cr_assert_eq(embd_store_connect("127.0.0.1", relay, 5000, &s1, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(embd_regroup_create(&o, s1, NULL, &rg), 0);
+	/* node 0 answers the key check, then stalls before the read */
+	atomic_store(&hold, true);
+	int rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_expect(rc == 0 && strstr(err, "does not answer") && !strstr(err, "restarted"),
+		  "a failed read: expected 0 and 'does not answer', got %d '%s'", rc, err);
+	cr_expect_eq(embd_store_check(direct, "embd/stale/1"), 0, "a failed read marked node 1 "
+		     "stale in node 0's store");
+	/* node 0 answers again: the same store */
+	atomic_store(&hold, false);
+	rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_expect_eq(rc, 1, "node 0 answers again: expected 1 (the same store), got %d '%s'", rc,
+		     err);
+	/* a value that was read and differs is a new store (node 0 restarted) */
+	cr_assert_eq(embd_store_set(direct, EMBD_REGROUP_INSTANCE_KEY, "node-0-b", 8), 0);
+	rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_expect(rc == 0 && strstr(err, "restarted"), "another instance: expected 0 and "
+		  "'restarted', got %d '%s'", rc, err);
+	cr_expect_eq(embd_store_check(direct, "embd/stale/1"), 1, "expected node 1's stale mark");
+	embd_regroup_destroy(rg);
+	embd_store_close(s1);
+	embd_store_close(direct);
 }
