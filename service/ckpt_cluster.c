@@ -237,10 +237,13 @@ static int find_shared(const struct embd_ckpt_cluster *cl, const char *key, embd
 			snprintf(value, sizeof(value), "%" PRIu64, m->step);
 		else
 			snprintf(value, sizeof(value), rc == EMBD_ENOENT ? "none" : "error: %s", err);
-		if (embd_store_set(cl->store, key, value, strlen(value))) {
+		/* the store's own code: a re-formed cluster tries again after a store failure
+		 * (embd_regroup_restore_transient), not after a damaged checkpoint */
+		int src = embd_store_set(cl->store, key, value, strlen(value));
+		if (src) {
 			embd_ckpt_manifest_free(m);
 			return snprintf(err, err_len, "store: publishing the step to restore: %s",
-					embd_store_error(cl->store)), EMBD_EIO;
+					embd_store_error(cl->store)), src;
 		}
 		return rc;
 	}
@@ -328,8 +331,7 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
 		for (uint32_t k = 0; k < cl->num_nodes; k++)
 			snprintf(keys[k], sizeof(keys[k]), "%s/%u/node/%u", base, r, k);
 		snprintf(key, sizeof(key), "%s/%u", base, r);
-		if (embd_store_set(cl->store, keys[cl->node], value, strlen(value))) {
-			rc = EMBD_EIO;
+		if ((rc = embd_store_set(cl->store, keys[cl->node], value, strlen(value)))) {
 			snprintf(err, err_len, "store: %s", embd_store_error(cl->store));
 			break;
 		}

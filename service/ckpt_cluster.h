@@ -61,7 +61,9 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
  * step <= bound it holds valid ("<key>/<r>/node/<k>"), node 0 answers with the step
  * when all agree, or with the smallest as the next bound ("<key>/<r>"), so the newest
  * step that every node holds valid wins. Per_node restores only a checkpoint of this plan
- * and node count (EMBD_EMISMATCH otherwise, saying how to reshard). EMBD_ENOENT: none.
+ * and node count (EMBD_EMISMATCH otherwise, saying how to reshard). EMBD_ENOENT: none. A
+ * failure of this node's store handle returns the store's code (EMBD_ETIMEDOUT,
+ * EMBD_ECONNRESET): a re-formed cluster tries again after those (service/regroup.h).
  */
 #define EMBD_CKPT_RESTORE_KEY "ckpt/restore"
 int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,

@@ -331,37 +331,93 @@ int embd_regroup_finish(struct embd_regroup *rg, char *err, size_t err_len)
 	return next_generation(rg, "barrier", err, err_len);
 }
 
-int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *why, char *err,
-			  size_t err_len)
+bool embd_regroup_restore_transient(int restore_rc)
 {
-	char k[96], mine[160];
+	return restore_rc == EMBD_ETIMEDOUT || restore_rc == EMBD_ECONNRESET ||
+	       restore_rc == EMBD_EAGAIN || restore_rc == EMBD_EBUSY;
+}
+
+/* Node n's outcome record, written once per generation: whoever claims "<key>/claim" first
+ * (node n after its restore, or a node that gave up waiting for it) writes it, so every node
+ * reads the same record. 0 with *v read, or the store's failure. */
+static int outcome_record(struct embd_regroup *rg, uint32_t n, const char *mine, int wait_ms,
+			  void **v, size_t *len)
+{
+	char k[96], claim[112], late[160];
+	int64_t first = 0;
+	int rc;
+
+	snprintf(k, sizeof(k), "%srestored/%u", rg->prefix, n);
+	snprintf(claim, sizeof(claim), "%s/claim", k);
+	if (n == rg->o.node) {
+		if ((rc = embd_store_add(rg->store, claim, 1, &first)))
+			return rc;
+		if (first == 1 && (rc = embd_store_set(rg->store, k, mine, strlen(mine))))
+			return rc;
+	}
+	embd_store_set_timeout(rg->store, wait_ms);
+	rc = embd_store_get(rg->store, k, v, len);
+	embd_store_set_timeout(rg->store, rg->o.store_timeout_ms);
+	if (rc != EMBD_ETIMEDOUT)
+		return rc;
+	/* node n said nothing in time: the first to give up writes its record for it */
+	if ((rc = embd_store_add(rg->store, claim, 1, &first)))
+		return rc;
+	if (first == 1) {
+		snprintf(late, sizeof(late), "retry: node %u did not report its restore within %d ms",
+			 n, wait_ms);
+		if ((rc = embd_store_set(rg->store, k, late, strlen(late))))
+			return rc;
+	}
+	/* someone else claimed it: its record follows the claim at once */
+	return embd_store_get(rg->store, k, v, len);
+}
+
+int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *why,
+			  int restore_ms, char *err, size_t err_len)
+{
+	const int wait_ms = rg->o.store_timeout_ms + (restore_ms > 0 ? restore_ms : 0);
+	char mine[160], retry[256] = "";
 	int rc = 0;
 
-	if (restore_rc)
-		snprintf(mine, sizeof(mine), "error: %.140s", why);
-	else
+	if (!restore_rc)
 		snprintf(mine, sizeof(mine), "ok");
-	snprintf(k, sizeof(k), "%srestored/%u", rg->prefix, rg->o.node);
+	else
+		snprintf(mine, sizeof(mine), "%s: %.140s",
+			 embd_regroup_restore_transient(restore_rc) ? "retry" : "error", why);
 	embd_store_set_timeout(rg->store, rg->o.store_timeout_ms);
-	/* a failed set shows below as this node's record missing (the store is gone) */
-	embd_store_set(rg->store, k, mine, strlen(mine));
-	for (uint32_t n = 0; n < rg->o.nodes && !rc; n++) {
+	/* every record is read, so every node weighs the same ones. A transient failure anywhere
+	 * moves every node on to the next generation (another node's error may only follow from
+	 * it: node 0's choice of checkpoint timed out); else a data failure is the verdict */
+	for (uint32_t n = 0; n < rg->o.nodes; n++) {
 		void *v = NULL;
 		size_t len = 0;
-		snprintf(k, sizeof(k), "%srestored/%u", rg->prefix, n);
-		if (embd_store_get(rg->store, k, &v, &len)) {
-			rc = EMBD_ETIMEDOUT;
-			snprintf(err, err_len, "node %u did not report its restore within "
-				 "store_timeout_ms %d", n, rg->o.store_timeout_ms);
-		} else if (len != 2 || memcmp(v, "ok", 2)) {
+		int frc = outcome_record(rg, n, mine, wait_ms, &v, &len);
+		if (frc) {
+			snprintf(err, err_len, "node %u's restore outcome: %.200s", n,
+				 embd_store_error(rg->store));
+			return frc;     /* the store failed: this node is detached */
+		}
+		const char *text = v;
+		const bool ok = len == 2 && !memcmp(text, "ok", 2);
+		if (len > 7 && !memcmp(text, "retry: ", 7)) {
+			if (!retry[0])
+				snprintf(retry, sizeof(retry), "node %u's restore did not complete: "
+					 "%.*s", n, (int)(len - 7), text + 7);
+		} else if (!ok && !rc) {        /* the first error is named */
 			rc = EMBD_EIO;
-			snprintf(err, err_len, "node %u's restore failed: %.*s", n,
-				 (int)(len > 7 && !memcmp(v, "error: ", 7) ? len - 7 : len),
-				 (char *)v + (len > 7 && !memcmp(v, "error: ", 7) ? 7 : 0));
+			if (len > 7 && !memcmp(text, "error: ", 7))
+				snprintf(err, err_len, "node %u's restore failed: %.*s", n,
+					 (int)(len - 7), text + 7);
+			else
+				snprintf(err, err_len, "node %u's restore outcome is malformed", n);
 		}
 		free(v);
 	}
-	return rc;
+	if (!retry[0])
+		return rc;
+	snprintf(err, err_len, "%s", retry);
+	return next_generation(rg, "restore", err, err_len);
 }
 
 int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len)
@@ -374,15 +430,19 @@ int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len)
 		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
 	embd_store_set_timeout(rg->store, LOOK_MS);
 	int rc = embd_store_check(rg->store, EMBD_REGROUP_INSTANCE_KEY);
-	if (rc == 1 && !embd_store_get(rg->store, EMBD_REGROUP_INSTANCE_KEY, &v, &len)) {
+	/* only a value that was read and differs (or no key at all) means a new store: a read
+	 * that fails is node 0 stalling again, to be tried once more later */
+	if (rc == 1)
+		rc = embd_store_get(rg->store, EMBD_REGROUP_INSTANCE_KEY, &v, &len) ? -1 : 1;
+	if (rc < 0)
+		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
+	if (rc == 1) {
 		bool same = rg->instance[0] && len == strlen(rg->instance) &&
 			    !memcmp(v, rg->instance, len);
 		free(v);
 		if (same)
 			return 1;
 	}
-	if (rc < 0)
-		return snprintf(err, err_len, "node 0 (the store) does not answer"), 0;
 	/* a new store: node 0 restarted. Tell it, so that it names this node when it gives up */
 	snprintf(k, sizeof(k), "embd/stale/%u", rg->o.node);
 	embd_store_set(rg->store, k, "1", 1);

@@ -113,15 +113,22 @@ int embd_regroup_finish(struct embd_regroup *rg, char *err, size_t err_len);
 
 /*
  * After a RESTORE decision, every node's outcome, so that a restore failing on one node does
- * not leave the others waiting: this node publishes its own ("<prefix>restored/<n>": "ok" or
- * "error: why"; restore_rc 0 or the failure, why its message), then reads every node's,
- * waiting store_timeout_ms for each. 0 when every node restored; otherwise err names the
- * first node that failed and why ("node 1's restore failed: ...", EMBD_EIO) or that did not
- * report ("node 1 did not report its restore within store_timeout_ms 8000",
- * EMBD_ETIMEDOUT, also when the store fails meanwhile), and the cluster's state is lost.
+ * not leave the others waiting, and every node takes the same decision from the same records.
+ * This node publishes its own ("<prefix>restored/<n>": "ok"; "retry: why" when restore_rc is
+ * transient (embd_regroup_restore_transient: a store timeout or a lost connection, no verdict
+ * about the data); else "error: why"), then reads every node's, waiting store_timeout_ms +
+ * restore_ms (this node's own restore time: a bound that covers another node's) for each.
+ * Each record is written once: a node that gives up waiting writes the late node's as "retry:
+ * node 1 did not report its restore within 8000 ms" (a store counter says who writes it), so
+ * the late one and every other read that one. Returns 0 when every record says ok;
+ * EMBD_EAGAIN when one says retry (err names the first; the next generation was started, as
+ * after embd_regroup_poll's EMBD_EAGAIN: another node's error may only follow from it);
+ * else EMBD_EIO when one says error (err names the first: "node 1's restore failed: ...":
+ * the cluster's state is lost); other negative codes: the store failed (err set).
  */
-int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *why, char *err,
-			  size_t err_len);
+bool embd_regroup_restore_transient(int restore_rc);
+int embd_regroup_restored(struct embd_regroup *rg, int restore_rc, const char *why,
+			  int restore_ms, char *err, size_t err_len);
 
 /* Detached (the store failed): connects the store handle again (for a moment). 1 when it is
  * node 0's same store (call _start); 0 when it does not answer yet or is a new one (err says

@@ -383,6 +383,8 @@ static void abort_step(struct embd_server *sv, const char *why)
 	if (rc)
 		embd_log_error("step %" PRIu64 ": telling the other nodes of the abort failed: %s",
 			       sv->s, embd_strerror(rc));
+	else
+		sv->applied = sv->s + 1;        /* every node dropped it alike: nothing changed */
 	snprintf(msg, sizeof(msg), "step aborted: %.200s", why);
 	sv->stats.aborted_steps++;
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
@@ -391,7 +393,7 @@ static void abort_step(struct embd_server *sv, const char *why)
 			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		c->has_bwd = c->participant = false;
 	}
-	sv->canceled_step = sv->s + 1;
+	embd_server_cancel_step(sv, "step aborted: a participant hung up");
 	next_step(sv);
 }
 
@@ -423,8 +425,7 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 	}
 	if (sqe->opcode == EMBD_OP_BACKWARD) {
 		if (sqe->step + 1 == sv->canceled_step && !c->participant)
-			embd_server_complete(sv, c, sqe, popped_ns, EMBD_ECANCELED,
-				 "step aborted: a participant hung up");
+			embd_server_complete(sv, c, sqe, popped_ns, EMBD_ECANCELED, sv->canceled_why);
 		else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 			embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				 "step: this trainer takes no part in that step's backward");
@@ -502,6 +503,8 @@ static void run_forward(struct embd_server *sv)
 		sv->phase = WAIT_BACKWARD;
 		return;
 	}
+	if (rc >= 0)
+		sv->applied = sv->s + 1;        /* the cluster ran it, with no update anywhere */
 	if (rc >= 0 && sv->num_batches)
 		embd_log_warning("step %" PRIu64 ": every batch was refused", sv->s);
 	else if (rc < 0)
@@ -527,12 +530,11 @@ static void run_backward(struct embd_server *sv)
 				     rc ? sv->batches[k].err : NULL);
 		c->has_bwd = c->participant = false;
 	}
-	if (rc == 0)
+	if (rc == 0 || rc == EMBD_ECANCELED)   /* or dropped alike (a participant left) */
 		sv->applied = sv->s + 1;
 	if (rc == EMBD_ECANCELED) {
-		/* another node's participant left: nobody's parameters changed */
 		sv->stats.aborted_steps++;
-		sv->canceled_step = sv->s + 1;
+		embd_server_cancel_step(sv, "step aborted: a participant hung up");
 		embd_log_warning("step %" PRIu64 " aborted by the cluster", sv->s);
 	} else if (rc) {
 		embd_log_error("step %" PRIu64 " backward failed: %s", sv->s, embd_strerror(rc));

@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "ipc/control.h"
 #include "ipc/doorbell.h"
@@ -66,7 +67,8 @@ struct embd_server {
 	uint64_t s;                     /* the step being collected or run */
 	enum phase phase;
 	uint64_t step_start_ns;
-	uint64_t canceled_step;         /* step + 1 of the last aborted step */
+	uint64_t canceled_step;         /* step + 1 of the last aborted or dropped step */
+	char canceled_why[EMBD_CQE_MSG_BYTES];  /* what a late BACKWARD of it is told */
 	struct embd_step_batch *batches;
 	uint32_t batch_slot[MAX_CLIENTS];
 	uint32_t num_batches;
@@ -81,7 +83,9 @@ struct embd_server {
 	struct embd_regroup *rg;
 	enum regroup_state { RG_RUNNING, RG_FORMING, RG_LOST, RG_DETACHED } rg_state;
 	uint64_t rg_next_ns;            /* the next look at the store */
-	uint64_t applied;               /* the step after the last backward that applied */
+	uint64_t applied;               /* the step after the last one the cluster completed:
+					   its update applied, or none anywhere (every batch
+					   refused, or aborted); a failed one never counts */
 	bool lost;                      /* restarted into a running cluster: shards are gone */
 	bool regrouped;                 /* re-formed once: a FORWARD of another step learns it */
 	char rg_msg[EMBD_CQE_MSG_BYTES];/* why FORWARDs are refused while not running */
@@ -90,6 +94,13 @@ struct embd_server {
 /* A completion for sqe of client c (server.c). */
 void embd_server_complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
 			  uint64_t popped_ns, int result, const char *msg);
+/* Step sv->s ends with no update (aborted, or dropped by re-forming): a BACKWARD of it that
+ * comes later is answered EMBD_ECANCELED with why. */
+static inline void embd_server_cancel_step(struct embd_server *sv, const char *why)
+{
+	sv->canceled_step = sv->s + 1;
+	snprintf(sv->canceled_why, sizeof(sv->canceled_why), "%s", why);
+}
 
 /* ---- server_regroup.c ---- */
 

@@ -54,7 +54,9 @@ int embd_server_regroup_sleep_ms(const struct embd_server *sv, int idle_ms)
 }
 
 /* Drops the step in flight on this node (its comm is broken: nothing was applied) and answers
- * every request kept for it; the trainers post again once the cluster runs. */
+ * every request kept for it; the trainers post again once the cluster runs. A BACKWARD of the
+ * dropped step, kept or still to come, is EMBD_ECANCELED like an aborted step's: no parameter
+ * changed, post the step again. */
 static void drop_step(struct embd_server *sv, const char *why)
 {
 	char msg[EMBD_CQE_MSG_BYTES];
@@ -63,13 +65,15 @@ static void drop_step(struct embd_server *sv, const char *why)
 	if (sv->phase == WAIT_BACKWARD) {
 		embd_step_abort(sv->step, why);         /* refused at once: no collective */
 		sv->stats.aborted_steps++;
+		embd_server_cancel_step(sv, msg);
 	}
+	sv->ckpt_agreed = false;                /* agreed for a step that did not complete */
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
 		if (!c->used)
 			continue;
 		if (c->has_bwd)
-			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_EIO, msg);
+			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		if (c->has_fwd)
 			embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, EMBD_EAGAIN, msg);
 		c->has_bwd = c->has_fwd = c->participant = false;
@@ -131,23 +135,38 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	}
 	if (d->verdict == EMBD_REGROUP_RESTORE) {
 		snprintf(key, sizeof(key), "%srestore", embd_regroup_prefix(sv->rg));
+		const uint64_t t0 = embd_stats_now_ns();
 		rc = embd_ckpt_service_restore_running(sv->ckpt, key, &step, err, sizeof(err));
-		if (rc == EMBD_ENOENT) {
-			refuse_all(sv, RG_LOST, "cluster state lost (%.50s), no checkpoint yet",
-				   d->why);
-			return true;
-		}
-		if (rc)
+		const int restore_ms = (int)((embd_stats_now_ns() - t0) / 1000000);
+		if (rc) {
 			embd_log_error("restore after %s: %s", d->why, err);
-		/* every node hears whether every other one restored: none waits for a failed one */
+		} else {
+			/* this node's parameters are at step now, whatever comes next: a later
+			 * generation weighs them so, and does not restore them again */
+			sv->applied = step;
+			sv->lost = false;
+		}
+		/* every node hears whether every other one restored, and all take one decision:
+		 * a transient failure anywhere tries the next generation, a data failure is lost */
 		char outcome[512];
-		if (embd_regroup_restored(sv->rg, rc, err, outcome, sizeof(outcome))) {
+		rc = embd_regroup_restored(sv->rg, rc, err, restore_ms, outcome, sizeof(outcome));
+		if (rc == EMBD_EIO) {
 			embd_log_error("node %u: %s", sv->config->node_rank, outcome);
 			refuse_all(sv, RG_LOST, "cluster state lost, %.80s", outcome);
 			return true;
 		}
+		if (rc) {
+			embd_log_warning("node %u: %s", sv->config->node_rank, outcome);
+			if (rc != EMBD_EAGAIN)
+				detach(sv, outcome);
+			else
+				snprintf(sv->rg_msg, sizeof(sv->rg_msg), "cluster re-forming: %.80s",
+					 outcome);
+			return false;
+		}
 	}
-	/* nobody steps before everybody restored */
+	/* nobody steps before everybody restored (the outcomes above: a barrier that waited as
+	 * long as a restore; this one only sees the others leave it) */
 	if ((rc = embd_regroup_finish(sv->rg, err, sizeof(err)))) {
 		if (rc != EMBD_EAGAIN)
 			detach(sv, err);
@@ -160,9 +179,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	}
 	sv->s = sv->applied = step;
 	sv->phase = COLLECT;
-	sv->lost = false;
 	sv->regrouped = true;
-	sv->canceled_step = 0;
 	sv->rg_state = RG_RUNNING;
 	sv->dirty = true;
 	embd_log_warning("node %u: cluster re-formed (generation %" PRIu64 "): %s at step %" PRIu64

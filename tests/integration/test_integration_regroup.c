@@ -6,7 +6,10 @@
  * that completed are compared with the unsharded reference trained on batches 0, 1, 2.
  *  - node 1 SIGSTOPped while every trainer is between forward and backward of step 1, then
  *    SIGCONTed: node 0's trainers get an error naming node 1, then the cluster resumes at
- *    step 1 and the outputs equal the reference; the same with node 0 (and its store);
+ *    step 1 and the outputs equal the reference; the same with node 0 (and its store); the
+ *    stalled node's trainers' backward of step 1 fails, or is EMBD_ECANCELED as re-forming;
+ *  - step 0 refused everywhere (every id outside its table), then node 1 stalled during
+ *    step 1: the cluster resumes at step 1, the step refused everywhere counted as done;
  *  - node 0 SIGSTOPped while its checkpoint of step 1 is being written (slowed by the write
  *    delay hook) until node 1's wait for the verdict failed on its broken store handle: the
  *    cluster resumes, the checkpoints of steps 2 and 3 are committed (node 1 reconnected the
@@ -50,6 +53,8 @@ struct report {
 	char first_err[256];            /* the first failure */
 	char last_err[256];
 	bool phase_done;                /* reached the pause point */
+	int bwd_rc;                     /* stall: its backward of the step in flight */
+	char bwd_err[256];
 };
 
 struct shared_all {
@@ -180,6 +185,23 @@ static void join_trainers(const pid_t *kids, uint32_t n)
 	}
 }
 
+/* Two nodes, a trainer process each (trainer(all, g, go_fd)) run to its pause point; a
+ * node's trainers go on once a byte per trainer is written to go[node][1]. */
+static struct shared_all *start_paused(void (*trainer)(struct shared_all *, uint32_t, int),
+				       pid_t *kids, int go[2][2], const char *what)
+{
+	start_cluster(2, "row_wise");
+	struct shared_all *all = map_all();
+	cr_assert(pipe(go[0]) == 0 && pipe(go[1]) == 0);
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		kids[g] = fork_child();
+		if (kids[g] == 0)
+			trainer(all, g, go[g / RANKS][0]);
+	}
+	wait_until(all, 0, 2 * RANKS, 10000, what);
+	return all;
+}
+
 /* ---- a stalled node resumes -------------------------------------------------------------- */
 
 /* Trainer g: step 0, forward of step 1, pause (phase_done) until its go byte, backward of
@@ -203,6 +225,8 @@ static void stall_trainer(struct shared_all *all, uint32_t g, int go_fd)
 	wait_byte(go_fd);
 	memset(b.grad, 0, (size_t)BATCH * D * sizeof(float));
 	int rc = embd_backward(c, 0, step, n, 0);
+	r->bwd_rc = rc;
+	snprintf(r->bwd_err, sizeof(r->bwd_err), "%s", rc ? embd_last_error(c) : "");
 	if (rc) {
 		r->failures++;
 		snprintf(r->first_err, sizeof(r->first_err), "%s", embd_last_error(c));
@@ -247,15 +271,8 @@ static void stall(uint32_t victim, bool checkpoints)
 		dist_store_timeout_ms = 2000;
 		snprintf(nodes[0].env, sizeof(nodes[0].env), "%s=2500", EMBD_CKPT_WRITE_DELAY_ENV);
 	}
-	start_cluster(2, "row_wise");
-	struct shared_all *all = map_all();
-	cr_assert(pipe(go[0]) == 0 && pipe(go[1]) == 0);
-	for (uint32_t g = 0; g < T; g++) {
-		kids[g] = fork_child();
-		if (kids[g] == 0)
-			stall_trainer(all, g, go[g / RANKS][0]);
-	}
-	wait_until(all, 0, T, 10000, "finish step 0 and the forward of step 1");
+	struct shared_all *all = start_paused(stall_trainer, kids, go,
+					      "finish step 0 and the forward of step 1");
 	/* every trainer between forward and backward of step 1: the victim stalls */
 	cr_assert_eq(kill(nodes[victim].pid, SIGSTOP), 0);
 	cr_assert_eq(write(go[other][1], "gg", 2), 2);
@@ -280,6 +297,15 @@ static void stall(uint32_t victim, bool checkpoints)
 		if (g / RANKS == other)
 			cr_expect(strstr(r->first_err, who) != NULL, "trainer %u: expected the first "
 				  "error to name %s, got '%s'", g, who, r->first_err);
+		/* the victim's trainers post their backward once it runs again: its collective
+		 * fails, or the victim dropped the step for re-forming first: then it is
+		 * EMBD_ECANCELED with the re-forming message (post the step again), never a
+		 * refusal that reads as a programming error */
+		else
+			cr_expect(r->bwd_rc != EMBD_EINVAL && (r->bwd_rc != EMBD_ECANCELED ||
+							      strstr(r->bwd_err, "re-forming")),
+				  "trainer %u: its backward of step 1 got %d '%s'", g, r->bwd_rc,
+				  r->bwd_err);
 	}
 	const struct report *r = &all->rep[other * RANKS];
 	cr_expect(r->resumed && r->resumed_at == 1, "trainer %u: expected EMBD_ERESUMED naming "
@@ -306,6 +332,61 @@ static void stall(uint32_t victim, bool checkpoints)
 	expect_resumed(resumed, T, K_STEPS, "restarted after node 0 stalled");
 	check_against_reference_after(resumed, T, "restarted after node 0 stalled", 1);
 	munmap(resumed, sizeof(*resumed));
+}
+
+/* Trainer g: step 0 with every id outside its table (the whole cluster refuses every batch:
+ * no update anywhere, the step counts as completed), pause until go, then steps from 1. */
+static void refused_trainer(struct shared_all *all, uint32_t g, int go_fd)
+{
+	struct embd_client *c = connect_trainer(all, g);
+	struct report *r = &all->rep[g];
+	struct embd_batch b;
+	uint64_t step = 0;
+
+	embd_batch_get(c, 0, &b);
+	uint64_t n = gen_batch(0, g, b.lengths, b.values);
+	for (uint64_t i = 0; i < n; i++)
+		b.values[i] = (int64_t)1 << 40;
+	if (!n || embd_forward(c, 0, step, n, 0) != EMBD_ERANGE)
+		_exit(4);
+	step++;
+	r->phase_done = true;
+	wait_byte(go_fd);
+	r->rc = train_until(c, all, g, &step, 2, false);
+	embd_close(c);
+	_exit(0);
+}
+
+/* A step the cluster completed with no update counts as applied: after a failure of the
+ * next one the cluster resumes there (step 1), not before it (step 0). */
+Test(regroup, a_step_refused_everywhere_counts_and_the_resume_lands_after_it)
+{
+	const uint32_t T = 2 * RANKS;
+	int go[2][2];
+	pid_t kids[2 * RANKS];
+
+	struct shared_all *all = start_paused(refused_trainer, kids, go, "have step 0 refused");
+	/* node 1 stalls: node 0's step 1 fails after the collective timeout and re-forms */
+	cr_assert_eq(kill(nodes[1].pid, SIGSTOP), 0);
+	cr_assert_eq(write(go[0][1], "gg", 2), 2);
+	uint64_t end = now_ms() + TIMEOUT_MS + 6000;
+	while (now_ms() < end && (!all->rep[0].failures || !all->rep[1].failures))
+		usleep(10000);
+	kill(nodes[1].pid, SIGCONT);
+	cr_assert_eq(write(go[1][1], "gg", 2), 2);
+	join_trainers(kids, T);
+	for (uint32_t g = 0; g < T; g++) {
+		const struct report *r = &all->rep[g];
+		cr_expect_eq(r->rc, 0, "trainer %u: expected steps 1 and on to complete, got %d "
+			     "(last error '%s')", g, r->rc, r->last_err);
+		cr_expect(!r->resumed || r->resumed_at == 1, "trainer %u: expected the cluster to "
+			  "resume at step 1 (step 0 completed, refused everywhere), got EMBD_ERESUMED "
+			  "naming step %llu", g, (unsigned long long)r->resumed_at);
+	}
+	cr_expect(all->rep[0].failures > 0, "trainer 0: expected step 1 to fail while node 1 "
+		  "stalled");
+	munmap(all->sh, sizeof(*all->sh));
+	munmap(all, sizeof(*all));
 }
 
 Test(regroup, stalled_node_resumes_and_training_equals_the_reference) { stall(1, false); }

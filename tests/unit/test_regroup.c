@@ -5,12 +5,23 @@
  * formed by forked processes through a real store with real Gloo comms: two nodes whose
  * collective failed meet in generation 1 and resume; a node that restarted (no comm) opens the
  * next generation, the running node sees it, and both decide to restore. After a restore,
- * every node hears every node's outcome: a node that did not report is named after
- * store_timeout_ms, a failed one with its reason, on every node alike.
+ * every node reads the same outcome records: a node that did not report (its record written
+ * by whoever gave up on it) or failed transiently sends both to the next generation, one whose
+ * data failed is named on both with its reason, a slow restore is waited for. Reattaching
+ * through a relay in front of the store that holds the read of node 0's instance key (node 0
+ * stalling again between the key check and the read): not a new store, tried again later.
  */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "embd/types.h"
 #include "service/comm.h"
@@ -212,9 +223,39 @@ Test(regroup, a_restarted_node_opens_a_generation_the_others_join,
 
 /* ---- every node's restore outcome -------------------------------------------------------- */
 
-/* Two nodes' regroup handles in this process (no comm: the outcome needs only the store),
- * taking turns: node 1 failed its restore, node 0 did not. */
-Test(regroup, a_restore_failed_or_missing_on_one_node_is_named_on_every_node,
+/* One node's embd_regroup_restored, run on a thread of its own so both nodes wait alike. */
+struct turn {
+	struct embd_regroup *rg;
+	int restore_rc;
+	const char *why;
+	int restore_ms, delay_ms;       /* its restore's time; a sleep before it reports */
+	int rc;
+	char err[512];
+};
+
+static void *turn_run(void *arg)
+{
+	struct turn *t = arg;
+
+	if (t->delay_ms)
+		usleep((useconds_t)t->delay_ms * 1000);
+	t->err[0] = 0;
+	t->rc = embd_regroup_restored(t->rg, t->restore_rc, t->why, t->restore_ms, t->err,
+				      sizeof(t->err));
+	return NULL;
+}
+
+static void both_report(struct turn *t0, struct turn *t1)
+{
+	pthread_t th;
+
+	cr_assert_eq(pthread_create(&th, NULL, turn_run, t1), 0);
+	turn_run(t0);
+	pthread_join(th, NULL);
+}
+
+/* Two nodes' regroup handles in this process (no comm: the outcome needs only the store). */
+Test(regroup, restore_outcomes_decide_alike_on_every_node,
      .init = tu_server_start, .fini = tu_server_stop)
 {
 	const struct embd_regroup_options o0 = { .node = 0, .nodes = NODES,
@@ -233,30 +274,195 @@ Test(regroup, a_restore_failed_or_missing_on_one_node_is_named_on_every_node,
 		     "%s", err);
 	cr_assert_eq(embd_regroup_create(&o0, s0, NULL, &rg0), 0);
 	cr_assert_eq(embd_regroup_create(&o1, s1, NULL, &rg1), 0);
-	/* node 1 has not said anything yet: node 0 names it after store_timeout_ms */
-	int64_t t0 = tu_now_ms();
-	int rc = embd_regroup_restored(rg0, 0, "", err, sizeof(err));
-	cr_expect_eq(rc, EMBD_ETIMEDOUT, "node 0 alone: expected EMBD_ETIMEDOUT, got %d (%s)", rc,
-		     err);
-	cr_expect(strstr(err, "node 1 did not report its restore within store_timeout_ms 300"),
-		  "node 0 alone: expected node 1 named, got '%s'", err);
-	cr_expect(tu_now_ms() - t0 < 3000, "expected the wait to end after store_timeout_ms, took "
-		  "%lld ms", (long long)(tu_now_ms() - t0));
-	/* node 1's restore failed: both name node 1 and why */
-	rc = embd_regroup_restored(rg1, EMBD_EMISMATCH, "step-2 was written by node 0", err,
-				   sizeof(err));
-	cr_expect(rc == EMBD_EIO && !strcmp(err, "node 1's restore failed: step-2 was written by "
-					     "node 0"), "node 1: expected EMBD_EIO naming itself, got "
-		  "%d '%s'", rc, err);
-	rc = embd_regroup_restored(rg0, 0, "", err, sizeof(err));
-	cr_expect(rc == EMBD_EIO && !strcmp(err, "node 1's restore failed: step-2 was written by "
-					     "node 0"), "node 0: expected EMBD_EIO naming node 1, "
-		  "got %d '%s'", rc, err);
-	/* node 1 restored after all (its record replaced): every node goes on */
-	cr_expect_eq(embd_regroup_restored(rg1, 0, "", err, sizeof(err)), 0, "node 1: %s", err);
-	cr_expect_eq(embd_regroup_restored(rg0, 0, "", err, sizeof(err)), 0, "node 0: %s", err);
+	/* handles made without a comm are restarted nodes, each opening a generation of its
+	 * own at first: after that, both meet in the newest */
+	cr_assert_eq(embd_regroup_start(rg0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_start(rg1, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_start(rg0, err, sizeof(err)), 0, "%s", err);
+	const uint64_t g = embd_regroup_generation(rg1);
+	cr_assert_eq(embd_regroup_generation(rg0), g);
+	struct turn t0 = { .rg = rg0, .why = "" }, t1 = { .rg = rg1, .why = "" };
+
+	/* node 0 says nothing within store_timeout_ms: node 1 writes node 0's record as late,
+	 * node 0 reads that very record, and both move on to the next generation */
+	int64_t t_start = tu_now_ms();
+	t1.rc = embd_regroup_restored(rg1, 0, "", 0, t1.err, sizeof(t1.err));
+	cr_expect(tu_now_ms() - t_start < 3000, "expected the wait to end after store_timeout_ms, "
+		  "took %lld ms", (long long)(tu_now_ms() - t_start));
+	t0.rc = embd_regroup_restored(rg0, 0, "", 0, t0.err, sizeof(t0.err));
+	for (int n = 0; n < NODES; n++) {
+		const struct turn *t = n ? &t1 : &t0;
+		cr_expect(t->rc == EMBD_EAGAIN && strstr(t->err, "node 0 did not report its restore "
+							   "within 300 ms"),
+			  "node %d: expected EMBD_EAGAIN naming node 0 as late, got %d '%s'", n,
+			  t->rc, t->err);
+		cr_expect_eq(embd_regroup_generation(t->rg), g + 1, "node %d: expected generation "
+			     "%llu, got %llu", n, (unsigned long long)g + 1,
+			     (unsigned long long)embd_regroup_generation(t->rg));
+	}
+
+	/* a transient failure on node 1 (node 0's choice of checkpoint came too late): both
+	 * try the next generation, none calls the state lost */
+	t1.restore_rc = EMBD_ETIMEDOUT;
+	t1.why = "store: waiting for node 0's choice of checkpoint: timed out";
+	both_report(&t0, &t1);
+	for (int n = 0; n < NODES; n++) {
+		const struct turn *t = n ? &t1 : &t0;
+		cr_expect(t->rc == EMBD_EAGAIN && strstr(t->err, "node 1's restore did not complete: "
+							   "store: waiting"),
+			  "node %d: expected EMBD_EAGAIN naming node 1, got %d '%s'", n, t->rc,
+			  t->err);
+		cr_expect_eq(embd_regroup_generation(t->rg), g + 2, "node %d: expected generation "
+			     "%llu, got %llu", n, (unsigned long long)g + 2,
+			     (unsigned long long)embd_regroup_generation(t->rg));
+	}
+
+	/* a restore that takes longer than store_timeout_ms on node 0: node 1 waits as long
+	 * as its own restore took on top, and both go on */
+	t1.restore_rc = 0;
+	t0.delay_ms = 700;
+	t0.restore_ms = t1.restore_ms = 1500;
+	both_report(&t0, &t1);
+	cr_expect(t0.rc == 0 && t1.rc == 0, "a slow restore: expected 0 on both, got %d '%s' and "
+		  "%d '%s'", t0.rc, t0.err, t1.rc, t1.err);
+
+	/* node 1's restore failed on its data: both name node 1 and why, state lost */
+	cr_assert_eq(embd_regroup_start(rg0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_start(rg1, err, sizeof(err)), 0, "%s", err);
+	t0.delay_ms = t0.restore_ms = t1.restore_ms = 0;
+	t1.restore_rc = EMBD_EMISMATCH;
+	t1.why = "step-2 was written by node 0";
+	both_report(&t0, &t1);
+	for (int n = 0; n < NODES; n++) {
+		const struct turn *t = n ? &t1 : &t0;
+		cr_expect(t->rc == EMBD_EIO && !strcmp(t->err, "node 1's restore failed: step-2 was "
+							  "written by node 0"),
+			  "node %d: expected EMBD_EIO naming node 1, got %d '%s'", n, t->rc, t->err);
+	}
 	embd_regroup_destroy(rg0);
 	embd_regroup_destroy(rg1);
 	embd_store_close(s0);
 	embd_store_close(s1);
+}
+
+/* ---- reattaching to node 0's store -------------------------------------------------------- */
+
+/* A relay in front of the real store: whole requests client -> store (store_wire.h framing),
+ * bytes back as they come; while `hold` is set a GET of EMBD_REGROUP_INSTANCE_KEY is kept
+ * (never answered), as a node 0 that stalls between the key check and the read would. */
+static atomic_bool hold;
+
+static bool read_full(int fd, uint8_t *p, size_t n)
+{
+	for (size_t at = 0; at < n;) {
+		ssize_t r = read(fd, p + at, n - at);
+		if (r <= 0)
+			return false;
+		at += (size_t)r;
+	}
+	return true;
+}
+
+static void *relay_conn(void *arg)
+{
+	int cfd = (int)(intptr_t)arg, sfd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons(tu_port),
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	uint8_t *b = malloc(1 << 16);
+
+	if (!b || connect(sfd, (struct sockaddr *)&a, sizeof(a)))
+		goto out;
+	for (;;) {
+		struct pollfd p[2] = { { cfd, POLLIN, 0 }, { sfd, POLLIN, 0 } };
+		if (poll(p, 2, -1) < 0)
+			break;
+		if (p[1].revents) {
+			ssize_t r = read(sfd, b, 1 << 16);
+			if (r <= 0 || write(cfd, b, (size_t)r) != r)
+				break;
+		}
+		if (!p[0].revents)
+			continue;
+		if (!read_full(cfd, b, 4))
+			break;
+		uint32_t len = ntohl(*(uint32_t *)b);
+		if (len > (1 << 16) - 4 || !read_full(cfd, b + 4, len))
+			break;
+		bool get = len > 1 && b[4] == 2 && memmem(b + 5, len - 1, EMBD_REGROUP_INSTANCE_KEY,
+							  strlen(EMBD_REGROUP_INSTANCE_KEY));
+		if (!(get && atomic_load(&hold)) && write(sfd, b, 4 + len) != (ssize_t)(4 + len))
+			break;
+	}
+out:
+	free(b);
+	close(sfd);
+	close(cfd);
+	return NULL;
+}
+
+static void *relay_accept(void *arg)
+{
+	int lfd = (int)(intptr_t)arg, cfd;
+	pthread_t th;
+
+	while ((cfd = accept(lfd, NULL, NULL)) >= 0)
+		if (!pthread_create(&th, NULL, relay_conn, (void *)(intptr_t)cfd))
+			pthread_detach(th);
+	return NULL;
+}
+
+/* The relay's port (it lives as long as the test process). */
+static uint16_t relay_start(void)
+{
+	int lfd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t alen = sizeof(a);
+	pthread_t th;
+
+	cr_assert(lfd >= 0 && !bind(lfd, (struct sockaddr *)&a, sizeof(a)) && !listen(lfd, 8) &&
+		  !getsockname(lfd, (struct sockaddr *)&a, &alen));
+	cr_assert_eq(pthread_create(&th, NULL, relay_accept, (void *)(intptr_t)lfd), 0);
+	pthread_detach(th);
+	return ntohs(a.sin_port);
+}
+
+Test(regroup, reattach_after_a_failed_read_of_node_0s_instance_tries_again,
+     .init = tu_server_start, .fini = tu_server_stop)
+{
+	const struct embd_regroup_options o = { .node = 1, .nodes = NODES,
+						 .backend = EMBD_COMM_GLOO,
+						 .collective_timeout_ms = TIMEOUT_MS,
+						 .store_timeout_ms = 1000 };
+	struct embd_store *direct = NULL, *s1 = NULL;
+	struct embd_regroup *rg = NULL;
+	char err[512] = "";
+
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, &direct, err, sizeof(err)),
+		     0, "%s", err);
+	cr_assert_eq(embd_store_set(direct, EMBD_REGROUP_INSTANCE_KEY, "node-0-a", 8), 0);
+	uint16_t relay = relay_start();
+	cr_assert_eq(embd_store_connect("127.0.0.1", relay, 5000, &s1, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(embd_regroup_create(&o, s1, NULL, &rg), 0);
+	/* node 0 answers the key check, then stalls before the read */
+	atomic_store(&hold, true);
+	int rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_expect(rc == 0 && strstr(err, "does not answer") && !strstr(err, "restarted"),
+		  "a failed read: expected 0 and 'does not answer', got %d '%s'", rc, err);
+	cr_expect_eq(embd_store_check(direct, "embd/stale/1"), 0, "a failed read marked node 1 "
+		     "stale in node 0's store");
+	/* node 0 answers again: the same store */
+	atomic_store(&hold, false);
+	rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_expect_eq(rc, 1, "node 0 answers again: expected 1 (the same store), got %d '%s'", rc,
+		     err);
+	/* a value that was read and differs is a new store (node 0 restarted) */
+	cr_assert_eq(embd_store_set(direct, EMBD_REGROUP_INSTANCE_KEY, "node-0-b", 8), 0);
+	rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_expect(rc == 0 && strstr(err, "restarted"), "another instance: expected 0 and "
+		  "'restarted', got %d '%s'", rc, err);
+	cr_expect_eq(embd_store_check(direct, "embd/stale/1"), 1, "expected node 1's stale mark");
+	embd_regroup_destroy(rg);
+	embd_store_close(s1);
+	embd_store_close(direct);
 }
