@@ -68,13 +68,15 @@ int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *
 				      uint64_t *step_out, char *err, size_t err_len);
 
 /*
- * The cluster re-formed (service/regroup.h; the service thread, before the decision is carried
- * out): the writer's store handle may have failed meanwhile (a write waited on node 0 while it
- * stalled), and a failed handle fails every later call. It is connected again to the same
- * store (embd_store_reconnect, at once when it is still open) as soon as no write runs: now,
- * or when the running write is joined (_reap, _poll, _restore_running), never under it.
+ * The cluster re-formed into `generation` (service/regroup.h; the service thread, before the
+ * decision is carried out): the writer's store handle may have failed meanwhile (a write
+ * waited on node 0 while it stalled), and a failed handle fails every later call. It is
+ * connected again to the same store (embd_store_reconnect, at once when it is still open) as
+ * soon as no write runs: now, or when the running write is joined (_reap, _poll,
+ * _restore_running), never under it. The next checkpoints' store keys are scoped by the
+ * generation (ckpt_cluster.h), so keys an earlier generation left behind are never read.
  */
-void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck);
+void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck, uint64_t generation);
 
 /* An eventfd that becomes readable when a background write finished: call _reap then. */
 int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);

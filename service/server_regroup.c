@@ -123,7 +123,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 
 	/* the checkpoints' own store handle may have failed while the cluster re-formed */
 	if (sv->ckpt)
-		embd_ckpt_service_regrouped(sv->ckpt);
+		embd_ckpt_service_regrouped(sv->ckpt, gen);
 	if (d->verdict == EMBD_REGROUP_LOST) {
 		refuse_all(sv, RG_LOST, "cluster state lost (%.50s): restore from a checkpoint",
 			   d->why);
