@@ -343,8 +343,12 @@ bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 {
 	const struct embd_config *c = ck->config;
 	const bool cluster = ck->base.num_nodes > 1;
-	bool every = c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps;
-	/* a cluster takes only the steps every node knows: every_steps, and the agreed ones */
+	/* a cluster takes only the steps every node knows: multiples of every_steps (not this
+	 * node's own history: a node that missed a boundary while the cluster re-formed would be
+	 * due at another step than the others), and the agreed ones */
+	bool every = c->checkpoint_every_steps &&
+		     (cluster ? step % c->checkpoint_every_steps == 0
+			      : step >= ck->last_step + c->checkpoint_every_steps);
 	bool must = every || (cluster && ck->agreed);
 	double waited_ms = 0;
 

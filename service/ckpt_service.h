@@ -20,7 +20,8 @@
  * one write runs; a trigger that comes due meanwhile is taken when it ends.
  *
  * A cluster (either layout, checkpoint.h) must take every checkpoint at the same step on every
- * node. checkpoint_every_steps is known to all in advance. The other triggers are agreed
+ * node. checkpoint_every_steps is known to all in advance: the multiples of it (not "N steps
+ * after this node's last one", which drifts when a node missed a boundary). The other triggers are agreed
  * through the steps: a node that wants one (`embctl checkpoint`, node 0's every_seconds timer
  * alone, so that the nodes do not race, or a pending SIGTERM: embd_ckpt_service_wanted) sets
  * a flag in its HELLO, the first exchange of the next step, which every node sees in that same
@@ -86,7 +87,10 @@ int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
 uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
 
 /* At a step boundary: starts a checkpoint of `step` (steps completed) if one is due and none
- * is being written (a cluster's due one waits for the running write). True when one started. */
+ * is being written (a cluster's due one waits for the running write). True when one started.
+ * One node also calls it when a request comes or a write ends (it takes the due one then). On
+ * a cluster call it only at the boundary of a step the cluster ran together while running
+ * (server.c next_step): every node must poll the same steps. */
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
 
 /* A cluster's agreement: _wanted, this node's HELLO flag for the step about to run (a

@@ -33,12 +33,13 @@ static void send_json(struct client *c, const char *text)
 		      NULL, 0);
 }
 
-/* A checkpoint due now starts, unless the cluster re-forms: its step in flight failed, sv->s
- * ran ahead of the parameters until the decision sets it again, and a cluster's nodes take
- * checkpoints only at boundaries of steps they completed together (server.c, next_step). */
+/* One node: a checkpoint due now (a request, a trigger that came due during the last write)
+ * starts. A cluster's nodes take checkpoints only at the boundaries of steps they completed
+ * together while running (server.c, next_step): a poll here, at a moment of this node only,
+ * could start one (every_steps missed at a boundary while re-forming) the others never take. */
 static void poll_running(struct embd_server *sv)
 {
-	if (!sv->rg || embd_server_regroup_running(sv))
+	if (!sv->cluster)
 		embd_ckpt_service_poll(sv->ckpt, sv->s);
 }
 
