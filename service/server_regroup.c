@@ -132,6 +132,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 	if (d->verdict == EMBD_REGROUP_RESTORE) {
 		snprintf(key, sizeof(key), "%srestore", embd_regroup_prefix(sv->rg));
 		rc = embd_ckpt_service_restore_running(sv->ckpt, key, &step, err, sizeof(err));
+		embd_server_checkpoint_restored(sv, rc, step);
 		if (rc == EMBD_ENOENT) {
 			refuse_all(sv, RG_LOST, "cluster state lost (%.50s), no checkpoint yet",
 				   d->why);
