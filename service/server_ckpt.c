@@ -45,6 +45,20 @@ static void poll_running(struct embd_server *sv)
 		embd_ckpt_service_poll(sv->ckpt, sv->s);
 }
 
+bool embd_server_cluster_running(const struct embd_server *sv, char *why, size_t why_len)
+{
+	const char *broken = NULL;
+
+	why[0] = 0;
+	if (!sv->rg || embd_server_regroup_running(sv))
+		return true;
+	if (sv->rg_state == RG_RUNNING && embd_step_comm_broken(sv->step, &broken))
+		snprintf(why, why_len, "a collective failed: %s", broken);
+	else
+		snprintf(why, why_len, "%s", sv->rg_msg);
+	return false;
+}
+
 /* Outside a step phase the shards hold "sv->s steps completed", so on one node the snapshot
  * runs now. */
 int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
