@@ -30,8 +30,9 @@
  *     last one node 0 declared complete, or the restored one).
  *   shared directory ("shared", the default; NFS-like, or one machine): every node writes its
  *     files into <root>/.tmp-step-N/ (embd_ckpt_write_part; names carry n<k>), reports its
- *     manifest (node = k, its files only) to the store under "ckpt/N/node/<k>" (or "error:
- *     why" when its write failed); node 0 waits for every node's key within
+ *     manifest (node = k, its files only) to the store under "<gen>N/node/<k>" (or "error:
+ *     why" when its write failed; <gen>: the comm generation's "embd/gen/<g>/ckpt/",
+ *     ckpt_cluster.h); node 0 waits for every node's key within
  *     store_timeout_ms (the keys, not a counter: a timeout then names the missing nodes),
  *     merges the entries (embd_ckpt_manifest_merge), alone does steps 3 and 4
  *     (embd_ckpt_commit) and deletes the keys. A node that dies or fails before reporting

@@ -18,8 +18,10 @@
 #include "service/log.h"
 #include "service/store.h"
 
-/* Store keys of this file: "ckpt/..." or a generation's "embd/gen/<g>/restore/<r>/node/<k>". */
+/* Store keys of this file: a generation's "embd/gen/<g>/ckpt/..." (CKPT_KEY), the start's
+ * "ckpt/restore/...", or a re-formed generation's "embd/gen/<g>/restore/<r>/node/<k>". */
 #define CKPT_KEY_MAX 128
+#define CKPT_KEY "embd/gen/%" PRIu64 "/ckpt/"
 
 /* Who did not set prefix<k> (k < n) after a failed wait: "1, 2" into out. */
 static void missing_nodes(const struct embd_ckpt_cluster *cl, char (*keys)[CKPT_KEY_MAX], char *out,
@@ -175,7 +177,7 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 		free(failed);
 		return snprintf(err, err_len, "out of memory"), EMBD_ENOMEM;
 	}
-	snprintf(busy, sizeof(busy), "ckpt/%" PRIu64 "/writing", m->step);
+	snprintf(busy, sizeof(busy), CKPT_KEY "%" PRIu64 "/writing", cl->generation, m->step);
 	/* the others wait for the verdict while this mark is there (ckpt_cluster.h) */
 	if (cl->node == 0 && embd_store_set(cl->store, busy, "1", 1))
 		embd_log_warning("checkpoints: cannot set %s: %s", busy, embd_store_error(cl->store));
@@ -194,8 +196,9 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 	snprintf(failed, err_len + 8, "error: %s", err);
 	const char *report = rc ? failed : shared ? text : "ok";
 	for (uint32_t k = 0; k < cl->num_nodes; k++)
-		snprintf(keys[k], sizeof(keys[k]), "ckpt/%" PRIu64 "/node/%u", m->step, k);
-	snprintf(done, sizeof(done), "ckpt/%" PRIu64 "/done", m->step);
+		snprintf(keys[k], sizeof(keys[k]), CKPT_KEY "%" PRIu64 "/node/%u",
+			 cl->generation, m->step, k);
+	snprintf(done, sizeof(done), CKPT_KEY "%" PRIu64 "/done", cl->generation, m->step);
 	int src = embd_store_set(cl->store, keys[cl->node], report, strlen(report));
 	if (src && !rc) {
 		rc = src;
@@ -404,8 +407,9 @@ int embd_ckpt_cluster_stop_barrier(const struct embd_ckpt_cluster *cl, uint64_t 
 	if (!keys)
 		return snprintf(err, err_len, "out of memory"), EMBD_ENOMEM;
 	for (uint32_t k = 0; k < cl->num_nodes; k++)
-		snprintf(keys[k], sizeof(keys[k]), "ckpt/stop/%" PRIu64 "/node/%u", step, k);
-	snprintf(go, sizeof(go), "ckpt/stop/%" PRIu64, step);
+		snprintf(keys[k], sizeof(keys[k]), CKPT_KEY "stop/%" PRIu64 "/node/%u",
+			 cl->generation, step, k);
+	snprintf(go, sizeof(go), CKPT_KEY "stop/%" PRIu64, cl->generation, step);
 	if ((rc = embd_store_set(cl->store, keys[cl->node], "1", 1))) {
 		snprintf(err, err_len, "store: %s", embd_store_error(cl->store));
 	} else if (cl->node == 0) {

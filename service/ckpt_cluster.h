@@ -6,6 +6,12 @@
  * wait for, so every node returns the same outcome (a `--wait` on any node answers with the
  * cluster's result). Private to ckpt_service.c; every call blocks on the store (the writer
  * thread's handle, or the service thread's before steps run / after they stopped).
+ *
+ * Every key of a write and of the stop barrier lives under "embd/gen/<g>/ckpt/" (g: the comm
+ * generation every node of the running cluster is in, service/regroup.h). A node that died or
+ * was late leaves keys behind, and after a re-form (a restore) the cluster may checkpoint the
+ * same step again: in a new generation, so a stale report, verdict, ack count or mark of an
+ * earlier one is never read (a stale report let node 0 commit a step before node k wrote it).
  */
 #ifndef EMBD_SERVICE_CKPT_CLUSTER_H
 #define EMBD_SERVICE_CKPT_CLUSTER_H
@@ -28,19 +34,22 @@ struct embd_ckpt_cluster {
 	uint32_t node, num_nodes;
 	uint64_t plan_hash;                     /* per_node restores only this plan */
 	int write_delay_ms;                     /* EMBD_CKPT_WRITE_DELAY_ENV */
+	uint64_t generation;                    /* scopes the keys: the cluster's comm generation
+						 * (0 until a re-form); set only while no write runs */
 };
 
 /*
  * This node's part of step m->step: shared layout, its files into .tmp-step-N
  * (embd_ckpt_write_part); per_node, a whole step-N of its own in its checkpoint_dir
- * (embd_ckpt_write_dir). Then its report "ckpt/N/node/<k>" (its manifest, "ok" or "error:
- * why"). Node 0 waits store_timeout_ms for every report, commits (shared: merged manifest,
- * rename) or checks (per_node), and publishes the verdict "ckpt/N/done"; every other node
+ * (embd_ckpt_write_dir). Then its report "<gen>N/node/<k>" (its manifest, "ok" or "error:
+ * why"; <gen>: "embd/gen/<g>/ckpt/"). Node 0 waits store_timeout_ms for every report, commits
+ * (shared: merged manifest, rename) or checks (per_node), and publishes the verdict
+ * "<gen>N/done"; every other node
  * waits for it. Returns the cluster's outcome on every node: 0 (EMBD_EBUSY on node 0 when
  * the step was on disk already), or the failure with err naming the node.
  *
  * How long the others wait: node 0's verdict comes after node 0's own write, which may take
- * far longer than any timeout (a bigger part, a slower disk). So node 0 marks "ckpt/N/writing"
+ * far longer than any timeout (a bigger part, a slower disk). So node 0 marks "<gen>N/writing"
  * before it writes and deletes the mark only after it published the verdict. Another node
  * waits twice store_timeout_ms, then store_timeout_ms more at a time for as long as the mark
  * is there (node 0 works on step N and has not given up: it always ends with a verdict),
@@ -71,7 +80,7 @@ int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,
 			   struct embd_ckpt_manifest *m, char *err, size_t err_len);
 
 /*
- * SIGTERM on an idle cluster: every node stopping at `step` says so ("ckpt/stop/<step>/
+ * SIGTERM on an idle cluster: every node stopping at `step` says so ("<gen>stop/<step>/
  * node/<k>"); node 0 waits store_timeout_ms for all and publishes "go" or why not; 0 when
  * every node stops at step (then each writes its part), EMBD_ETIMEDOUT naming the nodes that
  * did not (then no node writes anything).

@@ -55,6 +55,8 @@ struct embd_ckpt_service {
 	bool agreed;                            /* a cluster's nodes agreed on this boundary */
 	bool stopping;                          /* SIGTERM on a cluster: ask for a final one */
 	bool reattach;                          /* re-formed: reconnect store once no write runs */
+	uint64_t generation;                    /* the cluster's comm generation: the next write's
+						 * keys (cl.generation, set when one starts) */
 	uint64_t common_step;                   /* the newest step every node holds (per_node
 						 * retention spares it); UINT64_MAX: none known */
 	uint64_t last_step, last_ns;            /* of the last started (or restored) checkpoint */
@@ -296,10 +298,11 @@ static void reattach_store(struct embd_ckpt_service *ck)
 	ck->reattach = false;
 }
 
-void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck)
+void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck, uint64_t generation)
 {
 	if (!ck->store)
 		return;
+	ck->generation = generation;
 	ck->reattach = true;
 	reattach_store(ck);
 }
@@ -316,6 +319,7 @@ static void join_writer(struct embd_ckpt_service *ck)
 static void start(struct embd_ckpt_service *ck, uint64_t step, double waited_ms)
 {
 	reattach_store(ck);
+	ck->cl.generation = ck->generation;     /* no writer reads it now */
 	snapshot(ck, step, waited_ms);
 	atomic_store(&ck->finished, false);
 	if (pthread_create(&ck->thread, NULL, writer_main, ck)) {
@@ -339,8 +343,12 @@ bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 {
 	const struct embd_config *c = ck->config;
 	const bool cluster = ck->base.num_nodes > 1;
-	bool every = c->checkpoint_every_steps && step >= ck->last_step + c->checkpoint_every_steps;
-	/* a cluster takes only the steps every node knows: every_steps, and the agreed ones */
+	/* a cluster takes only the steps every node knows: multiples of every_steps (not this
+	 * node's own history: a node that missed a boundary while the cluster re-formed would be
+	 * due at another step than the others), and the agreed ones */
+	bool every = c->checkpoint_every_steps &&
+		     (cluster ? step % c->checkpoint_every_steps == 0
+			      : step >= ck->last_step + c->checkpoint_every_steps);
 	bool must = every || (cluster && ck->agreed);
 	double waited_ms = 0;
 
@@ -405,6 +413,7 @@ int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step)
 	if (ck->last_step == step && step == ck->resumed_step && !ck->seq_started)
 		return 0;       /* nothing trained since the restore */
 	/* a cluster's idle nodes write only when every node stops at this step (ckpt_cluster.h) */
+	ck->cl.generation = ck->generation;
 	if (ck->base.num_nodes > 1 && embd_ckpt_cluster_stop_barrier(&ck->cl, step, err,
 								     sizeof(err))) {
 		embd_log_warning("no final checkpoint of step %" PRIu64 ": %s", step, err);

@@ -20,7 +20,8 @@
  * one write runs; a trigger that comes due meanwhile is taken when it ends.
  *
  * A cluster (either layout, checkpoint.h) must take every checkpoint at the same step on every
- * node. checkpoint_every_steps is known to all in advance. The other triggers are agreed
+ * node. checkpoint_every_steps is known to all in advance: the multiples of it (not "N steps
+ * after this node's last one", which drifts when a node missed a boundary). The other triggers are agreed
  * through the steps: a node that wants one (`embctl checkpoint`, node 0's every_seconds timer
  * alone, so that the nodes do not race, or a pending SIGTERM: embd_ckpt_service_wanted) sets
  * a flag in its HELLO, the first exchange of the next step, which every node sees in that same
@@ -68,13 +69,15 @@ int embd_ckpt_service_restore_running(struct embd_ckpt_service *ck, const char *
 				      uint64_t *step_out, char *err, size_t err_len);
 
 /*
- * The cluster re-formed (service/regroup.h; the service thread, before the decision is carried
- * out): the writer's store handle may have failed meanwhile (a write waited on node 0 while it
- * stalled), and a failed handle fails every later call. It is connected again to the same
- * store (embd_store_reconnect, at once when it is still open) as soon as no write runs: now,
- * or when the running write is joined (_reap, _poll, _restore_running), never under it.
+ * The cluster re-formed into `generation` (service/regroup.h; the service thread, before the
+ * decision is carried out): the writer's store handle may have failed meanwhile (a write
+ * waited on node 0 while it stalled), and a failed handle fails every later call. It is
+ * connected again to the same store (embd_store_reconnect, at once when it is still open) as
+ * soon as no write runs: now, or when the running write is joined (_reap, _poll,
+ * _restore_running), never under it. The next checkpoints' store keys are scoped by the
+ * generation (ckpt_cluster.h), so keys an earlier generation left behind are never read.
  */
-void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck);
+void embd_ckpt_service_regrouped(struct embd_ckpt_service *ck, uint64_t generation);
 
 /* An eventfd that becomes readable when a background write finished: call _reap then. */
 int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
@@ -84,7 +87,10 @@ int embd_ckpt_service_fd(const struct embd_ckpt_service *ck);
 uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
 
 /* At a step boundary: starts a checkpoint of `step` (steps completed) if one is due and none
- * is being written (a cluster's due one waits for the running write). True when one started. */
+ * is being written (a cluster's due one waits for the running write). True when one started.
+ * One node also calls it when a request comes or a write ends (it takes the due one then). On
+ * a cluster call it only at the boundary of a step the cluster ran together while running
+ * (server.c next_step): every node must poll the same steps. */
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
 
 /* A cluster's agreement: _wanted, this node's HELLO flag for the step about to run (a

@@ -366,7 +366,12 @@ int main(int argc, char **argv)
 	sd_notify(0, "READY=1");
 	rc = embd_server_run(server);
 	sd_notify(0, "STOPPING=1");
-	if (ckpt) {
+	char why[256];
+	if (ckpt && !embd_server_cluster_running(server, why, sizeof(why))) {
+		/* the shards may differ between the nodes and the step ran ahead of them */
+		embd_log_warning("no final checkpoint: the cluster is not running (%s); the newest "
+				 "cluster checkpoint stays the one to restore", why);
+	} else if (ckpt) {
 		/* the final checkpoint: no step phase runs any more, so the shards are at "step" */
 		int crc = embd_ckpt_service_final(ckpt, embd_server_step(server));
 		if (crc)

@@ -24,6 +24,7 @@
 #ifndef EMBD_SERVICE_SERVER_H
 #define EMBD_SERVICE_SERVER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -62,6 +63,13 @@ void embd_server_set_regroup(struct embd_server *server, struct embd_regroup *rg
 
 /* The step being collected or run (= steps completed outside a step phase). */
 uint64_t embd_server_step(const struct embd_server *server);
+
+/* True on one node, and on a cluster's node while the cluster runs with its comm intact: then
+ * the shards are those of embd_server_step() on every node. False while it re-forms, lost its
+ * state or lost node 0's store (why says which): a failed gradient exchange may have left the
+ * update applied on some nodes only, and the step counted ahead of the parameters, so no
+ * final checkpoint may be taken. */
+bool embd_server_cluster_running(const struct embd_server *server, char *why, size_t why_len);
 
 /* Disconnects every client (unmapping regions, closing fds) and unlinks the socket. */
 void embd_server_destroy(struct embd_server *server);

@@ -126,5 +126,9 @@ int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
 void embd_server_checkpoint_signal(struct embd_server *sv, uint32_t signo);
 /* A background checkpoint write ended (its fd fired in the loop). */
 void embd_server_checkpoint_done(struct embd_server *sv);
+/* A re-formed cluster restored (rc 0, at step) or failed to: embd_ckpt_service_restore_running
+ * dropped the pending request, so its `--wait` clients are answered with an error saying so
+ * (the ones of the write it joined, with that write's result). */
+void embd_server_checkpoint_restored(struct embd_server *sv, int rc, uint64_t step);
 
 #endif /* EMBD_SERVICE_SERVER_PRIV_H */

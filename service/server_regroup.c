@@ -127,7 +127,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 
 	/* the checkpoints' own store handle may have failed while the cluster re-formed */
 	if (sv->ckpt)
-		embd_ckpt_service_regrouped(sv->ckpt);
+		embd_ckpt_service_regrouped(sv->ckpt, gen);
 	if (d->verdict == EMBD_REGROUP_LOST) {
 		refuse_all(sv, RG_LOST, "cluster state lost (%.50s): restore from a checkpoint",
 			   d->why);
@@ -138,6 +138,7 @@ static bool apply(struct embd_server *sv, const struct embd_regroup_decision *d)
 		const uint64_t t0 = embd_stats_now_ns();
 		rc = embd_ckpt_service_restore_running(sv->ckpt, key, &step, err, sizeof(err));
 		const int restore_ms = (int)((embd_stats_now_ns() - t0) / 1000000);
+		embd_server_checkpoint_restored(sv, rc, step);
 		if (rc) {
 			embd_log_error("restore after %s: %s", d->why, err);
 		} else {

@@ -92,6 +92,24 @@ __attribute__((unused)) static bool node_exits_within(uint32_t n, int ms, int *s
 	return false;
 }
 
+/* Kills node n and starts it again; node 1 must listen again (node 0 never does: it waits
+ * for joiners that still run the old cluster). */
+__attribute__((unused)) static void restart_node(uint32_t n)
+{
+	char log[4096];
+
+	stop_node(n, SIGKILL);
+	unlink(nodes[n].socket);
+	spawn(n);
+	if (n == 0)
+		return;
+	for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++)
+		usleep(10000);
+	read_log(n, log, sizeof(log));
+	cr_assert(access(nodes[n].socket, F_OK) == 0, "restarted node %u did not listen: %s", n,
+		  log);
+}
+
 /* The newest step-<N> with a manifest under dir (-1: none) and how many step-<N> and
  * .tmp-step-<N> entries dir holds. */
 __attribute__((unused)) static long long newest_step(const char *dir, int *entries)

@@ -6,18 +6,56 @@
  * verdict (twice store_timeout_ms; node 0 slowed by the write-delay hook); node 0's checkpoint_every_seconds timer produces a checkpoint both nodes restore;
  * SIGTERM to both idle nodes leaves a final checkpoint of the current step that the restarted
  * cluster resumes exactly from (equal to the reference); SIGTERM to one idle node alone ends
- * it in bounded time and leaves no checkpoint.
+ * it in bounded time and leaves no checkpoint; SIGTERM to both while the cluster re-forms
+ * leaves none either, each node saying why; a `--wait` pending when a re-formed cluster
+ * restores is answered with an error naming the restore.
  */
 #include "service/ckpt_cluster.h"
+#include "service/store.h"
 #include "tests/integration/ckpt_cluster_fixture.h"
 
 TestSuite(ckpt_agreed, .fini = ckpt_cluster_fini, .timeout = 60);
+
+/* `embctl checkpoint --wait` on node n in the background, its output into out. */
+static pid_t embctl_wait_start(uint32_t n, char *out, size_t out_len)
+{
+	char cmd[512];
+
+	snprintf(out, out_len, "/tmp/embd-ckpt-agreed-%s.out", dist_run_id());
+	snprintf(cmd, sizeof(cmd), "%s checkpoint --wait --timeout 30 --socket %s > %s 2>&1",
+		 EMBCTL_BINARY, nodes[n].socket, out);
+	pid_t ctl = fork_child();
+	if (ctl == 0)
+		_exit(system(cmd) == 0 ? 0 : 1);
+	return ctl;
+}
+
+/* Whether that embctl ended within ms (its wait status in *st); its output into reply. */
+static bool embctl_wait_end(pid_t ctl, const char *out, int ms, char *reply, size_t len, int *st)
+{
+	bool ended = false;
+
+	for (int waited = 0; waited <= ms && !ended; waited += 20) {
+		ended = waitpid(ctl, st, WNOHANG) == ctl;
+		if (!ended)
+			usleep(20000);
+	}
+	FILE *f = fopen(out, "r");
+	reply[0] = 0;
+	if (f) {
+		reply[fread(reply, 1, len - 1, f)] = 0;
+		fclose(f);
+	}
+	unlink(out);
+	return ended;
+}
 
 /* `embctl checkpoint --wait` on node 1 while the trainers run; node 0's write of its part
  * sleeps node0_delay_ms first (EMBD_CKPT_WRITE_DELAY_ENV, 0: none). */
 static void checkpoint_wait_on_node_1(int node0_delay_ms)
 {
-	char out[160], cmd[512], reply[512] = "";
+	char out[160], reply[512] = "";
+	int st = 0;
 
 	use_checkpoints(0);
 	dist_trainers_per_node = RANKS;
@@ -28,26 +66,13 @@ static void checkpoint_wait_on_node_1(int node0_delay_ms)
 	}
 	start_cluster(2, "row_wise");
 	/* embctl waits on node 1 before any step: the next step's HELLO carries the request */
-	snprintf(out, sizeof(out), "/tmp/embd-ckpt-agreed-%s.out", dist_run_id());
-	snprintf(cmd, sizeof(cmd), "%s checkpoint --wait --timeout 30 --socket %s > %s 2>&1",
-		 EMBCTL_BINARY, nodes[1].socket, out);
-	pid_t ctl = fork_child();
-	if (ctl == 0)
-		_exit(system(cmd) == 0 ? 0 : 1);
+	pid_t ctl = embctl_wait_start(1, out, sizeof(out));
 	usleep(300000);
 	const char *sockets[2] = { nodes[0].socket, nodes[1].socket };
 	struct shared *sh = shared_map();
 	run_trainers(sh, 2 * RANKS, sockets, RANKS);
 	check_against_reference(sh, 2 * RANKS, "2 nodes with a checkpoint asked on node 1");
-	int st = 0;
-	for (int i = 0; i < 1000 && waitpid(ctl, &st, WNOHANG) == 0; i++)
-		usleep(20000);
-	FILE *f = fopen(out, "r");
-	if (f) {
-		reply[fread(reply, 1, sizeof(reply) - 1, f)] = 0;
-		fclose(f);
-	}
-	unlink(out);
+	embctl_wait_end(ctl, out, 20000, reply, sizeof(reply), &st);
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "embctl checkpoint --wait on node 1: "
 		  "expected exit 0, got status 0x%x: %s", st, reply);
 	const char *at = strstr(reply, "\"step\":");
@@ -190,5 +215,76 @@ Test(ckpt_agreed, sigterm_to_one_idle_node_alone_writes_nothing_and_ends)
 	cr_expect(entries == 0, "expected no step directory at all, got %d (newest %lld)", entries,
 		  step);
 	cr_expect_eq(kill(nodes[0].pid, 0), 0, "node 0 should keep running");
+	munmap(sh, sizeof(*sh));
+}
+
+/* A re-formed cluster's restore drops the pending checkpoint request: `embctl checkpoint
+ * --wait` is answered at once with an error saying so (it waited for some later checkpoint,
+ * or its timeout). Node 1 killed and restarted makes both nodes restore. */
+Test(ckpt_agreed, embctl_checkpoint_wait_pending_at_a_restore_is_answered_with_an_error)
+{
+	char out[160], reply[512], log[8192];
+	int st = 0;
+
+	use_checkpoints(2);
+	struct shared *sh = train(2, "row_wise", RANKS);
+	for (int i = 0; i < 500 && !has_step(2, false); i++)
+		usleep(20000);
+	cr_assert(has_step(2, false), "expected the checkpoint of step 2 within 10 s");
+	stop_node(1, SIGKILL);
+	/* idle: no step carries the request */
+	pid_t ctl = embctl_wait_start(0, out, sizeof(out));
+	usleep(300000);
+	restart_node(1);
+	bool ended = embctl_wait_end(ctl, out, 10000, reply, sizeof(reply), &st);
+	read_log(0, log, sizeof(log));
+	cr_assert(ended, "embctl checkpoint --wait on node 0: expected an answer within 10 s of "
+		  "the restore, got none; node 0's log: %s", log);
+	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 1, "expected embctl to fail, status 0x%x",
+		  st);
+	cr_expect(strstr(reply, "\"ok\":false") && strstr(reply, "request dropped") &&
+		  strstr(reply, "restored the checkpoint of step"), "expected ok false naming the "
+		  "restore, got: %s; node 0's log: %s", reply, log);
+	munmap(sh, sizeof(*sh));
+}
+
+/* SIGTERM while the cluster re-forms: no final checkpoint on any node, each saying why (the
+ * nodes' shards may differ after a failed gradient exchange, and the step counted ahead of
+ * them); one was taken when every node stopped at the same step. Node 1 is stopped, so node 0
+ * re-forms alone: the newer generation it sees is opened through the store, as a node whose
+ * collective failed does. */
+Test(ckpt_agreed, sigterm_while_the_cluster_re_forms_takes_no_final_checkpoint)
+{
+	struct embd_store *store = NULL;
+	char err[256], log[8192];
+	int st = 0, entries;
+
+	use_checkpoints(0);
+	struct shared *sh = train(2, "row_wise", RANKS);
+	usleep(500000);
+	kill(nodes[1].pid, SIGSTOP);
+	cr_assert_eq(embd_store_connect(dist_master_addr, port, 5000, &store, err, sizeof(err)), 0,
+		     "store: %s", err);
+	cr_assert_eq(embd_store_set(store, "embd/gen/1/open", "1", 1), 0);
+	embd_store_close(store);
+	log[0] = 0;
+	for (int i = 0; i < 250 && !strstr(log, "re-forming the cluster"); i++) {
+		usleep(20000);
+		read_log(0, log, sizeof(log));
+	}
+	cr_assert(strstr(log, "re-forming the cluster"), "node 0 did not re-form: %s", log);
+	kill(nodes[0].pid, SIGTERM);
+	usleep(1500000);        /* node 0 past its 1 s wait for a step: at its final checkpoint */
+	kill(nodes[1].pid, SIGTERM);
+	kill(nodes[1].pid, SIGCONT);
+	for (uint32_t n = 0; n < 2; n++) {
+		bool exited = node_exits_within(n, 12000, &st);
+		read_log(n, log, sizeof(log));
+		cr_expect(exited && strstr(log, "no final checkpoint: the cluster is not running"),
+			  "node %u: expected it to exit saying it took no final checkpoint while "
+			  "re-forming (%s, status 0x%x): %s", n, exited ? "exited" : "running", st, log);
+	}
+	long long step = newest_step(ckpt_root, &entries);
+	cr_expect(entries == 0, "expected no step directory, got %d (newest %lld)", entries, step);
 	munmap(sh, sizeof(*sh));
 }

@@ -430,24 +430,6 @@ static void late_trainer(struct shared_all *all, uint32_t g)
 	_exit(0);
 }
 
-/* Kills node n and starts it again; node 1 must listen again (node 0 never does: it waits
- * for joiners that still run the old cluster). */
-static void restart_node(uint32_t n)
-{
-	char log[4096];
-
-	stop_node(n, SIGKILL);
-	unlink(nodes[n].socket);
-	spawn(n);
-	if (n == 0)
-		return;
-	for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++)
-		usleep(10000);
-	read_log(n, log, sizeof(log));
-	cr_assert(access(nodes[n].socket, F_OK) == 0, "restarted node %u did not listen: %s", n,
-		  log);
-}
-
 enum checkpoints {
 	NO_CHECKPOINTS,
 	SHARED_DIR,                     /* one checkpoint_dir */

@@ -23,6 +23,7 @@
 #include "service/ckpt_service.h"
 #include "service/config.h"
 #include "service/step.h"
+#include "test_dist_util.h"
 
 static char root[64];
 
@@ -40,6 +41,19 @@ static void teardown(void)
 }
 
 TestSuite(checkpoint, .init = setup, .fini = teardown, .timeout = 60);
+
+/* A cluster node's tests also need a store to talk to (nobody else on it). */
+static void cluster_setup(void)
+{
+	setup();
+	tu_server_start();
+}
+
+static void cluster_teardown(void)
+{
+	tu_server_stop();
+	teardown();
+}
 
 /* ---- a table and its shards as plain arrays ---------------------------------------------- */
 
@@ -622,6 +636,35 @@ Test(checkpoint, service_triggers_and_retention)
 	cr_assert_eq(embd_ckpt_service_result_json(n.ck, &json), 0);
 	cr_expect(strstr(json, "\"ok\":true") && strstr(json, "step-10"), "got %s", json);
 	free(json);
+	node_stop(&n);
+}
+
+/* A cluster's every_steps are the multiples of N, not N after the last one this node took (an
+ * agreed one, or one a node took alone while the cluster re-formed), so every node is due at
+ * the same steps. Node 0 of 2 with no node 1: each write fails after store_timeout_ms. */
+Test(checkpoint, cluster_every_steps_are_its_multiples, .init = cluster_setup,
+     .fini = cluster_teardown)
+{
+	struct node n;
+	char err[512] = "";
+
+	node_start(&n, "tw", 1);
+	embd_ckpt_service_destroy(n.ck);
+	n.config.topology.world_size = 2 * n.config.topology.local_world_size;
+	snprintf(n.config.master_addr, sizeof(n.config.master_addr), "127.0.0.1");
+	n.config.master_port = tu_port;
+	n.config.store_timeout_ms = 200;
+	n.config.checkpoint_every_steps = 5;
+	int rc = embd_ckpt_service_create(&n.config, n.step, &n.plan, &n.ck, err, sizeof(err));
+	cr_assert_eq(rc, 0, "ckpt_service_create on a cluster: %d %s", rc, err);
+	embd_ckpt_service_agreed(n.ck);
+	cr_expect(embd_ckpt_service_poll(n.ck, 3), "an agreed checkpoint at step 3");
+	wait_written(&n, 1);
+	cr_expect(embd_ckpt_service_poll(n.ck, 5), "step 5: due (a multiple of 5)");
+	wait_written(&n, 2);
+	cr_expect(!embd_ckpt_service_poll(n.ck, 8), "step 8: not due (5 after step 3)");
+	cr_expect(embd_ckpt_service_poll(n.ck, 10), "step 10: due");
+	wait_written(&n, 3);
 	node_stop(&n);
 }
 
