@@ -358,7 +358,9 @@ int embd_rendezvous_comm_addr_settle(const struct embd_rendezvous *r, struct emb
 	if (err_len)
 		err[0] = '\0';
 	if (r->node_rank != 0) {
-		if ((rc = embd_store_server_addr(store, seen, sizeof(seen))))
+		struct sockaddr_storage ss;
+		if ((rc = embd_store_server_addr(store, &ss)) ||
+		    (rc = addr_text((struct sockaddr *)&ss, seen, sizeof(seen))))
 			return snprintf(err, err_len, "store: its address as this node reaches it: "
 					"not connected"), rc;
 		snprintf(key, sizeof(key), SEEN_KEY "%d", r->node_rank);

@@ -10,7 +10,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -200,18 +199,11 @@ void embd_store_set_timeout(struct embd_store *s, int timeout_ms)
 	s->timeout_ms = timeout_ms < 0 ? 0 : timeout_ms;
 }
 
-int embd_store_server_addr(const struct embd_store *s, char *out, size_t out_len)
+int embd_store_server_addr(const struct embd_store *s, struct sockaddr_storage *out)
 {
-	struct sockaddr_storage ss;
-	socklen_t len = sizeof(ss);
+	socklen_t len = sizeof(*out);
 
-	if (s->fd < 0 || getpeername(s->fd, (struct sockaddr *)&ss, &len))
-		return EMBD_EIO;
-	const void *a = ss.ss_family == AF_INET ?
-		(const void *)&((const struct sockaddr_in *)&ss)->sin_addr :
-		(const void *)&((const struct sockaddr_in6 *)&ss)->sin6_addr;
-	return (ss.ss_family == AF_INET || ss.ss_family == AF_INET6) &&
-	       inet_ntop(ss.ss_family, a, out, (socklen_t)out_len) ? 0 : EMBD_EIO;
+	return s->fd >= 0 && !getpeername(s->fd, (struct sockaddr *)out, &len) ? 0 : EMBD_EIO;
 }
 
 const char *embd_store_error(const struct embd_store *s)

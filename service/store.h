@@ -62,8 +62,9 @@ int embd_store_delete(struct embd_store *store, const char *key);
 /* The last error's message on this handle ("" when none). */
 const char *embd_store_error(const struct embd_store *store);
 
-/* The server's address as this connection reaches it (getpeername), as numeric text in
- * out[out_len] (INET6_ADDRSTRLEN is enough). EMBD_EIO when not connected. */
-int embd_store_server_addr(const struct embd_store *store, char *out, size_t out_len);
+/* The server's address as this connection reaches it (getpeername). EMBD_EIO when not
+ * connected. */
+struct sockaddr_storage;
+int embd_store_server_addr(const struct embd_store *store, struct sockaddr_storage *out);
 
 #endif /* EMBD_SERVICE_STORE_H */
