@@ -117,6 +117,15 @@ static struct embd_regroup *node_start(int node, bool no_comm, struct embd_store
 		fprintf(stderr, "[node %d] comm: %s\n", node, err);
 		return NULL;
 	}
+	/* both comms are up before either node goes on: a node that "restarts" below must not
+	 * close its pairs while the other's generation 0 is still connecting */
+	char up[32];
+	const char *both[NODES] = { "test/gen0-up/0", "test/gen0-up/1" };
+	snprintf(up, sizeof(up), "test/gen0-up/%d", node);
+	if (embd_store_set(*store, up, "1", 1) || embd_store_wait(*store, both, NODES)) {
+		fprintf(stderr, "[node %d] gen-0 barrier: %s\n", node, embd_store_error(*store));
+		return NULL;
+	}
 	struct embd_regroup_options o = { .node = (uint32_t)node, .nodes = NODES,
 					  .backend = EMBD_COMM_GLOO,
 					  .collective_timeout_ms = TIMEOUT_MS,
