@@ -147,7 +147,8 @@ struct embd_tables {
  * pooling defaults to sum, data_type to fp32, optimizer to sgd lr 0.01, feature_names to
  * [name]. Names are unique. Errors name the table (index and name) and the field.
  * embd_plan_tables_parse reads such an array from a cJSON tree (the service config embeds
- * it); _parse_text parses text (errors add the line and byte offset); _load reads a file.
+ * it); _parse_text parses text (errors add the line and byte offset), either the array or an
+ * object whose only key is "tables" holding it; _load reads a file as _parse_text does.
  * On success *out owns its arrays: release them with embd_plan_tables_free.
  */
 int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out,
