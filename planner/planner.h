@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/err.h"
+#include "common/file.h"
 #include "embd/plan.h"
 
 #define PLAN_SCHEMA_VERSION 1
@@ -152,18 +154,11 @@ void sbuf_json_string(struct sbuf *b, const char *s);
 #define FNV64_OFFSET 0xcbf29ce484222325ull
 uint64_t fnv1a64(uint64_t h, const void *data, size_t len);
 
-/* snprintf into err when err is non-NULL; returns rc so callers can `return seterr(...)`. */
-int planner_err(char *err, size_t err_len, int rc, const char *fmt, ...)
-	__attribute__((format(printf, 4, 5)));
-
 /* EMBD_EPARSE naming the line and byte offset of `at` (cJSON's parse end) inside text. */
 int planner_syntax_err(char *err, size_t err_len, const char *what, const char *text,
 		       size_t len, const char *at);
 
 /* Rewrites err as "prefix: err" (a file name before a parser's message). */
 void planner_prefix_err(char *err, size_t err_len, const char *prefix);
-
-/* Reads a whole file into a malloc'ed NUL-terminated buffer. */
-int planner_read_file(const char *path, char **out, size_t *out_len, char *err, size_t err_len);
 
 #endif

@@ -1,5 +1,5 @@
 /*
- * Fuzz target for what a peer node sends the step engine (service/step_wire.h): bytes = one
+ * Fuzz target for what a peer node sends the step engine (engine/step_wire.h): bytes = one
  * peer's HELLO head followed by its INPUT message, checked against the plan of
  * tests/fuzz/step_wire_plan.h exactly as step_dist.c checks them. Whatever the checks let
  * through is read in full (every offset, id, weight and length) and re-checked here, so an

@@ -1,6 +1,6 @@
 /*
  * tests/fuzz/step_wire_plan.h - a small cluster plan as the step engine holds it (only the
- * fields service/step_wire.c reads), seen from node 0 of 2, and a writer of INPUT items, for
+ * fields engine/step_wire.c reads), seen from node 0 of 2, and a writer of INPUT items, for
  * fuzz_step_wire.c and tests/unit/test_step_wire.c. One plan covers every kind of item check:
  *
  *   table 0 "ts" table_wise sum,  50 rows x 4: shard 0 on node 0          feature 0
@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "service/step_wire.h"
+#include "engine/step_wire.h"
 
 #define WP_B 4u                 /* batch size */
 #define WP_PEER 1u              /* the node that sends */

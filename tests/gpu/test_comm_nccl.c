@@ -1,5 +1,5 @@
 /*
- * tests/gpu/test_comm_nccl.c - the NCCL engine of service/comm.h on this machine's GPU: a
+ * tests/gpu/test_comm_nccl.c - the NCCL engine of dist/comm.h on this machine's GPU: a
  * world of one rank (alltoallv with uneven and zero sizes, allreduce f32/u64, broadcast,
  * barrier, every result checked byte for byte after a copy back to the host), and a world of
  * two where rank 1 never comes: create must fail with EMBD_ETIMEDOUT within its timeout
@@ -14,8 +14,8 @@
 #include <cuda_runtime_api.h>
 
 #include "embd/types.h"
-#include "service/comm.h"
-#include "service/store.h"
+#include "dist/comm.h"
+#include "dist/store.h"
 
 static int failures;
 

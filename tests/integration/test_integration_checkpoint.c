@@ -30,9 +30,9 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "service/checkpoint.h"
-#include "service/npy.h"
-#include "tests/numpy_python.h"
+#include "ckpt/checkpoint.h"
+#include "ckpt/npy.h"
+#include "tests/support/numpy_python.h"
 
 #define B 8
 #define BIG_ROWS 65536

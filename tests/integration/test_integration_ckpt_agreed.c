@@ -1,5 +1,5 @@
 /*
- * Integration: the checkpoint triggers a cluster agrees on through its steps (service/
+ * Integration: the checkpoint triggers a cluster agrees on through its steps (ckpt/
  * ckpt_service.h), with the real embd nodes of dist_fixture.h and one shared checkpoint_dir.
  * `embctl checkpoint --wait` on node 1 answers with a committed cluster checkpoint of the step
  * it names, also when node 0's own write takes longer than node 1's first wait for the
@@ -10,8 +10,8 @@
  * leaves none either, each node saying why; a `--wait` pending when a re-formed cluster
  * restores is answered with an error naming the restore.
  */
-#include "service/ckpt_cluster.h"
-#include "service/store.h"
+#include "ckpt/ckpt_cluster.h"
+#include "dist/store.h"
 #include "tests/integration/ckpt_cluster_fixture.h"
 
 TestSuite(ckpt_agreed, .fini = ckpt_cluster_fini, .timeout = 60);

@@ -1,6 +1,6 @@
 /*
  * Integration: checkpoints of a cluster, in one shared checkpoint_dir and in per-node
- * directories (service/checkpoint.h), with the real embd nodes of dist_fixture.h. Two nodes
+ * directories (ckpt/checkpoint.h), with the real embd nodes of dist_fixture.h. Two nodes
  * checkpoint every K steps, are stopped and restarted: the trainers resume at step K and every
  * later pooled output equals the reference's after 2 K steps (the one of a run without the
  * stop; trainers that reconnect to a running cluster are no such run: the steps go on without

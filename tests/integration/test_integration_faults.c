@@ -10,7 +10,7 @@
 
 #include "embd/client.h"
 #include "tests/integration/service_fixture.h"
-#include "libclient/client_priv.h"
+#include "libclient/client_internal.h"
 
 TestSuite(integration, .init = start_service, .fini = stop_service, .timeout = 60);
 

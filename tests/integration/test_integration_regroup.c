@@ -1,6 +1,6 @@
 /*
  * Integration: a cluster of real embd nodes (dist_fixture.h) that re-forms after a node
- * failed (service/regroup.h). Trainers post step s with global batch s, and go on like a real
+ * failed (dist/regroup.h). Trainers post step s with global batch s, and go on like a real
  * training loop would: EMBD_EAGAIN -> the same step again a little later, EMBD_ERESUMED -> the
  * step the completion names, another error -> the next step. The pooled outputs of the steps
  * that completed are compared with the unsharded reference trained on batches 0, 1, 2.
@@ -32,7 +32,7 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "service/ckpt_cluster.h"
+#include "ckpt/ckpt_cluster.h"
 #include "tests/integration/ckpt_cluster_fixture.h"
 
 TestSuite(regroup, .fini = ckpt_cluster_fini, .timeout = 60);

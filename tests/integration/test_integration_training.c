@@ -1,7 +1,7 @@
 /*
  * Integration: real embd processes and real trainer processes training together. For every
  * sharding type (forced by a table constraint), trainers forked from the test run K steps of
- * forward + backward and every pooled output equals the unsharded reference (tests/reference)
+ * forward + backward and every pooled output equals the unsharded reference (tests/support/reference.c)
  * trained on the concatenated global batch from embd_init_value weights; 4 trainers at once;
  * a trainer killed with SIGKILL mid-step (the others get EMBD_ECANCELED, the service survives
  * without leaking fds and the next step runs); malformed batches refused with the field named.
@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "libclient/client_priv.h"
+#include "libclient/client_internal.h"
 #include "tests/integration/service_fixture.h"
 #include "tests/integration/training_common.h"
 

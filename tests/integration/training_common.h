@@ -2,7 +2,7 @@
  * tests/integration/training_common.h - what the training integration tests share: the two
  * tables of every config, deterministic batches and gradients of global trainer tr at step k,
  * the trainer process body, and the check of every pooled output against the unsharded
- * reference (tests/reference) trained on the global batch (trainer 0's bags, then trainer
+ * reference (tests/support/reference.c) trained on the global batch (trainer 0's bags, then trainer
  * 1's, ...). Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
  * sums and the trainers' gradients in another order than the reference).
  */
@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "tests/reference/reference.h"
+#include "tests/support/reference.h"
 
 #define K_STEPS 3
 #define BATCH 8
@@ -33,7 +33,7 @@
 #define REL_TOL 1e-5f
 #define ABS_TOL 1e-6f
 
-/* The tables of every config: table id = index (the service's convention, service/step.c). */
+/* The tables of every config: table id = index (the service's convention, engine/step.c). */
 struct test_table {
 	const char *name;
 	int64_t rows;
