@@ -47,8 +47,8 @@
  * In both layouts node 0 then publishes its verdict, which every node waits for, so every
  * node's result is the cluster's. Triggers on a cluster: ckpt/ckpt_service.h.
  */
-#ifndef EMBD_SERVICE_CHECKPOINT_H
-#define EMBD_SERVICE_CHECKPOINT_H
+#ifndef EMBD_CKPT_CHECKPOINT_H
+#define EMBD_CKPT_CHECKPOINT_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -177,4 +177,4 @@ int embd_ckpt_find_nodes(const char *const *roots, uint32_t num_roots, uint64_t 
 /* The index of table `name` in m, or -1. */
 int embd_ckpt_table_index(const struct embd_ckpt_manifest *m, const char *name);
 
-#endif /* EMBD_SERVICE_CHECKPOINT_H */
+#endif /* EMBD_CKPT_CHECKPOINT_H */

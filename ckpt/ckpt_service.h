@@ -31,8 +31,8 @@
  * node's result is the cluster's (node 0's verdict, ckpt_cluster.h), so `embctl checkpoint
  * --wait` answers alike on every node.
  */
-#ifndef EMBD_SERVICE_CKPT_SERVICE_H
-#define EMBD_SERVICE_CKPT_SERVICE_H
+#ifndef EMBD_CKPT_CKPT_SERVICE_H
+#define EMBD_CKPT_CKPT_SERVICE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -145,4 +145,4 @@ struct embd_ckpt_figures {
 };
 void embd_ckpt_service_figures(const struct embd_ckpt_service *ck, struct embd_ckpt_figures *out);
 
-#endif /* EMBD_SERVICE_CKPT_SERVICE_H */
+#endif /* EMBD_CKPT_CKPT_SERVICE_H */

@@ -6,6 +6,7 @@
  */
 #include "daemon/config.h"
 #include "common/file.h"
+#include "planner/plan_json.h"
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>

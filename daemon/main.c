@@ -25,6 +25,7 @@
 #include "common/log.h"
 #include "engine/ranks.h"
 #include "dist/regroup.h"
+#include "dist/collective_plan.h"
 #include "dist/rendezvous.h"
 #include "daemon/server.h"
 #include "engine/step.h"

@@ -16,6 +16,7 @@
 
 #include "embd/plan.h"
 #include "embd/types.h"
+#include "dist/collective_plan.h"
 #include "dist/rendezvous.h"
 #include "dist/store.h"
 #include "tests/support/dist_util.h"
