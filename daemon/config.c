@@ -10,7 +10,10 @@
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <grp.h>
 #include <math.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,7 +101,35 @@ static int get_string(const cJSON *item, char *dst, size_t dst_len, char *err, s
 	return 0;
 }
 
-static int get_ids(const cJSON *item, unsigned int *ids, uint32_t *count, char *err, size_t err_len)
+/*
+ * A user or group name in allowed_uids / allowed_gids, resolved once when the file is read:
+ * a packaged config names the group its package created, whose id differs per machine.
+ */
+static int resolve_name(const char *name, bool group, unsigned int *id)
+{
+	size_t len = 1024;
+	int rc;
+
+	for (;;) {
+		char *buf = malloc(len);
+		struct passwd pw, *pwr = NULL;
+		struct group gr, *grr = NULL;
+		if (!buf)
+			return ENOMEM;
+		rc = group ? getgrnam_r(name, &gr, buf, len, &grr) : getpwnam_r(name, &pw, buf, len, &pwr);
+		if (!rc && (grr || pwr))
+			*id = group ? grr->gr_gid : pwr->pw_uid;
+		else if (!rc)
+			rc = ENOENT;
+		free(buf);
+		if (rc != ERANGE || len >= (1u << 20))
+			return rc;
+		len *= 2;       /* a group with many members */
+	}
+}
+
+static int get_ids(const cJSON *item, bool group, unsigned int *ids, uint32_t *count, char *err,
+		   size_t err_len)
 {
 	const cJSON *e;
 	uint32_t n = 0;
@@ -110,11 +141,23 @@ static int get_ids(const cJSON *item, unsigned int *ids, uint32_t *count, char *
 		if (n == EMBD_CONFIG_IDS_MAX)
 			return fail(err, err_len, EMBD_EINVAL, "config key '%s': more than 64 ids",
 				    item->string);
+		if (cJSON_IsString(e)) {
+			int rc = resolve_name(e->valuestring, group, &ids[n]);
+			if (rc && err && err_len)
+				snprintf(err, err_len, "config key '%s': %s '%.64s': %s", item->string,
+					 group ? "group" : "user", e->valuestring,
+					 rc == ENOENT ? "no such name" : strerror(rc));
+			if (rc)
+				return rc == ENOMEM ? EMBD_ENOMEM : EMBD_EINVAL;
+			n++;
+			continue;
+		}
 		double v = cJSON_IsNumber(e) ? e->valuedouble : -1;
 		/* (uint32_t)-1 is the kernel's "no id" value and never a real uid or gid */
 		if (!(v >= 0 && v < 4294967295.0) || floor(v) != v)
 			return fail(err, err_len, EMBD_EINVAL,
-				    "config key '%s': every entry must be an integer id", item->string);
+				    "config key '%s': every entry must be an integer id or a name",
+				    item->string);
 		ids[n++] = (unsigned int)v;
 	}
 	*count = n;
@@ -165,9 +208,9 @@ static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tab
 		return rc;
 	}
 	if (!strcmp(k, "allowed_uids"))
-		return get_ids(item, c->allowed_uids, &c->num_allowed_uids, err, err_len);
+		return get_ids(item, false, c->allowed_uids, &c->num_allowed_uids, err, err_len);
 	if (!strcmp(k, "allowed_gids"))
-		return get_ids(item, c->allowed_gids, &c->num_allowed_gids, err, err_len);
+		return get_ids(item, true, c->allowed_gids, &c->num_allowed_gids, err, err_len);
 	if (!strcmp(k, "log_level")) {
 		if (!cJSON_IsString(item) || embd_log_level_from_name(item->valuestring, &c->log_level))
 			return fail(err, err_len, EMBD_EINVAL,

@@ -12,7 +12,8 @@
  *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
  *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
  *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
- *     "allowed_gids": [100],        ... or by primary gid (default: none)
+ *     "allowed_gids": [100],        ... or by primary or supplementary gid (default: none);
+ *                                   both take names too ("embd"), resolved when parsed
  *     "trainers_per_node": 2,       T trainers per step (default: local_world_size)
  *     "seed": 2026,                 weight init seed (unsigned 64-bit)
  *     "threads_per_rank": 1,        worker threads of each CPU rank

@@ -96,6 +96,33 @@ Test(config, defaults_fill_missing_parts)
 	embd_config_free(&c);
 }
 
+/* allowed_uids / allowed_gids take names, resolved when parsed (root and its group exist on
+ * every Linux system); an unknown name is refused naming the key and the name. */
+Test(config, ids_by_name)
+{
+	struct embd_config c;
+	char err[256] = "";
+
+	int rc = parse("{ \"allowed_uids\": [\"root\", 7], \"allowed_gids\": [9, \"root\"] }", &c,
+		       err, sizeof(err));
+	cr_assert_eq(rc, 0, "%d %s", rc, err);
+	cr_expect_eq(c.num_allowed_uids, 2);
+	cr_expect_eq(c.allowed_uids[0], 0, "user root should be uid 0, got %u", c.allowed_uids[0]);
+	cr_expect_eq(c.allowed_uids[1], 7);
+	cr_expect_eq(c.num_allowed_gids, 2);
+	cr_expect_eq(c.allowed_gids[1], 0, "group root should be gid 0, got %u", c.allowed_gids[1]);
+	embd_config_free(&c);
+
+	rc = parse("{ \"allowed_gids\": [\"no-such-group-embd-test\"] }", &c, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_expect(strstr(err, "allowed_gids") && strstr(err, "group 'no-such-group-embd-test'"),
+		  "message: %s", err);
+	rc = parse("{ \"allowed_uids\": [\"no-such-user-embd-test\"] }", &c, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_expect(strstr(err, "allowed_uids") && strstr(err, "user 'no-such-user-embd-test'"),
+		  "message: %s", err);
+}
+
 struct bad_case {
 	const char *text;
 	const char *needle;      /* what the error must mention */
