@@ -10,8 +10,8 @@ packages=(
   iproute2
   # packages, man pages and the unit: tools/build-packages.sh (dpkg-shlibdeps looks at the
   # binaries with file), tests/man/check_man.sh (groff), tests/pkg/check_unit.sh
-  # (systemd-analyze), tests/pkg/test_install.sh (debootstrap)
-  dpkg-dev file groff-base systemd debootstrap
+  # (systemd-analyze), tests/pkg/test_install.sh (debootstrap, systemd-nspawn)
+  dpkg-dev file groff-base systemd debootstrap systemd-container
 )
 
 missing=()

@@ -14,12 +14,13 @@
 #     SIGTERM and restore that checkpoint at the next start
 #   - systemd-analyze verify on the installed unit (tests/pkg/check_unit.sh)
 #   - purge keeps the user and the checkpoints; reinstalling finds them
-# The seccomp filter and the rest of systemd's sandbox are not emulated: only a booted
-# systemd applies them (check_unit.sh rates the unit offline).
+#   - then, with systemd-nspawn (systemd-container), the root boots with systemd as PID 1 and
+#     embd.service runs under every setting of its unit, seccomp filter included
+#     (tests/pkg/boot_check.sh): started, sandboxed, serving, checkpointing, stopped cleanly
 #
 # Needs root (chroot, mounts, users), debootstrap, gcc, pkg-config and the network to a Debian
-# mirror (EMBD_DEBIAN_MIRROR, default deb.debian.org), about 2 minutes the first time and 1
-# with the cached root: opt-in, not in the default suite (ctest -L package in a build
+# mirror (EMBD_DEBIAN_MIRROR, default deb.debian.org), about 2 minutes the first time and
+# under one with the cached root: opt-in, not in the default suite (ctest -L package in a build
 # configured with -DEMBD_PACKAGE_TEST=ON, or run it directly after tools/build-packages.sh).
 # Usage: test_install.sh [--build | PACKAGE_DIR]   (default build-pkg/packages; --build runs
 # tools/build-packages.sh first)
@@ -223,6 +224,32 @@ check "purge kept the user embd and the checkpoints" \
   sh -c "chroot '$root' getent passwd embd && ls -d '$root'/var/lib/embd/step-*"
 check "reinstalling embd finds its user again" sh -c "chroot '$root' env DEBIAN_FRONTEND=noninteractive \
   dpkg -i /tmp/debs/$(basename "${debs[0]}") && [ \"\$(chroot '$root' id -u embd)\" = $embd_uid ]"
+
+# ---- the unit under a booted systemd ---------------------------------------------------------
+# The sandbox above is an emulation; systemd-nspawn boots the root with systemd as PID 1 and
+# tests/pkg/boot_check.sh runs embd.service there with all of its unit's settings.
+if command -v systemd-nspawn >/dev/null; then
+  check "apt-get install systemd into the root" in_root env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -q --no-install-recommends systemd systemd-sysv dbus
+  rm -rf "$root"/var/lib/embd/step-*
+  install -m 755 "$repo/tests/pkg/boot_check.sh" "$root/usr/local/bin/embd-boot-check"
+  printf '[Unit]\nAfter=multi-user.target\n[Service]\nType=oneshot\nExecStart=%s\n' \
+    /usr/local/bin/embd-boot-check >"$root/etc/systemd/system/embd-boot-check.service"
+  ln -s /etc/systemd/system/embd-boot-check.service \
+    "$root/etc/systemd/system/multi-user.target.wants/embd-boot-check.service"
+  umount -R "$root/proc" "$root/sys" "$root/dev" "$root/var/cache/apt/archives"
+  # --keep-unit --register=no: no systemd runs on this host to hold the container's scope
+  check "the root boots with systemd-nspawn and powers itself off" timeout 180 systemd-nspawn -q \
+    --boot --directory="$root" --register=no --keep-unit --console=pipe
+  log=$root/var/log/embd-boot-check.log
+  check "boot_check ran to its end" grep -qx "boot_check: done" "$log"
+  grep -E '^(ok|FAIL) ' "$log" | sed 's/^/     /' || true
+  checks=$((checks + $(grep -c '^ok ' "$log" || true) + $(grep -c '^FAIL ' "$log" || true)))
+  failed=$((failed + $(grep -c '^FAIL ' "$log" || true)))
+  grep -q '^FAIL ' "$log" && cat "$log"
+else
+  echo "skip the unit under a booted systemd: systemd-nspawn not found (systemd-container)"
+fi
 
 echo "test_install: $((checks - failed)) of $checks checks passed; apt pulled in: $pulled"
 [ "$failed" = 0 ]
