@@ -27,9 +27,8 @@ static void setup(void)
 
 static void teardown(void)
 {
-	int st;
-	service_stop_within(10000, &st);
-	unlink(service_log_path);
+	service_stop_within(10000, NULL);
+	unlink(service.log);
 	char cmd[128];
 	snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
 	cr_expect_eq(system(cmd), 0);
@@ -136,7 +135,7 @@ Test(embctl, plan_config_is_the_plan_embd_makes)
 	cJSON_Delete(plan);
 
 	service_spawn(config, "error");
-	cr_assert_eq(run(true, "%s status --socket %s", EMBCTL_BINARY, socket_path), 0, "%s", out);
+	cr_assert_eq(run(true, "%s status --socket %s", EMBCTL_BINARY, service.socket), 0, "%s", out);
 	snprintf(served, sizeof(served), "%s", plan_hash_of_out());
 	cr_expect_str_eq(preview, served, "embctl plan --config printed plan %s, embd made %s",
 			 preview, served);
