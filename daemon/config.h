@@ -3,7 +3,8 @@
  * key or a wrong type is an error naming the key), with an embedded default so that `embd`
  * alone runs a small CPU node.
  *
- * This comment is the reference for the file format. Every key is optional:
+ * This comment is the reference for the file format; the one place keys are read is the keys[]
+ * table of daemon/config.c (each key's type, range and default). Every key is optional:
  *
  *   { "tables": [ ... ],            the planner's tables array (include/embd/plan.h)
  *     "topology": { ... },          the planner's topology fields (include/embd/plan.h);
