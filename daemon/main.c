@@ -403,13 +403,11 @@ static int start_server(struct daemon *d, char *err, size_t err_len)
 	int rc = embd_server_create(&d->config, d->step, d->ranks, d->plan->plan_hash, d->sigfd,
 				    &d->server, err, err_len);
 
-	if (!rc && d->ckpt && embd_server_set_checkpoints(d->server, d->ckpt, d->resumed_step)) {
-		rc = EMBD_EIO;
-		snprintf(err, err_len, "cannot watch the checkpoint writer");
-	}
+	if (!rc && d->ckpt)
+		rc = embd_server_set_checkpoints(d->server, d->ckpt, d->resumed_step, err, err_len);
 	if (!rc && d->cluster.regroup)
-		embd_server_set_regroup(d->server, d->cluster.regroup, d->cluster.rejoining,
-					d->resumed_step);
+		rc = embd_server_set_regroup(d->server, d->cluster.regroup, d->cluster.rejoining,
+					     d->resumed_step, err, err_len);
 	return rc;
 }
 

@@ -48,18 +48,19 @@ int embd_server_run(struct embd_server *server);
 struct embd_ckpt_service;
 
 /* Hands the server its checkpointer (ckpt/ckpt_service.h; it must outlive the server) and
- * the step a restore resumed at (the first step trainers post). Call before run. */
+ * the step a restore resumed at (the first step trainers post). Call before run. 0, or
+ * EMBD_ENOMEM, or EMBD_EIO when the loop cannot watch the writer (err says which). */
 int embd_server_set_checkpoints(struct embd_server *server, struct embd_ckpt_service *ckpt,
-				uint64_t resumed_step);
+				uint64_t resumed_step, char *err, size_t err_len);
 
 struct embd_regroup;
 
 /* A cluster's node: hands the server the regroup handle (dist/regroup.h; it must outlive
  * the server) that re-forms the cluster after a failure; lost: this process restarted into a
  * running cluster (its shards are gone until a restore). resumed_step: the step its parameters
- * are at. Call before run. */
-void embd_server_set_regroup(struct embd_server *server, struct embd_regroup *rg, bool lost,
-			     uint64_t resumed_step);
+ * are at. Call before run. 0, or EMBD_ENOMEM (err says so). */
+int embd_server_set_regroup(struct embd_server *server, struct embd_regroup *rg, bool lost,
+			    uint64_t resumed_step, char *err, size_t err_len);
 
 /* The step being collected or run (= steps completed outside a step phase). */
 uint64_t embd_server_step(const struct embd_server *server);
