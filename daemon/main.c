@@ -356,7 +356,8 @@ static int plan_node(struct daemon *d)
 			return rc;
 		}
 	}
-	/* what the status and every checkpoint's manifest name the plan by */
+	/* what the ready line and the status name the plan by (a checked plan has it already,
+	 * but embd_plan_build does not promise it) */
 	rc = embd_plan_hash(d->plan, &d->plan->plan_hash);
 	if (rc) {
 		embd_log_error("plan: %s", embd_strerror(rc));

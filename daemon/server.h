@@ -21,8 +21,8 @@
  * the cluster resumes (a FORWARD of another step than the agreed one gets EMBD_ERESUMED with
  * that step), restores a checkpoint, or refuses every step when the state was lost.
  */
-#ifndef EMBD_SERVICE_SERVER_H
-#define EMBD_SERVICE_SERVER_H
+#ifndef EMBD_DAEMON_SERVER_H
+#define EMBD_DAEMON_SERVER_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -75,4 +75,4 @@ bool embd_server_cluster_running(const struct embd_server *server, char *why, si
 /* Disconnects every client (unmapping regions, closing fds) and unlinks the socket. */
 void embd_server_destroy(struct embd_server *server);
 
-#endif /* EMBD_SERVICE_SERVER_H */
+#endif /* EMBD_DAEMON_SERVER_H */
