@@ -175,7 +175,7 @@ class Service:
     def __init__(self, tmp: Path, tables: Sequence[TableSpec], batch_size: int,
                  trainers: int = 2, sharding: Optional[str] = None,
                  weights: Optional[Dict[str, np.ndarray]] = None, ranks: int = 2,
-                 extra: Optional[Dict[str, Any]] = None) -> None:
+                 extra: Optional[Dict[str, Any]] = None, import_step: int = 0) -> None:
         for tool in (EMBD, EMBCTL):
             if not tool.exists():
                 raise FileNotFoundError(f"{tool} is missing: build embd first (EMBD_BUILD_DIR="
@@ -199,10 +199,12 @@ class Service:
         self.config_path.write_text(json.dumps(config, indent=1))
         self.proc: Optional[subprocess.Popen[bytes]] = None
         if weights:
-            self._import(weights)
+            self._import(weights, import_step)
 
-    def _import(self, weights: Dict[str, np.ndarray]) -> None:
-        args = [str(EMBCTL), "import", "--config", str(self.config_path)]
+    def _import(self, weights: Dict[str, np.ndarray], step: int) -> None:
+        """A checkpoint of ``step`` holding ``weights`` (optimizer state zero), which the
+        service restores at start."""
+        args = [str(EMBCTL), "import", "--config", str(self.config_path), "--step", str(step)]
         for name, w in weights.items():
             path = self.tmp / f"init-{name}.npy"
             np.save(path, np.ascontiguousarray(w, dtype=np.float32))

@@ -50,14 +50,23 @@ static PyTypeObject SpanType;
 
 /* ---- errors ----------------------------------------------------------------------------- */
 
-/* Sets the embd.errors exception for an EMBD_E* code and returns NULL. */
-static PyObject *raise_code(int code, const char *message)
+/*
+ * Sets the embd.errors exception for an EMBD_E* code and returns NULL. step: the step of the
+ * service's completion that carried the code, or -1 for a failure of this process's own
+ * (Error.step is then None).
+ */
+static PyObject *raise_step(int code, const char *message, long long step)
 {
 	PyObject *mod = PyImport_ImportModule("embd.errors");
 	if (!mod)
 		return NULL;
 	PyObject *text = PyUnicode_DecodeUTF8(message, (Py_ssize_t)strlen(message), "replace");
-	PyObject *exc = text ? PyObject_CallMethod(mod, "error_for", "iO", code, text) : NULL;
+	PyObject *st = step < 0 ? Py_None : PyLong_FromLongLong(step);
+	if (st == Py_None)
+		Py_INCREF(st);
+	PyObject *exc = text && st ? PyObject_CallMethod(mod, "error_for", "iOO", code, text, st)
+				   : NULL;
+	Py_XDECREF(st);
 	Py_XDECREF(text);
 	Py_DECREF(mod);
 	if (exc) {
@@ -65,6 +74,11 @@ static PyObject *raise_code(int code, const char *message)
 		Py_DECREF(exc);
 	}
 	return NULL;
+}
+
+static PyObject *raise_code(int code, const char *message)
+{
+	return raise_step(code, message, -1);
 }
 
 static PyObject *raise_client(ClientObject *self, int code)
@@ -382,7 +396,7 @@ static PyObject *blocking(ClientObject *self, enum embd_request_op op, PyObject 
 		return raise_code(EMBD_EPROTO, "completion of another request while waiting for a "
 				  "blocking one: do not mix submit() with forward()/backward()");
 	if (done.result)
-		return raise_client(self, done.result);
+		return raise_step(done.result, embd_last_error(self->client), (long long)done.step);
 	Py_RETURN_NONE;
 }
 

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embd import _client
-from embd.errors import Error, InvalidArgumentError, ResumedError, error_for, codes
+from embd.errors import Error, InvalidArgumentError, codes, error_for
 
 #: Batch slots of a client's region (``EMBD_CLIENT_SLOTS``).
 SLOTS: int = _client.SLOTS
@@ -147,10 +147,7 @@ class Completion:
         """The exception this completion stands for, or None when it succeeded."""
         if self.result == 0:
             return None
-        e = error_for(self.result, self.message)
-        if isinstance(e, ResumedError):
-            e.step = self.step
-        return e
+        return error_for(self.result, self.message, self.step)
 
     def check(self) -> "Completion":
         """Raises :attr:`error` when the request failed; returns self otherwise."""
@@ -225,9 +222,14 @@ class Client:
                 timeout: Optional[float] = None) -> None:
         """Looks up the batch in ``slot`` as step ``step``; ``pooled`` holds the result on
         return. Waits until every trainer of the node posted the step (``timeout`` seconds at
-        most; None: no limit, Ctrl-C still works). Raises on a refused batch (the message names
-        the field), :class:`embd.StepAbortedError`, :class:`embd.ResumedError` (its ``step`` is
-        the one to post next) or :class:`embd.ServiceGoneError`."""
+        most; None: no limit, Ctrl-C still works).
+
+        An error the service answered has ``step`` set: a refused batch (the message names the
+        field) or :class:`embd.StepAbortedError` end the step for this trainer, whose next
+        step is ``step + 1``; :class:`embd.TryAgainError` asks for the same step again later;
+        :class:`embd.ResumedError` names the step to post next. An error with ``step`` None is
+        this process's own (:class:`embd.TimedOutError`, :class:`embd.ServiceGoneError`...):
+        a request that timed out may still run, so reconnect before going on."""
         self._blocking(self._c.forward, slot, step, num_values, weighted, timeout)
 
     def backward(self, slot: int, step: int, num_values: int, weighted: bool = False,
@@ -238,11 +240,7 @@ class Client:
 
     def _blocking(self, call: Any, slot: int, step: int, num_values: int, weighted: bool,
                   timeout: Optional[float]) -> None:
-        try:
-            call(slot, step, num_values, weighted, _timeout_ms(timeout))
-        except ResumedError as e:
-            e.step = self.resumed_step
-            raise
+        call(slot, step, num_values, weighted, _timeout_ms(timeout))
 
     def submit(self, op: Op, slot: int = 0, step: int = 0, num_values: int = 0,
                weighted: bool = False, user_data: int = 0) -> None:

@@ -28,10 +28,14 @@ class Error(Exception):
     #: the code this class stands for (the base class takes any)
     default_code: int = codes["EMBD_EIO"]
 
-    def __init__(self, message: str, code: Optional[int] = None) -> None:
+    def __init__(self, message: str, code: Optional[int] = None,
+                 step: Optional[int] = None) -> None:
         super().__init__(message)
         self.message: str = message
         self.code: int = self.default_code if code is None else code
+        #: the step of the service's answer that carried the code; None when the failure is
+        #: this process's own (then the request may not have reached the service)
+        self.step: Optional[int] = step
 
     @property
     def code_name(self) -> str:
@@ -160,10 +164,6 @@ class ResumedError(Error):
 
     default_code = codes["EMBD_ERESUMED"]
 
-    def __init__(self, message: str, code: Optional[int] = None, step: Optional[int] = None):
-        super().__init__(message, code)
-        self.step: Optional[int] = step
-
 
 _by_code: Dict[int, Type[Error]] = {
     cls.default_code: cls for cls in (
@@ -174,6 +174,7 @@ _by_code: Dict[int, Type[Error]] = {
 }
 
 
-def error_for(code: int, message: str) -> Error:
-    """The exception for an ``EMBD_E*`` code (the base :class:`Error` for an unknown one)."""
-    return _by_code.get(code, Error)(message or _client.strerror(code), code)
+def error_for(code: int, message: str, step: Optional[int] = None) -> Error:
+    """The exception for an ``EMBD_E*`` code (the base :class:`Error` for an unknown one);
+    ``step``: the step of the service's answer, None for a failure of this process."""
+    return _by_code.get(code, Error)(message or _client.strerror(code), code, step)

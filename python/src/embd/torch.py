@@ -129,6 +129,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._next_step = self._client.resumed_step
         # (step, slot, num_values) of the forward whose backward has not run yet
         self._pending: Optional[Tuple[int, int, int]] = None
+        self._broken = ""   # why no step can be posted any more, after a failure of ours
         self._slots = [self._torch_views(s) for s in range(embd.SLOTS)]
         self._anchor = torch.empty(0, requires_grad=True)
 
@@ -156,6 +157,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "embd.torch.EmbeddingBagCollection: evaluation lookups (eval() or "
                 "torch.no_grad()) are not served by this embd yet; forward runs training steps "
                 "only, in training mode with gradients enabled")
+        if self._broken:
+            raise embd.InvalidArgumentError(self._broken)
         if self._pending is not None:
             raise embd.InvalidArgumentError(
                 f"forward of step {self._next_step + 1} before the backward of step "
@@ -172,8 +175,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             v["weights"][:n].copy_(features.weights())
         try:
             self._client.forward(slot, step, n, self._is_weighted, self._timeout)
-        except embd.Error as e:
-            self._after_failure(step, e)
+        except BaseException as e:
+            self._after_failure(step, "forward", e)
             raise
         self._pending = (step, slot, n)
         values = _Step.apply(self._anchor, self, step)
@@ -199,24 +202,27 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._slots[slot]["grad"].copy_(grad)
         try:
             self._client.backward(slot, step, n, self._is_weighted, self._timeout)
-        except embd.Error as e:
-            self._after_failure(step, e)
+        except BaseException as e:
+            self._after_failure(step, "backward", e)
             raise
         self._pending = None
         self._next_step = step + 1
 
-    def _after_failure(self, step: int, e: embd.Error) -> None:
-        """Where the step sequence goes on after a failed request of ``step``."""
-        if isinstance(e, embd.ResumedError):
-            self._pending = None
-            self._next_step = self._client.resumed_step
-        elif isinstance(e, embd.StepAbortedError):
-            self._pending = None   # the step is over for every trainer, nothing changed
-            self._next_step = step + 1
+    def _after_failure(self, step: int, what: str, e: BaseException) -> None:
+        """Where the step sequence goes on after the request of ``step`` failed with ``e``."""
+        self._pending = None
+        if isinstance(e, embd.ResumedError) and e.step is not None:
+            self._next_step = e.step
         elif isinstance(e, embd.TryAgainError):
-            self._pending = None   # the same step, posted again later
-            self._next_step = step
-        # other failures leave the state as it was: a refused batch did not start the step
+            self._next_step = step       # the cluster re-forms: the same step, a little later
+        elif isinstance(e, embd.Error) and e.step is not None:
+            self._next_step = step + 1   # refused or aborted: the step is over for us
+        else:
+            # a wait given up on (timeout, Ctrl-C) leaves the request in flight, and a lost
+            # service leaves nothing: either way no later step can be posted on this handle
+            self._broken = (f"step {step}: its {what} was given up on ({type(e).__name__}: "
+                            f"{e}); the service may still run that step: close this "
+                            "EmbeddingBagCollection and make a new one")
 
     # ---- tables' state -------------------------------------------------------------------
 
