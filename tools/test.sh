@@ -46,7 +46,7 @@ if [ "$python" = 1 ]; then
   build=$(cd "${EMBD_BUILD_DIR:-build}" && pwd)
   py=$(EMBD_BUILD_DIR="$build" EMBD_WERROR=1 bash tools/python-env.sh | tail -n 1)
   rc=0
-  EMBD_BUILD_DIR="$build" "$py" -m pytest -p no:cacheprovider -ra tests/python || rc=$?
+  EMBD_BUILD_DIR="$build" "$py" -m pytest -ra tests/python || rc=$?
   if [ "$rc" = 5 ]; then
     echo "test.sh: pytest collected no tests in tests/python (exit 5): the Python suite did not run" >&2
     exit 1

@@ -14,10 +14,11 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -158,6 +159,27 @@ class Adam:
         m_hat = m / (1 - self.b1 ** self.t)
         v_hat = v / (1 - self.b2 ** self.t)
         self.w[seen] -= self.lr * m_hat / (np.sqrt(v_hat) + self.eps)
+
+
+class ThreadTrainer(threading.Thread):
+    """A trainer in a thread of the test, started at once; join() re-raises what it raised."""
+
+    def __init__(self, body: Callable[[], None]) -> None:
+        super().__init__(daemon=True)
+        self.body = body
+        self.error: Optional[BaseException] = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.body()
+        except BaseException as e:  # handed to the test's thread by join()
+            self.error = e
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 # ---- the service -----------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import embd
-from support import Service, TableSpec, initial_weights, make_batch, make_grad, pool, row_grads
+from support import (Service, TableSpec, ThreadTrainer, initial_weights, make_batch, make_grad,
+                     pool, row_grads)
 
 B = 4
 TABLES = [
@@ -211,19 +212,10 @@ def test_one_client_is_not_used_by_two_threads_at_once(two: Service) -> None:
     with embd.Client(two.socket, index=0) as c:
         b = c.batch(0)
         n = b.write(np.ones((3, B)), np.zeros(3 * B))
-        errors = []
-
-        def waiting() -> None:
-            try:
-                c.forward(0, 0, n, timeout=1.5)
-            except embd.Error as e:
-                errors.append(e)
-
-        t = threading.Thread(target=waiting)
-        t.start()
+        t = ThreadTrainer(lambda: c.forward(0, 0, n, timeout=1.5))
         time.sleep(0.3)
         with pytest.raises(embd.BusyError, match="another thread"):
             c.submit(embd.Op.NOP)
-        t.join()
-        assert len(errors) == 1 and isinstance(errors[0], embd.TimedOutError)
+        with pytest.raises(embd.TimedOutError):
+            t.join()
         del b

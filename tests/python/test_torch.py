@@ -23,7 +23,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import embd
 import embd.torch
-from support import Service, TableSpec, initial_weights, kjt, make_batch, make_grad
+from support import (Service, TableSpec, ThreadTrainer, initial_weights, kjt, make_batch,
+                     make_grad)
 
 B = 4
 SUM_TABLES = [
@@ -217,34 +218,35 @@ def test_a_step_aborted_by_another_trainer_raises_and_the_next_one_runs(tmp_path
     svc = Service(tmp_path, TABLES, B, trainers=2).start()
     try:
         ebc = embd.torch.EmbeddingBagCollection(svc.socket, index=0, timeout=30)
+        # connected here, before trainer 0 posts: the service runs a step with the trainers
+        # connected when it starts (after the first step, which waits for all of them)
+        c = embd.Client(svc.socket, index=1)
 
         def trainer_1_dies_after_its_forward() -> None:
-            c = embd.Client(svc.socket, index=1)
             b = c.batch(0)
             c.forward(0, 0, b.write(np.ones((3, B)), np.zeros(3 * B)))
             del b
             c.close()                             # gone between forward and backward
 
-        t = threading.Thread(target=trainer_1_dies_after_its_forward)
-        t.start()
+        t = ThreadTrainer(trainer_1_dies_after_its_forward)
         out = ebc(batch_kjt(0)).values()
         t.join()
         with pytest.raises(embd.StepAbortedError) as e:
             out.sum().backward()
-        assert e.value.code == embd.codes["EMBD_ECANCELED"]
+        assert e.value.code == embd.codes["EMBD_ECANCELED"] and e.value.step == 0
         assert ebc.step == 1
+        c = embd.Client(svc.socket, index=1)
+        assert c.resumed_step == 1
 
         def trainer_1_runs_step_1() -> None:
-            with embd.Client(svc.socket, index=1) as c:
-                assert c.resumed_step == 1
-                b = c.batch(1)
-                n = b.write(np.ones((3, B)), np.zeros(3 * B))
-                c.forward(1, 1, n)
-                c.backward(1, 1, n)
-                del b
+            b = c.batch(1)
+            n = b.write(np.ones((3, B)), np.zeros(3 * B))
+            c.forward(1, 1, n)
+            c.backward(1, 1, n)
+            del b
+            c.close()
 
-        t = threading.Thread(target=trainer_1_runs_step_1)
-        t.start()
+        t = ThreadTrainer(trainer_1_runs_step_1)
         train_step(ebc, 1)
         t.join()
         assert ebc.step == 2
