@@ -13,6 +13,7 @@ import shlex
 import subprocess
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def from_build_dir(build: str) -> dict:
@@ -53,7 +54,18 @@ def from_pkg_config() -> dict:
 build_dir = os.environ.get("EMBD_BUILD_DIR")
 where = from_build_dir(os.path.abspath(build_dir)) if build_dir else from_pkg_config()
 
+class always_build_ext(build_ext):
+    """Compiles every time: an up-to-date check looks at _client.c only, not at client.h or at
+    which libembdclient (and run path) this build links, so a stale object could outlive a
+    change of the client's structs. The compile takes about a second."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.force = True
+
+
 # The test command sets EMBD_WERROR=1, as it builds the C code with warnings as errors.
 flags = ["-std=c11", "-Wall", "-Wextra"] + (["-Werror"] if os.environ.get("EMBD_WERROR") else [])
 setup(ext_modules=[Extension("embd._client", sources=["src/embd/_client.c"],
-                             extra_compile_args=flags, **where)])
+                             extra_compile_args=flags, **where)],
+      cmdclass={"build_ext": always_build_ext})

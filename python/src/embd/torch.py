@@ -99,7 +99,8 @@ class _Step(torch.autograd.Function):
         return None, None, None
 
 
-class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+# torchrec ships no type information: its base class is Any to a type checker
+class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[misc]
     """TorchRec's ``EmbeddingBagCollection`` interface over an embd service.
 
     Args:
