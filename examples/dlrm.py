@@ -87,8 +87,8 @@ class Data:
         u = rng.random((len(self.rows), self.B))
         ids = np.minimum((self.rows[:, None] * u ** 3).astype(np.int64), self.rows[:, None] - 1)
         feature = np.arange(len(self.rows), dtype=np.uint64)[:, None]
-        score = np.where(mix(ids.astype(np.uint64) * np.uint64(1315423911) + feature) & np.uint64(1),
-                         1.0, -1.0)
+        hashed = mix(ids.astype(np.uint64) * np.uint64(1315423911) + feature)
+        score = np.where(hashed & np.uint64(1), 1.0, -1.0)
         logit = (score[:SIGNAL_FEATURES].sum(0) * 0.6 + (dense[:, 0] - dense[:, 1]) * 0.5 +
                  dense[:, 2] * 0.3 - 2.2)
         p = 1 / (1 + np.exp(-logit))

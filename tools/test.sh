@@ -48,7 +48,8 @@ if [ "$python" = 1 ]; then
   rc=0
   EMBD_BUILD_DIR="$build" "$py" -m pytest -ra tests/python || rc=$?
   if [ "$rc" = 5 ]; then
-    echo "test.sh: pytest collected no tests in tests/python (exit 5): the Python suite did not run" >&2
+    echo "test.sh: pytest collected no tests in tests/python (exit 5): the Python suite" \
+      "did not run" >&2
     exit 1
   fi
   exit "$rc"

@@ -212,8 +212,15 @@ def test_one_client_is_not_used_by_two_threads_at_once(two: Service) -> None:
     with embd.Client(two.socket, index=0) as c:
         b = c.batch(0)
         n = b.write(np.ones((3, B)), np.zeros(3 * B))
-        t = ThreadTrainer(lambda: c.forward(0, 0, n, timeout=1.5))
-        time.sleep(0.3)
+        started = threading.Event()
+
+        def waiting() -> None:
+            started.set()
+            c.forward(0, 0, n, timeout=3)
+
+        t = ThreadTrainer(waiting)
+        started.wait()
+        time.sleep(0.5)                        # well inside its forward by now
         with pytest.raises(embd.BusyError, match="another thread"):
             c.submit(embd.Op.NOP)
         with pytest.raises(embd.TimedOutError):
