@@ -38,7 +38,7 @@ cleanup() {
 trap cleanup EXIT
 "$venv/bin/python" examples/dlrm.py --write-config "$dir/embd.json" --trainers "$trainers" \
   "${args[@]}"
-"$build/service/embd" --config "$dir/embd.json" --socket "$dir/embd.sock" \
+"$build/daemon/embd" --config "$dir/embd.json" --socket "$dir/embd.sock" \
   --log-level warning &
 embd_pid=$!
 for _ in $(seq 200); do

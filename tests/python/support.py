@@ -24,7 +24,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("EMBD_BUILD_DIR") or REPO / "build").resolve()
-EMBD = BUILD / "service" / "embd"
+EMBD = BUILD / "daemon" / "embd"
 EMBCTL = BUILD / "tools" / "embctl" / "embctl"
 
 
