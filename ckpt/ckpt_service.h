@@ -107,7 +107,7 @@ uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
  * is being written (a cluster's due one waits for the running write). True when one started.
  * One node also calls it when a request comes or a write ends (it takes the due one then). On
  * a cluster call it only at the boundary of a step the cluster ran together while running
- * (server.c next_step): every node must poll the same steps. */
+ * (daemon/server_ckpt.c, embd_server_checkpoint_boundary): every node must poll the same steps. */
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
 
 /* A cluster's agreement: _wanted, this node's HELLO flag for the step about to run (a
