@@ -159,6 +159,13 @@ int embd_ckpt_service_fd(const struct embd_ckpt_service *ck)
 
 /* ---- writing ----------------------------------------------------------------------------- */
 
+static void log_moved(void *arg, const char *dir, const char *why)
+{
+	(void)arg;
+	embd_log_warning("checkpoint retention: a damaged checkpoint was moved to %s (%s); it no "
+			 "longer counts toward checkpoint_keep", dir, why);
+}
+
 /* The write itself: the thread's body, or the final checkpoint's on the service thread. */
 static void write_snapshot(struct embd_ckpt_service *ck)
 {
@@ -185,10 +192,11 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 	const bool per_node = cluster && ck->settings->checkpoint_layout == EMBD_CKPT_PER_NODE;
 	if (per_node || (!w->rc && !m.node)) {
 		char inner[512];
+		/* per_node spares the newest step every node holds, else the one just written */
 		int removed = embd_ckpt_retain(root, ck->settings->checkpoint_keep,
 					       cluster && !per_node ? w->step : UINT64_MAX,
-					       per_node ? ck->common_step : UINT64_MAX, inner,
-					       sizeof(inner));
+					       per_node ? ck->common_step : w->rc ? UINT64_MAX : w->step,
+					       log_moved, NULL, inner, sizeof(inner));
 		if (removed < 0 && !w->rc)
 			snprintf(w->err, sizeof(w->err), "retention: %s", inner);
 	}
@@ -269,9 +277,11 @@ static void finish(struct embd_ckpt_service *ck)
 		embd_log_error("checkpoint of step %" PRIu64 " failed: %s", w->step, w->err);
 	} else {
 		ck->written++;
-		embd_log_info("checkpoint of step %" PRIu64 ": %s, %" PRIu64 " bytes in %.1f ms "
-			      "(steps stalled %.2f ms)%s%s", w->step, w->dir, w->bytes, w->write_ms,
-			      w->stall_ms, w->err[0] ? "; " : "", w->err);
+		/* a note beside success: a damaged step replaced, retention that failed */
+		embd_log(w->err[0] ? EMBD_LOG_WARNING : EMBD_LOG_INFO,
+			 "checkpoint of step %" PRIu64 ": %s, %" PRIu64 " bytes in %.1f ms (steps "
+			 "stalled %.2f ms)%s%s", w->step, w->dir, w->bytes, w->write_ms, w->stall_ms,
+			 w->err[0] ? "; " : "", w->err);
 		w->err[0] = 0;
 	}
 	ck->last = *w;
@@ -422,12 +432,6 @@ int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step)
 
 /* ---- restore ----------------------------------------------------------------------------- */
 
-static void log_skip(void *arg, const char *dir, const char *why)
-{
-	(void)arg;
-	embd_log_warning("checkpoint %s is damaged, skipped: %s", dir, why);
-}
-
 /* The checkpoint's tables must be the config's: same names, rows and columns. */
 static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ckpt_manifest *m,
 			const char *dir, int *index, char *err, size_t err_len)
@@ -464,13 +468,29 @@ static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ck
 	return 0;
 }
 
+/* The damaged checkpoints a restore that goes ahead skipped: out of the way (checkpoint.h). */
+static void move_skipped(struct embd_ckpt_service *ck, const struct embd_ckpt_skipped *sk)
+{
+	char moved[EMBD_CKPT_PATH_MAX + 128], err[512];
+
+	for (uint32_t i = 0; i < sk->n; i++) {
+		if (embd_ckpt_move_damaged(ck->settings->checkpoint_dir, sk->dirs[i], moved,
+					   sizeof(moved), err, sizeof(err)))
+			embd_log_warning("damaged checkpoint %s stays where it is: %s", sk->dirs[i], err);
+		else
+			embd_log_warning("damaged checkpoint %s moved to %s", sk->dirs[i], moved);
+	}
+}
+
 /* The newest valid checkpoint into the shards; on a cluster the one chosen through the store
- * at restore_key (ckpt_cluster.h). EMBD_ENOENT (not logged) when there is none. */
+ * at restore_key (ckpt_cluster.h). EMBD_ENOENT (not logged) when there is none; the damaged
+ * ones skipped are moved aside when it goes ahead (restored, or none and a fresh start). */
 static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64_t *step_out,
 		   char *err, size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX + 64];
 	struct embd_ckpt_manifest m;
+	struct embd_ckpt_skipped skipped = { 0 };
 	uint32_t n = embd_step_num_shards(ck->step);
 	struct embd_ckpt_target *targets = calloc(n + 1, sizeof(*targets));
 	int *index = calloc(ck->settings->tables.count + 1, sizeof(int));
@@ -480,12 +500,18 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 	memset(&m, 0, sizeof(m));
 	if (!targets || !index)
 		goto out;
-	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, restore_key, log_skip, dir,
+	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, restore_key, &skipped, dir,
 							     sizeof(dir), &m, err, err_len)
-				    : embd_ckpt_find(ck->settings->checkpoint_dir, UINT64_MAX, log_skip,
-						     NULL, dir, sizeof(dir), &m, err, err_len);
+				    : embd_ckpt_find_local(&ck->cl, UINT64_MAX, &skipped, dir,
+							   sizeof(dir), &m, err, err_len);
+	if (rc == EMBD_ENOENT && skipped.n) {
+		move_skipped(ck, &skipped);
+		embd_log_warning("checkpoint_allow_fresh_start: starting from the initial weights "
+				 "over the damaged checkpoints found (%u)", skipped.n);
+	}
 	if (rc || (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
+	move_skipped(ck, &skipped);
 	uint32_t num_targets = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		struct embd_step_shard_view v;
@@ -513,6 +539,7 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 			"%s", dir, m.step, m.num_files, m.plan_hash,
 			m.plan_hash == ck->base.plan_hash ? "" : " (resharded to this plan)");
 out:
+	embd_ckpt_skipped_free(&skipped);
 	embd_ckpt_manifest_free(&m);
 	free(targets);
 	free(index);

@@ -55,6 +55,7 @@ struct embd_ckpt_settings {
 	uint32_t checkpoint_every_steps;                /* 0 = off */
 	uint32_t checkpoint_every_seconds;              /* 0 = off */
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
+	bool checkpoint_allow_fresh_start;              /* start afresh over damaged ones */
 	uint32_t node_rank, num_nodes;
 	char master_addr[256];                          /* node 0's store, on a cluster */
 	uint16_t master_port;
@@ -69,9 +70,14 @@ int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct e
 void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
 
 /*
- * Restores the newest valid checkpoint into the step's shards (before any step ran), logging
- * every damaged one it skips; on a cluster the one node 0 chose (checkpoint.h). *step_out: its step (0 when there is none, which returns 0 too).
- * EMBD_EMISMATCH when the checkpoint's tables differ from the config's (err names the table).
+ * Restores the newest valid checkpoint into the step's shards (before any step ran); on a
+ * cluster the one node 0 chose (checkpoint.h). *step_out: its step (0 when there is none,
+ * which returns 0 too). Every damaged checkpoint it skips is logged and, once the restore
+ * goes ahead, moved to <checkpoint_dir>/damaged/ (checkpoint.h). With damaged ones and no
+ * valid one it refuses to start from the initial weights (EMBD_ECHECKSUM naming them, the
+ * directories left in place) unless checkpoint_allow_fresh_start is set: silently starting
+ * over would drop the training they hold. EMBD_EMISMATCH when the checkpoint's tables
+ * differ from the config's (err names the table).
  */
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
 			      size_t err_len);

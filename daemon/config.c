@@ -237,6 +237,13 @@ static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tab
 		c->busy_poll_us = (uint32_t)v;
 		return rc;
 	}
+	if (!strcmp(k, "checkpoint_allow_fresh_start")) {
+		if (!cJSON_IsBool(item))
+			return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected true or false",
+				    k);
+		c->checkpoint_allow_fresh_start = cJSON_IsTrue(item);
+		return 0;
+	}
 	return fail(err, err_len, EMBD_EINVAL, "config key '%s': unknown key", k);
 }
 
@@ -388,6 +395,7 @@ void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_set
 		.checkpoint_every_steps = c->checkpoint_every_steps,
 		.checkpoint_every_seconds = c->checkpoint_every_seconds,
 		.checkpoint_keep = c->checkpoint_keep,
+		.checkpoint_allow_fresh_start = c->checkpoint_allow_fresh_start,
 		.node_rank = c->node_rank,
 		.num_nodes = embd_config_nodes(c),
 		.master_port = c->master_port,

@@ -297,6 +297,13 @@ static void on_skip(void *arg, const char *dir, const char *why)
 	s->n++;
 }
 
+static bool has_dir(const char *name)
+{
+	char path[256];
+	snprintf(path, sizeof(path), "%s/%s", root, name);
+	return access(path, F_OK) == 0;
+}
+
 static uint64_t newest(struct skips *sk)
 {
 	char dir[4200], err[512];
@@ -317,6 +324,30 @@ static void flip_byte(const char *path, off_t at)
 	b ^= 0x40;
 	cr_assert_eq(pwrite(fd, &b, 1, at), 1);
 	close(fd);
+}
+
+static int count_in(const char *dir, const char *prefix)
+{
+	DIR *d = opendir(dir);
+	int n = 0;
+	for (struct dirent *e; d && (e = readdir(d));)
+		n += !strncmp(e->d_name, prefix, strlen(prefix));
+	if (d)
+		closedir(d);
+	return n;
+}
+
+static int count_entries(const char *prefix)
+{
+	return count_in(root, prefix);
+}
+
+/* Entries of <root>/damaged/ whose name starts with prefix. */
+static int count_damaged(const char *prefix)
+{
+	char dir[128];
+	snprintf(dir, sizeof(dir), "%s/damaged", root);
+	return count_in(dir, prefix);
 }
 
 Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
@@ -345,10 +376,12 @@ Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
 	cr_expect(strstr(sk.dirs[0], "step-40") && strstr(sk.dirs[1], "step-30") &&
 		  strstr(sk.dirs[2], "step-20"), "skipped in order 40, 30, 20: got %s %s %s",
 		  sk.dirs[0], sk.dirs[1], sk.dirs[2]);
-	/* rewriting a damaged step replaces it; an intact one is never overwritten */
+	/* rewriting a damaged step moves the damaged one aside; an intact one is never
+	 * overwritten */
 	write_shards(rw3, 3, 40);
 	sk.n = 0;
 	cr_expect_eq(newest(&sk), 40);
+	cr_expect_eq(count_damaged("step-40-"), 1, "the damaged step-40 must be kept in damaged/");
 	struct embd_ckpt_manifest m;
 	struct embd_ckpt_table tab;
 	struct embd_ckpt_array arrays[6];
@@ -363,16 +396,6 @@ Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
 	free(m.files);
 }
 
-static int count_entries(const char *prefix)
-{
-	DIR *d = opendir(root);
-	int n = 0;
-	for (struct dirent *e; (e = readdir(d));)
-		n += !strncmp(e->d_name, prefix, strlen(prefix));
-	closedir(d);
-	return n;
-}
-
 Test(checkpoint, retention_keeps_the_newest)
 {
 	char path[256], err[512];
@@ -382,7 +405,7 @@ Test(checkpoint, retention_keeps_the_newest)
 		write_shards(tw, 1, s * 100);
 	snprintf(path, sizeof(path), "%s/.tmp-step-900", root);
 	cr_assert_eq(mkdir(path, 0755), 0);
-	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, UINT64_MAX, err, sizeof(err));
+	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, UINT64_MAX, NULL, NULL, err, sizeof(err));
 	cr_expect_eq(removed, 4, "expected 3 old checkpoints and 1 .tmp removed, got %d (%s)",
 		     removed, err);
 	cr_expect_eq(count_entries("step-"), 2);
@@ -400,7 +423,7 @@ Test(checkpoint, retention_spares_the_step_every_node_holds)
 	 * node's part of cluster checkpoints that failed elsewhere */
 	for (uint64_t s = 1; s <= 5; s++)
 		write_shards(tw, 1, s * 100);
-	int removed = embd_ckpt_retain(root, 1, UINT64_MAX, 300, err, sizeof(err));
+	int removed = embd_ckpt_retain(root, 1, UINT64_MAX, 300, NULL, NULL, err, sizeof(err));
 	cr_expect_eq(removed, 3, "expected steps 100, 200 and 400 removed, got %d (%s)", removed,
 		     err);
 	snprintf(path, sizeof(path), "%s/step-300", root);
@@ -408,6 +431,42 @@ Test(checkpoint, retention_spares_the_step_every_node_holds)
 	snprintf(path, sizeof(path), "%s/step-500", root);
 	cr_expect_eq(access(path, F_OK), 0, "expected step-500 kept (the newest)");
 	cr_expect_eq(count_entries("step-"), 2);
+}
+
+/* Every checkpoint newer than the valid one is damaged: retention used to keep those and
+ * delete the valid ones, down to the one just written. */
+Test(checkpoint, retention_counts_only_valid_checkpoints)
+{
+	char path[256], err[512];
+	struct skips mv = { 0 };        /* the moved ones: their new paths */
+
+	write_shards(tw, 1, 10);
+	write_shards(tw, 1, 20);
+	for (uint64_t s = 30; s <= 50; s += 10)
+		write_shards(tw, 1, s);
+	/* 30: a file gone; 40: a truncated file; 50: no manifest */
+	snprintf(path, sizeof(path), "%s/step-30/emb.0.m1.npy", root);
+	cr_assert_eq(unlink(path), 0);
+	snprintf(path, sizeof(path), "%s/step-40/emb.0.w.npy", root);
+	cr_assert_eq(truncate(path, 64), 0);
+	snprintf(path, sizeof(path), "%s/step-50/manifest.json", root);
+	cr_assert_eq(unlink(path), 0);
+	write_shards(tw, 1, 5);         /* the checkpoint just written (spared) */
+	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, 5, on_skip, &mv, err, sizeof(err));
+	cr_expect_eq(removed, 0, "keep 2 valid (20, 10) and the one just written: got %d removed "
+		     "(%s)", removed, err);
+	cr_expect(has_dir("step-20") && has_dir("step-10") && has_dir("step-5"),
+		  "every valid checkpoint must stay");
+	cr_expect_eq(mv.n, 3, "expected 3 damaged checkpoints moved aside, got %d", mv.n);
+	cr_expect_eq(count_entries("step-"), 3);
+	cr_expect(count_damaged("step-30-") == 1 && count_damaged("step-40-") == 1 &&
+		  count_damaged("step-50-") == 1, "damaged ones must be moved to damaged/, not deleted");
+	cr_expect(strstr(mv.dirs[0], "/damaged/step-50-"), "reported with its new path: %s",
+		  mv.dirs[0]);
+	/* with keep 1, the newest valid one stays whatever is spared */
+	removed = embd_ckpt_retain(root, 1, UINT64_MAX, UINT64_MAX, on_skip, &mv, err, sizeof(err));
+	cr_expect_eq(removed, 2, "steps 10 and 5 removed, got %d (%s)", removed, err);
+	cr_expect(has_dir("step-20") && !has_dir("step-5"), "the newest valid step stays");
 }
 
 /* ---- the service: restore into a step engine under another plan -------------------------- */
@@ -577,6 +636,70 @@ Test(checkpoint, service_refuses_other_tables)
 	rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
 	cr_expect_eq(rc, EMBD_EMISMATCH);
 	cr_expect(strstr(err, "'t9'"), "got '%s'", err);
+	node_stop(&b);
+}
+
+/* Truncates the first .npy file of step-<step> so that its check fails. */
+static void damage_step(uint64_t step)
+{
+	char dir[256], path[600];
+	DIR *d;
+	bool done = false;
+
+	snprintf(dir, sizeof(dir), "%s/step-%llu", root, (unsigned long long)step);
+	cr_assert_not_null(d = opendir(dir));
+	for (struct dirent *e; !done && (e = readdir(d));)
+		if (strstr(e->d_name, ".npy")) {
+			snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+			cr_assert_eq(truncate(path, 100), 0);
+			done = true;
+		}
+	closedir(d);
+	cr_assert(done, "no .npy file in %s", dir);
+}
+
+Test(checkpoint, service_refuses_a_fresh_start_over_damaged_checkpoints)
+{
+	struct node b;
+	char err[1024] = "";
+	uint64_t step = 99;
+
+	node_write("tw", 2, 3);
+	damage_step(3);
+	node_start(&b, "tw", 2);
+	int rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_ECHECKSUM, "expected a refusal (EMBD_ECHECKSUM), got %d (%s)", rc,
+		     err);
+	cr_expect(strstr(err, "step-3") && strstr(err, "checkpoint_allow_fresh_start"), "got '%s'",
+		  err);
+	cr_expect(has_dir("step-3"), "a refusal leaves the damaged checkpoint in place");
+	b.config.checkpoint_allow_fresh_start = true;
+	rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_expect_eq(rc, 0, "allowed: %d %s", rc, err);
+	cr_expect_eq(step, 0);
+	cr_expect(!has_dir("step-3") && count_damaged("step-3-") == 1,
+		  "the damaged checkpoint must be moved to damaged/, not deleted");
+	node_stop(&b);
+}
+
+Test(checkpoint, service_moves_newer_damaged_ones_aside_and_keeps_the_valid_one)
+{
+	struct node b;
+	char err[1024] = "";
+	uint64_t step = 0;
+
+	node_write("tw", 2, 3);
+	node_write("tw", 2, 6);
+	damage_step(6);
+	node_start(&b, "tw", 2);
+	int rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_assert_eq(rc, 0, "restore: %d %s", rc, err);
+	cr_expect_eq(step, 3);
+	cr_expect(!has_dir("step-6") && count_damaged("step-6-") == 1, "step 6 moved aside");
+	/* keep 1: the next checkpoint (step 4) replaces step 3; no damaged one holds its slot */
+	b.config.checkpoint_keep = 1;
+	cr_assert_eq(embd_ckpt_service_final(b.ck, 4), 0);
+	cr_expect(has_dir("step-4") && !has_dir("step-3"), "keep 1: the new checkpoint stays");
 	node_stop(&b);
 }
 
@@ -767,7 +890,7 @@ Test(checkpoint, shared_directory_parts_appear_only_when_committed)
 	/* both parts on disk, no manifest: nothing to restore, and retention leaves them alone */
 	cr_expect_eq(embd_ckpt_find(root, UINT64_MAX, NULL, NULL, dir, sizeof(dir), &m, err,
 				    sizeof(err)), EMBD_ENOENT, "uncommitted parts must not be found");
-	cr_expect_eq(embd_ckpt_retain(root, 1, 7, UINT64_MAX, err, sizeof(err)), 0,
+	cr_expect_eq(embd_ckpt_retain(root, 1, 7, UINT64_MAX, NULL, NULL, err, sizeof(err)), 0,
 		     "retention must keep the .tmp of the step being written");
 	cr_expect_eq(count_entries(".tmp-step-7"), 1);
 	int rc = embd_ckpt_manifest_merge(parts, 2, &m, err, sizeof(err));
