@@ -54,6 +54,19 @@
  * check, so damaged ones never hold a checkpoint_keep slot, and it never removes the newest
  * one. A service that finds damaged checkpoints and no valid one refuses to start from the
  * initial weights (ckpt/ckpt_service.h, checkpoint_allow_fresh_start).
+ *
+ * Ownership and identity. A checkpoint directory belongs to one service: it takes a lock at
+ * start (embd_ckpt_lock_take: flock, held until it exits, released by the kernel when it
+ * dies) and a second one is refused with the holder's pid. One node, and a per_node
+ * layout's node, take <root>/.embd.lock exclusively; the nodes of a shared-layout cluster
+ * share it (LOCK_SH) and each takes <root>/.embd.lock-node-<k> exclusively, so two services
+ * claiming one node rank, or a cluster and a lone service, are refused alike. The identity a
+ * restore checks: a checkpoint's tables must be the config's (names, rows, columns, and the
+ * optimizer when it has state), and its manifest's node, num_nodes and "layout" say what it
+ * is: a whole checkpoint (one node, or a shared cluster's merged manifest: restores under
+ * any plan and node count) or one node's part (per_node: node k of N, only node k's shards,
+ * restored only by node k of N under the same plan). A part is refused by a one-node or
+ * shared-layout restore instead of failing on missing shards.
  */
 #ifndef EMBD_SERVICE_CHECKPOINT_H
 #define EMBD_SERVICE_CHECKPOINT_H
@@ -102,6 +115,18 @@ int embd_ckpt_mkdir(const char *root, char *err, size_t err_len);
 int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, size_t cap,
 			   char *err, size_t err_len);
 
+/*
+ * Takes root's lock (created with root if missing) for the process's lifetime: exclusive for
+ * one node or a per_node layout's node (shared_part false), shared plus node `node`'s own
+ * for a shared-layout cluster's node (above). who describes the holder for the message a
+ * second one gets ("embd node 0 of 2", "embctl import"). EMBD_EBUSY when another process
+ * holds it, err naming its pid; EMBD_EIO when the lock file cannot be opened.
+ */
+struct embd_ckpt_lock;
+int embd_ckpt_lock_take(const char *root, bool shared_part, uint32_t node, const char *who,
+			struct embd_ckpt_lock **out, char *err, size_t err_len);
+/* Releases it. NULL is a no-op. */
+void embd_ckpt_lock_release(struct embd_ckpt_lock *lock);
 
 /*
  * Writes step-<m->step> under root (created if missing) as described above. m's files are

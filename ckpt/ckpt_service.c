@@ -37,6 +37,7 @@ struct result {
 
 struct embd_ckpt_service {
 	const struct embd_ckpt_settings *settings;
+	struct embd_ckpt_lock *lock;            /* checkpoint_dir's, held until destroy */
 	struct embd_step *step;
 	struct embd_ckpt_manifest base;         /* tables, plan, node: every write's manifest */
 	struct embd_store *store;               /* a cluster's: restore, then the writer's only */
@@ -90,6 +91,18 @@ int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct e
 	ck->efd = -1;
 	ck->base.node = settings->node_rank;
 	ck->base.num_nodes = settings->num_nodes;
+	const bool cluster = settings->num_nodes > 1;
+	ck->base.node_part = cluster && settings->checkpoint_layout == EMBD_CKPT_PER_NODE;
+	char who[96];
+	snprintf(who, sizeof(who), "embd node %u of %u%s%s", settings->node_rank,
+		 settings->num_nodes, cluster ? ", checkpoint_layout " : "",
+		 cluster ? embd_ckpt_layout_name(settings->checkpoint_layout) : "");
+	/* first: a second service must not even read the directory the first one writes */
+	if ((rc = embd_ckpt_lock_take(settings->checkpoint_dir,
+				      cluster && settings->checkpoint_layout == EMBD_CKPT_SHARED,
+				      settings->node_rank, who, &ck->lock, err, err_len)))
+		goto out;
+	rc = EMBD_ENOMEM;
 	ck->base.num_tables = t->count;
 	ck->base.tables = calloc(t->count + 1, sizeof(*ck->base.tables));
 	if (!ck->base.tables)
@@ -149,6 +162,7 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck)
 	embd_store_close(ck->store);
 	embd_ckpt_manifest_free(&ck->base);
 	embd_ckpt_snapshot_destroy(ck->snap);
+	embd_ckpt_lock_release(ck->lock);
 	free(ck);
 }
 
@@ -482,6 +496,21 @@ static void move_skipped(struct embd_ckpt_service *ck, const struct embd_ckpt_sk
 	}
 }
 
+/* A checkpoint this service may restore (checkpoint.h, identity): one node's part only on
+ * that node of a per_node cluster (which checks node, count and plan in ckpt_cluster.c). */
+static int check_identity(const struct embd_ckpt_service *ck, const struct embd_ckpt_manifest *m,
+			  const char *dir, char *err, size_t err_len)
+{
+	if (!m->node_part || ck->base.node_part)
+		return 0;
+	return snprintf(err, err_len, "%s is node %u of %u's part of a checkpoint_layout per_node "
+			"checkpoint (only that node's shards): this service (node %u of %u, %s) "
+			"restores whole checkpoints; gather every node's directory (embctl export "
+			"--dir ... --dir ...) or restore it under per_node", dir, m->node, m->num_nodes,
+			ck->base.node, ck->base.num_nodes,
+			ck->base.num_nodes > 1 ? "checkpoint_layout shared" : "one node"), EMBD_EMISMATCH;
+}
+
 /* The newest valid checkpoint into the shards; on a cluster the one chosen through the store
  * at restore_key (ckpt_cluster.h). EMBD_ENOENT (not logged) when there is none; the damaged
  * ones skipped are moved aside when it goes ahead (restored, or none and a fresh start). */
@@ -509,7 +538,8 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 		embd_log_warning("checkpoint_allow_fresh_start: starting from the initial weights "
 				 "over the damaged checkpoints found (%u)", skipped.n);
 	}
-	if (rc || (rc = check_tables(ck, &m, dir, index, err, err_len)))
+	if (rc || (rc = check_identity(ck, &m, dir, err, err_len)) ||
+	    (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
 	move_skipped(ck, &skipped);
 	uint32_t num_targets = 0;

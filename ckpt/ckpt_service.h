@@ -62,7 +62,9 @@ struct embd_ckpt_settings {
 	int store_timeout_ms;
 };
 
-/* For settings->checkpoint_dir (must be set). Keeps pointers to settings and step. */
+/* For settings->checkpoint_dir (must be set, created if missing), whose lock it takes until
+ * destroyed (embd_ckpt_lock_take: EMBD_EBUSY naming the holder's pid when another service
+ * has it). Keeps pointers to settings and step. */
 int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct embd_step *step,
 			     struct embd_plan *plan, struct embd_ckpt_service **out, char *err,
 			     size_t err_len);
@@ -76,8 +78,10 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
  * goes ahead, moved to <checkpoint_dir>/damaged/ (checkpoint.h). With damaged ones and no
  * valid one it refuses to start from the initial weights (EMBD_ECHECKSUM naming them, the
  * directories left in place) unless checkpoint_allow_fresh_start is set: silently starting
- * over would drop the training they hold. EMBD_EMISMATCH when the checkpoint's tables
- * differ from the config's (err names the table).
+ * over would drop the training they hold. EMBD_EMISMATCH when the checkpoint is not this
+ * service's (checkpoint.h: its tables differ from the config's, err naming the table; one
+ * node's part of a per_node checkpoint on one node or the shared layout; per_node: another
+ * node, node count or plan).
  */
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
 			      size_t err_len);

@@ -19,7 +19,8 @@
  *     "log_level": "info",          error | warning | notice | info | debug
  *     "checkpoint_dir": "",         where checkpoints go (ckpt/checkpoint.h); "" = none. At start
  *                                   the newest valid one there is restored, damaged ones are
- *                                   moved to damaged/ there
+ *                                   moved to damaged/ there; the service locks it (a second
+ *                                   one on the same directory is refused, naming the pid)
  *     "checkpoint_layout": "shared",  a cluster's directories: "shared" (every node's
  *                                   checkpoint_dir is one directory, NFS or one machine) or
  *                                   "per_node" (each node its own disk: step-N/ with its

@@ -469,6 +469,38 @@ Test(checkpoint, retention_counts_only_valid_checkpoints)
 	cr_expect(has_dir("step-20") && !has_dir("step-5"), "the newest valid step stays");
 }
 
+Test(checkpoint, lock_refuses_a_second_owner_naming_its_pid)
+{
+	struct embd_ckpt_lock *a, *b, *c;
+	char err[1024], pid[32];
+
+	snprintf(pid, sizeof(pid), "pid %d", (int)getpid());
+	cr_assert_eq(embd_ckpt_lock_take(root, false, 0, "embd node 0 of 1", &a, err, sizeof(err)),
+		     0, "%s", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, false, 0, "second", &b, err, sizeof(err)),
+		     EMBD_EBUSY);
+	cr_expect(strstr(err, pid) && strstr(err, "embd node 0 of 1"), "got '%s'", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, true, 1, "cluster node", &b, err, sizeof(err)),
+		     EMBD_EBUSY, "a shared-layout node must not join a lone service's directory");
+	embd_ckpt_lock_release(a);
+	/* a shared-layout cluster: one lock per node rank */
+	cr_assert_eq(embd_ckpt_lock_take(root, true, 0, "node 0 of 2", &a, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_ckpt_lock_take(root, true, 1, "node 1 of 2", &b, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, true, 1, "node 1 again", &c, err, sizeof(err)),
+		     EMBD_EBUSY, "two services claiming node rank 1");
+	cr_expect(strstr(err, "node 1 of 2") && strstr(err, pid), "got '%s'", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, false, 0, "lone", &c, err, sizeof(err)), EMBD_EBUSY);
+	cr_expect(strstr(err, "node 0 of 2") && strstr(err, "node 1 of 2"), "both nodes named: '%s'",
+		  err);
+	embd_ckpt_lock_release(a);
+	embd_ckpt_lock_release(b);
+	cr_assert_eq(embd_ckpt_lock_take(root, false, 0, "lone", &c, err, sizeof(err)), 0,
+		     "released locks must free the directory: %s", err);
+	embd_ckpt_lock_release(c);
+}
+
 /* ---- the service: restore into a step engine under another plan -------------------------- */
 
 struct node {
@@ -700,6 +732,52 @@ Test(checkpoint, service_moves_newer_damaged_ones_aside_and_keeps_the_valid_one)
 	b.config.checkpoint_keep = 1;
 	cr_assert_eq(embd_ckpt_service_final(b.ck, 4), 0);
 	cr_expect(has_dir("step-4") && !has_dir("step-3"), "keep 1: the new checkpoint stays");
+	node_stop(&b);
+}
+
+/* Replaces text `from` by `to` in step-<step>'s manifest. */
+static void edit_manifest(uint64_t step, const char *from, const char *to)
+{
+	char path[256], text[65536];
+
+	snprintf(path, sizeof(path), "%s/step-%llu/manifest.json", root, (unsigned long long)step);
+	FILE *f = fopen(path, "r");
+	cr_assert_not_null(f);
+	size_t n = fread(text, 1, sizeof(text) - 1, f);
+	fclose(f);
+	text[n] = 0;
+	char *at = strstr(text, from);
+	cr_assert_not_null(at, "'%s' not in %s", from, path);
+	f = fopen(path, "w");
+	cr_assert_not_null(f);
+	fprintf(f, "%.*s%s%s", (int)(at - text), text, to, at + strlen(from));
+	fclose(f);
+}
+
+Test(checkpoint, service_is_the_one_owner_of_its_directory)
+{
+	struct node a, b;
+	struct embd_ckpt_service *second = NULL;
+	char err[1024] = "", pid[32];
+	uint64_t step;
+
+	node_start(&a, "tw", 2);
+	int rc = embd_ckpt_service_create(&a.config, a.step, &a.plan, &second, err, sizeof(err));
+	snprintf(pid, sizeof(pid), "pid %d", (int)getpid());
+	cr_expect_eq(rc, EMBD_EBUSY, "a second service on the directory: got %d", rc);
+	cr_expect(strstr(err, pid) && strstr(err, root), "got '%s'", err);
+	cr_expect_null(second);
+	node_fill(&a);
+	cr_assert_eq(embd_ckpt_service_final(a.ck, 5), 0);
+	node_stop(&a);
+	/* one node's part of a per_node checkpoint is not this one node's to restore */
+	edit_manifest(5, "\"node\":0,\"num_nodes\":1", "\"node\":1,\"num_nodes\":2,"
+		      "\"layout\":\"per_node\"");
+	node_start(&b, "tw", 2);
+	rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EMISMATCH, "a per_node part restored on one node: got %d (%s)", rc,
+		     err);
+	cr_expect(strstr(err, "per_node") && strstr(err, "node 1 of 2"), "got '%s'", err);
 	node_stop(&b);
 }
 
