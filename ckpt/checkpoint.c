@@ -241,7 +241,7 @@ int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
 	*bytes_out = 0;
 	if ((rc = embd_ckpt_mkdir(root, err, err_len)))
 		return rc;
-	char note[EMBD_CKPT_PATH_MAX + 700];
+	char note[EMBD_CKPT_PATH_MAX + 700], inner[256];
 
 	embd_ckpt_dir_name(root, m->step, final, sizeof(final));
 	if ((rc = check_final(root, final, note, sizeof(note))))
@@ -252,8 +252,12 @@ int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
 	if (mkdir(tmp, 0755))
 		return snprintf(err, err_len, "%s: mkdir: %s", tmp, strerror(errno)), EMBD_EIO;
 	if ((rc = write_arrays(tmp, m, arrays, num_arrays, sync, &bytes, err, err_len)) ||
-	    (rc = commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len)))
+	    (rc = commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len))) {
+		/* now, not at the next checkpoint: a full disk gets its space back at once */
+		if (remove_dir(tmp, inner, sizeof(inner)))
+			snprintf(err + strlen(err), err_len - strlen(err), "; %s", inner);
 		return rc;
+	}
 	snprintf(err, err_len, "%s", note);
 	*bytes_out = bytes;
 	return 0;

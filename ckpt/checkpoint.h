@@ -132,7 +132,7 @@ void embd_ckpt_lock_release(struct embd_ckpt_lock *lock);
  * Writes step-<m->step> under root (created if missing) as described above. m's files are
  * replaced by one entry per array (with bytes and crc32c). With sync false nothing is
  * fsynced (tests of the format only). *bytes_out: bytes of all files written. Errors name the
- * file.
+ * file; a failed write removes its .tmp-step-<N> at once (a full disk gets its space back).
  * When step-<N> already holds a valid checkpoint, returns EMBD_EBUSY and writes nothing; a
  * damaged one is moved aside (returning 0, err then says where it went, else err is "").
  */

@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -467,6 +469,31 @@ Test(checkpoint, retention_counts_only_valid_checkpoints)
 	removed = embd_ckpt_retain(root, 1, UINT64_MAX, UINT64_MAX, on_skip, &mv, err, sizeof(err));
 	cr_expect_eq(removed, 2, "steps 10 and 5 removed, got %d (%s)", removed, err);
 	cr_expect(has_dir("step-20") && !has_dir("step-5"), "the newest valid step stays");
+}
+
+/* A write that fails (here the file size limit, as a full disk) leaves no .tmp behind. */
+Test(checkpoint, a_failed_write_removes_its_tmp_at_once)
+{
+	struct embd_ckpt_manifest m;
+	struct embd_ckpt_table tab;
+	struct embd_ckpt_array arrays[6];
+	float *bufs[6];
+	char err[512];
+	uint64_t bytes;
+	struct rlimit lim = { 1024, 1024 }, old;
+
+	make_shards(&m, &tab, rw3, 3, arrays, bufs, 12);
+	signal(SIGXFSZ, SIG_IGN);
+	cr_assert_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+	cr_assert_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+	int rc = embd_ckpt_write_dir(root, &m, arrays, 6, true, &bytes, err, sizeof(err));
+	setrlimit(RLIMIT_FSIZE, &old);
+	cr_expect_neq(rc, 0, "the write must fail past the file size limit");
+	cr_expect_eq(count_entries(".tmp-"), 0, "the failed write's .tmp-step-12 must be gone");
+	cr_expect_eq(count_entries("step-"), 0);
+	for (int i = 0; i < 6; i++)
+		free(bufs[i]);
+	free(m.files);
 }
 
 Test(checkpoint, lock_refuses_a_second_owner_naming_its_pid)
