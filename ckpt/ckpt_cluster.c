@@ -117,6 +117,15 @@ static void publish_verdict(const struct embd_ckpt_cluster *cl, const char *key,
 
 /* ---- writing ----------------------------------------------------------------------------- */
 
+void embd_ckpt_write_delay(const struct embd_ckpt_cluster *cl)
+{
+	struct timespec d = { .tv_sec = cl->write_delay_ms / 1000,
+			      .tv_nsec = (long)(cl->write_delay_ms % 1000) * 1000000 };
+
+	while (cl->write_delay_ms > 0 && nanosleep(&d, &d) && errno == EINTR)
+		;
+}
+
 /* Node 0: every node's report of step, then the commit (shared) or the check (per_node). */
 static int commit(const struct embd_ckpt_cluster *cl, uint64_t step, char (*keys)[CKPT_KEY_MAX],
 		  char *err, size_t err_len)
@@ -181,12 +190,7 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 	/* the others wait for the verdict while this mark is there (ckpt_cluster.h) */
 	if (cl->node == 0 && embd_store_set(cl->store, busy, "1", 1))
 		embd_log_warning("checkpoints: cannot set %s: %s", busy, embd_store_error(cl->store));
-	if (cl->write_delay_ms > 0) {
-		struct timespec d = { .tv_sec = cl->write_delay_ms / 1000,
-				      .tv_nsec = (long)(cl->write_delay_ms % 1000) * 1000000 };
-		while (nanosleep(&d, &d) && errno == EINTR)
-			;
-	}
+	embd_ckpt_write_delay(cl);
 	rc = shared ? embd_ckpt_write_part(root, m, arrays, num_arrays, true, bytes, err, err_len)
 		    : embd_ckpt_write_dir(root, m, arrays, num_arrays, true, bytes, err, err_len);
 	if (rc == EMBD_EBUSY && !shared)

@@ -25,7 +25,8 @@
 struct embd_store;
 
 /* The test hook of a slow write: this many ms of sleep before a node writes its part (read
- * from the environment at start, so that a test can slow one node; 0 when unset). */
+ * from the environment at start, so that a test can slow one node; 0 when unset), also before
+ * one node's write. embd_ckpt_write_delay sleeps it. */
 #define EMBD_CKPT_WRITE_DELAY_ENV "EMBD_TEST_CKPT_WRITE_DELAY_MS"
 
 struct embd_ckpt_cluster {
@@ -37,6 +38,8 @@ struct embd_ckpt_cluster {
 	uint64_t generation;                    /* scopes the keys: the cluster's comm generation
 						 * (0 until a re-form); set only while no write runs */
 };
+
+void embd_ckpt_write_delay(const struct embd_ckpt_cluster *cl);
 
 /*
  * This node's part of step m->step: shared layout, its files into .tmp-step-N

@@ -62,6 +62,8 @@ struct embd_ckpt_service {
 	uint64_t common_step;                   /* the newest step every node holds (per_node
 						 * retention spares it); UINT64_MAX: none known */
 	uint64_t last_step, last_ns;            /* of the last started (or restored) checkpoint */
+	uint64_t skipped;                       /* every_steps boundaries passed while a write ran
+						 * (one node; ckpt_service.h) */
 	uint64_t resumed_step;
 	/* the steps' share of the running checkpoint (service thread): the boundary's own time
 	 * (waiting for the previous write, the begin), then per step the hooks' copies */
@@ -194,6 +196,8 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 	m.step = w->step;
 	m.created_unix_ms = 0;
 	embd_ckpt_dir_name(root, w->step, w->dir, sizeof(w->dir));
+	if (!cluster)
+		embd_ckpt_write_delay(&ck->cl);        /* a cluster's node sleeps in its protocol */
 	w->rc = cluster ? embd_ckpt_cluster_write(&ck->cl, &m, ck->arrays, ck->num_arrays,
 						  &w->bytes, w->err, sizeof(w->err))
 			: embd_ckpt_write_dir(root, &m, ck->arrays, ck->num_arrays, true, &w->bytes,
@@ -357,6 +361,22 @@ static bool timer_due(const struct embd_ckpt_service *ck, uint64_t step)
 	       embd_now_ns() - ck->last_ns >= (uint64_t)c->checkpoint_every_seconds * 1000000000u;
 }
 
+/* One node takes a due every_steps checkpoint at the first boundary after the write that ran
+ * meanwhile (ckpt_service.h); the boundaries it passed are counted and said, not silent. */
+static void count_skipped(struct embd_ckpt_service *ck, uint64_t step)
+{
+	uint32_t every = ck->settings->checkpoint_every_steps;
+	uint64_t passed = (step - ck->last_step) / every;
+
+	if (passed < 2)
+		return;
+	ck->skipped += passed - 1;
+	embd_log_notice("checkpoint_every_steps %u: checkpoint of step %" PRIu64 " only: %" PRIu64
+			" due since step %" PRIu64 " passed while the previous write ran (%" PRIu64
+			" skipped so far, checkpoint.skipped in embctl status)", every, step,
+			passed - 1, ck->last_step, ck->skipped);
+}
+
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 {
 	const struct embd_ckpt_settings *c = ck->settings;
@@ -384,6 +404,8 @@ bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 	}
 	if (!must && (cluster || !(ck->requested || timer_due(ck, step))))
 		return false;
+	if (every && !cluster)
+		count_skipped(ck, step);
 	start(ck, step, waited_ms);
 	return true;
 }
@@ -651,6 +673,7 @@ int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **stat
 	cJSON_AddNumberToObject(o, "keep", ck->settings->checkpoint_keep);
 	cJSON_AddBoolToObject(o, "in_progress", ck->running);
 	cJSON_AddNumberToObject(o, "written", (double)ck->written);
+	cJSON_AddNumberToObject(o, "skipped", (double)ck->skipped);
 	cJSON_AddNumberToObject(o, "max_stall_ms", ck->max_stall_ms);
 	if (ck->last.seq && (last = cJSON_AddObjectToObject(o, "last")))
 		add_result(last, &ck->last);

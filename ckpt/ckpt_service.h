@@ -19,6 +19,15 @@
  * (the shards are then at "steps completed = step": a forward changes no parameter). At most
  * one write runs; a trigger that comes due meanwhile is taken when it ends.
  *
+ * checkpoint_every_steps N when a write takes longer than N steps (one node): the steps never
+ * wait for the disk. A checkpoint that comes due while a write runs is taken at the first
+ * step boundary after that write ended, so with a slow disk the checkpoints land every
+ * "write time" steps rather than every N (every 42-100 steps for N = 5 in one report). The
+ * due boundaries that passed meanwhile are not queued (a queue behind a disk slower than the
+ * steps only grows): each late checkpoint logs how many it replaced, and their total is
+ * "skipped" in the status's "checkpoint" object (`embctl status`: checkpoint.skipped). Raise N
+ * (or give the writes a faster disk) until skipped stays 0. A cluster waits instead (below).
+ *
  * A cluster (either layout, checkpoint.h) must take every checkpoint at the same step on every
  * node. checkpoint_every_steps is known to all in advance: the multiples of it (not "N steps
  * after this node's last one", which drifts when a node missed a boundary). The other triggers are agreed
@@ -136,8 +145,9 @@ uint64_t embd_ckpt_service_reap(struct embd_ckpt_service *ck);
  * When ok is false, the error is in "error". */
 int embd_ckpt_service_result_json(const struct embd_ckpt_service *ck, char **out);
 
-/* Adds "resumed_step" and a "checkpoint" object (config, last result, in progress, worst
- * stall) to the status JSON text *status (replaced by a new malloc'ed text). */
+/* Adds "resumed_step" and a "checkpoint" object (config, last result, in progress, written,
+ * skipped (above), worst stall) to the status JSON text *status (replaced by a new malloc'ed
+ * text). */
 int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **status);
 
 /* The final checkpoint at SIGTERM: waits for a running write, then writes `step` on this

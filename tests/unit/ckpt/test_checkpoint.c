@@ -866,6 +866,33 @@ Test(checkpoint, service_triggers_and_retention)
 	node_stop(&n);
 }
 
+/* A write slower than every_steps: the due checkpoint is taken after it, and the boundaries
+ * that passed meanwhile are counted (checkpoint.skipped) instead of vanishing silently. */
+Test(checkpoint, every_steps_behind_a_slow_write_counts_the_skipped_ones)
+{
+	struct node n;
+	char *json = NULL;
+
+	setenv("EMBD_TEST_CKPT_WRITE_DELAY_MS", "400", 1);
+	node_start(&n, "tw", 1);
+	unsetenv("EMBD_TEST_CKPT_WRITE_DELAY_MS");
+	n.config.checkpoint_every_steps = 2;
+	cr_expect(embd_ckpt_service_poll(n.ck, 2), "step 2 is due");
+	for (uint64_t s = 3; s <= 8; s++)
+		cr_expect(!embd_ckpt_service_poll(n.ck, s), "step %llu: the write of step 2 runs",
+			  (unsigned long long)s);
+	wait_written(&n, 1);
+	cr_expect(embd_ckpt_service_poll(n.ck, 9), "due since step 4: taken after the write");
+	wait_written(&n, 2);
+	cr_expect(has_step(9));
+	json = strdup("{}");
+	cr_assert_eq(embd_ckpt_service_status_add(n.ck, &json), 0);
+	cr_expect(strstr(json, "\"skipped\":2"), "boundaries 4, 6, 8 passed, one taken late at "
+		  "9: expected skipped 2 in %s", json);
+	free(json);
+	node_stop(&n);
+}
+
 /* A cluster's every_steps are the multiples of N, not N after the last one this node took (an
  * agreed one, or one a node took alone while the cluster re-formed), so every node is due at
  * the same steps. Node 0 of 2 with no node 1: each write fails after store_timeout_ms. */
