@@ -24,6 +24,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/ckpt_service.h"
 #include "engine/step.h"
+#include "tests/support/dir_util.h"
 #include "tests/support/dist_util.h"
 
 static char root[64];
@@ -328,20 +329,9 @@ static void flip_byte(const char *path, off_t at)
 	close(fd);
 }
 
-static int count_in(const char *dir, const char *prefix)
-{
-	DIR *d = opendir(dir);
-	int n = 0;
-	for (struct dirent *e; d && (e = readdir(d));)
-		n += !strncmp(e->d_name, prefix, strlen(prefix));
-	if (d)
-		closedir(d);
-	return n;
-}
-
 static int count_entries(const char *prefix)
 {
-	return count_in(root, prefix);
+	return tu_count_entries(root, prefix);
 }
 
 /* Entries of <root>/damaged/ whose name starts with prefix. */
@@ -349,7 +339,7 @@ static int count_damaged(const char *prefix)
 {
 	char dir[128];
 	snprintf(dir, sizeof(dir), "%s/damaged", root);
-	return count_in(dir, prefix);
+	return tu_count_entries(dir, prefix);
 }
 
 Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
