@@ -40,6 +40,7 @@ struct service {
 };
 
 static struct service services[2];
+static uint32_t trainers = 1;           /* trainers_per_node of write_config */
 
 static void setup(void)
 {
@@ -67,13 +68,14 @@ static void teardown(void)
 
 	for (int i = 0; i < 2; i++)
 		stop(&services[i]);
+	trainers = 1;
 	snprintf(cmd, sizeof(cmd), "rm -rf %s", base);
 	cr_expect_eq(system(cmd), 0);
 }
 
 TestSuite(hostile, .init = setup, .fini = teardown, .timeout = 120);
 
-/* One table "t" (adagrad) of ROWS x DIM, one trainer; extra: more config keys or "". */
+/* One table "t" (adagrad) of ROWS x DIM, `trainers` trainers; extra: more keys or "". */
 static void write_config(const char *extra)
 {
 	FILE *f = fopen(config_path, "w");
@@ -84,8 +86,8 @@ static void write_config(const char *extra)
 		"\"adagrad\", \"lr\": 0.1, \"eps\": 1e-8}}],\n"
 		" \"topology\": {\"world_size\": 1, \"local_world_size\": 1, \"compute_device\": "
 		"\"cpu\", \"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", \"batch_size\": %d},\n"
-		" \"trainers_per_node\": 1, \"seed\": 5, \"busy_poll_us\": 10,\n"
-		" \"checkpoint_dir\": \"%s\"%s }\n", ROWS, DIM, B, ckdir, extra);
+		" \"trainers_per_node\": %u, \"seed\": 5, \"busy_poll_us\": 10,\n"
+		" \"checkpoint_dir\": \"%s\"%s }\n", ROWS, DIM, B, trainers, ckdir, extra);
 	fclose(f);
 }
 
@@ -229,6 +231,80 @@ Test(hostile, a_second_embd_on_the_same_checkpoint_dir_is_refused)
 	stop(&services[0]);
 	cr_expect_eq(embctl(args), 0, "embctl import after embd exited");
 	cr_expect(start(1, &st), "an embd after the first one died (exit 0x%x)", st);
+}
+
+/* ---- NaN and infinite gradients ----------------------------------------------------------- */
+
+/* Posts op of `step` for both trainers (slot = step % 2) and waits for both completions. */
+static void both(struct embd_client **c, enum embd_request_op op, uint64_t step, int *result)
+{
+	for (int i = 0; i < 2; i++) {
+		struct embd_request req = { .op = op, .slot = (uint32_t)(step % 2), .step = step,
+					    .num_values = B };
+		cr_assert_eq(embd_submit(c[i], &req), 0, "%s", embd_last_error(c[i]));
+	}
+	for (int i = 0; i < 2; i++) {
+		struct embd_completion done;
+		cr_assert_eq(embd_wait(c[i], &done, 10000), 0, "trainer %d: %s", i,
+			     embd_last_error(c[i]));
+		result[i] = done.result;
+	}
+}
+
+/* One trainer's NaN gradient: the step is refused for both trainers, nothing is applied (the
+ * next forward pools the same rows to the same values), the log and stats say so. */
+Test(hostile, a_nan_gradient_is_refused_for_every_trainer)
+{
+	struct embd_client *c[2];
+	struct embd_batch b[2][2];
+	float before[2][B * DIM];
+	char err[256], args[256];
+	int st, res[2];
+
+	trainers = 2;
+	write_config("");
+	cr_assert(start(0, &st), "embd (exit 0x%x)", st);
+	for (int i = 0; i < 2; i++) {
+		cr_assert_eq(embd_connect(services[0].socket, i, 10000, &c[i], err, sizeof(err)), 0,
+			     "%s", err);
+		for (uint32_t slot = 0; slot < 2; slot++) {
+			embd_batch_get(c[i], slot, &b[i][slot]);
+			for (uint32_t k = 0; k < B; k++) {
+				b[i][slot].lengths[k] = 1;
+				b[i][slot].values[k] = 3 + k;   /* both trainers on rows 3..6 */
+			}
+			for (uint32_t k = 0; k < B * DIM; k++)
+				b[i][slot].grad[k] = 0.25f;
+		}
+	}
+	b[1][0].grad[2 * DIM + 5] = NAN;                 /* trainer 1: sample 2, column 5 */
+	both(c, EMBD_REQUEST_FORWARD, 0, res);
+	cr_assert(res[0] == 0 && res[1] == 0, "forward: %d %d", res[0], res[1]);
+	for (int i = 0; i < 2; i++)
+		memcpy(before[i], b[i][0].pooled, sizeof(before[i]));
+	both(c, EMBD_REQUEST_BACKWARD, 0, res);
+	for (int i = 0; i < 2; i++) {
+		cr_expect_eq(res[i], EMBD_ECANCELED, "trainer %d: the step must be refused for every "
+			     "trainer, got %d", i, res[i]);
+		cr_expect(strstr(embd_last_error(c[i]), "trainer 1 of node 0") &&
+			  strstr(embd_last_error(c[i]), "NaN at sample 2, column 5 (feature 'f')"),
+			  "trainer %d's error must name trainer, sample, column: '%s'", i,
+			  embd_last_error(c[i]));
+	}
+	both(c, EMBD_REQUEST_FORWARD, 1, res);
+	cr_assert(res[0] == 0 && res[1] == 0, "the next step runs: %d %d", res[0], res[1]);
+	for (int i = 0; i < 2; i++)
+		cr_expect(!memcmp(before[i], b[i][1].pooled, sizeof(before[i])), "trainer %d: the "
+			  "refused step must have changed no row", i);
+	both(c, EMBD_REQUEST_BACKWARD, 1, res);
+	cr_expect(res[0] == 0 && res[1] == 0, "a finite step trains: %d %d", res[0], res[1]);
+	snprintf(args, sizeof(args), "stats --json --socket %s", services[0].socket);
+	cr_expect_eq(embctl(args), 0);
+	cr_expect(file_has(out_path, "\"nonfinite_grads\":1") &&
+		  file_has(out_path, "\"aborted_steps\":1"), "stats count it (see %s)", out_path);
+	cr_expect(file_has(services[0].log, "sent a gradient that is NaN"), "the log says why");
+	embd_close(c[0]);
+	embd_close(c[1]);
 }
 
 /* ---- embctl ------------------------------------------------------------------------------- */
