@@ -68,8 +68,8 @@
  * restored only by node k of N under the same plan). A part is refused by a one-node or
  * shared-layout restore instead of failing on missing shards.
  */
-#ifndef EMBD_SERVICE_CHECKPOINT_H
-#define EMBD_SERVICE_CHECKPOINT_H
+#ifndef EMBD_CKPT_CHECKPOINT_H
+#define EMBD_CKPT_CHECKPOINT_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -227,4 +227,4 @@ int embd_ckpt_find_nodes(const char *const *roots, uint32_t num_roots, uint64_t 
 /* The index of table `name` in m, or -1. */
 int embd_ckpt_table_index(const struct embd_ckpt_manifest *m, const char *name);
 
-#endif /* EMBD_SERVICE_CHECKPOINT_H */
+#endif /* EMBD_CKPT_CHECKPOINT_H */

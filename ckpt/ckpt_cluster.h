@@ -13,8 +13,8 @@
  * same step again: in a new generation, so a stale report, verdict, ack count or mark of an
  * earlier one is never read (a stale report let node 0 commit a step before node k wrote it).
  */
-#ifndef EMBD_SERVICE_CKPT_CLUSTER_H
-#define EMBD_SERVICE_CKPT_CLUSTER_H
+#ifndef EMBD_CKPT_CKPT_CLUSTER_H
+#define EMBD_CKPT_CKPT_CLUSTER_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -116,4 +116,4 @@ int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,
 int embd_ckpt_cluster_stop_barrier(const struct embd_ckpt_cluster *cl, uint64_t step,
 				   char *err, size_t err_len);
 
-#endif /* EMBD_SERVICE_CKPT_CLUSTER_H */
+#endif /* EMBD_CKPT_CKPT_CLUSTER_H */

@@ -40,8 +40,8 @@
  * node's result is the cluster's (node 0's verdict, ckpt_cluster.h), so `embctl checkpoint
  * --wait` answers alike on every node.
  */
-#ifndef EMBD_SERVICE_CKPT_SERVICE_H
-#define EMBD_SERVICE_CKPT_SERVICE_H
+#ifndef EMBD_CKPT_CKPT_SERVICE_H
+#define EMBD_CKPT_CKPT_SERVICE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -126,7 +126,7 @@ uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
  * is being written (a cluster's due one waits for the running write). True when one started.
  * One node also calls it when a request comes or a write ends (it takes the due one then). On
  * a cluster call it only at the boundary of a step the cluster ran together while running
- * (server.c next_step): every node must poll the same steps. */
+ * (daemon/server_ckpt.c, embd_server_checkpoint_boundary): every node must poll the same steps. */
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
 
 /* A cluster's agreement: _wanted, this node's HELLO flag for the step about to run (a
@@ -165,4 +165,4 @@ struct embd_ckpt_figures {
 };
 void embd_ckpt_service_figures(const struct embd_ckpt_service *ck, struct embd_ckpt_figures *out);
 
-#endif /* EMBD_SERVICE_CKPT_SERVICE_H */
+#endif /* EMBD_CKPT_CKPT_SERVICE_H */

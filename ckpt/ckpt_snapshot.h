@@ -29,8 +29,8 @@
  * number at once, each shard on one of them; wait_array on the writer. A snapshot's buffer is
  * read only after wait_array said its array is complete.
  */
-#ifndef EMBD_SERVICE_CKPT_SNAPSHOT_H
-#define EMBD_SERVICE_CKPT_SNAPSHOT_H
+#ifndef EMBD_CKPT_CKPT_SNAPSHOT_H
+#define EMBD_CKPT_CKPT_SNAPSHOT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -73,4 +73,4 @@ void embd_ckpt_snapshot_before_update(void *snap, const struct embd_shard *shard
 /* Nanoseconds the hooks spent copying since the last begin (summed over rank workers). */
 uint64_t embd_ckpt_snapshot_hook_ns(struct embd_ckpt_snapshot *snap);
 
-#endif /* EMBD_SERVICE_CKPT_SNAPSHOT_H */
+#endif /* EMBD_CKPT_CKPT_SNAPSHOT_H */

@@ -4,8 +4,8 @@
  * a slice-by-8 table otherwise; both give the same value. Incremental: pass the previous
  * result as crc (0 to start).
  */
-#ifndef EMBD_SERVICE_CRC32C_H
-#define EMBD_SERVICE_CRC32C_H
+#ifndef EMBD_CKPT_CRC32C_H
+#define EMBD_CKPT_CRC32C_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -20,4 +20,4 @@ uint32_t embd_crc32c_table(uint32_t crc, const void *data, size_t len);
 /* Whether embd_crc32c uses the SSE4.2 instruction on this CPU. */
 bool embd_crc32c_hw(void);
 
-#endif /* EMBD_SERVICE_CRC32C_H */
+#endif /* EMBD_CKPT_CRC32C_H */

@@ -23,8 +23,8 @@
  * listed, coordinates outside the table, a state the table's optimizer does not have, and two
  * files of one table and state that overlap.
  */
-#ifndef EMBD_SERVICE_MANIFEST_H
-#define EMBD_SERVICE_MANIFEST_H
+#ifndef EMBD_CKPT_MANIFEST_H
+#define EMBD_CKPT_MANIFEST_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -103,4 +103,4 @@ int embd_ckpt_manifest_merge(const struct embd_ckpt_manifest *parts, uint32_t n,
 /* Releases what a manifest owns. NULL and zeroed are fine. */
 void embd_ckpt_manifest_free(struct embd_ckpt_manifest *m);
 
-#endif /* EMBD_SERVICE_MANIFEST_H */
+#endif /* EMBD_CKPT_MANIFEST_H */

@@ -11,8 +11,8 @@
  * big-endian or unknown dtypes, fortran_order True, a shape over EMBD_NPY_NDIM_MAX dimensions,
  * a data size that overflows, a header that runs past the bytes given.
  */
-#ifndef EMBD_SERVICE_NPY_H
-#define EMBD_SERVICE_NPY_H
+#ifndef EMBD_CKPT_NPY_H
+#define EMBD_CKPT_NPY_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -74,4 +74,4 @@ int embd_npy_write_file(const char *path, enum embd_npy_dtype dtype, uint32_t nd
 int embd_npy_read_file(const char *path, struct embd_npy_header *hdr, void **data, char *err,
 		       size_t err_len);
 
-#endif /* EMBD_SERVICE_NPY_H */
+#endif /* EMBD_CKPT_NPY_H */

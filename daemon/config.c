@@ -1,19 +1,24 @@
 /*
  * The service config (format in daemon/config.h): a strict JSON object walked key by key
- * against one table of known keys, so a misspelt key is an error rather than a silently
- * ignored setting. Tables and topology are the planner's own parsers, so the config and the
- * planner's files can never disagree on what a field means.
+ * against one table of known keys (keys[]: each key's reader, field, range and default), so a
+ * misspelt key is an error rather than a silently ignored setting, and adding a key is one
+ * row. Tables and topology are the planner's own parsers, so the config and the planner's
+ * files can never disagree on what a field means.
  */
 #include "daemon/config.h"
-#include "common/file.h"
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "common/err.h"
+#include "common/file.h"
+#include "planner/plan_json.h"
 
 /* Two CPU ranks on one node and the planner's demo tables (tests/data/planner/demo_tables.json). */
 static const char default_text[] =
@@ -51,200 +56,248 @@ const char *embd_config_default_text(void)
 	return default_text;
 }
 
-static int fail(char *err, size_t err_len, int rc, const char *fmt, const char *key)
-{
-	if (err && err_len)
-		snprintf(err, err_len, fmt, key);
-	return rc;
-}
-
-/* An integer in [min, max]: JSON numbers are doubles, so integrality is checked here. */
-static int get_uint(const cJSON *item, double max, uint64_t *out, char *err, size_t err_len)
-{
-	if (!cJSON_IsNumber(item))
-		return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected a number",
-			    item->string);
-	double v = item->valuedouble;
-	if (!(v >= 0 && v <= max) || floor(v) != v)
-		return fail(err, err_len, EMBD_EINVAL,
-			    "config key '%s': expected a non-negative integer in range", item->string);
-	*out = (uint64_t)v;
-	return 0;
-}
-
-/* A count of things that must exist: 1..1024. */
-static int get_count(const cJSON *item, uint32_t *out, char *err, size_t err_len)
-{
-	uint64_t v;
-	int rc = get_uint(item, 1024, &v, err, err_len);
-
-	if (!rc && v == 0)
-		rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must be at least 1",
-			  item->string);
-	*out = (uint32_t)v;
-	return rc;
-}
-
-static int get_string(const cJSON *item, char *dst, size_t dst_len, char *err, size_t err_len)
-{
-	if (!cJSON_IsString(item))
-		return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected a string",
-			    item->string);
-	if (strlen(item->valuestring) >= dst_len)
-		return fail(err, err_len, EMBD_EINVAL, "config key '%s': string too long",
-			    item->string);
-	strcpy(dst, item->valuestring);
-	return 0;
-}
-
-static int get_ids(const cJSON *item, unsigned int *ids, uint32_t *count, char *err, size_t err_len)
+/* allowed_uids, allowed_gids */
+static int get_ids(const cJSON *v, const char *key, unsigned int *ids, uint32_t *count,
+		   char *err, size_t err_len)
 {
 	const cJSON *e;
 	uint32_t n = 0;
 
-	if (!cJSON_IsArray(item))
-		return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected an array of ids",
-			    item->string);
-	cJSON_ArrayForEach(e, item) {
+	if (!cJSON_IsArray(v))
+		return embd_fail(err, err_len, EMBD_EINVAL,
+				 "config key '%s': expected an array of ids", key);
+	cJSON_ArrayForEach(e, v) {
 		if (n == EMBD_CONFIG_IDS_MAX)
-			return fail(err, err_len, EMBD_EINVAL, "config key '%s': more than 64 ids",
-				    item->string);
-		double v = cJSON_IsNumber(e) ? e->valuedouble : -1;
+			return embd_fail(err, err_len, EMBD_EINVAL,
+					 "config key '%s': more than 64 ids", key);
+		double d = cJSON_IsNumber(e) ? e->valuedouble : -1;
 		/* (uint32_t)-1 is the kernel's "no id" value and never a real uid or gid */
-		if (!(v >= 0 && v < 4294967295.0) || floor(v) != v)
-			return fail(err, err_len, EMBD_EINVAL,
-				    "config key '%s': every entry must be an integer id", item->string);
-		ids[n++] = (unsigned int)v;
+		if (!(d >= 0 && d < 4294967295.0) || floor(d) != d)
+			return embd_fail(err, err_len, EMBD_EINVAL,
+					 "config key '%s': every entry must be an integer id", key);
+		ids[n++] = (unsigned int)d;
 	}
 	*count = n;
 	return 0;
 }
 
-static int parse_key(const cJSON *item, struct embd_config *c, const cJSON **tables,
-		     const cJSON **topology, char *err, size_t err_len)
-{
-	const char *k = item->string;
-	uint64_t v;
-	int rc;
+/* ---- the keys ----------------------------------------------------------------------------- */
 
-	if (!strcmp(k, "tables")) {
-		*tables = item;
-		return 0;
+struct key;
+typedef int parse_fn(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		     size_t err_len);
+
+struct choice {
+	const char *name;
+	int value;
+};
+
+/* One key of the file: how its value is read and where it goes. What each key means is
+ * documented in daemon/config.h. */
+struct key {
+	const char *name;
+	parse_fn *parse;                /* NULL: the planner's part, read after every other key */
+	size_t offset, size;            /* the field of struct embd_config it sets */
+	uint64_t min;                   /* parse_uint: values below fail with why */
+	double max;                     /* parse_uint: values above fail as out of range */
+	bool (*valid)(const char *s);   /* parse_string: a string it refuses fails with why */
+	const struct choice *choices;   /* parse_choice: the names it takes, NULL-terminated */
+	const char *why;                /* the key's own refusal, after "config key 'name': " */
+	const char *def;                /* the default as JSON, read like a given value; NULL:
+					 * zero, or derived from other keys (resolve_defaults) */
+};
+
+#define FIELD(f) .offset = offsetof(struct embd_config, f), \
+		 .size = sizeof(((struct embd_config *)0)->f)
+
+static void *field(struct embd_config *c, const struct key *k)
+{
+	return (char *)c + k->offset;
+}
+
+static int refuse(const struct key *k, char *err, size_t err_len)
+{
+	return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': %s", k->name, k->why);
+}
+
+/* Unsigned fields of 2, 4 or 8 bytes, and the int-sized ones (timeouts, enums) whose values
+ * a key's range keeps non-negative. */
+static void set_uint(struct embd_config *c, const struct key *k, uint64_t v)
+{
+	uint16_t u16 = (uint16_t)v;
+	uint32_t u32 = (uint32_t)v;
+
+	if (k->size == sizeof(u16))
+		memcpy(field(c, k), &u16, sizeof(u16));
+	else if (k->size == sizeof(u32))
+		memcpy(field(c, k), &u32, sizeof(u32));
+	else
+		memcpy(field(c, k), &v, sizeof(v));
+}
+
+/* An integer in [0, max], then at least min: JSON numbers are doubles, so integrality is
+ * checked here. */
+static int parse_uint(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		      size_t err_len)
+{
+	if (!cJSON_IsNumber(v))
+		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': expected a number",
+				 k->name);
+	double d = v->valuedouble;
+	if (!(d >= 0 && d <= k->max) || floor(d) != d)
+		return embd_fail(err, err_len, EMBD_EINVAL,
+				 "config key '%s': expected a non-negative integer in range", k->name);
+	if ((uint64_t)d < k->min)
+		return refuse(k, err, err_len);
+	set_uint(c, k, (uint64_t)d);
+	return 0;
+}
+
+static int parse_string(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+			size_t err_len)
+{
+	if (!cJSON_IsString(v))
+		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': expected a string",
+				 k->name);
+	if (strlen(v->valuestring) >= k->size)
+		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': string too long",
+				 k->name);
+	if (k->valid && !k->valid(v->valuestring))
+		return refuse(k, err, err_len);
+	strcpy(field(c, k), v->valuestring);
+	return 0;
+}
+
+static int parse_choice(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+			size_t err_len)
+{
+	for (const struct choice *ch = k->choices; cJSON_IsString(v) && ch->name; ch++)
+		if (!strcmp(v->valuestring, ch->name)) {
+			set_uint(c, k, (uint64_t)ch->value);
+			return 0;
+		}
+	return refuse(k, err, err_len);
+}
+
+static int parse_bool(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		      size_t err_len)
+{
+	if (!cJSON_IsBool(v))
+		return refuse(k, err, err_len);
+	*(bool *)field(c, k) = cJSON_IsTrue(v);
+	return 0;
+}
+
+static int parse_log_level(const struct key *k, const cJSON *v, struct embd_config *c,
+			   char *err, size_t err_len)
+{
+	if (!cJSON_IsString(v) || embd_log_level_from_name(v->valuestring, &c->log_level))
+		return refuse(k, err, err_len);
+	return 0;
+}
+
+static int parse_uids(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		      size_t err_len)
+{
+	return get_ids(v, k->name, c->allowed_uids, &c->num_allowed_uids, err, err_len);
+}
+
+static int parse_gids(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		      size_t err_len)
+{
+	return get_ids(v, k->name, c->allowed_gids, &c->num_allowed_gids, err, err_len);
+}
+
+static bool not_empty(const char *s)
+{
+	return s[0] != 0;
+}
+
+/* GLOO_SOCKET_IFNAME may list several; the config takes one */
+static bool one_ifname(const char *s)
+{
+	return s[0] && !strchr(s, ',');
+}
+
+static bool numeric_addr(const char *s)
+{
+	unsigned char bin[sizeof(struct in6_addr)];
+
+	return inet_pton(AF_INET, s, bin) == 1 || inet_pton(AF_INET6, s, bin) == 1;
+}
+
+static const struct choice layouts[] = {
+	{ "shared", EMBD_CKPT_SHARED }, { "per_node", EMBD_CKPT_PER_NODE }, { NULL, 0 } };
+static const struct choice backends[] = {
+	{ "gloo", EMBD_COMM_GLOO }, { "nccl", EMBD_COMM_NCCL }, { NULL, 0 } };
+
+#define U32_MAX_D 4294967295.0
+#define MS_PER_DAY 86400000.0
+
+/* The one place keys are read: a key not here is refused as unknown. */
+static const struct key keys[] = {
+	{ "tables", NULL, FIELD(tables) },
+	{ "topology", NULL, FIELD(topology) },
+	{ "plan_file", parse_string, FIELD(plan_file) },
+	{ "socket_path", parse_string, FIELD(socket_path), .valid = not_empty,
+	  .why = "must not be empty", .def = "\"" EMBD_CONFIG_DEFAULT_SOCKET "\"" },
+	{ "allowed_uids", parse_uids, FIELD(allowed_uids) },
+	{ "allowed_gids", parse_gids, FIELD(allowed_gids) },
+	{ "trainers_per_node", parse_uint, FIELD(trainers_per_node), .min = 1, .max = 1024,
+	  .why = "must be at least 1" },
+	/* 2^53: the largest integer a JSON double carries exactly */
+	{ "seed", parse_uint, FIELD(seed), .max = 9007199254740992.0, .def = "2026" },
+	{ "threads_per_rank", parse_uint, FIELD(threads_per_rank), .min = 1, .max = 1024,
+	  .why = "must be at least 1", .def = "1" },
+	{ "log_level", parse_log_level, FIELD(log_level),
+	  .why = "expected error, warning, notice, info or debug", .def = "\"info\"" },
+	{ "checkpoint_dir", parse_string, FIELD(checkpoint_dir) },
+	{ "checkpoint_layout", parse_choice, FIELD(checkpoint_layout), .choices = layouts,
+	  .why = "expected shared or per_node", .def = "\"shared\"" },
+	{ "checkpoint_every_steps", parse_uint, FIELD(checkpoint_every_steps), .max = U32_MAX_D },
+	{ "checkpoint_every_seconds", parse_uint, FIELD(checkpoint_every_seconds),
+	  .max = U32_MAX_D },
+	{ "checkpoint_keep", parse_uint, FIELD(checkpoint_keep), .max = U32_MAX_D, .def = "3" },
+	{ "checkpoint_allow_fresh_start", parse_bool, FIELD(checkpoint_allow_fresh_start),
+	  .why = "expected true or false" },
+	{ "busy_poll_us", parse_uint, FIELD(busy_poll_us), .max = 1000000, .def = "50" },
+	{ "master_addr", parse_string, FIELD(master_addr), .valid = not_empty,
+	  .why = "must not be empty", .def = "\"127.0.0.1\"" },
+	{ "master_port", parse_uint, FIELD(master_port), .min = 1, .max = 65535,
+	  .why = "must be 1..65535", .def = "29500" },
+	{ "gloo_ifname", parse_string, FIELD(gloo_ifname), .valid = one_ifname,
+	  .why = "expected one interface name" },
+	{ "comm_addr", parse_string, FIELD(comm_addr), .valid = numeric_addr,
+	  .why = "not a numeric IPv4 or IPv6 address" },
+	{ "node_rank", parse_uint, FIELD(node_rank), .max = 1 << 20 },
+	{ "backend", parse_choice, FIELD(backend), .choices = backends,
+	  .why = "expected gloo or nccl", .def = "\"gloo\"" },
+	{ "collective_timeout_ms", parse_uint, FIELD(collective_timeout_ms), .min = 1,
+	  .max = MS_PER_DAY, .why = "must be at least 1", .def = "30000" },
+	{ "store_timeout_ms", parse_uint, FIELD(store_timeout_ms), .max = MS_PER_DAY },
+};
+
+static const struct key *find_key(const char *name)
+{
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+		if (!strcmp(keys[i].name, name))
+			return &keys[i];
+	return NULL;
+}
+
+/* Every key with a default takes it, through its own parser. */
+static int set_defaults(struct embd_config *c, char *err, size_t err_len)
+{
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++) {
+		if (!keys[i].def)
+			continue;
+		cJSON *v = cJSON_Parse(keys[i].def);
+		int rc = v ? keys[i].parse(&keys[i], v, c, err, err_len) : EMBD_ENOMEM;
+		cJSON_Delete(v);
+		if (rc)
+			return rc;
 	}
-	if (!strcmp(k, "topology")) {
-		*topology = item;
-		return 0;
-	}
-	if (!strcmp(k, "plan_file"))
-		return get_string(item, c->plan_file, sizeof(c->plan_file), err, err_len);
-	if (!strcmp(k, "checkpoint_dir"))
-		return get_string(item, c->checkpoint_dir, sizeof(c->checkpoint_dir), err, err_len);
-	if (!strcmp(k, "checkpoint_layout")) {
-		if (!cJSON_IsString(item) || (strcmp(item->valuestring, "shared") &&
-					      strcmp(item->valuestring, "per_node")))
-			return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected shared or "
-				    "per_node", k);
-		c->checkpoint_layout = strcmp(item->valuestring, "shared") ? EMBD_CKPT_PER_NODE
-									   : EMBD_CKPT_SHARED;
-		return 0;
-	}
-	if (!strcmp(k, "checkpoint_every_steps") || !strcmp(k, "checkpoint_every_seconds") ||
-	    !strcmp(k, "checkpoint_keep")) {
-		rc = get_uint(item, 4294967295.0, &v, err, err_len);
-		uint32_t *dst = !strcmp(k, "checkpoint_keep") ? &c->checkpoint_keep :
-				!strcmp(k, "checkpoint_every_steps") ? &c->checkpoint_every_steps :
-				&c->checkpoint_every_seconds;
-		*dst = (uint32_t)v;
-		return rc;
-	}
-	if (!strcmp(k, "socket_path")) {
-		rc = get_string(item, c->socket_path, sizeof(c->socket_path), err, err_len);
-		if (!rc && !c->socket_path[0])
-			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must not be empty", k);
-		return rc;
-	}
-	if (!strcmp(k, "allowed_uids"))
-		return get_ids(item, c->allowed_uids, &c->num_allowed_uids, err, err_len);
-	if (!strcmp(k, "allowed_gids"))
-		return get_ids(item, c->allowed_gids, &c->num_allowed_gids, err, err_len);
-	if (!strcmp(k, "log_level")) {
-		if (!cJSON_IsString(item) || embd_log_level_from_name(item->valuestring, &c->log_level))
-			return fail(err, err_len, EMBD_EINVAL,
-				    "config key '%s': expected error, warning, notice, info or debug", k);
-		return 0;
-	}
-	if (!strcmp(k, "seed")) {
-		/* 2^53: the largest integer a JSON double carries exactly */
-		rc = get_uint(item, 9007199254740992.0, &v, err, err_len);
-		c->seed = v;
-		return rc;
-	}
-	if (!strcmp(k, "trainers_per_node"))
-		return get_count(item, &c->trainers_per_node, err, err_len);
-	if (!strcmp(k, "threads_per_rank"))
-		return get_count(item, &c->threads_per_rank, err, err_len);
-	if (!strcmp(k, "master_addr")) {
-		rc = get_string(item, c->master_addr, sizeof(c->master_addr), err, err_len);
-		if (!rc && !c->master_addr[0])
-			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must not be empty", k);
-		return rc;
-	}
-	if (!strcmp(k, "gloo_ifname")) {
-		rc = get_string(item, c->gloo_ifname, sizeof(c->gloo_ifname), err, err_len);
-		if (!rc && (!c->gloo_ifname[0] || strchr(c->gloo_ifname, ',')))
-			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': expected one interface "
-				  "name", k);
-		return rc;
-	}
-	if (!strcmp(k, "comm_addr")) {
-		unsigned char bin[sizeof(struct in6_addr)];
-		rc = get_string(item, c->comm_addr, sizeof(c->comm_addr), err, err_len);
-		if (!rc && inet_pton(AF_INET, c->comm_addr, bin) != 1 &&
-		    inet_pton(AF_INET6, c->comm_addr, bin) != 1)
-			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': not a numeric IPv4 or "
-				  "IPv6 address", k);
-		return rc;
-	}
-	if (!strcmp(k, "master_port")) {
-		rc = get_uint(item, 65535, &v, err, err_len);
-		if (!rc && !v)
-			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must be 1..65535", k);
-		c->master_port = (uint16_t)v;
-		return rc;
-	}
-	if (!strcmp(k, "node_rank")) {
-		rc = get_uint(item, 1 << 20, &v, err, err_len);
-		c->node_rank = (uint32_t)v;
-		return rc;
-	}
-	if (!strcmp(k, "backend")) {
-		if (!cJSON_IsString(item) || (strcmp(item->valuestring, "gloo") &&
-					      strcmp(item->valuestring, "nccl")))
-			return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected gloo or nccl",
-				    k);
-		c->backend = strcmp(item->valuestring, "gloo") ? EMBD_COMM_NCCL : EMBD_COMM_GLOO;
-		return 0;
-	}
-	if (!strcmp(k, "collective_timeout_ms") || !strcmp(k, "store_timeout_ms")) {
-		rc = get_uint(item, 86400000, &v, err, err_len);
-		if (!rc && !v && k[0] == 'c')
-			rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': must be at least 1", k);
-		*(k[0] == 'c' ? &c->collective_timeout_ms : &c->store_timeout_ms) = (int)v;
-		return rc;
-	}
-	if (!strcmp(k, "busy_poll_us")) {
-		rc = get_uint(item, 1000000, &v, err, err_len);
-		c->busy_poll_us = (uint32_t)v;
-		return rc;
-	}
-	if (!strcmp(k, "checkpoint_allow_fresh_start")) {
-		if (!cJSON_IsBool(item))
-			return fail(err, err_len, EMBD_EINVAL, "config key '%s': expected true or false",
-				    k);
-		c->checkpoint_allow_fresh_start = cJSON_IsTrue(item);
-		return 0;
-	}
-	return fail(err, err_len, EMBD_EINVAL, "config key '%s': unknown key", k);
+	return 0;
 }
 
 static int check(const struct embd_config *c, char *err, size_t err_len)
@@ -252,27 +305,27 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 	const struct embd_topology *t = &c->topology;
 
 	if (t->world_size % t->local_world_size)
-		return fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': world_size must be a multiple of local_world_size",
 			    "topology");
 	if (c->node_rank >= embd_config_nodes(c))
-		return fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': must be below world_size / local_world_size",
 			    "node_rank");
 	if (embd_config_nodes(c) > 1 && c->trainers_per_node > 64)
-		return fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': at most 64 on several nodes", "trainers_per_node");
 	if (c->gloo_ifname[0] && c->comm_addr[0])
-		return fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': give comm_addr or gloo_ifname, not both", "comm_addr");
 	if (c->backend == EMBD_COMM_NCCL && t->compute_device != EMBD_DEVICE_CUDA)
-		return fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': nccl needs compute_device cuda; use gloo", "backend");
 	if (t->compute_device != EMBD_DEVICE_CPU)
-		return fail(err, err_len, EMBD_ENOTSUP,
+		return embd_fail(err, err_len, EMBD_ENOTSUP,
 			    "config key '%s': compute_device must be cpu in this build", "topology");
 	if (c->tables.count == 0)
-		return fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
+		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
 	return 0;
 }
 
@@ -294,13 +347,68 @@ static int parse_default_part(bool want_tables, struct embd_config *c, char *err
 	return rc;
 }
 
+/* Every key but the planner's parts, checked against keys[]; a key given twice is refused
+ * (cJSON keeps both). */
+static int read_keys(const cJSON *root, struct embd_config *c, char *err, size_t err_len)
+{
+	const cJSON *item;
+	int rc = set_defaults(c, err, err_len);
+
+	if (rc)
+		return rc;
+	cJSON_ArrayForEach(item, root) {
+		const struct key *k = find_key(item->string);
+		if (!k)
+			return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': unknown key",
+					 item->string);
+		if (k->parse && (rc = k->parse(k, item, c, err, err_len)))
+			return rc;
+	}
+	for (const cJSON *a = root->child; a; a = a->next)
+		for (const cJSON *b = a->next; b; b = b->next)
+			if (!strcmp(a->string, b->string))
+				return embd_fail(err, err_len, EMBD_EINVAL,
+						 "config key '%s': given twice", a->string);
+	return 0;
+}
+
+/* "topology" then "tables", by the planner's own parsers, or the embedded default's. */
+static int read_planner_parts(const cJSON *root, struct embd_config *c, char *err,
+			      size_t err_len)
+{
+	const cJSON *topology = cJSON_GetObjectItemCaseSensitive(root, "topology");
+	const cJSON *tables = cJSON_GetObjectItemCaseSensitive(root, "tables");
+	int rc = topology ? embd_plan_topology_parse(topology, &c->topology, err, err_len)
+			  : parse_default_part(false, c, err, err_len);
+
+	if (!rc)
+		rc = embd_plan_topology_validate(&c->topology, err, err_len);
+	if (!rc)
+		rc = tables ? embd_plan_tables_parse(tables, &c->tables, err, err_len)
+			    : parse_default_part(true, c, err, err_len);
+	return rc;
+}
+
+/* The defaults that follow from other keys, or from whether a key was given at all. */
+static void resolve_defaults(const cJSON *root, struct embd_config *c)
+{
+	if (!c->trainers_per_node)
+		c->trainers_per_node = (uint32_t)c->topology.local_world_size;
+	/* an explicit empty list means nobody by uid */
+	if (!c->num_allowed_uids && !cJSON_GetObjectItemCaseSensitive(root, "allowed_uids")) {
+		c->allowed_uids[0] = getuid();
+		c->num_allowed_uids = 1;
+	}
+	if (!c->store_timeout_ms)
+		c->store_timeout_ms = c->collective_timeout_ms;
+}
+
 int embd_config_parse(const char *text, size_t len, struct embd_config *out, char *err,
 		      size_t err_len)
 {
-	const cJSON *tables = NULL, *topology = NULL, *item;
 	const char *end = NULL;
 	cJSON *root;
-	int rc = 0;
+	int rc;
 
 	memset(out, 0, sizeof(*out));
 	root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
@@ -309,57 +417,19 @@ int embd_config_parse(const char *text, size_t len, struct embd_config *out, cha
 		unsigned line = 1;
 		for (size_t i = 0; i < at; i++)
 			line += text[i] == '\n';
-		if (err && err_len)
-			snprintf(err, err_len, "config: JSON syntax error at line %u, byte %zu", line, at);
-		return EMBD_EPARSE;
+		return embd_fail(err, err_len, EMBD_EPARSE,
+				 "config: JSON syntax error at line %u, byte %zu", line, at);
 	}
-	if (!cJSON_IsObject(root)) {
-		rc = fail(err, err_len, EMBD_EINVAL, "config: %s", "expected a JSON object");
-		goto out;
-	}
-	strcpy(out->socket_path, EMBD_CONFIG_DEFAULT_SOCKET);
-	out->seed = 2026;
-	out->threads_per_rank = 1;
-	out->log_level = EMBD_LOG_INFO;
-	out->busy_poll_us = 50;
-	out->checkpoint_keep = 3;
-	strcpy(out->master_addr, "127.0.0.1");
-	out->master_port = 29500;
-	out->backend = EMBD_COMM_GLOO;
-	out->collective_timeout_ms = 30000;
-	cJSON_ArrayForEach(item, root) {
-		rc = parse_key(item, out, &tables, &topology, err, err_len);
-		if (rc)
-			goto out;
-	}
-	/* duplicate keys: cJSON keeps both; the strict reading refuses them */
-	for (const cJSON *a = root->child; a; a = a->next)
-		for (const cJSON *b = a->next; b; b = b->next)
-			if (!strcmp(a->string, b->string)) {
-				rc = fail(err, err_len, EMBD_EINVAL, "config key '%s': given twice",
-					  a->string);
-				goto out;
-			}
-	rc = topology ? embd_plan_topology_parse(topology, &out->topology, err, err_len)
-		      : parse_default_part(false, out, err, err_len);
+	if (!cJSON_IsObject(root))
+		rc = embd_fail(err, err_len, EMBD_EINVAL, "config: expected a JSON object");
+	else
+		rc = read_keys(root, out, err, err_len);
 	if (!rc)
-		rc = embd_plan_topology_validate(&out->topology, err, err_len);
-	if (rc)
-		goto out;
-	rc = tables ? embd_plan_tables_parse(tables, &out->tables, err, err_len)
-		    : parse_default_part(true, out, err, err_len);
-	if (rc)
-		goto out;
-	if (!out->trainers_per_node)
-		out->trainers_per_node = (uint32_t)out->topology.local_world_size;
-	if (!out->num_allowed_uids && !cJSON_GetObjectItemCaseSensitive(root, "allowed_uids")) {
-		out->allowed_uids[0] = getuid();
-		out->num_allowed_uids = 1;
+		rc = read_planner_parts(root, out, err, err_len);
+	if (!rc) {
+		resolve_defaults(root, out);
+		rc = check(out, err, err_len);
 	}
-	if (!out->store_timeout_ms)
-		out->store_timeout_ms = out->collective_timeout_ms;
-	rc = check(out, err, err_len);
-out:
 	cJSON_Delete(root);
 	if (rc)
 		embd_config_free(out);

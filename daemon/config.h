@@ -3,7 +3,8 @@
  * key or a wrong type is an error naming the key), with an embedded default so that `embd`
  * alone runs a small CPU node.
  *
- * This comment is the reference for the file format. Every key is optional:
+ * This comment is the reference for the file format; the one place keys are read is the keys[]
+ * table of daemon/config.c (each key's type, range and default). Every key is optional:
  *
  *   { "tables": [ ... ],            the planner's tables array (include/embd/plan.h)
  *     "topology": { ... },          the planner's topology fields (include/embd/plan.h);
@@ -71,8 +72,8 @@
  * Missing "tables" or "topology" take the embedded default's (embd_config_default_text).
  * Command-line flags (--socket, --log-level) are applied by the caller after parsing.
  */
-#ifndef EMBD_SERVICE_CONFIG_H
-#define EMBD_SERVICE_CONFIG_H
+#ifndef EMBD_DAEMON_CONFIG_H
+#define EMBD_DAEMON_CONFIG_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -152,4 +153,4 @@ void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_set
 /* Releases what a parsed config owns. NULL and zeroed are fine. */
 void embd_config_free(struct embd_config *config);
 
-#endif /* EMBD_SERVICE_CONFIG_H */
+#endif /* EMBD_DAEMON_CONFIG_H */

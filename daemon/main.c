@@ -25,6 +25,7 @@
 #include "common/log.h"
 #include "engine/ranks.h"
 #include "dist/regroup.h"
+#include "dist/collective_plan.h"
 #include "dist/rendezvous.h"
 #include "daemon/server.h"
 #include "engine/step.h"
@@ -216,7 +217,29 @@ static void log_plan(struct embd_plan *plan)
 	free(text);
 }
 
-int main(int argc, char **argv)
+/* The command line: what overrides the config. */
+struct args {
+	const char *config_path, *socket_path;
+	bool has_level;
+	enum embd_log_level level;
+};
+
+/* Everything the daemon builds, in the order it builds it (daemon_close undoes it). */
+struct daemon {
+	struct embd_config config;
+	int sigfd;
+	struct cluster cluster;
+	struct embd_plan *plan;
+	struct embd_ranks *ranks;
+	struct embd_step *step;
+	struct embd_ckpt_settings ckpt_settings;        /* the checkpointer keeps a pointer */
+	struct embd_ckpt_service *ckpt;                 /* NULL without checkpoint_dir */
+	uint64_t resumed_step;                          /* what a restore resumed at */
+	struct embd_server *server;
+};
+
+/* -1 to go on, else the exit code (--help, --version, a bad flag). */
+static int parse_args(int argc, char **argv, struct args *a)
 {
 	static const struct option opts[] = {
 		{ "config", required_argument, NULL, 'c' },
@@ -227,24 +250,14 @@ int main(int argc, char **argv)
 		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 },
 	};
-	const char *config_path = NULL, *socket_path = NULL, *level_name = NULL;
-	struct embd_config config = { 0 };
-	struct embd_ckpt_settings ckpt_settings = { 0 };
-	struct embd_plan *plan = NULL;
-	struct embd_ranks *ranks = NULL;
-	struct embd_step *step = NULL;
-	struct embd_server *server = NULL;
-	struct embd_ckpt_service *ckpt = NULL;
-	uint64_t resumed_step = 0;
-	struct cluster cluster = { 0 };
-	enum embd_log_level level;
-	char err[1024] = "";
-	int sigfd = -1, rc, opt;
+	const char *level_name = NULL;
+	int opt;
 
+	*a = (struct args){ 0 };
 	while ((opt = getopt_long(argc, argv, "c:s:l:hV", opts, NULL)) != -1) {
 		switch (opt) {
-		case 'c': config_path = optarg; break;
-		case 's': socket_path = optarg; break;
+		case 'c': a->config_path = optarg; break;
+		case 's': a->socket_path = optarg; break;
 		case 'l': level_name = optarg; break;
 		case 'p': fputs(embd_config_default_text(), stdout); return 0;
 		case 'h': usage(stdout); return 0;
@@ -257,139 +270,217 @@ int main(int argc, char **argv)
 		usage(stderr);
 		return 2;
 	}
-	if (level_name && embd_log_level_from_name(level_name, &level)) {
+	if (level_name && embd_log_level_from_name(level_name, &a->level)) {
 		fprintf(stderr, "embd: --log-level: '%s' is not error, warning, notice, info or debug\n",
 			level_name);
 		return 2;
 	}
-	if (socket_path && strlen(socket_path) >= EMBD_CONFIG_SOCKET_MAX) {
+	a->has_level = level_name != NULL;
+	if (a->socket_path && strlen(a->socket_path) >= EMBD_CONFIG_SOCKET_MAX) {
 		fprintf(stderr, "embd: --socket: path longer than %zu bytes\n",
 			EMBD_CONFIG_SOCKET_MAX - 1);
 		return 2;
 	}
-	embd_log_init();
-	rc = config_path ? embd_config_load(config_path, &config, err, sizeof(err))
-			 : embd_config_parse(embd_config_default_text(),
-					     strlen(embd_config_default_text()), &config, err,
-					     sizeof(err));
+	return -1;
+}
+
+/* The config file (or the embedded default) with the command line's overrides. */
+static int load_config(const struct args *a, struct embd_config *c)
+{
+	const char *text = embd_config_default_text();
+	char err[1024] = "";
+	int rc = a->config_path ? embd_config_load(a->config_path, c, err, sizeof(err))
+				: embd_config_parse(text, strlen(text), c, err, sizeof(err));
+
 	if (rc) {
 		embd_log_error("config: %s", err);
-		return 1;
+		return rc;
 	}
-	if (socket_path)
-		strcpy(config.socket_path, socket_path);
-	embd_log_set_level(level_name ? level : config.log_level);
-	if (level_name)
-		config.log_level = level;
+	if (a->socket_path)
+		strcpy(c->socket_path, a->socket_path);
+	if (a->has_level)
+		c->log_level = a->level;
+	embd_log_set_level(c->log_level);
 	embd_log_info("embd %s starting: %s, %u tables, %d ranks, %u trainers", EMBD_VERSION,
-		      config_path ? config_path : "embedded default config", config.tables.count,
-		      config.topology.local_world_size, config.trainers_per_node);
+		      a->config_path ? a->config_path : "embedded default config", c->tables.count,
+		      c->topology.local_world_size, c->trainers_per_node);
+	return 0;
+}
 
-	/* block before any thread exists, so every thread inherits the mask */
+/* SIGTERM and SIGINT blocked in every thread (call before any thread exists, so every thread
+ * inherits the mask) and read from a signalfd by the event loop. */
+static int open_signals(int *sigfd)
+{
 	sigset_t mask;
+
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGTERM);
 	sigaddset(&mask, SIGINT);
 	sigprocmask(SIG_BLOCK, &mask, NULL);
 	/* a trainer that hangs up mid-send must cost an EPIPE, not the service */
 	signal(SIGPIPE, SIG_IGN);
-	sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-	rc = sigfd < 0 ? EMBD_EIO : 0;
-	if (rc) {
+	*sigfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+	if (*sigfd < 0) {
 		embd_log_error("signalfd failed");
-		goto out;
+		return EMBD_EIO;
 	}
+	return 0;
+}
+
+/* The plan: this node's own, or (several nodes) the one the cluster agreed on at the join. */
+static int plan_node(struct daemon *d)
+{
+	struct embd_config *c = &d->config;
 	struct embd_rendezvous rdv;
-	rc = resolve_env(&config, &rdv, err, sizeof(err));
+	char err[1024] = "";
+	int rc = resolve_env(c, &rdv, err, sizeof(err));
+
 	if (rc) {
 		embd_log_error("env://: %s", err);
-		goto out;
+		return rc;
 	}
-	const uint32_t nodes = embd_config_nodes(&config);
+	const uint32_t nodes = embd_config_nodes(c);
 	if (nodes > 1) {
 		embd_log_info("node %u of %u: store at %s:%u, %s, collective timeout %d ms",
-			      config.node_rank, nodes, config.master_addr, config.master_port,
-			      config.backend == EMBD_COMM_GLOO ? "gloo" : "nccl",
-			      config.collective_timeout_ms);
-		rc = cluster_join(&config, &rdv, &cluster, &plan, err, sizeof(err));
+			      c->node_rank, nodes, c->master_addr, c->master_port,
+			      c->backend == EMBD_COMM_GLOO ? "gloo" : "nccl",
+			      c->collective_timeout_ms);
+		rc = cluster_join(c, &rdv, &d->cluster, &d->plan, err, sizeof(err));
 		if (rc) {
 			embd_log_error("join: %s (%s)", err, embd_strerror(rc));
-			goto out;
+			return rc;
 		}
 	} else {
-		rc = make_plan(&config, &plan, err, sizeof(err));
+		rc = make_plan(c, &d->plan, err, sizeof(err));
 		if (rc) {
 			embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
-			goto out;
+			return rc;
 		}
 	}
-	char *json = NULL;
-	size_t json_len;
-	rc = embd_plan_write_json(plan, &json, &json_len);   /* also sets plan_hash */
-	free(json);
-	if (rc)
-		goto out;
-	log_plan(plan);
-
-	rc = embd_ranks_create((uint32_t)config.topology.local_world_size, config.threads_per_rank,
-			       &ranks, err, sizeof(err));
-	struct embd_step_cluster where = {
-		config.node_rank, nodes, cluster.regroup ? embd_regroup_comm(cluster.regroup) : NULL,
-		cluster.store, config.collective_timeout_ms };
-	if (!rc)
-		rc = embd_step_create_cluster(&config.tables, plan, ranks, config.seed,
-					      config.trainers_per_node, &where, &step, err,
-					      sizeof(err));
-	/* checkpoints: the newest valid one is restored before the socket accepts anyone */
-	if (!rc && config.checkpoint_dir[0]) {
-		embd_config_ckpt_settings(&config, &ckpt_settings);
-		rc = embd_ckpt_service_create(&ckpt_settings, step, plan, &ckpt, err, sizeof(err));
-		/* a rejoining node restores when the cluster decides it (dist/regroup.h) */
-		if (!rc && !cluster.rejoining)
-			rc = embd_ckpt_service_restore(ckpt, &resumed_step, err, sizeof(err));
-	}
-	if (!rc)
-		rc = embd_server_create(&config, step, ranks, plan->plan_hash, sigfd, &server, err,
-					sizeof(err));
-	if (!rc && ckpt && embd_server_set_checkpoints(server, ckpt, resumed_step)) {
-		rc = EMBD_EIO;
-		snprintf(err, sizeof(err), "cannot watch the checkpoint writer");
-	}
+	/* what the ready line and the status name the plan by (a checked plan has it already,
+	 * but embd_plan_build does not promise it) */
+	rc = embd_plan_hash(d->plan, &d->plan->plan_hash);
 	if (rc) {
-		embd_log_error("start: %s", err);
-		goto out;
+		embd_log_error("plan: %s", embd_strerror(rc));
+		return rc;
 	}
-	if (cluster.regroup)
-		embd_server_set_regroup(server, cluster.regroup, cluster.rejoining, resumed_step);
-	for (uint32_t r = 0; r < embd_ranks_count(ranks); r++)
-		embd_log_info("rank %u: NUMA node %d, %" PRIu64 " bytes of shards", r,
-			      embd_ranks_node(ranks, r), embd_ranks_memory_bytes(ranks, r));
-	embd_log_notice("ready: listening on %s, plan %016" PRIx64 ", step %" PRIu64,
-			config.socket_path, plan->plan_hash, resumed_step);
-	sd_notify(0, "READY=1");
-	rc = embd_server_run(server);
-	sd_notify(0, "STOPPING=1");
+	log_plan(d->plan);
+	return 0;
+}
+
+/* The CPU ranks with their shards, and the step engine over them (and the cluster's comm). */
+static int start_engine(struct daemon *d, char *err, size_t err_len)
+{
+	const struct embd_config *c = &d->config;
+	struct embd_regroup *rg = d->cluster.regroup;
+	int rc = embd_ranks_create((uint32_t)c->topology.local_world_size, c->threads_per_rank,
+				   &d->ranks, err, err_len);
+
+	if (rc)
+		return rc;
+	struct embd_step_cluster where = {
+		c->node_rank, embd_config_nodes(c), rg ? embd_regroup_comm(rg) : NULL,
+		d->cluster.store, c->collective_timeout_ms };
+	return embd_step_create_cluster(&c->tables, d->plan, d->ranks, c->seed,
+					c->trainers_per_node, &where, &d->step, err, err_len);
+}
+
+/* With checkpoint_dir: the checkpointer, and the newest valid checkpoint restored before the
+ * socket accepts anyone. */
+static int start_checkpoints(struct daemon *d, char *err, size_t err_len)
+{
+	if (!d->config.checkpoint_dir[0])
+		return 0;
+	embd_config_ckpt_settings(&d->config, &d->ckpt_settings);
+	int rc = embd_ckpt_service_create(&d->ckpt_settings, d->step, d->plan, &d->ckpt, err,
+					  err_len);
+	/* a rejoining node restores when the cluster decides it (dist/regroup.h) */
+	if (!rc && !d->cluster.rejoining)
+		rc = embd_ckpt_service_restore(d->ckpt, &d->resumed_step, err, err_len);
+	return rc;
+}
+
+static int start_server(struct daemon *d, char *err, size_t err_len)
+{
+	int rc = embd_server_create(&d->config, d->step, d->ranks, d->plan->plan_hash, d->sigfd,
+				    &d->server, err, err_len);
+
+	if (!rc && d->ckpt)
+		rc = embd_server_set_checkpoints(d->server, d->ckpt, d->resumed_step, err, err_len);
+	if (!rc && d->cluster.regroup)
+		rc = embd_server_set_regroup(d->server, d->cluster.regroup, d->cluster.rejoining,
+					     d->resumed_step, err, err_len);
+	return rc;
+}
+
+/* Serves until SIGTERM / SIGINT, then takes the final checkpoint where one may be taken. */
+static int serve(struct daemon *d)
+{
 	char why[256];
-	if (ckpt && !embd_server_cluster_running(server, why, sizeof(why))) {
+
+	for (uint32_t r = 0; r < embd_ranks_count(d->ranks); r++)
+		embd_log_info("rank %u: NUMA node %d, %" PRIu64 " bytes of shards", r,
+			      embd_ranks_node(d->ranks, r), embd_ranks_memory_bytes(d->ranks, r));
+	embd_log_notice("ready: listening on %s, plan %016" PRIx64 ", step %" PRIu64,
+			d->config.socket_path, d->plan->plan_hash, d->resumed_step);
+	sd_notify(0, "READY=1");
+	int rc = embd_server_run(d->server);
+	sd_notify(0, "STOPPING=1");
+	if (d->ckpt && !embd_server_cluster_running(d->server, why, sizeof(why))) {
 		/* the shards may differ between the nodes and the step ran ahead of them */
 		embd_log_warning("no final checkpoint: the cluster is not running (%s); the newest "
 				 "cluster checkpoint stays the one to restore", why);
-	} else if (ckpt) {
+	} else if (d->ckpt) {
 		/* the final checkpoint: no step phase runs any more, so the shards are at "step" */
-		int crc = embd_ckpt_service_final(ckpt, embd_server_step(server));
+		int crc = embd_ckpt_service_final(d->ckpt, embd_server_step(d->server));
 		if (crc)
 			rc = crc;
 	}
 	embd_log_notice("stopped");
+	return rc;
+}
+
+static void daemon_close(struct daemon *d)
+{
+	embd_server_destroy(d->server);
+	embd_ckpt_service_destroy(d->ckpt);
+	embd_step_destroy(d->step);
+	cluster_close(&d->cluster);
+	embd_ranks_destroy(d->ranks);
+	embd_plan_destroy(d->plan);
+	embd_config_free(&d->config);
+	if (d->sigfd >= 0)
+		close(d->sigfd);
+}
+
+int main(int argc, char **argv)
+{
+	struct daemon d = { .sigfd = -1 };
+	struct args a;
+	char err[1024] = "";
+	int rc = parse_args(argc, argv, &a);
+
+	if (rc >= 0)
+		return rc;
+	embd_log_init();
+	if (load_config(&a, &d.config))
+		return 1;
+	rc = open_signals(&d.sigfd);
+	if (!rc)
+		rc = plan_node(&d);
+	if (rc)
+		goto out;
+	rc = start_engine(&d, err, sizeof(err));
+	if (!rc)
+		rc = start_checkpoints(&d, err, sizeof(err));
+	if (!rc)
+		rc = start_server(&d, err, sizeof(err));
+	if (rc) {
+		embd_log_error("start: %s", err);
+		goto out;
+	}
+	rc = serve(&d);
 out:
-	embd_server_destroy(server);
-	embd_ckpt_service_destroy(ckpt);
-	embd_step_destroy(step);
-	cluster_close(&cluster);
-	embd_ranks_destroy(ranks);
-	embd_plan_destroy(plan);
-	embd_config_free(&config);
-	if (sigfd >= 0)
-		close(sigfd);
+	daemon_close(&d);
 	return rc ? 1 : 0;
 }

@@ -1,11 +1,12 @@
 /*
  * The running service (daemon/server.h): one thread, one io_uring loop, every client's
  * submission ring. Each pass pops what clients posted (a private copy of every SQE, validated
- * by ipc/), records FORWARD / BACKWARD s per trainer, and runs a step phase once everyone it
- * waits for is in. Between passes it busy-polls the rings for busy_poll_us, then advertises
- * NEED_WAKEUP on every ring it may sleep on and sleeps in the loop (doorbells, sockets, the
- * signalfd, and a one-second tick). A client with a request that must wait for a later phase
- * is not polled at all until then: its ring keeps the rest of its requests.
+ * by ipc/) and hands it to the step schedule (server_schedule.c), which runs a step phase once
+ * everyone it waits for is in. Between passes the loop busy-polls the rings for busy_poll_us,
+ * then advertises NEED_WAKEUP on every ring it may sleep on and sleeps in the loop (doorbells,
+ * sockets, the signalfd, and a one-second tick). A client with a request that must wait for a
+ * later phase is not polled at all until then: its ring keeps the rest of its requests.
+ * Here: the loop, the sessions (accept, HELLO and its region, stats and status) and lifetime.
  */
 #include "common/clock.h"
 #include "daemon/server.h"
@@ -28,33 +29,12 @@
 #include "ipc/evloop.h"
 #include "ipc/protocol.h"
 #include "ipc/region.h"
-#include "ckpt/ckpt_service.h"
 #include "common/log.h"
 #include "daemon/server_internal.h"
 #include "daemon/stats.h"
 
 #define RING_ENTRIES 64u
 #define TICK_MS 1000
-
-/* ---- completions ------------------------------------------------------------------------- */
-
-void embd_server_complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
-			  uint64_t popped_ns, int result, const char *msg)
-{
-	struct embd_cqe cqe;
-
-	embd_cqe_fill(&cqe, sqe, result, msg);
-	if (result)
-		c->errors++;
-	/* the CQ holds as many entries as the SQ: a client can never have more in flight */
-	if (embd_ring_push(embd_region_cq(c->region), &cqe)) {
-		embd_log_warning("client %u (pid %d): completion ring full or corrupt, dropping it",
-				 c->index, (int)c->peer.pid);
-		return;
-	}
-	embd_doorbell_notify(embd_region_cq(c->region), &c->cq_db);
-	embd_stats_request(&sv->stats, embd_now_ns() - popped_ns);
-}
 
 /* ---- clients ------------------------------------------------------------------------------ */
 
@@ -63,22 +43,14 @@ static uint32_t slot_of(const struct embd_server *sv, const struct client *c)
 	return (uint32_t)(c - sv->clients);
 }
 
-static void abort_step(struct embd_server *sv, const char *why);
-
-static void drop_client(struct embd_server *sv, struct client *c, const char *why)
+void embd_server_drop_client(struct embd_server *sv, struct client *c, const char *why)
 {
 	uint32_t slot = slot_of(sv, c);
 
 	if (c->index >= 0)
 		embd_log_info("trainer %d (pid %d, uid %u) left: %s", c->index, (int)c->peer.pid,
 			      (unsigned)c->peer.uid, why);
-	if (c->participant && sv->phase == WAIT_BACKWARD) {
-		char what[200];
-		snprintf(what, sizeof(what), "trainer %d on node %u %.150s", c->index,
-			 sv->config->node_rank, why);
-		c->participant = false;
-		abort_step(sv, what);
-	}
+	embd_server_schedule_leave(sv, c, why);
 	embd_evloop_remove(sv->loop, TAG(TAG_SOCKET, slot));
 	if (c->pidfd >= 0) {
 		embd_evloop_remove(sv->loop, TAG(TAG_PIDFD, slot));
@@ -92,6 +64,7 @@ static void drop_client(struct embd_server *sv, struct client *c, const char *wh
 	close(c->sock);
 	free(c->lengths);
 	memset(c, 0, sizeof(*c));
+	embd_server_checkpoint_client_gone(sv, slot);
 	while (sv->slots_end && !sv->clients[sv->slots_end - 1].used)
 		sv->slots_end--;
 	sv->dirty = true;
@@ -143,7 +116,7 @@ static void accept_client(struct embd_server *sv)
 	if (embd_evloop_add_fd(sv->loop, fd, TAG(TAG_SOCKET, slot)) ||
 	    (pidfd >= 0 && embd_evloop_add_fd(sv->loop, pidfd, TAG(TAG_PIDFD, slot)))) {
 		embd_log_warning("client pid %d: cannot watch its socket and pidfd", (int)peer.pid);
-		drop_client(sv, c, "cannot watch it");
+		embd_server_drop_client(sv, c, "cannot watch it");
 	}
 }
 
@@ -165,8 +138,7 @@ static void fill_layout(struct embd_server *sv, int32_t index, uint64_t region_b
 	o->fixed = (struct embd_layout_fixed){
 		.rank = index, .local_world_size = sv->config->trainers_per_node,
 		.region_bytes = region_bytes, .max_values = l->max_values,
-		/* step s already ran its forward without this trainer: it joins at s + 1 */
-		.resumed_step = sv->s + (sv->phase == WAIT_BACKWARD),
+		.resumed_step = embd_server_join_step(sv),
 		.batch_size = l->batch_size, .total_dim = l->total_dim, .num_tables = t->count,
 		.num_features = l->num_features,
 		.flags = embd_evloop_doorbell_mode(sv->loop) == EMBD_DOORBELL_EVENTFD ?
@@ -255,7 +227,7 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	c->index = index;
 	sv->dirty = true;
 	embd_log_info("trainer %d joined (pid %d, uid %u), at step %" PRIu64, index,
-		      (int)c->peer.pid, (unsigned)c->peer.uid, sv->s);
+		      (int)c->peer.pid, (unsigned)c->peer.uid, embd_server_step(sv));
 	return 0;
 }
 
@@ -287,11 +259,11 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 	if (type == EMBD_CTL_STATS_REPLY)
 		rc = embd_stats_json(&sv->stats, ranks, embd_ranks_count(sv->ranks), clients, n, &text);
 	else
-		rc = embd_stats_status_json(&sv->stats, sv->config, sv->s, sv->plan_hash, trainers,
-					    &text);
-	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->ckpt)
-		rc = embd_ckpt_service_status_add(sv->ckpt, &text);
-	if (!rc && type == EMBD_CTL_STATUS_REPLY && sv->rg)
+		rc = embd_stats_status_json(&sv->stats, sv->config, embd_server_step(sv),
+					    sv->plan_hash, trainers, &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY)
+		rc = embd_server_checkpoint_status_add(sv, &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY)
 		rc = embd_server_regroup_status_add(sv, &text);
 	if (!rc && strlen(text) < EMBD_CTL_MSG_MAX - sizeof(struct embd_ctl_header))
 		embd_ctl_send(c->sock, type, text, (uint32_t)strlen(text), NULL, 0, NULL, 0);
@@ -309,7 +281,7 @@ static void socket_event(struct embd_server *sv, struct client *c)
 	if (rc == EMBD_ETIMEDOUT || rc == EMBD_EAGAIN)
 		return;
 	if (rc) {
-		drop_client(sv, c, rc == EMBD_ECONNRESET ? "hung up" : err);
+		embd_server_drop_client(sv, c, rc == EMBD_ECONNRESET ? "hung up" : err);
 		return;
 	}
 	switch (msg.type) {
@@ -334,299 +306,11 @@ static void socket_event(struct embd_server *sv, struct client *c)
 		embd_log_warning("client pid %d uid %u: %s", (int)c->peer.pid, (unsigned)c->peer.uid,
 				 err);
 		embd_ctl_send_error(c->sock, rc, err, NULL, 0);
-		drop_client(sv, c, err);
+		embd_server_drop_client(sv, c, err);
 	}
 }
 
-/* ---- the step schedule ------------------------------------------------------------------- */
-
-static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
-		       uint64_t popped_ns);
-
-/* On to step s + 1: FORWARDs that came early for it are checked now, as if just arrived. */
-static void next_step(struct embd_server *sv)
-{
-	sv->s++;
-	sv->phase = COLLECT;
-	if (sv->ckpt) {
-		bool agreed = sv->ckpt_agreed;
-		sv->ckpt_agreed = false;
-		/* a cluster that is re-forming completed no step: nothing to checkpoint */
-		if (!sv->rg || embd_server_regroup_running(sv)) {
-			if (agreed)
-				embd_ckpt_service_agreed(sv->ckpt);
-			/* SIGTERM on a cluster: this boundary's checkpoint is the final one */
-			if (embd_ckpt_service_poll(sv->ckpt, sv->s) && sv->stopping) {
-				sv->stop = true;
-				return;
-			}
-		}
-	}
-	for (uint32_t i = 0; i < sv->slots_end; i++) {
-		struct client *c = &sv->clients[i];
-		if (c->used && c->has_fwd) {
-			struct embd_sqe sqe = c->fwd;
-			c->has_fwd = false;
-			c->requests--;  /* counted when it first arrived */
-			handle_sqe(sv, c, &sqe, c->fwd_popped_ns);
-		}
-	}
-}
-
-/* A participant left before backward: the step is dropped here and, through the backward's
- * collective, on every node (collectives may hold this thread up to collective_timeout_ms). */
-static void abort_step(struct embd_server *sv, const char *why)
-{
-	char msg[256];
-
-	embd_log_warning("step %" PRIu64 " aborted: %s", sv->s, why);
-	int rc = embd_step_abort(sv->step, why);
-	if (rc)
-		embd_log_error("step %" PRIu64 ": telling the other nodes of the abort failed: %s",
-			       sv->s, embd_strerror(rc));
-	else
-		sv->applied = sv->s + 1;        /* every node dropped it alike: nothing changed */
-	snprintf(msg, sizeof(msg), "step aborted: %.200s", why);
-	sv->stats.aborted_steps++;
-	for (uint32_t i = 0; i < sv->slots_end; i++) {
-		struct client *c = &sv->clients[i];
-		if (c->used && c->has_bwd)
-			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
-		c->has_bwd = c->participant = false;
-	}
-	embd_server_cancel_step(sv, "step aborted: a participant hung up");
-	next_step(sv);
-}
-
-/* Whether client c may hand in its next request now (else it stays in its ring). */
-static bool client_ready(const struct embd_server *sv, const struct client *c)
-{
-	if (!c->used || !c->region)
-		return false;
-	if (sv->phase == COLLECT)
-		return !c->has_fwd;
-	return c->participant ? !c->has_bwd : !c->has_fwd;
-}
-
-static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
-		       uint64_t popped_ns)
-{
-	char err[EMBD_CQE_MSG_BYTES];
-	int rc = embd_sqe_validate(sqe, &c->limits, err, sizeof(err));
-
-	c->requests++;
-	sv->dirty |= rc || sqe->opcode != EMBD_OP_NOP;  /* a NOP changes no step state */
-	if (rc || sqe->opcode == EMBD_OP_NOP) {
-		/* a refused descriptor (bad opcode, batch size, span) counts as a refused FORWARD:
-		 * the trainer sits the collecting step out instead of stalling the others */
-		if (rc && sv->phase == COLLECT && !c->has_fwd)
-			c->sat_out = sv->s + 1;
-		embd_server_complete(sv, c, sqe, popped_ns, rc, rc ? err : NULL);
-		return;
-	}
-	if (sqe->opcode == EMBD_OP_BACKWARD) {
-		if (sqe->step + 1 == sv->canceled_step && !c->participant)
-			embd_server_complete(sv, c, sqe, popped_ns, EMBD_ECANCELED, sv->canceled_why);
-		else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
-			embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
-				 "step: this trainer takes no part in that step's backward");
-		else {
-			c->bwd = *sqe;
-			c->bwd_popped_ns = popped_ns;
-			c->has_bwd = true;
-		}
-		return;
-	}
-	/* FORWARD */
-	if (sv->rg && embd_server_regroup_gate(sv, c, sqe, popped_ns))
-		return;
-	if (sv->phase == WAIT_BACKWARD && sqe->step == sv->s + 1) {
-		/* early for the next step: keep it; it is looked at again once step s is done */
-		c->fwd = *sqe;
-		c->fwd_popped_ns = popped_ns;
-		c->has_fwd = true;
-		return;
-	}
-	if (sqe->step != sv->s) {
-		snprintf(err, sizeof(err), "step: %" PRIu64 ", the service is at step %" PRIu64,
-			 sqe->step, sv->s);
-		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
-		return;
-	}
-	rc = embd_kjt_view_build(sqe, &c->limits, embd_region_slab(c->region), c->lengths,
-				 (size_t)c->limits.num_features * c->limits.batch_size + 1, &c->kjt,
-				 err, sizeof(err));
-	if (rc) {
-		c->sat_out = sv->s + 1;
-		embd_server_complete(sv, c, sqe, popped_ns, rc, err);
-		return;
-	}
-	c->fwd = *sqe;
-	c->fwd_popped_ns = popped_ns;
-	c->has_fwd = true;
-	c->sat_out = 0;
-}
-
-static void run_forward(struct embd_server *sv)
-{
-	uint32_t n = 0;
-
-	/* in trainer order: the global batch is node 0's trainers in order, then node 1's, ... */
-	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
-		for (uint32_t i = 0; i < sv->slots_end; i++) {
-			struct client *c = &sv->clients[i];
-			if (!c->used || !c->has_fwd || c->index != index)
-				continue;
-			uint8_t *slab = embd_region_slab(c->region);
-			sv->batches[n] = (struct embd_step_batch){
-				.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
-				.trainer = (uint32_t)index };
-			sv->batch_slot[n++] = i;
-		}
-	sv->step_start_ns = embd_now_ns();
-	sv->num_batches = n;
-	if (sv->cluster && sv->ckpt)
-		embd_step_want_checkpoint(sv->step, embd_ckpt_service_wanted(sv->ckpt, sv->s));
-	int rc = embd_step_forward(sv->step, sv->batches, n);
-	/* taken at the boundary after this step (next_step), never inside it */
-	sv->ckpt_agreed = rc >= 0 && sv->ckpt && embd_step_cluster_checkpoint(sv->step);
-	for (uint32_t k = 0; k < n; k++) {
-		struct client *c = &sv->clients[sv->batch_slot[k]];
-		int st = rc < 0 ? rc : sv->batches[k].status;
-		embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, st,
-				     st ? sv->batches[k].err : NULL);
-		c->has_fwd = false;
-		c->participant = st == 0;
-	}
-	sv->first_step_done = true;
-	/* on a cluster the backward is collective: this node takes part in it even when none
-	 * of its own trainers does (then advance() runs it at once) */
-	if (rc >= 0 && embd_step_cluster_accepted(sv->step)) {
-		sv->phase = WAIT_BACKWARD;
-		return;
-	}
-	if (rc >= 0)
-		sv->applied = sv->s + 1;        /* the cluster ran it, with no update anywhere */
-	if (rc >= 0 && sv->num_batches)
-		embd_log_warning("step %" PRIu64 ": every batch was refused", sv->s);
-	else if (rc < 0)
-		embd_log_error("step %" PRIu64 " forward failed: %s", sv->s,
-			       n ? sv->batches[0].err : embd_strerror(rc));
-	next_step(sv);
-}
-
-/* Rows an update left NaN or infinite (engine/step.h): counted in stats and said, at most every
- * 10 s (a row that stays NaN counts at every update of it). */
-static void warn_nonfinite_rows(struct embd_server *sv, const struct embd_step_counts *c)
-{
-	static uint64_t last_ns;
-	uint64_t now = embd_now_ns();
-
-	if (!c->nonfinite_rows || (last_ns && now - last_ns < 10000000000ull))
-		return;
-	last_ns = now;
-	embd_log_warning("step %" PRIu64 ": the update left %" PRIu64 " row(s) NaN or infinite "
-			 "(first: table '%s' row %lld; %" PRIu64 " so far, stats nonfinite_rows): their "
-			 "gradients are too large for the optimizer; clip them in the trainer", sv->s,
-			 c->nonfinite_rows, sv->config->tables.specs[c->nonfinite_table].name,
-			 (long long)c->nonfinite_row, sv->stats.nonfinite_rows);
-}
-
-static void run_backward(struct embd_server *sv)
-{
-	for (uint32_t k = 0; k < sv->num_batches; k++) {
-		struct client *c = &sv->clients[sv->batch_slot[k]];
-		if (!sv->batches[k].status)
-			sv->batches[k].pooled_grad =
-				(const float *)((uint8_t *)embd_region_slab(c->region) + c->bwd.grad.offset);
-	}
-	int rc = embd_step_backward(sv->step, sv->batches, sv->num_batches);
-	for (uint32_t k = 0; k < sv->num_batches; k++) {
-		struct client *c = &sv->clients[sv->batch_slot[k]];
-		if (!c->participant)
-			continue;
-		embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, rc,
-				     rc ? sv->batches[k].err : NULL);
-		c->has_bwd = c->participant = false;
-	}
-	if (rc == 0 || rc == EMBD_ECANCELED)   /* or dropped alike (a participant left) */
-		sv->applied = sv->s + 1;
-	if (rc == EMBD_ECANCELED) {
-		/* a participant hung up on another node, or a gradient was not finite (step.h) */
-		const char *why = "step aborted by the cluster";
-		for (uint32_t k = sv->num_batches; k-- > 0;)
-			if (sv->batches[k].status == EMBD_ECANCELED)
-				why = sv->batches[k].err;
-		sv->stats.aborted_steps++;
-		embd_server_cancel_step(sv, why);
-		embd_log_warning("step %" PRIu64 ": %s", sv->s, why);
-	} else if (rc) {
-		embd_log_error("step %" PRIu64 " backward failed: %s", sv->s, embd_strerror(rc));
-	}
-	struct embd_step_counts counts;
-	embd_step_counts(sv->step, &counts);
-	embd_stats_step(&sv->stats, &counts, embd_now_ns() - sv->step_start_ns);
-	warn_nonfinite_rows(sv, &counts);
-	next_step(sv);
-}
-
-/* Runs the phase everyone is in for, if any (only when something changed since last time). */
-static void advance(struct embd_server *sv)
-{
-	uint32_t trainers = 0, waiting = 0, posted = 0;
-
-	if (!sv->dirty || sv->stop || (sv->rg && !embd_server_regroup_running(sv)))
-		return;
-	sv->dirty = false;
-
-	for (uint32_t i = 0; i < sv->slots_end; i++) {
-		const struct client *c = &sv->clients[i];
-		if (!c->used || c->index < 0)
-			continue;
-		trainers++;
-		if (sv->phase == COLLECT) {
-			posted += c->has_fwd;
-			waiting += !c->has_fwd && c->sat_out != sv->s + 1;
-		} else if (c->participant) {
-			waiting += !c->has_bwd;
-		}
-	}
-	if (sv->phase == COLLECT) {
-		if (!sv->first_step_done && trainers < sv->config->trainers_per_node)
-			return;
-		/* a cluster's step is collective: a node whose trainers all sat it out (or left)
-		 * still joins it, and waits in it for the others up to collective_timeout_ms */
-		if (!waiting && (posted || sv->cluster))
-			run_forward(sv);
-	} else if (!waiting) {
-		run_backward(sv);
-	}
-}
-
-/* Pops what every ready client posted. Returns how many requests were handled. */
-static uint32_t poll_rings(struct embd_server *sv)
-{
-	uint32_t handled = 0;
-
-	for (uint32_t i = 0; i < sv->slots_end; i++) {
-		struct client *c = &sv->clients[i];
-		while (client_ready(sv, c)) {
-			struct embd_sqe sqe;
-			int rc = embd_ring_pop(embd_region_sq(c->region), &sqe);
-			if (rc == EMBD_EAGAIN)
-				break;
-			if (rc) {
-				drop_client(sv, c, "corrupt submission ring");
-				break;
-			}
-			handle_sqe(sv, c, &sqe, embd_now_ns());
-			handled++;
-			advance(sv);
-		}
-	}
-	advance(sv);
-	return handled;
-}
+/* ---- the loop ---------------------------------------------------------------------------- */
 
 /* Advertises NEED_WAKEUP on every ring the loop may sleep on; false when one is not empty. */
 static bool prepare_sleep(struct embd_server *sv)
@@ -635,7 +319,7 @@ static bool prepare_sleep(struct embd_server *sv)
 
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
-		if (!client_ready(sv, c))
+		if (!embd_server_client_ready(sv, c))
 			continue;
 		uint32_t seen;
 		struct embd_ring *sq = embd_region_sq(c->region);
@@ -673,12 +357,13 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 			accept = true;
 		} else if (kind == TAG_SIGNAL) {
 			struct signalfd_siginfo si = { 0 };
-			if (read(sv->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si))
-				embd_server_checkpoint_signal(sv, si.ssi_signo);
+			if (read(sv->sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si) &&
+			    embd_server_checkpoint_signal(sv, si.ssi_signo))
+				sv->stop = true;
 		} else if (kind == TAG_SOCKET && slot < MAX_CLIENTS && sv->clients[slot].used) {
 			socket_event(sv, &sv->clients[slot]);
 		} else if (kind == TAG_PIDFD && slot < MAX_CLIENTS && sv->clients[slot].used) {
-			drop_client(sv, &sv->clients[slot], "its process exited");
+			embd_server_drop_client(sv, &sv->clients[slot], "its process exited");
 		}
 		else if (kind == TAG_CKPT)
 			embd_server_checkpoint_done(sv);
@@ -704,16 +389,13 @@ int embd_server_run(struct embd_server *sv)
 
 	while (!sv->stop) {
 		passes++;
-		if (sv->stopping && embd_now_ns() >= sv->stop_deadline_ns) {
-			embd_log_notice("no step within %u ms of the signal: stopping at step %" PRIu64,
-					STOP_DRAIN_MS, sv->s);
+		if (embd_server_checkpoint_drain_over(sv))
 			break;
-		}
-		if (passes % SPIN_EVENT_PASSES == 0)
+		if (passes % SPIN_EVENT_PASSES == 0) {
 			handle_events(sv, 0);
-		if (passes % SPIN_EVENT_PASSES == 0 && sv->rg)
 			embd_server_regroup_tick(sv);
-		if (poll_rings(sv)) {
+		}
+		if (embd_server_poll_rings(sv)) {
 			idle_since = 0;
 			continue;
 		}
@@ -722,13 +404,12 @@ int embd_server_run(struct embd_server *sv)
 		if (spin_ns && (passes % SPIN_CLOCK_PASSES ||
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
-		int tick_ms = sv->stopping ? STOP_TICK_MS : TICK_MS;
+		int tick_ms = embd_server_checkpoint_sleep_ms(sv, TICK_MS);
 		if (prepare_sleep(sv))
-			handle_events(sv, sv->rg ? embd_server_regroup_sleep_ms(sv, tick_ms) : tick_ms);
+			handle_events(sv, embd_server_regroup_sleep_ms(sv, tick_ms));
 		finish_sleep(sv);
 		idle_since = 0;
-		if (sv->rg)
-			embd_server_regroup_tick(sv);
+		embd_server_regroup_tick(sv);
 	}
 	return 0;
 }
@@ -813,7 +494,9 @@ void embd_server_destroy(struct embd_server *sv)
 		return;
 	for (uint32_t i = 0; i < MAX_CLIENTS; i++)
 		if (sv->clients[i].used)
-			drop_client(sv, &sv->clients[i], "service stopping");
+			embd_server_drop_client(sv, &sv->clients[i], "service stopping");
+	embd_server_checkpoint_free(sv);
+	embd_server_regroup_free(sv);
 	embd_evloop_destroy(sv->loop);
 	if (sv->listen_fd >= 0) {
 		close(sv->listen_fd);

@@ -21,8 +21,8 @@
  * the cluster resumes (a FORWARD of another step than the agreed one gets EMBD_ERESUMED with
  * that step), restores a checkpoint, or refuses every step when the state was lost.
  */
-#ifndef EMBD_SERVICE_SERVER_H
-#define EMBD_SERVICE_SERVER_H
+#ifndef EMBD_DAEMON_SERVER_H
+#define EMBD_DAEMON_SERVER_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -48,18 +48,19 @@ int embd_server_run(struct embd_server *server);
 struct embd_ckpt_service;
 
 /* Hands the server its checkpointer (ckpt/ckpt_service.h; it must outlive the server) and
- * the step a restore resumed at (the first step trainers post). Call before run. */
+ * the step a restore resumed at (the first step trainers post). Call before run. 0, or
+ * EMBD_ENOMEM, or EMBD_EIO when the loop cannot watch the writer (err says which). */
 int embd_server_set_checkpoints(struct embd_server *server, struct embd_ckpt_service *ckpt,
-				uint64_t resumed_step);
+				uint64_t resumed_step, char *err, size_t err_len);
 
 struct embd_regroup;
 
 /* A cluster's node: hands the server the regroup handle (dist/regroup.h; it must outlive
  * the server) that re-forms the cluster after a failure; lost: this process restarted into a
  * running cluster (its shards are gone until a restore). resumed_step: the step its parameters
- * are at. Call before run. */
-void embd_server_set_regroup(struct embd_server *server, struct embd_regroup *rg, bool lost,
-			     uint64_t resumed_step);
+ * are at. Call before run. 0, or EMBD_ENOMEM (err says so). */
+int embd_server_set_regroup(struct embd_server *server, struct embd_regroup *rg, bool lost,
+			    uint64_t resumed_step, char *err, size_t err_len);
 
 /* The step being collected or run (= steps completed outside a step phase). */
 uint64_t embd_server_step(const struct embd_server *server);
@@ -74,4 +75,4 @@ bool embd_server_cluster_running(const struct embd_server *server, char *why, si
 /* Disconnects every client (unmapping regions, closing fds) and unlinks the socket. */
 void embd_server_destroy(struct embd_server *server);
 
-#endif /* EMBD_SERVICE_SERVER_H */
+#endif /* EMBD_DAEMON_SERVER_H */

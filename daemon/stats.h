@@ -33,8 +33,8 @@
  * "applied_step": the step the parameters are at, "message": why steps are refused ("" when
  * running) }.
  */
-#ifndef EMBD_SERVICE_STATS_H
-#define EMBD_SERVICE_STATS_H
+#ifndef EMBD_DAEMON_STATS_H
+#define EMBD_DAEMON_STATS_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -84,4 +84,4 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 int embd_stats_status_json(const struct embd_stats *s, const struct embd_config *config,
 			   uint64_t step, uint64_t plan_hash, uint32_t num_clients, char **out);
 
-#endif /* EMBD_SERVICE_STATS_H */
+#endif /* EMBD_DAEMON_STATS_H */

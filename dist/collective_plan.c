@@ -1,5 +1,5 @@
 /*
- * dist/collective_plan.c - embd_collective_plan (dist/rendezvous.h): node 0's plan
+ * dist/collective_plan.c - embd_collective_plan (dist/collective_plan.h): node 0's plan
  * becomes every node's, or every node refuses, each saying which field differs.
  *
  * The idea: each node describes what it was configured with as a JSON join record (the
@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "embd/types.h"
-#include "dist/rendezvous.h"
+#include "dist/collective_plan.h"
 #include "dist/store.h"
 
 #define MSG_MAX 1024

@@ -19,8 +19,8 @@
  * and output dists. Over nccl it is one ncclGroupStart/ncclSend+ncclRecv per peer/End, which
  * is what NCCL's own alltoall tests run.
  */
-#ifndef EMBD_SERVICE_COMM_H
-#define EMBD_SERVICE_COMM_H
+#ifndef EMBD_DIST_COMM_H
+#define EMBD_DIST_COMM_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -77,4 +77,4 @@ uint32_t embd_comm_size(const struct embd_comm *comm);
 /* The last error's message ("" when none). */
 const char *embd_comm_error(const struct embd_comm *comm);
 
-#endif /* EMBD_SERVICE_COMM_H */
+#endif /* EMBD_DIST_COMM_H */

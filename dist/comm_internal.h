@@ -7,8 +7,8 @@
  * Engines are compiled in C++ or CUDA, hence the extern "C" below: this header is the whole
  * boundary between them and the C side.
  */
-#ifndef EMBD_SERVICE_COMM_ENGINE_H
-#define EMBD_SERVICE_COMM_ENGINE_H
+#ifndef EMBD_DIST_COMM_INTERNAL_H
+#define EMBD_DIST_COMM_INTERNAL_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -67,4 +67,4 @@ extern const struct embd_comm_engine embd_comm_nccl_engine;
 }
 #endif
 
-#endif /* EMBD_SERVICE_COMM_ENGINE_H */
+#endif /* EMBD_DIST_COMM_INTERNAL_H */

@@ -24,8 +24,8 @@
  * node 0, whose start waits for joiners that never come, names it when it gives up) and keeps
  * refusing steps until every node is restarted.
  */
-#ifndef EMBD_SERVICE_REGROUP_H
-#define EMBD_SERVICE_REGROUP_H
+#ifndef EMBD_DIST_REGROUP_H
+#define EMBD_DIST_REGROUP_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -138,4 +138,4 @@ int embd_regroup_reattach(struct embd_regroup *rg, char *err, size_t err_len);
 /* The store key prefix of the current generation ("embd/gen/<g>/"), for keys of its own. */
 const char *embd_regroup_prefix(const struct embd_regroup *rg);
 
-#endif /* EMBD_SERVICE_REGROUP_H */
+#endif /* EMBD_DIST_REGROUP_H */

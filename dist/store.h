@@ -13,8 +13,8 @@
  * Functions with an err[err_len] argument write their message there (err may be NULL when
  * err_len is 0); the others keep it on the handle (embd_store_error).
  */
-#ifndef EMBD_SERVICE_STORE_H
-#define EMBD_SERVICE_STORE_H
+#ifndef EMBD_DIST_STORE_H
+#define EMBD_DIST_STORE_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -67,4 +67,4 @@ const char *embd_store_error(const struct embd_store *store);
 struct sockaddr_storage;
 int embd_store_server_addr(const struct embd_store *store, struct sockaddr_storage *out);
 
-#endif /* EMBD_SERVICE_STORE_H */
+#endif /* EMBD_DIST_STORE_H */

@@ -28,8 +28,8 @@
  * EMBD_STORE_BODY_MAX, an unknown op, a field running past the body or bytes left over are
  * protocol errors: the server answers EMBD_EPROTO (best effort) and closes that connection.
  */
-#ifndef EMBD_SERVICE_STORE_WIRE_H
-#define EMBD_SERVICE_STORE_WIRE_H
+#ifndef EMBD_DIST_STORE_WIRE_H
+#define EMBD_DIST_STORE_WIRE_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -204,4 +204,4 @@ static inline const char *embd_rbuf_key(struct embd_rbuf *r, size_t *len)
 	return (const char *)p;
 }
 
-#endif /* EMBD_SERVICE_STORE_WIRE_H */
+#endif /* EMBD_DIST_STORE_WIRE_H */

@@ -8,8 +8,8 @@
  * Shard memory is first touched (initialised) by its rank's driver thread, which keeps the
  * pages on the rank's node even where the kernel places memory on first touch.
  */
-#ifndef EMBD_SERVICE_RANKS_H
-#define EMBD_SERVICE_RANKS_H
+#ifndef EMBD_ENGINE_RANKS_H
+#define EMBD_ENGINE_RANKS_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -48,4 +48,4 @@ int embd_ranks_alloc_shard(struct embd_ranks *ranks, uint32_t rank,
 			   size_t err_len);
 void embd_ranks_free_shard(struct embd_ranks *ranks, struct embd_shard *shard);
 
-#endif /* EMBD_SERVICE_RANKS_H */
+#endif /* EMBD_ENGINE_RANKS_H */

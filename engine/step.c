@@ -136,20 +136,29 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 	}
 	s->num_shards = n;
 	s->shards = calloc(n ? n : 1, sizeof(*s->shards));
+	s->wire_tables = calloc(tables->count ? tables->count : 1, sizeof(*s->wire_tables));
+	s->wire_shards = calloc(n ? n : 1, sizeof(*s->wire_shards));
 	s->sources = calloc((size_t)s->max_trainers * s->layout.num_features *
 			    (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->sources));
 	s->refs = calloc((size_t)s->max_trainers * s->layout.num_features *
 			 (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->refs));
 	for (uint32_t r = 0; r < s->num_io; r++)
 		s->io[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
-	if (!s->shards || !s->sources || !s->refs)
+	if (!s->shards || !s->sources || !s->refs || !s->wire_tables || !s->wire_shards)
 		return EMBD_ENOMEM;
+	s->wire = (struct step_wire_plan){
+		.node = s->node, .batch_size = s->layout.batch_size, .num_tables = tables->count,
+		.num_shards = n, .num_features = s->layout.num_features, .tables = s->wire_tables,
+		.shards = s->wire_shards, .feature_tables = s->feature_tables,
+	};
 	for (uint32_t r = 0; r < s->num_io; r++)
 		if (!s->io[r].shards)
 			return EMBD_ENOMEM;
 	for (uint32_t t = 0; t < tables->count; t++) {
 		const struct embd_table_spec *spec = &tables->specs[t];
 		const struct embd_plan_table *pt = plan_table(plan, spec->name);
+		s->wire_tables[t] = (struct step_wire_table){ .type = pt->sharding_type,
+							     .pooling = spec->pooling };
 		for (uint32_t k = 0; k < pt->num_shards; k++) {
 			const struct embd_plan_shard *ps = &pt->shards[k];
 			struct step_shard *ss = &s->shards[s->tables[t].first_shard + k];
@@ -171,6 +180,10 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			ss->rank = (uint32_t)ps->rank;
 			ss->node = ss->rank / L;
 			ss->local = ss->rank % L;
+			s->wire_shards[s->tables[t].first_shard + k] = (struct step_wire_shard){
+				.table = t, .node = ss->node, .row_offset = ps->row_offset,
+				.rows = ps->rows, .cols = (uint32_t)ps->cols,
+			};
 			if (ss->node != s->node)
 				continue;       /* another node's memory */
 			char inner[192];
@@ -281,6 +294,8 @@ void embd_step_destroy(struct embd_step *s)
 	free(s->dims);
 	free(s->offsets);
 	free(s->feature_tables);
+	free(s->wire_tables);
+	free(s->wire_shards);
 	free(s->scratch_offsets);
 	free(s->sources);
 	free(s->refs);

@@ -29,8 +29,8 @@
  * 1's, ... Every node calls forward and backward for every step, even with no batch of its
  * own, so that the collectives line up.
  */
-#ifndef EMBD_SERVICE_STEP_H
-#define EMBD_SERVICE_STEP_H
+#ifndef EMBD_ENGINE_STEP_H
+#define EMBD_ENGINE_STEP_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -222,4 +222,4 @@ uint32_t embd_step_num_shards(const struct embd_step *step);
 void embd_step_shard_view(const struct embd_step *step, uint32_t i,
 			  struct embd_step_shard_view *out);
 
-#endif /* EMBD_SERVICE_STEP_H */
+#endif /* EMBD_ENGINE_STEP_H */

@@ -508,7 +508,8 @@ int step_dist_input(struct embd_step *s)
 		struct unpack u = { .s = s };
 		/* the gradients p announced must be exactly those of the items it sent */
 		if (!d->local_status)
-			d->local_status = step_wire_input(s, p, (const uint8_t *)d->in.p + d->roff[p],
+			d->local_status = step_wire_input(&s->wire, p,
+							  (const uint8_t *)d->in.p + d->roff[p],
 							  d->rbytes[p], d->grad_expect[p], unpack_item,
 							  &u, d->why, sizeof(d->why));
 	}

@@ -10,14 +10,15 @@
  * arrived from another node sit on the local rank's io with pointers into the receive buffer
  * (peer != NO_PEER); their outputs go to the rank's partial buffer and are sent back.
  */
-#ifndef EMBD_SERVICE_STEP_PRIV_H
-#define EMBD_SERVICE_STEP_PRIV_H
+#ifndef EMBD_ENGINE_STEP_INTERNAL_H
+#define EMBD_ENGINE_STEP_INTERNAL_H
 
 #include <stdbool.h>
 #include <stdint.h>
 
 #include "kernels/embedding.h"
 #include "engine/step.h"
+#include "engine/step_wire.h"
 
 #define NO_INDEX UINT64_MAX
 #define NO_PEER UINT32_MAX
@@ -98,6 +99,10 @@ struct embd_step {
 	uint32_t max_table_shards;
 	struct step_table *tables;
 	struct step_shard *shards;
+	/* the plan as the checks of peers' messages read it (step_wire.h), over the arrays below */
+	struct step_wire_plan wire;
+	struct step_wire_table *wire_tables;
+	struct step_wire_shard *wire_shards;
 	struct embd_ranks *ranks;
 	struct rank_io *io;
 	struct embd_step_layout layout;
@@ -156,4 +161,4 @@ const float *step_dist_grad_of(const struct embd_step *s, const struct step_item
 /* sent_bytes and exchange_bytes of the last step. */
 void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out);
 
-#endif /* EMBD_SERVICE_STEP_PRIV_H */
+#endif /* EMBD_ENGINE_STEP_INTERNAL_H */

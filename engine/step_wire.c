@@ -50,7 +50,7 @@ int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t 
 
 /* The item's head: a shard of this node, a feature of its table, a trainer of p, the flags
  * of its table. */
-static int check_item_head(const struct embd_step *s, uint32_t p, uint64_t seq,
+static int check_item_head(const struct step_wire_plan *s, uint32_t p, uint64_t seq,
 			   const struct wire_item *w, char *err, size_t err_len)
 {
 	if (w->shard >= s->num_shards || s->shards[w->shard].node != s->node) {
@@ -58,8 +58,8 @@ static int check_item_head(const struct embd_step *s, uint32_t p, uint64_t seq,
 			 p, seq, w->shard, s->node);
 		return EMBD_EPROTO;
 	}
-	const struct step_shard *ss = &s->shards[w->shard];
-	if (w->feature >= s->layout.num_features || s->feature_tables[w->feature] != ss->table) {
+	const struct step_wire_shard *ss = &s->shards[w->shard];
+	if (w->feature >= s->num_features || s->feature_tables[w->feature] != ss->table) {
 		snprintf(err, err_len, "from node %u, item %" PRIu64 ": feature %u is not one of "
 			 "shard %u's table %u", p, seq, w->feature, w->shard, ss->table);
 		return EMBD_EPROTO;
@@ -69,9 +69,10 @@ static int check_item_head(const struct embd_step *s, uint32_t p, uint64_t seq,
 			 "%u's", p, seq, w->gtrainer, p);
 		return EMBD_EPROTO;
 	}
-	const struct step_table *t = &s->tables[ss->table];
+	const struct step_wire_table *t = &s->tables[ss->table];
 	const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
-	const bool lengths = row_split(t->type) && t->spec->pooling == EMBD_POOLING_MEAN;
+	const bool row_split = t->type == EMBD_SHARD_ROW_WISE || t->type == EMBD_SHARD_TABLE_ROW_WISE;
+	const bool lengths = row_split && t->pooling == EMBD_POOLING_MEAN;
 	if (!!(w->flags & WIRE_FORWARD) != !dp || !!(w->flags & WIRE_LENGTHS) != lengths ||
 	    (w->flags & ~7u)) {
 		snprintf(err, err_len, "from node %u, item %" PRIu64 ": flags %#x do not fit "
@@ -83,11 +84,11 @@ static int check_item_head(const struct embd_step *s, uint32_t p, uint64_t seq,
 
 /* The item's arrays: offsets 0 .. num_ids, non-decreasing; ids in the shard's rows; each
  * full bag length at least the bag's ids here. */
-static int check_item_data(const struct embd_step *s, uint32_t p, uint64_t seq,
+static int check_item_data(const struct step_wire_plan *s, uint32_t p, uint64_t seq,
 			   const struct step_wire_item *it, char *err, size_t err_len)
 {
-	const uint32_t B = s->layout.batch_size;
-	const struct embd_shard_desc *d = &s->shards[it->shard].desc;
+	const uint32_t B = s->batch_size;
+	const struct step_wire_shard *d = &s->shards[it->shard];
 
 	if (it->offsets[0] != 0 || it->offsets[B] != (int64_t)it->num_ids) {
 		snprintf(err, err_len, "from node %u, item %" PRIu64 ": offsets [%lld .. %lld] "
@@ -121,11 +122,11 @@ static int check_item_data(const struct embd_step *s, uint32_t p, uint64_t seq,
 	return 0;
 }
 
-int step_wire_input(const struct embd_step *s, uint32_t p, const uint8_t *buf, uint64_t len,
+int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *buf, uint64_t len,
 		    uint64_t grad_bytes, step_wire_item_fn fn, void *arg, char *err,
 		    size_t err_len)
 {
-	const uint32_t B = s->layout.batch_size;
+	const uint32_t B = s->batch_size;
 	uint64_t at = 0, seq = 0, grads = 0;
 	int rc;
 
@@ -160,7 +161,7 @@ int step_wire_input(const struct embd_step *s, uint32_t p, const uint8_t *buf, u
 			return rc;
 		if ((rc = fn(arg, p, seq, &it)))
 			return rc;
-		grads += (uint64_t)B * s->shards[w.shard].desc.cols * 4;
+		grads += (uint64_t)B * s->shards[w.shard].cols * 4;
 	}
 	/* the gradients p announced must be exactly those of the items it sent */
 	if (grads != grad_bytes) {

@@ -3,19 +3,21 @@
  * the exchanges; the protocol is described at the top of step_dist.c) and the checks of every
  * byte that arrives from a peer node. Kept apart from the exchanges so that a fuzz target
  * (tests/fuzz/fuzz_step_wire.c) and a unit test (tests/unit/test_step_wire.c) reach the very
- * code that step_dist.c runs, on plain byte buffers and an embd_step that only holds the plan.
+ * code that step_dist.c runs, on plain byte buffers and the plan alone (struct step_wire_plan:
+ * the checks read nothing else of the engine, so the fuzz target links only this file).
  *
  * A peer is trusted for nothing: a message that fails a check gets EMBD_EPROTO (or
  * EMBD_EMISMATCH for another step or protocol) and a message naming the node and the field,
  * and no byte of it is used before it was checked.
  */
-#ifndef EMBD_SERVICE_STEP_WIRE_H
-#define EMBD_SERVICE_STEP_WIRE_H
+#ifndef EMBD_ENGINE_STEP_WIRE_H
+#define EMBD_ENGINE_STEP_WIRE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
-#include "engine/step_internal.h"
+#include "embd/plan.h"
 
 #define WIRE_MAGIC 0x31504554534d4245ull        /* "EMBSTEP1" */
 #define MAX_MESSAGE_BYTES (1ull << 36)
@@ -69,6 +71,30 @@ int step_wire_head(uint32_t p, const uint8_t *msg, uint64_t len, uint64_t seq, u
  */
 int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t err_len);
 
+/* A shard of the cluster as the checks see it. */
+struct step_wire_shard {
+	uint32_t table;                         /* index into step_wire_plan.tables */
+	uint32_t node;                          /* the node that holds it */
+	int64_t row_offset, rows;               /* its rows of the table */
+	uint32_t cols;
+};
+
+struct step_wire_table {
+	enum embd_sharding_type type;
+	enum embd_pooling pooling;
+};
+
+/* The plan as the checks read it (the engine fills it once, engine/step.c): every shard of
+ * the cluster in the plan's order (the shard numbers peers send), each feature's table, the
+ * batch size, this node. */
+struct step_wire_plan {
+	uint32_t node, batch_size;
+	uint32_t num_tables, num_shards, num_features;
+	const struct step_wire_table *tables;
+	const struct step_wire_shard *shards;
+	const uint32_t *feature_tables;         /* num_features */
+};
+
 /* One item of a peer's INPUT message, checked; its arrays point into the message. */
 struct step_wire_item {
 	uint32_t gtrainer, feature, shard;
@@ -85,8 +111,7 @@ typedef int (*step_wire_item_fn)(void *arg, uint32_t p, uint64_t seq,
 				 const struct step_wire_item *item);
 
 /*
- * Checks peer p's INPUT message (len bytes at buf, 8-aligned) against s's plan (tables,
- * shards, feature_tables, layout, node: nothing else of s is read) and hands each item to
+ * Checks peer p's INPUT message (len bytes at buf, 8-aligned) against the plan and hands each item to
  * fn. Every item must be for a shard on this node whose table the feature reads, from one of
  * p's trainers, with the flags its table needs, offsets from 0 to num_ids never decreasing,
  * ids inside the shard's rows, full bag lengths no shorter than the bag's ids here, and the
@@ -94,8 +119,8 @@ typedef int (*step_wire_item_fn)(void *arg, uint32_t p, uint64_t seq,
  * must be exactly B * cols * 4 per item. Returns 0, fn's code, or EMBD_EPROTO with err
  * naming the node, the item and the field.
  */
-int step_wire_input(const struct embd_step *s, uint32_t p, const uint8_t *buf, uint64_t len,
+int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *buf, uint64_t len,
 		    uint64_t grad_bytes, step_wire_item_fn fn, void *arg, char *err,
 		    size_t err_len);
 
-#endif /* EMBD_SERVICE_STEP_WIRE_H */
+#endif /* EMBD_ENGINE_STEP_WIRE_H */

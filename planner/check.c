@@ -8,7 +8,7 @@
  * splits must span all columns and tile the rows, column splits must span all rows and tile
  * the columns, table_wise is one full shard, data_parallel one full replica on every rank.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -7,7 +7,7 @@
  * within a class) and the partitioners (partition.c) use difference arrays and heaps. Every
  * sort and heap breaks ties by index, so the result never depends on memory layout.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -6,7 +6,8 @@
  * formatting are fixed: integers as integers, topology reals as %.17g (they round-trip
  * exactly, so a parsed plan re-estimates to the same numbers), times as %.9g.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <cjson/cJSON.h>
 #include <inttypes.h>

@@ -4,7 +4,8 @@
  * and every error names the table (index and name) and the field, so an operator can find
  * the line. The service's config embeds the same array and calls embd_plan_tables_parse.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>

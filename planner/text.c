@@ -3,7 +3,7 @@
  * build their output with it), JSON string escaping, FNV-1a 64 (plan and tables hashes) and
  * error messages with the position of a JSON syntax error.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>

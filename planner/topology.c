@@ -3,7 +3,8 @@
  * flags go through (so a field has one name, one unit and one range everywhere), the byte and
  * bandwidth suffixes, and the enum <-> name tables of the planner's vocabulary.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <cjson/cJSON.h>
 #include <ctype.h>

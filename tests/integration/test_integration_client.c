@@ -15,7 +15,7 @@ Test(client, connect_gives_layout_and_nop_round_trip)
 {
 	struct embd_client *c;
 	char err[256];
-	int rc = embd_connect(socket_path, 1, 5000, &c, err, sizeof(err));
+	int rc = embd_connect(service.socket, 1, 5000, &c, err, sizeof(err));
 
 	cr_assert_eq(rc, 0, "connect: expected 0, got %d (%s)", rc, err);
 	const struct embd_client_layout *l = embd_layout(c);
@@ -47,8 +47,8 @@ Test(client, bad_arguments_are_named)
 	struct embd_batch b;
 	char err[256];
 
-	cr_assert_eq(embd_connect(socket_path, EMBD_CLIENT_ANY_INDEX, 5000, &c, err, sizeof(err)), 0,
-		     "%s", err);
+	cr_assert_eq(embd_connect(service.socket, EMBD_CLIENT_ANY_INDEX, 5000, &c, err,
+				  sizeof(err)), 0, "%s", err);
 	cr_expect_eq(embd_batch_get(c, EMBD_CLIENT_SLOTS, &b), EMBD_EINVAL);
 	cr_expect(strstr(embd_last_error(c), "slot") != NULL, "got '%s'", embd_last_error(c));
 	struct embd_request big = { .op = EMBD_REQUEST_FORWARD,
@@ -57,7 +57,7 @@ Test(client, bad_arguments_are_named)
 	cr_expect(strstr(embd_last_error(c), "num_values") != NULL, "got '%s'", embd_last_error(c));
 	/* the same index twice is refused by the service, with its reason */
 	struct embd_client *twin;
-	int rc = embd_connect(socket_path, embd_layout(c)->index, 5000, &twin, err, sizeof(err));
+	int rc = embd_connect(service.socket, embd_layout(c)->index, 5000, &twin, err, sizeof(err));
 	cr_expect_eq(rc, EMBD_EBUSY, "second connect as the same index: expected EBUSY, got %d", rc);
 	cr_expect(strstr(err, "wanted_rank") != NULL, "got '%s'", err);
 	cr_expect_null(twin);

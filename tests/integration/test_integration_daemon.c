@@ -14,54 +14,41 @@
 #include <unistd.h>
 
 #include "ipc/control.h"
+#include "tests/support/embd_process.h"
 
 struct daemon {
-	pid_t pid;
+	struct tu_embd embd;            /* the embedded default config, no --log-level */
 	FILE *log;                      /* its stderr */
-	char socket_path[108];
 };
 
-static void start_daemon(struct daemon *d, const char *const *extra)
+/* Starts embd and reads its stderr until it logs "ready". */
+static void start_daemon(struct daemon *d)
 {
-	int fds[2];
-	const char *argv[16] = { EMBD_BINARY, "--socket", NULL };
-	int argc = 2;
-
-	snprintf(d->socket_path, sizeof(d->socket_path), "/tmp/embd-test-%d/embd.sock", (int)getpid());
-	argv[argc++] = d->socket_path;
-	for (; extra && *extra; extra++)
-		argv[argc++] = *extra;
-	argv[argc] = NULL;
-	cr_assert_eq(pipe(fds), 0);
-	d->pid = fork();
-	cr_assert_geq(d->pid, 0);
-	if (d->pid == 0) {
-		dup2(fds[1], 2);
-		close(fds[0]);
-		close(fds[1]);
-		execv(EMBD_BINARY, (char *const *)argv);
-		_exit(127);
-	}
-	close(fds[1]);
-	d->log = fdopen(fds[0], "r");
+	const struct tu_embd_opts o = { .stderr_pipe = true };
 	char line[2048];
+
+	snprintf(d->embd.socket, sizeof(d->embd.socket), "/tmp/embd-test-%d/embd.sock",
+		 (int)getpid());
+	tu_embd_start(&d->embd, &o);
+	d->log = fdopen(d->embd.stderr_fd, "r");
+	cr_assert_not_null(d->log);
 	while (fgets(line, sizeof(line), d->log))
 		if (strstr(line, "ready"))
 			return;
 	int status;
-	waitpid(d->pid, &status, 0);
+	tu_embd_wait(&d->embd, -1, &status);
 	cr_assert_fail("embd exited (status %d) before logging ready", status);
 }
 
+/* SIGTERM, and its wait status once it exited (however long that takes). */
 static int stop_daemon(struct daemon *d)
 {
 	int status = -1;
-	kill(d->pid, SIGTERM);
-	waitpid(d->pid, &status, 0);
+	tu_embd_stop(&d->embd, SIGTERM, -1, &status);
 	fclose(d->log);
 	/* the service created the socket's directory; the test removes it */
-	char dir[sizeof(d->socket_path)];
-	snprintf(dir, sizeof(dir), "%s", d->socket_path);
+	char dir[sizeof(d->embd.socket)];
+	snprintf(dir, sizeof(dir), "%s", d->embd.socket);
 	*strrchr(dir, '/') = 0;
 	rmdir(dir);
 	return status;
@@ -91,15 +78,15 @@ Test(daemon, ready_status_stats_sigterm)
 {
 	struct daemon d;
 
-	start_daemon(&d, NULL);
-	cJSON *status = request(d.socket_path, EMBD_CTL_STATUS_REQUEST, EMBD_CTL_STATUS_REPLY);
+	start_daemon(&d);
+	cJSON *status = request(d.embd.socket, EMBD_CTL_STATUS_REQUEST, EMBD_CTL_STATUS_REPLY);
 	cr_assert_str_eq(cJSON_GetObjectItem(status, "version")->valuestring, EMBD_VERSION);
 	cr_assert_eq(cJSON_GetObjectItem(status, "step")->valuedouble, 0);
 	cJSON *config = cJSON_GetObjectItem(status, "config");
-	cr_assert_str_eq(cJSON_GetObjectItem(config, "socket_path")->valuestring, d.socket_path);
+	cr_assert_str_eq(cJSON_GetObjectItem(config, "socket_path")->valuestring, d.embd.socket);
 	cr_assert_eq(cJSON_GetObjectItem(config, "num_tables")->valuedouble, 4);
 	cJSON_Delete(status);
-	cJSON *stats = request(d.socket_path, EMBD_CTL_STATS_REQUEST, EMBD_CTL_STATS_REPLY);
+	cJSON *stats = request(d.embd.socket, EMBD_CTL_STATS_REQUEST, EMBD_CTL_STATS_REPLY);
 	cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItem(stats, "ranks")), 2);
 	cJSON *rank0 = cJSON_GetArrayItem(cJSON_GetObjectItem(stats, "ranks"), 0);
 	cr_assert_gt(cJSON_GetObjectItem(rank0, "memory_bytes")->valuedouble, 0,
@@ -107,7 +94,7 @@ Test(daemon, ready_status_stats_sigterm)
 	cJSON_Delete(stats);
 	int st = stop_daemon(&d);
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
-	cr_assert_neq(access(d.socket_path, F_OK), 0, "the socket file should be gone");
+	cr_assert_neq(access(d.embd.socket, F_OK), 0, "the socket file should be gone");
 }
 
 Test(daemon, hello_gets_the_layout)
@@ -122,8 +109,8 @@ Test(daemon, hello_gets_the_layout)
 	char err[256] = "";
 	int fd;
 
-	start_daemon(&d, NULL);
-	cr_assert_eq(embd_ctl_connect(d.socket_path, &fd, err, sizeof(err)), 0, "%s", err);
+	start_daemon(&d);
+	cr_assert_eq(embd_ctl_connect(d.embd.socket, &fd, err, sizeof(err)), 0, "%s", err);
 	embd_ctl_hello_encode(&hello, payload);
 	cr_assert_eq(embd_ctl_send(fd, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, err,
 				   sizeof(err)), 0, "%s", err);
@@ -138,7 +125,7 @@ Test(daemon, hello_gets_the_layout)
 	embd_ctl_msg_close_fds(&msg);
 	/* the same index again is refused while the first holds it */
 	int fd2;
-	cr_assert_eq(embd_ctl_connect(d.socket_path, &fd2, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_connect(d.embd.socket, &fd2, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(embd_ctl_send(fd2, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, err,
 				   sizeof(err)), 0, "%s", err);
 	cr_assert_eq(embd_ctl_recv(fd2, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);

@@ -27,6 +27,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/npy.h"
 #include "tests/support/dir_util.h"
+#include "tests/support/embd_process.h"
 
 #define B 4
 #define ROWS 64
@@ -34,12 +35,7 @@
 
 static char base[64], config_path[160], ckdir[128], out_path[160];
 
-struct service {
-	pid_t pid;
-	char socket[128], log[160];
-};
-
-static struct service services[2];
+static struct tu_embd services[2];
 static uint32_t trainers = 1;           /* trainers_per_node of write_config */
 
 static void setup(void)
@@ -51,15 +47,9 @@ static void setup(void)
 	snprintf(out_path, sizeof(out_path), "%s/out.txt", base);
 }
 
-static void stop(struct service *s)
+static void stop(struct tu_embd *s)
 {
-	int st;
-
-	if (s->pid <= 0)
-		return;
-	kill(s->pid, SIGKILL);
-	waitpid(s->pid, &st, 0);
-	s->pid = 0;
+	tu_embd_stop(s, SIGKILL, 5000, NULL);
 }
 
 static void teardown(void)
@@ -94,29 +84,17 @@ static void write_config(const char *extra)
 /* Starts embd i; returns once it listens (true) or exited (false, its status in *status). */
 static bool start(int i, int *status)
 {
-	struct service *s = &services[i];
+	struct tu_embd *s = &services[i];
+	const struct tu_embd_opts o = { .config = config_path, .log_level = "info" };
 
 	snprintf(s->socket, sizeof(s->socket), "%s/s%d.sock", base, i);
 	snprintf(s->log, sizeof(s->log), "%s/embd%d.log", base, i);
-	unlink(s->socket);
-	s->pid = fork();
-	cr_assert(s->pid >= 0);
-	if (s->pid == 0) {
-		int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-		if (fd >= 0)
-			dup2(fd, STDERR_FILENO);
-		execl(EMBD_BINARY, "embd", "--config", config_path, "--socket", s->socket,
-		      "--log-level", "info", (char *)NULL);
-		_exit(127);
-	}
+	tu_embd_start(s, &o);
 	for (int k = 0; k < 1000; k++) {
-		if (waitpid(s->pid, status, WNOHANG) == s->pid) {
-			s->pid = 0;
+		if (tu_embd_wait(s, 10, status))
 			return false;
-		}
 		if (!access(s->socket, F_OK))
 			return true;
-		usleep(10000);
 	}
 	cr_assert_fail("embd %d neither listened nor exited within 10 s", i);
 	return false;
@@ -186,8 +164,8 @@ Test(hostile, every_checkpoint_damaged_refuses_a_fresh_start)
 	cr_assert(!start(0, &st), "embd must refuse to start from the initial weights over "
 		  "damaged checkpoints");
 	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "expected a failing exit, got 0x%x", st);
-	cr_expect(file_has(services[0].log, "checkpoint_allow_fresh_start") &&
-		  file_has(services[0].log, "step-20"), "the log must name the damaged checkpoints "
+	cr_expect(tu_embd_log_has(&services[0], "checkpoint_allow_fresh_start") &&
+		  tu_embd_log_has(&services[0], "step-20"), "the log must name the damaged checkpoints "
 		  "and the key (see %s)", services[0].log);
 	cr_expect_eq(tu_count_entries(ckdir, "step-"), 2, "a refusal leaves them in place");
 	/* the operator says so: embd starts afresh, the damaged ones kept in damaged/ */
@@ -217,7 +195,7 @@ Test(hostile, a_second_embd_on_the_same_checkpoint_dir_is_refused)
 	cr_assert(start(0, &st), "the first embd (exit 0x%x)", st);
 	snprintf(pid, sizeof(pid), "pid %d", (int)services[0].pid);
 	cr_expect(!start(1, &st), "a second embd on the same checkpoint_dir must be refused");
-	cr_expect(file_has(services[1].log, pid) && file_has(services[1].log, ckdir),
+	cr_expect(tu_embd_log_has(&services[1], pid) && tu_embd_log_has(&services[1], ckdir),
 		  "the refusal names the holder's %s and the directory (see %s)", pid,
 		  services[1].log);
 	/* embctl import would write a step the running embd might remove or restore */
@@ -302,7 +280,7 @@ Test(hostile, a_nan_gradient_is_refused_for_every_trainer)
 	cr_expect_eq(embctl(args), 0);
 	cr_expect(file_has(out_path, "\"nonfinite_grads\":1") &&
 		  file_has(out_path, "\"aborted_steps\":1"), "stats count it (see %s)", out_path);
-	cr_expect(file_has(services[0].log, "sent a gradient that is NaN"), "the log says why");
+	cr_expect(tu_embd_log_has(&services[0], "sent a gradient that is NaN"), "the log says why");
 	embd_close(c[0]);
 	embd_close(c[1]);
 }

@@ -6,21 +6,12 @@
 
 #include <criterion/criterion.h>
 
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 
+#include "common/clock.h"
 #include "dist/store.h"
-
-int64_t tu_now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* Forks a child that first waits until gate_fd reads EOF (or -1: no gate). */
 static pid_t spawn_gated(tu_child_fn fn, int index, void *arg, int gate_fd, int gate_w)
@@ -62,7 +53,7 @@ void tu_spawn_n(tu_child_fn fn, int n, void *arg, pid_t *pids)
 
 int tu_join(const pid_t *pids, int n, int timeout_ms, int *codes)
 {
-	int64_t deadline = tu_now_ms() + timeout_ms;
+	int64_t deadline = embd_now_ms() + timeout_ms;
 	int pending = n, failed = 0;
 
 	for (int i = 0; i < n; i++)
@@ -70,7 +61,7 @@ int tu_join(const pid_t *pids, int n, int timeout_ms, int *codes)
 	for (int i = 0; i < n; i++)
 		if (pids[i] <= 0)
 			pending--;
-	while (pending > 0 && tu_now_ms() < deadline) {
+	while (pending > 0 && embd_now_ms() < deadline) {
 		for (int i = 0; i < n; i++) {
 			int status;
 			if (codes[i] != TU_HUNG || waitpid(pids[i], &status, WNOHANG) != pids[i])
@@ -89,18 +80,6 @@ int tu_join(const pid_t *pids, int n, int timeout_ms, int *codes)
 		failed += codes[i] != 0;
 	}
 	return failed;
-}
-
-uint16_t tu_free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM, 0);
-	if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) < 0 ||
-	    getsockname(fd, (struct sockaddr *)&a, &len) < 0)
-		abort();
-	close(fd);
-	return ntohs(a.sin_port);
 }
 
 struct embd_store_server *tu_server;

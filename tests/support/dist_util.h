@@ -31,7 +31,6 @@ struct embd_store_server;
 
 typedef int (*tu_child_fn)(int index, void *arg);
 
-int64_t tu_now_ms(void);
 /* Forks a child that runs fn(index, arg) and _exits with its return value. */
 pid_t tu_spawn(tu_child_fn fn, int index, void *arg);
 /*
@@ -47,8 +46,6 @@ void tu_spawn_n(tu_child_fn fn, int n, void *arg, pid_t *pids);
  * Returns how many children did not exit with 0.
  */
 int tu_join(const pid_t *pids, int n, int timeout_ms, int *codes);
-/* A TCP port that was free a moment ago on 127.0.0.1 (bound to 0, read back, closed). */
-uint16_t tu_free_port(void);
 
 /* A store server on 127.0.0.1 at a free port, as a Criterion .init/.fini pair: children
  * forked by the test connect to tu_port. */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "embd/types.h"
+#include "common/clock.h"
 #include "dist/comm.h"
 #include "dist/store.h"
 #include "tests/support/dist_util.h"
@@ -155,12 +156,12 @@ static int check_broadcast_barrier(struct embd_comm *comm, int rank, int size)
 	/* rank 0 arrives 300 ms late: nobody leaves the barrier before it arrives */
 	if (rank == 0)
 		usleep(300 * 1000);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	rc = embd_comm_barrier(comm);
 	TU_CHECK(rc == 0, "%d %s", rc, embd_comm_error(comm));
 	if (rank != 0)
-		TU_CHECK(tu_now_ms() - t0 >= 250, "left the barrier after %lld ms",
-			 (long long)(tu_now_ms() - t0));
+		TU_CHECK(embd_now_ms() - t0 >= 250, "left the barrier after %lld ms",
+			 (long long)(embd_now_ms() - t0));
 	return 0;
 }
 
@@ -228,9 +229,9 @@ static int child_lose_a_peer(int rank, void *arg)
 	for (int p = 0; p < w->size; p++)
 		bytes[p] = 1000;
 	uint8_t *send = calloc(1, 8000), *recv = calloc(1, 8000);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	int rc = embd_comm_alltoallv(comm, send, bytes, recv, bytes);
-	int64_t took = tu_now_ms() - t0;
+	int64_t took = embd_now_ms() - t0;
 	TU_CHECK(rc == EMBD_ETIMEDOUT || rc == EMBD_ECONNRESET, "got %d (%s): %s", rc,
 		 embd_strerror(rc), embd_comm_error(comm));
 	TU_CHECK(took <= w->timeout_ms + SLACK_MS, "failed after %lld ms", (long long)took);
@@ -244,9 +245,9 @@ static int child_lose_a_peer(int rank, void *arg)
 		 embd_comm_error(comm));
 	fprintf(stderr, "[rank %d] as expected after %lld ms: %s\n", rank, (long long)took,
 		embd_comm_error(comm));
-	t0 = tu_now_ms();
+	t0 = embd_now_ms();
 	TU_CHECK(embd_comm_barrier(comm) == rc, "the broken handle repeats its failure");
-	TU_CHECK(tu_now_ms() - t0 < 100, "at once");
+	TU_CHECK(embd_now_ms() - t0 < 100, "at once");
 	TU_CHECK(strstr(embd_comm_error(comm), "broken"), "message: %s", embd_comm_error(comm));
 	free(send);
 	free(recv);
@@ -278,9 +279,9 @@ Test(comm_gloo, missing_rank_fails_rendezvous_naming_it)
 	struct embd_comm_options o = { .backend = EMBD_COMM_GLOO, .rank = 0, .size = 2,
 				       .timeout_ms = 500, .hostname = "127.0.0.1",
 				       .prefix = "lonely/" };
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	int rc = embd_comm_create(&o, store, &comm, err, sizeof(err));
-	int64_t took = tu_now_ms() - t0;
+	int64_t took = embd_now_ms() - t0;
 	cr_assert_eq(rc, EMBD_ETIMEDOUT, "got %d: %s", rc, err);
 	cr_assert_null(comm);
 	cr_assert(took <= 500 + SLACK_MS, "gave up after %lld ms", (long long)took);
@@ -328,10 +329,10 @@ Test(comm_gloo, nccl_without_cuda_or_gpu_is_enotsup)
 	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 2000, &store, err, sizeof(err)), 0);
 	struct embd_comm_options o = { .backend = EMBD_COMM_NCCL, .rank = 0, .size = 1,
 				       .timeout_ms = 5000, .prefix = "nccl/" };
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	int rc = embd_comm_create(&o, store, &comm, err, sizeof(err));
-	cr_assert(tu_now_ms() - t0 < 5000 + SLACK_MS, "create took %lld ms",
-		  (long long)(tu_now_ms() - t0));
+	cr_assert(embd_now_ms() - t0 < 5000 + SLACK_MS, "create took %lld ms",
+		  (long long)(embd_now_ms() - t0));
 	if (avail == EMBD_ENOTSUP) {
 		cr_assert_eq(rc, EMBD_ENOTSUP, "got %d: %s", rc, err);
 		cr_assert(strstr(err, "nccl"), "got %s", err);

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "embd/types.h"
+#include "common/clock.h"
 #include "dist/comm.h"
 #include "dist/regroup.h"
 #include "dist/store.h"
@@ -144,9 +145,9 @@ static int form(struct embd_regroup *rg, const struct embd_regroup_state *mine,
 		struct embd_regroup_decision *d, int node)
 {
 	char err[512];
-	int64_t end = tu_now_ms() + 10000;
+	int64_t end = embd_now_ms() + 10000;
 
-	while (tu_now_ms() < end) {
+	while (embd_now_ms() < end) {
 		int rc = embd_regroup_poll(rg, mine, true, d, err, sizeof(err));
 		if (rc == 1)
 			return embd_regroup_finish(rg, err, sizeof(err)) == 0;
@@ -176,9 +177,9 @@ static int regroup_node(int node, void *arg)
 		TU_CHECK(embd_regroup_start(rg, err, sizeof(err)) == 0, "start: %s", err);
 	} else if (!restarted) {
 		/* running at generation 0 until the restarted node opens the next one */
-		int64_t end = tu_now_ms() + 10000;
+		int64_t end = embd_now_ms() + 10000;
 		int rc = 0;
-		while (tu_now_ms() < end && (rc = embd_regroup_newer(rg, err, sizeof(err))) == 0)
+		while (embd_now_ms() < end && (rc = embd_regroup_newer(rg, err, sizeof(err))) == 0)
 			usleep(20000);
 		TU_CHECK(rc == 1, "expected to see a newer generation open, got %d (%s)", rc, err);
 		TU_CHECK(embd_regroup_start(rg, err, sizeof(err)) == 0, "start: %s", err);
@@ -294,10 +295,10 @@ Test(regroup, restore_outcomes_decide_alike_on_every_node,
 
 	/* node 0 says nothing within store_timeout_ms: node 1 writes node 0's record as late,
 	 * node 0 reads that very record, and both move on to the next generation */
-	int64_t t_start = tu_now_ms();
+	int64_t t_start = embd_now_ms();
 	t1.rc = embd_regroup_restored(rg1, 0, "", 0, t1.err, sizeof(t1.err));
-	cr_expect(tu_now_ms() - t_start < 3000, "expected the wait to end after store_timeout_ms, "
-		  "took %lld ms", (long long)(tu_now_ms() - t_start));
+	cr_expect(embd_now_ms() - t_start < 3000, "expected the wait to end after store_timeout_ms, "
+		  "took %lld ms", (long long)(embd_now_ms() - t_start));
 	t0.rc = embd_regroup_restored(rg0, 0, "", 0, t0.err, sizeof(t0.err));
 	for (int n = 0; n < NODES; n++) {
 		const struct turn *t = n ? &t1 : &t0;

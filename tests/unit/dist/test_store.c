@@ -16,9 +16,11 @@
 #include <unistd.h>
 
 #include "embd/types.h"
+#include "common/clock.h"
 #include "dist/store.h"
 #include "dist/store_wire.h"
 #include "tests/support/dist_util.h"
+#include "tests/support/ports.h"
 
 #define SLACK_MS 1500           /* scheduling slack of a loaded 2-core CI machine */
 
@@ -194,10 +196,10 @@ Test(store_forked, get_waits_for_a_later_set)
 	size_t len = 0;
 	int code;
 	pid_t pid = tu_spawn(child_late_setter, 0, NULL);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 
 	cr_assert_eq(embd_store_get(s, "late", &v, &len), 0, "%s", embd_store_error(s));
-	int64_t waited = tu_now_ms() - t0;
+	int64_t waited = embd_now_ms() - t0;
 	cr_assert(len == 4 && memcmp(v, "here", 4) == 0);
 	cr_assert(waited >= 250, "get returned after %lld ms, before the set", (long long)waited);
 	free(v);
@@ -217,9 +219,9 @@ Test(store, timeouts_within_bounds_and_named)
 	size_t len = 0;
 
 	snprintf(where, sizeof(where), "127.0.0.1:%u", tu_port);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	cr_assert_eq(embd_store_get(s, "never", &v, &len), EMBD_ETIMEDOUT);
-	int64_t took = tu_now_ms() - t0;
+	int64_t took = embd_now_ms() - t0;
 	cr_assert(took >= 280 && took <= 300 + SLACK_MS, "get timed out after %lld ms",
 		  (long long)took);
 	cr_assert(strstr(embd_store_error(s), "'never'"), "got \"%s\"", embd_store_error(s));
@@ -230,9 +232,9 @@ Test(store, timeouts_within_bounds_and_named)
 	cr_assert_eq(embd_store_set(s, "present", "1", 1), 0, "%s", embd_store_error(s));
 	const char *keys[] = { "present", "absent_a", "absent_b" };
 	embd_store_set_timeout(s, 200);
-	t0 = tu_now_ms();
+	t0 = embd_now_ms();
 	cr_assert_eq(embd_store_wait(s, keys, 3), EMBD_ETIMEDOUT);
-	took = tu_now_ms() - t0;
+	took = embd_now_ms() - t0;
 	cr_assert(took >= 180 && took <= 200 + SLACK_MS, "wait timed out after %lld ms",
 		  (long long)took);
 	const char *e = embd_store_error(s);
@@ -255,12 +257,12 @@ Test(store, server_gone_is_connreset)
 	struct embd_store *s = client(2000);
 	cr_assert_eq(embd_store_set(s, "a", "1", 1), 0);
 	tu_server_stop();
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	int rc = embd_store_set(s, "b", "1", 1);
 	if (rc == 0)    /* the kernel may accept one send before the reset arrives */
 		rc = embd_store_set(s, "b", "1", 1);
 	cr_assert_eq(rc, EMBD_ECONNRESET, "got %d %s", rc, embd_store_error(s));
-	cr_assert(tu_now_ms() - t0 < 1000, "noticed late");
+	cr_assert(embd_now_ms() - t0 < 1000, "noticed late");
 	cr_assert_eq(embd_store_check(s, "a"), EMBD_ECONNRESET, "later calls fail too");
 	embd_store_close(s);
 	tu_server_start();     /* for .fini */
@@ -282,9 +284,9 @@ Test(store, parked_get_sees_server_stop)
 
 	cr_assert_eq(pthread_create(&t, NULL, stop_later, tu_server), 0);
 	tu_server = NULL;
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	cr_assert_eq(embd_store_get(s, "x", &v, &len), EMBD_ECONNRESET, "%s", embd_store_error(s));
-	int64_t took = tu_now_ms() - t0;
+	int64_t took = embd_now_ms() - t0;
 	cr_assert(took >= 250 && took < 300 + SLACK_MS, "get returned after %lld ms",
 		  (long long)took);
 	pthread_join(t, NULL);
@@ -319,11 +321,11 @@ Test(store_forked, connect_retries_until_the_server_is_up)
 	char err[256] = "";
 	int code;
 	pid_t pid = tu_spawn(child_late_server, 0, &late_port);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 
 	int rc = embd_store_connect("127.0.0.1", late_port, 5000, &s, err, sizeof(err));
 	cr_assert_eq(rc, 0, "connect: %d %s", rc, err);
-	cr_assert(tu_now_ms() - t0 >= 350, "connected before the server started");
+	cr_assert(embd_now_ms() - t0 >= 350, "connected before the server started");
 	cr_assert_eq(embd_store_set(s, "up", "1", 1), 0, "%s", embd_store_error(s));
 	embd_store_close(s);
 	cr_assert_eq(tu_join(&pid, 1, 10000, &code), 0, "late server exited %d", code);
@@ -336,9 +338,9 @@ Test(store, connect_timeout_names_the_address)
 	char err[256] = "", where[64];
 
 	snprintf(where, sizeof(where), "127.0.0.1:%u", dead_port);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	int rc = embd_store_connect("127.0.0.1", dead_port, 300, &s, err, sizeof(err));
-	int64_t took = tu_now_ms() - t0;
+	int64_t took = embd_now_ms() - t0;
 	cr_assert_eq(rc, EMBD_ETIMEDOUT, "got %d %s", rc, err);
 	cr_assert_null(s);
 	cr_assert(took >= 280 && took <= 300 + SLACK_MS, "gave up after %lld ms", (long long)took);
@@ -492,11 +494,11 @@ Test(store, reconnect_reaches_a_new_server_on_the_same_port)
 	if (rc >= 0)    /* the kernel may take one request before the reset arrives */
 		rc = embd_store_check(s, "old");
 	cr_assert_eq(rc, EMBD_ECONNRESET, "server gone: expected ECONNRESET, got %d", rc);
-	int64_t t0 = tu_now_ms();
+	int64_t t0 = embd_now_ms();
 	rc = embd_store_reconnect(s, 300);
 	cr_assert_eq(rc, EMBD_ETIMEDOUT, "no server: expected ETIMEDOUT, got %d", rc);
-	cr_assert(tu_now_ms() - t0 >= 250, "gave up after %lld ms, expected ~300",
-		  (long long)(tu_now_ms() - t0));
+	cr_assert(embd_now_ms() - t0 >= 250, "gave up after %lld ms, expected ~300",
+		  (long long)(embd_now_ms() - t0));
 	cr_assert_eq(embd_store_server_start("127.0.0.1", p, &b, err, sizeof(err)), 0, "%s", err);
 	rc = embd_store_reconnect(s, 2000);
 	cr_assert_eq(rc, 0, "new server: expected 0, got %d (%s)", rc, embd_store_error(s));

@@ -36,7 +36,7 @@ static int collect(void *arg, uint32_t p, uint64_t seq, const struct step_wire_i
 static int input(uint64_t len, uint64_t grad_bytes, struct seen *s)
 {
 	err[0] = 0;
-	return step_wire_input(&wp_step, WP_PEER, msg, len, grad_bytes, collect, s, err,
+	return step_wire_input(&wp_plan, WP_PEER, msg, len, grad_bytes, collect, s, err,
 			       sizeof(err));
 }
 

@@ -6,12 +6,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tests/support/mix.h"
+
 uint64_t trng_u64(struct trng *r)
 {
-	uint64_t x = (r->s += 0x9e3779b97f4a7c15ull);
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
+	return tu_mix_next(&r->s);
 }
 
 uint64_t trng_below(struct trng *r, uint64_t n)

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "embd/plan.h"
+#include "planner/planner_internal.h"
 
 static struct embd_table_spec table(int64_t rows, int32_t dim)
 {

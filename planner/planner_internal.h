@@ -161,4 +161,32 @@ int planner_syntax_err(char *err, size_t err_len, const char *what, const char *
 /* Rewrites err as "prefix: err" (a file name before a parser's message). */
 void planner_prefix_err(char *err, size_t err_len, const char *prefix);
 
+/* ---- cost model (planner/estimate.c; its unit tests call it directly) ---------------------- */
+
+struct embd_shard_perf {
+	double fwd_compute_ms, fwd_comms_ms, bwd_compute_ms, bwd_comms_ms;
+};
+
+struct embd_shard_storage {
+	uint64_t hbm_bytes, ddr_bytes;
+};
+
+/*
+ * Estimates one shard of `rows` x `cols` of table t (constraints c, may be NULL) sharded as
+ * type with kernel on topo. Baseline: TorchRec's EmbeddingPerfEstimator and
+ * EmbeddingStorageEstimator (default pipeline, no cache statistics), reproduced to 1e-6; the
+ * differences are listed in planner/estimate.c and are only for cases TorchRec rejects
+ * (row_wise / table_row_wise on cpu). EMBD_ENOTSUP when kernel does not exist on the device.
+ */
+int embd_plan_estimate_shard(const struct embd_table_spec *t,
+			     const struct embd_table_constraints *c,
+			     const struct embd_topology *topo, enum embd_sharding_type type,
+			     enum embd_compute_kernel kernel, int64_t rows, int32_t cols,
+			     struct embd_shard_perf *perf, struct embd_shard_storage *storage);
+
+static inline double embd_shard_perf_total_ms(const struct embd_shard_perf *p)
+{
+	return p->fwd_compute_ms + p->fwd_comms_ms + p->bwd_compute_ms + p->bwd_comms_ms;
+}
+
 #endif
