@@ -220,6 +220,15 @@ static int parse_choice(const struct key *k, const cJSON *v, struct embd_config 
 	return refuse(k, err, err_len);
 }
 
+static int parse_bool(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		      size_t err_len)
+{
+	if (!cJSON_IsBool(v))
+		return refuse(k, err, err_len);
+	*(bool *)field(c, k) = cJSON_IsTrue(v);
+	return 0;
+}
+
 static int parse_log_level(const struct key *k, const cJSON *v, struct embd_config *c,
 			   char *err, size_t err_len)
 {
@@ -290,6 +299,8 @@ static const struct key keys[] = {
 	{ "checkpoint_every_seconds", parse_uint, FIELD(checkpoint_every_seconds),
 	  .max = U32_MAX_D },
 	{ "checkpoint_keep", parse_uint, FIELD(checkpoint_keep), .max = U32_MAX_D, .def = "3" },
+	{ "checkpoint_allow_fresh_start", parse_bool, FIELD(checkpoint_allow_fresh_start),
+	  .why = "expected true or false" },
 	{ "busy_poll_us", parse_uint, FIELD(busy_poll_us), .max = 1000000, .def = "50" },
 	{ "master_addr", parse_string, FIELD(master_addr), .valid = not_empty,
 	  .why = "must not be empty", .def = "\"127.0.0.1\"" },
@@ -495,6 +506,7 @@ void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_set
 		.checkpoint_every_steps = c->checkpoint_every_steps,
 		.checkpoint_every_seconds = c->checkpoint_every_seconds,
 		.checkpoint_keep = c->checkpoint_keep,
+		.checkpoint_allow_fresh_start = c->checkpoint_allow_fresh_start,
 		.node_rank = c->node_rank,
 		.num_nodes = embd_config_nodes(c),
 		.master_port = c->master_port,

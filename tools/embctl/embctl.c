@@ -4,7 +4,10 @@
  */
 #include "embctl.h"
 
+#include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const struct embctl_command commands[] = {
@@ -16,6 +19,24 @@ static const struct embctl_command commands[] = {
 	{ "import", ".npy files as initial weights: a checkpoint embd restores", embctl_import },
 	{ NULL, NULL, NULL },
 };
+
+int embctl_number(const char *flag, const char *text, uint64_t min, uint64_t max, uint64_t *out)
+{
+	char *end = NULL;
+	uint64_t v = 0;
+
+	/* strtoull alone takes "-5" (as 2^64 - 5), " 5", "5x" and "" */
+	errno = 0;
+	if (text[0] >= '0' && text[0] <= '9')
+		v = strtoull(text, &end, 10);
+	if (!end || *end || errno || v < min || v > max) {
+		fprintf(stderr, "embctl: %s: '%s' is not a whole number in [%" PRIu64 ", %" PRIu64
+			"]\n", flag, text, min, max);
+		return 2;
+	}
+	*out = v;
+	return 0;
+}
 
 static void usage(FILE *out)
 {

@@ -47,7 +47,8 @@ Test(config, every_key_is_read)
 		"  \"seed\": 12345678901, \"threads_per_rank\": 2, \"log_level\": \"debug\","
 		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
-		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\" }";
+		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
+		"  \"checkpoint_allow_fresh_start\": true }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -71,6 +72,7 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_every_seconds, 600);
 	cr_assert_eq(c.checkpoint_keep, 0);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
+	cr_assert(c.checkpoint_allow_fresh_start);
 	embd_config_free(&c);
 }
 
@@ -87,6 +89,7 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.busy_poll_us, 50);
 	cr_assert_eq(c.checkpoint_keep, 3);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
+	cr_assert(!c.checkpoint_allow_fresh_start, "a fresh start over damage is opt-in");
 	cr_assert_eq(c.checkpoint_every_steps, 0);
 	embd_config_free(&c);
 	/* an explicit empty allowed_uids means nobody by uid */
@@ -152,6 +155,7 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
+		{ "{ \"checkpoint_allow_fresh_start\": 1 }", "checkpoint_allow_fresh_start" },
 		{ "{ \"seed\": 1, \"seed\": 2 }", "seed" },
 		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
 		  "\"compute_device\": \"cpu\" }, \"node_rank\": 2 }", "node_rank" },
