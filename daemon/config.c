@@ -395,20 +395,13 @@ static void resolve_defaults(const cJSON *root, struct embd_config *c)
 int embd_config_parse(const char *text, size_t len, struct embd_config *out, char *err,
 		      size_t err_len)
 {
-	const char *end = NULL;
 	cJSON *root;
 	int rc;
 
 	memset(out, 0, sizeof(*out));
-	root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-	if (!root) {
-		size_t at = end && end >= text && end <= text + len ? (size_t)(end - text) : len;
-		unsigned line = 1;
-		for (size_t i = 0; i < at; i++)
-			line += text[i] == '\n';
-		return embd_fail(err, err_len, EMBD_EPARSE,
-				 "config: JSON syntax error at line %u, byte %zu", line, at);
-	}
+	rc = embd_plan_json_parse(text, len, "config", &root, err, err_len);
+	if (rc)
+		return rc;
 	if (!cJSON_IsObject(root))
 		rc = embd_fail(err, err_len, EMBD_EINVAL, "config: expected a JSON object");
 	else

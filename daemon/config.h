@@ -1,7 +1,8 @@
 /*
  * daemon/config.h - the configuration of `embd`: one JSON object, parsed strictly (an unknown
- * key or a wrong type is an error naming the key), with an embedded default so that `embd`
- * alone runs a small CPU node.
+ * key or a wrong type is an error naming the key; text after the closing brace other than
+ * whitespace is an error naming its line), with an embedded default so that `embd` alone runs
+ * a small CPU node.
  *
  * This comment is the reference for the file format; the one place keys are read is the keys[]
  * table of daemon/config.c (each key's type, range and default). Every key is optional:

@@ -325,13 +325,13 @@ out:
 int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables *out,
 				char *err, size_t err_len)
 {
-	const char *end = NULL;
-	cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-	if (!root) {
+	cJSON *root;
+	int rc = embd_plan_json_parse(text, len, "tables", &root, err, err_len);
+	if (rc) {
 		*out = (struct embd_tables){ 0 };
-		return planner_syntax_err(err, err_len, "tables", text, len, end);
+		return rc;
 	}
-	int rc = embd_plan_tables_parse(root, out, err, err_len);
+	rc = embd_plan_tables_parse(root, out, err, err_len);
 	cJSON_Delete(root);
 	return rc;
 }

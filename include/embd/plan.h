@@ -11,7 +11,9 @@
  * no floating-point contraction), which collective_plan relies on.
  *
  * Everything returns 0 or a negative EMBD_E* code and writes a message naming the field, table
- * or rank into err[err_len] (err may be NULL).
+ * or rank into err[err_len] (err may be NULL). Every JSON file read here (tables, topology,
+ * plan) holds exactly one JSON value: text after it other than whitespace is EMBD_EPARSE,
+ * naming its line and byte.
  */
 #ifndef EMBD_PLAN_H
 #define EMBD_PLAN_H

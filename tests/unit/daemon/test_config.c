@@ -148,6 +148,8 @@ Test(config, errors_name_the_key)
 		{ "{ \"tables\": [] }", "tables" },
 		{ "[1, 2]", "object" },
 		{ "{ \"seed\": 1,\n  \"x\" }", "line 2" },
+		{ "{ \"seed\": 1 }\n}", "after the JSON value" },
+		{ "{ \"seed\": 1 }\n{ \"seed\": 2 }", "line 2" },
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		struct embd_config c;

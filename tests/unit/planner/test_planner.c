@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "embd/plan.h"
 
@@ -304,6 +305,46 @@ Test(planner, parse_errors_name_field_and_position)
 		     EMBD_EPARSE);
 	cr_expect(strstr(err, "tables[0]") && strstr(err, "shards[0]") && strstr(err, "rows"),
 		  "message: %s", err);
+}
+
+/* One JSON value per file: text after it (a second object pasted below, a stray brace) is
+ * refused naming the line and byte where it starts, in every file the planner reads. */
+Test(planner, text_after_the_json_value_refused)
+{
+	const char *tables = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]\n"
+			     "[{\"name\": \"b\"}]\n";
+	struct embd_tables t;
+	cr_expect_eq(embd_plan_tables_parse_text(tables, strlen(tables), &t, err, sizeof(err)),
+		     EMBD_EPARSE);
+	cr_expect(strstr(err, "after the JSON value") && strstr(err, "line 2"), "message: %s", err);
+	/* whitespace after it is fine */
+	const char *spaced = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]\n\t \r\n";
+	t = parse(spaced);
+	embd_plan_tables_free(&t);
+	/* a NUL inside the text is not its end */
+	const char nul[] = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]\0}";
+	cr_expect_eq(embd_plan_tables_parse_text(nul, sizeof(nul) - 1, &t, err, sizeof(err)),
+		     EMBD_EPARSE, "a NUL and a brace after the array: %s", err);
+
+	struct embd_plan *plan;
+	const char *plan_text = "{\"version\": 1} }";
+	cr_expect_eq(embd_plan_parse_json(plan_text, strlen(plan_text), &plan, err, sizeof(err)),
+		     EMBD_EPARSE);
+	cr_expect(strstr(err, "plan") && strstr(err, "byte 15"), "message: %s", err);
+
+	char path[] = "/tmp/embd_test_topology_XXXXXX";
+	int fd = mkstemp(path);
+	cr_assert_geq(fd, 0);
+	const char *topo_text = "{\"world_size\": 2}\n{\"world_size\": 4}\n";
+	cr_assert_eq(write(fd, topo_text, strlen(topo_text)), (ssize_t)strlen(topo_text));
+	close(fd);
+	struct embd_topology topo;
+	embd_plan_topology_default(&topo, 1);
+	int rc = embd_plan_topology_load(path, &topo, err, sizeof(err));
+	unlink(path);
+	cr_expect_eq(rc, EMBD_EPARSE, "topology with a second object: expected EMBD_EPARSE, got %d",
+		     rc);
+	cr_expect(strstr(err, path) && strstr(err, "after the JSON value"), "message: %s", err);
 }
 
 Test(planner, topology_fields_and_suffixes)
