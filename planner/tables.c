@@ -277,6 +277,54 @@ static int compare_names(const void *a, const void *b)
 		      (*(const struct embd_table_spec *const *)b)->name);
 }
 
+struct feature_ref {
+	const char *name;
+	uint32_t table;
+};
+
+static int compare_features(const void *a, const void *b)
+{
+	const struct feature_ref *x = a, *y = b;
+	int c = strcmp(x->name, y->name);
+
+	return c ? c : (x->table > y->table) - (x->table < y->table);
+}
+
+/* A feature is looked up in one table: a batch's column of that name has one table to go to,
+ * and the layout a trainer gets at WELCOME names each feature once. */
+static int check_features(const struct embd_tables *t, char *err, size_t err_len)
+{
+	uint32_t n = 0;
+	int rc = 0;
+
+	for (uint32_t i = 0; i < t->count; i++)
+		n += t->specs[i].num_features;
+	struct feature_ref *f = calloc(n, sizeof(*f));
+	if (!f)
+		return EMBD_ENOMEM;
+	n = 0;
+	for (uint32_t i = 0; i < t->count; i++)
+		for (uint32_t k = 0; k < t->specs[i].num_features; k++)
+			f[n++] = (struct feature_ref){ t->specs[i].feature_names[k], i };
+	qsort(f, n, sizeof(*f), compare_features);
+	for (uint32_t k = 1; k < n && !rc; k++) {
+		uint32_t a = f[k - 1].table, b = f[k].table;
+		if (strcmp(f[k - 1].name, f[k].name))
+			continue;
+		if (a == b)
+			rc = embd_fail(err, err_len, EMBD_EPARSE,
+				       "table %u ('%s'): feature '%s' is listed twice", a,
+				       t->specs[a].name, f[k].name);
+		else
+			rc = embd_fail(err, err_len, EMBD_EPARSE,
+				       "feature '%s' is in table %u ('%s') and table %u ('%s'): a "
+				       "feature looks up one table", f[k].name, a, t->specs[a].name,
+				       b, t->specs[b].name);
+	}
+	free(f);
+	return rc;
+}
+
 int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out, char *err,
 			   size_t err_len)
 {
@@ -314,7 +362,9 @@ int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out, c
 					 sorted[i - 1] - t.specs, sorted[i] - t.specs, sorted[i]->name);
 			goto out;
 		}
-	*out = t;
+	rc = check_features(&t, err, err_len);
+	if (!rc)
+		*out = t;
 out:
 	free(sorted);
 	if (rc)

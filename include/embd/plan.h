@@ -144,7 +144,9 @@ struct embd_tables {
  *                      "min_partition": 64, "pooling_factors": [20.0], "num_poolings": [1],
  *                      "batch_sizes": [512], "is_weighted": false } }
  * pooling defaults to sum, data_type to fp32, optimizer to sgd lr 0.01, feature_names to
- * [name]. Names are unique. Errors name the table (index and name) and the field.
+ * [name]. Table names are unique, and so are feature names across all tables (a feature
+ * looks up one table; one listed twice is refused naming both tables). Errors name the table
+ * (index and name) and the field.
  * embd_plan_tables_parse_text parses text (errors add the line and byte offset); _load reads
  * a file. On success *out owns its arrays: release them with embd_plan_tables_free.
  */

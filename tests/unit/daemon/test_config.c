@@ -146,6 +146,10 @@ Test(config, errors_name_the_key)
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
 		{ "{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10 } ] }", "embedding_dim" },
 		{ "{ \"tables\": [] }", "tables" },
+		{ "{ \"tables\": [ { \"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4, "
+		  "\"feature_names\": [\"clicks\"] }, { \"name\": \"b\", \"num_embeddings\": 10, "
+		  "\"embedding_dim\": 4, \"feature_names\": [\"clicks\"] } ] }",
+		  "feature 'clicks' is in table 0 ('a') and table 1 ('b')" },
 		{ "[1, 2]", "object" },
 		{ "{ \"seed\": 1,\n  \"x\" }", "line 2" },
 		{ "{ \"seed\": 1 }\n}", "after the JSON value" },

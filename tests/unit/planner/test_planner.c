@@ -296,6 +296,30 @@ Test(planner, parse_errors_name_field_and_position)
 		     EMBD_EPARSE);
 	cr_expect(strstr(err, "'a'") != NULL, "message: %s", err);
 
+	/* a feature in two tables, or twice in one: every trainer's WELCOME would fail */
+	const char *two_tables = "[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+				 " \"feature_names\": [\"f\", \"g\"]},"
+				 " {\"name\": \"b\", \"num_embeddings\": 1, \"embedding_dim\": 4},"
+				 " {\"name\": \"c\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+				 " \"feature_names\": [\"g\"]}]";
+	cr_expect_eq(embd_plan_tables_parse_text(two_tables, strlen(two_tables), &t, err,
+						 sizeof(err)), EMBD_EPARSE);
+	cr_expect(strstr(err, "'g'") && strstr(err, "table 0 ('a')") && strstr(err, "table 2 ('c')"),
+		  "a feature in two tables should name it and both tables: %s", err);
+	const char *twice = "[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+			    " \"feature_names\": [\"f\", \"f\"]}]";
+	cr_expect_eq(embd_plan_tables_parse_text(twice, strlen(twice), &t, err, sizeof(err)),
+		     EMBD_EPARSE);
+	cr_expect(strstr(err, "'f'") && strstr(err, "twice") && strstr(err, "'a'"), "message: %s",
+		  err);
+	/* a table's default feature is its own name */
+	const char *by_default = "[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4},"
+				 " {\"name\": \"b\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+				 " \"feature_names\": [\"a\"]}]";
+	cr_expect_eq(embd_plan_tables_parse_text(by_default, strlen(by_default), &t, err,
+						 sizeof(err)), EMBD_EPARSE);
+	cr_expect(strstr(err, "'a'") && strstr(err, "table 1 ('b')"), "message: %s", err);
+
 	struct embd_plan *plan;
 	const char *bad_plan = "{\"version\": 1, \"topology\": {\"world_size\": 2},"
 			       " \"tables\": [{\"name\": \"a\", \"sharding_type\": \"table_wise\","
