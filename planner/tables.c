@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,6 +165,53 @@ static int parse_constraints(const struct ctx *x, const cJSON *obj, uint32_t fea
 	return 0;
 }
 
+/* One optimizer hyperparameter's range, open or closed at each end. The kernels compute in
+ * fp32, so the value is checked again as they will see it: 0.999999999 is 1 in fp32. */
+struct hyper {
+	const char *name;
+	size_t offset;                  /* its float in struct embd_optimizer_spec */
+	double lo, hi;
+	bool lo_open, hi_open;
+};
+
+#define HYPER(f) #f, offsetof(struct embd_optimizer_spec, f)
+
+/* lr 0 trains nothing; eps 0 divides adagrad's and adam's step by sqrt(0); a beta of 1 never
+ * forgets (adam's bias correction 1 - beta^t is then 0: NaN after one step); a negative
+ * weight decay grows every row it touches. */
+static const struct hyper hypers[] = {
+	{ HYPER(lr), 0, 1e6, true, false },
+	{ HYPER(eps), 0, 1e6, true, false },
+	{ HYPER(beta1), 0, 1, false, true },
+	{ HYPER(beta2), 0, 1, false, true },
+	{ HYPER(weight_decay), 0, 1e6, false, false },
+};
+
+static bool in_range(const struct hyper *h, double v)
+{
+	return (h->lo_open ? v > h->lo : v >= h->lo) && (h->hi_open ? v < h->hi : v <= h->hi);
+}
+
+static int get_hyper(const struct ctx *x, const struct hyper *h, const cJSON *item,
+		     struct embd_optimizer_spec *o)
+{
+	char range[64];
+
+	snprintf(range, sizeof(range), "%c%g, %g%c", h->lo_open ? '(' : '[', h->lo, h->hi,
+		 h->hi_open ? ')' : ']');
+	if (!cJSON_IsNumber(item))
+		return fail(x, "'optimizer.%s' must be a number", h->name);
+	double v = item->valuedouble;
+	float f = (float)v;
+	if (!in_range(h, v))
+		return fail(x, "'optimizer.%s' = %.17g is outside %s", h->name, v, range);
+	if (!in_range(h, f))
+		return fail(x, "'optimizer.%s' = %.17g is %.9g in fp32, outside %s", h->name, v,
+			    (double)f, range);
+	memcpy((char *)o + h->offset, &f, sizeof(f));
+	return 0;
+}
+
 static int parse_optimizer(const struct ctx *x, const cJSON *obj, struct embd_optimizer_spec *o)
 {
 	static const char *const names[] = { "sgd", "adagrad", "rowwise_adagrad", "adam" };
@@ -182,21 +230,17 @@ static int parse_optimizer(const struct ctx *x, const cJSON *obj, struct embd_op
 	o->type = (enum embd_optimizer_type)t;
 	const cJSON *item;
 	cJSON_ArrayForEach(item, obj) {
-		const char *k = item->string;
-		float *dst = !strcmp(k, "lr") ? &o->lr : !strcmp(k, "eps") ? &o->eps :
-			     !strcmp(k, "beta1") ? &o->beta1 : !strcmp(k, "beta2") ? &o->beta2 :
-			     !strcmp(k, "weight_decay") ? &o->weight_decay : NULL;
-		if (!strcmp(k, "type"))
+		const struct hyper *h = NULL;
+		if (!strcmp(item->string, "type"))
 			continue;
-		if (!dst)
-			return fail(x, "unknown optimizer field '%s'", k);
-		char field[48];
-		snprintf(field, sizeof(field), "optimizer.%s", k);
-		double v;
-		int rc = get_number(x, item, field, 0, 1e6, false, &v);
+		for (size_t i = 0; i < sizeof(hypers) / sizeof(hypers[0]); i++)
+			if (!strcmp(item->string, hypers[i].name))
+				h = &hypers[i];
+		if (!h)
+			return fail(x, "unknown optimizer field '%s'", item->string);
+		int rc = get_hyper(x, h, item, o);
 		if (rc)
 			return rc;
-		*dst = (float)v;
 	}
 	return 0;
 }

@@ -143,6 +143,9 @@ struct embd_tables {
  *     "constraints": { "sharding_types": ["table_wise", ...], "compute_kernels": ["fused"],
  *                      "min_partition": 64, "pooling_factors": [20.0], "num_poolings": [1],
  *                      "batch_sizes": [512], "is_weighted": false } }
+ * The optimizer's ranges: lr in (0, 1e6], eps in (0, 1e6], beta1 and beta2 in [0, 1),
+ * weight_decay in [0, 1e6], each also as the fp32 value the kernels use (0.999999999 is 1);
+ * eps, beta1 and beta2 default to 1e-8, 0.9, 0.999 and are read whatever the type.
  * pooling defaults to sum, data_type to fp32, optimizer to sgd lr 0.01, feature_names to
  * [name]. Table names are unique, and so are feature names across all tables (a feature
  * looks up one table; one listed twice is refused naming both tables). Errors name the table

@@ -331,6 +331,45 @@ Test(planner, parse_errors_name_field_and_position)
 		  "message: %s", err);
 }
 
+/* Every optimizer hyperparameter has its real range, checked also in fp32 (what the kernels
+ * compute with): beta 1 would make adam's bias correction 0 and the rows NaN after a step. */
+Test(planner, optimizer_hyperparameters_in_range)
+{
+	static const struct { const char *opt, *needle; } bad[] = {
+		{ "\"type\": \"adam\", \"beta1\": 1", "'optimizer.beta1' = 1 is outside [0, 1)" },
+		{ "\"type\": \"adam\", \"beta2\": 1.5", "optimizer.beta2" },
+		{ "\"type\": \"adam\", \"beta2\": 0.999999999", "in fp32" },
+		{ "\"type\": \"adam\", \"beta1\": -0.1", "optimizer.beta1" },
+		{ "\"type\": \"adagrad\", \"eps\": 0", "'optimizer.eps' = 0 is outside (0, 1e+06]" },
+		{ "\"type\": \"adagrad\", \"eps\": 1e-50", "in fp32" },
+		{ "\"type\": \"sgd\", \"lr\": 0", "optimizer.lr" },
+		{ "\"type\": \"sgd\", \"lr\": -0.01", "optimizer.lr" },
+		{ "\"type\": \"sgd\", \"weight_decay\": -0.001", "optimizer.weight_decay" },
+		{ "\"type\": \"sgd\", \"lr\": \"0.1\"", "must be a number" },
+	};
+	char text[512];
+	struct embd_tables t;
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		snprintf(text, sizeof(text), "[{\"name\": \"a\", \"num_embeddings\": 1, "
+			 "\"embedding_dim\": 4, \"optimizer\": {%s}}]", bad[i].opt);
+		int rc = embd_plan_tables_parse_text(text, strlen(text), &t, err, sizeof(err));
+		cr_expect_eq(rc, EMBD_EPARSE, "{%s}: expected EMBD_EPARSE, got %d", bad[i].opt, rc);
+		cr_expect(strstr(err, bad[i].needle) && strstr(err, "'a'"),
+			  "{%s}: expected the error to say '%s', got '%s'", bad[i].opt, bad[i].needle,
+			  err);
+		if (!rc)
+			embd_plan_tables_free(&t);
+	}
+	/* the closed ends are in */
+	t = parse("[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4, \"optimizer\": "
+		  "{\"type\": \"adam\", \"lr\": 1e6, \"eps\": 1e-30, \"beta1\": 0, \"beta2\": 0.9999, "
+		  "\"weight_decay\": 0}}]");
+	cr_expect_eq(t.specs[0].optimizer.beta1, 0.0f);
+	cr_expect_eq(t.specs[0].optimizer.beta2, 0.9999f);
+	cr_expect_eq(t.specs[0].optimizer.lr, 1e6f);
+	embd_plan_tables_free(&t);
+}
+
 /* One JSON value per file: text after it (a second object pasted below, a stray brace) is
  * refused naming the line and byte where it starts, in every file the planner reads. */
 Test(planner, text_after_the_json_value_refused)
