@@ -10,6 +10,7 @@
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -315,6 +316,10 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 			    "config key '%s': compute_device must be cpu in this build", "topology");
 	if (c->tables.count == 0)
 		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
+	if (!c->num_allowed_uids && !c->num_allowed_gids)
+		return embd_fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': empty and no allowed_gids: nobody could connect",
+			    "allowed_uids");
 	return 0;
 }
 
@@ -437,6 +442,21 @@ int embd_config_load(const char *path, struct embd_config *out, char *err, size_
 	}
 	free(text);
 	return rc;
+}
+
+mode_t embd_config_socket_mode(const struct embd_config *c, uid_t owner, gid_t group)
+{
+	bool group_in = false, others_in = false;
+
+	/* root passes any mode; the owner has its own bits */
+	for (uint32_t i = 0; i < c->num_allowed_uids; i++)
+		others_in |= c->allowed_uids[i] != owner && c->allowed_uids[i] != 0;
+	for (uint32_t i = 0; i < c->num_allowed_gids; i++) {
+		group_in |= c->allowed_gids[i] == group;
+		others_in |= c->allowed_gids[i] != group;
+	}
+	/* a process in the socket's group is judged by the group bits, not the others' */
+	return others_in ? 0666 : group_in ? 0660 : 0600;
 }
 
 void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_settings *out)

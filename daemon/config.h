@@ -14,7 +14,10 @@
  *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
  *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
  *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
- *     "allowed_gids": [100],        ... or by primary gid (default: none)
+ *     "allowed_gids": [100],        ... or by primary or supplementary gid (default: none).
+ *                                   Both empty is refused (nobody could connect). The
+ *                                   peer's SO_PEERCRED decides; the socket's mode only lets
+ *                                   them reach it (embd_config_socket_mode)
  *     "trainers_per_node": 2,       T trainers per step (default: local_world_size)
  *     "seed": 2026,                 weight init seed (unsigned 64-bit)
  *     "threads_per_rank": 1,        worker threads of each CPU rank
@@ -138,6 +141,13 @@ int embd_config_load(const char *path, struct embd_config *out, char *err, size_
  * object for the join record (rendezvous.h: embd_collective_plan's settings); *out is
  * malloc'ed. checkpoint_dir is compared as "set" / "unset" only. */
 int embd_config_join_settings(const struct embd_config *c, char **out);
+
+/* The control socket's file mode for what allowed_uids and allowed_gids allow, when the
+ * socket belongs to owner:group (the service's euid and egid): 0600 for the owner (and root)
+ * alone, 0660 when the group is allowed too, 0666 when any other uid or gid is (SO_PEERCRED
+ * refuses the rest; a mode narrower than the config would keep allowed peers out before the
+ * check, with EACCES from connect). */
+mode_t embd_config_socket_mode(const struct embd_config *c, uid_t owner, gid_t group);
 
 /* The checkpoint service's view of the config (ckpt/ckpt_service.h); *out borrows c's tables. */
 void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_settings *out);

@@ -83,14 +83,16 @@ static void accept_client(struct embd_server *sv)
 			c = &sv->clients[i];
 	struct embd_ctl_peer peer;
 	if (embd_ctl_peer_get(fd, &peer, err, sizeof(err))) {
-		embd_log_warning("refused a connection: %s", err);
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING, "refused a connection: %s",
+				 err);
 		close(fd);
 		return;
 	}
 	const struct embd_config *cf = sv->config;
 	if (embd_ctl_peer_check(&peer, cf->allowed_uids, cf->num_allowed_uids, cf->allowed_gids,
 				cf->num_allowed_gids, err, sizeof(err))) {
-		embd_log_warning("refused peer uid %u gid %u pid %d: %s", (unsigned)peer.uid,
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING,
+				 "refused peer uid %u gid %u pid %d: %s", (unsigned)peer.uid,
 				 (unsigned)peer.gid, (int)peer.pid, err);
 		embd_ctl_refuse(fd, EMBD_EACCES, err);
 		return;
@@ -468,7 +470,9 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	rc = make_socket_dir(config->socket_path, err, err_len);
 	if (rc)
 		goto out;
-	rc = embd_ctl_listen(config->socket_path, 128, &sv->listen_fd, err, err_len);
+	rc = embd_ctl_listen(config->socket_path, 128,
+			     embd_config_socket_mode(config, geteuid(), getegid()), &sv->listen_fd,
+			     err, err_len);
 	if (rc)
 		goto out;
 	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 2 * MAX_CLIENTS + 3, err, err_len);

@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/log.h"
 #include "ipc/control.h"
 #include "ipc/doorbell.h"
 #include "ipc/protocol.h"
@@ -68,6 +69,7 @@ struct embd_server {
 	uint32_t slots_end;             /* 1 + the highest slot in use: per-pass loops stop here */
 	bool dirty;                     /* something advance() looks at changed since it last ran */
 	struct embd_stats stats;
+	struct embd_log_limit refusals_log;     /* connections refused at accept */
 	struct embd_layout *layout;
 	uint8_t *msgbuf;
 	/* the step schedule (server_schedule.c) */

@@ -4,6 +4,7 @@
  * types, out-of-range values, duplicates, the planner's own table and topology errors).
  */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -153,6 +154,7 @@ Test(config, errors_name_the_key)
 		{ "[1, 2]", "object" },
 		{ "{ \"seed\": 1,\n  \"x\" }", "line 2" },
 		{ "{ \"seed\": 1 }\n}", "after the JSON value" },
+		{ "{ \"allowed_uids\": [] }", "allowed_uids': empty and no allowed_gids" },
 		{ "{ \"seed\": 1 }\n{ \"seed\": 2 }", "line 2" },
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
@@ -201,6 +203,36 @@ Test(config, cluster_keys)
 	cr_assert_eq(rc, 0, "%s", err);
 	cr_expect_str_eq(c.comm_addr, "fd00::2");
 	embd_config_free(&c);
+}
+
+/* The socket's mode lets in what the config allows and no more: SO_PEERCRED checks each
+ * peer, but a mode narrower than the config would refuse allowed peers with EACCES first. */
+Test(config, socket_mode_follows_the_allowed_ids)
+{
+	static const struct { const char *ids; mode_t mode; } cases[] = {
+		{ "", 0600 },                                           /* the owner alone */
+		{ "\"allowed_uids\": [1000]", 0600 },
+		{ "\"allowed_uids\": [1000, 0]", 0600 },                /* root passes any mode */
+		{ "\"allowed_uids\": [1000, 1001]", 0666 },
+		{ "\"allowed_gids\": [100]", 0660 },                    /* the owner and its group */
+		{ "\"allowed_gids\": [100, 200]", 0666 },
+		{ "\"allowed_uids\": [], \"allowed_gids\": [100]", 0660 },
+		{ "\"allowed_uids\": [], \"allowed_gids\": [200]", 0666 },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		char text[256], err[256] = "";
+		struct embd_config c;
+		snprintf(text, sizeof(text), "{ %s }", cases[i].ids);
+		int rc = parse(text, &c, err, sizeof(err));
+		cr_assert_eq(rc, 0, "%s: %s", text, err);
+		if (!cases[i].ids[0]) {       /* the default: the parsing process's uid */
+			c.allowed_uids[0] = 1000;
+		}
+		mode_t mode = embd_config_socket_mode(&c, 1000, 100);
+		cr_expect_eq(mode, cases[i].mode, "%s for uid 1000 gid 100: expected 0%o, got 0%o",
+			     text, cases[i].mode, mode);
+		embd_config_free(&c);
+	}
 }
 
 Test(config, load_names_the_path)
