@@ -235,7 +235,8 @@ static const struct key keys[] = {
 	  .why = "must not be empty", .def = "\"" EMBD_CONFIG_DEFAULT_SOCKET "\"" },
 	{ "allowed_uids", parse_uids, FIELD(allowed_uids) },
 	{ "allowed_gids", parse_gids, FIELD(allowed_gids) },
-	{ "trainers_per_node", parse_uint, FIELD(trainers_per_node), .min = 1, .max = 1024,
+	{ "trainers_per_node", parse_uint, FIELD(trainers_per_node), .min = 1,
+	  .max = EMBD_CONFIG_TRAINERS_MAX,
 	  .why = "must be at least 1" },
 	/* 2^53: the largest integer a JSON double carries exactly */
 	{ "seed", parse_uint, FIELD(seed), .max = 9007199254740992.0, .def = "2026" },
@@ -251,6 +252,8 @@ static const struct key keys[] = {
 	  .max = U32_MAX_D },
 	{ "checkpoint_keep", parse_uint, FIELD(checkpoint_keep), .max = U32_MAX_D, .def = "3" },
 	{ "busy_poll_us", parse_uint, FIELD(busy_poll_us), .max = 1000000, .def = "50" },
+	{ "handshake_timeout_ms", parse_uint, FIELD(handshake_timeout_ms), .min = 1,
+	  .max = MS_PER_DAY, .why = "must be at least 1", .def = "5000" },
 	{ "master_addr", parse_string, FIELD(master_addr), .valid = not_empty,
 	  .why = "must not be empty", .def = "\"127.0.0.1\"" },
 	{ "master_port", parse_uint, FIELD(master_port), .min = 1, .max = 65535,

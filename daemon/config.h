@@ -38,6 +38,9 @@
  *   every node of a cluster must have the same checkpoint_layout, every_steps,
  *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
+ *     "handshake_timeout_ms": 5000, a connection that sent no message within it is closed
+ *                                   (daemon/server.h: at most 32 such wait at a time, the
+ *                                   longest-waiting one closed to make room for a new one)
  *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the
  *   environment variables MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
  *   override these keys and the topology's sizes; see dist/rendezvous.h):
@@ -83,6 +86,7 @@
 #include "common/log.h"
 
 #define EMBD_CONFIG_IDS_MAX 64          /* entries of allowed_uids / allowed_gids */
+#define EMBD_CONFIG_TRAINERS_MAX 1024u  /* trainers_per_node */
 #define EMBD_CONFIG_PATH_MAX 4096
 #define EMBD_CONFIG_SOCKET_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
 #define EMBD_CONFIG_DEFAULT_SOCKET "/run/embd/embd.sock"
@@ -106,6 +110,7 @@ struct embd_config {
 	uint32_t checkpoint_every_seconds;              /* 0 = off */
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
 	uint32_t busy_poll_us;
+	uint32_t handshake_timeout_ms;
 	char master_addr[256];
 	uint16_t master_port;
 	char gloo_ifname[16];                           /* "" = not given (IFNAMSIZ) */

@@ -6,7 +6,8 @@
  * then advertises NEED_WAKEUP on every ring it may sleep on and sleeps in the loop (doorbells,
  * sockets, the signalfd, and a one-second tick). A client with a request that must wait for a
  * later phase is not polled at all until then: its ring keeps the rest of its requests.
- * Here: the loop, the sessions (accept, HELLO and its region, stats and status) and lifetime.
+ * Here: the loop, the sessions (accept, the pending / control / trainer kinds and their limits,
+ * HELLO and its region, stats and status) and lifetime.
  */
 #include "common/clock.h"
 #include "daemon/server.h"
@@ -70,17 +71,116 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 	sv->dirty = true;
 }
 
+/* ---- sessions: pending, control and trainer connections --------------------------------- */
+
+static uint64_t handshake_ns(const struct embd_server *sv)
+{
+	return (uint64_t)sv->config->handshake_timeout_ms * 1000000;
+}
+
+/* Closes pending client c, telling it why first (logged under limit). */
+static void close_pending(struct embd_server *sv, struct embd_log_limit *limit, struct client *c,
+			  int code, const char *why)
+{
+	embd_log_limited(limit, EMBD_LOG_WARNING,
+			 "closed the connection of pid %d uid %u: %s", (int)c->peer.pid,
+			 (unsigned)c->peer.uid, why);
+	embd_ctl_send_error(c->sock, code, why, NULL, 0);
+	embd_server_drop_client(sv, c, why);
+}
+
+/* The earliest handshake deadline of the pending connections; 0: none pends. */
+static uint64_t handshake_due(const struct embd_server *sv)
+{
+	uint64_t due = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		const struct client *c = &sv->clients[i];
+		if (c->used && !c->spoke && (!due || c->accepted_ns + handshake_ns(sv) < due))
+			due = c->accepted_ns + handshake_ns(sv);
+	}
+	return due;
+}
+
+/* Closes the pending connections that said nothing within handshake_timeout_ms. */
+static void sweep_pending(struct embd_server *sv, uint64_t now)
+{
+	char why[96];
+
+	if (!sv->handshake_due_ns || now < sv->handshake_due_ns)
+		return;
+	snprintf(why, sizeof(why), "no message within handshake_timeout_ms (%u ms) of connecting",
+		 sv->config->handshake_timeout_ms);
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (c->used && !c->spoke && now - c->accepted_ns >= handshake_ns(sv))
+			close_pending(sv, &sv->silent_log, c, EMBD_ETIMEDOUT, why);
+	}
+	sv->handshake_due_ns = handshake_due(sv);
+}
+
+/* How long the loop may sleep (ms): until the next handshake deadline at most. */
+static int sessions_sleep_ms(const struct embd_server *sv, int idle_ms)
+{
+	uint64_t now = embd_now_ns();
+
+	if (!sv->handshake_due_ns)
+		return idle_ms;
+	if (sv->handshake_due_ns <= now)
+		return 0;
+	uint64_t left_ms = (sv->handshake_due_ns - now) / 1000000 + 1;
+	return left_ms < (uint64_t)idle_ms ? (int)left_ms : idle_ms;
+}
+
+/* A free slot for a new connection. With MAX_PENDING connections pending, the one pending
+ * longest is closed to make room: idle sockets, however many, delay nobody who speaks. */
+static struct client *take_slot(struct embd_server *sv, uint64_t now)
+{
+	struct client *free_slot = NULL, *oldest = NULL;
+	uint32_t pending = 0;
+	char why[128];
+
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (!c->used && !free_slot)
+			free_slot = c;
+		if (c->used && !c->spoke) {
+			pending++;
+			if (!oldest || c->accepted_ns < oldest->accepted_ns)
+				oldest = c;
+		}
+	}
+	if (!free_slot && sv->slots_end < MAX_CLIENTS)
+		free_slot = &sv->clients[sv->slots_end];
+	if (pending >= MAX_PENDING) {
+		snprintf(why, sizeof(why), "no message in %" PRIu64 " ms, and %u newer connections "
+			 "wait for their first", (now - oldest->accepted_ns) / 1000000,
+			 MAX_PENDING - 1);
+		if (!free_slot)
+			free_slot = oldest;
+		close_pending(sv, &sv->room_log, oldest, EMBD_EBUSY, why);
+	}
+	return free_slot;
+}
+
+/* The connections that sent something other than HELLO first (embctl's). */
+static uint32_t control_count(const struct embd_server *sv)
+{
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		n += sv->clients[i].used && sv->clients[i].spoke && sv->clients[i].index < 0;
+	return n;
+}
+
 static void accept_client(struct embd_server *sv)
 {
 	char err[256];
-	struct client *c = NULL;
+	uint64_t now = embd_now_ns();
 	int fd = accept4(sv->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
 
 	if (fd < 0)
 		return;
-	for (uint32_t i = 0; i < MAX_CLIENTS && !c; i++)
-		if (!sv->clients[i].used)
-			c = &sv->clients[i];
 	struct embd_ctl_peer peer;
 	if (embd_ctl_peer_get(fd, &peer, err, sizeof(err))) {
 		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING, "refused a connection: %s",
@@ -97,7 +197,11 @@ static void accept_client(struct embd_server *sv)
 		embd_ctl_refuse(fd, EMBD_EACCES, err);
 		return;
 	}
-	if (!c) {
+	struct client *c = take_slot(sv, now);
+	if (!c) {       /* the limits leave a slot for every kind: only a bug gets here */
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_ERROR,
+				 "refused pid %d uid %u: all %u client slots taken", (int)peer.pid,
+				 (unsigned)peer.uid, MAX_CLIENTS);
 		embd_ctl_refuse(fd, EMBD_EBUSY, "too many clients");
 		return;
 	}
@@ -111,10 +215,12 @@ static void accept_client(struct embd_server *sv)
 		embd_log_debug("client pid %d: %s; only a socket hangup will tell when it is gone",
 			       (int)peer.pid, err);
 	*c = (struct client){ .used = true, .sock = fd, .pidfd = pidfd, .peer = peer, .index = -1,
-			      .eventfd = -1 };
+			      .eventfd = -1, .accepted_ns = now };
 	uint32_t slot = slot_of(sv, c);
 	if (slot >= sv->slots_end)
 		sv->slots_end = slot + 1;
+	if (!sv->handshake_due_ns)      /* else an older one is due first */
+		sv->handshake_due_ns = now + handshake_ns(sv);
 	if (embd_evloop_add_fd(sv->loop, fd, TAG(TAG_SOCKET, slot)) ||
 	    (pidfd >= 0 && embd_evloop_add_fd(sv->loop, pidfd, TAG(TAG_PIDFD, slot)))) {
 		embd_log_warning("client pid %d: cannot watch its socket and pidfd", (int)peer.pid);
@@ -286,6 +392,16 @@ static void socket_event(struct embd_server *sv, struct client *c)
 		embd_server_drop_client(sv, c, rc == EMBD_ECONNRESET ? "hung up" : err);
 		return;
 	}
+	c->spoke = true;
+	if (msg.type != EMBD_CTL_HELLO && c->index < 0 && control_count(sv) > MAX_CONTROL) {
+		snprintf(err, sizeof(err), "too many control connections (%u open)", MAX_CONTROL);
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING, "refused pid %d uid %u: %s",
+				 (int)c->peer.pid, (unsigned)c->peer.uid, err);
+		embd_ctl_msg_close_fds(&msg);
+		embd_ctl_send_error(c->sock, EMBD_EBUSY, err, NULL, 0);
+		embd_server_drop_client(sv, c, err);
+		return;
+	}
 	switch (msg.type) {
 	case EMBD_CTL_HELLO:
 		rc = hello(sv, c, &msg, err, sizeof(err));
@@ -305,8 +421,8 @@ static void socket_event(struct embd_server *sv, struct client *c)
 	}
 	embd_ctl_msg_close_fds(&msg);
 	if (rc) {
-		embd_log_warning("client pid %d uid %u: %s", (int)c->peer.pid, (unsigned)c->peer.uid,
-				 err);
+		embd_log_limited(&sv->errors_log, EMBD_LOG_WARNING, "client pid %d uid %u: %s",
+				 (int)c->peer.pid, (unsigned)c->peer.uid, err);
 		embd_ctl_send_error(c->sock, rc, err, NULL, 0);
 		embd_server_drop_client(sv, c, err);
 	}
@@ -396,6 +512,7 @@ int embd_server_run(struct embd_server *sv)
 		if (passes % SPIN_EVENT_PASSES == 0) {
 			handle_events(sv, 0);
 			embd_server_regroup_tick(sv);
+			sweep_pending(sv, embd_now_ns());
 		}
 		if (embd_server_poll_rings(sv)) {
 			idle_since = 0;
@@ -406,12 +523,13 @@ int embd_server_run(struct embd_server *sv)
 		if (spin_ns && (passes % SPIN_CLOCK_PASSES ||
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
-		int tick_ms = embd_server_checkpoint_sleep_ms(sv, TICK_MS);
+		int tick_ms = sessions_sleep_ms(sv, embd_server_checkpoint_sleep_ms(sv, TICK_MS));
 		if (prepare_sleep(sv))
 			handle_events(sv, embd_server_regroup_sleep_ms(sv, tick_ms));
 		finish_sleep(sv);
 		idle_since = 0;
 		embd_server_regroup_tick(sv);
+		sweep_pending(sv, embd_now_ns());
 	}
 	return 0;
 }
@@ -475,7 +593,8 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 			     err, err_len);
 	if (rc)
 		goto out;
-	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 2 * MAX_CLIENTS + 3, err, err_len);
+	/* a trainer's socket, pidfd and doorbell; the listener, the signalfd, the writer */
+	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 3 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
 		goto out;
 	rc = embd_evloop_add_fd(sv->loop, sv->listen_fd, TAG(TAG_LISTEN, 0));

@@ -11,6 +11,14 @@
  * posted BACKWARD s. A participant hanging up aborts step s: nobody's parameters change, the
  * others get EMBD_ECANCELED for step s, and the node moves on to s + 1.
  *
+ * Connections are pending until their first message, then trainers (HELLO welcomed, up to
+ * trainers_per_node) or control connections (embctl: any other first message, at most 32;
+ * one more is refused with EMBD_EBUSY). At most 32 connections pend at a time: a new one
+ * closes the one pending longest (it is told EMBD_EBUSY), and one that sends nothing within
+ * handshake_timeout_ms is closed (EMBD_ETIMEDOUT), so idle sockets never lock trainers or
+ * embctl out. Each kind has slots of its own. Lines a peer can cause (refusals, closed
+ * connections, refused messages) are rate-limited in the log (common/log.h).
+ *
  * On several nodes the schedule spans the cluster: node n runs the forward of step s when its
  * own trainers are in (or at once when all sat it out), then the step's collectives; backward
  * likewise, even with no participant of its own. An abort goes through the backward's

@@ -24,7 +24,12 @@
 #include "daemon/server.h"
 #include "daemon/stats.h"
 
-#define MAX_CLIENTS 256u
+/* A connection is pending until its first message, then a trainer (HELLO welcomed) or a
+ * control connection (embctl: anything else). Each kind has its own limit, and the slots hold
+ * all of them at once, so idle connections never take a trainer's or embctl's place. */
+#define MAX_PENDING 32u
+#define MAX_CONTROL 32u
+#define MAX_CLIENTS (EMBD_CONFIG_TRAINERS_MAX + MAX_PENDING + MAX_CONTROL)
 
 enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT, TAG_PIDFD };
 #define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
@@ -36,6 +41,8 @@ struct client {
 					 * when a child it forked keeps the socket open */
 	struct embd_ctl_peer peer;
 	int32_t index;                  /* trainer index, -1 before HELLO (embctl stays -1) */
+	bool spoke;                     /* sent a message: no longer pending */
+	uint64_t accepted_ns;
 	struct embd_region *region;
 	int eventfd;
 	struct embd_doorbell sq_db, cq_db;
@@ -70,6 +77,10 @@ struct embd_server {
 	bool dirty;                     /* something advance() looks at changed since it last ran */
 	struct embd_stats stats;
 	struct embd_log_limit refusals_log;     /* connections refused at accept */
+	struct embd_log_limit silent_log;       /* pending ones closed at handshake_timeout_ms */
+	struct embd_log_limit room_log;         /* ... or to make room for a newer one */
+	struct embd_log_limit errors_log;       /* messages refused (protocol, HELLO) */
+	uint64_t handshake_due_ns;              /* the oldest pending one's deadline; 0: none */
 	struct embd_layout *layout;
 	uint8_t *msgbuf;
 	/* the step schedule (server_schedule.c) */

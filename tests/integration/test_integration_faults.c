@@ -86,20 +86,6 @@ Test(integration, malformed_batch_is_named_and_others_run)
  */
 TestSuite(refusal, .fini = stop_service, .timeout = 60);
 
-/* Starts embd with a config of one line of keys (JSON without the braces). */
-static void spawn_with(const char *keys)
-{
-	char path[128];
-
-	snprintf(path, sizeof(path), "/tmp/embd-uid-%d.json", (int)getpid());
-	FILE *f = fopen(path, "w");
-	cr_assert_not_null(f, "cannot write %s", path);
-	fprintf(f, "{ %s }\n", keys);
-	fclose(f);
-	service_spawn(path, "warning");
-	unlink(path);
-}
-
 struct outcome {
 	int rc;
 	char err[256];
@@ -140,7 +126,7 @@ Test(refusal, unauthorised_uid_is_refused)
 	uid_t me = getuid(), other = me == 0 ? 65534 : 0;
 
 	snprintf(logged, sizeof(logged), "\"allowed_uids\": [%u]", (unsigned)other);
-	spawn_with(logged);
+	service_spawn_keys(logged, "warning");
 	int rc = embd_connect(service.socket, EMBD_CLIENT_ANY_INDEX, 5000, &c, err, sizeof(err));
 	cr_assert_eq(rc, EMBD_EACCES, "connect as uid %u with allowed_uids [%u]: expected "
 		     "EMBD_EACCES (%d), got %d (%s)", (unsigned)me, (unsigned)other, EMBD_EACCES, rc,
@@ -164,7 +150,7 @@ Test(refusal, allowed_uid_outside_the_group_connects)
 	if (geteuid() != 0)
 		cr_skip_test("connecting as another uid needs root");
 	snprintf(keys, sizeof(keys), "\"allowed_uids\": [%u, 1001]", (unsigned)getuid());
-	spawn_with(keys);
+	service_spawn_keys(keys, "warning");
 	cr_assert_eq(stat(service.socket, &st), 0);
 	cr_expect_eq(st.st_mode & 0777, 0666, "socket mode with uid 1001 allowed: expected 0666, "
 		     "got 0%o", st.st_mode & 0777);
@@ -203,7 +189,7 @@ Test(refusal, refusals_are_rate_limited_in_the_log)
 	int refused = 0;
 
 	snprintf(keys, sizeof(keys), "\"allowed_uids\": [%u]", getuid() == 0 ? 65534u : 0u);
-	spawn_with(keys);
+	service_spawn_keys(keys, "warning");
 	for (int i = 0; i < 2000; i++) {
 		int sock, rc = embd_ctl_connect(service.socket, &sock, NULL, 0);
 		cr_assert_eq(rc, 0, "connect %d: %d", i, rc);

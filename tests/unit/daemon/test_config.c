@@ -31,6 +31,7 @@ Test(config, default_parses_and_plans)
 	cr_assert_eq(c.num_allowed_uids, 1);
 	cr_assert_eq(c.allowed_uids[0], getuid());
 	cr_assert_eq(c.num_allowed_gids, 0);
+	cr_assert_eq(c.handshake_timeout_ms, 5000);
 	rc = embd_plan_build(c.tables.specs, c.tables.constraints, c.tables.count, &c.topology, NULL,
 			     &plan, err, sizeof(err));
 	cr_assert_eq(rc, 0, "planning the default: %d %s", rc, err);
@@ -48,7 +49,8 @@ Test(config, every_key_is_read)
 		"  \"seed\": 12345678901, \"threads_per_rank\": 2, \"log_level\": \"debug\","
 		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
-		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\" }";
+		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
+		"  \"handshake_timeout_ms\": 250 }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -72,6 +74,7 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_every_seconds, 600);
 	cr_assert_eq(c.checkpoint_keep, 0);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
+	cr_assert_eq(c.handshake_timeout_ms, 250);
 	embd_config_free(&c);
 }
 
@@ -123,6 +126,7 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_dir\": false }", "checkpoint_dir" },
 		{ "{ \"checkpoint_layout\": \"nfs\" }", "checkpoint_layout" },
 		{ "{ \"busy_poll_us\": -5 }", "busy_poll_us" },
+		{ "{ \"handshake_timeout_ms\": 0 }", "handshake_timeout_ms" },
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
