@@ -430,15 +430,24 @@ static void socket_event(struct embd_server *sv, struct client *c)
 
 /* ---- the loop ---------------------------------------------------------------------------- */
 
-/* Advertises NEED_WAKEUP on every ring the loop may sleep on; false when one is not empty. */
-static bool prepare_sleep(struct embd_server *sv)
+/* A client held back until it reads its completions does not say when it did (the rings
+ * have no doorbell in that direction): the loop looks again after this long. */
+#define HELD_SLEEP_MS 1
+
+/* Advertises NEED_WAKEUP on every ring the loop may sleep on; false when one is not empty.
+ * *held: some client waits for room in its completion ring. */
+static bool prepare_sleep(struct embd_server *sv, bool *held)
 {
 	bool empty = true;
 
+	*held = false;
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
-		if (!embd_server_client_ready(sv, c))
+		bool full = false;
+		if (!embd_server_client_ready(sv, c, &full)) {
+			*held |= full;
 			continue;
+		}
 		uint32_t seen;
 		struct embd_ring *sq = embd_region_sq(c->region);
 		if (!embd_ring_sleep_prepare(sq, &seen)) {
@@ -524,8 +533,10 @@ int embd_server_run(struct embd_server *sv)
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
 		int tick_ms = sessions_sleep_ms(sv, embd_server_checkpoint_sleep_ms(sv, TICK_MS));
-		if (prepare_sleep(sv))
-			handle_events(sv, embd_server_regroup_sleep_ms(sv, tick_ms));
+		bool held;
+		int sleep_ms = embd_server_regroup_sleep_ms(sv, tick_ms);
+		if (prepare_sleep(sv, &held))
+			handle_events(sv, held && sleep_ms > HELD_SLEEP_MS ? HELD_SLEEP_MS : sleep_ms);
 		finish_sleep(sv);
 		idle_since = 0;
 		embd_server_regroup_tick(sv);

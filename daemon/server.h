@@ -11,6 +11,10 @@
  * posted BACKWARD s. A participant hanging up aborts step s: nobody's parameters change, the
  * others get EMBD_ECANCELED for step s, and the node moves on to s + 1.
  *
+ * A request is taken from a client's submission ring only while its completion ring has room
+ * for the request's completion besides those the client is owed (ipc/README.md): completions
+ * are never dropped, and a client that does not read them is held back, no one else.
+ *
  * Connections are pending until their first message, then trainers (HELLO welcomed, up to
  * trainers_per_node) or control connections (embctl: any other first message, at most 32;
  * one more is refused with EMBD_EBUSY). At most 32 connections pend at a time: a new one

@@ -54,6 +54,8 @@ struct client {
 	uint64_t fwd_popped_ns, bwd_popped_ns;
 	struct embd_kjt kjt;
 	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
+	bool cq_broken;                 /* its completion ring's head is corrupt: dropped at the
+					 * next pass over the rings */
 	uint64_t requests, errors;
 };
 
@@ -111,8 +113,11 @@ void embd_server_complete(struct embd_server *sv, struct client *c, const struct
 /* Pops what every ready client posted and runs the phases that became due. Returns how many
  * requests were handled. */
 uint32_t embd_server_poll_rings(struct embd_server *sv);
-/* Whether client c may hand in its next request now (else it stays in its ring). */
-bool embd_server_client_ready(const struct embd_server *sv, const struct client *c);
+/* Whether client c may hand in its next request now (else it stays in its ring): the schedule
+ * takes one from it, and its completion ring has room for that request's completion besides
+ * the ones it is owed already (back-pressure: a completion is never dropped). *held (may be
+ * NULL) is set when only the room is missing: the client must read its completions first. */
+bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bool *held);
 /* Client c leaves: the step it takes part in is aborted (why names it). */
 void embd_server_schedule_leave(struct embd_server *sv, struct client *c, const char *why);
 /* The first step a trainer welcomed now posts. */

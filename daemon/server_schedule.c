@@ -24,10 +24,13 @@ void embd_server_complete(struct embd_server *sv, struct client *c, const struct
 	embd_cqe_fill(&cqe, sqe, result, msg);
 	if (result)
 		c->errors++;
-	/* the CQ holds as many entries as the SQ: a client can never have more in flight */
+	/* room was made sure of before the request was taken (embd_server_client_ready): only
+	 * a head the client moved where it cannot be fails here */
 	if (embd_ring_push(embd_region_cq(c->region), &cqe)) {
-		embd_log_warning("client %u (pid %d): completion ring full or corrupt, dropping it",
-				 c->index, (int)c->peer.pid);
+		if (!c->cq_broken)
+			embd_log_warning("trainer %d (pid %d): completion ring corrupt; dropping the "
+					 "client", c->index, (int)c->peer.pid);
+		c->cq_broken = true;
 		return;
 	}
 	embd_doorbell_notify(embd_region_cq(c->region), &c->cq_db);
@@ -144,13 +147,21 @@ void embd_server_drop_step(struct embd_server *sv, const char *why)
 	sv->phase = COLLECT;
 }
 
-bool embd_server_client_ready(const struct embd_server *sv, const struct client *c)
+bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bool *held)
 {
-	if (!c->used || !c->region)
+	if (!c->used || !c->region || c->cq_broken)
 		return false;
-	if (sv->phase == COLLECT)
-		return !c->has_fwd;
-	return c->participant ? !c->has_bwd : !c->has_fwd;
+	bool takes = sv->phase == COLLECT ? !c->has_fwd :
+		     c->participant ? !c->has_bwd : !c->has_fwd;
+	if (!takes)
+		return false;
+	/* every request gets one completion: now, or later for one kept (has_fwd, has_bwd) */
+	int room = embd_ring_room(embd_region_cq(c->region), 1u + c->has_fwd + c->has_bwd);
+	if (room < 0)
+		c->cq_broken = true;
+	if (held)
+		*held = room == 0;
+	return room == 1;
 }
 
 static void handle_backward(struct embd_server *sv, struct client *c,
@@ -341,7 +352,11 @@ uint32_t embd_server_poll_rings(struct embd_server *sv)
 
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
-		while (embd_server_client_ready(sv, c)) {
+		if (c->used && c->cq_broken) {
+			embd_server_drop_client(sv, c, "corrupt completion ring");
+			continue;
+		}
+		while (embd_server_client_ready(sv, c, NULL)) {
 			struct embd_sqe sqe;
 			int rc = embd_ring_pop(embd_region_sq(c->region), &sqe);
 			if (rc == EMBD_EAGAIN)

@@ -155,3 +155,43 @@ Test(hostile, control_connections_counted_apart)
 	embd_close(t0);
 	embd_close(t1);
 }
+
+/*
+ * A trainer posts 100 NOPs and reads nothing until they are all posted: the completion ring
+ * holds 64, so the service takes the rest only as completions are read, and all 100 come
+ * back in order; none is dropped, nothing is logged.
+ */
+Test(hostile, full_completion_ring_loses_nothing)
+{
+	enum { REQUESTS = 100 };
+	struct embd_client *c = NULL;
+	struct embd_completion done;
+	char err[256];
+
+	service_spawn(NULL, "warning");
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &c, err, sizeof(err)), 0, "%s", err);
+	for (uint64_t i = 1; i <= REQUESTS; i++) {
+		struct embd_request nop = { .op = EMBD_REQUEST_NOP, .user_data = i };
+		int rc;
+		/* the submission ring holds 64 too: wait for the service to take some */
+		for (int tries = 0; (rc = embd_submit(c, &nop)) == EMBD_ENOSPC && tries < 2000;
+		     tries++)
+			usleep(1000);
+		cr_assert_eq(rc, 0, "NOP %llu: %s", (unsigned long long)i, embd_last_error(c));
+	}
+	/* a service that drops completions has dropped them by now */
+	usleep(300 * 1000);
+	for (uint64_t i = 1; i <= REQUESTS; i++) {
+		int rc = embd_wait(c, &done, 3000);
+		cr_assert_eq(rc, 0, "completion %llu of %d: expected 0, got %d (%s)",
+			     (unsigned long long)i, REQUESTS, rc, embd_last_error(c));
+		cr_assert_eq(done.user_data, i, "completion %llu: came for request %llu",
+			     (unsigned long long)i, (unsigned long long)done.user_data);
+		cr_assert_eq(done.result, 0);
+	}
+	cr_expect_eq(embd_poll(c, &done), EMBD_EAGAIN, "no completion beyond the %d requests",
+		     REQUESTS);
+	cr_expect(!tu_embd_log_has(&service, "completion ring"), "nothing about the completion "
+		  "ring should be in the log (%s)", service.log);
+	embd_close(c);
+}
