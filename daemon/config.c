@@ -254,6 +254,9 @@ static const struct key keys[] = {
 	{ "busy_poll_us", parse_uint, FIELD(busy_poll_us), .max = 1000000, .def = "50" },
 	{ "handshake_timeout_ms", parse_uint, FIELD(handshake_timeout_ms), .min = 1,
 	  .max = MS_PER_DAY, .why = "must be at least 1", .def = "5000" },
+	{ "step_wait_warn_ms", parse_uint, FIELD(step_wait_warn_ms), .max = MS_PER_DAY,
+	  .def = "10000" },
+	{ "step_wait_abort_ms", parse_uint, FIELD(step_wait_abort_ms), .max = MS_PER_DAY },
 	{ "master_addr", parse_string, FIELD(master_addr), .valid = not_empty,
 	  .why = "must not be empty", .def = "\"127.0.0.1\"" },
 	{ "master_port", parse_uint, FIELD(master_port), .min = 1, .max = 65535,
@@ -319,6 +322,11 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 			    "config key '%s': compute_device must be cpu in this build", "topology");
 	if (c->tables.count == 0)
 		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
+	if (c->step_wait_abort_ms && c->step_wait_abort_ms <= c->step_wait_warn_ms)
+		return embd_fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': %u ms must be above step_wait_warn_ms (%u ms; 0 turns "
+			    "the warning off)", "step_wait_abort_ms", c->step_wait_abort_ms,
+			    c->step_wait_warn_ms);
 	if (!c->num_allowed_uids && !c->num_allowed_gids)
 		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': empty and no allowed_gids: nobody could connect",

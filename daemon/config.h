@@ -38,6 +38,14 @@
  *   every node of a cluster must have the same checkpoint_layout, every_steps,
  *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
+ *     "step_wait_warn_ms": 10000,   a step that waits this long for a trainer (its FORWARD,
+ *                                   once another trainer's came; its BACKWARD, once the
+ *                                   forward ran) logs which trainers (index, pid) it waits
+ *                                   for and shows them in `embctl status` and `stats`
+ *                                   (daemon/stats.h); 0 = off
+ *     "step_wait_abort_ms": 0,      ... and after this long (above step_wait_warn_ms; 0 = off)
+ *                                   gives up: the requests kept for the step are answered
+ *                                   EMBD_ETIMEDOUT naming those trainers (daemon/server.h)
  *     "handshake_timeout_ms": 5000, a connection that sent no message within it is closed
  *                                   (daemon/server.h: at most 32 such wait at a time, the
  *                                   longest-waiting one closed to make room for a new one)
@@ -111,6 +119,8 @@ struct embd_config {
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
 	uint32_t busy_poll_us;
 	uint32_t handshake_timeout_ms;
+	uint32_t step_wait_warn_ms;                     /* 0 = off */
+	uint32_t step_wait_abort_ms;                    /* 0 = off */
 	char master_addr[256];
 	uint16_t master_port;
 	char gloo_ifname[16];                           /* "" = not given (IFNAMSIZ) */

@@ -12,6 +12,7 @@
 #include "common/clock.h"
 #include "daemon/server.h"
 
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -359,6 +360,7 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 			.sq_used = sq < 0 ? 0 : (uint32_t)sq, .sq_entries = RING_ENTRIES,
 			.cq_used = cq < 0 ? 0 : (uint32_t)cq, .cq_entries = RING_ENTRIES,
 			.requests = k->requests, .errors = k->errors,
+			.stalling_ms = embd_server_stalling_ms(sv, k),
 		};
 	}
 	for (uint32_t r = 0; r < embd_ranks_count(sv->ranks); r++)
@@ -373,11 +375,25 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 		rc = embd_server_checkpoint_status_add(sv, &text);
 	if (!rc && type == EMBD_CTL_STATUS_REPLY)
 		rc = embd_server_regroup_status_add(sv, &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY)
+		rc = embd_server_schedule_status_add(sv, &text);
 	if (!rc && strlen(text) < EMBD_CTL_MSG_MAX - sizeof(struct embd_ctl_header))
 		embd_ctl_send(c->sock, type, text, (uint32_t)strlen(text), NULL, 0, NULL, 0);
 	else
 		embd_ctl_send_error(c->sock, rc ? rc : EMBD_ENOSPC, "stats do not fit", NULL, 0);
 	free(text);
+}
+
+int embd_server_status_replace(char **status, cJSON *root)
+{
+	char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+
+	cJSON_Delete(root);
+	if (!text)
+		return EMBD_ENOMEM;
+	free(*status);
+	*status = text;
+	return 0;
 }
 
 static void socket_event(struct embd_server *sv, struct client *c)
@@ -502,6 +518,15 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 		accept_client(sv);
 }
 
+/* The deadlines the loop keeps: handshakes, and the step's wait for trainers. */
+static void tick(struct embd_server *sv)
+{
+	uint64_t now = embd_now_ns();
+
+	sweep_pending(sv, now);
+	embd_server_schedule_tick(sv, now);
+}
+
 /* While busy-polling, sockets and signals are looked at every this many passes: a pass over
  * the rings costs nanoseconds, a look at the io_uring a system call. */
 #define SPIN_EVENT_PASSES 64
@@ -521,7 +546,7 @@ int embd_server_run(struct embd_server *sv)
 		if (passes % SPIN_EVENT_PASSES == 0) {
 			handle_events(sv, 0);
 			embd_server_regroup_tick(sv);
-			sweep_pending(sv, embd_now_ns());
+			tick(sv);
 		}
 		if (embd_server_poll_rings(sv)) {
 			idle_since = 0;
@@ -532,7 +557,8 @@ int embd_server_run(struct embd_server *sv)
 		if (spin_ns && (passes % SPIN_CLOCK_PASSES ||
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
-		int tick_ms = sessions_sleep_ms(sv, embd_server_checkpoint_sleep_ms(sv, TICK_MS));
+		int tick_ms = sessions_sleep_ms(sv, embd_server_schedule_sleep_ms(sv,
+						embd_server_checkpoint_sleep_ms(sv, TICK_MS)));
 		bool held;
 		int sleep_ms = embd_server_regroup_sleep_ms(sv, tick_ms);
 		if (prepare_sleep(sv, &held))
@@ -540,7 +566,7 @@ int embd_server_run(struct embd_server *sv)
 		finish_sleep(sv);
 		idle_since = 0;
 		embd_server_regroup_tick(sv);
-		sweep_pending(sv, embd_now_ns());
+		tick(sv);
 	}
 	return 0;
 }

@@ -11,6 +11,16 @@
  * posted BACKWARD s. A participant hanging up aborts step s: nobody's parameters change, the
  * others get EMBD_ECANCELED for step s, and the node moves on to s + 1.
  *
+ * A step waits for a trainer from the first FORWARD it kept (a trainer that posted nothing
+ * yet is not waited for while nobody did), or for a participant's BACKWARD from the end of
+ * the forward. Past step_wait_warn_ms it logs those trainers (index, pid) once and shows them
+ * in STATUS ("stalled") and STATS ("stalling_ms"); past step_wait_abort_ms it gives up: in
+ * backward the step is aborted as when a participant leaves, its kept BACKWARDs (and a late
+ * one of the staller) answered EMBD_ETIMEDOUT naming them; in forward, which never ran, the
+ * FORWARDs kept are answered EMBD_ETIMEDOUT and the schedule stays at step s (post it again).
+ * One FORWARD per trainer and step: a FORWARD of a step whose forward ran, or a second one
+ * while one is pending, is refused at once with EMBD_EINVAL.
+ *
  * A request is taken from a client's submission ring only while its completion ring has room
  * for the request's completion besides those the client is owed (ipc/README.md): completions
  * are never dropped, and a client that does not read them is held back, no one else.

@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/log.h"
 #include "ipc/control.h"
 #include "ipc/doorbell.h"
@@ -91,7 +93,11 @@ struct embd_server {
 	bool first_step_done;
 	uint64_t step_start_ns;
 	uint64_t canceled_step;         /* step + 1 of the last aborted or dropped step */
-	char canceled_why[EMBD_CQE_MSG_BYTES];  /* what a late BACKWARD of it is told */
+	int canceled_code;              /* what a late BACKWARD of it is told: code and why */
+	char canceled_why[EMBD_CQE_MSG_BYTES];
+	uint64_t wait_since_ns;         /* the phase waits for trainers since (0: nobody is in
+					 * yet): step_wait_warn_ms / step_wait_abort_ms count here */
+	bool wait_warned;
 	struct embd_step_batch *batches;
 	uint32_t batch_slot[MAX_CLIENTS];
 	uint32_t num_batches;
@@ -104,6 +110,9 @@ struct embd_server {
 
 /* Drops client c (its socket, pidfd and region), aborting the step it takes part in. */
 void embd_server_drop_client(struct embd_server *sv, struct client *c, const char *why);
+/* The status JSON text *status becomes root printed (the parts add their objects to it);
+ * root is deleted either way. 0 or EMBD_ENOMEM. */
+int embd_server_status_replace(char **status, cJSON *root);
 
 /* ---- server_schedule.c ---- */
 
@@ -118,6 +127,16 @@ uint32_t embd_server_poll_rings(struct embd_server *sv);
  * the ones it is owed already (back-pressure: a completion is never dropped). *held (may be
  * NULL) is set when only the room is missing: the client must read its completions first. */
 bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bool *held);
+/* Every pass that reads the clock: a step that waits for trainers longer than
+ * step_wait_warn_ms names them in the log, longer than step_wait_abort_ms gives up. */
+void embd_server_schedule_tick(struct embd_server *sv, uint64_t now_ns);
+/* How long the loop may sleep (ms): until the next of those limits at most. */
+int embd_server_schedule_sleep_ms(const struct embd_server *sv, int idle_ms);
+/* How long the step has waited for client c, when that is step_wait_warn_ms or more (else 0). */
+uint64_t embd_server_stalling_ms(const struct embd_server *sv, const struct client *c);
+/* Adds the "stalled" object (daemon/stats.h) to the status JSON text *status when the step
+ * waits for trainers past step_wait_warn_ms. */
+int embd_server_schedule_status_add(const struct embd_server *sv, char **status);
 /* Client c leaves: the step it takes part in is aborted (why names it). */
 void embd_server_schedule_leave(struct embd_server *sv, struct client *c, const char *why);
 /* The first step a trainer welcomed now posts. */

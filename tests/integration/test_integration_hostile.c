@@ -1,17 +1,21 @@
 /*
  * Integration: clients that misbehave without breaking the protocol, against the real embd:
- * connections that never say anything, more embctl connections than the service takes.
- * None of them may lock the others out or stall them without a word. The hostile clients
- * speak the raw protocol through ipc/; the well-behaved ones use libembdclient.
+ * connections that never say anything, more embctl connections than the service takes, a
+ * completion ring nobody reads, a trainer that never posts, a second FORWARD of a step.
+ * None of them may lock the others out, lose their completions or stall them without a word.
+ * The hostile clients speak the raw protocol through ipc/; the others use libembdclient.
  */
+#include <cjson/cJSON.h>
 #include <criterion/criterion.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/log.h"
 #include "embd/client.h"
 #include "ipc/control.h"
 #include "tests/integration/service_fixture.h"
+#include "libclient/client_internal.h"
 
 TestSuite(hostile, .fini = stop_service, .timeout = 60);
 
@@ -194,4 +198,223 @@ Test(hostile, full_completion_ring_loses_nothing)
 	cr_expect(!tu_embd_log_has(&service, "completion ring"), "nothing about the completion "
 		  "ring should be in the log (%s)", service.log);
 	embd_close(c);
+}
+
+/* ---- steps --------------------------------------------------------------------------------- */
+
+/* Batch slot `slot` of c: every feature of every sample one id (1), zero gradients; returns the
+ * id count. */
+static uint64_t fill_batch(struct embd_client *c, uint32_t slot)
+{
+	const struct embd_client_layout *l = embd_layout(c);
+	uint64_t n = (uint64_t)l->num_features * l->batch_size;
+	struct embd_batch b;
+
+	embd_batch_get(c, slot, &b);
+	for (uint64_t i = 0; i < n; i++) {
+		b.lengths[i] = 1;
+		b.values[i] = 1;
+	}
+	memset(b.grad, 0, (size_t)l->batch_size * l->total_dim * sizeof(float));
+	return n;
+}
+
+/* Posts op of step on c (slot step % 2) with user_data ud. */
+static void post(struct embd_client *c, enum embd_request_op op, uint64_t step, uint64_t ud)
+{
+	uint32_t slot = (uint32_t)(step % EMBD_CLIENT_SLOTS);
+	struct embd_request r = { .op = op, .slot = slot, .step = step,
+				  .num_values = fill_batch(c, slot), .user_data = ud };
+
+	cr_assert_eq(embd_submit(c, &r), 0, "submit step %llu: %s", (unsigned long long)step,
+		     embd_last_error(c));
+}
+
+/* The next completion of c within timeout_ms: it must be for ud; returns its result (the
+ * text in embd_last_error). */
+static int completion(struct embd_client *c, uint64_t ud, int timeout_ms)
+{
+	struct embd_completion done;
+	int rc = embd_wait(c, &done, timeout_ms);
+
+	cr_assert_eq(rc, 0, "waiting for request %llu: %d (%s)", (unsigned long long)ud, rc,
+		     embd_last_error(c));
+	cr_assert_eq(done.user_data, ud, "expected the completion of request %llu, got %llu",
+		     (unsigned long long)ud, (unsigned long long)done.user_data);
+	return done.result;
+}
+
+/* Both trainers through FORWARD and BACKWARD of step; ud counts requests. */
+static void full_step(struct embd_client *t0, struct embd_client *t1, uint64_t step, uint64_t *ud)
+{
+	uint64_t a = ++*ud, b = ++*ud;
+
+	post(t0, EMBD_REQUEST_FORWARD, step, a);
+	post(t1, EMBD_REQUEST_FORWARD, step, b);
+	cr_assert_eq(completion(t0, a, 5000), 0, "step %llu forward: %s", (unsigned long long)step,
+		     embd_last_error(t0));
+	cr_assert_eq(completion(t1, b, 5000), 0, "%s", embd_last_error(t1));
+	a = ++*ud, b = ++*ud;
+	post(t0, EMBD_REQUEST_BACKWARD, step, a);
+	post(t1, EMBD_REQUEST_BACKWARD, step, b);
+	cr_assert_eq(completion(t0, a, 5000), 0, "step %llu backward: %s", (unsigned long long)step,
+		     embd_last_error(t0));
+	cr_assert_eq(completion(t1, b, 5000), 0, "%s", embd_last_error(t1));
+}
+
+/*
+ * A FORWARD of a step whose forward ran (a trainer that blocks on it would wait for a
+ * BACKWARD it never sends), or a second FORWARD while one is pending, is refused at once.
+ */
+Test(hostile, second_forward_is_refused_at_once)
+{
+	struct embd_client *t0 = NULL, *t1 = NULL;
+	char err[256];
+
+	service_spawn(NULL, "warning");
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
+	post(t0, EMBD_REQUEST_FORWARD, 0, 1);
+	post(t1, EMBD_REQUEST_FORWARD, 0, 101);
+	cr_assert_eq(completion(t0, 1, 5000), 0, "%s", embd_last_error(t0));
+	cr_assert_eq(completion(t1, 101, 5000), 0, "%s", embd_last_error(t1));
+	/* the same step again, instead of its BACKWARD */
+	post(t0, EMBD_REQUEST_FORWARD, 0, 2);
+	int rc = completion(t0, 2, 2000);
+	cr_expect_eq(rc, EMBD_EINVAL, "FORWARD 0 again: expected EMBD_EINVAL at once, got %d", rc);
+	cr_expect(strstr(embd_last_error(t0), "forward ran already") != NULL, "got '%s'",
+		  embd_last_error(t0));
+	/* the next step early (kept), then once more */
+	post(t0, EMBD_REQUEST_FORWARD, 1, 3);
+	post(t0, EMBD_REQUEST_FORWARD, 1, 4);
+	rc = completion(t0, 4, 2000);
+	cr_expect_eq(rc, EMBD_EINVAL, "a second FORWARD 1: expected EMBD_EINVAL at once, got %d",
+		     rc);
+	cr_expect(strstr(embd_last_error(t0), "pending already") != NULL, "got '%s'",
+		  embd_last_error(t0));
+	/* the first of them is kept and runs with step 1 */
+	post(t0, EMBD_REQUEST_BACKWARD, 0, 5);
+	post(t1, EMBD_REQUEST_BACKWARD, 0, 102);
+	cr_expect_eq(completion(t1, 102, 5000), 0, "%s", embd_last_error(t1));
+	cr_expect_eq(completion(t0, 5, 5000), 0, "%s", embd_last_error(t0));
+	post(t1, EMBD_REQUEST_FORWARD, 1, 103);
+	cr_expect_eq(completion(t1, 103, 5000), 0, "%s", embd_last_error(t1));
+	cr_expect_eq(completion(t0, 3, 5000), 0, "the kept FORWARD 1: %s", embd_last_error(t0));
+	embd_close(t0);
+	embd_close(t1);
+}
+
+/* A STATS or STATUS reply, parsed; NULL on failure. */
+static cJSON *ask_json(enum embd_ctl_type request)
+{
+	char text[EMBD_CTL_TEXT_MAX * 16];
+	struct embd_ctl_msg msg;
+	int sock;
+
+	if (embd_ctl_connect(service.socket, &sock, NULL, 0))
+		return NULL;
+	cJSON *root = NULL;
+	if (!embd_ctl_send(sock, request, NULL, 0, NULL, 0, NULL, 0) &&
+	    !embd_ctl_recv(sock, msgbuf, sizeof(msgbuf), 5000, &msg, NULL, 0) &&
+	    msg.type == request + 1 && !embd_ctl_text_decode(&msg, text, sizeof(text), NULL, 0))
+		root = cJSON_Parse(text);
+	close(sock);
+	return root;
+}
+
+static double json_num(const cJSON *o, const char *key)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+
+	return cJSON_IsNumber(v) ? v->valuedouble : -1;
+}
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/*
+ * Trainer 1 is connected but posts nothing: past step_wait_warn_ms the log, STATUS and STATS
+ * name it; past step_wait_abort_ms trainer 0's FORWARD is answered EMBD_ETIMEDOUT naming it
+ * and the step stays. Then trainer 1 stalls a backward: that step is aborted, trainer 0's
+ * BACKWARD and trainer 1's late one answered EMBD_ETIMEDOUT, and the next step runs.
+ */
+Test(hostile, stalled_trainer_is_named_then_given_up)
+{
+	struct embd_client *t0 = NULL, *t1 = NULL;
+	char err[256], who[64];
+	uint64_t ud = 10;
+
+	service_spawn_keys("\"step_wait_warn_ms\": 300, \"step_wait_abort_ms\": 1500", "warning");
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
+	snprintf(who, sizeof(who), "trainer 1 (pid %d)", (int)getpid());
+
+	uint64_t posted = now_ms();
+	post(t0, EMBD_REQUEST_FORWARD, 0, 1);
+	usleep(800 * 1000);
+	cr_expect(tu_embd_log_has(&service, who), "past step_wait_warn_ms the log (%s) should "
+		  "name %s", service.log, who);
+	cJSON *status = ask_json(EMBD_CTL_STATUS_REQUEST);
+	cr_assert_not_null(status, "no status");
+	const cJSON *stalled = cJSON_GetObjectItemCaseSensitive(status, "stalled");
+	const cJSON *trainers = cJSON_GetObjectItemCaseSensitive(stalled, "trainers");
+	cr_expect(cJSON_GetArraySize(trainers) == 1 &&
+		  json_num(cJSON_GetArrayItem(trainers, 0), "index") == 1 &&
+		  json_num(cJSON_GetArrayItem(trainers, 0), "pid") == getpid(),
+		  "status should show the step stalled by trainer 1 (pid %d)", (int)getpid());
+	const cJSON *wants = cJSON_GetObjectItemCaseSensitive(stalled, "waiting_for");
+	cr_expect(cJSON_IsString(wants) && !strcmp(wants->valuestring, "FORWARD"),
+		  "stalled.waiting_for: expected FORWARD");
+	cr_expect_geq(json_num(stalled, "waited_ms"), 300);
+	cJSON_Delete(status);
+	cJSON *stats = ask_json(EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats, "no stats");
+	const cJSON *c;
+	double stalling[2] = { -1, -1 };
+	cJSON_ArrayForEach(c, cJSON_GetObjectItemCaseSensitive(stats, "clients"))
+		if (json_num(c, "index") == 0 || json_num(c, "index") == 1)
+			stalling[(int)json_num(c, "index")] = json_num(c, "stalling_ms");
+	cr_expect(stalling[0] == 0 && stalling[1] >= 300, "stats stalling_ms: expected 0 for "
+		  "trainer 0 and >= 300 for trainer 1, got %g and %g", stalling[0], stalling[1]);
+	cJSON_Delete(stats);
+
+	int rc = completion(t0, 1, 5000);
+	uint64_t waited = now_ms() - posted;
+	cr_expect_eq(rc, EMBD_ETIMEDOUT, "FORWARD 0 with trainer 1 silent: expected "
+		     "EMBD_ETIMEDOUT, got %d (%s)", rc, embd_last_error(t0));
+	cr_expect(strstr(embd_last_error(t0), "trainer 1 (pid") &&
+		  strstr(embd_last_error(t0), "FORWARD"), "the error should name trainer 1 and "
+		  "its FORWARD: '%s'", embd_last_error(t0));
+	cr_expect_geq(waited, 1450, "given up after %llu ms, step_wait_abort_ms is 1500",
+		      (unsigned long long)waited);
+
+	/* the step stayed at 0: both run its forward, then trainer 1 stalls the backward */
+	post(t0, EMBD_REQUEST_FORWARD, 0, 2);
+	post(t1, EMBD_REQUEST_FORWARD, 0, 201);
+	cr_assert_eq(completion(t0, 2, 5000), 0, "%s", embd_last_error(t0));
+	cr_assert_eq(completion(t1, 201, 5000), 0, "%s", embd_last_error(t1));
+	post(t0, EMBD_REQUEST_BACKWARD, 0, 3);
+	rc = completion(t0, 3, 5000);
+	cr_expect_eq(rc, EMBD_ETIMEDOUT, "BACKWARD 0 with trainer 1's missing: expected "
+		     "EMBD_ETIMEDOUT, got %d (%s)", rc, embd_last_error(t0));
+	cr_expect(strstr(embd_last_error(t0), "trainer 1 (pid") &&
+		  strstr(embd_last_error(t0), "BACKWARD"), "got '%s'", embd_last_error(t0));
+	post(t1, EMBD_REQUEST_BACKWARD, 0, 202);
+	rc = completion(t1, 202, 5000);
+	cr_expect_eq(rc, EMBD_ETIMEDOUT, "trainer 1's late BACKWARD 0: expected EMBD_ETIMEDOUT, "
+		     "got %d (%s)", rc, embd_last_error(t1));
+	full_step(t0, t1, 1, &ud);
+	stats = ask_json(EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats);
+	cr_expect_eq(json_num(stats, "step_timeouts"), 2);
+	cr_expect_eq(json_num(stats, "aborted_steps"), 1);
+	cr_expect_eq(json_num(stats, "steps"), 1);
+	cJSON_Delete(stats);
+	embd_close(t0);
+	embd_close(t1);
 }

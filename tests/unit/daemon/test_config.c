@@ -32,6 +32,8 @@ Test(config, default_parses_and_plans)
 	cr_assert_eq(c.allowed_uids[0], getuid());
 	cr_assert_eq(c.num_allowed_gids, 0);
 	cr_assert_eq(c.handshake_timeout_ms, 5000);
+	cr_assert_eq(c.step_wait_warn_ms, 10000);
+	cr_assert_eq(c.step_wait_abort_ms, 0);
 	rc = embd_plan_build(c.tables.specs, c.tables.constraints, c.tables.count, &c.topology, NULL,
 			     &plan, err, sizeof(err));
 	cr_assert_eq(rc, 0, "planning the default: %d %s", rc, err);
@@ -50,7 +52,8 @@ Test(config, every_key_is_read)
 		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
 		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
-		"  \"handshake_timeout_ms\": 250 }";
+		"  \"handshake_timeout_ms\": 250, \"step_wait_warn_ms\": 0,"
+		"  \"step_wait_abort_ms\": 60000 }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -75,6 +78,8 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_keep, 0);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
 	cr_assert_eq(c.handshake_timeout_ms, 250);
+	cr_assert_eq(c.step_wait_warn_ms, 0);
+	cr_assert_eq(c.step_wait_abort_ms, 60000);
 	embd_config_free(&c);
 }
 
@@ -127,6 +132,9 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_layout\": \"nfs\" }", "checkpoint_layout" },
 		{ "{ \"busy_poll_us\": -5 }", "busy_poll_us" },
 		{ "{ \"handshake_timeout_ms\": 0 }", "handshake_timeout_ms" },
+		{ "{ \"step_wait_warn_ms\": -1 }", "step_wait_warn_ms" },
+		{ "{ \"step_wait_abort_ms\": 5000 }", "step_wait_abort_ms': 5000 ms must be above" },
+		{ "{ \"step_wait_warn_ms\": 100, \"step_wait_abort_ms\": 100 }", "step_wait_abort_ms" },
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
