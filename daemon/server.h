@@ -13,7 +13,9 @@
  *
  * A step waits for a trainer from the first FORWARD it kept (a trainer that posted nothing
  * yet is not waited for while nobody did), or for a participant's BACKWARD from the end of
- * the forward. Past step_wait_warn_ms it logs those trainers (index, pid) once and shows them
+ * the forward, as long as another trainer's request is kept waiting (the first step waiting
+ * for trainers to connect is no stall). Past step_wait_warn_ms it logs those trainers
+ * (index, pid) once and shows them
  * in STATUS ("stalled") and STATS ("stalling_ms"); past step_wait_abort_ms it gives up: in
  * backward the step is aborted as when a participant leaves, its kept BACKWARDs (and a late
  * one of the staller) answered EMBD_ETIMEDOUT naming them; in forward, which never ran, the

@@ -360,6 +360,28 @@ static bool waits_for(const struct embd_server *sv, const struct client *c)
 	return c->participant && !c->has_bwd;
 }
 
+/* Requests kept while the phase waits (a FORWARD of this step, or a BACKWARD of it or an
+ * early FORWARD of the next): someone is kept waiting. */
+static uint32_t kept_requests(const struct embd_server *sv)
+{
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		n += sv->clients[i].used && (sv->clients[i].has_fwd || sv->clients[i].has_bwd);
+	return n;
+}
+
+/* How long the phase has kept someone waiting, once that is step_wait_warn_ms (else 0). */
+static uint64_t stalled_ms(const struct embd_server *sv)
+{
+	uint64_t ms = sv->wait_since_ns ? (embd_now_ns() - sv->wait_since_ns) / 1000000 : 0;
+
+	if (!sv->config->step_wait_warn_ms || ms < sv->config->step_wait_warn_ms ||
+	    !kept_requests(sv))
+		return 0;
+	return ms;
+}
+
 static const char *awaited_request(const struct embd_server *sv)
 {
 	return sv->phase == COLLECT ? "FORWARD" : "BACKWARD";
@@ -423,8 +445,14 @@ void embd_server_schedule_tick(struct embd_server *sv, uint64_t now_ns)
 	uint64_t ms = (now_ns - sv->wait_since_ns) / 1000000;
 	bool warn = cf->step_wait_warn_ms && !sv->wait_warned && ms >= cf->step_wait_warn_ms;
 	bool abort = cf->step_wait_abort_ms && ms >= cf->step_wait_abort_ms;
-	if ((!warn && !abort) || !name_awaited(sv, who, sizeof(who)))
+	if (!warn && !abort)
 		return;
+	if (!name_awaited(sv, who, sizeof(who)) || !kept_requests(sv)) {
+		/* nobody is kept waiting by a trainer (the first step waits for trainers to
+		 * connect, or those who posted left): count again from now */
+		wait_from(sv, now_ns);
+		return;
+	}
 	if (warn) {
 		sv->wait_warned = true;
 		embd_log_warning("step %" PRIu64 ": waited %" PRIu64 " ms for the %s of %s", sv->s, ms,
@@ -440,7 +468,7 @@ int embd_server_schedule_sleep_ms(const struct embd_server *sv, int idle_ms)
 	uint32_t next_ms = !sv->wait_warned && cf->step_wait_warn_ms ? cf->step_wait_warn_ms :
 			   cf->step_wait_abort_ms;
 
-	if (!sv->wait_since_ns || !next_ms)
+	if (!sv->wait_since_ns || !next_ms || sv->stop || !embd_server_regroup_running(sv))
 		return idle_ms;
 	uint64_t due = sv->wait_since_ns + (uint64_t)next_ms * 1000000, now = embd_now_ns();
 	if (due <= now)
@@ -451,20 +479,15 @@ int embd_server_schedule_sleep_ms(const struct embd_server *sv, int idle_ms)
 
 uint64_t embd_server_stalling_ms(const struct embd_server *sv, const struct client *c)
 {
-	uint64_t ms = sv->wait_since_ns ? (embd_now_ns() - sv->wait_since_ns) / 1000000 : 0;
-
-	if (!sv->config->step_wait_warn_ms || ms < sv->config->step_wait_warn_ms ||
-	    !waits_for(sv, c))
-		return 0;
-	return ms;
+	return waits_for(sv, c) ? stalled_ms(sv) : 0;
 }
 
 int embd_server_schedule_status_add(const struct embd_server *sv, char **status)
 {
 	cJSON *root, *o, *arr;
-	uint64_t ms = sv->wait_since_ns ? (embd_now_ns() - sv->wait_since_ns) / 1000000 : 0;
+	uint64_t ms = stalled_ms(sv);
 
-	if (!sv->config->step_wait_warn_ms || ms < sv->config->step_wait_warn_ms)
+	if (!ms)
 		return 0;
 	root = cJSON_Parse(*status);
 	if (!root || !(o = cJSON_AddObjectToObject(root, "stalled")) ||

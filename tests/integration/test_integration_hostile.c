@@ -418,3 +418,49 @@ Test(hostile, stalled_trainer_is_named_then_given_up)
 	embd_close(t0);
 	embd_close(t1);
 }
+
+/* CPU seconds embd has used (utime + stime of /proc/PID/stat). */
+static double embd_cpu_s(void)
+{
+	char path[64], buf[1024];
+	unsigned long utime = 0, stime = 0;
+
+	snprintf(path, sizeof(path), "/proc/%d/stat", (int)service.pid);
+	FILE *f = fopen(path, "r");
+	cr_assert_not_null(f);
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	fclose(f);
+	buf[n] = 0;
+	/* after the ")" that ends the command name: state is field 3, utime 14, stime 15 */
+	const char *p = strrchr(buf, ')');
+	cr_assert_not_null(p);
+	cr_assert_eq(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &utime,
+			    &stime), 2);
+	return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
+}
+
+/* The first step waits for trainer 1 to connect: nobody is there to name, so nothing is
+ * logged, and the service sleeps meanwhile instead of spinning on the passed deadline. */
+Test(hostile, waiting_for_a_trainer_to_connect_is_no_stall)
+{
+	struct embd_client *t0 = NULL;
+	char err[256];
+
+	service_spawn_keys("\"step_wait_warn_ms\": 100, \"step_wait_abort_ms\": 200", "warning");
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	post(t0, EMBD_REQUEST_FORWARD, 0, 1);
+	usleep(300 * 1000);
+	double cpu = embd_cpu_s();
+	usleep(1000 * 1000);
+	cpu = embd_cpu_s() - cpu;
+	cr_expect_lt(cpu, 0.1, "embd used %.2f CPU s in 1 s while the step waited for a trainer "
+		     "to connect", cpu);
+	cr_expect(!tu_embd_log_has(&service, "waited"), "nothing to log: nobody stalls the step");
+	struct embd_client *t1 = NULL;
+	cr_assert_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
+	post(t1, EMBD_REQUEST_FORWARD, 0, 101);
+	cr_expect_eq(completion(t0, 1, 5000), 0, "%s", embd_last_error(t0));
+	cr_expect_eq(completion(t1, 101, 5000), 0, "%s", embd_last_error(t1));
+	embd_close(t0);
+	embd_close(t1);
+}
