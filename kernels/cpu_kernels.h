@@ -10,12 +10,52 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "kernels/embedding.h"
 #include "kernels/optim_row.h"
 
 /* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth). */
 #define EMBD_PREFETCH_IDS 12
+/* Lines of a row that are prefetched; longer rows stream on their own after the first. */
+#define EMBD_PREFETCH_MAX_LINES 16
+#define EMBD_CACHE_LINE_BYTES 64
+
+/*
+ * How many rows ahead the kernels prefetch when each row brings row_bytes of memory (weights,
+ * and for the backward its state too). The benchmark's limits use the same distance.
+ */
+static inline uint32_t embd_prefetch_rows(uint64_t row_bytes)
+{
+	(void)row_bytes;
+	return EMBD_PREFETCH_IDS;
+}
+
+/* Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, for reading
+ * (write 0) or for writing (1). */
+static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes,
+								      const int write)
+{
+	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
+	uintptr_t end = (uintptr_t)p + bytes;
+
+#pragma GCC unroll 16
+	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES) {
+		if (write)
+			__builtin_prefetch((const void *)line, 1, 3);
+		else
+			__builtin_prefetch((const void *)line, 0, 3);
+	}
+}
+
+/* Monotonic clock in ns (the worker pool's spin limit, backward's phase times). */
+static inline uint64_t embd_kernels_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
 
 /* One occurrence of a row in a backward step, after its id was checked. */
 struct embd_occ {
@@ -52,6 +92,9 @@ extern const struct embd_cpu_kernels embd_cpu_kernels_scalar;
 extern const struct embd_cpu_kernels embd_cpu_kernels_avx2;
 extern const struct embd_cpu_kernels embd_cpu_kernels_avx512;
 #endif
+
+/* What $EMBD_ISA = cap (NULL when unset) makes of the detected best isa (embedding.h). */
+enum embd_isa embd_kernels_isa_capped(enum embd_isa detected, const char *cap);
 
 /* The table for isa (AUTO: the best), or NULL when this CPU or build cannot run it. */
 const struct embd_cpu_kernels *embd_cpu_kernels_get(enum embd_isa isa);
