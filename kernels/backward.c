@@ -153,27 +153,49 @@ static struct embd_occ *sort_bucket(struct embd_occ *a, struct embd_occ *tmp, ui
 	return a;
 }
 
+/* The next non-empty bucket for this worker, sorted into *sorted (*n occurrences); false when
+ * none is left. */
+static bool next_bucket(struct bwd_job *job, struct embd_occ **sorted, uint64_t *n)
+{
+	for (;;) {
+		uint64_t bucket = atomic_fetch_add_explicit(&job->next_bucket, 1, memory_order_relaxed);
+		if (bucket >= job->num_buckets)
+			return false;
+		uint64_t s = job->bucket_start[bucket];
+		*n = job->bucket_start[bucket + 1] - s;
+		if (!*n)
+			continue;
+		/* occ is free by now: the same index range serves as the radix sort's other half */
+		*sorted = sort_bucket(job->bucketed + s, job->occ + s, *n, job->shift);
+		return true;
+	}
+}
+
+/*
+ * Each worker sorts the bucket it takes next before applying the one it holds, so that the
+ * rows of the next bucket's head are prefetched while this one's tail is applied: buckets are
+ * small, and a bucket's first rows waiting on DRAM one by one were a large part of the phase.
+ */
 static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bwd_job *job = arg;
 	float *scratch = job->scratch + (uint64_t)w * 2 * job->ctx.shard->desc.cols;
+	struct embd_occ *cur = NULL, *next = NULL;
+	uint64_t n = 0, next_n = 0, t0, t1;
+	size_t prefetched = 0;
 
 	(void)nw;
-	for (;;) {
-		uint64_t bucket = atomic_fetch_add_explicit(&job->next_bucket, 1, memory_order_relaxed);
-		if (bucket >= job->num_buckets)
-			break;
-		uint64_t s = job->bucket_start[bucket], n = job->bucket_start[bucket + 1] - s;
-		if (!n)
-			continue;
-		uint64_t t0 = job->phase_ns ? embd_kernels_now_ns() : 0;
-		/* occ is free by now: the same index range serves as the radix sort's other half */
-		struct embd_occ *sorted = sort_bucket(job->bucketed + s, job->occ + s, n, job->shift);
-		uint64_t t1 = job->phase_ns ? embd_kernels_now_ns() : 0;
-		job->k->apply_rows(&job->ctx, sorted, n, scratch);
+	t0 = job->phase_ns ? embd_kernels_now_ns() : 0;
+	bool more = next_bucket(job, &cur, &n);
+	for (; more; cur = next, n = next_n) {
+		more = next_bucket(job, &next, &next_n);
+		t1 = job->phase_ns ? embd_kernels_now_ns() : 0;
+		prefetched = job->k->apply_rows(&job->ctx, cur, n, more ? next : NULL, more ? next_n : 0,
+						prefetched, scratch);
 		if (job->phase_ns) {
 			job->phase_ns[2 * w] += t1 - t0;
-			job->phase_ns[2 * w + 1] += embd_kernels_now_ns() - t1;
+			t0 = embd_kernels_now_ns();
+			job->phase_ns[2 * w + 1] += t0 - t1;
 		}
 	}
 }

@@ -81,10 +81,14 @@ struct embd_cpu_kernels {
 			    struct embd_kernel_err *err);
 	/*
 	 * occ[0, n) is sorted by row, each row's run in batch order: sums each run into grad_row
-	 * (2 x cols floats of scratch) and applies the optimizer to the row once.
+	 * (2 x cols floats of scratch) and applies the optimizer to the row once. next[0, next_n)
+	 * are the (sorted) occurrences the caller applies next, whose rows are prefetched once
+	 * occ's run out; the previous call prefetched occ[0, prefetched). Returns how many of
+	 * next it prefetched, to pass on as prefetched.
 	 */
-	void (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
-			   float *grad_row);
+	size_t (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+			     const struct embd_occ *next, size_t next_n, size_t prefetched,
+			     float *grad_row);
 };
 
 extern const struct embd_cpu_kernels embd_cpu_kernels_scalar;

@@ -6,17 +6,19 @@
  *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
  *   compiler vectorizes with SSE2), fully unrolled per row size, the row embd_prefetch_rows()
  *   ids ahead prefetched line by line exactly as the kernel does (embd_prefetch_bytes), chunks
- *   of ids grabbed from one counter by the same workers. It keeps no bags, checks no id,
- *   multiplies by no weight and stores no output: it is the kernel minus everything but the
- *   reads the kernel cannot avoid, so a kernel can only approach it. The loads feed integer
- *   adds into four rotating accumulators (one-cycle, no denormal assists on fp16 bits, no
- *   chain that holds back the loads of later rows).
+ *   of ids grabbed from one counter by the same workers; and after every P ids one pooled row
+ *   (D fp32) stored, as the kernel must (at P = 1 that write is as much traffic as the reads).
+ *   It checks no id, multiplies by no weight and keeps no per-column sums: the loads feed
+ *   integer adds into four rotating accumulators (one cycle, no denormal assists on fp16 bits,
+ *   no chain that holds back the loads of later rows). It is the kernel minus everything but
+ *   the traffic the kernel cannot avoid, so a kernel can only approach it.
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, state rows prefetched for writing
- *   beside the weights, embd_prefetch_rows() rows ahead. That is the least traffic any exact
- *   update does (each touched row and its state read and written once); it leaves out the
- *   kernel's reading of ids and gradients, the grouping of occurrences and the arithmetic.
+ *   beside the weights, embd_prefetch_rows() rows ahead; and the incoming gradient (B x D
+ *   fp32) read once, in order. That is the least traffic any exact update does; it leaves out
+ *   the kernel's reading of ids, the grouping of occurrences, the gradient rows it reads once
+ *   per occurrence (in row order, so at random) and all arithmetic.
  * Stored values are unchanged (an opaque zero is added), so the limits run on the kernels' own
  * shards: same pages, same huge-page backing, same placement.
  */
@@ -40,7 +42,10 @@
  * One body per vector type: VLOAD/VADD/VZERO of width VBYTES; nvec constant per call site,
  * so the row's loads are unrolled and independent. ACC_STORE puts the sum into sink.
  */
-#define GATHER_BODY(VTYPE, VBYTES, VZERO, VLOAD, VADD, ACC_STORE)                                 \
+#define GATHER_BODY(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
+	const uint8_t *t = g->table;                                                              \
+	uint64_t rb = g->row_bytes, per_out = g->ids_per_out, out_vecs = g->out_row_bytes / VBYTES; \
+	uint64_t next_out = per_out - 1 - lo % per_out; /* ids until the end of this bag */      \
 	VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                                            \
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
 		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, rb, 0);                            \
@@ -50,8 +55,14 @@
 		const uint8_t *row = t + (uint64_t)ids[k] * rb;                                   \
 		_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++)                      \
 			acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+		if (k == next_out) {                                                              \
+			uint8_t *o = g->out + (lo + k) / per_out * g->out_row_bytes;              \
+			for (uint64_t v = 0; v < out_vecs; v++)                                   \
+				VSTORE(o + v * VBYTES, acc[v & 3]);                               \
+			next_out += per_out;                                                      \
+		}                                                                                 \
 	}                                                                                         \
-	ACC_STORE(sink, VADD(VADD(acc[0], acc[1]), VADD(acc[2], acc[3])));
+	VSTORE(sink, VADD(VADD(acc[0], acc[1]), VADD(acc[2], acc[3])));
 
 #define LOAD512(p) _mm512_loadu_si512(p)
 #define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)
@@ -61,53 +72,52 @@
 #define STORE128(s, x) _mm_storeu_si128((__m128i *)(s), x)
 
 __attribute__((target("avx512f"), always_inline)) static inline void
-gather_512(const uint8_t *t, uint64_t rb, const int64_t *ids, uint64_t n, uint32_t dist,
-	   uint64_t *sink, const uint32_t nvec)
+gather_512(const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n,
+	   uint32_t dist, uint64_t *sink, const uint32_t nvec)
 {
 	GATHER_BODY(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
-gather_256(const uint8_t *t, uint64_t rb, const int64_t *ids, uint64_t n, uint32_t dist,
-	   uint64_t *sink, const uint32_t nvec)
+gather_256(const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n,
+	   uint32_t dist, uint64_t *sink, const uint32_t nvec)
 {
 	GATHER_BODY(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
 }
 
 static inline __attribute__((always_inline)) void
-gather_128(const uint8_t *t, uint64_t rb, const int64_t *ids, uint64_t n, uint32_t dist,
-	   uint64_t *sink, const uint32_t nvec)
+gather_128(const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n,
+	   uint32_t dist, uint64_t *sink, const uint32_t nvec)
 {
 	GATHER_BODY(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
 }
 
 /* Cases for the row sizes of 64 bytes to 1 KiB; others take the rolled loop (default). */
 #define NVEC_SWITCH(FN, VBYTES)                                                                   \
-	switch (rb) {                                                                             \
-	case 64: FN(t, rb, ids, n, dist, sink, 64 / VBYTES); break;                               \
-	case 128: FN(t, rb, ids, n, dist, sink, 128 / VBYTES); break;                             \
-	case 256: FN(t, rb, ids, n, dist, sink, 256 / VBYTES); break;                             \
-	case 512: FN(t, rb, ids, n, dist, sink, 512 / VBYTES); break;                             \
-	case 1024: FN(t, rb, ids, n, dist, sink, 1024 / VBYTES); break;                           \
-	default: FN(t, rb, ids, n, dist, sink, (uint32_t)(rb / VBYTES)); break;                   \
+	switch (g->row_bytes) {                                                                   \
+	case 64: FN(g, lo, ids, n, dist, sink, 64 / VBYTES); break;                               \
+	case 128: FN(g, lo, ids, n, dist, sink, 128 / VBYTES); break;                             \
+	case 256: FN(g, lo, ids, n, dist, sink, 256 / VBYTES); break;                             \
+	case 512: FN(g, lo, ids, n, dist, sink, 512 / VBYTES); break;                             \
+	case 1024: FN(g, lo, ids, n, dist, sink, 1024 / VBYTES); break;                           \
+	default: FN(g, lo, ids, n, dist, sink, (uint32_t)(g->row_bytes / VBYTES)); break;         \
 	}
 
-__attribute__((target("avx512f"))) static void
-gather_chunk_512(const uint8_t *t, uint64_t rb, const int64_t *ids, uint64_t n, uint32_t dist,
-		 uint64_t *sink)
+#define GATHER_CHUNK_ARGS                                                                         \
+	const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n, uint32_t dist, \
+	uint64_t *sink
+
+__attribute__((target("avx512f"))) static void gather_chunk_512(GATHER_CHUNK_ARGS)
 {
 	NVEC_SWITCH(gather_512, 64)
 }
 
-__attribute__((target("avx2"))) static void
-gather_chunk_256(const uint8_t *t, uint64_t rb, const int64_t *ids, uint64_t n, uint32_t dist,
-		 uint64_t *sink)
+__attribute__((target("avx2"))) static void gather_chunk_256(GATHER_CHUNK_ARGS)
 {
 	NVEC_SWITCH(gather_256, 32)
 }
 
-static void gather_chunk_128(const uint8_t *t, uint64_t rb, const int64_t *ids, uint64_t n,
-			     uint32_t dist, uint64_t *sink)
+static void gather_chunk_128(GATHER_CHUNK_ARGS)
 {
 	NVEC_SWITCH(gather_128, 16)
 }
@@ -127,16 +137,19 @@ static void gather_worker(void *arg, uint32_t w, uint32_t nw)
 		uint64_t n = g->n - lo < GATHER_CHUNK_IDS ? g->n - lo : GATHER_CHUNK_IDS;
 #if defined(__x86_64__)
 		if (g->isa == EMBD_ISA_AVX512)
-			gather_chunk_512(g->table, g->row_bytes, g->ids + lo, n, dist, sink);
+			gather_chunk_512(g, lo, g->ids + lo, n, dist, sink);
 		else if (g->isa == EMBD_ISA_AVX2)
-			gather_chunk_256(g->table, g->row_bytes, g->ids + lo, n, dist, sink);
+			gather_chunk_256(g, lo, g->ids + lo, n, dist, sink);
 		else
-			gather_chunk_128(g->table, g->row_bytes, g->ids + lo, n, dist, sink);
+			gather_chunk_128(g, lo, g->ids + lo, n, dist, sink);
 #else
 		for (uint64_t k = 0; k < n; k++) {
 			const uint64_t *row = (const uint64_t *)(g->table + (uint64_t)g->ids[lo + k] * g->row_bytes);
 			for (uint64_t i = 0; i < g->row_bytes / 8; i++)
 				sink[i & 7] += row[i];
+			if ((lo + k + 1) % g->ids_per_out == 0)
+				for (uint64_t o = 0; o < g->out_row_bytes; o += 64)
+					memcpy(g->out + (lo + k) / g->ids_per_out * g->out_row_bytes + o, sink, 64);
 		}
 #endif
 	}
@@ -237,8 +250,12 @@ static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 	struct bench_rmw *r = arg;
 	uint64_t bytes = 0;
 
-	(void)w;
-	(void)nw;
+	/* this worker's share of the incoming gradient, read once */
+	const uint64_t *gr = (const uint64_t *)r->grad;
+	uint64_t words = r->grad_bytes / 8, sum = 0;
+	for (uint64_t i = words * w / nw; i < words * (w + 1) / nw; i++)
+		sum += gr[i];
+	r->sink[w % BENCH_LIMIT_MAX_WORKERS] = sum;
 	for (int a = 0; a < r->num_arrays; a++)
 		bytes += r->row_bytes[a];
 	uint32_t dist = embd_prefetch_rows(bytes);

@@ -16,11 +16,15 @@
 
 /*
  * The forward limit: the rows of ids[0, n) of a table of row_bytes rows (a multiple of 16)
- * read once each, with the kernels' prefetch distance and vector width for isa.
+ * read once each, with the kernels' prefetch distance and vector width for isa, and an
+ * out_row_bytes row of out written after every ids_per_out ids (the pooled output).
  */
 struct bench_gather {
 	const uint8_t *table;
 	uint64_t row_bytes;
+	uint8_t *out;
+	uint64_t out_row_bytes;         /* a multiple of 64 */
+	uint64_t ids_per_out;           /* the pooling factor */
 	enum embd_isa isa;              /* the kernel's (not AUTO) */
 	const int64_t *ids;             /* this batch's */
 	uint64_t n;
@@ -34,12 +38,15 @@ void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
 /*
  * The backward limit: every row of rows[0, n) (distinct, ascending) read and written back
  * unchanged in each array (the weights and each optimizer state array), with the kernels'
- * prefetch distance and vector width for isa.
+ * prefetch distance and vector width for isa, and grad_bytes of grad read once.
  */
 struct bench_rmw {
 	uint8_t *arrays[3];
 	uint64_t row_bytes[3];          /* per row of each array; a multiple of 16, or 4 */
 	int num_arrays;
+	const uint8_t *grad;            /* the batch's dL/d(pooled); grad_bytes a multiple of 8 */
+	uint64_t grad_bytes;
+	uint64_t sink[BENCH_LIMIT_MAX_WORKERS];
 	enum embd_isa isa;
 	const uint64_t *rows;           /* this batch's */
 	uint64_t n;

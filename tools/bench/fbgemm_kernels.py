@@ -34,22 +34,23 @@ def weights(n):
     return 0.5 + (torch.arange(n, dtype=torch.int64) % 7).to(torch.float32) / 8
 
 
-def timer(batches, runs, run_seconds):
+def timer(batches, runs, run_seconds, clock):
+    """Median ns per step over runs, after a warm-up run; clock as embd-bench's --clock."""
     def timed(step):
-        step(batches[0])
         results = []
         k = 0
-        for _ in range(runs):
+        for r in range(runs + 1):
             n = 0
-            t0 = time.perf_counter_ns()
+            t0 = clock()
             while True:
                 step(batches[k % len(batches)])
                 k += 1
                 n += 1
-                el = time.perf_counter_ns() - t0
+                el = clock() - t0
                 if el >= run_seconds * 1e9:
                     break
-            results.append(el / n)
+            if r:
+                results.append(el / n)
         return statistics.median(results)
     return timed
 
@@ -83,7 +84,7 @@ def forward(a, ids, configs, outs):
         def fwd(b):
             with torch.no_grad():
                 emb(b, offsets, per_sample_weights=psw)
-        out["ns_per_batch"] = timer(batches_of(ids, per_batch), a.runs, a.run_seconds)(fwd)
+        out["ns_per_batch"] = timer(batches_of(ids, per_batch), a.runs, a.run_seconds, a.clock)(fwd)
         out["op"] = "torch.nn.EmbeddingBag(mode=sum, %s%s), no_grad" % (
             a.dtype, ", per_sample_weights" if weighted else "")
     del emb
@@ -102,7 +103,7 @@ def forward(a, ids, configs, outs):
         def tbe_fwd(b):
             with torch.no_grad():
                 tbe(b, tbe_offsets, per_sample_weights=psw)
-        out["tbe_ns_per_batch"] = timer(batches_of(ids, per_batch), a.runs, a.run_seconds)(tbe_fwd)
+        out["tbe_ns_per_batch"] = timer(batches_of(ids, per_batch), a.runs, a.run_seconds, a.clock)(tbe_fwd)
         out["tbe_op"] = "fbgemm_gpu TBE CPU forward (%s rows%s), no_grad" % (
             a.dtype, ", per_sample_weights" if weighted else "")
 
@@ -110,7 +111,7 @@ def forward(a, ids, configs, outs):
 def backward(a, ids, P, out):
     import torch
     per_batch = a.batch * P
-    timed = timer(batches_of(ids, per_batch), a.runs, a.run_seconds)
+    timed = timer(batches_of(ids, per_batch), a.runs, a.run_seconds, a.clock)
     offsets = torch.arange(0, per_batch, P, dtype=torch.int64)
     grad = torch.rand(a.batch, a.dim) - 0.5
     if a.optimizer == "adam":
@@ -158,7 +159,12 @@ def main():
     ap.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--run-seconds", type=float, default=0.2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     a = ap.parse_args()
+    if a.clock == "cpu":
+        a.clock = lambda: time.process_time_ns() / a.threads
+    else:
+        a.clock = time.perf_counter_ns
     try:
         import numpy as np
         import torch
