@@ -7,11 +7,13 @@
  *
  * Every id is read once, checked against the shard's rows and only then used. Rows are
  * prefetched embd_prefetch_rows() ids ahead across bag boundaries, which is what makes P = 1 fast,
- * from the head of a chunk of bags (forward.c) to its end and no further. A row wider than one
- * pass of accumulators (AVX2 past 64 fp32 columns) is pooled in several passes over the bag,
- * and each pass prefetches its own columns of the row ahead: prefetching whole rows in the
- * first pass bunched all the misses there and left the memory idle in the others (a D 256 P 20
- * bag ran 1.35x faster on AVX2 with the prefetches spread).
+ * from the head of a chunk of bags (forward.c) to its end and no further, and only the head of
+ * each row (embd_prefetch_row_bytes): the L2 streamer brings the rest without tying up a line
+ * fill buffer per line. A row wider than one pass of accumulators (AVX2 past 64 fp32 columns)
+ * is pooled in several passes over the bag; each pass prefetches the head of its own columns
+ * of the row ahead, as the columns a later pass reads are no longer right behind the head
+ * (prefetching whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran
+ * 1.35x faster on AVX2 with the prefetches spread, fp16 D 128 P 20 1.5x).
  */
 #include "kernels/cpu_kernels.h"
 
@@ -38,10 +40,11 @@ struct bag_ctx {
 	const float *weights;
 	uint64_t prefetch_end;          /* no row at or after this id is prefetched (<= num_ids) */
 	uint32_t prefetch_ids;          /* embd_prefetch_rows(row_bytes) */
+	uint64_t prefetch_bytes;        /* embd_prefetch_row_bytes(row_bytes) */
 };
 
-/* The bytes [c0 * elem_bytes, + bytes) of the row of id k (clipped to the row), unless k is
- * past prefetch_end or outside the shard. */
+/* The bytes [from, + bytes) of the row of id k, clipped to prefetch_bytes and to the row,
+ * unless k is past prefetch_end or outside the shard. */
 static inline __attribute__((always_inline)) void
 prefetch_part(const struct bag_ctx *c, uint64_t k, uint64_t from, uint64_t bytes)
 {
@@ -50,6 +53,8 @@ prefetch_part(const struct bag_ctx *c, uint64_t k, uint64_t from, uint64_t bytes
 	uint64_t r = (uint64_t)c->ids[k] - c->row_offset;
 	if (r >= c->rows)
 		return;
+	if (bytes > c->prefetch_bytes)
+		bytes = c->prefetch_bytes;
 	if (from + bytes > c->row_bytes)
 		bytes = c->row_bytes - from;
 	embd_prefetch_bytes(c->base + r * c->row_bytes + from, bytes, 0);
@@ -174,6 +179,9 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 			   : pool_chunk(c, s, e, c0, n, scale, out, N, 0);        \
 		break;
 
+_Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 64),
+	       "embd_forward_pass_cols() tells the benchmark's limit this pass width");
+
 static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale,
 			float *out)
 {
@@ -228,6 +236,7 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 		.rows = (uint64_t)d->rows,
 		.cols = d->cols,
 		.prefetch_ids = embd_prefetch_rows((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
+		.prefetch_bytes = embd_prefetch_row_bytes((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
 		.ids = bt->ids,
 		.weights = bt->weights,
 	};

@@ -4,8 +4,9 @@
  *
  * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
  *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
- *   compiler vectorizes with SSE2), fully unrolled per row size, the row embd_prefetch_rows()
- *   ids ahead prefetched line by line exactly as the kernel does (embd_prefetch_bytes), chunks
+ *   compiler vectorizes with SSE2), fully unrolled per row size, the head of the row
+ *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes:
+ *   for one pass over a row that beat prefetching all of it at every size), chunks
  *   of ids grabbed from one counter by the same workers; and after every P ids one pooled row
  *   (D fp32) stored, as the kernel must (at P = 1 that write is as much traffic as the reads).
  *   It checks no id, multiplies by no weight and keeps no per-column sums: the loads feed
@@ -32,37 +33,41 @@
 
 #include "kernels/cpu_kernels.h"
 
-#define GATHER_CHUNK_IDS 1024
 #define RMW_CHUNK_ROWS 256
 
 /* ---- gather ------------------------------------------------------------------------------ */
 
 #if defined(__x86_64__)
 /*
- * One body per vector type: VLOAD/VADD/VZERO of width VBYTES; nvec constant per call site,
- * so the row's loads are unrolled and independent. ACC_STORE puts the sum into sink.
+ * The bags [b0, b1) (P ids each), each in passes of nvec vectors over its rows' columns: for
+ * each id, the same columns of the row dist ids ahead prefetched (their first pf bytes, within
+ * the chunk), then the loads; each pass stores its share of the bag's pooled row. nvec is
+ * constant per call site, so the loads unroll.
  */
-#define GATHER_BODY(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
+#define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
 	const uint8_t *t = g->table;                                                              \
-	uint64_t rb = g->row_bytes, per_out = g->ids_per_out, out_vecs = g->out_row_bytes / VBYTES; \
-	uint64_t next_out = per_out - 1 - lo % per_out; /* ids until the end of this bag */      \
-	VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                                            \
+	uint64_t rb = g->row_bytes, P = g->ids_per_out, n = (b1 - b0) * P;                        \
+	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = g->out_row_bytes * pass / rb;         \
+	uint64_t pf = pb < pass ? pb : pass;                                                      \
+	const int64_t *ids = g->ids + b0 * P;                                                     \
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
-		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, rb, 0);                            \
-	for (uint64_t k = 0; k < n; k++) {                                                        \
-		if (k + dist < n)                                                                 \
-			embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb, rb, 0);             \
-		const uint8_t *row = t + (uint64_t)ids[k] * rb;                                   \
-		_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++)                      \
-			acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
-		if (k == next_out) {                                                              \
-			uint8_t *o = g->out + (lo + k) / per_out * g->out_row_bytes;              \
-			for (uint64_t v = 0; v < out_vecs; v++)                                   \
-				VSTORE(o + v * VBYTES, acc[v & 3]);                               \
-			next_out += per_out;                                                      \
+		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb, 0);                            \
+	for (uint64_t b = 0; b < b1 - b0; b++) {                                                  \
+		uint8_t *out = g->out + (b0 + b) * g->out_row_bytes;                              \
+		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {              \
+			VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                            \
+			for (uint64_t k = b * P; k < (b + 1) * P; k++) {                          \
+				if (k + dist < n)                                                 \
+					embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf, 0); \
+				const uint8_t *row = t + (uint64_t)ids[k] * rb + from;            \
+				_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++)      \
+					acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+			}                                                                         \
+			for (uint64_t o = 0; o < out_pass; o += VBYTES)                           \
+				VSTORE(out + o, acc[(o / VBYTES) & 3]);                           \
 		}                                                                                 \
 	}                                                                                         \
-	VSTORE(sink, VADD(VADD(acc[0], acc[1]), VADD(acc[2], acc[3])));
+	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
 
 #define LOAD512(p) _mm512_loadu_si512(p)
 #define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)
@@ -71,87 +76,97 @@
 #define LOAD128(p) _mm_loadu_si128((const __m128i *)(p))
 #define STORE128(s, x) _mm_storeu_si128((__m128i *)(s), x)
 
+#define GATHER_ARGS                                                                               \
+	const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t pb, uint32_t dist,       \
+	uint64_t *sink
+
 __attribute__((target("avx512f"), always_inline)) static inline void
-gather_512(const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n,
-	   uint32_t dist, uint64_t *sink, const uint32_t nvec)
+bags_512(GATHER_ARGS, const uint32_t nvec)
 {
-	GATHER_BODY(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
+	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
-gather_256(const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n,
-	   uint32_t dist, uint64_t *sink, const uint32_t nvec)
+bags_256(GATHER_ARGS, const uint32_t nvec)
 {
-	GATHER_BODY(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
 }
 
-static inline __attribute__((always_inline)) void
-gather_128(const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n,
-	   uint32_t dist, uint64_t *sink, const uint32_t nvec)
+static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, const uint32_t nvec)
 {
-	GATHER_BODY(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
+	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
 }
 
-/* Cases for the row sizes of 64 bytes to 1 KiB; others take the rolled loop (default). */
-#define NVEC_SWITCH(FN, VBYTES)                                                                   \
-	switch (g->row_bytes) {                                                                   \
-	case 64: FN(g, lo, ids, n, dist, sink, 64 / VBYTES); break;                               \
-	case 128: FN(g, lo, ids, n, dist, sink, 128 / VBYTES); break;                             \
-	case 256: FN(g, lo, ids, n, dist, sink, 256 / VBYTES); break;                             \
-	case 512: FN(g, lo, ids, n, dist, sink, 512 / VBYTES); break;                             \
-	case 1024: FN(g, lo, ids, n, dist, sink, 1024 / VBYTES); break;                           \
-	default: FN(g, lo, ids, n, dist, sink, (uint32_t)(g->row_bytes / VBYTES)); break;         \
+/* Constant vector counts for passes of 64 bytes to 1 KiB; others take the rolled loop. */
+#define PASS_SWITCH(FN, VBYTES)                                                                   \
+	switch (pass) {                                                                           \
+	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES); break;                               \
+	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES); break;                             \
+	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES); break;                             \
+	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES); break;                             \
+	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES); break;                           \
+	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES)); break;                 \
 	}
 
-#define GATHER_CHUNK_ARGS                                                                         \
-	const struct bench_gather *g, uint64_t lo, const int64_t *ids, uint64_t n, uint32_t dist, \
-	uint64_t *sink
-
-__attribute__((target("avx512f"))) static void gather_chunk_512(GATHER_CHUNK_ARGS)
+__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass)
 {
-	NVEC_SWITCH(gather_512, 64)
+	PASS_SWITCH(bags_512, 64)
 }
 
-__attribute__((target("avx2"))) static void gather_chunk_256(GATHER_CHUNK_ARGS)
+__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass)
 {
-	NVEC_SWITCH(gather_256, 32)
+	PASS_SWITCH(bags_256, 32)
 }
 
-static void gather_chunk_128(GATHER_CHUNK_ARGS)
+static void bags_any_128(GATHER_ARGS, uint64_t pass)
 {
-	NVEC_SWITCH(gather_128, 16)
+	PASS_SWITCH(bags_128, 16)
 }
 #endif
+
+/* The bags [b0, b1) of the batch: the kernel's passes, prefetches and stores, no arithmetic. */
+static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t *sink)
+{
+	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
+	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb;
+	uint32_t dist = embd_prefetch_rows(rb);
+
+#if defined(__x86_64__)
+	if (g->isa == EMBD_ISA_AVX512)
+		bags_any_512(g, b0, b1, pb, dist, sink, pass);
+	else if (g->isa == EMBD_ISA_AVX2)
+		bags_any_256(g, b0, b1, pb, dist, sink, pass);
+	else
+		bags_any_128(g, b0, b1, pb, dist, sink, pass);
+#else
+	uint64_t P = g->ids_per_out;
+	(void)pb, (void)pass, (void)dist;
+	for (uint64_t b = b0; b < b1; b++) {
+		for (uint64_t k = b * P; k < (b + 1) * P; k++) {
+			const uint64_t *row = (const uint64_t *)(g->table + (uint64_t)g->ids[k] * rb);
+			for (uint64_t i = 0; i < rb / 8; i++)
+				sink[i & 7] += row[i];
+		}
+		for (uint64_t i = 0; i < g->out_row_bytes; i += 64)
+			memcpy(g->out + b * g->out_row_bytes + i, sink, 64);
+	}
+#endif
+}
 
 static void gather_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bench_gather *g = arg;
 	uint64_t *sink = g->sink[w % BENCH_LIMIT_MAX_WORKERS];
-	uint32_t dist = embd_prefetch_rows(g->row_bytes);
+	uint64_t bags = g->n / g->ids_per_out;
+	/* chunks of bags as the kernels' (forward.c): about 1024 ids, at least 32 bags */
+	uint64_t per = 1024 / g->ids_per_out > 32 ? 1024 / g->ids_per_out : 32;
 
 	(void)nw;
 	for (;;) {
-		uint64_t lo = atomic_fetch_add_explicit(&g->next, GATHER_CHUNK_IDS, memory_order_relaxed);
-		if (lo >= g->n)
+		uint64_t b0 = atomic_fetch_add_explicit(&g->next, per, memory_order_relaxed);
+		if (b0 >= bags)
 			break;
-		uint64_t n = g->n - lo < GATHER_CHUNK_IDS ? g->n - lo : GATHER_CHUNK_IDS;
-#if defined(__x86_64__)
-		if (g->isa == EMBD_ISA_AVX512)
-			gather_chunk_512(g, lo, g->ids + lo, n, dist, sink);
-		else if (g->isa == EMBD_ISA_AVX2)
-			gather_chunk_256(g, lo, g->ids + lo, n, dist, sink);
-		else
-			gather_chunk_128(g, lo, g->ids + lo, n, dist, sink);
-#else
-		for (uint64_t k = 0; k < n; k++) {
-			const uint64_t *row = (const uint64_t *)(g->table + (uint64_t)g->ids[lo + k] * g->row_bytes);
-			for (uint64_t i = 0; i < g->row_bytes / 8; i++)
-				sink[i & 7] += row[i];
-			if ((lo + k + 1) % g->ids_per_out == 0)
-				for (uint64_t o = 0; o < g->out_row_bytes; o += 64)
-					memcpy(g->out + (lo + k) / g->ids_per_out * g->out_row_bytes + o, sink, 64);
-		}
-#endif
+		gather_bags(g, b0, bags - b0 < per ? bags : b0 + per, sink);
 	}
 }
 

@@ -15,13 +15,14 @@
 #define BENCH_LIMIT_MAX_WORKERS 64
 
 /*
- * The forward limit: the rows of ids[0, n) of a table of row_bytes rows (a multiple of 16)
- * read once each, with the kernels' prefetch distance and vector width for isa, and an
- * out_row_bytes row of out written after every ids_per_out ids (the pooled output).
+ * The forward limit: bags of ids_per_out ids of ids[0, n), the rows (row_bytes, a multiple of
+ * 16) read once each in the kernel's passes of pass_bytes, with its prefetch distance, prefetch
+ * bytes and vector width for isa, and each bag's out_row_bytes pooled row stored in out.
  */
 struct bench_gather {
 	const uint8_t *table;
 	uint64_t row_bytes;
+	uint64_t pass_bytes;            /* embd_forward_pass_cols() x the row's element size */
 	uint8_t *out;
 	uint64_t out_row_bytes;         /* a multiple of 64 */
 	uint64_t ids_per_out;           /* the pooling factor */
