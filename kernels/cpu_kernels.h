@@ -44,16 +44,16 @@ static inline uint32_t embd_forward_pass_cols(enum embd_isa isa, uint32_t cols)
 }
 
 /*
- * How much of a row of row_bytes the kernels prefetch: its first quarter, at least 128 bytes.
- * The L2 streamer brings the rest of the row once its head is read, without holding one of
- * the core's few line fill buffers per line; prefetching every line of 1 KiB rows 12 rows
- * ahead held them all and gathered 20-25% slower than prefetching the first 256 bytes.
+ * How much of a row of row_bytes the kernels prefetch: rows up to 512 bytes whole, longer ones
+ * their first quarter. The L2 streamer brings the rest of a long row once its head is read,
+ * without holding one of the core's few line fill buffers per line: prefetching every line
+ * of 1 KiB rows 12 rows ahead gathered 20% slower than the first 256 bytes (D 256 fp32 P 20,
+ * AVX-512, paired CPU-time runs); rows of 256-512 bytes were 10-20% faster prefetched whole
+ * (fp16 D 128 and 256, fp32 D 64), fp32 D 128 within 4% either way.
  */
 static inline uint64_t embd_prefetch_row_bytes(uint64_t row_bytes)
 {
-	uint64_t head = row_bytes / 4 > 128 ? row_bytes / 4 : 128;
-
-	return head < row_bytes ? head : row_bytes;
+	return row_bytes <= 512 ? row_bytes : row_bytes / 4;
 }
 
 /* Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, for reading
