@@ -1,15 +1,17 @@
 # Helpers every module uses to declare its tests, so a module's CMakeLists.txt is the only
 # file that changes when the module gains a test.
 
-# embd_unit_test(test_foo LIBS lib... [SOURCES ...] [TIMEOUT s] [JOBS n]): tests/unit/test_foo.c,
-# a Criterion test binary running n tests at once (default 2).
+# embd_unit_test(test_foo LIBS lib... [SOURCES ...] [TIMEOUT s] [JOBS n]), called from a module's
+# folder: tests/unit/<module>/test_foo.c, a Criterion test binary running n tests at once
+# (default 2), ctest name <module>/test_foo.
 function(embd_unit_test name)
   cmake_parse_arguments(arg "" "TIMEOUT;JOBS" "LIBS;SOURCES" ${ARGN})
   if(NOT CRITERION_FOUND)
     message(WARNING "criterion not found: ${name} is not built (run tools/install-deps.sh)")
     return()
   endif()
-  add_executable(${name} ${PROJECT_SOURCE_DIR}/tests/unit/${name}.c ${arg_SOURCES})
+  get_filename_component(module ${CMAKE_CURRENT_SOURCE_DIR} NAME)
+  add_executable(${name} ${PROJECT_SOURCE_DIR}/tests/unit/${module}/${name}.c ${arg_SOURCES})
   target_include_directories(${name} PRIVATE ${PROJECT_SOURCE_DIR} ${PROJECT_SOURCE_DIR}/include)
   target_link_libraries(${name} PRIVATE ${arg_LIBS} PkgConfig::CRITERION Threads::Threads m)
   if(NOT arg_TIMEOUT)
@@ -19,8 +21,8 @@ function(embd_unit_test name)
   if(NOT arg_JOBS)
     set(arg_JOBS 2)
   endif()
-  add_test(NAME ${name} COMMAND ${name} -j${arg_JOBS} --ascii)
-  set_tests_properties(${name} PROPERTIES TIMEOUT ${arg_TIMEOUT} LABELS unit)
+  add_test(NAME ${module}/${name} COMMAND ${name} -j${arg_JOBS} --ascii)
+  set_tests_properties(${module}/${name} PROPERTIES TIMEOUT ${arg_TIMEOUT} LABELS unit)
 endfunction()
 
 # embd_fuzz_target(fuzz_foo LIBS lib...): tests/fuzz/fuzz_foo.c defines LLVMFuzzerTestOneInput.

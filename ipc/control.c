@@ -20,7 +20,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "ipc/ipc_err.h"
+#include "common/err.h"
 
 /* ---- sockets ---------------------------------------------------------------------------- */
 
@@ -31,7 +31,7 @@ static int make_addr(const char *path, struct sockaddr_un *addr, char *err, size
 	memset(addr, 0, sizeof(*addr));
 	addr->sun_family = AF_UNIX;
 	if (len == 0 || len >= sizeof(addr->sun_path))
-		return ipc_fail(err, err_len, EMBD_EINVAL, "socket path: length %zu is not in [1, %zu]",
+		return embd_fail(err, err_len, EMBD_EINVAL, "socket path: length %zu is not in [1, %zu]",
 				len, sizeof(addr->sun_path) - 1);
 	memcpy(addr->sun_path, path, len);
 	return 0;
@@ -48,15 +48,15 @@ int embd_ctl_connect(const char *path, int *fd_out, char *err, size_t err_len)
 		return rc;
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0)
-		return ipc_fail(err, err_len, EMBD_EIO, "socket: %s", strerror(errno));
+		return embd_fail(err, err_len, EMBD_EIO, "socket: %s", strerror(errno));
 	if (connect(fd, (struct sockaddr *)&addr, sizeof(addr)) != 0) {
 		int e = errno;
 		close(fd);
 		if (e == ENOENT)
-			return ipc_fail(err, err_len, EMBD_ENOENT, "connect %s: no such socket", path);
+			return embd_fail(err, err_len, EMBD_ENOENT, "connect %s: no such socket", path);
 		if (e == ECONNREFUSED)
-			return ipc_fail(err, err_len, EMBD_ECONNRESET, "connect %s: nobody listens", path);
-		return ipc_fail(err, err_len, EMBD_EIO, "connect %s: %s", path, strerror(e));
+			return embd_fail(err, err_len, EMBD_ECONNRESET, "connect %s: nobody listens", path);
+		return embd_fail(err, err_len, EMBD_EIO, "connect %s: %s", path, strerror(e));
 	}
 	*fd_out = fd;
 	return 0;
@@ -74,11 +74,11 @@ int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_
 		return rc;
 	if (lstat(path, &st) == 0) {
 		if (!S_ISSOCK(st.st_mode))
-			return ipc_fail(err, err_len, EMBD_EBUSY, "listen %s: exists and is not a socket", path);
+			return embd_fail(err, err_len, EMBD_EBUSY, "listen %s: exists and is not a socket", path);
 		rc = embd_ctl_connect(path, &probe, NULL, 0);
 		if (rc == 0) {
 			close(probe);
-			return ipc_fail(err, err_len, EMBD_EBUSY, "listen %s: another service listens", path);
+			return embd_fail(err, err_len, EMBD_EBUSY, "listen %s: another service listens", path);
 		}
 		unlink(path);   /* stale socket of a dead service */
 	}
@@ -88,27 +88,27 @@ int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_
 	struct sockaddr_un tmp = addr;
 	int n = snprintf(tmp.sun_path, sizeof(tmp.sun_path), "%s.%d", path, (int)getpid());
 	if (n < 0 || (size_t)n >= sizeof(tmp.sun_path))
-		return ipc_fail(err, err_len, EMBD_EINVAL, "listen %s: path too long", path);
+		return embd_fail(err, err_len, EMBD_EINVAL, "listen %s: path too long", path);
 	unlink(tmp.sun_path);
 	fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
 	if (fd < 0)
-		return ipc_fail(err, err_len, EMBD_EIO, "socket: %s", strerror(errno));
+		return embd_fail(err, err_len, EMBD_EIO, "socket: %s", strerror(errno));
 	if (bind(fd, (struct sockaddr *)&tmp, sizeof(tmp)) != 0) {
-		rc = ipc_fail(err, err_len, EMBD_EIO, "bind %s: %s", tmp.sun_path, strerror(errno));
+		rc = embd_fail(err, err_len, EMBD_EIO, "bind %s: %s", tmp.sun_path, strerror(errno));
 		goto out;
 	}
 	/* access is decided by SO_PEERCRED; the mode only keeps strangers from connecting */
 	if (chmod(tmp.sun_path, 0660) != 0 || listen(fd, backlog) != 0) {
-		rc = ipc_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(errno));
+		rc = embd_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(errno));
 		unlink(tmp.sun_path);
 		goto out;
 	}
 	if (link(tmp.sun_path, path) != 0) {
 		int e = errno;
 		unlink(tmp.sun_path);
-		rc = e == EEXIST ? ipc_fail(err, err_len, EMBD_EBUSY, "listen %s: another service "
+		rc = e == EEXIST ? embd_fail(err, err_len, EMBD_EBUSY, "listen %s: another service "
 					    "took the path while this one started", path)
-				 : ipc_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(e));
+				 : embd_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(e));
 		goto out;
 	}
 	unlink(tmp.sun_path);
@@ -128,7 +128,7 @@ int embd_ctl_peer_get(int sock, struct embd_ctl_peer *peer, char *err, size_t er
 
 	memset(peer, 0, sizeof(*peer));
 	if (getsockopt(sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || len != sizeof(cred))
-		return ipc_fail(err, err_len, EMBD_EIO, "SO_PEERCRED: %s", strerror(errno));
+		return embd_fail(err, err_len, EMBD_EIO, "SO_PEERCRED: %s", strerror(errno));
 	peer->pid = cred.pid;
 	peer->uid = cred.uid;
 	peer->gid = cred.gid;
@@ -157,14 +157,14 @@ int embd_ctl_peer_pidfd(int sock, pid_t peer_pid, int *pidfd_out, char *err, siz
 		return 0;
 	}
 	if (errno == ESRCH)
-		return ipc_fail(err, err_len, EMBD_ECONNRESET, "peer pid %d: already exited",
+		return embd_fail(err, err_len, EMBD_ECONNRESET, "peer pid %d: already exited",
 				(int)peer_pid);
 	if (peer_pid <= 0)
-		return ipc_fail(err, err_len, EMBD_ENOTSUP, "peer pid %d: not in this pid namespace",
+		return embd_fail(err, err_len, EMBD_ENOTSUP, "peer pid %d: not in this pid namespace",
 				(int)peer_pid);
 	fd = pidfd_open(peer_pid, 0);
 	if (fd < 0)
-		return ipc_fail(err, err_len, errno == ESRCH ? EMBD_ECONNRESET : EMBD_ENOTSUP,
+		return embd_fail(err, err_len, errno == ESRCH ? EMBD_ECONNRESET : EMBD_ENOTSUP,
 				"pidfd_open(%d): %s", (int)peer_pid, strerror(errno));
 	/* pidfd_open is close-on-exec already */
 	*pidfd_out = fd;
@@ -184,7 +184,7 @@ int embd_ctl_peer_check(const struct embd_ctl_peer *peer, const uid_t *uids, siz
 			if (gids[i] == peer->groups[g])
 				return 0;
 	}
-	return ipc_fail(err, err_len, EMBD_EACCES,
+	return embd_fail(err, err_len, EMBD_EACCES,
 			"peer pid %d uid %u gid %u: neither its uid nor its groups are allowed",
 			(int)peer->pid, (unsigned)peer->uid, (unsigned)peer->gid);
 }
@@ -210,10 +210,10 @@ int embd_ctl_send(int sock, enum embd_ctl_type type, const void *payload, uint32
 	ssize_t n;
 
 	if (length > EMBD_CTL_MSG_MAX - sizeof(hdr))
-		return ipc_fail(err, err_len, EMBD_EINVAL, "send: payload of %" PRIu32 " bytes is too long",
+		return embd_fail(err, err_len, EMBD_EINVAL, "send: payload of %" PRIu32 " bytes is too long",
 				length);
 	if (nfds > EMBD_CTL_FDS_MAX)
-		return ipc_fail(err, err_len, EMBD_EINVAL, "send: %u fds, at most %d", nfds,
+		return embd_fail(err, err_len, EMBD_EINVAL, "send: %u fds, at most %d", nfds,
 				EMBD_CTL_FDS_MAX);
 	if (nfds) {
 		struct cmsghdr *cm;
@@ -232,8 +232,8 @@ int embd_ctl_send(int sock, enum embd_ctl_type type, const void *payload, uint32
 	while (n < 0 && errno == EINTR);
 	if (n < 0) {
 		if (errno == EPIPE || errno == ECONNRESET)
-			return ipc_fail(err, err_len, EMBD_ECONNRESET, "send: peer went away");
-		return ipc_fail(err, err_len, EMBD_EIO, "send: %s", strerror(errno));
+			return embd_fail(err, err_len, EMBD_ECONNRESET, "send: peer went away");
+		return embd_fail(err, err_len, EMBD_EIO, "send: %s", strerror(errno));
 	}
 	return 0;
 }
@@ -282,28 +282,28 @@ int embd_ctl_parse(const void *bytes, size_t len, struct embd_ctl_msg *msg, char
 	for (int i = 0; i < EMBD_CTL_FDS_MAX; i++)
 		msg->fds[i] = -1;
 	if (len < sizeof(hdr))
-		return ipc_fail(err, err_len, EMBD_EPROTO, "header: %zu bytes, need %zu", len, sizeof(hdr));
+		return embd_fail(err, err_len, EMBD_EPROTO, "header: %zu bytes, need %zu", len, sizeof(hdr));
 	if (len > EMBD_CTL_MSG_MAX)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "message: %zu bytes exceed %u", len,
+		return embd_fail(err, err_len, EMBD_EPROTO, "message: %zu bytes exceed %u", len,
 				EMBD_CTL_MSG_MAX);
 	memcpy(&hdr, bytes, sizeof(hdr));
 	if (hdr.magic != EMBD_CTL_MAGIC)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "header.magic: expected 0x%08x, got 0x%08x",
+		return embd_fail(err, err_len, EMBD_EPROTO, "header.magic: expected 0x%08x, got 0x%08x",
 				EMBD_CTL_MAGIC, hdr.magic);
 	if (hdr.version != EMBD_CTL_VERSION)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "header.version: expected %u, got %u",
+		return embd_fail(err, err_len, EMBD_EPROTO, "header.version: expected %u, got %u",
 				EMBD_CTL_VERSION, (unsigned)hdr.version);
 	if (hdr.reserved != 0)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "header.reserved: must be zero");
+		return embd_fail(err, err_len, EMBD_EPROTO, "header.reserved: must be zero");
 	if (hdr.length != len - sizeof(hdr))
-		return ipc_fail(err, err_len, EMBD_EPROTO,
+		return embd_fail(err, err_len, EMBD_EPROTO,
 				"header.length: says %" PRIu32 ", the packet carries %zu", hdr.length,
 				len - sizeof(hdr));
 	if (payload_rule(hdr.type, &want, &exact) != 0)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "header.type: unknown type %u",
+		return embd_fail(err, err_len, EMBD_EPROTO, "header.type: unknown type %u",
 				(unsigned)hdr.type);
 	if (exact ? hdr.length != want : hdr.length < want)
-		return ipc_fail(err, err_len, EMBD_EPROTO,
+		return embd_fail(err, err_len, EMBD_EPROTO,
 				"header.length: type %u needs %s%" PRIu32 " payload bytes, got %" PRIu32,
 				(unsigned)hdr.type, exact ? "" : "at least ", want, hdr.length);
 	msg->type = hdr.type;
@@ -369,9 +369,9 @@ int embd_ctl_recv(int sock, void *buf, size_t buf_bytes, int timeout_ms, struct 
 		rc = poll(&pfd, 1, timeout_ms);
 	while (rc < 0 && errno == EINTR);
 	if (rc < 0)
-		return ipc_fail(err, err_len, EMBD_EIO, "recv: poll: %s", strerror(errno));
+		return embd_fail(err, err_len, EMBD_EIO, "recv: poll: %s", strerror(errno));
 	if (rc == 0)
-		return ipc_fail(err, err_len, EMBD_ETIMEDOUT, "recv: no message within %d ms", timeout_ms);
+		return embd_fail(err, err_len, EMBD_ETIMEDOUT, "recv: no message within %d ms", timeout_ms);
 	mh.msg_control = ctl.buf;
 	mh.msg_controllen = sizeof(ctl.buf);
 	do
@@ -379,20 +379,20 @@ int embd_ctl_recv(int sock, void *buf, size_t buf_bytes, int timeout_ms, struct 
 	while (n < 0 && errno == EINTR);
 	if (n < 0) {
 		if (errno == ECONNRESET)
-			return ipc_fail(err, err_len, EMBD_ECONNRESET, "recv: peer went away");
-		return ipc_fail(err, err_len, EMBD_EIO, "recv: %s", strerror(errno));
+			return embd_fail(err, err_len, EMBD_ECONNRESET, "recv: peer went away");
+		return embd_fail(err, err_len, EMBD_EIO, "recv: %s", strerror(errno));
 	}
 	if (!take_fds(&mh, &got)) {
-		rc = ipc_fail(err, err_len, EMBD_EPROTO, "recv: more than %d fds attached",
+		rc = embd_fail(err, err_len, EMBD_EPROTO, "recv: more than %d fds attached",
 			      EMBD_CTL_FDS_MAX);
 		goto out;
 	}
 	if (n == 0) {
-		rc = ipc_fail(err, err_len, EMBD_ECONNRESET, "recv: peer closed the connection");
+		rc = embd_fail(err, err_len, EMBD_ECONNRESET, "recv: peer closed the connection");
 		goto out;
 	}
 	if (mh.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) {
-		rc = ipc_fail(err, err_len, EMBD_EPROTO, "recv: message or its fds truncated (%s)",
+		rc = embd_fail(err, err_len, EMBD_EPROTO, "recv: message or its fds truncated (%s)",
 			      mh.msg_flags & MSG_TRUNC ? "data" : "fds");
 		goto out;
 	}
@@ -400,7 +400,7 @@ int embd_ctl_recv(int sock, void *buf, size_t buf_bytes, int timeout_ms, struct 
 	if (rc)
 		goto out;
 	if (got.nfds && msg->type != EMBD_CTL_WELCOME) {
-		rc = ipc_fail(err, err_len, EMBD_EPROTO, "recv: type %u may not carry fds",
+		rc = embd_fail(err, err_len, EMBD_EPROTO, "recv: type %u may not carry fds",
 			      (unsigned)msg->type);
 		goto out;
 	}

@@ -5,6 +5,7 @@
  * processes mapping the same memfd page; the kernel keys the futex by inode and offset.
  */
 #include "ipc/doorbell.h"
+#include "common/clock.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -59,14 +60,6 @@ int embd_doorbell_notify(const struct embd_ring *ring, const struct embd_doorbel
 	return rc ? rc : 1;
 }
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 int embd_doorbell_sleep(const struct embd_doorbell *db, uint32_t seen, int timeout_ms)
 {
 	struct timespec ts, *tsp = NULL;
@@ -92,7 +85,7 @@ int embd_doorbell_sleep(const struct embd_doorbell *db, uint32_t seen, int timeo
 int embd_doorbell_wait(struct embd_ring *ring, const struct embd_doorbell *db, uint32_t spin_iters,
 		       int timeout_ms)
 {
-	int64_t deadline_ns = timeout_ms >= 0 ? now_ns() + (int64_t)timeout_ms * 1000000 : INT64_MAX;
+	int64_t deadline_ns = timeout_ms >= 0 ? (int64_t)embd_now_ns() + (int64_t)timeout_ms * 1000000 : INT64_MAX;
 	int rc = 0;
 
 	/* the first looks are back to back: a pause costs ~40 ns on recent x86, as much as a
@@ -111,7 +104,7 @@ int embd_doorbell_wait(struct embd_ring *ring, const struct embd_doorbell *db, u
 		if (!embd_ring_sleep_prepare(ring, &seen))
 			break;
 		if (timeout_ms >= 0) {
-			int64_t left_ns = deadline_ns - now_ns();
+			int64_t left_ns = deadline_ns - (int64_t)embd_now_ns();
 			if (left_ns <= 0) {
 				rc = EMBD_ETIMEDOUT;
 				break;

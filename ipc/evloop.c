@@ -18,7 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ipc/ipc_err.h"
+#include "common/err.h"
 
 #define EVLOOP_OP_FUTEX_WAIT 51         /* IORING_OP_FUTEX_WAIT, Linux 6.7 */
 #define EVLOOP_FUTEX2_SIZE_U32 0x02u    /* FUTEX2_SIZE_U32; no FUTEX2_PRIVATE: cross-process */
@@ -96,31 +96,31 @@ int embd_evloop_create(struct embd_evloop **out, enum embd_doorbell_mode mode, u
 
 	*out = NULL;
 	if (max_sources == 0 || max_sources > 65536)
-		return ipc_fail(err, err_len, EMBD_EINVAL, "max_sources: %u is not in [1, 65536]",
+		return embd_fail(err, err_len, EMBD_EINVAL, "max_sources: %u is not in [1, 65536]",
 				max_sources);
 	while (entries < 2 * max_sources + 8)
 		entries *= 2;
 	loop = calloc(1, sizeof(*loop));
 	if (!loop)
-		return ipc_fail(err, err_len, EMBD_ENOMEM, "evloop: out of memory");
+		return embd_fail(err, err_len, EMBD_ENOMEM, "evloop: out of memory");
 	loop->src = calloc(max_sources, sizeof(*loop->src));
 	if (!loop->src) {
 		free(loop);
-		return ipc_fail(err, err_len, EMBD_ENOMEM, "evloop: out of memory");
+		return embd_fail(err, err_len, EMBD_ENOMEM, "evloop: out of memory");
 	}
 	loop->max_sources = max_sources;
 	rc = io_uring_queue_init(entries, &loop->ring, 0);
 	if (rc < 0) {
 		free(loop->src);
 		free(loop);
-		return ipc_fail(err, err_len, rc == -ENOMEM ? EMBD_ENOMEM : EMBD_EIO,
+		return embd_fail(err, err_len, rc == -ENOMEM ? EMBD_ENOMEM : EMBD_EIO,
 				"evloop: io_uring_queue_init(%u): %s", entries, strerror(-rc));
 	}
 	if (mode != EMBD_DOORBELL_EVENTFD) {
 		bool futex = futex_wait_supported(&loop->ring);
 		if (!futex && mode == EMBD_DOORBELL_FUTEX) {
 			embd_evloop_destroy(loop);
-			return ipc_fail(err, err_len, EMBD_ENOTSUP,
+			return embd_fail(err, err_len, EMBD_ENOTSUP,
 					"evloop: the kernel rejects IORING_OP_FUTEX_WAIT");
 		}
 		mode = futex ? EMBD_DOORBELL_FUTEX : EMBD_DOORBELL_EVENTFD;

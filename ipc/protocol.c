@@ -11,7 +11,7 @@
 #include <stdbool.h>
 #include <string.h>
 
-#include "ipc/ipc_err.h"
+#include "common/err.h"
 
 /* Bytes of `count` elements of `elem_bytes`, or UINT64_MAX on overflow (never a valid size). */
 static uint64_t array_bytes(uint64_t count, uint64_t elem_bytes)
@@ -25,7 +25,7 @@ static int check_absent(const struct embd_slab_span *span, const char *name, con
 			char *err, size_t err_len)
 {
 	if (span->offset != 0 || span->bytes != 0)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"sqe.%s: must be empty (offset 0, bytes 0) %s, got offset %" PRIu64
 				" bytes %" PRIu64, name, why, span->offset, span->bytes);
 	return 0;
@@ -35,15 +35,15 @@ static int check_span(const struct embd_slab_span *span, const char *name, uint6
 		      uint64_t align, uint64_t slab_bytes, char *err, size_t err_len)
 {
 	if (span->bytes != want_bytes)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"sqe.%s.bytes: expected %" PRIu64 ", got %" PRIu64,
 				name, want_bytes, span->bytes);
 	if (span->offset % align != 0)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"sqe.%s.offset: %" PRIu64 " is not %" PRIu64 "-byte aligned",
 				name, span->offset, align);
 	if (span->offset > slab_bytes || span->bytes > slab_bytes - span->offset)
-		return ipc_fail(err, err_len, EMBD_ERANGE,
+		return embd_fail(err, err_len, EMBD_ERANGE,
 				"sqe.%s: [%" PRIu64 ", +%" PRIu64 ") lies outside the slab of %" PRIu64
 				" bytes", name, span->offset, span->bytes, slab_bytes);
 	return 0;
@@ -67,11 +67,11 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 	int rc;
 
 	if (sqe->batch_size != lim->batch_size)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"sqe.batch_size: expected %" PRIu32 ", got %" PRIu32,
 				lim->batch_size, sqe->batch_size);
 	if (sqe->num_values > lim->max_values)
-		return ipc_fail(err, err_len, EMBD_ERANGE,
+		return embd_fail(err, err_len, EMBD_ERANGE,
 				"sqe.num_values: %" PRIu64 " exceeds the cap of %" PRIu64,
 				sqe->num_values, lim->max_values);
 	rc = check_span(&sqe->lengths, "lengths",
@@ -101,7 +101,7 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 		/* the service writes output while it may still read the inputs */
 		for (int i = 0; i < 3; i++)
 			if (spans_overlap(&sqe->output, inputs[i]))
-				return ipc_fail(err, err_len, EMBD_EINVAL,
+				return embd_fail(err, err_len, EMBD_EINVAL,
 						"sqe.output: overlaps sqe.%s", input_names[i]);
 		return 0;
 	}
@@ -120,16 +120,16 @@ int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits
 	static const char *const span_names[5] = { "lengths", "values", "weights", "grad", "output" };
 
 	if (sqe->reserved[0] != 0 || sqe->reserved[1] != 0)
-		return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.reserved: must be zero");
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.reserved: must be zero");
 	if (sqe->flags & ~EMBD_SQE_FLAGS_ALL)
-		return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.flags: unknown bits 0x%x",
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.flags: unknown bits 0x%x",
 				(unsigned)(sqe->flags & ~EMBD_SQE_FLAGS_ALL));
 	switch (sqe->opcode) {
 	case EMBD_OP_NOP:
 		if (sqe->flags != 0)
-			return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.flags: must be 0 for NOP");
+			return embd_fail(err, err_len, EMBD_EINVAL, "sqe.flags: must be 0 for NOP");
 		if (sqe->num_values != 0)
-			return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.num_values: must be 0 for NOP");
+			return embd_fail(err, err_len, EMBD_EINVAL, "sqe.num_values: must be 0 for NOP");
 		for (int i = 0; i < 5; i++) {
 			int rc = check_absent(spans[i], span_names[i], "for NOP", err, err_len);
 			if (rc)
@@ -140,7 +140,7 @@ int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits
 	case EMBD_OP_BACKWARD:
 		return check_batch(sqe, lim, err, err_len);
 	default:
-		return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.opcode: unknown opcode %u",
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.opcode: unknown opcode %u",
 				(unsigned)sqe->opcode);
 	}
 }
@@ -154,25 +154,25 @@ int embd_kjt_view_build(const struct embd_sqe *sqe, const struct embd_batch_limi
 	uint64_t sum = 0;
 
 	if (sqe->opcode != EMBD_OP_FORWARD && sqe->opcode != EMBD_OP_BACKWARD)
-		return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.opcode: %u carries no batch",
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.opcode: %u carries no batch",
 				(unsigned)sqe->opcode);
 	if (count > lengths_cap)
-		return ipc_fail(err, err_len, EMBD_ENOSPC,
+		return embd_fail(err, err_len, EMBD_ENOSPC,
 				"lengths: %" PRIu64 " entries exceed the buffer of %zu", count, lengths_cap);
 	if (sqe->lengths.bytes != count * sizeof(int32_t))
-		return ipc_fail(err, err_len, EMBD_EINVAL, "sqe.lengths.bytes: not validated");
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.lengths.bytes: not validated");
 	/* the single read of the lengths: from here on only the private copy is used */
 	memcpy(lengths_buf, base + sqe->lengths.offset, count * sizeof(int32_t));
 	for (uint64_t i = 0; i < count; i++) {
 		if (lengths_buf[i] < 0)
-			return ipc_fail(err, err_len, EMBD_EINVAL,
+			return embd_fail(err, err_len, EMBD_EINVAL,
 					"lengths[%" PRIu64 "] (feature %" PRIu64 ", sample %" PRIu64
 					"): negative length %" PRId32, i, i / lim->batch_size,
 					i % lim->batch_size, lengths_buf[i]);
 		sum += (uint64_t)lengths_buf[i];
 	}
 	if (sum != sqe->num_values)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"lengths: sum to %" PRIu64 " but sqe.num_values is %" PRIu64,
 				sum, sqe->num_values);
 

@@ -17,7 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "ipc/ipc_err.h"
+#include "common/err.h"
 #include "ipc/protocol.h"
 
 #define REGION_SEALS (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
@@ -44,15 +44,15 @@ static int compute_layout(struct embd_region_header *h, uint32_t sq_entries, uin
 	uint64_t cq_bytes = embd_ring_bytes(cq_entries, sizeof(struct embd_cqe));
 
 	if (sq_bytes == 0)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"sq_entries: %" PRIu32 " is not a power of two in [1, %u]",
 				sq_entries, EMBD_RING_SIZE_MAX);
 	if (cq_bytes == 0)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"cq_entries: %" PRIu32 " is not a power of two in [1, %u]",
 				cq_entries, EMBD_RING_SIZE_MAX);
 	if (slab_bytes == 0 || slab_bytes > EMBD_REGION_BYTES_MAX)
-		return ipc_fail(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				"slab_bytes: %" PRIu64 " is not in [1, 2^40]", slab_bytes);
 	memset(h, 0, sizeof(*h));
 	h->magic = EMBD_REGION_MAGIC;
@@ -78,7 +78,7 @@ static int map_region(struct embd_region *r, char *err, size_t err_len)
 
 	base = mmap(NULL, r->layout.region_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0);
 	if (base == MAP_FAILED)
-		return ipc_fail(err, err_len, errno == ENOMEM ? EMBD_ENOMEM : EMBD_EIO,
+		return embd_fail(err, err_len, errno == ENOMEM ? EMBD_ENOMEM : EMBD_EIO,
 				"region: mmap of %" PRIu64 " bytes failed: %s",
 				r->layout.region_bytes, strerror(errno));
 	r->base = base;
@@ -103,7 +103,7 @@ int embd_region_create(struct embd_region **out, const struct embd_region_params
 	*out = NULL;
 	r = calloc(1, sizeof(*r));
 	if (!r)
-		return ipc_fail(err, err_len, EMBD_ENOMEM, "region: out of memory");
+		return embd_fail(err, err_len, EMBD_ENOMEM, "region: out of memory");
 	r->fd = -1;
 	r->side = EMBD_REGION_SERVICE;
 	rc = compute_layout(&r->layout, params->sq_entries, params->cq_entries, params->slab_bytes,
@@ -112,17 +112,17 @@ int embd_region_create(struct embd_region **out, const struct embd_region_params
 		goto out;
 	r->fd = memfd_create(name ? name : "embd-region", MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	if (r->fd < 0) {
-		rc = ipc_fail(err, err_len, EMBD_EIO, "region: memfd_create: %s", strerror(errno));
+		rc = embd_fail(err, err_len, EMBD_EIO, "region: memfd_create: %s", strerror(errno));
 		goto out;
 	}
 	if (ftruncate(r->fd, (off_t)r->layout.region_bytes) != 0) {
-		rc = ipc_fail(err, err_len, errno == ENOSPC || errno == EFBIG ? EMBD_ENOSPC : EMBD_EIO,
+		rc = embd_fail(err, err_len, errno == ENOSPC || errno == EFBIG ? EMBD_ENOSPC : EMBD_EIO,
 			      "region: ftruncate to %" PRIu64 " bytes: %s",
 			      r->layout.region_bytes, strerror(errno));
 		goto out;
 	}
 	if (fcntl(r->fd, F_ADD_SEALS, REGION_SEALS) != 0) {
-		rc = ipc_fail(err, err_len, EMBD_EIO, "region: F_ADD_SEALS: %s", strerror(errno));
+		rc = embd_fail(err, err_len, EMBD_EIO, "region: F_ADD_SEALS: %s", strerror(errno));
 		goto out;
 	}
 	rc = map_region(r, err, err_len);
@@ -144,13 +144,13 @@ static int check_header(const struct embd_region_header *h, uint64_t file_bytes,
 	int rc;
 
 	if (h->magic != EMBD_REGION_MAGIC)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "region.magic: expected 0x%08x, got 0x%08x",
+		return embd_fail(err, err_len, EMBD_EPROTO, "region.magic: expected 0x%08x, got 0x%08x",
 				EMBD_REGION_MAGIC, h->magic);
 	if (h->version != EMBD_REGION_VERSION)
-		return ipc_fail(err, err_len, EMBD_EPROTO, "region.version: expected %u, got %" PRIu32,
+		return embd_fail(err, err_len, EMBD_EPROTO, "region.version: expected %u, got %" PRIu32,
 				EMBD_REGION_VERSION, h->version);
 	if (h->sqe_bytes != sizeof(struct embd_sqe) || h->cqe_bytes != sizeof(struct embd_cqe))
-		return ipc_fail(err, err_len, EMBD_EPROTO,
+		return embd_fail(err, err_len, EMBD_EPROTO,
 				"region.sqe_bytes/cqe_bytes: expected %zu/%zu, got %" PRIu32 "/%" PRIu32,
 				sizeof(struct embd_sqe), sizeof(struct embd_cqe), h->sqe_bytes, h->cqe_bytes);
 	/* one layout rule for both sides: recompute it and demand the same offsets */
@@ -158,10 +158,10 @@ static int check_header(const struct embd_region_header *h, uint64_t file_bytes,
 	if (rc)
 		return EMBD_EPROTO;
 	if (memcmp(&want, h, sizeof(want)) != 0)
-		return ipc_fail(err, err_len, EMBD_EPROTO,
+		return embd_fail(err, err_len, EMBD_EPROTO,
 				"region: offsets or sizes in the header disagree with its ring and slab sizes");
 	if (h->region_bytes != file_bytes)
-		return ipc_fail(err, err_len, EMBD_EPROTO,
+		return embd_fail(err, err_len, EMBD_EPROTO,
 				"region.region_bytes: header says %" PRIu64 ", memfd has %" PRIu64,
 				h->region_bytes, file_bytes);
 	return 0;
@@ -177,29 +177,29 @@ int embd_region_attach(struct embd_region **out, int fd, char *err, size_t err_l
 	*out = NULL;
 	seals = fcntl(fd, F_GET_SEALS);
 	if (seals < 0) {
-		rc = ipc_fail(err, err_len, EMBD_EPROTO, "region: fd is not a sealable memfd: %s",
+		rc = embd_fail(err, err_len, EMBD_EPROTO, "region: fd is not a sealable memfd: %s",
 			      strerror(errno));
 		goto out;
 	}
 	if ((seals & REGION_SEALS) != REGION_SEALS) {
-		rc = ipc_fail(err, err_len, EMBD_EPROTO,
+		rc = embd_fail(err, err_len, EMBD_EPROTO,
 			      "region: seals 0x%x lack SHRINK|GROW|SEAL (0x%x)", seals, REGION_SEALS);
 		goto out;
 	}
 	if (fstat(fd, &st) != 0 || st.st_size < (off_t)EMBD_REGION_HEADER_BYTES) {
-		rc = ipc_fail(err, err_len, EMBD_EPROTO, "region: memfd smaller than its header");
+		rc = embd_fail(err, err_len, EMBD_EPROTO, "region: memfd smaller than its header");
 		goto out;
 	}
 	r = calloc(1, sizeof(*r));
 	if (!r) {
-		rc = ipc_fail(err, err_len, EMBD_ENOMEM, "region: out of memory");
+		rc = embd_fail(err, err_len, EMBD_ENOMEM, "region: out of memory");
 		goto out;
 	}
 	r->fd = -1;
 	r->side = EMBD_REGION_CLIENT;
 	head = mmap(NULL, EMBD_REGION_HEADER_BYTES, PROT_READ, MAP_SHARED, fd, 0);
 	if (head == MAP_FAILED) {
-		rc = ipc_fail(err, err_len, EMBD_EIO, "region: mmap of the header: %s", strerror(errno));
+		rc = embd_fail(err, err_len, EMBD_EIO, "region: mmap of the header: %s", strerror(errno));
 		goto out;
 	}
 	memcpy(&r->layout, head, sizeof(r->layout));

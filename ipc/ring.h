@@ -1,6 +1,6 @@
 /*
  * ipc/ring.h - single-producer single-consumer rings of fixed-size descriptors in shared memory,
- * the only code that reads or writes ring indices (STYLE.md rule 5).
+ * the only code that reads or writes ring indices: nothing else touches them.
  *
  * The one idea: each side keeps its own index in private memory and only *reads* the other
  * side's index from the shared block, so a hostile peer can at worst make the ring look empty

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/pool_row.h"
 
@@ -185,16 +186,16 @@ static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 	size_t prefetched = 0;
 
 	(void)nw;
-	t0 = job->phase_ns ? embd_kernels_now_ns() : 0;
+	t0 = job->phase_ns ? embd_now_ns() : 0;
 	bool more = next_bucket(job, &cur, &n);
 	for (; more; cur = next, n = next_n) {
 		more = next_bucket(job, &next, &next_n);
-		t1 = job->phase_ns ? embd_kernels_now_ns() : 0;
+		t1 = job->phase_ns ? embd_now_ns() : 0;
 		prefetched = job->k->apply_rows(&job->ctx, cur, n, more ? next : NULL, more ? next_n : 0,
 						prefetched, scratch);
 		if (job->phase_ns) {
 			job->phase_ns[2 * w] += t1 - t0;
-			t0 = embd_kernels_now_ns();
+			t0 = embd_now_ns();
 			job->phase_ns[2 * w + 1] += t0 - t1;
 		}
 	}
@@ -203,7 +204,7 @@ static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 /* Adds the time since t to *phase and returns now. */
 static uint64_t phase_done(uint64_t t, uint64_t *phase)
 {
-	uint64_t now = embd_kernels_now_ns();
+	uint64_t now = embd_now_ns();
 	*phase += now - t;
 	return now;
 }
@@ -272,7 +273,7 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	struct embd_workers *workers = exec ? exec->workers : NULL;
 	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
 	struct embd_backward_times ph = { .calls = 1 }; /* this call's; a few clock reads */
-	uint64_t t = embd_kernels_now_ns();
+	uint64_t t = embd_now_ns();
 	struct bwd_job job = { .batches = batches, .n = n, .nw = embd_workers_count(workers) };
 	uint64_t *bases = NULL, num_occ = 0, num_bags = 0;
 	int64_t *offsets = NULL;
@@ -363,7 +364,7 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	atomic_init(&job.next_bucket, 0);
 	embd_workers_run(workers, apply_worker, &job);
 	if (times) {
-		note_apply_phase(&ph, job.phase_ns, job.nw, embd_kernels_now_ns() - t);
+		note_apply_phase(&ph, job.phase_ns, job.nw, embd_now_ns() - t);
 		times->calls += ph.calls;
 		times->setup_ns += ph.setup_ns;
 		times->collect_ns += ph.collect_ns;

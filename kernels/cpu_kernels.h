@@ -10,7 +10,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <time.h>
 
 #include "kernels/embedding.h"
 #include "kernels/optim_row.h"
@@ -71,15 +70,6 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 		else
 			__builtin_prefetch((const void *)line, 0, 3);
 	}
-}
-
-/* Monotonic clock in ns (the worker pool's spin limit, backward's phase times). */
-static inline uint64_t embd_kernels_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
 /* One occurrence of a row in a backward step, after its id was checked. */

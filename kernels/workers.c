@@ -9,6 +9,7 @@
  * split work inside fn, so the pool needs no queue.
  */
 #include "kernels/workers.h"
+#include "common/clock.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -21,7 +22,6 @@
 #include <time.h>
 
 #include "embd/types.h"
-#include "kernels/cpu_kernels.h"
 
 #define SPIN_NS 200000ull               /* 0.2 ms: longer gaps between runs sleep */
 
@@ -48,12 +48,12 @@ struct embd_workers {
 /* Spins until *word != value or SPIN_NS pass; returns whether it changed. */
 static bool spin_while_equal(_Atomic uint64_t *word, uint64_t value)
 {
-	uint64_t start = embd_kernels_now_ns();
+	uint64_t start = embd_now_ns();
 
 	for (unsigned i = 1;; i++) {
 		if (atomic_load_explicit(word, memory_order_acquire) != value)
 			return true;
-		if (i % 64 == 0 && embd_kernels_now_ns() - start > SPIN_NS)
+		if (i % 64 == 0 && embd_now_ns() - start > SPIN_NS)
 			return false;
 	}
 }
@@ -196,9 +196,9 @@ void embd_workers_run(struct embd_workers *pool, embd_workers_fn fn, void *arg)
 
 	fn(arg, 0, pool->num_workers);
 
-	uint64_t start = embd_kernels_now_ns();
+	uint64_t start = embd_now_ns();
 	for (unsigned i = 1; atomic_load_explicit(&pool->running, memory_order_acquire); i++) {
-		if (i % 64 == 0 && embd_kernels_now_ns() - start > SPIN_NS) {
+		if (i % 64 == 0 && embd_now_ns() - start > SPIN_NS) {
 			pthread_mutex_lock(&pool->lock);
 			while (atomic_load(&pool->running))
 				pthread_cond_wait(&pool->done, &pool->lock);

@@ -21,7 +21,7 @@
 #include "ipc/doorbell.h"
 #include "ipc/protocol.h"
 #include "ipc/region.h"
-#include "libclient/client_priv.h"
+#include "libclient/client_internal.h"
 
 /* Looks at the completion ring before sleeping: ~0.1 ms with pause on x86, far more than
  * any IPC round trip, far less than a step. Spinning longer (20000 was ~1 ms) only takes the
@@ -342,7 +342,7 @@ int embd_poll(struct embd_client *c, struct embd_completion *out)
 	if (rc)
 		return fail(c, rc, "completion ring is corrupt");
 	*out = (struct embd_completion){ cqe.user_data, cqe.step, cqe.result };
-	/* the cluster re-formed at another step (service/regroup.h): that step is the next */
+	/* the cluster re-formed at another step (dist/regroup.h): that step is the next */
 	if (cqe.result == EMBD_ERESUMED)
 		c->layout.resumed_step = cqe.step;
 	if (cqe.result) {

@@ -8,7 +8,7 @@
  * splits must span all columns and tile the rows, column splits must span all rows and tile
  * the columns, table_wise is one full shard, data_parallel one full replica on every rank.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,22 +45,22 @@ static int check_coverage(const struct embd_plan_table *pt, const struct embd_ta
 		bool full_rows = s->row_offset == 0 && s->rows == t->num_embeddings;
 		bool full_cols = s->col_offset == 0 && s->cols == t->embedding_dim;
 		if (s->rank < 0 || s->rank >= W)
-			return planner_err(err, err_len, EMBD_EINVAL, "table '%s' shard %u: rank %d is "
+			return embd_fail(err, err_len, EMBD_EINVAL, "table '%s' shard %u: rank %d is "
 					   "outside [0, %d)", pt->name, i, s->rank, W);
 		if (s->row_offset + s->rows > t->num_embeddings ||
 		    (int64_t)s->col_offset + s->cols > t->embedding_dim)
-			return planner_err(err, err_len, EMBD_EINVAL, "table '%s' shard %u: rows [%lld, "
+			return embd_fail(err, err_len, EMBD_EINVAL, "table '%s' shard %u: rows [%lld, "
 					   "+%lld) x cols [%d, +%d) leave the %lld x %d table", pt->name,
 					   i, (long long)s->row_offset, (long long)s->rows, s->col_offset,
 					   s->cols, (long long)t->num_embeddings, t->embedding_dim);
 		if ((!by_rows && !full_rows) || (!by_cols && !full_cols) || (by_cols && s->cols == 0))
-			return planner_err(err, err_len, EMBD_EINVAL, "table '%s' shard %u: a %s shard "
+			return embd_fail(err, err_len, EMBD_EINVAL, "table '%s' shard %u: a %s shard "
 					   "must span all %s", pt->name, i,
 					   embd_plan_sharding_name(type), by_rows ? "columns" :
 					   by_cols ? "rows" : "rows and columns");
 		if ((type == EMBD_SHARD_TABLE_ROW_WISE || type == EMBD_SHARD_TABLE_COLUMN_WISE) &&
 		    s->rank / L != pt->shards[0].rank / L)
-			return planner_err(err, err_len, EMBD_EINVAL, "table '%s': %s shards must stay "
+			return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': %s shards must stay "
 					   "in one node, shard %u is on node %d, shard 0 on node %d",
 					   pt->name, embd_plan_sharding_name(type), i, s->rank / L,
 					   pt->shards[0].rank / L);
@@ -72,31 +72,31 @@ static int check_coverage(const struct embd_plan_table *pt, const struct embd_ta
 	}
 	if (type == EMBD_SHARD_DATA_PARALLEL) {
 		if (pt->num_shards != (uint32_t)W)
-			return planner_err(err, err_len, EMBD_EINVAL, "table '%s': data_parallel needs "
+			return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': data_parallel needs "
 					   "one replica on each of %d ranks, has %u", pt->name, W,
 					   pt->num_shards);
 		qsort(scratch, pt->num_shards, sizeof(*scratch), compare_intervals);
 		for (uint32_t i = 0; i < pt->num_shards; i++)
 			if (scratch[i] != i)
-				return planner_err(err, err_len, EMBD_EINVAL, "table '%s': data_parallel "
+				return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': data_parallel "
 						   "has no replica on rank %u", pt->name, i);
 		return 0;
 	}
 	if (type == EMBD_SHARD_TABLE_WISE && pt->num_shards != 1)
-		return planner_err(err, err_len, EMBD_EINVAL, "table '%s': table_wise has one shard, "
+		return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': table_wise has one shard, "
 				   "not %u", pt->name, pt->num_shards);
 	qsort(scratch, pt->num_shards, 2 * sizeof(*scratch), compare_intervals);
 	int64_t next = 0, extent = by_cols ? t->embedding_dim : t->num_embeddings;
 	for (uint32_t i = 0; i < pt->num_shards; i++) {
 		if (scratch[2 * i] != next)
-			return planner_err(err, err_len, EMBD_EINVAL, "table '%s': %s %lld %s", pt->name,
+			return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': %s %lld %s", pt->name,
 					   by_cols ? "column" : "row", (long long)next,
 					   scratch[2 * i] > next ? "is in no shard" :
 								   "is in two shards");
 		next += scratch[2 * i + 1];
 	}
 	if (next != extent)
-		return planner_err(err, err_len, EMBD_EINVAL, "table '%s': shards cover %lld of %lld "
+		return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': shards cover %lld of %lld "
 				   "%s", pt->name, (long long)next, (long long)extent,
 				   by_cols ? "columns" : "rows");
 	return 0;
@@ -120,7 +120,7 @@ static int add_estimates(struct embd_plan *plan, const struct embd_plan_table *p
 			int rc = embd_plan_estimate_shard(t, c, &plan->topology, pt->sharding_type,
 							  pt->compute_kernel, rows, cols, &perf, &st);
 			if (rc)
-				return planner_err(err, err_len, EMBD_EINVAL, "table '%s': %s with kernel "
+				return embd_fail(err, err_len, EMBD_EINVAL, "table '%s': %s with kernel "
 						   "%s does not exist on %s", pt->name,
 						   embd_plan_sharding_name(pt->sharding_type),
 						   embd_plan_kernel_name(pt->compute_kernel),
@@ -155,7 +155,7 @@ int embd_plan_check(struct embd_plan *plan, const struct embd_table_spec *tables
 		return rc;
 	uint32_t W = (uint32_t)plan->topology.world_size, most = 1;
 	if (plan->num_tables != num_tables) {
-		rc = planner_err(err, err_len, EMBD_EINVAL, "the plan has %u tables, the tables file %u",
+		rc = embd_fail(err, err_len, EMBD_EINVAL, "the plan has %u tables, the tables file %u",
 				 plan->num_tables, num_tables);
 		goto out;
 	}
@@ -182,12 +182,12 @@ int embd_plan_check(struct embd_plan *plan, const struct embd_table_spec *tables
 		const struct named *hit = bsearch(&key, index, num_tables, sizeof(*index),
 						  compare_named);
 		if (!hit) {
-			rc = planner_err(err, err_len, EMBD_ENOENT, "plan table '%s' is not in the "
+			rc = embd_fail(err, err_len, EMBD_ENOENT, "plan table '%s' is not in the "
 					 "tables file", pt->name);
 			goto out;
 		}
 		if (seen[hit->index]++) {
-			rc = planner_err(err, err_len, EMBD_EINVAL, "table '%s' appears twice in the plan",
+			rc = embd_fail(err, err_len, EMBD_EINVAL, "table '%s' appears twice in the plan",
 					 pt->name);
 			goto out;
 		}
@@ -210,7 +210,7 @@ int embd_plan_check(struct embd_plan *plan, const struct embd_table_spec *tables
 			bool ddr = pr->hbm_bytes <= budget;
 			uint64_t used = ddr ? pr->ddr_bytes : pr->hbm_bytes;
 			uint64_t cap = ddr ? plan->topology.ddr_cap_bytes : budget;
-			rc = planner_err(err, err_len, EMBD_ENOSPC, "rank %u needs %llu bytes of %s, "
+			rc = embd_fail(err, err_len, EMBD_ENOSPC, "rank %u needs %llu bytes of %s, "
 					 "has %llu%s: short by %llu bytes", r, (unsigned long long)used,
 					 ddr ? "DDR" : "HBM", (unsigned long long)cap,
 					 ddr ? "" : " after the storage reservation",

@@ -12,7 +12,7 @@
  *  - prefetch_compute is 0: it needs cache statistics, which tables files do not carry (as
  *    TorchRec without CacheParams.stats).
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <math.h>
 

@@ -3,7 +3,7 @@
  * planner may fill. Builder and checker both use these, so a plan the builder emits always
  * has the geometry the checker expects.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <math.h>
 

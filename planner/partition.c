@@ -5,7 +5,7 @@
  * shards (table_wise, column_wise) pop a heap of ranks keyed by (load or HBM, rank) until one
  * fits. Three orders: by perf (LPT), by storage (TorchRec's greedy), memory-balanced.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <math.h>
 #include <stdint.h>

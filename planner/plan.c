@@ -7,7 +7,7 @@
  * within a class) and the partitioners (partition.c) use difference arrays and heaps. Every
  * sort and heap breaks ties by index, so the result never depends on memory layout.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -106,7 +106,7 @@ static int no_option(const struct planner *p, uint32_t t, uint32_t types, uint32
 			len += (size_t)snprintf(allowed + len, sizeof(allowed) - len, "%s%s",
 						len > mark ? "," : "", embd_plan_kernel_name(k));
 	bool cuda = p->topo->compute_device == EMBD_DEVICE_CUDA;
-	return planner_err(err, err_len, EMBD_EINFEASIBLE,
+	return embd_fail(err, err_len, EMBD_EINFEASIBLE,
 			   "table '%s': contradictory constraints leave no option on %s: "
 			   "sharding_types [%s] (data_parallel runs only dense, the others fused%s; "
 			   "column splits need embedding_dim %d >= 2 x min_partition)",
@@ -154,7 +154,7 @@ static int enumerate(struct planner *p, char *err, size_t err_len)
 						       (enum embd_sharding_type)type, cw ? blocks[b] : 0);
 					int rc = fill_option(p, t, o);
 					if (rc)
-						return planner_err(err, err_len, rc,
+						return embd_fail(err, err_len, rc,
 								   "table '%s': cannot estimate %s/%s",
 								   p->tables[t].name, embd_plan_sharding_name(type),
 								   embd_plan_kernel_name(k));
@@ -256,7 +256,7 @@ static int check_tables_fit(const struct planner *p, char *err, size_t err_len)
 	}
 	int rc = 0;
 	if (bad)
-		rc = planner_err(err, err_len, EMBD_EINFEASIBLE, "%u table(s) fit on no rank: %s%s",
+		rc = embd_fail(err, err_len, EMBD_EINFEASIBLE, "%u table(s) fit on no rank: %s%s",
 				 bad, b.data ? b.data : "", bad > 8 ? "; ..." : "");
 	free(b.data);
 	return rc;
@@ -392,7 +392,7 @@ int embd_plan_build(const struct embd_table_spec *tables,
 	if (rc)
 		return rc;
 	if (!num_tables)
-		return planner_err(err, err_len, EMBD_EINVAL, "no tables to plan");
+		return embd_fail(err, err_len, EMBD_EINVAL, "no tables to plan");
 	p.W = (uint32_t)topo->world_size;
 	p.L = (uint32_t)topo->local_world_size;
 	p.nodes = p.W / p.L;
@@ -446,7 +446,7 @@ int embd_plan_build(const struct embd_table_spec *tables,
 	}
 	if (!best.feasible) {
 		const struct result *r = &memory_res;
-		rc = planner_err(err, err_len, EMBD_EINFEASIBLE,
+		rc = embd_fail(err, err_len, EMBD_EINFEASIBLE,
 				 "no feasible placement: with every table at its smallest shards, "
 				 "table '%s' needs %llu bytes of %s on a rank that has %llu left: short "
 				 "by %llu bytes (the tables together need more than the %u ranks hold)",

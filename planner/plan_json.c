@@ -6,7 +6,8 @@
  * formatting are fixed: integers as integers, topology reals as %.17g (they round-trip
  * exactly, so a parsed plan re-estimates to the same numbers), times as %.9g.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <cjson/cJSON.h>
 #include <inttypes.h>
@@ -127,7 +128,7 @@ static int get_int(const cJSON *obj, const char *key, double lo, double hi, doub
 	const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
 	if (!cJSON_IsNumber(item) || item->valuedouble != floor(item->valuedouble) ||
 	    !(item->valuedouble >= lo && item->valuedouble <= hi))
-		return planner_err(err, err_len, EMBD_EPARSE,
+		return embd_fail(err, err_len, EMBD_EPARSE,
 				   "plan: %s: '%s' must be a whole number in [%.0f, %.0f]", where, key,
 				   lo, hi);
 	*out = item->valuedouble;
@@ -139,7 +140,7 @@ static int get_hex(const cJSON *item, const char *key, uint64_t *out, char *err,
 	char *end;
 	if (!cJSON_IsString(item) || strlen(item->valuestring) != 16 ||
 	    (*out = strtoull(item->valuestring, &end, 16), *end))
-		return planner_err(err, err_len, EMBD_EPARSE, "plan: '%s' must be 16 hex digits", key);
+		return embd_fail(err, err_len, EMBD_EPARSE, "plan: '%s' must be 16 hex digits", key);
 	return 0;
 }
 
@@ -147,7 +148,7 @@ static int parse_shards(const cJSON *arr, struct embd_plan_table *pt, const char
 			char *err, size_t err_len)
 {
 	if (!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) == 0)
-		return planner_err(err, err_len, EMBD_EPARSE,
+		return embd_fail(err, err_len, EMBD_EPARSE,
 				   "plan: %s: 'shards' must be a non-empty array", where);
 	pt->num_shards = (uint32_t)cJSON_GetArraySize(arr);
 	pt->shards = calloc(pt->num_shards, sizeof(*pt->shards));
@@ -160,7 +161,7 @@ static int parse_shards(const cJSON *arr, struct embd_plan_table *pt, const char
 		double v[5];
 		snprintf(at, sizeof(at), "%s shards[%u]", where, i);
 		if (!cJSON_IsObject(s) || cJSON_GetArraySize(s) != 5)
-			return planner_err(err, err_len, EMBD_EPARSE,
+			return embd_fail(err, err_len, EMBD_EPARSE,
 					   "plan: %s: expected {rank, row_offset, rows, col_offset, cols}",
 					   at);
 		int rc = get_int(s, "rank", 0, INT32_MAX, &v[0], at, err, err_len);
@@ -189,22 +190,22 @@ static int parse_table(const cJSON *obj, uint32_t index, struct embd_plan_table 
 	const cJSON *type = cJSON_GetObjectItemCaseSensitive(obj, "sharding_type");
 	const cJSON *kernel = cJSON_GetObjectItemCaseSensitive(obj, "compute_kernel");
 	if (!cJSON_IsObject(obj) || cJSON_GetArraySize(obj) != 4)
-		return planner_err(err, err_len, EMBD_EPARSE,
+		return embd_fail(err, err_len, EMBD_EPARSE,
 				   "plan: %s: expected {name, sharding_type, compute_kernel, shards}",
 				   where);
 	if (!cJSON_IsString(name) || !name->valuestring[0] ||
 	    strlen(name->valuestring) >= EMBD_NAME_MAX)
-		return planner_err(err, err_len, EMBD_EPARSE, "plan: %s: 'name' must be a string of 1 "
+		return embd_fail(err, err_len, EMBD_EPARSE, "plan: %s: 'name' must be a string of 1 "
 				   "to %d bytes", where, EMBD_NAME_MAX - 1);
 	memcpy(pt->name, name->valuestring, strlen(name->valuestring) + 1);
 	snprintf(where, sizeof(where), "tables[%u] ('%s')", index, pt->name);
 	if (!cJSON_IsString(type) || embd_plan_sharding_from_name(type->valuestring,
 								  &pt->sharding_type))
-		return planner_err(err, err_len, EMBD_EPARSE,
+		return embd_fail(err, err_len, EMBD_EPARSE,
 				   "plan: %s: 'sharding_type' is not a sharding type", where);
 	if (!cJSON_IsString(kernel) || embd_plan_kernel_from_name(kernel->valuestring,
 								  &pt->compute_kernel))
-		return planner_err(err, err_len, EMBD_EPARSE,
+		return embd_fail(err, err_len, EMBD_EPARSE,
 				   "plan: %s: 'compute_kernel' is not a compute kernel", where);
 	return parse_shards(cJSON_GetObjectItemCaseSensitive(obj, "shards"), pt, where, err, err_len);
 }
@@ -212,21 +213,21 @@ static int parse_table(const cJSON *obj, uint32_t index, struct embd_plan_table 
 static int parse_root(const cJSON *root, struct embd_plan *plan, char *err, size_t err_len)
 {
 	if (!cJSON_IsObject(root))
-		return planner_err(err, err_len, EMBD_EPARSE, "plan: expected a JSON object");
+		return embd_fail(err, err_len, EMBD_EPARSE, "plan: expected a JSON object");
 	const cJSON *item;
 	cJSON_ArrayForEach(item, root) {
 		const char *k = item->string;
 		if (strcmp(k, "version") && strcmp(k, "topology") && strcmp(k, "tables_hash") &&
 		    strcmp(k, "tables") && strcmp(k, "ranks") && strcmp(k, "max_rank_time_ms") &&
 		    strcmp(k, "plan_hash"))
-			return planner_err(err, err_len, EMBD_EPARSE, "plan: unknown field '%s'", k);
+			return embd_fail(err, err_len, EMBD_EPARSE, "plan: unknown field '%s'", k);
 	}
 	double version;
 	int rc = get_int(root, "version", 0, 1e9, &version, "top level", err, err_len);
 	if (rc)
 		return rc;
 	if (version != PLAN_SCHEMA_VERSION)
-		return planner_err(err, err_len, EMBD_EPARSE, "plan: version %.0f, this build reads %d",
+		return embd_fail(err, err_len, EMBD_EPARSE, "plan: version %.0f, this build reads %d",
 				   version, PLAN_SCHEMA_VERSION);
 	plan->version = PLAN_SCHEMA_VERSION;
 	rc = embd_plan_topology_parse(cJSON_GetObjectItemCaseSensitive(root, "topology"),
@@ -241,7 +242,7 @@ static int parse_root(const cJSON *root, struct embd_plan *plan, char *err, size
 		return rc;
 	const cJSON *tables = cJSON_GetObjectItemCaseSensitive(root, "tables");
 	if (!cJSON_IsArray(tables) || cJSON_GetArraySize(tables) == 0)
-		return planner_err(err, err_len, EMBD_EPARSE, "plan: 'tables' must be a non-empty array");
+		return embd_fail(err, err_len, EMBD_EPARSE, "plan: 'tables' must be a non-empty array");
 	plan->tables = calloc((size_t)cJSON_GetArraySize(tables), sizeof(*plan->tables));
 	if (!plan->tables)
 		return EMBD_ENOMEM;
@@ -281,7 +282,7 @@ int embd_plan_load(const char *path, struct embd_plan **out, char *err, size_t e
 {
 	char *text = NULL;
 	size_t len = 0;
-	int rc = planner_read_file(path, &text, &len, err, err_len);
+	int rc = embd_read_file(path, &text, &len, err, err_len);
 	*out = NULL;
 	if (rc)
 		return rc;

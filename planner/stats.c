@@ -4,7 +4,7 @@
  * and its ranks; and the imbalance (slowest rank over the mean), which is what the planner
  * minimises. Ranks and per-table rank lists are printed compactly for large worlds.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <stdlib.h>
 

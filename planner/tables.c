@@ -4,7 +4,8 @@
  * and every error names the table (index and name) and the field, so an operator can find
  * the line. The service's config embeds the same array and calls embd_plan_tables_parse.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -30,7 +31,7 @@ static int fail(const struct ctx *x, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(what, sizeof(what), fmt, ap);
 	va_end(ap);
-	return planner_err(x->err, x->err_len, EMBD_EPARSE, "table %u ('%s'): %s", x->index,
+	return embd_fail(x->err, x->err_len, EMBD_EPARSE, "table %u ('%s'): %s", x->index,
 			   x->name, what);
 }
 
@@ -285,10 +286,10 @@ int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out, c
 
 	*out = (struct embd_tables){ 0 };
 	if (!cJSON_IsArray(array))
-		return planner_err(err, err_len, EMBD_EPARSE, "tables: expected a JSON array");
+		return embd_fail(err, err_len, EMBD_EPARSE, "tables: expected a JSON array");
 	int n = cJSON_GetArraySize(array);
 	if (n == 0)
-		return planner_err(err, err_len, EMBD_EPARSE, "tables: the array is empty");
+		return embd_fail(err, err_len, EMBD_EPARSE, "tables: the array is empty");
 	t.specs = calloc((size_t)n, sizeof(*t.specs));
 	t.constraints = calloc((size_t)n, sizeof(*t.constraints));
 	sorted = calloc((size_t)n, sizeof(*sorted));
@@ -308,7 +309,7 @@ int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out, c
 	qsort(sorted, t.count, sizeof(*sorted), compare_names);
 	for (uint32_t i = 1; i < t.count; i++)
 		if (!strcmp(sorted[i - 1]->name, sorted[i]->name)) {
-			rc = planner_err(err, err_len, EMBD_EPARSE,
+			rc = embd_fail(err, err_len, EMBD_EPARSE,
 					 "tables %td and %td are both named '%s'",
 					 sorted[i - 1] - t.specs, sorted[i] - t.specs, sorted[i]->name);
 			goto out;
@@ -339,7 +340,7 @@ int embd_plan_tables_load(const char *path, struct embd_tables *out, char *err, 
 {
 	char *text = NULL;
 	size_t len = 0;
-	int rc = planner_read_file(path, &text, &len, err, err_len);
+	int rc = embd_read_file(path, &text, &len, err, err_len);
 	if (rc) {
 		*out = (struct embd_tables){ 0 };
 		return rc;

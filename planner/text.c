@@ -3,7 +3,7 @@
  * build their output with it), JSON string escaping, FNV-1a 64 (plan and tables hashes) and
  * error messages with the position of a JSON syntax error.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,17 +65,6 @@ uint64_t fnv1a64(uint64_t h, const void *data, size_t len)
 	return h;
 }
 
-int planner_err(char *err, size_t err_len, int rc, const char *fmt, ...)
-{
-	if (err && err_len) {
-		va_list ap;
-		va_start(ap, fmt);
-		vsnprintf(err, err_len, fmt, ap);
-		va_end(ap);
-	}
-	return rc;
-}
-
 int planner_syntax_err(char *err, size_t err_len, const char *what, const char *text,
 		       size_t len, const char *at)
 {
@@ -83,46 +72,8 @@ int planner_syntax_err(char *err, size_t err_len, const char *what, const char *
 	unsigned line = 1;
 	for (size_t i = 0; i < offset; i++)
 		line += text[i] == '\n';
-	return planner_err(err, err_len, EMBD_EPARSE, "%s: JSON syntax error at line %u, byte %zu",
+	return embd_fail(err, err_len, EMBD_EPARSE, "%s: JSON syntax error at line %u, byte %zu",
 			   what, line, offset);
-}
-
-int planner_read_file(const char *path, char **out, size_t *out_len, char *err, size_t err_len)
-{
-	FILE *f = fopen(path, "rb");
-	char *buf = NULL;
-	size_t len = 0, cap = 0;
-	int rc = 0;
-
-	if (!f)
-		return planner_err(err, err_len, EMBD_ENOENT, "%s: cannot open", path);
-	for (;;) {
-		if (cap - len < 4096) {
-			cap = cap ? cap * 2 : 65536;
-			char *grown = realloc(buf, cap + 1);
-			if (!grown) {
-				rc = EMBD_ENOMEM;
-				goto out;
-			}
-			buf = grown;
-		}
-		size_t n = fread(buf + len, 1, cap - len, f);
-		len += n;
-		if (n == 0)
-			break;
-	}
-	if (ferror(f)) {
-		rc = planner_err(err, err_len, EMBD_EIO, "%s: read error", path);
-		goto out;
-	}
-	buf[len] = '\0';
-	*out = buf;
-	*out_len = len;
-	buf = NULL;
-out:
-	free(buf);
-	fclose(f);
-	return rc;
 }
 
 void planner_prefix_err(char *err, size_t err_len, const char *prefix)

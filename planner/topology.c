@@ -3,7 +3,8 @@
  * flags go through (so a field has one name, one unit and one range everywhere), the byte and
  * bandwidth suffixes, and the enum <-> name tables of the planner's vocabulary.
  */
-#include "planner/planner.h"
+#include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <cjson/cJSON.h>
 #include <ctype.h>
@@ -165,11 +166,11 @@ static int store(struct embd_topology *topo, const struct field *f, double v, ch
 		 size_t err_len)
 {
 	if (!(v >= f->min && v <= f->max))
-		return planner_err(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				   "topology field '%s': %.17g is outside [%g, %g]", f->name, v,
 				   f->min, f->max);
 	if ((f->kind == F_INT || f->kind == F_BYTES) && v != floor(v))
-		return planner_err(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				   "topology field '%s': %.17g is not a whole number", f->name, v);
 	char *p = (char *)topo + f->offset;
 	switch (f->kind) {
@@ -191,7 +192,7 @@ int embd_plan_topology_set(struct embd_topology *topo, const char *field, const 
 {
 	const struct field *f = find_field(field);
 	if (!f)
-		return planner_err(err, err_len, EMBD_EINVAL, "unknown topology field '%s'", field);
+		return embd_fail(err, err_len, EMBD_EINVAL, "unknown topology field '%s'", field);
 	double v;
 	if (f->kind == F_DEVICE) {
 		if (!strcmp(value, "cpu"))
@@ -199,17 +200,17 @@ int embd_plan_topology_set(struct embd_topology *topo, const char *field, const 
 		else if (!strcmp(value, "cuda"))
 			v = EMBD_DEVICE_CUDA;
 		else
-			return planner_err(err, err_len, EMBD_EINVAL,
+			return embd_fail(err, err_len, EMBD_EINVAL,
 					   "topology field 'compute_device': '%s' is not cpu or cuda",
 					   value);
 	} else if (f->kind == F_INT || f->kind == F_REAL) {
 		char *end;
 		v = strtod(value, &end);
 		if (end == value || *end)
-			return planner_err(err, err_len, EMBD_EINVAL,
+			return embd_fail(err, err_len, EMBD_EINVAL,
 					   "topology field '%s': '%s' is not a number", field, value);
 	} else if (parse_quantity(value, f->kind, &v)) {
-		return planner_err(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				   "topology field '%s': cannot read '%s' (examples: %s)", field, value,
 				   f->kind == F_BW ? "25GB/s, 900G, 963146090.5 bytes/ms" :
 						     "16G, 512M, 1073741824");
@@ -221,14 +222,14 @@ int embd_plan_topology_parse(const struct cJSON *object, struct embd_topology *t
 			     char *err, size_t err_len)
 {
 	if (!cJSON_IsObject(object))
-		return planner_err(err, err_len, EMBD_EPARSE, "topology: expected a JSON object");
+		return embd_fail(err, err_len, EMBD_EPARSE, "topology: expected a JSON object");
 	embd_plan_topology_default(topo, 1);
 	bool local_given = false;
 	const cJSON *item;
 	cJSON_ArrayForEach(item, object) {
 		const struct field *f = item->string ? find_field(item->string) : NULL;
 		if (!f)
-			return planner_err(err, err_len, EMBD_EPARSE, "topology: unknown field '%s'",
+			return embd_fail(err, err_len, EMBD_EPARSE, "topology: unknown field '%s'",
 					   item->string ? item->string : "");
 		int rc;
 		if (cJSON_IsString(item))
@@ -236,7 +237,7 @@ int embd_plan_topology_parse(const struct cJSON *object, struct embd_topology *t
 		else if (cJSON_IsNumber(item) && f->kind != F_DEVICE)
 			rc = store(topo, f, item->valuedouble, err, err_len);
 		else
-			rc = planner_err(err, err_len, EMBD_EPARSE,
+			rc = embd_fail(err, err_len, EMBD_EPARSE,
 					 "topology field '%s': expected a %s", f->name,
 					 f->kind == F_DEVICE ? "string" : "number or string");
 		if (rc)
@@ -266,13 +267,13 @@ int embd_plan_topology_validate(const struct embd_topology *topo, char *err, siz
 		default: v = *(const double *)p; break;
 		}
 		if (!(v >= f->min && v <= f->max))
-			return planner_err(err, err_len, EMBD_EINVAL,
+			return embd_fail(err, err_len, EMBD_EINVAL,
 					   "topology field '%s': %.17g is outside [%g, %g]", f->name,
 					   v, f->min, f->max);
 	}
 	if (topo->local_world_size > topo->world_size ||
 	    topo->world_size % topo->local_world_size)
-		return planner_err(err, err_len, EMBD_EINVAL,
+		return embd_fail(err, err_len, EMBD_EINVAL,
 				   "topology: world_size %d is not a multiple of local_world_size %d",
 				   topo->world_size, topo->local_world_size);
 	return 0;
@@ -284,7 +285,7 @@ int embd_plan_topology_load(const char *path, struct embd_topology *topo, char *
 	char *text = NULL;
 	size_t len = 0;
 	const char *end = NULL;
-	int rc = planner_read_file(path, &text, &len, err, err_len);
+	int rc = embd_read_file(path, &text, &len, err, err_len);
 	if (rc)
 		return rc;
 	cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);

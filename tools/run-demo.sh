@@ -13,7 +13,7 @@ cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j"$(nproc)" --target embd embd-demo-trainer
 
 sock="$(mktemp -d /tmp/embd-demo.XXXXXX)/embd.sock"
-build/service/embd --socket "$sock" &
+build/daemon/embd --socket "$sock" &
 embd_pid=$!
 stop() { kill -TERM "$embd_pid" 2>/dev/null || true; wait "$embd_pid" 2>/dev/null || true; rm -rf "$(dirname "$sock")"; }
 trap stop EXIT

@@ -26,7 +26,6 @@
 extern "C" {
 #endif
 
-struct cJSON;
 
 /* ---- vocabulary ------------------------------------------------------------------------- */
 
@@ -102,11 +101,9 @@ void embd_plan_topology_default(struct embd_topology *topo, int32_t world_size);
 int embd_plan_topology_set(struct embd_topology *topo, const char *field, const char *value,
 			   char *err, size_t err_len);
 const char *embd_plan_topology_field(size_t i);
-/* Fills topo from a JSON object (defaults first, then every field present; numbers or
- * strings with suffixes). Unknown keys are errors, so a misspelt field is never ignored. */
-int embd_plan_topology_parse(const struct cJSON *object, struct embd_topology *topo,
-			     char *err, size_t err_len);
-/* Reads a topology JSON file (an object as above); errors name the file, line and field. */
+/* Reads a topology JSON file: an object of the fields above (defaults first, then every field
+ * present; numbers or strings with suffixes). Unknown keys are errors, so a misspelt field is
+ * never ignored; errors name the file, line and field. */
 int embd_plan_topology_load(const char *path, struct embd_topology *topo, char *err,
 			    size_t err_len);
 /* Checks ranges and consistency (world_size divisible by local_world_size, caps > 0...). */
@@ -146,12 +143,9 @@ struct embd_tables {
  *                      "batch_sizes": [512], "is_weighted": false } }
  * pooling defaults to sum, data_type to fp32, optimizer to sgd lr 0.01, feature_names to
  * [name]. Names are unique. Errors name the table (index and name) and the field.
- * embd_plan_tables_parse reads such an array from a cJSON tree (the service config embeds
- * it); _parse_text parses text (errors add the line and byte offset); _load reads a file.
- * On success *out owns its arrays: release them with embd_plan_tables_free.
+ * embd_plan_tables_parse_text parses text (errors add the line and byte offset); _load reads
+ * a file. On success *out owns its arrays: release them with embd_plan_tables_free.
  */
-int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out,
-			   char *err, size_t err_len);
 int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables *out,
 				char *err, size_t err_len);
 int embd_plan_tables_load(const char *path, struct embd_tables *out, char *err, size_t err_len);
@@ -261,34 +255,6 @@ uint64_t embd_plan_tables_hash(const struct embd_table_spec *tables, uint32_t nu
 int embd_plan_stats_text(const struct embd_plan *plan, char **out);
 /* max rank time / mean rank time (1 = perfectly balanced; 0 for an empty plan). */
 double embd_plan_imbalance(const struct embd_plan *plan);
-
-/* ---- cost model (exposed for tests and tools) -------------------------------------------- */
-
-struct embd_shard_perf {
-	double fwd_compute_ms, fwd_comms_ms, bwd_compute_ms, bwd_comms_ms;
-};
-
-struct embd_shard_storage {
-	uint64_t hbm_bytes, ddr_bytes;
-};
-
-/*
- * Estimates one shard of `rows` x `cols` of table t (constraints c, may be NULL) sharded as
- * type with kernel on topo. Baseline: TorchRec's EmbeddingPerfEstimator and
- * EmbeddingStorageEstimator (default pipeline, no cache statistics), reproduced to 1e-6; the
- * differences are listed in planner/estimate.c and are only for cases TorchRec rejects
- * (row_wise / table_row_wise on cpu). EMBD_ENOTSUP when kernel does not exist on the device.
- */
-int embd_plan_estimate_shard(const struct embd_table_spec *t,
-			     const struct embd_table_constraints *c,
-			     const struct embd_topology *topo, enum embd_sharding_type type,
-			     enum embd_compute_kernel kernel, int64_t rows, int32_t cols,
-			     struct embd_shard_perf *perf, struct embd_shard_storage *storage);
-
-static inline double embd_shard_perf_total_ms(const struct embd_shard_perf *p)
-{
-	return p->fwd_compute_ms + p->fwd_comms_ms + p->bwd_compute_ms + p->bwd_comms_ms;
-}
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,5 @@
 /*
- * Fuzz target for the service config parser (service/config.h): any bytes must either parse
+ * Fuzz target for the service config parser (daemon/config.h): any bytes must either parse
  * into a config that frees cleanly or fail with a message; never crash, leak or read past
  * the input.
  */
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "service/config.h"
+#include "daemon/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -1,5 +1,5 @@
 /*
- * Fuzz target for checkpoint manifests (service/manifest.h): whatever bytes a manifest.json
+ * Fuzz target for checkpoint manifests (ckpt/manifest.h): whatever bytes a manifest.json
  * holds, parsing must not crash; a manifest that parses is written back, and that text must
  * parse again to the same files (a checkpoint read from disk is bytes from outside).
  */
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "service/manifest.h"
+#include "ckpt/manifest.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

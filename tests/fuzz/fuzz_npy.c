@@ -1,5 +1,5 @@
 /*
- * Fuzz target for .npy headers (service/npy.h): any bytes; a header that parses must describe
+ * Fuzz target for .npy headers (ckpt/npy.h): any bytes; a header that parses must describe
  * a data offset inside the bytes given and a size without overflow, and formatting the same
  * dtype and shape must parse back to the same description.
  */
@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "service/npy.h"
+#include "ckpt/npy.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

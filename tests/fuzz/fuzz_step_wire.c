@@ -1,5 +1,5 @@
 /*
- * Fuzz target for what a peer node sends the step engine (service/step_wire.h): bytes = one
+ * Fuzz target for what a peer node sends the step engine (engine/step_wire.h): bytes = one
  * peer's HELLO head followed by its INPUT message, checked against the plan of
  * tests/fuzz/step_wire_plan.h exactly as step_dist.c checks them. Whatever the checks let
  * through is read in full (every offset, id, weight and length) and re-checked here, so an
@@ -16,13 +16,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 /* Reads everything an accepted item points at and checks what the engine relies on. */
 static int touch_item(void *arg, uint32_t p, uint64_t seq, const struct step_wire_item *it)
 {
-	const struct embd_shard_desc *d = &wp_step.shards[it->shard].desc;
+	const struct step_wire_shard *d = &wp_plan.shards[it->shard];
 	volatile float sum = 0;
 
 	(void)arg;
 	(void)seq;
-	if (p != WP_PEER || it->shard >= wp_step.num_shards ||
-	    wp_step.shards[it->shard].node != wp_step.node || it->offsets[0] != 0 ||
+	if (p != WP_PEER || it->shard >= wp_plan.num_shards ||
+	    wp_plan.shards[it->shard].node != wp_plan.node || it->offsets[0] != 0 ||
 	    it->offsets[WP_B] != (int64_t)it->num_ids)
 		abort();
 	for (uint32_t b = 0; b < WP_B; b++) {
@@ -60,7 +60,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		return 0;
 	memcpy(buf, data + H, len);
 	err[0] = 0;
-	rc = step_wire_input(&wp_step, WP_PEER, buf, len, head.grad_bytes, touch_item, NULL, err,
+	rc = step_wire_input(&wp_plan, WP_PEER, buf, len, head.grad_bytes, touch_item, NULL, err,
 			     sizeof(err));
 	if (rc && !err[0])
 		abort();        /* every refusal says why */

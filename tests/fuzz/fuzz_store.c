@@ -1,5 +1,5 @@
 /*
- * Fuzz target for the rendezvous store's wire protocol (service/store_wire.h): bytes = what one
+ * Fuzz target for the rendezvous store's wire protocol (dist/store_wire.h): bytes = what one
  * peer sends on one connection to a real store server (started once, on a thread of this
  * process, on a loopback port). The server must answer or close that connection and keep
  * serving: after every input a fresh client does a SET/GET round trip through the public API.
@@ -15,7 +15,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "service/store.h"
+#include "dist/store.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

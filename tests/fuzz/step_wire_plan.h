@@ -1,6 +1,6 @@
 /*
- * tests/fuzz/step_wire_plan.h - a small cluster plan as the step engine holds it (only the
- * fields service/step_wire.c reads), seen from node 0 of 2, and a writer of INPUT items, for
+ * tests/fuzz/step_wire_plan.h - a small cluster plan as engine/step_wire.c reads it (struct
+ * step_wire_plan), seen from node 0 of 2, and a writer of INPUT items, for
  * fuzz_step_wire.c and tests/unit/test_step_wire.c. One plan covers every kind of item check:
  *
  *   table 0 "ts" table_wise sum,  50 rows x 4: shard 0 on node 0          feature 0
@@ -14,45 +14,31 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "service/step_wire.h"
+#include "engine/step_wire.h"
 
 #define WP_B 4u                 /* batch size */
 #define WP_PEER 1u              /* the node that sends */
 #define WP_SEQ 7u               /* the step exchange both are at */
 
-static struct embd_table_spec wp_specs[3] = {
-	{ .name = "ts", .num_embeddings = 50, .embedding_dim = 4, .pooling = EMBD_POOLING_SUM },
-	{ .name = "rm", .num_embeddings = 40, .embedding_dim = 8, .pooling = EMBD_POOLING_MEAN },
-	{ .name = "dp", .num_embeddings = 10, .embedding_dim = 2, .pooling = EMBD_POOLING_SUM },
+static const struct step_wire_table wp_tables[3] = {
+	{ .type = EMBD_SHARD_TABLE_WISE, .pooling = EMBD_POOLING_SUM },         /* "ts" 50 x 4 */
+	{ .type = EMBD_SHARD_ROW_WISE, .pooling = EMBD_POOLING_MEAN },          /* "rm" 40 x 8 */
+	{ .type = EMBD_SHARD_DATA_PARALLEL, .pooling = EMBD_POOLING_SUM },      /* "dp" 10 x 2 */
 };
 
-static struct step_table wp_tables[3] = {
-	{ .spec = &wp_specs[0], .type = EMBD_SHARD_TABLE_WISE, .first_shard = 0, .num_shards = 1,
-	  .num_replicas = 1, .num_local = 1 },
-	{ .spec = &wp_specs[1], .type = EMBD_SHARD_ROW_WISE, .first_shard = 1, .num_shards = 2,
-	  .num_replicas = 1, .num_local = 1 },
-	{ .spec = &wp_specs[2], .type = EMBD_SHARD_DATA_PARALLEL, .first_shard = 3,
-	  .num_shards = 2, .num_replicas = 2, .num_local = 1 },
+static const struct step_wire_shard wp_shards[5] = {
+	{ .table = 0, .node = 0, .row_offset = 0, .rows = 50, .cols = 4 },
+	{ .table = 1, .node = 0, .row_offset = 0, .rows = 20, .cols = 8 },
+	{ .table = 1, .node = 1, .row_offset = 20, .rows = 20, .cols = 8 },
+	{ .table = 2, .node = 0, .row_offset = 0, .rows = 10, .cols = 2 },
+	{ .table = 2, .node = 1, .row_offset = 0, .rows = 10, .cols = 2 },
 };
 
-#define WP_SHARD(t, row, nrows, ncols, r, n) \
-	{ .desc = { .table_id = t, .num_embeddings = 0, .row_offset = row, .rows = nrows, \
-		    .cols = ncols }, .table = t, .rank = r, .node = n, .local = r % 2 }
+static const uint32_t wp_feature_tables[3] = { 0, 1, 2 };
 
-static struct step_shard wp_shards[5] = {
-	WP_SHARD(0, 0, 50, 4, 0, 0),
-	WP_SHARD(1, 0, 20, 8, 1, 0),
-	WP_SHARD(1, 20, 20, 8, 2, 1),
-	WP_SHARD(2, 0, 10, 2, 0, 0),
-	WP_SHARD(2, 0, 10, 2, 2, 1),
-};
-
-static uint32_t wp_feature_tables[3] = { 0, 1, 2 };
-
-static struct embd_step wp_step = {
-	.num_tables = 3, .num_shards = 5, .num_ranks = 2, .node = 0, .num_nodes = 2,
+static const struct step_wire_plan wp_plan = {
+	.node = 0, .batch_size = WP_B, .num_tables = 3, .num_shards = 5, .num_features = 3,
 	.tables = wp_tables, .shards = wp_shards, .feature_tables = wp_feature_tables,
-	.layout = { .num_features = 3, .batch_size = WP_B },
 };
 
 /*
@@ -85,7 +71,7 @@ __attribute__((unused)) static uint64_t wp_put_item(uint8_t *out, uint64_t *at, 
 		memcpy(out + *at, full, WP_B * 4);
 		*at += wire_pad8(WP_B * 4);
 	}
-	return (uint64_t)WP_B * wp_shards[shard].desc.cols * 4;
+	return (uint64_t)WP_B * wp_shards[shard].cols * 4;
 }
 
 /* (unused attributes: the fuzz target only needs the plan) */

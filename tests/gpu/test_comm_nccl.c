@@ -1,5 +1,5 @@
 /*
- * tests/gpu/test_comm_nccl.c - the NCCL engine of service/comm.h on this machine's GPU: a
+ * tests/gpu/test_comm_nccl.c - the NCCL engine of dist/comm.h on this machine's GPU: a
  * world of one rank (alltoallv with uneven and zero sizes, allreduce f32/u64, broadcast,
  * barrier, every result checked byte for byte after a copy back to the host), and a world of
  * two where rank 1 never comes: create must fail with EMBD_ETIMEDOUT within its timeout
@@ -9,13 +9,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include <cuda_runtime_api.h>
 
 #include "embd/types.h"
-#include "service/comm.h"
-#include "service/store.h"
+#include "common/clock.h"
+#include "dist/comm.h"
+#include "dist/store.h"
 
 static int failures;
 
@@ -29,13 +29,6 @@ static int failures;
 			goto out;                                                          \
 		}                                                                          \
 	} while (0)
-
-static long long now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static struct embd_comm *create(struct embd_store *store, uint32_t size, int timeout_ms,
 				const char *prefix, int *rc, char *err, size_t err_len)
@@ -116,9 +109,9 @@ static void missing_peer_times_out(struct embd_store *store)
 {
 	char err[512] = "";
 	int rc;
-	long long t0 = now_ms();
+	int64_t t0 = embd_now_ms();
 	struct embd_comm *comm = create(store, 2, 3000, "two/", &rc, err, sizeof(err));
-	long long took = now_ms() - t0;
+	long long took = embd_now_ms() - t0;
 	CHECK(rc == EMBD_ETIMEDOUT, "expected EMBD_ETIMEDOUT, got %d: %s", rc, err);
 	CHECK(took < 3000 + 5000, "gave up after %lld ms", took);
 	printf("test_comm_nccl: missing rank 1: %s (after %lld ms)\n", err, took);

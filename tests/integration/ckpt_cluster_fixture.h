@@ -68,46 +68,27 @@ static bool has_step(uint64_t step, bool tmp)
 __attribute__((unused)) static void stop_nodes(void)
 {
 	for (uint32_t n = 0; n < num_nodes; n++)
-		if (nodes[n].pid > 0)
-			kill(nodes[n].pid, SIGTERM);
+		if (nodes[n].embd.pid > 0)
+			kill(nodes[n].embd.pid, SIGTERM);
 	for (uint32_t n = 0; n < num_nodes; n++) {
 		int st;
-		for (int i = 0; i < 1500 && nodes[n].pid > 0 &&
-				waitpid(nodes[n].pid, &st, WNOHANG) == 0; i++)
-			usleep(10000);
+		tu_embd_wait(&nodes[n].embd, 15000, &st);
 		stop_node(n, SIGKILL);
 	}
-}
-
-/* Whether node n exits within ms (its wait status in *st); an exited node's pid is cleared. */
-__attribute__((unused)) static bool node_exits_within(uint32_t n, int ms, int *st)
-{
-	for (int waited = 0; waited <= ms; waited += 20) {
-		if (waitpid(nodes[n].pid, st, WNOHANG) == nodes[n].pid) {
-			nodes[n].pid = 0;
-			return true;
-		}
-		usleep(20000);
-	}
-	return false;
 }
 
 /* Kills node n and starts it again; node 1 must listen again (node 0 never does: it waits
  * for joiners that still run the old cluster). */
 __attribute__((unused)) static void restart_node(uint32_t n)
 {
-	char log[4096];
+	char name[32];
 
 	stop_node(n, SIGKILL);
-	unlink(nodes[n].socket);
 	spawn(n);
 	if (n == 0)
 		return;
-	for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++)
-		usleep(10000);
-	read_log(n, log, sizeof(log));
-	cr_assert(access(nodes[n].socket, F_OK) == 0, "restarted node %u did not listen: %s", n,
-		  log);
+	snprintf(name, sizeof(name), "restarted node %u", n);
+	tu_embd_await_socket(&nodes[n].embd, 15000, name);
 }
 
 /* The newest step-<N> with a manifest under dir (-1: none) and how many step-<N> and
@@ -143,7 +124,7 @@ static struct shared *train(uint32_t N, const char *sharding, uint32_t per_node)
 	dist_trainers_per_node = per_node;
 	start_cluster(N, sharding);
 	for (uint32_t n = 0; n < N; n++)
-		sockets[n] = nodes[n].socket;
+		sockets[n] = nodes[n].embd.socket;
 	run_trainers(sh, N * per_node, sockets, per_node);
 	return sh;
 }

@@ -11,23 +11,22 @@
 #ifndef EMBD_TESTS_DIST_FIXTURE_H
 #define EMBD_TESTS_DIST_FIXTURE_H
 
-#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "tests/integration/training_common.h"
+#include "tests/support/embd_process.h"
+#include "tests/support/ports.h"
 
 #define MAX_NODES 3
 #define RANKS 2                         /* per node, and trainers per node */
@@ -40,12 +39,12 @@ static char dist_node_json[MAX_NODES][256];     /* the same, for one node */
 static char dist_master_addr[64] = "127.0.0.1";
 
 struct node {
-	pid_t pid;
+	struct tu_embd embd;            /* its process, socket and log */
 	bool rank_from_env;             /* config says node_rank 0, NODE_RANK says which */
 	char netns[32];                 /* "" or the network namespace the node runs in */
 	char gloo_ifname[16];           /* "" or GLOO_SOCKET_IFNAME for the node */
 	char env[96];                   /* "" or "NAME=value" for the node's environment */
-	char socket[108], config[128], log[128], plan[128];
+	char config[128], plan[128];
 };
 
 static struct node nodes[MAX_NODES];
@@ -168,11 +167,10 @@ static void node_paths(uint32_t n)
 	struct node *nd = &nodes[n];
 	const char *id = dist_run_id();
 
-	snprintf(nd->socket, sizeof(nd->socket), "/tmp/embd-dist-%s-%u.sock", id, n);
+	snprintf(nd->embd.socket, sizeof(nd->embd.socket), "/tmp/embd-dist-%s-%u.sock", id, n);
 	snprintf(nd->config, sizeof(nd->config), "/tmp/embd-dist-%s-%u.json", id, n);
-	snprintf(nd->log, sizeof(nd->log), "/tmp/embd-dist-%s-%u.log", id, n);
+	snprintf(nd->embd.log, sizeof(nd->embd.log), "/tmp/embd-dist-%s-%u.log", id, n);
 	snprintf(nd->plan, sizeof(nd->plan), "/tmp/embd-dist-%s-plan.json", id);
-	unlink(nd->socket);
 }
 
 /* Moves the calling process into node n's network namespace, if it has one; a child that
@@ -193,85 +191,61 @@ static void enter_node_netns(uint32_t n)
 	close(fd);
 }
 
+/* In node n's process before it execs embd: its environment and network namespace. */
+static void node_child_setup(void *arg)
+{
+	const uint32_t n = (uint32_t)(uintptr_t)arg;
+	const struct node *nd = &nodes[n];
+
+	/* the config's env:// keys must win here: clear what a CI shell may have set */
+	unsetenv("MASTER_ADDR");
+	unsetenv("MASTER_PORT");
+	unsetenv("NODE_RANK");
+	unsetenv("WORLD_SIZE");
+	unsetenv("LOCAL_WORLD_SIZE");
+	unsetenv("GLOO_SOCKET_IFNAME");
+	if (nd->gloo_ifname[0])
+		setenv("GLOO_SOCKET_IFNAME", nd->gloo_ifname, 1);
+	if (nd->env[0])
+		putenv(nodes[n].env);
+	enter_node_netns(n);
+	if (nd->rank_from_env) {
+		char rank[16];
+		snprintf(rank, sizeof(rank), "%u", n);
+		setenv("NODE_RANK", rank, 1);
+	}
+}
+
+/* Starts node n's embd (its config written, its paths set); does not wait for it. */
 static void spawn(uint32_t n)
 {
-	struct node *nd = &nodes[n];
+	const struct tu_embd_opts o = { .config = nodes[n].config, .log_level = "warning",
+					.child_setup = node_child_setup,
+					.child_arg = (void *)(uintptr_t)n };
 
-	nd->pid = fork();
-	cr_assert(nd->pid >= 0);
-	if (nd->pid == 0) {
-		FILE *log = freopen(nd->log, "w", stderr);
-		(void)log;
-		/* the config's env:// keys must win here: clear what a CI shell may have set */
-		unsetenv("MASTER_ADDR");
-		unsetenv("MASTER_PORT");
-		unsetenv("NODE_RANK");
-		unsetenv("WORLD_SIZE");
-		unsetenv("LOCAL_WORLD_SIZE");
-		unsetenv("GLOO_SOCKET_IFNAME");
-		if (nd->gloo_ifname[0])
-			setenv("GLOO_SOCKET_IFNAME", nd->gloo_ifname, 1);
-		if (nd->env[0])
-			putenv(nd->env);
-		enter_node_netns(n);
-		if (nd->rank_from_env) {
-			char rank[16];
-			snprintf(rank, sizeof(rank), "%u", n);
-			setenv("NODE_RANK", rank, 1);
-		}
-		execl(EMBD_BINARY, "embd", "--config", nd->config, "--socket", nd->socket,
-		      "--log-level", "warning", (char *)NULL);
-		_exit(127);
-	}
+	tu_embd_start(&nodes[n].embd, &o);
 }
 
 static void read_log(uint32_t n, char *out, size_t len)
 {
-	FILE *f = fopen(nodes[n].log, "r");
-	size_t got = f ? fread(out, 1, len - 1, f) : 0;
-
-	out[got] = 0;
-	if (f)
-		fclose(f);
+	tu_embd_read_log(&nodes[n].embd, out, len);
 }
 
-/* A port that was free a moment ago on 127.0.0.1 (bound to 0, read back, closed): fixed
- * ranges collide with the ephemeral ports Gloo's pairs and parallel tests hold. */
-static void pick_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-
-	cr_assert(fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
-		  !getsockname(fd, (struct sockaddr *)&a, &len), "no free port: %s", strerror(errno));
-	port = ntohs(a.sin_port);
-	close(fd);
-}
-
+/* sig to node n, then SIGKILL if it still runs 3 s later. */
 static void stop_node(uint32_t n, int sig)
 {
-	int status;
-
-	if (nodes[n].pid <= 0)
-		return;
-	kill(nodes[n].pid, sig);
-	for (int i = 0; i < 300 && waitpid(nodes[n].pid, &status, WNOHANG) == 0; i++)
-		usleep(10000);
-	kill(nodes[n].pid, SIGKILL);
-	waitpid(nodes[n].pid, &status, 0);
-	nodes[n].pid = 0;
+	tu_embd_stop(&nodes[n].embd, sig, 3000, NULL);
 }
 
 /* Starts N nodes (every sharding's plan from write_plan) and waits for every socket. A
- * port taken between pick_port and node 0's listen is retried with another one. */
+ * port taken between tu_free_port and node 0's listen is retried with another one. */
 static void start_cluster(uint32_t N, const char *sharding)
 {
-	char log[4096];
+	char log[4096], name[64];
 
 	num_nodes = N;
 	for (int attempt = 0;; attempt++) {
-		pick_port();
+		port = tu_free_port();
 		for (uint32_t n = 0; n < N; n++)
 			node_paths(n);
 		if (sharding)
@@ -282,29 +256,17 @@ static void start_cluster(uint32_t N, const char *sharding)
 		}
 		int st;
 		usleep(100000);
-		if (attempt == 3 || waitpid(nodes[0].pid, &st, WNOHANG) != nodes[0].pid)
+		if (attempt == 3 || !tu_embd_wait(&nodes[0].embd, 0, &st))
 			break;
 		read_log(0, log, sizeof(log));
-		nodes[0].pid = 0;
 		if (!strstr(log, "Address already in use"))
 			cr_assert_fail("node 0 exited (status 0x%x) before listening: %s", st, log);
 		for (uint32_t n = 1; n < N; n++)
 			stop_node(n, SIGKILL);
 	}
 	for (uint32_t n = 0; n < N; n++) {
-		for (int i = 0; i < 1500 && access(nodes[n].socket, F_OK) != 0; i++) {
-			int st;
-			if (waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid) {
-				nodes[n].pid = 0;
-				read_log(n, log, sizeof(log));
-				cr_assert_fail("node %u exited (status 0x%x) before listening (%s): %s", n,
-					       st, sharding ? sharding : "any", log);
-			}
-			usleep(10000);
-		}
-		read_log(n, log, sizeof(log));
-		cr_assert(access(nodes[n].socket, F_OK) == 0,
-			  "node %u did not listen on %s within 15 s: %s", n, nodes[n].socket, log);
+		snprintf(name, sizeof(name), "node %u (%s)", n, sharding ? sharding : "any");
+		tu_embd_await_socket(&nodes[n].embd, 15000, name);
 	}
 }
 
@@ -320,7 +282,7 @@ __attribute__((unused)) static void train_cluster(uint32_t N, const char *shardi
 	start_cluster(N, sharding);
 	struct shared *sh = shared_map();
 	for (uint32_t n = 0; n < N; n++)
-		sockets[n] = nodes[n].socket;
+		sockets[n] = nodes[n].embd.socket;
 	run_trainers(sh, N * RANKS, sockets, RANKS);
 	snprintf(name, sizeof(name), "%s%s%u nodes, %s", what, what[0] ? ", " : "", N, sharding);
 	check_against_reference(sh, N * RANKS, name);
@@ -330,16 +292,16 @@ __attribute__((unused)) static void train_cluster(uint32_t N, const char *shardi
 /* Criterion fini: after a failed assertion too, no embd or trainer outlives its test. */
 static void stop_cluster(void)
 {
-	kill_children();
+	tu_kill_children();
 	/* EMBD_TEST_KEEP=1 keeps each node's config, plan and log (stderr) for a post-mortem */
 	bool keep = getenv("EMBD_TEST_KEEP") != NULL;
 	for (uint32_t n = 0; n < num_nodes; n++) {
 		stop_node(n, SIGTERM);
-		unlink(nodes[n].socket);
+		unlink(nodes[n].embd.socket);
 		if (keep)
 			continue;
 		unlink(nodes[n].config);
-		unlink(nodes[n].log);
+		unlink(nodes[n].embd.log);
 		unlink(nodes[n].plan);
 	}
 	num_nodes = 0;

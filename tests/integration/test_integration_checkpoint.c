@@ -30,9 +30,12 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "service/checkpoint.h"
-#include "service/npy.h"
-#include "tests/numpy_python.h"
+#include "ckpt/checkpoint.h"
+#include "ckpt/npy.h"
+#include "tests/support/children.h"
+#include "tests/support/embd_process.h"
+#include "tests/support/mix.h"
+#include "tests/support/numpy_python.h"
 
 #define B 8
 #define BIG_ROWS 65536
@@ -43,30 +46,27 @@
 #define TOTAL_DIM (2 * BIG_DIM + SMALL_DIM)
 #define OUT_FLOATS (B * TOTAL_DIM)
 
-static char base[64], socket_path[128], config_path[160];
-static pid_t service_pid;
+static char base[64], config_path[160];
+static struct tu_embd service;          /* its stderr is the test's */
 
 static void setup(void)
 {
 	snprintf(base, sizeof(base), "/tmp/embd-ckit-XXXXXX");
 	cr_assert_not_null(mkdtemp(base));
-	snprintf(socket_path, sizeof(socket_path), "%s/s.sock", base);
+	snprintf(service.socket, sizeof(service.socket), "%s/s.sock", base);
 	snprintf(config_path, sizeof(config_path), "%s/embd.json", base);
 }
 
+/* sig, then waits for embd however long it takes (a final checkpoint is written at SIGTERM). */
 static void kill_service(int sig)
 {
-	int st;
-	if (service_pid <= 0)
-		return;
-	kill(service_pid, sig);
-	waitpid(service_pid, &st, 0);
-	service_pid = 0;
+	tu_embd_stop(&service, sig, -1, NULL);
 }
 
 static void teardown(void)
 {
 	char cmd[128];
+	tu_kill_children();
 	kill_service(SIGKILL);
 	snprintf(cmd, sizeof(cmd), "rm -rf %s", base);
 	cr_expect_eq(system(cmd), 0);
@@ -101,31 +101,10 @@ static void write_config(const char *ckdir, uint32_t every_steps, uint32_t keep,
 
 static void start_service(void)
 {
-	unlink(socket_path);
-	service_pid = fork();
-	cr_assert(service_pid >= 0);
-	if (service_pid == 0) {
-		execl(EMBD_BINARY, "embd", "--config", config_path, "--socket", socket_path,
-		      "--log-level", "warning", (char *)NULL);
-		_exit(127);
-	}
-	for (int i = 0; i < 1000 && access(socket_path, F_OK) != 0; i++) {
-		int st;
-		if (waitpid(service_pid, &st, WNOHANG) == service_pid) {
-			service_pid = 0;
-			cr_assert_fail("embd exited (status 0x%x) before listening", st);
-		}
-		usleep(10000);
-	}
-	cr_assert(access(socket_path, F_OK) == 0, "embd did not listen within 10 s");
-}
+	const struct tu_embd_opts o = { .config = config_path, .log_level = "warning" };
 
-static uint64_t mix(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ull;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
+	tu_embd_start(&service, &o);
+	tu_embd_await_socket(&service, 10000, "embd");
 }
 
 /* Trainer tr's batch and gradient of step k (deterministic); ids of big in [0, 4096). */
@@ -134,15 +113,16 @@ static uint64_t fill_step(struct embd_batch *b, uint64_t k, uint32_t tr)
 	uint64_t n = 0;
 	for (uint32_t f = 0; f < NUM_F; f++)
 		for (uint32_t i = 0; i < B; i++) {
-			uint64_t h = mix((k << 40) ^ ((uint64_t)tr << 32) ^ (f << 16) ^ i);
+			uint64_t h = tu_mix64((k << 40) ^ ((uint64_t)tr << 32) ^ (f << 16) ^ i);
 			int32_t len = (int32_t)(h % 4);
 			b->lengths[f * B + i] = len;
 			for (int32_t j = 0; j < len; j++)
-				b->values[n++] = (int64_t)(mix(h + (uint64_t)j + 1) % (f < 2 ? 4096 : SMALL_ROWS));
+				b->values[n++] = (int64_t)(tu_mix64(h + (uint64_t)j + 1) %
+							   (f < 2 ? 4096 : SMALL_ROWS));
 		}
 	for (uint32_t i = 0; i < OUT_FLOATS; i++)
-		b->grad[i] = (float)((int)(mix(0x77ull ^ (k << 32) ^ ((uint64_t)tr << 24) ^ i) % 2001) -
-				     1000) / 1000.0f;
+		b->grad[i] = (float)((int)(tu_mix64(0x77ull ^ (k << 32) ^ ((uint64_t)tr << 24) ^ i) %
+					   2001) - 1000) / 1000.0f;
 	return n;
 }
 
@@ -167,7 +147,7 @@ static struct embd_client *connect_trainer(int index)
 	int rc;
 	/* the socket file appears at bind(), a moment before listen() */
 	for (int i = 0; i < 500; i++) {
-		rc = embd_connect(socket_path, index, 20000, &c, err, sizeof(err));
+		rc = embd_connect(service.socket, index, 20000, &c, err, sizeof(err));
 		if (rc != EMBD_ECONNRESET)
 			break;
 		usleep(10000);
@@ -255,7 +235,7 @@ Test(checkpoint, crash_at_random_points)
 		}
 		resumed_nonzero += resumed > 0;
 		/* the last trial runs to N and stops cleanly */
-		uint64_t steps = t == trials ? N - resumed : 1 + mix(rng++) % 4;
+		uint64_t steps = t == trials ? N - resumed : 1 + tu_mix64(rng++) % 4;
 		for (k = resumed; k < resumed + steps && k < N; k++) {
 			int rc = train_step(c, k, 0, out);
 			cr_assert_eq(rc, 0, "trial %u step %llu: %s", t, (unsigned long long)k,
@@ -275,7 +255,7 @@ Test(checkpoint, crash_at_random_points)
 		 * or written: 0-40 ms after the boundary */
 		for (int w = 0; t % 4 == 3 && w < 1000 && newest_step(cdir) != k; w++)
 			usleep(10000);
-		usleep((useconds_t)(mix(rng++) % 40000));
+		usleep((useconds_t)(tu_mix64(rng++) % 40000));
 		kill_service(SIGKILL);
 		embd_close(c);
 		expected = newest_step(cdir);
@@ -322,7 +302,7 @@ static int trainer_body(struct shared *sh, uint32_t tr, int slot_rc, uint64_t fr
 	struct embd_client *c;
 	int rc;
 	for (int i = 0; i < 500; i++) {
-		rc = embd_connect(socket_path, (int)tr, 20000, &c, sh->err[slot_rc], 256);
+		rc = embd_connect(service.socket, (int)tr, 20000, &c, sh->err[slot_rc], 256);
 		if (rc != EMBD_ECONNRESET)
 			break;
 		usleep(10000);
@@ -355,8 +335,7 @@ static int trainer_body(struct shared *sh, uint32_t tr, int slot_rc, uint64_t fr
 static pid_t spawn(struct shared *sh, uint32_t tr, int slot, uint64_t from, uint64_t to,
 		   bool crash, bool wait_for_peer)
 {
-	pid_t pid = fork();
-	cr_assert(pid >= 0);
+	pid_t pid = tu_fork_child();
 	if (pid == 0) {
 		sh->rc[slot] = trainer_body(sh, tr, slot, from, to, crash, wait_for_peer);
 		_exit(0);
@@ -440,7 +419,7 @@ Test(checkpoint, export_matches_numpy)
 	for (uint64_t k = 0; k < 5; k++)
 		cr_assert_eq(train_step(c, k, 0, NULL), 0, "%s", embd_last_error(c));
 	snprintf(cmd, sizeof(cmd), "%s checkpoint --socket %s --wait > %s/reply.json", EMBCTL_BINARY,
-		 socket_path, base);
+		 service.socket, base);
 	cr_assert_eq(system(cmd), 0, "embctl checkpoint --wait failed");
 	embd_close(c);
 	kill_service(SIGKILL);

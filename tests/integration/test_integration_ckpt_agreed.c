@@ -1,5 +1,5 @@
 /*
- * Integration: the checkpoint triggers a cluster agrees on through its steps (service/
+ * Integration: the checkpoint triggers a cluster agrees on through its steps (ckpt/
  * ckpt_service.h), with the real embd nodes of dist_fixture.h and one shared checkpoint_dir.
  * `embctl checkpoint --wait` on node 1 answers with a committed cluster checkpoint of the step
  * it names, also when node 0's own write takes longer than node 1's first wait for the
@@ -10,8 +10,8 @@
  * leaves none either, each node saying why; a `--wait` pending when a re-formed cluster
  * restores is answered with an error naming the restore.
  */
-#include "service/ckpt_cluster.h"
-#include "service/store.h"
+#include "ckpt/ckpt_cluster.h"
+#include "dist/store.h"
 #include "tests/integration/ckpt_cluster_fixture.h"
 
 TestSuite(ckpt_agreed, .fini = ckpt_cluster_fini, .timeout = 60);
@@ -23,8 +23,8 @@ static pid_t embctl_wait_start(uint32_t n, char *out, size_t out_len)
 
 	snprintf(out, out_len, "/tmp/embd-ckpt-agreed-%s.out", dist_run_id());
 	snprintf(cmd, sizeof(cmd), "%s checkpoint --wait --timeout 30 --socket %s > %s 2>&1",
-		 EMBCTL_BINARY, nodes[n].socket, out);
-	pid_t ctl = fork_child();
+		 EMBCTL_BINARY, nodes[n].embd.socket, out);
+	pid_t ctl = tu_fork_child();
 	if (ctl == 0)
 		_exit(system(cmd) == 0 ? 0 : 1);
 	return ctl;
@@ -68,7 +68,7 @@ static void checkpoint_wait_on_node_1(int node0_delay_ms)
 	/* embctl waits on node 1 before any step: the next step's HELLO carries the request */
 	pid_t ctl = embctl_wait_start(1, out, sizeof(out));
 	usleep(300000);
-	const char *sockets[2] = { nodes[0].socket, nodes[1].socket };
+	const char *sockets[2] = { nodes[0].embd.socket, nodes[1].embd.socket };
 	struct shared *sh = shared_map();
 	run_trainers(sh, 2 * RANKS, sockets, RANKS);
 	check_against_reference(sh, 2 * RANKS, "2 nodes with a checkpoint asked on node 1");
@@ -110,7 +110,7 @@ Test(ckpt_agreed, every_seconds_on_a_cluster_checkpoints_and_restores)
 	start_cluster(2, "row_wise");
 	/* node 0's timer is due from the second step on (the first trained nothing yet) */
 	usleep(1300000);
-	const char *sockets[2] = { nodes[0].socket, nodes[1].socket };
+	const char *sockets[2] = { nodes[0].embd.socket, nodes[1].embd.socket };
 	struct shared *sh = shared_map();
 	run_trainers(sh, 2 * RANKS, sockets, RANKS);
 	uint64_t step = 0;
@@ -165,11 +165,11 @@ Test(ckpt_agreed, sigterm_while_steps_run_checkpoints_after_the_next_step_and_ex
 	 * first step carries the request, the nodes checkpoint step 1 and stop, so the trainers'
 	 * later steps fail (not checked) */
 	for (uint32_t n = 0; n < 2; n++)
-		kill(nodes[n].pid, SIGTERM);
+		kill(nodes[n].embd.pid, SIGTERM);
 	for (uint32_t g = 0; g < 2 * RANKS; g++) {
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0) {
-			sh->rc[g] = trainer_run(sh, nodes[g / RANKS].socket, g % RANKS, g);
+			sh->rc[g] = trainer_run(sh, nodes[g / RANKS].embd.socket, g % RANKS, g);
 			_exit(0);
 		}
 	}
@@ -177,7 +177,7 @@ Test(ckpt_agreed, sigterm_while_steps_run_checkpoints_after_the_next_step_and_ex
 		waitpid(kids[g], &st, 0);
 	for (uint32_t n = 0; n < 2; n++) {
 		char log[8192];
-		bool exited = node_exits_within(n, 10000, &st);
+		bool exited = tu_embd_wait(&nodes[n].embd, 10000, &st);
 		read_log(n, log, sizeof(log));
 		cr_assert(exited && WIFEXITED(st) && WEXITSTATUS(st) == 0, "node %u: expected exit 0 "
 			  "within 10 s of the trainers, got %s 0x%x: %s", n, exited ? "status" : "none",
@@ -203,9 +203,9 @@ Test(ckpt_agreed, sigterm_to_one_idle_node_alone_writes_nothing_and_ends)
 	/* idle: after the empty step the trainers' hangup may trigger (a step would carry the
 	 * request, and the cluster would take it: the non-idle case) */
 	usleep(500000);
-	kill(nodes[1].pid, SIGTERM);
+	kill(nodes[1].embd.pid, SIGTERM);
 	/* 1 s for a step that never comes, then up to twice store_timeout_ms for node 0 */
-	bool exited = node_exits_within(1, 8000, &st);
+	bool exited = tu_embd_wait(&nodes[1].embd, 8000, &st);
 	read_log(1, log, sizeof(log));
 	cr_assert(exited, "node 1: expected it to exit within 8 s of SIGTERM: %s", log);
 	cr_expect(strstr(log, "no final checkpoint") != NULL, "node 1: expected it to say why it "
@@ -214,7 +214,7 @@ Test(ckpt_agreed, sigterm_to_one_idle_node_alone_writes_nothing_and_ends)
 	long long step = newest_step(ckpt_root, &entries);
 	cr_expect(entries == 0, "expected no step directory at all, got %d (newest %lld)", entries,
 		  step);
-	cr_expect_eq(kill(nodes[0].pid, 0), 0, "node 0 should keep running");
+	cr_expect_eq(kill(nodes[0].embd.pid, 0), 0, "node 0 should keep running");
 	munmap(sh, sizeof(*sh));
 }
 
@@ -262,7 +262,7 @@ Test(ckpt_agreed, sigterm_while_the_cluster_re_forms_takes_no_final_checkpoint)
 	use_checkpoints(0);
 	struct shared *sh = train(2, "row_wise", RANKS);
 	usleep(500000);
-	kill(nodes[1].pid, SIGSTOP);
+	kill(nodes[1].embd.pid, SIGSTOP);
 	cr_assert_eq(embd_store_connect(dist_master_addr, port, 5000, &store, err, sizeof(err)), 0,
 		     "store: %s", err);
 	cr_assert_eq(embd_store_set(store, "embd/gen/1/open", "1", 1), 0);
@@ -273,12 +273,12 @@ Test(ckpt_agreed, sigterm_while_the_cluster_re_forms_takes_no_final_checkpoint)
 		read_log(0, log, sizeof(log));
 	}
 	cr_assert(strstr(log, "re-forming the cluster"), "node 0 did not re-form: %s", log);
-	kill(nodes[0].pid, SIGTERM);
+	kill(nodes[0].embd.pid, SIGTERM);
 	usleep(1500000);        /* node 0 past its 1 s wait for a step: at its final checkpoint */
-	kill(nodes[1].pid, SIGTERM);
-	kill(nodes[1].pid, SIGCONT);
+	kill(nodes[1].embd.pid, SIGTERM);
+	kill(nodes[1].embd.pid, SIGCONT);
 	for (uint32_t n = 0; n < 2; n++) {
-		bool exited = node_exits_within(n, 12000, &st);
+		bool exited = tu_embd_wait(&nodes[n].embd, 12000, &st);
 		read_log(n, log, sizeof(log));
 		cr_expect(exited && strstr(log, "no final checkpoint: the cluster is not running"),
 			  "node %u: expected it to exit saying it took no final checkpoint while "

@@ -1,6 +1,6 @@
 /*
  * Integration: checkpoints of a cluster, in one shared checkpoint_dir and in per-node
- * directories (service/checkpoint.h), with the real embd nodes of dist_fixture.h. Two nodes
+ * directories (ckpt/checkpoint.h), with the real embd nodes of dist_fixture.h. Two nodes
  * checkpoint every K steps, are stopped and restarted: the trainers resume at step K and every
  * later pooled output equals the reference's after 2 K steps (the one of a run without the
  * stop; trainers that reconnect to a running cluster are no such run: the steps go on without
@@ -138,7 +138,7 @@ Test(ckpt_cluster, node_killed_before_reporting_leaves_no_checkpoint)
 		  "missing within store_timeout_ms; its log: %s", log);
 	cr_expect(!has_step(K_STEPS, false), "expected no step-%d after node 1 died", K_STEPS);
 	cr_expect(!has_step(K_STEPS, true), "expected node 0 to remove .tmp-step-%d", K_STEPS);
-	cr_expect_eq(kill(nodes[0].pid, 0), 0, "node 0 should keep running");
+	cr_expect_eq(kill(nodes[0].embd.pid, 0), 0, "node 0 should keep running");
 	munmap(sh, sizeof(*sh));
 }
 
@@ -227,14 +227,14 @@ Test(ckpt_cluster, different_checkpoint_settings_are_refused_at_join)
 	use_checkpoints(0);
 	snprintf(dist_node_json[1], sizeof(dist_node_json[1]), ", \"checkpoint_every_seconds\": 5");
 	num_nodes = 2;
-	pick_port();
+	port = tu_free_port();
 	for (uint32_t n = 0; n < 2; n++) {
 		node_paths(n);
 		write_config(n, NULL, 2, NULL);
 		spawn(n);
 	}
 	for (uint32_t n = 0; n < 2; n++) {
-		bool exited = node_exits_within(n, 10000, &st);
+		bool exited = tu_embd_wait(&nodes[n].embd, 10000, &st);
 		read_log(n, log, sizeof(log));
 		cr_assert(exited, "node %u: expected it to refuse to start within 10 s: %s", n, log);
 		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "node %u: expected a failing exit, "

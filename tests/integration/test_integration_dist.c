@@ -19,20 +19,13 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "embd/client.h"
+#include "common/clock.h"
 #include "tests/integration/dist_fixture.h"
 
 TestSuite(dist, .fini = stop_cluster, .timeout = 40);
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 /* ---- training every sharding type -------------------------------------------------------- */
 
@@ -40,7 +33,8 @@ static void train_and_check(uint32_t N, const char *sharding)
 {
 	train_cluster(N, sharding, "");
 	for (uint32_t n = 0; n < N; n++)
-		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run after training", n);
+		cr_expect_eq(kill(nodes[n].embd.pid, 0), 0, "node %u should still run after training",
+			     n);
 }
 
 Test(dist, two_nodes_table_wise) { train_and_check(2, "table_wise"); }
@@ -97,7 +91,8 @@ static void kill_trainer(struct kill_report *rep, uint32_t g, int ready_fd)
 	char err[256], ok = 'y';
 	uint64_t n;
 
-	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err)))
+	if (embd_connect(nodes[g / RANKS].embd.socket, (int)(g % RANKS), 10000, &c, err,
+			 sizeof(err)))
 		_exit(2);
 	uint64_t s = embd_layout(c)->resumed_step;
 	rep->step0_rc = forward_backward(c, g, 0, s, true, &n);
@@ -109,9 +104,9 @@ static void kill_trainer(struct kill_report *rep, uint32_t g, int ready_fd)
 	struct embd_batch b;
 	embd_batch_get(c, 0, &b);
 	memset(b.grad, 0, (size_t)BATCH * embd_layout(c)->total_dim * sizeof(float));
-	uint64_t t0 = now_ms();
+	int64_t t0 = embd_now_ms();
 	rep->bwd1_rc = embd_backward(c, 0, s + 1, n, 0);
-	rep->bwd1_ms = now_ms() - t0;
+	rep->bwd1_ms = embd_now_ms() - t0;
 	snprintf(rep->err1, sizeof(rep->err1), "%s", embd_last_error(c));
 	rep->step2_rc = forward_backward(c, g, 2, s + 2, false, &n);
 	snprintf(rep->err2, sizeof(rep->err2), "%s", embd_last_error(c));
@@ -134,7 +129,7 @@ static void peer_failure(int sig)
 	memset(rep, 0, sizeof(*rep) * 2 * RANKS);
 	cr_assert_eq(pipe(pipefd), 0);
 	for (uint32_t g = 0; g < 2 * RANKS; g++) {
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0) {
 			close(pipefd[0]);
 			kill_trainer(&rep[g], g, pipefd[1]);
@@ -158,7 +153,7 @@ static void peer_failure(int sig)
 	if (sig == SIGKILL)
 		stop_node(1, SIGKILL);
 	else
-		kill(nodes[1].pid, sig);
+		kill(nodes[1].embd.pid, sig);
 	for (uint32_t g = 0; g < RANKS; g++) {
 		int st;
 		waitpid(kids[g], &st, 0);
@@ -179,7 +174,7 @@ static void peer_failure(int sig)
 			  "trainer %u: step 2's refusal should say the cluster re-forms, naming node "
 			  "1, got '%s'", g, rep[g].err2);
 	}
-	cr_expect_eq(kill(nodes[0].pid, 0), 0, "node 0 should survive its peer's failure");
+	cr_expect_eq(kill(nodes[0].embd.pid, 0), 0, "node 0 should survive its peer's failure");
 	munmap(rep, sizeof(*rep) * 2 * RANKS);
 }
 
@@ -196,7 +191,8 @@ static int bad_batch_trainer(uint32_t g, uint32_t bad)
 	char err[256];
 	uint64_t n;
 
-	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err)))
+	if (embd_connect(nodes[g / RANKS].embd.socket, (int)(g % RANKS), 10000, &c, err,
+			 sizeof(err)))
 		return fprintf(stderr, "trainer %u: %s\n", g, err), 1;
 	uint64_t s = embd_layout(c)->resumed_step;
 	if (g != bad) {
@@ -226,7 +222,7 @@ Test(dist, bad_batch_is_refused_for_its_trainer_only)
 
 	start_cluster(2, "table_wise");
 	for (uint32_t g = 0; g < 2 * RANKS; g++) {
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0)
 			_exit(bad_batch_trainer(g, bad));
 	}
@@ -248,23 +244,14 @@ static void expect_join_refused(const char *tables_json, uint32_t world_nodes, c
 	int st = 0;
 
 	num_nodes = 2;
-	pick_port();
+	port = tu_free_port();
 	for (uint32_t n = 0; n < 2; n++)
 		node_paths(n);
 	write_config(0, NULL, 2, NULL);
 	write_config(1, NULL, world_nodes, tables_json);
 	spawn(0);
 	spawn(1);
-	uint64_t t0 = now_ms();
-	bool exited = false;
-	for (uint32_t n = 1; !exited && now_ms() - t0 < 12000;) {
-		if (waitpid(nodes[n].pid, &st, WNOHANG) == nodes[n].pid)
-			exited = true;
-		else
-			usleep(20000);
-	}
-	if (exited)
-		nodes[1].pid = 0;
+	bool exited = tu_embd_wait(&nodes[1].embd, 12000, &st);
 	read_log(1, log, sizeof(log));
 	cr_assert(exited, "node 1 with a mismatched %s should refuse to start; after 12 s it still "
 		  "runs: %s", word, log);

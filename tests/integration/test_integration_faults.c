@@ -10,7 +10,7 @@
 
 #include "embd/client.h"
 #include "tests/integration/service_fixture.h"
-#include "libclient/client_priv.h"
+#include "libclient/client_internal.h"
 
 TestSuite(integration, .init = start_service, .fini = stop_service, .timeout = 60);
 
@@ -34,8 +34,8 @@ Test(integration, malformed_batch_is_named_and_others_run)
 	struct embd_client *good, *bad;
 	char err[256];
 
-	cr_assert_eq(embd_connect(socket_path, 0, 5000, &good, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(embd_connect(socket_path, 1, 5000, &bad, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &good, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 1, 5000, &bad, err, sizeof(err)), 0, "%s", err);
 	uint64_t n = fill_valid(bad, 0);
 	struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = 0, .step = 0,
 				    .num_values = n - 1 };  /* lengths sum to n */
@@ -91,7 +91,7 @@ Test(refusal, unauthorised_uid_is_refused)
 	fclose(f);
 	service_spawn(path, "warning");
 	unlink(path);
-	int rc = embd_connect(socket_path, EMBD_CLIENT_ANY_INDEX, 5000, &c, err, sizeof(err));
+	int rc = embd_connect(service.socket, EMBD_CLIENT_ANY_INDEX, 5000, &c, err, sizeof(err));
 	cr_assert_eq(rc, EMBD_EACCES, "connect as uid %u with allowed_uids [%u]: expected "
 		     "EMBD_EACCES (%d), got %d (%s)", (unsigned)me, (unsigned)other, EMBD_EACCES, rc,
 		     err);
@@ -100,6 +100,6 @@ Test(refusal, unauthorised_uid_is_refused)
 	cr_expect(strstr(err, logged) != NULL, "the refusal should name %s, got '%s'", logged, err);
 	/* the service logs its refusal before it answers, so the line is there already */
 	snprintf(logged, sizeof(logged), "refused peer uid %u", (unsigned)me);
-	cr_expect(service_log_has(logged), "the service's log (%s) should say '%s'",
-		  service_log_path, logged);
+	cr_expect(tu_embd_log_has(&service, logged), "the service's log (%s) should say '%s'",
+		  service.log, logged);
 }

@@ -13,11 +13,12 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "embd/client.h"
+#include "common/clock.h"
 #include "tests/integration/service_fixture.h"
+#include "tests/support/children.h"
 
 #define BATCH 8
 /* how long SIGTERM may take to stop embd: 5 s, because an ASan build on 2 loaded cores runs
@@ -25,8 +26,6 @@
 #define STOP_MS 5000
 
 static char config_path[128];
-static pid_t kids[4];
-static unsigned num_kids;
 
 /* One table, two features, two ranks (row_wise, so both ranks work on every step), local
  * batch `batch` (the region grows with it). */
@@ -51,29 +50,13 @@ static void start(unsigned busy_poll_us)
 	start_batch(busy_poll_us, BATCH);
 }
 
-static pid_t fork_kid(void)
-{
-	pid_t pid = fork();
-
-	cr_assert(pid >= 0, "fork: %s", strerror(errno));
-	if (pid > 0 && num_kids < sizeof(kids) / sizeof(kids[0]))
-		kids[num_kids++] = pid;
-	return pid;
-}
-
 /* Criterion fini: no trainer or embd outlives its test, even after a failed assertion. */
 static void stop(void)
 {
-	int status;
-
-	for (unsigned i = 0; i < num_kids; i++) {
-		kill(kids[i], SIGKILL);
-		waitpid(kids[i], &status, 0);
-	}
-	num_kids = 0;
-	service_stop_within(STOP_MS, &status);
+	tu_kill_children();
+	service_stop_within(STOP_MS, NULL);
 	unlink(config_path);
-	unlink(service_log_path);
+	unlink(service.log);
 }
 
 TestSuite(lifecycle, .fini = stop, .timeout = 60);
@@ -127,7 +110,7 @@ static void trainer1(int ready, enum kill_point at)
 	struct embd_client *c;
 	char err[256], ok = 'y';
 
-	if (embd_connect(socket_path, 1, 5000, &c, err, sizeof(err)))
+	if (embd_connect(service.socket, 1, 5000, &c, err, sizeof(err)))
 		_exit(2);
 	uint64_t s = embd_layout(c)->resumed_step, n = fill(c, 1);
 	if (write(ready, &s, sizeof(s)) != sizeof(s))
@@ -155,7 +138,7 @@ static pid_t spawn_trainer1(enum kill_point at, int *ready_fd)
 	int pipefd[2];
 
 	cr_assert_eq(pipe(pipefd), 0);
-	pid_t kid = fork_kid();
+	pid_t kid = tu_fork_child();
 	if (kid == 0) {
 		close(pipefd[0]);
 		trainer1(pipefd[1], at);
@@ -187,17 +170,6 @@ static void wait_ready(int fd, const char *what)
 	cr_assert_eq(ok, 'y', "%s: trainer 1's requests failed", what);
 }
 
-static void kill_kid(pid_t kid)
-{
-	int st;
-
-	kill(kid, SIGKILL);
-	waitpid(kid, &st, 0);
-	for (unsigned i = 0; i < num_kids; i++)
-		if (kids[i] == kid)
-			kids[i] = kids[--num_kids];
-}
-
 /* One SIGTERM stops embd with exit 0 within STOP_MS. */
 static void expect_clean_stop(void)
 {
@@ -207,14 +179,6 @@ static void expect_clean_stop(void)
 	cr_expect(exited && WIFEXITED(status) && WEXITSTATUS(status) == 0,
 		  "SIGTERM: expected exit 0 within %d ms, got %s 0x%x", STOP_MS,
 		  exited ? "status" : "no exit,", status);
-}
-
-static double now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
 /* Trainer 1 dies at `at`; trainer 0 (this process) stays connected; delay_us later one
@@ -227,7 +191,7 @@ static void sigterm_after_kill(enum kill_point at, unsigned busy_poll_us, unsign
 	int ready, status;
 
 	start(busy_poll_us);
-	cr_assert_eq(embd_connect(socket_path, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
 	uint64_t n = fill(t0, 0);
 	pid_t kid = spawn_trainer1(at, &ready);
 	uint64_t s = wait_joined(ready, what);
@@ -240,16 +204,16 @@ static void sigterm_after_kill(enum kill_point at, unsigned busy_poll_us, unsign
 	close(ready);
 	if (at == KILL_BEFORE_BACKWARD)
 		cr_assert_eq(submit(t0, EMBD_REQUEST_BACKWARD, s, n), 0, "%s", embd_last_error(t0));
-	kill_kid(kid);
+	tu_kill_child(kid);
 	usleep(delay_us);       /* 0: SIGTERM races the hangup; else the hangup is seen first */
-	double t = now_ms();
+	uint64_t t_ns = embd_now_ns();
 	bool exited = service_stop_within(STOP_MS, &status);
 	cr_assert(exited, "%s, busy_poll_us %u, SIGTERM %u us after the kill: embd did not exit within %d ms of SIGTERM (log %s)",
-		  what, busy_poll_us, delay_us, STOP_MS, service_log_path);
+		  what, busy_poll_us, delay_us, STOP_MS, service.log);
 	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "%s: embd's exit status: expected "
 		  "exit 0, got 0x%x", what, status);
 	cr_log_info("%s, busy_poll_us %u: embd exited %.0f ms after SIGTERM", what, busy_poll_us,
-		    now_ms() - t);
+		    (double)(embd_now_ns() - t_ns) / 1e6);
 	embd_close(t0);
 	stop();
 }
@@ -275,17 +239,17 @@ Test(lifecycle, dead_trainer_with_socket_in_a_child_is_dropped)
 	int pipefd[2];
 
 	start(50);
-	cr_assert_eq(embd_connect(socket_path, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
 	uint64_t s = embd_layout(t0)->resumed_step, n = fill(t0, 0);
 	cr_assert_eq(pipe(pipefd), 0);
-	pid_t kid = fork_kid();
+	pid_t kid = tu_fork_child();
 	if (kid == 0) {
 		/* trainer 1: forwards step s, forks a child that keeps every fd (its socket too,
 		 * as a data loader worker would), and dies before its BACKWARD */
 		close(pipefd[0]);
 		struct embd_client *c;
 		char ok = 'y';
-		if (embd_connect(socket_path, 1, 5000, &c, err, sizeof(err)))
+		if (embd_connect(service.socket, 1, 5000, &c, err, sizeof(err)))
 			_exit(2);
 		if (embd_forward(c, 0, s, fill(c, 1), 0))
 			ok = 'n';
@@ -310,12 +274,11 @@ Test(lifecycle, dead_trainer_with_socket_in_a_child_is_dropped)
 	cr_assert_eq(poll(&pfd, 1, 5000), 1, "trainer 1 did not get ready within 5 s");
 	cr_assert_eq(read(pipefd[0], &grandchild, sizeof(grandchild)), (ssize_t)sizeof(grandchild));
 	cr_assert_gt(grandchild, 0, "trainer 1 could not fork");
-	cr_assert(num_kids < sizeof(kids) / sizeof(kids[0]));
-	kids[num_kids++] = grandchild;          /* not our child: fini only kills it */
+	tu_track_process(grandchild);           /* not our child: fini only kills it */
 	wait_ready(pipefd[0], "socket held by a child");
 	close(pipefd[0]);
 	cr_assert_eq(submit(t0, EMBD_REQUEST_BACKWARD, s, n), 0, "%s", embd_last_error(t0));
-	kill_kid(kid);
+	tu_kill_child(kid);
 	/* the socket stays open in the grandchild: only the pidfd can tell the service */
 	rc = embd_wait(t0, &done, 3000);
 	cr_assert_eq(rc, 0, "trainer 0's backward after trainer 1 died (its socket still open in "
@@ -323,10 +286,11 @@ Test(lifecycle, dead_trainer_with_socket_in_a_child_is_dropped)
 		     embd_last_error(t0));
 	cr_expect_eq(done.result, EMBD_ECANCELED, "trainer 0's backward: expected EMBD_ECANCELED "
 		     "(%d), got %d (%s)", EMBD_ECANCELED, done.result, embd_last_error(t0));
-	cr_expect(service_log_has("trainer 1 (pid"), "the service should log trainer 1 leaving");
+	cr_expect(tu_embd_log_has(&service, "trainer 1 (pid"),
+		  "the service should log trainer 1 leaving");
 	/* trainer 1's index is free again while the old socket still lingers */
 	struct embd_client *t1;
-	rc = embd_connect(socket_path, 1, 5000, &t1, err, sizeof(err));
+	rc = embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err));
 	cr_expect_eq(rc, 0, "reconnect as trainer 1: expected 0, got %d (%s)", rc, err);
 	embd_close(t1);
 	embd_close(t0);
@@ -372,7 +336,7 @@ static void kill_round(struct embd_client *t0, int round)
 	wait_ready(ready, "leak round");
 	close(ready);
 	cr_assert_eq(submit(t0, EMBD_REQUEST_BACKWARD, s, n), 0, "%s", embd_last_error(t0));
-	kill_kid(kid);
+	tu_kill_child(kid);
 	rc = embd_wait(t0, &done, 3000);
 	cr_assert(rc == 0 && done.result == EMBD_ECANCELED, "round %d: trainer 0's backward after "
 		  "the kill: expected EMBD_ECANCELED, got rc %d result %d (%s)", round, rc,
@@ -385,23 +349,23 @@ Test(lifecycle, killed_trainers_leave_no_fds_or_memory)
 	char err[256];
 
 	start_batch(50, LEAK_BATCH);
-	cr_assert_eq(embd_connect(socket_path, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
 	/* the baseline: trainer 0 alone. A round's cancellation reaches trainer 0 before the
 	 * service has closed the dead trainer's fds, so each count below waits to settle. */
-	int fds0 = service_count_fds(service_pid);
-	cr_assert(fds0 > 0, "cannot read /proc/%d/fd", (int)service_pid);
+	int fds0 = tu_embd_count_fds(&service);
+	cr_assert(fds0 > 0, "cannot read /proc/%d/fd", (int)service.pid);
 	/* two rounds first: the step engine's buffers and the allocator's arenas grow once */
 	for (int round = 0; round < 2; round++)
 		kill_round(t0, round);
-	int settled = service_wait_fds(fds0);
+	int settled = tu_embd_wait_fds(&service, fds0, FDS_SETTLE_MS);
 	cr_assert_eq(settled, fds0, "embd's open fds after 2 killed trainers: expected %d, got %d",
 		     fds0, settled);
-	long rss0 = rss_kb(service_pid);
-	cr_assert_gt(rss0, 0, "cannot read /proc/%d/status", (int)service_pid);
+	long rss0 = rss_kb(service.pid);
+	cr_assert_gt(rss0, 0, "cannot read /proc/%d/status", (int)service.pid);
 	for (int round = 2; round < 2 + LEAK_ROUNDS; round++)
 		kill_round(t0, round);
-	int fds = service_wait_fds(fds0);
-	long rss = rss_kb(service_pid);
+	int fds = tu_embd_wait_fds(&service, fds0, FDS_SETTLE_MS);
+	long rss = rss_kb(service.pid);
 	cr_log_info("after %d killed trainers: %d fds (baseline %d), VmRSS %ld kB (baseline %ld kB)",
 		    LEAK_ROUNDS, fds, fds0, rss, rss0);
 	cr_expect_eq(fds, fds0, "embd's open fds after %d killed trainers: expected %d as before, "

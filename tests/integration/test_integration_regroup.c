@@ -1,6 +1,6 @@
 /*
  * Integration: a cluster of real embd nodes (dist_fixture.h) that re-forms after a node
- * failed (service/regroup.h). Trainers post step s with global batch s, and go on like a real
+ * failed (dist/regroup.h). Trainers post step s with global batch s, and go on like a real
  * training loop would: EMBD_EAGAIN -> the same step again a little later, EMBD_ERESUMED -> the
  * step the completion names, another error -> the next step. The pooled outputs of the steps
  * that completed are compared with the unsharded reference trained on batches 0, 1, 2.
@@ -28,21 +28,14 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "service/ckpt_cluster.h"
+#include "ckpt/ckpt_cluster.h"
+#include "common/clock.h"
 #include "tests/integration/ckpt_cluster_fixture.h"
 
 TestSuite(regroup, .fini = ckpt_cluster_fini, .timeout = 60);
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
 
 /* What each trainer reports (shared mapping, one per global trainer). */
 struct report {
@@ -90,10 +83,10 @@ static int train_until(struct embd_client *c, struct shared_all *all, uint32_t g
 		       uint64_t end, bool must_resume)
 {
 	struct report *r = &all->rep[g];
-	const uint64_t deadline = now_ms() + 20000;
+	const int64_t deadline = embd_now_ms() + 20000;
 	bool last_ok = false;
 
-	while (now_ms() < deadline) {
+	while (embd_now_ms() < deadline) {
 		if (*step >= end && last_ok && (!must_resume || r->resumed))
 			return 0;
 		int rc = one_step(c, all->sh, g, *step);
@@ -138,7 +131,8 @@ static struct embd_client *connect_trainer(struct shared_all *all, uint32_t g)
 	struct embd_client *c = NULL;
 	char err[256];
 
-	if (embd_connect(nodes[g / RANKS].socket, (int)(g % RANKS), 10000, &c, err, sizeof(err))) {
+	if (embd_connect(nodes[g / RANKS].embd.socket, (int)(g % RANKS), 10000, &c, err,
+			 sizeof(err))) {
 		snprintf(all->rep[g].first_err, sizeof(all->rep[g].first_err), "connect: %.200s",
 			 err);
 		_exit(2);
@@ -164,10 +158,10 @@ static void wait_byte(int fd)
 static void wait_until(struct shared_all *all, uint32_t first, uint32_t n, int timeout_ms,
 		       const char *what)
 {
-	uint64_t end = now_ms() + (uint64_t)timeout_ms;
+	int64_t end = embd_now_ms() + timeout_ms;
 	bool all_done = false;
 
-	while (!all_done && now_ms() < end) {
+	while (!all_done && embd_now_ms() < end) {
 		all_done = true;
 		for (uint32_t g = first; g < first + n; g++)
 			all_done &= all->rep[g].phase_done;
@@ -194,7 +188,7 @@ static struct shared_all *start_paused(void (*trainer)(struct shared_all *, uint
 	struct shared_all *all = map_all();
 	cr_assert(pipe(go[0]) == 0 && pipe(go[1]) == 0);
 	for (uint32_t g = 0; g < 2 * RANKS; g++) {
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0)
 			trainer(all, g, go[g / RANKS][0]);
 	}
@@ -243,14 +237,14 @@ static void stall_trainer(struct shared_all *all, uint32_t g, int go_fd)
 static bool log_shows(uint32_t n, const char *text, int ms)
 {
 	static char log[65536];
-	uint64_t end = now_ms() + (uint64_t)ms;
+	int64_t end = embd_now_ms() + ms;
 
 	do {
 		read_log(n, log, sizeof(log));
 		if (strstr(log, text))
 			return true;
 		usleep(20000);
-	} while (now_ms() < end);
+	} while (embd_now_ms() < end);
 	return false;
 }
 
@@ -274,17 +268,17 @@ static void stall(uint32_t victim, bool checkpoints)
 	struct shared_all *all = start_paused(stall_trainer, kids, go,
 					      "finish step 0 and the forward of step 1");
 	/* every trainer between forward and backward of step 1: the victim stalls */
-	cr_assert_eq(kill(nodes[victim].pid, SIGSTOP), 0);
+	cr_assert_eq(kill(nodes[victim].embd.pid, SIGSTOP), 0);
 	cr_assert_eq(write(go[other][1], "gg", 2), 2);
 	/* the other node's trainers' backward fails within the timeout, naming the victim
 	 * (node 0 stalled: its store too, which costs the other node up to 3 s more) */
-	uint64_t end = now_ms() + TIMEOUT_MS + 6000;
-	while (now_ms() < end && (!all->rep[other * RANKS].failures ||
+	int64_t end = embd_now_ms() + TIMEOUT_MS + 6000;
+	while (embd_now_ms() < end && (!all->rep[other * RANKS].failures ||
 				  !all->rep[other * RANKS + 1].failures))
 		usleep(10000);
 	/* node 1's wait for the verdict: twice store_timeout_ms plus the store's reply slack */
 	bool gave_up = !checkpoints || log_shows(1, "checkpoint of step 1 failed", 15000);
-	kill(nodes[victim].pid, SIGCONT);
+	kill(nodes[victim].embd.pid, SIGCONT);
 	cr_assert(gave_up, "node 1 should give up the checkpoint of step 1 while node 0 stalls");
 	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
 	join_trainers(kids, T);
@@ -314,7 +308,7 @@ static void stall(uint32_t victim, bool checkpoints)
 	check_against_reference(all->sh, T, victim ? "2 nodes after node 1 stalled" :
 			       "2 nodes after node 0 (the store) stalled");
 	for (uint32_t n = 0; n < 2; n++)
-		cr_expect_eq(kill(nodes[n].pid, 0), 0, "node %u should still run", n);
+		cr_expect_eq(kill(nodes[n].embd.pid, 0), 0, "node %u should still run", n);
 	munmap(all->sh, sizeof(*all->sh));
 	munmap(all, sizeof(*all));
 	if (!checkpoints)
@@ -367,12 +361,12 @@ Test(regroup, a_step_refused_everywhere_counts_and_the_resume_lands_after_it)
 
 	struct shared_all *all = start_paused(refused_trainer, kids, go, "have step 0 refused");
 	/* node 1 stalls: node 0's step 1 fails after the collective timeout and re-forms */
-	cr_assert_eq(kill(nodes[1].pid, SIGSTOP), 0);
+	cr_assert_eq(kill(nodes[1].embd.pid, SIGSTOP), 0);
 	cr_assert_eq(write(go[0][1], "gg", 2), 2);
-	uint64_t end = now_ms() + TIMEOUT_MS + 6000;
-	while (now_ms() < end && (!all->rep[0].failures || !all->rep[1].failures))
+	int64_t end = embd_now_ms() + TIMEOUT_MS + 6000;
+	while (embd_now_ms() < end && (!all->rep[0].failures || !all->rep[1].failures))
 		usleep(10000);
-	kill(nodes[1].pid, SIGCONT);
+	kill(nodes[1].embd.pid, SIGCONT);
 	cr_assert_eq(write(go[1][1], "gg", 2), 2);
 	join_trainers(kids, T);
 	for (uint32_t g = 0; g < T; g++) {
@@ -460,7 +454,7 @@ static struct shared_all *kill_and_restart(enum checkpoints ck, uint32_t victim,
 	struct shared_all *all = map_all();
 	cr_assert(pipe(go) == 0);
 	for (uint32_t g = 0; g < T; g++) {
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0)
 			restart_trainer(all, g, go[0], survivor);
 	}
@@ -486,7 +480,7 @@ static struct shared_all *kill_and_restart(enum checkpoints ck, uint32_t victim,
 	restart_node(victim);
 	for (uint32_t g = RANKS; victim == 1 && g < T; g++) {
 		all->rep[g].rc = 1;
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0)
 			late_trainer(all, g);
 	}
@@ -521,7 +515,7 @@ Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
 {
 	const uint32_t T = 2 * RANKS;
 	pid_t kids[2 * RANKS];
-	uint64_t t0 = now_ms();
+	int64_t t0 = embd_now_ms();
 	struct shared_all *all = kill_and_restart(NO_CHECKPOINTS, 1, kids);
 
 	for (uint32_t g = 0; g < T; g++) {
@@ -532,7 +526,7 @@ Test(regroup, restarted_node_without_checkpoints_refuses_steps_state_lost)
 			  "trainer %u: expected the refusal to say the state was lost, naming node "
 			  "1, got '%s'", g, r->last_err);
 	}
-	cr_expect_lt(now_ms() - t0, 30000, "expected the refusals within 30 s of the start");
+	cr_expect_lt(embd_now_ms() - t0, 30000, "expected the refusals within 30 s of the start");
 	munmap(all->sh, sizeof(*all->sh));
 	munmap(all, sizeof(*all));
 }
@@ -578,13 +572,10 @@ Test(regroup, restarted_node_0_is_refused_clearly_on_both_sides)
 			  "the refusal to say node 0 restarted, got '%s'", g, r->last_err);
 	}
 	/* the new node 0 gives up after store_timeout_ms, naming node 1 */
-	pid_t pid = nodes[0].pid;
-	for (int i = 0; i < 1000 && waitpid(pid, &st, WNOHANG) != pid; i++)
-		usleep(10000);
+	tu_embd_wait(&nodes[0].embd, 10000, &st);
 	read_log(0, log, sizeof(log));
 	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 1, "the new node 0: expected exit 1 within "
 		  "10 s, got status 0x%x", st);
-	nodes[0].pid = 0;
 	cr_expect(strstr(log, "node(s) 1 still run the cluster node 0 had before it restarted"),
 		  "the new node 0 should name node 1 as running the old cluster: %s", log);
 	munmap(all->sh, sizeof(*all->sh));

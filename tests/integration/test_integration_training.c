@@ -1,7 +1,7 @@
 /*
  * Integration: real embd processes and real trainer processes training together. For every
  * sharding type (forced by a table constraint), trainers forked from the test run K steps of
- * forward + backward and every pooled output equals the unsharded reference (tests/reference)
+ * forward + backward and every pooled output equals the unsharded reference (tests/support/reference.c)
  * trained on the concatenated global batch from embd_init_value weights; 4 trainers at once;
  * a trainer killed with SIGKILL mid-step (the others get EMBD_ECANCELED, the service survives
  * without leaking fds and the next step runs); malformed batches refused with the field named.
@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "libclient/client_priv.h"
+#include "libclient/client_internal.h"
 #include "tests/integration/service_fixture.h"
 #include "tests/integration/training_common.h"
 
@@ -54,10 +54,10 @@ static void stop(void)
 {
 	int status;
 
-	kill_children();
+	tu_kill_children();
 	service_stop_within(3000, &status);
 	unlink(config_path);
-	unlink(service_log_path);
+	unlink(service.log);
 }
 
 TestSuite(training, .fini = stop, .timeout = 60);
@@ -66,11 +66,11 @@ static void train_and_check(const char *sharding, uint32_t trainers)
 {
 	start(sharding, trainers);
 	struct shared *sh = shared_map();
-	const char *sockets[] = { socket_path };
+	const char *sockets[] = { service.socket };
 	run_trainers(sh, trainers, sockets, trainers);
 	check_against_reference(sh, trainers, sharding ? sharding : "any sharding");
-	cr_expect_eq(kill(service_pid, 0), 0, "embd (pid %d) should still run after training",
-		     (int)service_pid);
+	cr_expect_eq(kill(service.pid, 0), 0, "embd (pid %d) should still run after training",
+		     (int)service.pid);
 	munmap(sh, sizeof(*sh));
 }
 
@@ -108,19 +108,19 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 	int pipefd[2];
 
 	start(NULL, 2);
-	int fds_idle = service_count_fds(service_pid);
-	cr_assert_gt(fds_idle, 0, "cannot read /proc/%d/fd", (int)service_pid);
-	cr_assert_eq(embd_connect(socket_path, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	int fds_one = service_count_fds(service_pid);
+	int fds_idle = tu_embd_count_fds(&service);
+	cr_assert_gt(fds_idle, 0, "cannot read /proc/%d/fd", (int)service.pid);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	int fds_one = tu_embd_count_fds(&service);
 	uint64_t s = embd_layout(t0)->resumed_step;
 	cr_assert_eq(pipe(pipefd), 0);
-	pid_t kid = fork_child();
+	pid_t kid = tu_fork_child();
 	if (kid == 0) {
 		struct embd_client *c;
 		struct embd_batch b;
 		char ok = 'y';
 		close(pipefd[0]);
-		if (embd_connect(socket_path, 1, 5000, &c, err, sizeof(err)))
+		if (embd_connect(service.socket, 1, 5000, &c, err, sizeof(err)))
 			_exit(2);
 		embd_batch_get(c, 0, &b);
 		uint64_t n = gen_batch(0, 1, b.lengths, b.values);
@@ -162,8 +162,8 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 	cr_expect_eq(done.result, EMBD_ECANCELED, "backward of step %llu after trainer 1 died: "
 		     "expected EMBD_ECANCELED (%d), got %d (%s)", (unsigned long long)s,
 		     EMBD_ECANCELED, done.result, embd_last_error(t0));
-	cr_expect_eq(kill(service_pid, 0), 0, "embd should survive a killed trainer");
-	int fds = service_wait_fds(fds_one);
+	cr_expect_eq(kill(service.pid, 0), 0, "embd should survive a killed trainer");
+	int fds = tu_embd_wait_fds(&service, fds_one, FDS_SETTLE_MS);
 	cr_expect_eq(fds, fds_one, "embd's open fds after the dead trainer was dropped: expected "
 		     "%d (one trainer connected), got %d", fds_one, fds);
 	/* the service still answers, and trainer 1 comes back under the same index */
@@ -173,12 +173,12 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 	cr_expect(rc == 0 && done.result == 0 && done.user_data == 5,
 		  "NOP after the kill: expected result 0 for user_data 5, got rc %d result %d "
 		  "user_data %llu", rc, done.result, (unsigned long long)done.user_data);
-	rc = embd_connect(socket_path, 1, 5000, &t1, err, sizeof(err));
+	rc = embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err));
 	cr_assert_eq(rc, 0, "reconnect as trainer 1: expected 0, got %d (%s)", rc, err);
 	uint64_t next = embd_layout(t1)->resumed_step;
 	cr_expect_eq(next, s + 1, "reconnected trainer 1: expected to resume at step %llu, got "
 		     "%llu", (unsigned long long)(s + 1), (unsigned long long)next);
-	pid_t kid1 = fork_child();
+	pid_t kid1 = tu_fork_child();
 	if (kid1 == 0)
 		_exit(one_step(t1, 1, 1, next) ? 1 : 0);
 	rc = one_step(t0, 0, 1, next);
@@ -190,7 +190,7 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 		  (unsigned long long)next, st);
 	embd_close(t1);
 	embd_close(t0);
-	fds = service_wait_fds(fds_idle);
+	fds = tu_embd_wait_fds(&service, fds_idle, FDS_SETTLE_MS);
 	cr_expect_eq(fds, fds_idle, "embd's open fds with no trainer: expected %d as before the "
 		     "test, got %d", fds_idle, fds);
 }
@@ -288,8 +288,8 @@ Test(training, malformed_batches_are_named_and_others_run)
 	char err[256];
 
 	start(NULL, 2);
-	cr_assert_eq(embd_connect(socket_path, 0, 5000, &good, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(embd_connect(socket_path, 1, 5000, &bad, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &good, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_connect(service.socket, 1, 5000, &bad, err, sizeof(err)), 0, "%s", err);
 	uint64_t s = embd_layout(good)->resumed_step;
 	bad_id_case(good, bad, s++, -1, "a negative id", "-1");
 	bad_id_case(good, bad, s++, tables[0].rows, "an id == num_embeddings", "id 64");
@@ -308,7 +308,7 @@ Test(training, malformed_batches_are_named_and_others_run)
 	while (sqe.opcode <= 2);  /* NOP, FORWARD, BACKWARD are the valid ones */
 	bad_sqe_case(good, bad, s++, &sqe, "a garbage opcode", "opcode");
 
-	cr_expect_eq(kill(service_pid, 0), 0, "embd should survive malformed batches");
+	cr_expect_eq(kill(service.pid, 0), 0, "embd should survive malformed batches");
 	embd_close(good);
 	embd_close(bad);
 }

@@ -2,7 +2,7 @@
  * tests/integration/training_common.h - what the training integration tests share: the two
  * tables of every config, deterministic batches and gradients of global trainer tr at step k,
  * the trainer process body, and the check of every pooled output against the unsharded
- * reference (tests/reference) trained on the global batch (trainer 0's bags, then trainer
+ * reference (tests/support/reference.c) trained on the global batch (trainer 0's bags, then trainer
  * 1's, ...). Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
  * sums and the trainers' gradients in another order than the reference).
  */
@@ -22,7 +22,9 @@
 #include <unistd.h>
 
 #include "embd/client.h"
-#include "tests/reference/reference.h"
+#include "tests/support/children.h"
+#include "tests/support/mix.h"
+#include "tests/support/reference.h"
 
 #define K_STEPS 3
 #define BATCH 8
@@ -33,7 +35,7 @@
 #define REL_TOL 1e-5f
 #define ABS_TOL 1e-6f
 
-/* The tables of every config: table id = index (the service's convention, service/step.c). */
+/* The tables of every config: table id = index (the service's convention, engine/step.c). */
 struct test_table {
 	const char *name;
 	int64_t rows;
@@ -58,14 +60,6 @@ static const struct test_table tables[] = {
 
 /* ---- deterministic batches and gradients ------------------------------------------------- */
 
-static uint64_t mix(uint64_t x)
-{
-	x += 0x9e3779b97f4a7c15ull;
-	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-	return x ^ (x >> 31);
-}
-
 static uint32_t feature_table(uint32_t f)
 {
 	return f < 2 ? 0 : 1;
@@ -78,11 +72,12 @@ static uint64_t gen_batch(uint32_t k, uint32_t tr, int32_t *lengths, int64_t *va
 
 	for (uint32_t f = 0; f < NUM_F; f++)
 		for (uint32_t b = 0; b < BATCH; b++) {
-			uint64_t h = mix(((uint64_t)k << 40) ^ ((uint64_t)tr << 32) ^ (f << 16) ^ b);
+			uint64_t h = tu_mix64(((uint64_t)k << 40) ^ ((uint64_t)tr << 32) ^
+					      (f << 16) ^ b);
 			int32_t len = (int32_t)(h % 4);
 			lengths[f * BATCH + b] = len;
 			for (int32_t j = 0; j < len; j++)
-				values[n++] = (int64_t)(mix(h + (uint64_t)j + 1) %
+				values[n++] = (int64_t)(tu_mix64(h + (uint64_t)j + 1) %
 							(uint64_t)tables[feature_table(f)].rows);
 		}
 	return n;
@@ -91,8 +86,8 @@ static uint64_t gen_batch(uint32_t k, uint32_t tr, int32_t *lengths, int64_t *va
 /* dL/d(pooled) of trainer tr, step k, bag b, output column col: in [-1, 1]. */
 static float gen_grad(uint32_t k, uint32_t tr, uint32_t b, uint32_t col)
 {
-	uint64_t h = mix(0x5151000000000000ull ^ ((uint64_t)k << 40) ^ ((uint64_t)tr << 32) ^
-			 ((uint64_t)b << 16) ^ col);
+	uint64_t h = tu_mix64(0x5151000000000000ull ^ ((uint64_t)k << 40) ^
+			      ((uint64_t)tr << 32) ^ ((uint64_t)b << 16) ^ col);
 	return (float)((int)(h % 2001) - 1000) / 1000.0f;
 }
 
@@ -206,32 +201,6 @@ static void check_against_reference(const struct shared *sh, uint32_t trainers, 
 	check_against_reference_after(sh, trainers, what, 0);
 }
 
-/* Trainer (and other) child processes of a test, killed by kill_children() if still alive. */
-static pid_t children[16];
-static unsigned num_children;
-
-static pid_t fork_child(void)
-{
-	pid_t pid = fork();
-
-	cr_assert(pid >= 0, "fork: %s", strerror(errno));
-	if (pid > 0 && num_children < sizeof(children) / sizeof(children[0]))
-		children[num_children++] = pid;
-	return pid;
-}
-
-static void kill_children(void)
-{
-	int status;
-
-	for (unsigned i = 0; i < num_children; i++)
-		if (waitpid(children[i], &status, WNOHANG) == 0) {
-			kill(children[i], SIGKILL);
-			waitpid(children[i], &status, 0);
-		}
-	num_children = 0;
-}
-
 /* The "tables" array of a config, every table forced to sharding (NULL: planner's choice). */
 static void write_tables(FILE *f, const char *sharding)
 {
@@ -313,7 +282,7 @@ static void run_trainers(struct shared *sh, uint32_t n, const char *const *socke
 
 	for (uint32_t g = 0; g < n; g++) {
 		sh->rc[g] = 1;  /* "did not report" */
-		kids[g] = fork_child();
+		kids[g] = tu_fork_child();
 		if (kids[g] == 0) {
 			if (trainer_setup)
 				trainer_setup(g / per_socket);

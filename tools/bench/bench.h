@@ -1,6 +1,6 @@
 /*
  * Benchmarks of embd-bench. Each prints one JSON object per line on stdout and puts every
- * figure beside a reference measured in the same run (DEVELOPERS.md: only ratios are stable on
+ * figure beside a reference measured in the same run (only ratios are stable on
  * noisy machines). Each returns a process exit code.
  */
 #ifndef EMBD_BENCH_H

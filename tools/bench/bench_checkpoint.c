@@ -2,7 +2,7 @@
  * embd-bench checkpoint: a checkpoint of a node's shards written while training steps run,
  * against the disk's own sequential write speed measured in the same directory in the same
  * run (dd-like: the same bytes in 4 MiB writes, then fsync). In process: the service's step
- * engine and checkpointer (service/ckpt_service.h) on real CPU ranks, one trainer batch per
+ * engine and checkpointer (ckpt/ckpt_service.h) on real CPU ranks, one trainer batch per
  * step; the checkpoint is requested at a step boundary and the loop keeps stepping until the
  * background write is on disk. Figures, medians over rounds (disk and checkpoint alternate):
  *   write_gbps         checkpoint bytes / write time (files, fsyncs, manifest, renames)
@@ -10,7 +10,7 @@
  *   max_step_stall_ms  the most one step spent on a checkpoint's behalf: the boundary where it
  *                      starts (marking the snapshot "not copied") and, in each step while the
  *                      copier runs, the rank workers' copy-before-write of the rows that step
- *                      updates (service/ckpt_snapshot.h; the service's own accounting, the
+ *                      updates (ckpt/ckpt_snapshot.h; the service's own accounting, the
  *                      larger of it and the boundary timed here), beside stall_fraction =
  *                      that / write time
  *   step_ms_*          a step's time before and during the background write
@@ -26,11 +26,10 @@
 #include <unistd.h>
 
 #include "bench.h"
-#include "service/ckpt_service.h"
-#include "service/config.h"
-#include "service/log.h"
-#include "service/ranks.h"
-#include "service/step.h"
+#include "ckpt/ckpt_service.h"
+#include "common/log.h"
+#include "engine/ranks.h"
+#include "engine/step.h"
 
 #define CK_DIM 128
 #define CK_TABLES 4
@@ -41,7 +40,7 @@
 struct ck_bench {
 	struct embd_table_spec specs[CK_TABLES];
 	struct embd_table_constraints cons[CK_TABLES];
-	struct embd_config config;
+	struct embd_ckpt_settings config;
 	struct embd_plan plan;
 	struct embd_plan_table ptables[CK_TABLES];
 	struct embd_plan_shard pshards[CK_TABLES][16];
@@ -76,7 +75,7 @@ static int setup(struct ck_bench *b, uint64_t total_bytes, uint32_t ranks, const
 	embd_plan_topology_default(&b->plan.topology, (int32_t)ranks);
 	b->plan.topology.batch_size = CK_BATCH;
 	b->plan.topology.compute_device = EMBD_DEVICE_CPU;
-	b->config.topology = b->plan.topology;          /* one node */
+	b->config.num_nodes = 1;
 	b->plan.num_tables = CK_TABLES;
 	b->plan.tables = b->ptables;
 	int64_t block = (rows + ranks - 1) / ranks;

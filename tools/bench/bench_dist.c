@@ -4,7 +4,7 @@
  * sharding type, beside a raw Gloo alltoallv of the same byte counts measured in the same run.
  *
  * Each node is a process of its own running what embd runs between its event-loop passes:
- * rendezvous store, gloo comm (service/comm.h), its ranks and the step engine
+ * rendezvous store, gloo comm (dist/comm.h), its ranks and the step engine
  * (embd_step_forward + embd_step_backward over its trainers' batches, in memory: the IPC
  * cost is what `embd-bench e2e` measures). The raw reference is N more processes that call
  * embd_comm_alltoallv directly, four times per step, each node sending to each peer the
@@ -40,11 +40,11 @@
 
 #include "bench.h"
 #include "embd/plan.h"
-#include "service/comm.h"
-#include "service/ranks.h"
-#include "service/rendezvous.h"
-#include "service/step.h"
-#include "service/store.h"
+#include "dist/comm.h"
+#include "engine/ranks.h"
+#include "dist/rendezvous.h"
+#include "engine/step.h"
+#include "dist/store.h"
 
 #define DIST_MAX_NODES 3
 #define DIST_L 2                        /* ranks and trainers per node */

@@ -21,9 +21,9 @@
 #include "embctl.h"
 #include "kernels/device.h"
 #include "kernels/embedding.h"
-#include "service/checkpoint.h"
-#include "service/config.h"
-#include "service/npy.h"
+#include "ckpt/checkpoint.h"
+#include "daemon/config.h"
+#include "ckpt/npy.h"
 
 #define MAX_IMPORTS 64
 #define MAX_NODES 64
@@ -127,7 +127,7 @@ int embctl_export(int argc, char **argv)
 	rc = 1;
 	dirs[0] = root;
 	n_dirs = n_dirs ? n_dirs : 1;
-	/* several --dir: per-node directories of one cluster (service/checkpoint.h) */
+	/* several --dir: per-node directories of one cluster (ckpt/checkpoint.h) */
 	if (n_dirs == 1 ? embd_ckpt_find(root, step, print_skip, NULL, ckdirs[0], sizeof(ckdirs[0]),
 					  &m, err, sizeof(err))
 			: embd_ckpt_find_nodes(dirs, n_dirs, step, print_skip, NULL, ckdirs, &m, err,

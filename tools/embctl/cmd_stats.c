@@ -2,7 +2,7 @@
  * embctl stats [--json] [--watch SECONDS] and embctl status: one STATS_REQUEST or
  * STATUS_REQUEST on the service's control socket, the JSON reply printed as it came
  * (--json, and always for status) or as a short human summary of the fields documented in
- * service/stats.h. --watch repeats every SECONDS until interrupted.
+ * daemon/stats.h. --watch repeats every SECONDS until interrupted.
  */
 #include <cjson/cJSON.h>
 #include <getopt.h>

@@ -1,0 +1,147 @@
+/*
+ * daemon/config.h - the configuration of `embd`: one JSON object, parsed strictly (an unknown
+ * key or a wrong type is an error naming the key), with an embedded default so that `embd`
+ * alone runs a small CPU node.
+ *
+ * This comment is the reference for the file format; the one place keys are read is the keys[]
+ * table of daemon/config.c (each key's type, range and default). Every key is optional:
+ *
+ *   { "tables": [ ... ],            the planner's tables array (include/embd/plan.h)
+ *     "topology": { ... },          the planner's topology fields (include/embd/plan.h);
+ *                                   world_size a multiple of local_world_size: node n
+ *                                   holds global ranks [n * L, (n + 1) * L)
+ *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
+ *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
+ *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
+ *     "allowed_gids": [100],        ... or by primary gid (default: none)
+ *     "trainers_per_node": 2,       T trainers per step (default: local_world_size)
+ *     "seed": 2026,                 weight init seed (unsigned 64-bit)
+ *     "threads_per_rank": 1,        worker threads of each CPU rank
+ *     "log_level": "info",          error | warning | notice | info | debug
+ *     "checkpoint_dir": "",         where checkpoints go (ckpt/checkpoint.h); "" = none. At start
+ *                                   the newest valid one there is restored
+ *     "checkpoint_layout": "shared",  a cluster's directories: "shared" (every node's
+ *                                   checkpoint_dir is one directory, NFS or one machine) or
+ *                                   "per_node" (each node its own disk: step-N/ with its
+ *                                   own shards and manifest; restores only under the same
+ *                                   plan and node count). Ignored on one node
+ *     "checkpoint_every_steps": 0,  a checkpoint every N completed steps (0 = off)
+ *     "checkpoint_every_seconds": 0,  ... and/or every T seconds while steps run (0 = off);
+ *                                   `embctl checkpoint` and SIGTERM take one too. On a
+ *                                   cluster node 0's timer decides, and every trigger is
+ *                                   agreed through the step's first exchange (ckpt_service.h)
+ *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all)
+ *   every node of a cluster must have the same checkpoint_layout, every_steps,
+ *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
+ *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
+ *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the
+ *   environment variables MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
+ *   override these keys and the topology's sizes; see dist/rendezvous.h):
+ *     "master_addr": "127.0.0.1",   where node 0 serves the rendezvous store
+ *     "master_port": 29500,         its TCP port
+ *     "gloo_ifname": "",            the interface whose address this node's Gloo device
+ *                                   listens on and advertises (GLOO_SOCKET_IFNAME in the
+ *                                   environment wins, as in torch; one name, not a list)
+ *     "comm_addr": "",              ... or that numeric address of this host (not with
+ *                                   gloo_ifname). Neither: the local address of the route to
+ *                                   master_addr (dist/rendezvous.h,
+ *                                   embd_rendezvous_comm_addr): 127.0.0.1 on one host
+ *     "node_rank": 0,               this node (0 .. world_size / local_world_size - 1)
+ *     "backend": "gloo",            gloo (CPU, one Gloo rank per node); nccl needs cuda
+ *     "collective_timeout_ms": 30000,  every collective: a node that does not answer within
+ *                                   it fails the step on the others (and breaks the comm,
+ *                                   which is re-formed: dist/regroup.h); also the comm
+ *                                   rendezvous and barrier of a re-formed generation
+ *     "store_timeout_ms": 0 }       every store wait and the join, and a re-forming
+ *                                   generation's wait for the states (a runtime restore
+ *                                   waits twice it for node 0's choice); 0 =
+ *                                   collective_timeout_ms. Re-forming waits for a missing
+ *                                   node without limit, serving meanwhile (FORWARDs get
+ *                                   EMBD_EAGAIN naming it)
+ *
+ * Trainers: trainers_per_node on every node (at most 64 on several nodes); the global batch
+ * is node 0's trainers' batches in trainer order, then node 1's, ...
+ * Missing "tables" or "topology" take the embedded default's (embd_config_default_text).
+ * Command-line flags (--socket, --log-level) are applied by the caller after parsing.
+ */
+#ifndef EMBD_DAEMON_CONFIG_H
+#define EMBD_DAEMON_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/un.h>
+
+#include "ckpt/ckpt_service.h"
+#include "embd/plan.h"
+#include "dist/comm.h"
+#include "common/log.h"
+
+#define EMBD_CONFIG_IDS_MAX 64          /* entries of allowed_uids / allowed_gids */
+#define EMBD_CONFIG_PATH_MAX 4096
+#define EMBD_CONFIG_SOCKET_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
+#define EMBD_CONFIG_DEFAULT_SOCKET "/run/embd/embd.sock"
+
+struct embd_config {
+	struct embd_tables tables;                      /* owned; embd_config_free releases */
+	struct embd_topology topology;
+	char plan_file[EMBD_CONFIG_PATH_MAX];           /* "" = plan at start */
+	char socket_path[EMBD_CONFIG_SOCKET_MAX];
+	uint32_t num_allowed_uids;
+	uid_t allowed_uids[EMBD_CONFIG_IDS_MAX];        /* checked by embd_ctl_peer_check */
+	uint32_t num_allowed_gids;
+	gid_t allowed_gids[EMBD_CONFIG_IDS_MAX];
+	uint32_t trainers_per_node;
+	uint64_t seed;
+	uint32_t threads_per_rank;
+	enum embd_log_level log_level;
+	char checkpoint_dir[EMBD_CONFIG_PATH_MAX];      /* "" = none */
+	enum embd_ckpt_layout checkpoint_layout;
+	uint32_t checkpoint_every_steps;                /* 0 = off */
+	uint32_t checkpoint_every_seconds;              /* 0 = off */
+	uint32_t checkpoint_keep;                       /* 0 = keep all */
+	uint32_t busy_poll_us;
+	char master_addr[256];
+	uint16_t master_port;
+	char gloo_ifname[16];                           /* "" = not given (IFNAMSIZ) */
+	char comm_addr[64];                             /* "" = not given */
+	uint32_t node_rank;
+	enum embd_comm_backend backend;
+	int collective_timeout_ms;
+	int store_timeout_ms;                           /* resolved: never 0 after parsing */
+};
+
+/* Nodes of the cluster: world_size / local_world_size. */
+static inline uint32_t embd_config_nodes(const struct embd_config *c)
+{
+	return (uint32_t)(c->topology.world_size / c->topology.local_world_size);
+}
+
+/* The embedded default configuration (JSON text, NUL-terminated). */
+const char *embd_config_default_text(void);
+
+/*
+ * Parses config text of len bytes into *out (zeroed first). Returns 0, EMBD_EPARSE for bad
+ * JSON (err gives line and column), EMBD_EINVAL for an unknown key, a wrong type or a value
+ * out of range (err names the key), or the planner's error for tables and topology.
+ * On error *out holds nothing to free; on success release it with embd_config_free.
+ */
+int embd_config_parse(const char *text, size_t len, struct embd_config *out, char *err,
+		      size_t err_len);
+
+/* Reads and parses a file (errors name the path). */
+int embd_config_load(const char *path, struct embd_config *out, char *err, size_t err_len);
+
+/* The settings beside tables and topology that every node of a cluster must share, as a JSON
+ * object for the join record (rendezvous.h: embd_collective_plan's settings); *out is
+ * malloc'ed. checkpoint_dir is compared as "set" / "unset" only. */
+int embd_config_join_settings(const struct embd_config *c, char **out);
+
+/* The checkpoint service's view of the config (ckpt/ckpt_service.h); *out borrows c's tables. */
+void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_settings *out);
+
+/* Releases what a parsed config owns. NULL and zeroed are fine. */
+void embd_config_free(struct embd_config *config);
+
+#endif /* EMBD_DAEMON_CONFIG_H */

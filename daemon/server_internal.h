@@ -1,0 +1,169 @@
+/*
+ * daemon/server_internal.h - the server (daemon/server.h) in four files, one concept each, all
+ * on the server's one thread:
+ *   server.c           the loop, the sessions (accept, HELLO, stats), lifetime
+ *   server_schedule.c  the step schedule: requests, the phases of step s, completions
+ *   server_ckpt.c      checkpoints: embctl requests, --wait answers, SIGTERM's final one
+ *   server_regroup.c   re-forming a cluster after a failure
+ * struct embd_server holds the loop, the sessions and the schedule; the checkpoint and regroup
+ * parts keep their state in their own structs, defined in their own files and reached only
+ * through the functions below (each of which does nothing, or answers for a plain node, when
+ * its part is not set).
+ */
+#ifndef EMBD_DAEMON_SERVER_INTERNAL_H
+#define EMBD_DAEMON_SERVER_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ipc/control.h"
+#include "ipc/doorbell.h"
+#include "ipc/protocol.h"
+#include "daemon/server.h"
+#include "daemon/stats.h"
+
+#define MAX_CLIENTS 256u
+
+enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT, TAG_PIDFD };
+#define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
+
+struct client {
+	bool used;
+	int sock;
+	int pidfd;                      /* the peer process, or -1: its exit drops the client even
+					 * when a child it forked keeps the socket open */
+	struct embd_ctl_peer peer;
+	int32_t index;                  /* trainer index, -1 before HELLO (embctl stays -1) */
+	struct embd_region *region;
+	int eventfd;
+	struct embd_doorbell sq_db, cq_db;
+	struct embd_batch_limits limits;
+	int32_t *lengths;               /* private copy of the posted batch's lengths */
+	/* the step in flight, from this trainer's side (server_schedule.c) */
+	bool has_fwd, has_bwd, participant;
+	struct embd_sqe fwd, bwd;
+	uint64_t fwd_popped_ns, bwd_popped_ns;
+	struct embd_kjt kjt;
+	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
+	uint64_t requests, errors;
+};
+
+enum phase { COLLECT, WAIT_BACKWARD };
+
+struct embd_server_ckpt;
+struct embd_server_regroup;
+
+struct embd_server {
+	const struct embd_config *config;
+	struct embd_step *step;
+	struct embd_ranks *ranks;
+	uint64_t plan_hash;
+	bool cluster;                   /* several nodes: every step is collective */
+	/* the loop and the sessions (server.c) */
+	struct embd_evloop *loop;
+	int listen_fd, sigfd;
+	bool stop;
+	struct client clients[MAX_CLIENTS];
+	uint32_t slots_end;             /* 1 + the highest slot in use: per-pass loops stop here */
+	bool dirty;                     /* something advance() looks at changed since it last ran */
+	struct embd_stats stats;
+	struct embd_layout *layout;
+	uint8_t *msgbuf;
+	/* the step schedule (server_schedule.c) */
+	uint64_t s;                     /* the step being collected or run */
+	enum phase phase;
+	bool first_step_done;
+	uint64_t step_start_ns;
+	uint64_t canceled_step;         /* step + 1 of the last aborted or dropped step */
+	char canceled_why[EMBD_CQE_MSG_BYTES];  /* what a late BACKWARD of it is told */
+	struct embd_step_batch *batches;
+	uint32_t batch_slot[MAX_CLIENTS];
+	uint32_t num_batches;
+	/* the parts (NULL when not set) */
+	struct embd_server_ckpt *ckpt;          /* server_ckpt.c: with checkpoint_dir */
+	struct embd_server_regroup *rg;         /* server_regroup.c: on a cluster's node */
+};
+
+/* ---- server.c ---- */
+
+/* Drops client c (its socket, pidfd and region), aborting the step it takes part in. */
+void embd_server_drop_client(struct embd_server *sv, struct client *c, const char *why);
+
+/* ---- server_schedule.c ---- */
+
+/* A completion for sqe of client c. */
+void embd_server_complete(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			  uint64_t popped_ns, int result, const char *msg);
+/* Pops what every ready client posted and runs the phases that became due. Returns how many
+ * requests were handled. */
+uint32_t embd_server_poll_rings(struct embd_server *sv);
+/* Whether client c may hand in its next request now (else it stays in its ring). */
+bool embd_server_client_ready(const struct embd_server *sv, const struct client *c);
+/* Client c leaves: the step it takes part in is aborted (why names it). */
+void embd_server_schedule_leave(struct embd_server *sv, struct client *c, const char *why);
+/* The first step a trainer welcomed now posts. */
+uint64_t embd_server_join_step(const struct embd_server *sv);
+/* Drops the step in flight on this node alone (its comm is broken: nothing was applied) and
+ * answers every request kept for it: a BACKWARD EMBD_ECANCELED (now or when it comes), a
+ * FORWARD EMBD_EAGAIN, with why. */
+void embd_server_drop_step(struct embd_server *sv, const char *why);
+/* The schedule starts over at step (a restore, or the cluster's agreed step). */
+void embd_server_resume_at(struct embd_server *sv, uint64_t step);
+
+/* ---- server_ckpt.c ---- */
+
+/* embctl checkpoint [--wait] from client c. */
+int embd_server_checkpoint_request(struct embd_server *sv, struct client *c,
+				   const struct embd_ctl_msg *msg, char *err, size_t err_len);
+/* SIGTERM or SIGINT: true to stop now; false when (a cluster with checkpoints) the cluster's
+ * final checkpoint is asked for first: the server stops after it, or at the drain deadline. */
+bool embd_server_checkpoint_signal(struct embd_server *sv, uint32_t signo);
+/* True once the drain after the signal ran out with no step (it says so in the log). */
+bool embd_server_checkpoint_drain_over(const struct embd_server *sv);
+/* How long the loop may sleep (ms): short while draining. */
+int embd_server_checkpoint_sleep_ms(const struct embd_server *sv, int idle_ms);
+/* A background checkpoint write ended (its fd fired in the loop). */
+void embd_server_checkpoint_done(struct embd_server *sv);
+/* Around the forward of step s: a cluster's first exchange carries the checkpoint wanted after
+ * s; forward_end (rc: the forward's) notes whether the cluster agreed on it. */
+void embd_server_checkpoint_forward_begin(struct embd_server *sv);
+void embd_server_checkpoint_forward_end(struct embd_server *sv, int rc);
+/* The boundary before the step being collected: takes the checkpoint due there (on a cluster
+ * only while it runs). True when that was the final one (SIGTERM): stop. */
+bool embd_server_checkpoint_boundary(struct embd_server *sv);
+/* The step in flight was dropped: a checkpoint agreed for it is not taken. */
+void embd_server_checkpoint_step_dropped(struct embd_server *sv);
+/* A re-formed cluster's generation gen: the checkpoints' store handle follows it. */
+void embd_server_checkpoint_regrouped(struct embd_server *sv, uint64_t gen);
+/* Restores the checkpoint the re-formed cluster chose (store key key) into the running node:
+ * 0 and *step, or an error in err. The pending request it drops is answered either way. */
+int embd_server_checkpoint_restore(struct embd_server *sv, const char *key, uint64_t *step,
+				   char *err, size_t err_len);
+/* Adds the "checkpoints" object to the status JSON text *status. */
+int embd_server_checkpoint_status_add(const struct embd_server *sv, char **status);
+/* The client in slot left: nobody waits there any more. */
+void embd_server_checkpoint_client_gone(struct embd_server *sv, uint32_t slot);
+void embd_server_checkpoint_free(struct embd_server *sv);
+
+/* ---- server_regroup.c ---- */
+
+/* Every pass of the loop: notices a failed collective or a newer generation and drives the
+ * forming of the next one (short store looks, at most every few tens of ms). */
+void embd_server_regroup_tick(struct embd_server *sv);
+/* A FORWARD the cluster cannot run now (re-forming, state lost, or of another step than the
+ * one a re-formed cluster resumed at, unless early: for the step after the one in backward)
+ * is completed here: true. */
+bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
+			      const struct embd_sqe *sqe, uint64_t popped_ns, bool early);
+/* Whether steps may run (one node, or no re-forming and no refusal). */
+bool embd_server_regroup_running(const struct embd_server *sv);
+/* Every node completed the steps before step alike (update applied, or none anywhere). */
+void embd_server_regroup_applied(struct embd_server *sv, uint64_t step);
+/* Adds the "cluster" object (daemon/stats.h) to the status JSON text *status. */
+int embd_server_regroup_status_add(const struct embd_server *sv, char **status);
+/* How long the loop may sleep (ms): short while forming. */
+int embd_server_regroup_sleep_ms(const struct embd_server *sv, int idle_ms);
+void embd_server_regroup_free(struct embd_server *sv);
+
+#endif /* EMBD_DAEMON_SERVER_INTERNAL_H */

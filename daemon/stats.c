@@ -1,0 +1,149 @@
+/*
+ * Service counters and their JSON (daemon/stats.h). Latencies go into fixed windows of the
+ * most recent samples, so a percentile costs one sort of at most EMBD_STATS_WINDOW values and
+ * only when someone asks; recording a sample is a store.
+ */
+#include "daemon/stats.h"
+#include "common/clock.h"
+
+#include <cjson/cJSON.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void embd_stats_init(struct embd_stats *s)
+{
+	memset(s, 0, sizeof(*s));
+	s->start_ns = embd_now_ns();
+}
+
+void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uint64_t latency_ns)
+{
+	s->steps++;
+	s->lookups += c->lookups;
+	s->ids += c->ids;
+	s->bytes_in += c->input_bytes;
+	s->bytes_out += c->output_bytes;
+	s->step_ns[s->num_step++ % EMBD_STATS_WINDOW] = latency_ns;
+}
+
+void embd_stats_request(struct embd_stats *s, uint64_t latency_ns)
+{
+	s->ipc_ns[s->num_ipc++ % EMBD_STATS_WINDOW] = latency_ns;
+}
+
+static int compare_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return x < y ? -1 : x > y;
+}
+
+/* Percentile p (0..100) of the window, nearest rank, in microseconds. */
+static double percentile_us(const uint64_t *window, uint64_t count, double p)
+{
+	uint64_t n = count < EMBD_STATS_WINDOW ? count : EMBD_STATS_WINDOW;
+	uint64_t sorted[EMBD_STATS_WINDOW];
+
+	if (!n)
+		return 0;
+	memcpy(sorted, window, n * sizeof(uint64_t));
+	qsort(sorted, n, sizeof(uint64_t), compare_u64);
+	uint64_t rank = (uint64_t)(p / 100.0 * (double)n + 0.999999);
+	rank = rank < 1 ? 1 : rank > n ? n : rank;
+	return (double)sorted[rank - 1] / 1000.0;
+}
+
+static double uptime_s(const struct embd_stats *s)
+{
+	return (double)(embd_now_ns() - s->start_ns) / 1e9;
+}
+
+static int print(cJSON *root, char **out)
+{
+	*out = root ? cJSON_PrintUnformatted(root) : NULL;
+	cJSON_Delete(root);
+	return *out ? 0 : EMBD_ENOMEM;
+}
+
+int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ranks,
+		    uint32_t num_ranks, const struct embd_stats_client *clients,
+		    uint32_t num_clients, char **out)
+{
+	cJSON *root = cJSON_CreateObject(), *arr;
+	double up = uptime_s(s);
+	double per_s = up > 0 ? 1.0 / up : 0;
+
+	*out = NULL;
+	if (!root)
+		return EMBD_ENOMEM;
+	cJSON_AddNumberToObject(root, "uptime_s", up);
+	cJSON_AddNumberToObject(root, "steps", (double)s->steps);
+	cJSON_AddNumberToObject(root, "aborted_steps", (double)s->aborted_steps);
+	cJSON_AddNumberToObject(root, "lookups", (double)s->lookups);
+	cJSON_AddNumberToObject(root, "lookups_per_s", (double)s->lookups * per_s);
+	cJSON_AddNumberToObject(root, "ids", (double)s->ids);
+	cJSON_AddNumberToObject(root, "ids_per_s", (double)s->ids * per_s);
+	cJSON_AddNumberToObject(root, "bytes_in", (double)s->bytes_in);
+	cJSON_AddNumberToObject(root, "bytes_out", (double)s->bytes_out);
+	cJSON_AddNumberToObject(root, "step_p50_us", percentile_us(s->step_ns, s->num_step, 50));
+	cJSON_AddNumberToObject(root, "step_p99_us", percentile_us(s->step_ns, s->num_step, 99));
+	cJSON_AddNumberToObject(root, "ipc_p50_us", percentile_us(s->ipc_ns, s->num_ipc, 50));
+	cJSON_AddNumberToObject(root, "ipc_p99_us", percentile_us(s->ipc_ns, s->num_ipc, 99));
+	arr = cJSON_AddArrayToObject(root, "ranks");
+	for (uint32_t i = 0; arr && i < num_ranks; i++) {
+		cJSON *o = cJSON_CreateObject();
+		cJSON_AddItemToArray(arr, o);
+		cJSON_AddNumberToObject(o, "rank", ranks[i].rank);
+		cJSON_AddNumberToObject(o, "numa_node", ranks[i].numa_node);
+		cJSON_AddNumberToObject(o, "memory_bytes", (double)ranks[i].memory_bytes);
+	}
+	arr = cJSON_AddArrayToObject(root, "clients");
+	for (uint32_t i = 0; arr && i < num_clients; i++) {
+		const struct embd_stats_client *c = &clients[i];
+		cJSON *o = cJSON_CreateObject();
+		cJSON_AddItemToArray(arr, o);
+		cJSON_AddNumberToObject(o, "index", c->index);
+		cJSON_AddNumberToObject(o, "pid", c->pid);
+		cJSON_AddNumberToObject(o, "uid", c->uid);
+		cJSON_AddNumberToObject(o, "sq_used", c->sq_used);
+		cJSON_AddNumberToObject(o, "sq_entries", c->sq_entries);
+		cJSON_AddNumberToObject(o, "cq_used", c->cq_used);
+		cJSON_AddNumberToObject(o, "cq_entries", c->cq_entries);
+		cJSON_AddNumberToObject(o, "requests", (double)c->requests);
+		cJSON_AddNumberToObject(o, "errors", (double)c->errors);
+	}
+	return print(root, out);
+}
+
+int embd_stats_status_json(const struct embd_stats *s, const struct embd_config *config,
+			   uint64_t step, uint64_t plan_hash, uint32_t num_clients, char **out)
+{
+	cJSON *root = cJSON_CreateObject(), *c;
+	char hash[17];
+
+	*out = NULL;
+	if (!root)
+		return EMBD_ENOMEM;
+	snprintf(hash, sizeof(hash), "%016" PRIx64, plan_hash);
+	cJSON_AddStringToObject(root, "version", EMBD_VERSION);
+	cJSON_AddNumberToObject(root, "uptime_s", uptime_s(s));
+	cJSON_AddNumberToObject(root, "step", (double)step);
+	cJSON_AddStringToObject(root, "plan_hash", hash);
+	cJSON_AddNumberToObject(root, "clients", num_clients);
+	c = cJSON_AddObjectToObject(root, "config");
+	if (c) {
+		cJSON_AddStringToObject(c, "socket_path", config->socket_path);
+		cJSON_AddNumberToObject(c, "num_tables", config->tables.count);
+		cJSON_AddNumberToObject(c, "world_size", config->topology.world_size);
+		cJSON_AddNumberToObject(c, "local_world_size", config->topology.local_world_size);
+		cJSON_AddNumberToObject(c, "trainers_per_node", config->trainers_per_node);
+		cJSON_AddNumberToObject(c, "threads_per_rank", config->threads_per_rank);
+		cJSON_AddNumberToObject(c, "batch_size", config->topology.batch_size);
+		cJSON_AddNumberToObject(c, "busy_poll_us", config->busy_poll_us);
+		cJSON_AddStringToObject(c, "checkpoint_dir", config->checkpoint_dir);
+		cJSON_AddStringToObject(c, "log_level", embd_log_level_name(config->log_level));
+	}
+	return print(root, out);
+}

@@ -1,0 +1,79 @@
+/*
+ * daemon/stats.h - the service's counters and the JSON texts of STATS_REPLY and STATUS_REPLY
+ * (what `embctl stats` and `embctl status` print). The event loop thread owns the counters;
+ * nothing here locks.
+ *
+ * STATS JSON (one object; times in microseconds, rates per second over the uptime):
+ *   { "uptime_s": 12.5,
+ *     "steps": 100,                 steps whose backward completed
+ *     "aborted_steps": 1,           steps aborted (a participant hung up mid-step)
+ *     "lookups": 123, "lookups_per_s": 9.8,   row reads by all ranks
+ *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
+ *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
+ *     "step_p50_us": 80.1, "step_p99_us": 200.3,   FORWARD s started -> BACKWARD s applied
+ *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
+ *     "ranks": [ { "rank": 0, "numa_node": 0, "memory_bytes": 1048576 } ],
+ *     "clients": [ { "index": 0, "pid": 42, "uid": 1000, "sq_used": 0, "sq_entries": 64,
+ *                    "cq_used": 1, "cq_entries": 64, "requests": 200, "errors": 0 } ] }
+ * The percentiles cover the last EMBD_STATS_WINDOW samples (0 before the first).
+ *
+ * STATUS JSON: { "version": "0.1.0", "uptime_s", "step": next step to run, "plan_hash": "16
+ * hex digits", "clients": connected count, "config": { "socket_path", "num_tables",
+ * "world_size", "local_world_size", "trainers_per_node", "threads_per_rank", "batch_size",
+ * "busy_poll_us", "checkpoint_dir", "log_level" } }; with checkpoint_dir also "resumed_step"
+ * and "checkpoint" (ckpt/ckpt_service.h); on a cluster also "cluster": { "generation": the
+ * comm's (dist/regroup.h), "state": "running" | "forming" | "lost" | "detached",
+ * "applied_step": the step the parameters are at, "message": why steps are refused ("" when
+ * running) }.
+ */
+#ifndef EMBD_DAEMON_STATS_H
+#define EMBD_DAEMON_STATS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "daemon/config.h"
+#include "engine/step.h"
+
+#define EMBD_STATS_WINDOW 1024
+
+struct embd_stats {
+	uint64_t start_ns;              /* CLOCK_MONOTONIC at creation */
+	uint64_t steps, aborted_steps;
+	uint64_t lookups, ids, bytes_in, bytes_out;
+	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
+	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
+};
+
+struct embd_stats_rank {
+	uint32_t rank;
+	int numa_node;
+	uint64_t memory_bytes;
+};
+
+struct embd_stats_client {
+	uint32_t index;
+	int32_t pid;
+	uint32_t uid;
+	uint32_t sq_used, sq_entries, cq_used, cq_entries;
+	uint64_t requests, errors;
+};
+
+
+void embd_stats_init(struct embd_stats *s);
+/* A completed step: its work counters and its latency. */
+void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *counts,
+		     uint64_t latency_ns);
+/* One request's time inside the service. */
+void embd_stats_request(struct embd_stats *s, uint64_t latency_ns);
+
+/* The STATS JSON above, malloc'ed and NUL-terminated. */
+int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ranks,
+		    uint32_t num_ranks, const struct embd_stats_client *clients,
+		    uint32_t num_clients, char **out);
+
+/* The STATUS JSON above, malloc'ed and NUL-terminated. */
+int embd_stats_status_json(const struct embd_stats *s, const struct embd_config *config,
+			   uint64_t step, uint64_t plan_hash, uint32_t num_clients, char **out);
+
+#endif /* EMBD_DAEMON_STATS_H */

@@ -1,0 +1,649 @@
+/*
+ * The step engine (engine/step.h). Routing turns every (trainer, feature, shard) into one
+ * "item": a bag batch in its rank's private input buffer. Items are the unit of everything
+ * after routing: a rank's lookup is one kernel call over its forward items, its backward one
+ * call per shard over that shard's items, and the input exchange (step_dist.c) ships exactly
+ * the items staged for other nodes. Routing (step_route.c) makes the items; this file creates
+ * the engine and runs lookup, assembly and backward over them.
+ */
+#include "engine/step.h"
+#include "engine/step_internal.h"
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/device.h"
+
+int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
+{
+	/* allocated even for 0 elements, so that every item's pointers are valid */
+	if (v->p && v->len + extra <= v->cap)
+		return 0;
+	uint64_t cap = v->cap ? v->cap : 256;
+	while (cap < v->len + extra)
+		cap *= 2;
+	void *p = realloc(v->p, cap * elem);
+	if (!p)
+		return EMBD_ENOMEM;
+	v->p = p;
+	v->cap = cap;
+	return 0;
+}
+
+/* Reserves n elements at the end and returns their index. */
+int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
+{
+	int rc = vec_reserve(v, n, elem);
+	if (rc)
+		return rc;
+	*at = v->len;
+	v->len += n;
+	return 0;
+}
+
+void vec_free(struct vec *v)
+{
+	free(v->p);
+	*v = (struct vec){ 0 };
+}
+
+
+/* ---- creation ---------------------------------------------------------------------------- */
+
+static void init_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_step *s = arg;
+	struct rank_io *io = &s->io[rank];
+
+	for (uint32_t i = 0; i < io->num_shards; i++)
+		embd_shard_init_weights(s->shards[io->shards[i]].shard, s->seed, exec);
+}
+
+static int build_layout(struct embd_step *s, const struct embd_tables *tables,
+			uint32_t batch_size)
+{
+	uint32_t f = 0, col = 0;
+	uint64_t max_values = 0;
+
+	for (uint32_t t = 0; t < tables->count; t++)
+		f += tables->specs[t].num_features;
+	s->names = calloc(f ? f : 1, sizeof(*s->names));
+	s->dims = calloc(f ? f : 1, sizeof(uint32_t));
+	s->offsets = calloc(f ? f : 1, sizeof(uint32_t));
+	s->feature_tables = calloc(f ? f : 1, sizeof(uint32_t));
+	s->scratch_offsets = calloc((uint64_t)s->max_trainers * ((uint64_t)f * batch_size + 1),
+				    sizeof(int64_t));
+	if (!s->names || !s->dims || !s->offsets || !s->feature_tables || !s->scratch_offsets)
+		return EMBD_ENOMEM;
+	f = 0;
+	for (uint32_t t = 0; t < tables->count; t++) {
+		const struct embd_table_spec *spec = &tables->specs[t];
+		const struct embd_table_constraints *c = &tables->constraints[t];
+		for (uint32_t k = 0; k < spec->num_features; k++, f++) {
+			memcpy(s->names[f], spec->feature_names[k], EMBD_NAME_MAX);
+			s->dims[f] = (uint32_t)spec->embedding_dim;
+			s->offsets[f] = col;
+			s->feature_tables[f] = t;
+			col += (uint32_t)spec->embedding_dim;
+			/* room for 8x the planned pooling factor, and never under 64 ids a bag */
+			double pf = k < c->num_pooling_factors ? c->pooling_factors[k] : 1.0;
+			uint64_t per_bag = (uint64_t)(pf * 8.0) + 1;
+			max_values += (uint64_t)batch_size * (per_bag > 64 ? per_bag : 64);
+		}
+	}
+	s->layout = (struct embd_step_layout){
+		.num_features = f, .batch_size = batch_size, .total_dim = col,
+		.max_values = max_values, .feature_names = (const char (*)[EMBD_NAME_MAX])s->names,
+		.feature_dims = s->dims, .feature_offsets = s->offsets,
+		.feature_tables = s->feature_tables,
+	};
+	return 0;
+}
+
+static const struct embd_plan_table *plan_table(const struct embd_plan *plan, const char *name)
+{
+	for (uint32_t p = 0; p < plan->num_tables; p++)
+		if (!strcmp(plan->tables[p].name, name))
+			return &plan->tables[p];
+	return NULL;
+}
+
+static int place_shards(struct embd_step *s, const struct embd_tables *tables,
+			const struct embd_plan *plan, char *err, size_t err_len)
+{
+	const uint32_t L = s->num_ranks, world = L * s->num_nodes;
+	uint32_t n = 0;
+	int rc;
+
+	for (uint32_t t = 0; t < tables->count; t++) {
+		const struct embd_plan_table *pt = plan_table(plan, tables->specs[t].name);
+		if (!pt || !pt->num_shards) {
+			snprintf(err, err_len, "table %u '%s': not in the plan", t, tables->specs[t].name);
+			return EMBD_ENOENT;
+		}
+		s->tables[t] = (struct step_table){
+			.spec = &tables->specs[t], .type = pt->sharding_type, .first_shard = n,
+			.num_shards = pt->num_shards,
+			.num_replicas = pt->sharding_type == EMBD_SHARD_DATA_PARALLEL ? pt->num_shards : 1,
+		};
+		n += pt->num_shards;
+		if (pt->num_shards > s->max_table_shards)
+			s->max_table_shards = pt->num_shards;
+	}
+	s->num_shards = n;
+	s->shards = calloc(n ? n : 1, sizeof(*s->shards));
+	s->wire_tables = calloc(tables->count ? tables->count : 1, sizeof(*s->wire_tables));
+	s->wire_shards = calloc(n ? n : 1, sizeof(*s->wire_shards));
+	s->sources = calloc((size_t)s->max_trainers * s->layout.num_features *
+			    (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->sources));
+	s->refs = calloc((size_t)s->max_trainers * s->layout.num_features *
+			 (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->refs));
+	for (uint32_t r = 0; r < s->num_io; r++)
+		s->io[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
+	if (!s->shards || !s->sources || !s->refs || !s->wire_tables || !s->wire_shards)
+		return EMBD_ENOMEM;
+	s->wire = (struct step_wire_plan){
+		.node = s->node, .batch_size = s->layout.batch_size, .num_tables = tables->count,
+		.num_shards = n, .num_features = s->layout.num_features, .tables = s->wire_tables,
+		.shards = s->wire_shards, .feature_tables = s->feature_tables,
+	};
+	for (uint32_t r = 0; r < s->num_io; r++)
+		if (!s->io[r].shards)
+			return EMBD_ENOMEM;
+	for (uint32_t t = 0; t < tables->count; t++) {
+		const struct embd_table_spec *spec = &tables->specs[t];
+		const struct embd_plan_table *pt = plan_table(plan, spec->name);
+		s->wire_tables[t] = (struct step_wire_table){ .type = pt->sharding_type,
+							     .pooling = spec->pooling };
+		for (uint32_t k = 0; k < pt->num_shards; k++) {
+			const struct embd_plan_shard *ps = &pt->shards[k];
+			struct step_shard *ss = &s->shards[s->tables[t].first_shard + k];
+			if (ps->rank < 0 || (uint32_t)ps->rank >= world || ps->col_offset < 0 ||
+			    ps->cols <= 0) {
+				snprintf(err, err_len, "table '%s' shard %u: rank %d or columns [%d, +%d) "
+					 "outside the cluster's %u ranks and the table", spec->name, k,
+					 ps->rank, ps->col_offset, ps->cols, world);
+				return EMBD_EINVAL;
+			}
+			ss->desc = (struct embd_shard_desc){
+				.table_id = t, .num_embeddings = spec->num_embeddings,
+				.embedding_dim = (uint32_t)spec->embedding_dim, .dtype = spec->data_type,
+				.row_offset = ps->row_offset, .rows = ps->rows,
+				.col_offset = (uint32_t)ps->col_offset, .cols = (uint32_t)ps->cols,
+				.optimizer = spec->optimizer,
+			};
+			ss->table = t;
+			ss->rank = (uint32_t)ps->rank;
+			ss->node = ss->rank / L;
+			ss->local = ss->rank % L;
+			s->wire_shards[s->tables[t].first_shard + k] = (struct step_wire_shard){
+				.table = t, .node = ss->node, .row_offset = ps->row_offset,
+				.rows = ps->rows, .cols = (uint32_t)ps->cols,
+			};
+			if (ss->node != s->node)
+				continue;       /* another node's memory */
+			char inner[192];
+			rc = embd_ranks_alloc_shard(s->ranks, ss->local, &ss->desc, &ss->shard, inner,
+						    sizeof(inner));
+			if (rc) {
+				snprintf(err, err_len, "table '%s' shard %u: %s", spec->name, k, inner);
+				return rc;
+			}
+			s->tables[t].num_local++;
+			struct rank_io *io = &s->io[ss->local];
+			io->shards[io->num_shards++] = s->tables[t].first_shard + k;
+		}
+		if (s->tables[t].type == EMBD_SHARD_DATA_PARALLEL && !s->tables[t].num_local) {
+			snprintf(err, err_len, "table '%s': data_parallel without a replica on node %u",
+				 spec->name, s->node);
+			return EMBD_EINVAL;
+		}
+	}
+	return 0;
+}
+
+int embd_step_create_cluster(const struct embd_tables *tables, const struct embd_plan *plan,
+			     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+			     const struct embd_step_cluster *cluster, struct embd_step **out,
+			     char *err, size_t err_len)
+{
+	uint32_t nodes = cluster && cluster->num_nodes ? cluster->num_nodes : 1;
+	uint32_t node = cluster ? cluster->node : 0;
+	struct embd_step *s;
+	int rc = EMBD_ENOMEM;
+
+	*out = NULL;
+	if (!max_trainers || !plan->topology.batch_size || node >= nodes ||
+	    (nodes > 1 && max_trainers > 64)) {
+		snprintf(err, err_len, "max_trainers %u (1..%u), batch_size %u, node %u of %u",
+			 max_trainers, nodes > 1 ? 64 : UINT32_MAX, plan->topology.batch_size, node,
+			 nodes);
+		return EMBD_EINVAL;
+	}
+	if (nodes > 1 && (uint64_t)plan->topology.world_size != (uint64_t)nodes *
+							 embd_ranks_count(ranks)) {
+		snprintf(err, err_len, "plan world_size %d: expected %u nodes x %u ranks",
+			 plan->topology.world_size, nodes, embd_ranks_count(ranks));
+		return EMBD_EMISMATCH;
+	}
+	s = calloc(1, sizeof(*s));
+	if (!s)
+		return EMBD_ENOMEM;
+	s->ranks = ranks;
+	s->seed = seed;
+	s->max_trainers = max_trainers;
+	s->node = node;
+	s->num_nodes = nodes;
+	s->num_ranks = embd_ranks_count(ranks);
+	s->num_io = s->num_ranks + (nodes > 1 ? nodes : 0);
+	s->num_tables = tables->count;
+	s->tables = calloc(tables->count ? tables->count : 1, sizeof(*s->tables));
+	s->io = calloc(s->num_io, sizeof(*s->io));
+	if (!s->tables || !s->io)
+		goto out;
+	rc = build_layout(s, tables, plan->topology.batch_size);
+	if (rc)
+		goto out;
+	rc = place_shards(s, tables, plan, err, err_len);
+	if (!rc && nodes > 1)
+		rc = step_dist_create(s, cluster, err, err_len);
+	if (rc)
+		goto out;
+	embd_ranks_run(ranks, init_rank, s);
+	*out = s;
+	return 0;
+out:
+	if (rc == EMBD_ENOMEM)
+		snprintf(err, err_len, "out of memory creating the step engine");
+	embd_step_destroy(s);
+	return rc;
+}
+
+int embd_step_create(const struct embd_tables *tables, const struct embd_plan *plan,
+		     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+		     struct embd_step **out, char *err, size_t err_len)
+{
+	return embd_step_create_cluster(tables, plan, ranks, seed, max_trainers, NULL, out, err,
+					err_len);
+}
+
+void embd_step_destroy(struct embd_step *s)
+{
+	if (!s)
+		return;
+	step_dist_destroy(s);
+	for (uint32_t i = 0; s->shards && i < s->num_shards; i++)
+		if (s->shards[i].shard)
+			embd_ranks_free_shard(s->ranks, s->shards[i].shard);
+	for (uint32_t r = 0; s->io && r < s->num_io; r++) {
+		struct rank_io *io = &s->io[r];
+		struct vec *vs[] = { &io->offsets, &io->ids, &io->weights, &io->lengths,
+				     &io->partial, &io->items, &io->batches };
+		for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++)
+			vec_free(vs[i]);
+		free(io->shards);
+	}
+	free(s->io);
+	free(s->shards);
+	free(s->tables);
+	free(s->names);
+	free(s->dims);
+	free(s->offsets);
+	free(s->feature_tables);
+	free(s->wire_tables);
+	free(s->wire_shards);
+	free(s->scratch_offsets);
+	free(s->sources);
+	free(s->refs);
+	free(s);
+}
+
+const struct embd_step_layout *embd_step_layout(const struct embd_step *s)
+{
+	return &s->layout;
+}
+
+/* Shard, then feature, then the global batch order (so every data_parallel replica of the
+ * cluster combines gradients in one order and stays bit-identical). */
+static int compare_items(const void *a, const void *b)
+{
+	const struct step_item *x = a, *y = b;
+	if (x->shard != y->shard)
+		return x->shard < y->shard ? -1 : 1;
+	if (x->feature != y->feature)
+		return x->feature < y->feature ? -1 : 1;
+	return x->gtrainer < y->gtrainer ? -1 : x->gtrainer > y->gtrainer;
+}
+
+/* Turns a rank's items into kernel bag batches (pointers fixed now that buffers stopped
+ * growing); grad selects the backward view of the same items. */
+static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
+{
+	uint64_t n = io->items.len;
+	int rc = vec_reserve(&io->batches, n, sizeof(struct embd_bag_batch));
+
+	if (rc)
+		return rc;
+	for (uint64_t i = 0; i < n; i++) {
+		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+		const struct step_shard *ss = &s->shards[it->shard];
+		const struct step_table *t = &s->tables[ss->table];
+		const bool remote = it->peer != NO_PEER;
+		struct embd_bag_batch *bb = VEC_AT(io->batches, struct embd_bag_batch, i);
+		/* direct: straight into (or from) the trainer's own output columns; a remote
+		 * data_parallel item has no output at all (it only trains) */
+		bool direct = !remote && (grad || it->partial_at == NO_INDEX);
+		*bb = (struct embd_bag_batch){
+			.shard = ss->shard, .feature = it->feature, .batch_size = s->layout.batch_size,
+			.offsets = remote ? it->r_offsets : VEC_AT(io->offsets, int64_t, it->offsets_at),
+			.ids = remote ? it->r_ids : VEC_AT(io->ids, int64_t, it->ids_at),
+			.weights = !it->weighted ? NULL : remote ? it->r_weights :
+				   VEC_AT(io->weights, float, it->ids_at),
+			.num_ids = it->num_ids, .pooling = t->spec->pooling,
+			.mean_lengths = remote ? it->r_lengths : it->lengths_at == NO_INDEX ? NULL :
+					VEC_AT(io->lengths, int32_t, it->lengths_at),
+			.pooled_stride = direct ? s->layout.total_dim : ss->desc.cols,
+			.pooled_col = direct ? s->offsets[it->feature] + ss->desc.col_offset : 0,
+		};
+		if (grad)
+			bb->pooled_grad = remote ? step_dist_grad_of(s, it) :
+				s->batches[it->batch].pooled_grad;
+		else if (direct)
+			bb->pooled = s->batches[it->batch].pooled;
+		else if (it->partial_at != NO_INDEX)
+			bb->pooled = VEC_AT(io->partial, float, it->partial_at);
+	}
+	io->batches.len = n;
+	return 0;
+}
+
+/* ---- lookup, assembly, backward ---------------------------------------------------------- */
+
+static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_step *s = arg;
+	struct rank_io *io = &s->io[rank];
+	struct embd_bag_batch *all = io->batches.p;
+	uint64_t n = 0;
+
+	/* forward items first: data_parallel's other replicas only train */
+	for (uint64_t i = 0; i < io->items.len; i++)
+		if (VEC_AT(io->items, struct step_item, i)->forward)
+			all[n++] = all[i];
+	io->rc = n ? embd_kernels_forward(exec, all, (uint32_t)n, &io->kerr) : 0;
+}
+
+static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_step *s = arg;
+	struct rank_io *io = &s->io[rank];
+	struct embd_bag_batch *all = io->batches.p;
+	uint64_t i = 0;
+
+	io->rc = 0;
+	/* items are sorted by shard; every shard of the rank steps once, even untouched */
+	for (uint32_t k = 0; k < io->num_shards && !io->rc; k++) {
+		uint32_t shard = io->shards[k];
+		uint64_t first = i;
+		while (i < io->items.len && VEC_AT(io->items, struct step_item, i)->shard == shard)
+			i++;
+		if (s->update_hook && i > first)
+			s->update_hook(s->update_hook_arg, s->shards[shard].shard, all + first,
+				       (uint32_t)(i - first));
+		io->rc = embd_kernels_backward(exec, s->shards[shard].shard, all + first,
+					       (uint32_t)(i - first), &io->kerr);
+	}
+}
+
+/*
+ * Outputs that did not go straight into a trainer's columns: the partial sums of row-split
+ * tables (out = their sum, in shard order, wherever the shard is) and the column blocks of
+ * shards on other nodes (copied). s->sources holds one pointer per (batch, feature, shard of
+ * the table): the rank's partial buffer here, the output exchange's buffer for other nodes.
+ */
+static void assemble(struct embd_step *s)
+{
+	const uint32_t B = s->layout.batch_size, D = s->layout.total_dim, F = s->layout.num_features;
+	const uint32_t M = s->max_table_shards;
+
+	for (uint32_t r = 0; r < s->num_ranks; r++) {
+		struct rank_io *io = &s->io[r];
+		for (uint64_t i = 0; i < io->items.len; i++) {
+			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+			if (it->partial_at == NO_INDEX || it->batch == NO_BATCH)
+				continue;
+			const struct step_table *t = &s->tables[s->shards[it->shard].table];
+			s->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
+				   t->first_shard] = VEC_AT(io->partial, float, it->partial_at);
+		}
+	}
+	for (uint32_t i = 0; i < s->num_batches; i++) {
+		if (s->batches[i].status)
+			continue;
+		for (uint32_t f = 0; f < F; f++) {
+			const struct step_table *t = &s->tables[s->feature_tables[f]];
+			const bool split = row_split(t->type);
+			float *out = s->batches[i].pooled + s->offsets[f];
+			if (split)
+				for (uint32_t b = 0; b < B; b++)
+					memset(&out[(uint64_t)b * D], 0, sizeof(float) * s->dims[f]);
+			for (uint32_t k = 0; k < t->num_shards; k++) {
+				const float *src = s->sources[((uint64_t)i * F + f) * M + k];
+				if (!src)
+					continue;
+				const struct embd_shard_desc *d = &s->shards[t->first_shard + k].desc;
+				float *dst = out + d->col_offset;
+				for (uint32_t b = 0; b < B; b++)
+					for (uint32_t c = 0; c < d->cols; c++)
+						dst[(uint64_t)b * D + c] = (split ? dst[(uint64_t)b * D + c] : 0.0f) +
+									  src[(uint64_t)b * d->cols + c];
+			}
+		}
+	}
+}
+
+static void reset_io(struct embd_step *s)
+{
+	for (uint32_t r = 0; r < s->num_io; r++) {
+		struct rank_io *io = &s->io[r];
+		io->offsets.len = io->ids.len = io->weights.len = io->lengths.len = 0;
+		io->partial.len = io->items.len = io->batches.len = 0;
+	}
+}
+
+int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
+{
+	char msg[sizeof(s->batches[0].err)];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	for (uint32_t i = 0; i < s->num_batches; i++)
+		if (!s->batches[i].status) {
+			s->batches[i].status = rc;
+			snprintf(s->batches[i].err, sizeof(s->batches[i].err), "%s", msg);
+		}
+	s->pending = false;
+	return rc;
+}
+
+int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	uint32_t accepted = 0;
+	int rc = 0;
+
+	s->pending = false;
+	s->batches = batches;
+	s->num_batches = n;
+	s->cluster_accepted = 0;
+	s->cluster_ckpt = false;
+	s->counts = (struct embd_step_counts){ 0 };
+	reset_io(s);
+	if (n > s->max_trainers)
+		return EMBD_EINVAL;
+	for (uint32_t i = 0; i < n; i++)
+		step_route_batch(s, i);
+	/* bad ids are known before the other nodes learn which batches this node accepted */
+	accepted = step_fill_batches(s);
+	s->cluster_accepted = accepted;
+	if (s->dist) {
+		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */
+		rc = step_dist_input(s);
+		if (rc)
+			return rc;
+	}
+	if (!s->cluster_accepted)
+		return 0;
+	memset(s->sources, 0, sizeof(*s->sources) * n * s->layout.num_features *
+			      s->max_table_shards);
+	/* from here on a failure is reported to the other nodes before the step fails */
+	uint32_t failed_rank = 0;
+	for (uint32_t r = 0; r < s->num_ranks && !rc; r++) {
+		struct rank_io *io = &s->io[r];
+		if (io->items.len) /* a rank may hold no shard */
+			qsort(io->items.p, io->items.len, sizeof(struct step_item), compare_items);
+		for (uint64_t i = 0; i < io->items.len; i++) {
+			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+			if (it->forward)
+				s->counts.lookups += it->num_ids;
+		}
+		rc = make_batches(s, io, false);
+		failed_rank = r;
+	}
+	if (!rc) {
+		embd_ranks_run(s->ranks, lookup_rank, s);
+		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+			if ((rc = s->io[r].rc))
+				failed_rank = r;
+	}
+	char why[160] = "";
+	if (rc)
+		snprintf(why, sizeof(why), "lookup on rank %u of node %u: %.100s", failed_rank,
+			 s->node, rc == EMBD_ENOMEM ? "out of memory" : s->io[failed_rank].kerr.msg);
+	if (s->dist)
+		rc = step_dist_output(s, rc, why);
+	else if (rc)
+		return step_fail(s, rc, "%s", why);
+	if (rc)
+		return rc;
+	assemble(s);
+	s->pending = true;
+	return (int)accepted;
+}
+
+uint32_t embd_step_cluster_accepted(const struct embd_step *s)
+{
+	return s->cluster_accepted;
+}
+
+void embd_step_want_checkpoint(struct embd_step *s, bool want)
+{
+	s->ckpt_want = want;
+}
+
+bool embd_step_cluster_checkpoint(const struct embd_step *s)
+{
+	return s->cluster_ckpt;
+}
+
+int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	int rc = 0;
+
+	if (!s->pending || batches != s->batches || n != s->num_batches)
+		return EMBD_EINVAL;
+	s->pending = false;
+	for (uint32_t i = 0; i < n; i++)
+		if (!batches[i].status && !batches[i].pooled_grad) {
+			snprintf(batches[i].err, sizeof(batches[i].err), "pooled_grad: missing");
+			rc = EMBD_EINVAL;
+		}
+	if (s->dist) {
+		/* a missing gradient here aborts the step everywhere rather than half of it */
+		rc = step_dist_grads(s, rc, rc ? "a trainer's pooled_grad is missing" : "");
+		if (rc)
+			return rc;
+	} else if (rc) {
+		return rc;
+	}
+	uint32_t failed_rank = 0;
+	for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+		if ((rc = make_batches(s, &s->io[r], true)))
+			failed_rank = r;
+	if (!rc) {
+		embd_ranks_run(s->ranks, backward_rank, s);
+		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+			if ((rc = s->io[r].rc))
+				failed_rank = r;
+	}
+	if (rc)
+		return step_fail(s, rc, "backward on rank %u of node %u: %.150s", failed_rank, s->node,
+				 rc == EMBD_ENOMEM ? "out of memory" : s->io[failed_rank].kerr.msg);
+	return 0;
+}
+
+int embd_step_abort(struct embd_step *s, const char *why)
+{
+	int rc = 0;
+
+	if (s->dist && s->pending)
+		rc = step_dist_grads(s, EMBD_ECANCELED, why ? why : "aborted");
+	s->pending = false;
+	reset_io(s);
+	return rc == EMBD_ECANCELED ? 0 : rc;
+}
+
+void embd_step_counts(const struct embd_step *s, struct embd_step_counts *out)
+{
+	*out = s->counts;
+	if (s->dist)
+		step_dist_counts(s, out);
+}
+
+int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row, uint32_t col,
+			  uint32_t replica, float *out)
+{
+	if (table >= s->num_tables)
+		return EMBD_ENOENT;
+	const struct step_table *t = &s->tables[table];
+	for (uint32_t k = 0; k < t->num_shards; k++) {
+		const struct step_shard *ss = &s->shards[t->first_shard + k];
+		const struct embd_shard_desc *d = &ss->desc;
+		if (!ss->shard || (t->num_replicas > 1 && ss->rank != replica))
+			continue;
+		if (row < d->row_offset || row >= d->row_offset + d->rows || col < d->col_offset ||
+		    col >= d->col_offset + d->cols)
+			continue;
+		uint64_t i = (uint64_t)(row - d->row_offset) * d->cols + (col - d->col_offset);
+		*out = d->dtype == EMBD_DTYPE_FP16 ? embd_fp16_to_fp32(((uint16_t *)ss->shard->weights)[i])
+						   : ((float *)ss->shard->weights)[i];
+		return 0;
+	}
+	return EMBD_ENOENT;
+}
+
+void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg)
+{
+	s->update_hook = hook;
+	s->update_hook_arg = arg;
+}
+
+uint32_t embd_step_num_shards(const struct embd_step *s)
+{
+	return s->num_shards;
+}
+
+void embd_step_shard_view(const struct embd_step *s, uint32_t i, struct embd_step_shard_view *out)
+{
+	const struct step_shard *ss = &s->shards[i];
+	const struct step_table *t = &s->tables[ss->table];
+
+	*out = (struct embd_step_shard_view){
+		.table = ss->table, .rank = ss->rank, .shard = ss->shard,
+		.replica = t->num_replicas > 1 && i != t->first_shard,
+	};
+}

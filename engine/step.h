@@ -1,0 +1,208 @@
+/*
+ * engine/step.h - the step engine: one node's shards (placed by a plan on the node's ranks)
+ * and the forward and backward of one training step over the batches of all its trainers.
+ *
+ * A step runs in phases, each explicit so that the cross-node exchanges (below) sit between
+ * them:
+ *   1. route     each trainer's KJT is checked (on the caller's thread) and copied, by every
+ *                rank on its own workers, into per-rank INPUT buffers (the ids
+ *                each rank must look up: whole bags for table_wise / column_wise /
+ *                table_column_wise and one replica of data_parallel, the ids of the rank's row
+ *                range for row_wise / table_row_wise);
+ *   2. lookup    every rank pools its input on its own workers, all ranks in parallel, writing
+ *                column-disjoint results straight into the trainers' outputs and row-split
+ *                partial sums into its per-rank OUTPUT buffer;
+ *   3. assemble  the partial sums of row_wise / table_row_wise tables are added into the
+ *                trainers' outputs (mean divides by the FULL bag length inside the kernel);
+ *   4. backward  (only once every participant's gradient is in) every rank applies the fused
+ *                optimizer to each of its shards once, with the gradients of all trainers
+ *                combined; every data_parallel replica gets the same update.
+ * The global batch is the concatenation of the trainers' batches, so the result equals one
+ * unsharded table trained on it. A step whose backward never runs changed no parameter.
+ *
+ * On several nodes (embd_step_create_cluster) each node holds the shards of its own ranks and
+ * runs the same phases with three collectives in forward and one in backward between them
+ * (engine/step_dist.c): a fixed-size exchange of sizes, accept counts and status; ONE
+ * all-to-all of the ids routed to other nodes; after lookup ONE all-to-all of the pooled
+ * partials back to the trainers' nodes; in backward ONE all-to-all of the gradients (with
+ * every node's abort flag) to the owners. The global batch is node 0's batches, then node
+ * 1's, ... Every node calls forward and backward for every step, even with no batch of its
+ * own, so that the collectives line up.
+ */
+#ifndef EMBD_ENGINE_STEP_H
+#define EMBD_ENGINE_STEP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "embd/plan.h"
+#include "engine/ranks.h"
+
+/* What a trainer's batches and outputs look like: the WELCOME layout. */
+struct embd_step_layout {
+	uint32_t num_features;          /* F: features of every table, tables in config order */
+	uint32_t batch_size;            /* B: topology batch_size (local batch per trainer) */
+	uint32_t total_dim;             /* columns of the pooled output */
+	uint64_t max_values;            /* most ids one trainer's batch may hold */
+	const char (*feature_names)[EMBD_NAME_MAX];   /* F */
+	const uint32_t *feature_dims;                 /* F */
+	const uint32_t *feature_offsets;              /* F: first output column */
+	const uint32_t *feature_tables;               /* F: index into the tables */
+};
+
+/*
+ * One trainer's part of a step. kjt: its batch (keys may be NULL; when given they must be the
+ * layout's names in order). pooled: its output float[B][total_dim], written by forward.
+ * pooled_grad: dL/d(pooled), same shape, read by backward. status and err are outputs:
+ * forward sets them per trainer (0, or why this trainer's batch was refused).
+ */
+struct embd_step_batch {
+	struct embd_kjt kjt;
+	float *pooled;
+	const float *pooled_grad;
+	int status;
+	char err[224];
+};
+
+/* This node's place in a cluster of embd nodes (NULL or num_nodes 1: one node, no comm). */
+struct embd_comm;
+struct embd_store;
+struct embd_step_cluster {
+	uint32_t node, num_nodes;
+	struct embd_comm *comm;         /* one participant per node; used from the caller's thread;
+					   NULL: broken until embd_step_comm_set (a rejoining node) */
+	struct embd_store *store;       /* to name the node that did not answer; may be NULL */
+	int timeout_ms;                 /* the comm's collective timeout (for messages) */
+};
+
+/* The collectives of a step on several nodes, in order (engine/step_dist.c). */
+enum embd_step_exchange {
+	EMBD_STEP_SIZES = 0,            /* forward: sizes, accept flags, status */
+	EMBD_STEP_INPUT = 1,            /* forward: ids, weights, offsets */
+	EMBD_STEP_OUTPUT = 2,           /* forward: pooled partials back */
+	EMBD_STEP_GRADS = 3,            /* backward: gradients of the pooled outputs */
+	EMBD_STEP_EXCHANGES
+};
+
+/* Work counters of the last forward (for stats). */
+struct embd_step_counts {
+	uint64_t ids;                   /* ids in the accepted batches */
+	uint64_t lookups;               /* row reads by all ranks (column shards read a row each) */
+	uint64_t input_bytes;           /* lengths, ids and weights copied in */
+	uint64_t output_bytes;          /* pooled floats written to trainers */
+	uint64_t sent_bytes;            /* bytes sent to other nodes (forward and backward) */
+	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* sent_bytes by exchange */
+};
+
+struct embd_step;
+struct embd_shard;
+struct embd_bag_batch;
+
+/*
+ * Allocates and initialises (embd_init_value with seed) the shards of every table of plan
+ * that live on ranks [0, embd_ranks_count(ranks)), checked against tables; max_trainers
+ * bounds the trainers of one step. Errors name the table or shard.
+ */
+int embd_step_create(const struct embd_tables *tables, const struct embd_plan *plan,
+		     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+		     struct embd_step **out, char *err, size_t err_len);
+/*
+ * The same for one node of a cluster: only the shards of the node's global ranks
+ * [node * L, (node + 1) * L) are allocated (L = embd_ranks_count(ranks) = the plan's
+ * local_world_size), and max_trainers is at most 64 (the accept flags of one node).
+ */
+int embd_step_create_cluster(const struct embd_tables *tables, const struct embd_plan *plan,
+			     struct embd_ranks *ranks, uint64_t seed, uint32_t max_trainers,
+			     const struct embd_step_cluster *cluster, struct embd_step **out,
+			     char *err, size_t err_len);
+/* Frees the shards. NULL is a no-op. */
+void embd_step_destroy(struct embd_step *step);
+
+const struct embd_step_layout *embd_step_layout(const struct embd_step *step);
+
+/*
+ * Forward of one step for n trainers (n <= max_trainers). Each batch is checked (sizes,
+ * lengths, ids against their table's rows) and copied in; a refused batch gets status < 0 and
+ * err naming the field, and the step runs without it. Returns the number of accepted batches
+ * (>= 0), or a negative EMBD_E* code when the step itself failed (err in every batch).
+ * The accepted trainers' routing is kept for embd_step_backward. On a cluster a failure of
+ * any node (or of a collective: EMBD_ETIMEDOUT naming the node) fails the step everywhere.
+ * After a collective failed, every later step fails at once with EMBD_EIO: the comm is broken
+ * and the nodes may disagree on parameters, until embd_step_comm_set hands the engine the comm
+ * of a re-formed cluster (dist/regroup.h decides whether the parameters still agree).
+ */
+int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+
+/* Accepted batches of the last forward over the whole cluster (= forward's result on one
+ * node). When it is > 0 every node must call backward or abort, even with none of its own. */
+uint32_t embd_step_cluster_accepted(const struct embd_step *step);
+
+/* Checkpoints a cluster agrees on (ckpt/ckpt_service.h): _want sets this node's flag in the
+ * HELLO of the next forwards; _cluster_checkpoint says whether any node's HELLO of the last
+ * forward carried it, the same answer on every node (false on one node, and when the forward
+ * failed before or in HELLO). */
+void embd_step_want_checkpoint(struct embd_step *step, bool want);
+bool embd_step_cluster_checkpoint(const struct embd_step *step);
+
+/*
+ * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
+ * set for every accepted batch). Applies the fused optimizer to every shard once.
+ * EMBD_EINVAL when no forward is pending.
+ */
+int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+
+/*
+ * Drops the pending forward without touching any parameter (a trainer died). On a cluster
+ * this is this node's part of the backward collective with an abort flag and why, so that
+ * every node drops the step (their backward returns EMBD_ECANCELED with why); it returns the
+ * collective's failure, if any.
+ */
+int embd_step_abort(struct embd_step *step, const char *why);
+
+/* On a cluster: true when a failed collective (or embd_step_comm_break) broke the comm, with
+ * *why (may be NULL) the failure, naming the node; false on one node. */
+bool embd_step_comm_broken(const struct embd_step *step, const char **why);
+/* Breaks the comm from outside (another node opened a new generation): steps are refused. */
+void embd_step_comm_break(struct embd_step *step, const char *why);
+/* Between steps (none pending): the comm of generation gen, same size and rank (the caller
+ * keeps owning it); exchanges count from 0 again. EMBD_EINVAL otherwise. */
+int embd_step_comm_set(struct embd_step *step, struct embd_comm *comm, uint64_t gen);
+
+/* Counters of the last forward. */
+void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out);
+
+/* For tests and checkpoints: weight (row, col) of table t as fp32, read from whichever shard
+ * holds it (data_parallel: replica on rank `replica`); EMBD_ENOENT when none does. */
+int embd_step_read_weight(const struct embd_step *step, uint32_t table, int64_t row,
+			  uint32_t col, uint32_t replica, float *out);
+
+/* ---- shards, for checkpoints ---------------------------------------------------------------
+ * Between steps (no forward or backward running) the shards may be read and, before the first
+ * step, written through these views; a data_parallel table's replicas beyond the first are
+ * marked so a checkpoint saves one copy and a restore fills all. */
+struct embd_step_shard_view {
+	uint32_t table;                 /* index into the tables the step was created with */
+	uint32_t rank;
+	bool replica;                   /* a data_parallel copy other than the table's first */
+	struct embd_shard *shard;       /* desc, weights, momentum1/2, step */
+};
+
+/*
+ * Called on the rank worker that runs a backward, before the optimizer updates any row of
+ * shard: the batches' ids name the rows about to change (ids outside the shard are refused by
+ * the kernel and change nothing). A checkpoint's copy-before-write (ckpt/ckpt_snapshot.h)
+ * saves those rows first. Set it between steps; NULL removes it.
+ */
+typedef void (*embd_step_update_hook)(void *arg, const struct embd_shard *shard,
+				      const struct embd_bag_batch *batches, uint32_t n);
+void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg);
+
+/* Shards of every table on this node, in plan order. */
+uint32_t embd_step_num_shards(const struct embd_step *step);
+
+/* Shard i (< embd_step_num_shards). */
+void embd_step_shard_view(const struct embd_step *step, uint32_t i,
+			  struct embd_step_shard_view *out);
+
+#endif /* EMBD_ENGINE_STEP_H */

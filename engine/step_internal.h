@@ -1,0 +1,163 @@
+/*
+ * engine/step_internal.h - the step engine's private state, shared by step.c (creation, lookup,
+ * backward on this node's ranks), step_route.c (batches into items) and step_dist.c (the
+ * exchanges with the other nodes).
+ *
+ * Everything hangs off "items": one (trainer, feature, shard) bag batch. An item lives in the
+ * rank_io of the rank that looks it up. io[0 .. L) are this node's ranks; io[L + m] is the
+ * STAGING buffer of node m (m != this node): items routed there are packed for node m by the
+ * input exchange, and their pooled partials come back in the output exchange. Items that
+ * arrived from another node sit on the local rank's io with pointers into the receive buffer
+ * (peer != NO_PEER); their outputs go to the rank's partial buffer and are sent back.
+ */
+#ifndef EMBD_ENGINE_STEP_INTERNAL_H
+#define EMBD_ENGINE_STEP_INTERNAL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "kernels/embedding.h"
+#include "engine/step.h"
+#include "engine/step_wire.h"
+
+#define NO_INDEX UINT64_MAX
+#define NO_PEER UINT32_MAX
+#define NO_BATCH UINT32_MAX
+#define NO_IO UINT32_MAX
+
+struct step_shard {
+	struct embd_shard *shard;               /* NULL when the shard lives on another node */
+	struct embd_shard_desc desc;            /* known for every shard of the plan */
+	uint32_t table;
+	uint32_t rank;                          /* global rank */
+	uint32_t node;                          /* rank / local_world_size */
+	uint32_t local;                         /* local rank, when node is this node */
+};
+
+struct step_table {
+	const struct embd_table_spec *spec;
+	enum embd_sharding_type type;
+	uint32_t first_shard, num_shards;       /* into step->shards, in the plan's order */
+	uint32_t num_replicas;                  /* data_parallel: = num_shards; else 1 */
+	uint32_t num_local;                     /* shards of the table on this node */
+};
+
+struct step_item {
+	uint32_t shard, feature;
+	uint32_t batch;                         /* index into the step's batches, or NO_BATCH */
+	uint32_t gtrainer;                      /* (node << 16) | batch: the global batch order */
+	bool forward;                           /* data_parallel: only the trainer's replica */
+	bool weighted;
+	bool copy;                              /* data_parallel: filled by its first replica's */
+	int rc;                                 /* fill: EMBD_ERANGE for bad_id at values[bad_at] */
+	int64_t bad_at, bad_id;
+	uint64_t offsets_at, ids_at, num_ids;
+	uint64_t lengths_at;                    /* full bag lengths (row-split mean) or NO_INDEX */
+	uint64_t partial_at;                    /* partial sums / remote outputs, or NO_INDEX */
+	/* items from another node: their data in the receive buffer, rx: their wire record */
+	uint32_t peer;
+	uint64_t rx;
+	const int64_t *r_offsets, *r_ids;
+	const float *r_weights;
+	const int32_t *r_lengths;
+};
+
+/* Where routing put one item: s->io[io], items[at] (io NO_IO: the shard gets no item). */
+struct item_ref {
+	uint32_t io;
+	uint64_t at;
+};
+
+/* A growable array of elements of one type; len/cap in elements. */
+struct vec {
+	void *p;
+	uint64_t len, cap;
+};
+
+#define VEC_AT(v, type, i) (&((type *)(v).p)[i])
+
+int vec_reserve(struct vec *v, uint64_t extra, size_t elem);
+int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at);
+void vec_free(struct vec *v);
+
+/* One rank's (or one remote node's staging) input and output buffers. */
+struct rank_io {
+	struct vec offsets, ids, weights, lengths, partial, items, batches;
+	uint32_t *shards;                       /* indices into step->shards on this rank */
+	uint32_t num_shards;
+	int rc;
+	struct embd_kernel_err kerr;
+};
+
+struct step_dist;
+
+struct embd_step {
+	uint32_t num_tables, num_shards, num_ranks, max_trainers;
+	uint32_t node, num_nodes;               /* this node, nodes of the cluster */
+	uint32_t num_io;                        /* num_ranks + num_nodes */
+	uint32_t max_table_shards;
+	struct step_table *tables;
+	struct step_shard *shards;
+	/* the plan as the checks of peers' messages read it (step_wire.h), over the arrays below */
+	struct step_wire_plan wire;
+	struct step_wire_table *wire_tables;
+	struct step_wire_shard *wire_shards;
+	struct embd_ranks *ranks;
+	struct rank_io *io;
+	struct embd_step_layout layout;
+	char (*names)[EMBD_NAME_MAX];
+	uint32_t *dims, *offsets, *feature_tables;
+	int64_t *scratch_offsets;               /* max_trainers x (F * B + 1): private offsets */
+	const float **sources;                  /* max_trainers * F * max_table_shards */
+	struct item_ref *refs;                  /* max_trainers * F * max_table_shards */
+	uint64_t seed;
+	struct step_dist *dist;                 /* NULL on one node */
+	/* the step in flight */
+	struct embd_step_batch *batches;
+	uint32_t num_batches;
+	uint32_t cluster_accepted;
+	bool ckpt_want;                         /* this node's HELLO flag (embd_step_want_checkpoint) */
+	bool cluster_ckpt;                      /* some node's HELLO of this step carried it */
+	bool pending;
+	struct embd_step_counts counts;
+	embd_step_update_hook update_hook;      /* before a backward updates rows, or NULL */
+	void *update_hook_arg;
+};
+
+static inline bool row_split(enum embd_sharding_type t)
+{
+	return t == EMBD_SHARD_ROW_WISE || t == EMBD_SHARD_TABLE_ROW_WISE;
+}
+
+/* Marks every accepted batch failed with rc and a message; returns rc. */
+int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* ---- step_route.c ---- */
+
+/* Checks batch i into its private offsets and reserves its items; on a bad value rolls them
+ * back and sets the batch's status and err. Event-loop thread. */
+void step_route_batch(struct embd_step *s, uint32_t i);
+/* After step_route_batch of every batch: the ranks' workers copy the items' ids, trainers with
+ * a bad id are refused; returns the batches accepted on this node. */
+uint32_t step_fill_batches(struct embd_step *s);
+
+/* ---- step_dist.c ---- */
+
+int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluster, char *err,
+		     size_t err_len);
+void step_dist_destroy(struct embd_step *s);
+/* After routing: sizes, accept counts and status with every node, then the ids. On return
+ * the items from other nodes are on the local ranks' io. */
+int step_dist_input(struct embd_step *s);
+/* After lookup: partials back to the trainers' nodes, with this node's status (0 or why the
+ * lookup failed) agreed by all. Fills s->sources for the staged items. */
+int step_dist_output(struct embd_step *s, int status, const char *why);
+/* Backward: gradients to the owning nodes (status: 0, or why this node aborts). */
+int step_dist_grads(struct embd_step *s, int status, const char *why);
+/* Where the gradient of a received item lies. */
+const float *step_dist_grad_of(const struct embd_step *s, const struct step_item *it);
+/* sent_bytes and exchange_bytes of the last step. */
+void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out);
+
+#endif /* EMBD_ENGINE_STEP_INTERNAL_H */

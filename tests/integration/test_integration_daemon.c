@@ -1,0 +1,137 @@
+/*
+ * The `embd` binary's lifecycle, driven the way tests and systemd drive it: started with
+ * --socket on a private path, it logs "ready" on stderr once the socket listens, answers
+ * STATUS and STATS requests, welcomes a trainer with the layout of its config, and exits 0 on
+ * SIGTERM, removing its socket. Training through the service is libclient's integration tests.
+ */
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ipc/control.h"
+#include "tests/support/embd_process.h"
+
+struct daemon {
+	struct tu_embd embd;            /* the embedded default config, no --log-level */
+	FILE *log;                      /* its stderr */
+};
+
+/* Starts embd and reads its stderr until it logs "ready". */
+static void start_daemon(struct daemon *d)
+{
+	const struct tu_embd_opts o = { .stderr_pipe = true };
+	char line[2048];
+
+	snprintf(d->embd.socket, sizeof(d->embd.socket), "/tmp/embd-test-%d/embd.sock",
+		 (int)getpid());
+	tu_embd_start(&d->embd, &o);
+	d->log = fdopen(d->embd.stderr_fd, "r");
+	cr_assert_not_null(d->log);
+	while (fgets(line, sizeof(line), d->log))
+		if (strstr(line, "ready"))
+			return;
+	int status;
+	tu_embd_wait(&d->embd, -1, &status);
+	cr_assert_fail("embd exited (status %d) before logging ready", status);
+}
+
+/* SIGTERM, and its wait status once it exited (however long that takes). */
+static int stop_daemon(struct daemon *d)
+{
+	int status = -1;
+	tu_embd_stop(&d->embd, SIGTERM, -1, &status);
+	fclose(d->log);
+	/* the service created the socket's directory; the test removes it */
+	char dir[sizeof(d->embd.socket)];
+	snprintf(dir, sizeof(dir), "%s", d->embd.socket);
+	*strrchr(dir, '/') = 0;
+	rmdir(dir);
+	return status;
+}
+
+/* Sends an empty request of type and returns the reply's JSON. */
+static cJSON *request(const char *path, enum embd_ctl_type type, enum embd_ctl_type reply)
+{
+	static uint8_t buf[EMBD_CTL_MSG_MAX];
+	static char text[EMBD_CTL_MSG_MAX];
+	struct embd_ctl_msg msg;
+	char err[256] = "";
+	int fd;
+
+	cr_assert_eq(embd_ctl_connect(path, &fd, err, sizeof(err)), 0, "connect: %s", err);
+	cr_assert_eq(embd_ctl_send(fd, type, NULL, 0, NULL, 0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(fd, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, reply, "expected reply type %d, got %u", reply, msg.type);
+	cr_assert_eq(embd_ctl_text_decode(&msg, text, sizeof(text), err, sizeof(err)), 0, "%s", err);
+	close(fd);
+	cJSON *root = cJSON_Parse(text);
+	cr_assert_not_null(root, "reply is not JSON: %s", text);
+	return root;
+}
+
+Test(daemon, ready_status_stats_sigterm)
+{
+	struct daemon d;
+
+	start_daemon(&d);
+	cJSON *status = request(d.embd.socket, EMBD_CTL_STATUS_REQUEST, EMBD_CTL_STATUS_REPLY);
+	cr_assert_str_eq(cJSON_GetObjectItem(status, "version")->valuestring, EMBD_VERSION);
+	cr_assert_eq(cJSON_GetObjectItem(status, "step")->valuedouble, 0);
+	cJSON *config = cJSON_GetObjectItem(status, "config");
+	cr_assert_str_eq(cJSON_GetObjectItem(config, "socket_path")->valuestring, d.embd.socket);
+	cr_assert_eq(cJSON_GetObjectItem(config, "num_tables")->valuedouble, 4);
+	cJSON_Delete(status);
+	cJSON *stats = request(d.embd.socket, EMBD_CTL_STATS_REQUEST, EMBD_CTL_STATS_REPLY);
+	cr_assert_eq(cJSON_GetArraySize(cJSON_GetObjectItem(stats, "ranks")), 2);
+	cJSON *rank0 = cJSON_GetArrayItem(cJSON_GetObjectItem(stats, "ranks"), 0);
+	cr_assert_gt(cJSON_GetObjectItem(rank0, "memory_bytes")->valuedouble, 0,
+		     "rank 0 should hold shard memory");
+	cJSON_Delete(stats);
+	int st = stop_daemon(&d);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
+	cr_assert_neq(access(d.embd.socket, F_OK), 0, "the socket file should be gone");
+}
+
+Test(daemon, hello_gets_the_layout)
+{
+	static uint8_t buf[EMBD_CTL_MSG_MAX];
+	static struct embd_layout layout;
+	struct daemon d;
+	struct embd_ctl_msg msg;
+	struct embd_ctl_hello hello = { .protocol_version = EMBD_CTL_VERSION, .wanted_rank = 1,
+					.pid = getpid() };
+	uint8_t payload[sizeof(hello)];
+	char err[256] = "";
+	int fd;
+
+	start_daemon(&d);
+	cr_assert_eq(embd_ctl_connect(d.embd.socket, &fd, err, sizeof(err)), 0, "%s", err);
+	embd_ctl_hello_encode(&hello, payload);
+	cr_assert_eq(embd_ctl_send(fd, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, err,
+				   sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(fd, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, EMBD_CTL_WELCOME, "expected WELCOME, got type %u", msg.type);
+	cr_assert_eq(embd_ctl_welcome_decode(&msg, &layout, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(layout.fixed.rank, 1, "asked for index 1, got %d", layout.fixed.rank);
+	cr_assert_eq(layout.fixed.num_features, 5);
+	cr_assert_eq(layout.fixed.total_dim, 256);
+	cr_assert_str_eq(layout.features[2].name, "clicked_item_id");
+	cr_assert_geq(msg.nfds, 1, "the region memfd should come with WELCOME");
+	embd_ctl_msg_close_fds(&msg);
+	/* the same index again is refused while the first holds it */
+	int fd2;
+	cr_assert_eq(embd_ctl_connect(d.embd.socket, &fd2, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_send(fd2, EMBD_CTL_HELLO, payload, sizeof(payload), NULL, 0, err,
+				   sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(fd2, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, EMBD_CTL_ERROR, "expected ERROR for a taken index, got %u", msg.type);
+	close(fd2);
+	close(fd);
+	int st = stop_daemon(&d);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
+}

@@ -1,0 +1,217 @@
+/*
+ * The service config parser (daemon/config.h): the embedded default parses and plans, every
+ * key is read into its field, and every error names the key it is about (unknown keys, wrong
+ * types, out-of-range values, duplicates, the planner's own table and topology errors).
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/config.h"
+
+static int parse(const char *text, struct embd_config *c, char *err, size_t err_len)
+{
+	return embd_config_parse(text, strlen(text), c, err, err_len);
+}
+
+Test(config, default_parses_and_plans)
+{
+	struct embd_config c;
+	struct embd_plan *plan = NULL;
+	char err[256] = "";
+
+	int rc = parse(embd_config_default_text(), &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "default config: expected 0, got %d: %s", rc, err);
+	cr_assert_eq(c.tables.count, 4, "expected the 4 demo tables, got %u", c.tables.count);
+	cr_assert_eq(c.topology.local_world_size, 2);
+	cr_assert_eq(c.topology.compute_device, EMBD_DEVICE_CPU);
+	cr_assert_eq(c.trainers_per_node, 2);
+	cr_assert_str_eq(c.socket_path, EMBD_CONFIG_DEFAULT_SOCKET);
+	cr_assert_eq(c.num_allowed_uids, 1);
+	cr_assert_eq(c.allowed_uids[0], getuid());
+	cr_assert_eq(c.num_allowed_gids, 0);
+	rc = embd_plan_build(c.tables.specs, c.tables.constraints, c.tables.count, &c.topology, NULL,
+			     &plan, err, sizeof(err));
+	cr_assert_eq(rc, 0, "planning the default: %d %s", rc, err);
+	embd_plan_destroy(plan);
+	embd_config_free(&c);
+}
+
+Test(config, every_key_is_read)
+{
+	const char *text =
+		"{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10, \"embedding_dim\": 4 } ],"
+		"  \"topology\": { \"world_size\": 1, \"compute_device\": \"cpu\", \"batch_size\": 8 },"
+		"  \"plan_file\": \"/tmp/p.json\", \"socket_path\": \"/tmp/x.sock\","
+		"  \"allowed_uids\": [1, 2], \"allowed_gids\": [7], \"trainers_per_node\": 3,"
+		"  \"seed\": 12345678901, \"threads_per_rank\": 2, \"log_level\": \"debug\","
+		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
+		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
+		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\" }";
+	struct embd_config c;
+	char err[256] = "";
+
+	int rc = parse(text, &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "expected 0, got %d: %s", rc, err);
+	cr_assert_eq(c.tables.count, 1);
+	cr_assert_eq(c.topology.batch_size, 8);
+	cr_assert_str_eq(c.plan_file, "/tmp/p.json");
+	cr_assert_str_eq(c.socket_path, "/tmp/x.sock");
+	cr_assert_eq(c.num_allowed_uids, 2);
+	cr_assert_eq(c.allowed_uids[1], 2);
+	cr_assert_eq(c.num_allowed_gids, 1);
+	cr_assert_eq(c.allowed_gids[0], 7);
+	cr_assert_eq(c.trainers_per_node, 3);
+	cr_assert_eq(c.seed, 12345678901ull);
+	cr_assert_eq(c.threads_per_rank, 2);
+	cr_assert_eq(c.log_level, EMBD_LOG_DEBUG);
+	cr_assert_str_eq(c.checkpoint_dir, "/tmp/ck");
+	cr_assert_eq(c.busy_poll_us, 0);
+	cr_assert_eq(c.checkpoint_every_steps, 100);
+	cr_assert_eq(c.checkpoint_every_seconds, 600);
+	cr_assert_eq(c.checkpoint_keep, 0);
+	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
+	embd_config_free(&c);
+}
+
+Test(config, defaults_fill_missing_parts)
+{
+	struct embd_config c;
+	char err[256] = "";
+
+	int rc = parse("{ \"socket_path\": \"/tmp/s\" }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%d %s", rc, err);
+	cr_assert_eq(c.tables.count, 4);
+	cr_assert_eq(c.trainers_per_node, (uint32_t)c.topology.local_world_size);
+	cr_assert_eq(c.threads_per_rank, 1);
+	cr_assert_eq(c.busy_poll_us, 50);
+	cr_assert_eq(c.checkpoint_keep, 3);
+	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
+	cr_assert_eq(c.checkpoint_every_steps, 0);
+	embd_config_free(&c);
+	/* an explicit empty allowed_uids means nobody by uid */
+	rc = parse("{ \"allowed_uids\": [], \"allowed_gids\": [5] }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%d %s", rc, err);
+	cr_assert_eq(c.num_allowed_uids, 0);
+	embd_config_free(&c);
+}
+
+struct bad_case {
+	const char *text;
+	const char *needle;      /* what the error must mention */
+};
+
+Test(config, errors_name_the_key)
+{
+	static const struct bad_case cases[] = {
+		{ "{ \"sokcet_path\": \"/x\" }", "sokcet_path" },
+		{ "{ \"socket_path\": 3 }", "socket_path" },
+		{ "{ \"socket_path\": \"\" }", "socket_path" },
+		{ "{ \"plan_file\": [] }", "plan_file" },
+		{ "{ \"allowed_uids\": 5 }", "allowed_uids" },
+		{ "{ \"allowed_uids\": [-1] }", "allowed_uids" },
+		{ "{ \"allowed_gids\": [1.5] }", "allowed_gids" },
+		{ "{ \"allowed_gids\": [\"a\"] }", "allowed_gids" },
+		{ "{ \"trainers_per_node\": 0 }", "trainers_per_node" },
+		{ "{ \"trainers_per_node\": \"2\" }", "trainers_per_node" },
+		{ "{ \"threads_per_rank\": 2.5 }", "threads_per_rank" },
+		{ "{ \"threads_per_rank\": 100000 }", "threads_per_rank" },
+		{ "{ \"seed\": -1 }", "seed" },
+		{ "{ \"log_level\": \"loud\" }", "log_level" },
+		{ "{ \"log_level\": 3 }", "log_level" },
+		{ "{ \"checkpoint_dir\": false }", "checkpoint_dir" },
+		{ "{ \"checkpoint_layout\": \"nfs\" }", "checkpoint_layout" },
+		{ "{ \"busy_poll_us\": -5 }", "busy_poll_us" },
+		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
+		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
+		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
+		{ "{ \"seed\": 1, \"seed\": 2 }", "seed" },
+		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
+		  "\"compute_device\": \"cpu\" }, \"node_rank\": 2 }", "node_rank" },
+		{ "{ \"backend\": \"mpi\" }", "backend" },
+		{ "{ \"backend\": \"nccl\" }", "backend" },
+		{ "{ \"master_port\": 70000 }", "master_port" },
+		{ "{ \"master_port\": 0 }", "master_port" },
+		{ "{ \"master_addr\": \"\" }", "master_addr" },
+		{ "{ \"gloo_ifname\": \"\" }", "gloo_ifname" },
+		{ "{ \"gloo_ifname\": \"eth0,eth1\" }", "gloo_ifname" },
+		{ "{ \"gloo_ifname\": \"a-name-of-16-byte\" }", "gloo_ifname" },
+		{ "{ \"gloo_ifname\": 0 }", "gloo_ifname" },
+		{ "{ \"comm_addr\": \"node1.example\" }", "comm_addr" },
+		{ "{ \"comm_addr\": \"10.0.0.256\" }", "comm_addr" },
+		{ "{ \"comm_addr\": \"10.0.0.1\", \"gloo_ifname\": \"eth0\" }", "comm_addr" },
+		{ "{ \"collective_timeout_ms\": 0 }", "collective_timeout_ms" },
+		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
+		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" } }", "topology" },
+		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
+		{ "{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10 } ] }", "embedding_dim" },
+		{ "{ \"tables\": [] }", "tables" },
+		{ "[1, 2]", "object" },
+		{ "{ \"seed\": 1,\n  \"x\" }", "line 2" },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		struct embd_config c;
+		char err[512] = "";
+		int rc = parse(cases[i].text, &c, err, sizeof(err));
+		cr_expect_lt(rc, 0, "case %zu (%s): expected an error, got %d", i, cases[i].text, rc);
+		cr_expect(strstr(err, cases[i].needle) != NULL,
+			  "case %zu (%s): expected the error to mention '%s', got '%s'", i,
+			  cases[i].text, cases[i].needle, err);
+		if (!rc)
+			embd_config_free(&c);
+	}
+}
+
+/* Several nodes: world_size a multiple of local_world_size, the env:// keys, timeouts. */
+Test(config, cluster_keys)
+{
+	struct embd_config c;
+	char err[512] = "";
+	const char *text = "{ \"topology\": { \"world_size\": 6, \"local_world_size\": 2, "
+			   "\"compute_device\": \"cpu\" }, \"master_addr\": \"10.0.0.1\", "
+			   "\"master_port\": 29511, \"node_rank\": 2, \"backend\": \"gloo\", "
+			   "\"collective_timeout_ms\": 1500, \"gloo_ifname\": \"eth1\" }";
+	int rc = parse(text, &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "expected 0, got %d (%s)", rc, err);
+	cr_expect_eq(embd_config_nodes(&c), 3u, "nodes: expected 3, got %u", embd_config_nodes(&c));
+	cr_expect_str_eq(c.master_addr, "10.0.0.1");
+	cr_expect_eq(c.master_port, 29511);
+	cr_expect_eq(c.node_rank, 2u);
+	cr_expect_eq(c.backend, EMBD_COMM_GLOO);
+	cr_expect_eq(c.collective_timeout_ms, 1500);
+	cr_expect_str_eq(c.gloo_ifname, "eth1");
+	cr_expect_str_eq(c.comm_addr, "");
+	cr_expect_eq(c.store_timeout_ms, 1500, "store_timeout_ms 0 means collective_timeout_ms, "
+		     "got %d", c.store_timeout_ms);
+	embd_config_free(&c);
+	rc = parse("{ }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s", err);
+	cr_expect_str_eq(c.master_addr, "127.0.0.1");
+	cr_expect_eq(c.master_port, 29500);
+	cr_expect_eq(embd_config_nodes(&c), 1u);
+	cr_expect_str_eq(c.gloo_ifname, "", "gloo_ifname: none by default");
+	embd_config_free(&c);
+	rc = parse("{ \"comm_addr\": \"fd00::2\" }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "%s", err);
+	cr_expect_str_eq(c.comm_addr, "fd00::2");
+	embd_config_free(&c);
+}
+
+Test(config, load_names_the_path)
+{
+	struct embd_config c;
+	char err[512] = "";
+	char path[] = "/tmp/embd_test_config_XXXXXX";
+	int fd = mkstemp(path);
+	cr_assert_geq(fd, 0);
+	const char *text = "{ \"busy_poll_us\": \"x\" }";
+	cr_assert_eq(write(fd, text, strlen(text)), (ssize_t)strlen(text));
+	close(fd);
+	int rc = embd_config_load(path, &c, err, sizeof(err));
+	unlink(path);
+	cr_assert_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_assert(strstr(err, path) && strstr(err, "busy_poll_us"), "got '%s'", err);
+	rc = embd_config_load("/nonexistent/embd.conf", &c, err, sizeof(err));
+	cr_assert_eq(rc, EMBD_ENOENT, "expected EMBD_ENOENT, got %d", rc);
+	cr_assert(strstr(err, "/nonexistent/embd.conf"), "got '%s'", err);
+}

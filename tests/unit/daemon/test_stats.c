@@ -1,0 +1,116 @@
+/*
+ * Stats (daemon/stats.h): the STATS and STATUS JSON parse back, carry every documented
+ * field with the values recorded, and the latency percentiles follow the samples.
+ */
+#include <cjson/cJSON.h>
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/stats.h"
+
+static double num(const cJSON *o, const char *key)
+{
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+	cr_assert(cJSON_IsNumber(v), "field '%s' missing or not a number", key);
+	return v->valuedouble;
+}
+
+Test(stats, json_fields_and_percentiles)
+{
+	struct embd_stats *s = malloc(sizeof(*s));
+	char *text = NULL;
+
+	cr_assert_not_null(s);
+	embd_stats_init(s);
+	/* steps of 1..100 us: p50 = 50 us, p99 = 99 us (nearest rank) */
+	for (uint64_t i = 1; i <= 100; i++) {
+		struct embd_step_counts c = { .ids = 10, .lookups = 20, .input_bytes = 100,
+					      .output_bytes = 200 };
+		embd_stats_step(s, &c, i * 1000);
+		embd_stats_request(s, (101 - i) * 10);
+	}
+	s->aborted_steps = 2;
+	struct embd_stats_rank ranks[2] = { { 0, 0, 4096 }, { 1, 1, 8192 } };
+	struct embd_stats_client clients[1] = { { .index = 1, .pid = 42, .uid = 7, .sq_used = 3,
+		.sq_entries = 64, .cq_used = 1, .cq_entries = 64, .requests = 9, .errors = 2 } };
+	cr_assert_eq(embd_stats_json(s, ranks, 2, clients, 1, &text), 0);
+	cJSON *root = cJSON_Parse(text);
+	cr_assert_not_null(root, "not JSON: %s", text);
+	cr_assert_eq(num(root, "steps"), 100);
+	cr_assert_eq(num(root, "aborted_steps"), 2);
+	cr_assert_eq(num(root, "ids"), 1000);
+	cr_assert_eq(num(root, "lookups"), 2000);
+	cr_assert_eq(num(root, "bytes_in"), 10000);
+	cr_assert_eq(num(root, "bytes_out"), 20000);
+	cr_assert_gt(num(root, "ids_per_s"), 0);
+	cr_assert_gt(num(root, "lookups_per_s"), num(root, "ids_per_s"));
+	cr_assert_gt(num(root, "uptime_s"), 0);
+	cr_assert_eq(num(root, "step_p50_us"), 50, "got %g", num(root, "step_p50_us"));
+	cr_assert_eq(num(root, "step_p99_us"), 99, "got %g", num(root, "step_p99_us"));
+	cr_assert_float_eq(num(root, "ipc_p50_us"), 0.5, 1e-9, "got %g", num(root, "ipc_p50_us"));
+	cr_assert_float_eq(num(root, "ipc_p99_us"), 0.99, 1e-9, "got %g", num(root, "ipc_p99_us"));
+	const cJSON *r = cJSON_GetObjectItemCaseSensitive(root, "ranks");
+	cr_assert_eq(cJSON_GetArraySize(r), 2);
+	cr_assert_eq(num(cJSON_GetArrayItem(r, 1), "memory_bytes"), 8192);
+	cr_assert_eq(num(cJSON_GetArrayItem(r, 1), "numa_node"), 1);
+	const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "clients"), 0);
+	cr_assert_not_null(c);
+	const char *keys[] = { "index", "pid", "uid", "sq_used", "sq_entries", "cq_used",
+			       "cq_entries", "requests", "errors" };
+	double want[] = { 1, 42, 7, 3, 64, 1, 64, 9, 2 };
+	for (int i = 0; i < 9; i++)
+		cr_assert_eq(num(c, keys[i]), want[i], "client %s: expected %g, got %g", keys[i],
+			     want[i], num(c, keys[i]));
+	cJSON_Delete(root);
+	free(text);
+	free(s);
+}
+
+Test(stats, window_keeps_the_latest_samples)
+{
+	struct embd_stats *s = malloc(sizeof(*s));
+	char *text = NULL;
+	struct embd_step_counts zero = { 0 };
+
+	embd_stats_init(s);
+	/* old slow steps fall out of the window */
+	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
+		embd_stats_step(s, &zero, 1000000);
+	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
+		embd_stats_step(s, &zero, 2000);
+	cr_assert_eq(embd_stats_json(s, NULL, 0, NULL, 0, &text), 0);
+	cJSON *root = cJSON_Parse(text);
+	cr_assert_eq(num(root, "step_p99_us"), 2, "got %g", num(root, "step_p99_us"));
+	cr_assert_eq(num(root, "ipc_p50_us"), 0, "no requests: expected 0");
+	cJSON_Delete(root);
+	free(text);
+	free(s);
+}
+
+Test(stats, status_json)
+{
+	struct embd_stats s;
+	struct embd_config config;
+	char err[256], *text = NULL;
+
+	embd_stats_init(&s);
+	cr_assert_eq(embd_config_parse(embd_config_default_text(),
+				       strlen(embd_config_default_text()), &config, err,
+				       sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_stats_status_json(&s, &config, 17, 0x0123456789abcdefull, 2, &text), 0);
+	cJSON *root = cJSON_Parse(text);
+	cr_assert_not_null(root);
+	cr_assert_str_eq(cJSON_GetObjectItem(root, "version")->valuestring, EMBD_VERSION);
+	cr_assert_str_eq(cJSON_GetObjectItem(root, "plan_hash")->valuestring, "0123456789abcdef");
+	cr_assert_eq(num(root, "step"), 17);
+	cr_assert_eq(num(root, "clients"), 2);
+	const cJSON *c = cJSON_GetObjectItem(root, "config");
+	cr_assert_eq(num(c, "num_tables"), 4);
+	cr_assert_eq(num(c, "local_world_size"), 2);
+	cr_assert_str_eq(cJSON_GetObjectItem(c, "socket_path")->valuestring,
+			 EMBD_CONFIG_DEFAULT_SOCKET);
+	cJSON_Delete(root);
+	free(text);
+	embd_config_free(&config);
+}

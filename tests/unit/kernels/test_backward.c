@@ -1,0 +1,465 @@
+/*
+ * Fused backward + optimizer against the plain reference (dense gradient, rows updated in
+ * order) and against values worked out by hand. Every sharding keeps each row's occurrences
+ * in batch order, so weights and state must equal the reference bit for bit; the hand values
+ * are decimal, so they hold to 1e-6 relative.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels/device.h"
+#include "kernels/jagged.h"
+#include "tests/unit/kernels/kernel_test_util.h"
+
+static struct embd_optimizer_spec opt_spec(enum embd_optimizer_type type, float wd)
+{
+	struct embd_optimizer_spec o = {
+		.type = type, .lr = 0.1f, .eps = 1e-8f, .beta1 = 0.9f, .beta2 = 0.999f, .weight_decay = wd,
+	};
+	return o;
+}
+
+static struct embd_bag_batch tbatch(const struct embd_shard *s, uint32_t feature, const struct tbags *t,
+				    enum embd_pooling pooling, const int32_t *mean_lengths,
+				    const float *grad, uint64_t stride, uint32_t col)
+{
+	struct embd_bag_batch bt = {
+		.shard = s, .feature = feature, .batch_size = t->batch_size, .offsets = t->offsets,
+		.ids = t->ids, .weights = t->weights, .num_ids = t->num_ids, .pooling = pooling,
+		.mean_lengths = mean_lengths, .pooled_grad = grad, .pooled_stride = stride,
+		.pooled_col = col,
+	};
+	return bt;
+}
+
+/* Weights and state of shard s equal the reference's at the same global coordinates. */
+static void expect_shard_equals_ref(const char *what, const struct embd_shard *s,
+				    const struct embd_ref_table *ref)
+{
+	const struct embd_shard_desc *d = &s->desc;
+	char msg[160];
+
+	for (int64_t r = 0; r < d->rows; r++) {
+		int64_t g = d->row_offset + r;
+		float w[d->cols], e[d->cols];
+		for (uint32_t c = 0; c < d->cols; c++) {
+			uint64_t i = (uint64_t)r * d->cols + c;
+			w[c] = d->dtype ? embd_fp16_to_fp32(((uint16_t *)s->weights)[i]) : ((float *)s->weights)[i];
+			e[c] = embd_ref_weight(ref, g, d->col_offset + c);
+		}
+		snprintf(msg, sizeof(msg), "%s: weights of row %lld", what, (long long)g);
+		texpect_equal(msg, e, w, d->cols);
+		if (d->optimizer.type == EMBD_OPT_ROWWISE_ADAGRAD) {
+			snprintf(msg, sizeof(msg), "%s: state of row %lld", what, (long long)g);
+			texpect_equal(msg, &ref->m1[g], &s->momentum1[r], 1);
+		} else if (d->optimizer.type != EMBD_OPT_SGD) {
+			snprintf(msg, sizeof(msg), "%s: momentum1 of row %lld", what, (long long)g);
+			texpect_equal(msg, ref->m1 + (uint64_t)g * ref->dim + d->col_offset,
+				      s->momentum1 + (uint64_t)r * d->cols, d->cols);
+			if (d->optimizer.type == EMBD_OPT_ADAM) {
+				snprintf(msg, sizeof(msg), "%s: momentum2 of row %lld", what, (long long)g);
+				texpect_equal(msg, ref->m2 + (uint64_t)g * ref->dim + d->col_offset,
+					      s->momentum2 + (uint64_t)r * d->cols, d->cols);
+			}
+		}
+	}
+}
+
+static float *random_grad(struct trng *r, uint64_t n)
+{
+	float *g = malloc((n ? n : 1) * sizeof(float));
+	for (uint64_t i = 0; i < n; i++)
+		g[i] = trng_float(r, -1.0f, 1.0f);
+	return g;
+}
+
+/* steps of two features on one unsplit shard, on every ISA, with 1 and 3 workers. */
+static void check_unsharded(struct trng *r, enum embd_optimizer_type type, enum embd_data_type dtype,
+			    int64_t rows, uint32_t dim, uint32_t batch, uint32_t max_len,
+			    uint32_t hot_pct, int steps)
+{
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	struct embd_workers *three;
+	char msg[160];
+
+	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
+	for (int i = 0; i < nisa; i++) {
+		for (int nw = 0; nw < 2; nw++) {
+			struct embd_optimizer_spec o = opt_spec(type, trng_below(r, 2) ? 0.01f : 0.0f);
+			struct embd_ref_table *ref = embd_ref_table_create(5, rows, dim, dtype, &o, 21);
+			struct embd_shard *s = tshard(ref, 21, 0, rows, 0, dim);
+			struct embd_exec ex = { .workers = nw ? three : NULL, .isa = isas[i] };
+			for (int step = 0; step < steps; step++) {
+				struct tbags t[2];
+				float *g[2];
+				struct embd_bag_batch bt[2];
+				struct embd_ref_bags rb[2];
+				for (int f = 0; f < 2; f++) {
+					tbags_random(&t[f], r, batch, max_len, 10, rows, hot_pct, f == 1);
+					g[f] = random_grad(r, (uint64_t)batch * dim);
+					enum embd_pooling p = f ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM;
+					bt[f] = tbatch(s, f, &t[f], p, NULL, g[f], dim, 0);
+					rb[f] = (struct embd_ref_bags){ batch, t[f].lengths, t[f].ids,
+									t[f].weights, p, g[f] };
+				}
+				struct embd_kernel_err err;
+				int rc = embd_kernels_backward(&ex, s, bt, 2, &err);
+				cr_assert_eq(rc, 0, "backward: %d %s", rc, err.msg);
+				cr_assert_eq(embd_ref_backward(ref, rb, 2), 0);
+				snprintf(msg, sizeof(msg), "%s opt %d %s dim %u workers %d step %d",
+					 embd_kernels_isa_name(isas[i]), (int)type, dtype ? "fp16" : "fp32",
+					 dim, nw ? 3 : 1, step);
+				expect_shard_equals_ref(msg, s, ref);
+				cr_assert_eq(s->step, ref->step);
+				for (int f = 0; f < 2; f++) {
+					tbags_free(&t[f]);
+					free(g[f]);
+				}
+			}
+			embd_shard_destroy(s);
+			embd_ref_table_destroy(ref);
+		}
+	}
+	embd_workers_destroy(three);
+}
+
+Test(kernels_backward, every_optimizer_equals_reference, .timeout = 120)
+{
+	static const uint32_t dims[] = { 1, 4, 15, 16, 33, 64, 100, 128 };
+	struct trng r = { 31 };
+
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+		for (int trial = 0; trial < 4; trial++)
+			check_unsharded(&r, type, trng_below(&r, 2), 1 + (int64_t)trng_below(&r, 2000),
+					dims[trng_below(&r, 8)], 1 + (uint32_t)trng_below(&r, 60),
+					(uint32_t)trng_below(&r, 30), 30, 3);
+}
+
+Test(kernels_backward, heavy_duplicates_and_many_ids, .timeout = 120)
+{
+	struct trng r = { 32 };
+	/* 80% of ids on 4 hot rows: long runs to combine; ~100K ids per feature */
+	check_unsharded(&r, EMBD_OPT_ROWWISE_ADAGRAD, EMBD_DTYPE_FP32, 50000, 24, 1000, 200, 80, 2);
+	/* a single-row table: one bucket, every id a duplicate */
+	check_unsharded(&r, EMBD_OPT_ADAM, EMBD_DTYPE_FP16, 1, 8, 30, 10, 0, 2);
+}
+
+Test(kernels_backward, a_million_ids, .timeout = 120)
+{
+	struct trng r = { 33 };
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(6, 1 << 20, 8, EMBD_DTYPE_FP32, &o, 3);
+	struct embd_shard *s = tshard(ref, 3, 0, 1 << 20, 0, 8);
+	struct embd_workers *two;
+	char msg[128];
+	struct tbags t;
+
+	cr_assert_eq(embd_workers_create(2, NULL, &two, msg, sizeof(msg)), 0, "%s", msg);
+	tbags_random(&t, &r, 4000, 500, 0, 1 << 20, 5, true);
+	float *g = random_grad(&r, 4000 * 8);
+	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 8, 0);
+	struct embd_ref_bags rb = { 4000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+	struct embd_exec ex = { .workers = two };
+	cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
+	cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
+	expect_shard_equals_ref("a million ids", s, ref);
+	free(g);
+	tbags_free(&t);
+	embd_workers_destroy(two);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
+/*
+ * Phase times: asked for, every phase of every call is counted, their sum is inside the calls'
+ * wall time, and the result is still the reference's (timing changes nothing computed).
+ */
+Test(kernels_backward, phase_times_add_up)
+{
+	struct trng r = { 35 };
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ADAGRAD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(8, 1 << 16, 16, EMBD_DTYPE_FP32, &o, 5);
+	struct embd_shard *s = tshard(ref, 5, 0, 1 << 16, 0, 16);
+	struct embd_backward_times tm = { 0 };
+	struct embd_workers *two;
+	char msg[128];
+	struct tbags t;
+
+	cr_assert_eq(embd_workers_create(2, NULL, &two, msg, sizeof(msg)), 0, "%s", msg);
+	tbags_random(&t, &r, 2000, 40, 5, 1 << 16, 10, true);
+	float *g = random_grad(&r, 2000 * 16);
+	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 16, 0);
+	struct embd_ref_bags rb = { 2000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+	struct embd_exec ex = { .workers = two, .backward_times = &tm };
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int step = 0; step < 2; step++) {
+		cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
+		cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
+	}
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	uint64_t wall = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000ull + (uint64_t)t1.tv_nsec -
+			(uint64_t)t0.tv_nsec;
+	uint64_t sum = tm.setup_ns + tm.collect_ns + tm.scatter_ns + tm.sort_ns + tm.apply_ns;
+	cr_expect_eq(tm.calls, 2, "expected 2 calls counted, got %llu", (unsigned long long)tm.calls);
+	cr_expect(tm.collect_ns && tm.scatter_ns && tm.sort_ns && tm.apply_ns,
+		  "a phase was not timed: collect %llu scatter %llu sort %llu apply %llu ns",
+		  (unsigned long long)tm.collect_ns, (unsigned long long)tm.scatter_ns,
+		  (unsigned long long)tm.sort_ns, (unsigned long long)tm.apply_ns);
+	cr_expect(sum <= wall, "phases add up to %llu ns, more than the calls' %llu ns",
+		  (unsigned long long)sum, (unsigned long long)wall);
+	expect_shard_equals_ref("timed backward", s, ref);
+	free(g);
+	tbags_free(&t);
+	embd_workers_destroy(two);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
+/* Row-wise: two features bucketized over W shards, MEAN divided by the full bag lengths. */
+Test(kernels_backward, row_shards_equal_reference)
+{
+	struct trng r = { 34 };
+	const uint32_t W = 4, F = 2, B = 30, dim = 12;
+	const int64_t rows = 10; /* blocks of 3, 3, 3, 1 */
+
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++) {
+		struct embd_optimizer_spec o = opt_spec(type, 0.0f);
+		struct embd_ref_table *ref = embd_ref_table_create(7, rows, dim, EMBD_DTYPE_FP32, &o, 4);
+		struct embd_shard *sh[4];
+		for (uint32_t k = 0; k < W; k++)
+			sh[k] = tshard(ref, 4, 3 * k, k < 3 ? 3 : 1, 0, dim);
+		for (int step = 0; step < 2; step++) {
+			/* one KJT of F features: lengths feature-major */
+			struct tbags t[2];
+			int32_t lengths[F * B];
+			uint64_t nv = 0;
+			for (uint32_t f = 0; f < F; f++) {
+				tbags_random(&t[f], &r, B, 8, 10, rows, 30, true);
+				memcpy(lengths + f * B, t[f].lengths, B * sizeof(int32_t));
+				nv += t[f].num_ids;
+			}
+			int64_t *values = malloc(nv * sizeof(int64_t)), *bval = malloc(nv * sizeof(int64_t));
+			float *weights = malloc(nv * sizeof(float)), *bw = malloc(nv * sizeof(float));
+			memcpy(values, t[0].ids, t[0].num_ids * sizeof(int64_t));
+			memcpy(values + t[0].num_ids, t[1].ids, t[1].num_ids * sizeof(int64_t));
+			memcpy(weights, t[0].weights, t[0].num_ids * sizeof(float));
+			memcpy(weights + t[0].num_ids, t[1].weights, t[1].num_ids * sizeof(float));
+			int32_t blen[W * F * B];
+			int64_t frows[2] = { rows, rows };
+			struct embd_bucketize_args ba = {
+				.num_features = F, .batch_size = B, .lengths = lengths, .values = values,
+				.weights = weights, .num_values = nv, .feature_rows = frows,
+				.num_buckets = W, .out_lengths = blen, .out_values = bval, .out_weights = bw,
+			};
+			char msg[128];
+			cr_assert_eq(embd_jagged_bucketize(&ba, msg, sizeof(msg)), 0, "%s", msg);
+			/* dL/d(pooled): a KeyedTensor of the two features */
+			float *grad = random_grad(&r, B * F * dim);
+
+			uint64_t pos = 0;
+			for (uint32_t k = 0; k < W; k++) {
+				int64_t off[F][B + 1];
+				struct tbags tk[2];
+				struct embd_bag_batch bt[2];
+				for (uint32_t f = 0; f < F; f++) {
+					off[f][0] = 0;
+					for (uint32_t b = 0; b < B; b++)
+						off[f][b + 1] = off[f][b] + blen[(k * F + f) * B + b];
+					tk[f] = (struct tbags){ .batch_size = B, .offsets = off[f],
+								.ids = bval + pos, .weights = bw + pos,
+								.num_ids = (uint64_t)off[f][B] };
+					pos += (uint64_t)off[f][B];
+					bt[f] = tbatch(sh[k], f, &tk[f], EMBD_POOLING_MEAN, lengths + f * B,
+						       grad, F * dim, f * dim);
+				}
+				cr_assert_eq(embd_kernels_backward(NULL, sh[k], bt, F, NULL), 0);
+			}
+			struct embd_ref_bags rb[2];
+			float *g2[2] = { malloc(B * dim * sizeof(float)), malloc(B * dim * sizeof(float)) };
+			for (uint32_t f = 0; f < F; f++) {
+				for (uint32_t b = 0; b < B; b++)
+					memcpy(g2[f] + b * dim, grad + b * F * dim + f * dim, dim * sizeof(float));
+				rb[f] = (struct embd_ref_bags){ B, t[f].lengths, t[f].ids, t[f].weights,
+								EMBD_POOLING_MEAN, g2[f] };
+			}
+			cr_assert_eq(embd_ref_backward(ref, rb, F), 0);
+			for (uint32_t k = 0; k < W; k++)
+				expect_shard_equals_ref("row shards", sh[k], ref);
+			for (uint32_t f = 0; f < F; f++) {
+				tbags_free(&t[f]);
+				free(g2[f]);
+			}
+			free(grad);
+			free(values);
+			free(bval);
+			free(weights);
+			free(bw);
+		}
+		for (uint32_t k = 0; k < W; k++)
+			embd_shard_destroy(sh[k]);
+		embd_ref_table_destroy(ref);
+	}
+}
+
+/* Column-wise: each shard updates its own columns (rowwise_adagrad keeps a state per column
+ * shard in TorchRec too, so it is left out: it only equals an unsplit table when whole). */
+Test(kernels_backward, column_shards_equal_reference)
+{
+	static const enum embd_optimizer_type types[] = { EMBD_OPT_SGD, EMBD_OPT_ADAGRAD, EMBD_OPT_ADAM };
+	struct trng r = { 35 };
+	const uint32_t dim = 40, split = 17, B = 25;
+	const int64_t rows = 300;
+
+	for (int i = 0; i < 3; i++) {
+		struct embd_optimizer_spec o = opt_spec(types[i], 0.02f);
+		struct embd_ref_table *ref = embd_ref_table_create(8, rows, dim, EMBD_DTYPE_FP16, &o, 6);
+		struct embd_shard *a = tshard(ref, 6, 0, rows, 0, split);
+		struct embd_shard *b = tshard(ref, 6, 0, rows, split, dim - split);
+		for (int step = 0; step < 3; step++) {
+			struct tbags t;
+			tbags_random(&t, &r, B, 12, 10, rows, 40, true);
+			float *g = random_grad(&r, B * dim);
+			struct embd_bag_batch ba = tbatch(a, 0, &t, EMBD_POOLING_SUM, NULL, g, dim, 0);
+			struct embd_bag_batch bb = tbatch(b, 0, &t, EMBD_POOLING_SUM, NULL, g, dim, split);
+			cr_assert_eq(embd_kernels_backward(NULL, a, &ba, 1, NULL), 0);
+			cr_assert_eq(embd_kernels_backward(NULL, b, &bb, 1, NULL), 0);
+			struct embd_ref_bags rb = { B, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+			cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
+			expect_shard_equals_ref("column shard a", a, ref);
+			expect_shard_equals_ref("column shard b", b, ref);
+			free(g);
+			tbags_free(&t);
+		}
+		embd_shard_destroy(a);
+		embd_shard_destroy(b);
+		embd_ref_table_destroy(ref);
+	}
+}
+
+/* Row 1 = {1, -2}; one bag holding id 1 twice, dL/d(pooled) = {0.5, 1}: g = {1, 2}. */
+static void hand_steps(enum embd_optimizer_type type, float wd, const float expected[2][2],
+		       const float *state_after_2, int state_n)
+{
+	struct embd_optimizer_spec o = opt_spec(type, wd);
+	/* betas that are exact in binary, so the hand values are exact too */
+	o.beta1 = 0.5f;
+	o.beta2 = 0.875f;
+	struct embd_shard_desc d = { .table_id = 1, .num_embeddings = 4, .embedding_dim = 2,
+				     .dtype = EMBD_DTYPE_FP32, .rows = 4, .cols = 2, .optimizer = o };
+	struct embd_shard *s;
+	char msg[128];
+	int64_t ids[2] = { 1, 1 }, offsets[2] = { 0, 2 };
+	float dy[2] = { 0.5f, 1.0f };
+
+	cr_assert_eq(embd_shard_create(&d, &s, msg, sizeof(msg)), 0, "%s", msg);
+	float *w = s->weights;
+	for (int i = 0; i < 8; i++)
+		w[i] = 7.0f;
+	w[2] = 1.0f;
+	w[3] = -2.0f;
+	struct embd_bag_batch bt = { .shard = s, .batch_size = 1, .offsets = offsets, .ids = ids,
+				     .num_ids = 2, .pooling = EMBD_POOLING_SUM, .pooled_grad = dy,
+				     .pooled_stride = 2 };
+	for (int step = 0; step < 2; step++) {
+		cr_assert_eq(embd_kernels_backward(NULL, s, &bt, 1, NULL), 0);
+		for (int c = 0; c < 2; c++)
+			cr_expect(fabsf(w[2 + c] - expected[step][c]) <= 1e-6f * fabsf(expected[step][c]),
+				  "optimizer %d wd %g step %d col %d: expected %.8g, got %.8g", (int)type, wd,
+				  step + 1, c, expected[step][c], w[2 + c]);
+	}
+	for (int i = 0; i < state_n; i++) {
+		float got = i < 2 ? s->momentum1[(type == EMBD_OPT_ROWWISE_ADAGRAD ? 1 : 2) + i]
+				  : s->momentum2[2 + i - 2];
+		cr_expect(fabsf(got - state_after_2[i]) <= 1e-6f * fabsf(state_after_2[i]),
+			  "optimizer %d state %d: expected %.8g, got %.8g", (int)type, i, state_after_2[i], got);
+	}
+	for (int i = 0; i < 8; i++)
+		if (i / 2 != 1)
+			cr_expect_eq(w[i], 7.0f, "untouched weight %d changed to %g", i, w[i]);
+	cr_expect_eq(s->step, 2);
+	embd_shard_destroy(s);
+}
+
+Test(kernels_backward, optimizers_match_hand_computed_values)
+{
+	/* w -= 0.1 g */
+	hand_steps(EMBD_OPT_SGD, 0.0f, (const float[2][2]){ { 0.9f, -2.2f }, { 0.8f, -2.4f } }, NULL, 0);
+	/* g' = g + 0.5 w: {1.5, 1} then {1.425, 0.95} */
+	hand_steps(EMBD_OPT_SGD, 0.5f, (const float[2][2]){ { 0.85f, -2.1f }, { 0.7075f, -2.195f } }, NULL, 0);
+	/* s = {1, 4} then {2, 8}; w -= 0.1 g / sqrt(s) */
+	hand_steps(EMBD_OPT_ADAGRAD, 0.0f,
+		   (const float[2][2]){ { 0.9f, -2.1f }, { 0.829289322f, -2.170710678f } },
+		   (const float[]){ 2.0f, 8.0f }, 2);
+	/* s = (1 + 4) / 2 = 2.5 then 5; w -= 0.1 / sqrt(s) g */
+	hand_steps(EMBD_OPT_ROWWISE_ADAGRAD, 0.0f,
+		   (const float[2][2]){ { 0.936754447f, -2.126491106f }, { 0.892033088f, -2.215933825f } },
+		   (const float[]){ 5.0f }, 1);
+	/* beta1 0.5, beta2 0.875: bias-corrected m / sqrt(v) = sign(g) on both steps, so
+	 * w -= 0.1 sign(g); after two steps m = 0.75 g, v = (1 - 0.875^2) g^2 = 0.234375 g^2 */
+	hand_steps(EMBD_OPT_ADAM, 0.0f, (const float[2][2]){ { 0.9f, -2.1f }, { 0.8f, -2.2f } },
+		   (const float[]){ 0.75f, 1.5f, 0.234375f, 0.9375f }, 4);
+}
+
+Test(kernels_backward, out_of_range_changes_nothing)
+{
+	struct trng r = { 36 };
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ADAM, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 1000, 16, EMBD_DTYPE_FP32, &o, 9);
+	struct embd_shard *s = tshard(ref, 9, 200, 300, 0, 16);
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+
+	for (int i = 0; i < nisa; i++) {
+		struct tbags t;
+		tbags_random(&t, &r, 40, 10, 0, 300, 10, false);
+		for (uint64_t k = 0; k < t.num_ids; k++)
+			t.ids[k] += 200;
+		t.ids[t.num_ids - 1] = 500; /* one past the end, in the last non-empty bag */
+		int64_t sample = 39;
+		while (t.lengths[sample] == 0)
+			sample--;
+		float *g = random_grad(&r, 40 * 16);
+		float *before = malloc(300 * 16 * sizeof(float));
+		memcpy(before, s->weights, 300 * 16 * sizeof(float));
+		struct embd_bag_batch bt = tbatch(s, 3, &t, EMBD_POOLING_SUM, NULL, g, 16, 0);
+		struct embd_exec ex = { .isa = isas[i] };
+		struct embd_kernel_err err;
+		int rc = embd_kernels_backward(&ex, s, &bt, 1, &err);
+		cr_assert_eq(rc, EMBD_ERANGE, "expected EMBD_ERANGE, got %d", rc);
+		cr_expect_eq(err.feature, 3u);
+		cr_expect_eq(err.sample, sample, "sample: expected %lld, got %lld", (long long)sample,
+			     (long long)err.sample);
+		cr_expect_eq(err.id, 500, "id: expected 500, got %lld", (long long)err.id);
+		cr_assert(!memcmp(before, s->weights, 300 * 16 * sizeof(float)), "weights changed");
+		cr_assert_eq(s->step, 0, "step changed to %lld", (long long)s->step);
+		free(before);
+		free(g);
+		tbags_free(&t);
+	}
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
+Test(kernels_backward, no_ids_still_counts_the_step)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 10, 4, EMBD_DTYPE_FP32, &o, 9);
+	struct embd_shard *s = tshard(ref, 9, 0, 10, 0, 4);
+	int64_t offsets[3] = { 0, 0, 0 };
+	float g[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
+	struct tbags t = { .batch_size = 2, .offsets = offsets };
+	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_MEAN, NULL, g, 4, 0);
+
+	cr_assert_eq(embd_kernels_backward(NULL, s, &bt, 1, NULL), 0);
+	cr_assert_eq(embd_kernels_backward(NULL, s, NULL, 0, NULL), 0);
+	cr_expect_eq(s->step, 2);
+	expect_shard_equals_ref("no ids", s, ref);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
