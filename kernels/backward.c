@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/clock.h"
 #include "kernels/cpu_kernels.h"
 #include "kernels/pool_row.h"
 
@@ -46,6 +47,7 @@ struct bwd_job {
 	struct embd_first_err *errs;    /* one per worker */
 	uint64_t *bad;                  /* nw x 2: rows left non-finite, the lowest of them */
 	float *scratch;                 /* nw x 2 cols */
+	uint64_t *phase_ns;             /* NULL, or nw x 2: each worker's time sorting, applying */
 	atomic_uint_fast64_t next_bucket;
 };
 
@@ -154,28 +156,77 @@ static struct embd_occ *sort_bucket(struct embd_occ *a, struct embd_occ *tmp, ui
 	return a;
 }
 
+/* The next non-empty bucket for this worker, sorted into *sorted (*n occurrences); false when
+ * none is left. */
+static bool next_bucket(struct bwd_job *job, struct embd_occ **sorted, uint64_t *n)
+{
+	for (;;) {
+		uint64_t bucket = atomic_fetch_add_explicit(&job->next_bucket, 1, memory_order_relaxed);
+		if (bucket >= job->num_buckets)
+			return false;
+		uint64_t s = job->bucket_start[bucket];
+		*n = job->bucket_start[bucket + 1] - s;
+		if (!*n)
+			continue;
+		/* occ is free by now: the same index range serves as the radix sort's other half */
+		*sorted = sort_bucket(job->bucketed + s, job->occ + s, *n, job->shift);
+		return true;
+	}
+}
+
+/*
+ * Each worker sorts the bucket it takes next before applying the one it holds, so that the
+ * rows of the next bucket's head are prefetched while this one's tail is applied: buckets are
+ * small, and a bucket's first rows waiting on DRAM one by one were a large part of the phase.
+ */
 static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bwd_job *job = arg;
 	float *scratch = job->scratch + (uint64_t)w * 2 * job->ctx.shard->desc.cols;
-	uint64_t *bad = job->bad + 2 * (uint64_t)w;
+	struct embd_occ *cur = NULL, *next = NULL;
+	uint64_t n = 0, next_n = 0, t0, t1;
+	uint64_t *bad = job->bad + 2 * (uint64_t)w;    /* rows left non-finite, the first one */
+	size_t prefetched = 0;
 
 	(void)nw;
 	bad[0] = 0;
 	bad[1] = UINT64_MAX;
-	for (;;) {
-		uint64_t bucket = atomic_fetch_add_explicit(&job->next_bucket, 1, memory_order_relaxed);
-		if (bucket >= job->num_buckets)
-			break;
-		uint64_t s = job->bucket_start[bucket], n = job->bucket_start[bucket + 1] - s;
-		if (!n)
-			continue;
-		/* occ is free by now: the same index range serves as the radix sort's other half */
-		struct embd_occ *sorted = sort_bucket(job->bucketed + s, job->occ + s, n, job->shift);
-		uint64_t row = UINT64_MAX;
-		bad[0] += job->k->apply_rows(&job->ctx, sorted, n, scratch, &row);
-		bad[1] = row < bad[1] ? row : bad[1];
+	t0 = job->phase_ns ? embd_now_ns() : 0;
+	bool more = next_bucket(job, &cur, &n);
+	for (; more; cur = next, n = next_n) {
+		more = next_bucket(job, &next, &next_n);
+		t1 = job->phase_ns ? embd_now_ns() : 0;
+		prefetched = job->k->apply_rows(&job->ctx, cur, n, more ? next : NULL, more ? next_n : 0,
+						prefetched, scratch, &bad[0], &bad[1]);
+		if (job->phase_ns) {
+			job->phase_ns[2 * w] += t1 - t0;
+			t0 = embd_now_ns();
+			job->phase_ns[2 * w + 1] += t0 - t1;
+		}
 	}
+}
+
+/* Adds the time since t to *phase and returns now. */
+static uint64_t phase_done(uint64_t t, uint64_t *phase)
+{
+	uint64_t now = embd_now_ns();
+	*phase += now - t;
+	return now;
+}
+
+/* Adds phase 4's wall time ns to t, split as the workers' time in it was (embedding.h). */
+static void note_apply_phase(struct embd_backward_times *t, const uint64_t *phase_ns, uint32_t nw,
+			     uint64_t ns)
+{
+	uint64_t sort = 0, apply = 0;
+
+	for (uint32_t w = 0; w < nw; w++) {
+		sort += phase_ns[2 * w];
+		apply += phase_ns[2 * w + 1];
+	}
+	uint64_t sort_share = sort + apply ? (uint64_t)((double)ns * (double)sort / (double)(sort + apply)) : 0;
+	t->sort_ns += sort_share;
+	t->apply_ns += ns - sort_share;
 }
 
 /* Copies batch i's offsets into the snapshot and checks them. */
@@ -201,10 +252,34 @@ static uint32_t bits_for(uint64_t x)
 	return x ? 64 - (uint32_t)__builtin_clzll(x) : 0;
 }
 
+/* The job's arrays, and the bases and offsets snapshot; EMBD_ENOMEM when one is missing. */
+static int bwd_alloc(struct bwd_job *job, const struct embd_shard *shard, uint32_t n,
+		     uint64_t num_bags, uint64_t num_occ, bool timed, uint64_t **bases,
+		     int64_t **offsets)
+{
+	*bases = malloc((3 * (n + 1) + 2 * job->nw + (uint64_t)job->nw * job->num_buckets +
+			 job->num_buckets + 1) * sizeof(**bases));
+	*offsets = malloc((num_bags + n) * sizeof(**offsets));
+	job->bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*job->bag_grad));
+	job->occ = malloc((num_occ ? num_occ : 1) * sizeof(*job->occ));
+	job->bucketed = malloc((num_occ ? num_occ : 1) * sizeof(*job->bucketed));
+	job->errs = calloc(job->nw, sizeof(*job->errs));
+	job->bad = calloc(2 * (uint64_t)job->nw, sizeof(*job->bad));
+	job->scratch = malloc((uint64_t)job->nw * 2 * shard->desc.cols * sizeof(float));
+	job->phase_ns = timed ? calloc(2 * (uint64_t)job->nw, sizeof(*job->phase_ns)) : NULL;
+	if (!*bases || !*offsets || !job->bag_grad || !job->occ || !job->bucketed || !job->errs ||
+	    !job->bad || !job->scratch || (timed && !job->phase_ns))
+		return EMBD_ENOMEM;
+	return 0;
+}
+
 int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard,
 			  const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err)
 {
 	struct embd_workers *workers = exec ? exec->workers : NULL;
+	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
+	struct embd_backward_times ph = { .calls = 1 }; /* this call's; a few clock reads */
+	uint64_t t = embd_now_ns();
 	struct bwd_job job = { .batches = batches, .n = n, .nw = embd_workers_count(workers) };
 	uint64_t *bases = NULL, num_occ = 0, num_bags = 0;
 	int64_t *offsets = NULL;
@@ -237,18 +312,8 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	job.shift = row_bits - top;
 	job.num_buckets = 1u << top;
 
-	rc = EMBD_ENOMEM;
-	bases = malloc((3 * (n + 1) + 2 * job.nw + (uint64_t)job.nw * job.num_buckets +
-			job.num_buckets + 1) * sizeof(*bases));
-	offsets = malloc((num_bags + n) * sizeof(*offsets));
-	job.bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*job.bag_grad));
-	job.occ = malloc((num_occ ? num_occ : 1) * sizeof(*job.occ));
-	job.bucketed = malloc((num_occ ? num_occ : 1) * sizeof(*job.bucketed));
-	job.errs = calloc(job.nw, sizeof(*job.errs));
-	job.bad = calloc(2 * (uint64_t)job.nw, sizeof(*job.bad));
-	job.scratch = malloc((uint64_t)job.nw * 2 * shard->desc.cols * sizeof(float));
-	if (!bases || !offsets || !job.bag_grad || !job.occ || !job.bucketed || !job.errs ||
-	    !job.bad || !job.scratch) {
+	rc = bwd_alloc(&job, shard, n, num_bags, num_occ, times != NULL, &bases, &offsets);
+	if (rc) {
 		embd_kernel_fail(err, rc, 0, -1, 0, "out of memory for %llu occurrences",
 				 (unsigned long long)num_occ);
 		goto out;
@@ -272,8 +337,10 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	job.off_base = off_base;
 	job.bag_base = bag_base;
 	job.id_base = id_base;
+	t = phase_done(t, &ph.setup_ns);
 
 	embd_workers_run(workers, collect_worker, &job);
+	t = phase_done(t, &ph.collect_ns);
 	struct embd_first_err first = { 0 };
 	for (uint32_t w = 0; w < job.nw; w++)
 		embd_first_err_note(&first, job.errs[w].rc, job.errs[w].batch, &job.errs[w].e);
@@ -296,6 +363,7 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	}
 	job.bucket_start[job.num_buckets] = pos;
 	embd_workers_run(workers, scatter_worker, &job);
+	t = phase_done(t, &ph.scatter_ns);
 
 	job.ctx.params = embd_optim_params_make(&shard->desc.optimizer, shard->step + 1);
 	job.ctx.bag_grad = job.bag_grad;
@@ -310,10 +378,20 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 		shard->nonfinite_rows += bad_rows;
 		shard->nonfinite_row = shard->desc.row_offset + (int64_t)bad_row;
 	}
+	if (times) {
+		note_apply_phase(&ph, job.phase_ns, job.nw, embd_now_ns() - t);
+		times->calls += ph.calls;
+		times->setup_ns += ph.setup_ns;
+		times->collect_ns += ph.collect_ns;
+		times->scatter_ns += ph.scatter_ns;
+		times->sort_ns += ph.sort_ns;
+		times->apply_ns += ph.apply_ns;
+	}
 	shard->step++;
 	rc = 0;
 out:
 	free(job.bad);
+	free(job.phase_ns);
 	free(job.scratch);
 	free(job.errs);
 	free(job.bucketed);

@@ -6,8 +6,14 @@
  * loops are pool_row.h / optim_row.h themselves, which the compiler vectorizes at each width.
  *
  * Every id is read once, checked against the shard's rows and only then used. Rows are
- * prefetched EMBD_PREFETCH_IDS ids ahead across bag boundaries, which is what makes P = 1 fast,
- * from the head of a chunk of bags (forward.c) to its end and no further.
+ * prefetched embd_prefetch_rows() ids ahead across bag boundaries, which is what makes P = 1 fast,
+ * from the head of a chunk of bags (forward.c) to its end and no further, and only the head of
+ * each row (embd_prefetch_row_bytes): the L2 streamer brings the rest without tying up a line
+ * fill buffer per line. A row wider than one pass of accumulators (AVX2 past 64 fp32 columns)
+ * is pooled in several passes over the bag; each pass prefetches the head of its own columns
+ * of the row ahead, as the columns a later pass reads are no longer right behind the head
+ * (prefetching whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran
+ * 1.35x faster on AVX2 with the prefetches spread, fp16 D 128 P 20 1.5x).
  */
 #include "kernels/cpu_kernels.h"
 
@@ -24,10 +30,6 @@
 #define CAT(a, b) CAT_(a, b)
 #define VARIANT_TABLE CAT(embd_cpu_kernels_, EMBD_CPU_VARIANT)
 
-#define CACHE_LINE_BYTES 64
-/* Lines of a row that are prefetched; longer rows stream on their own after the first. */
-#define PREFETCH_MAX_LINES 16
-
 /* What one bag loop needs about its shard and batch, read once per call. */
 struct bag_ctx {
 	const uint8_t *base;            /* shard weights */
@@ -38,36 +40,45 @@ struct bag_ctx {
 	const int64_t *ids;
 	const float *weights;
 	uint64_t prefetch_end;          /* no row at or after this id is prefetched (<= num_ids) */
+	uint32_t prefetch_ids;          /* embd_prefetch_rows(row_bytes) */
+	uint64_t prefetch_bytes;        /* embd_prefetch_row_bytes(row_bytes) */
 };
 
-static inline void prefetch_row(const struct bag_ctx *c, uint64_t k)
+/* The bytes [from, + bytes) of the row of id k, clipped to prefetch_bytes and to the row,
+ * unless k is past prefetch_end or outside the shard. */
+static inline __attribute__((always_inline)) void
+prefetch_part(const struct bag_ctx *c, uint64_t k, uint64_t from, uint64_t bytes)
 {
 	if (k >= c->prefetch_end)
 		return;
 	uint64_t r = (uint64_t)c->ids[k] - c->row_offset;
 	if (r >= c->rows)
 		return;
-	const uint8_t *p = c->base + r * c->row_bytes;
-	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(CACHE_LINE_BYTES - 1);
-	uintptr_t end = (uintptr_t)p + c->row_bytes;
-#pragma GCC unroll 16
-	for (int i = 0; i < PREFETCH_MAX_LINES && line < end; i++, line += CACHE_LINE_BYTES)
-		__builtin_prefetch((const void *)line, 0, 3);
+	if (bytes > c->prefetch_bytes)
+		bytes = c->prefetch_bytes;
+	if (from + bytes > c->row_bytes)
+		bytes = c->row_bytes - from;
+	embd_prefetch_bytes(c->base + r * c->row_bytes + from, bytes, 0);
+}
+
+static inline void prefetch_row(const struct bag_ctx *c, uint64_t k)
+{
+	prefetch_part(c, k, 0, c->row_bytes);
 }
 
 /*
  * The row of id k from column c0 on, or NULL when the id is outside the shard (then nothing of
- * it is read). On the first column chunk it also prefetches the row EMBD_PREFETCH_IDS ahead.
+ * it is read). It also prefetches the same columns of the row prefetch_ids ahead: a pass
+ * over the bag's first columns brings the lines of the next passes' too.
  */
 static inline __attribute__((always_inline)) const uint8_t *
-bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes)
+bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, uint64_t pass_bytes)
 {
 	uint64_t r = (uint64_t)c->ids[k] - c->row_offset; /* read once */
 
 	if (r >= c->rows)
 		return NULL;
-	if (c0 == 0)
-		prefetch_row(c, (uint64_t)k + EMBD_PREFETCH_IDS);
+	prefetch_part(c, (uint64_t)k + c->prefetch_ids, c0 * elem_bytes, pass_bytes);
 	return c->base + r * c->row_bytes + c0 * elem_bytes;
 }
 
@@ -90,7 +101,7 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = _mm512_setzero_ps();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, c0, elem_bytes);
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
 		__m512 w = _mm512_set1_ps(c->weights ? c->weights[k] : 1.0f);
@@ -138,7 +149,7 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = _mm256_setzero_ps();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, c0, elem_bytes);
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
 		__m256 w = _mm256_set1_ps(c->weights ? c->weights[k] : 1.0f);
@@ -169,6 +180,9 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 			   : pool_chunk(c, s, e, c0, n, scale, out, N, 0);        \
 		break;
 
+_Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 64),
+	       "embd_forward_pass_cols() tells the benchmark's limit this pass width");
+
 static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale,
 			float *out)
 {
@@ -198,7 +212,7 @@ static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e,
 {
 	memset(out, 0, c->cols * sizeof(float));
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, 0, 0);
+		const uint8_t *row = bag_row(c, k, 0, 0, c->row_bytes);
 		if (!row)
 			return k;
 		float w = c->weights ? c->weights[k] : 1.0f;
@@ -222,6 +236,8 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 		.row_offset = (uint64_t)d->row_offset,
 		.rows = (uint64_t)d->rows,
 		.cols = d->cols,
+		.prefetch_ids = embd_prefetch_rows((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
+		.prefetch_bytes = embd_prefetch_row_bytes((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
 		.ids = bt->ids,
 		.weights = bt->weights,
 	};
@@ -236,14 +252,14 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	c.prefetch_end = end < bt->num_ids ? end : bt->num_ids;
 
 	/*
-	 * The rows of the first EMBD_PREFETCH_IDS ids: each id prefetches the row that many ids
+	 * The rows of the first prefetch_ids ids: each id prefetches the row that many ids
 	 * ahead, so without this the head of every chunk of bags would wait on DRAM one row at a
 	 * time (at P = 1 that was a quarter of the gap to the gather limit). The offset is only a
 	 * hint here; prefetch_row checks what it reads.
 	 */
 	if (first < last) {
 		uint64_t s = (uint64_t)bt->offsets[first];
-		for (uint64_t k = s; k < s + EMBD_PREFETCH_IDS; k++)
+		for (uint64_t k = s; k < s + c.prefetch_ids; k++)
 			prefetch_row(&c, k);
 	}
 	for (uint32_t b = first; b < last; b++) {
@@ -278,49 +294,90 @@ static bool row_nonfinite(const void *w, bool fp16, uint32_t cols, const float *
 	       (m2 && embd_first_nonfinite(m2, m2n) < m2n);
 }
 
-static uint64_t apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ,
-			   size_t n, float *g, uint64_t *bad_row)
-{
-	uint64_t bad = 0;
+/* The prefetch cursor of apply_rows over one bucket's occurrences and then the next's. */
+struct row_prefetch {
+	const struct embd_bwd_rows *ctx;
+	const struct embd_occ *occ, *next;
+	size_t n, total;                /* occ[0, n), then next[0, total - n) */
+	size_t at;                      /* first occurrence not prefetched yet */
+	uint64_t last_row;              /* the row of occurrence at - 1 */
+	uint32_t rows_ahead;            /* distinct rows prefetched and not yet applied */
+	uint64_t row_bytes, m1_bytes, m2_bytes, grad_bytes;
+};
 
+/*
+ * Prefetches occurrences until `want` distinct rows are ahead: each occurrence's gradient row
+ * (read) and, once per row, the row's weights and state (written). The weights and state are
+ * DRAM misses, the gradient rows mostly L2/L3 ones.
+ */
+static inline void prefetch_ahead(struct row_prefetch *p, uint32_t want)
+{
+	const struct embd_shard *sh = p->ctx->shard;
+
+	for (; p->at < p->total; p->at++) {
+		const struct embd_occ *o = p->at < p->n ? &p->occ[p->at] : &p->next[p->at - p->n];
+		if (o->row != p->last_row) {
+			if (p->rows_ahead >= want)
+				break;
+			p->rows_ahead++;
+			p->last_row = o->row;
+			embd_prefetch_bytes((const uint8_t *)sh->weights + o->row * p->row_bytes, p->row_bytes, 1);
+			if (p->m1_bytes)
+				embd_prefetch_bytes((const uint8_t *)sh->momentum1 + o->row * p->m1_bytes, p->m1_bytes, 1);
+			if (p->m2_bytes)
+				embd_prefetch_bytes((const uint8_t *)sh->momentum2 + o->row * p->m2_bytes, p->m2_bytes, 1);
+		}
+		embd_prefetch_bytes(p->ctx->bag_grad[o->bag], p->grad_bytes, 0);
+	}
+}
+
+static size_t apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+			 const struct embd_occ *next, size_t next_n, size_t prefetched, float *g,
+			 uint64_t *bad, uint64_t *bad_row)
+{
 	const struct embd_shard *sh = ctx->shard;
 	const struct embd_shard_desc *d = &sh->desc;
 	uint32_t cols = d->cols;
 	uint64_t m1_per_row = embd_optim_state_floats(d->optimizer.type, cols, 0);
 	uint64_t m2_per_row = embd_optim_state_floats(d->optimizer.type, cols, 1);
-	uint64_t row_bytes = (uint64_t)cols * embd_dtype_bytes(d->dtype);
+	struct row_prefetch p = {
+		.ctx = ctx, .occ = occ, .next = next, .n = n, .total = n + next_n, .at = 0,
+		.last_row = UINT64_MAX, .row_bytes = (uint64_t)cols * embd_dtype_bytes(d->dtype),
+		.m1_bytes = m1_per_row * 4, .m2_bytes = m2_per_row * 4, .grad_bytes = (uint64_t)cols * 4,
+	};
+	uint32_t dist = embd_prefetch_rows(p.row_bytes + p.m1_bytes + p.m2_bytes);
 
+	/* the previous bucket prefetched our first occurrences: count their rows as ahead */
+	for (; p.at < prefetched && p.at < n; p.at++)
+		if (occ[p.at].row != p.last_row) {
+			p.rows_ahead++;
+			p.last_row = occ[p.at].row;
+		}
 	for (size_t i = 0; i < n;) {
 		uint64_t row = occ[i].row;
 
-		if (i + EMBD_PREFETCH_IDS < n) {
-			/* the row a few occurrences ahead: its weights and state are DRAM misses */
-			uint64_t pr = occ[i + EMBD_PREFETCH_IDS].row;
-			const uint8_t *pw = (const uint8_t *)sh->weights + pr * row_bytes;
-			for (uint64_t off = 0; off < row_bytes; off += CACHE_LINE_BYTES)
-				__builtin_prefetch(pw + off, 1, 3);
-			if (m1_per_row)
-				__builtin_prefetch(sh->momentum1 + pr * m1_per_row, 1, 3);
-			if (m2_per_row)
-				__builtin_prefetch(sh->momentum2 + pr * m2_per_row, 1, 3);
-		}
+		prefetch_ahead(&p, dist + 1); /* this row and dist after it */
 		memset(g, 0, cols * sizeof(float));
 		for (; i < n && occ[i].row == row; i++)
 			embd_grad_accum_row(g, ctx->bag_grad[occ[i].bag], occ[i].coef, cols);
 
 		float *m1 = m1_per_row ? sh->momentum1 + row * m1_per_row : NULL;
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
-		void *w = (uint8_t *)sh->weights + row * row_bytes;
+		void *w = (uint8_t *)sh->weights + row * p.row_bytes;
 		if (d->dtype == EMBD_DTYPE_FP16)
 			embd_optim_row_fp16(&ctx->params, w, g, m1, m2, g + cols, cols);
 		else
 			embd_optim_row_fp32(&ctx->params, w, g, m1, m2, cols);
 		/* the row is in L1 now: reported, not kept silently (engine/step.h) */
-		if (row_nonfinite(w, d->dtype == EMBD_DTYPE_FP16, cols, m1, m1_per_row, m2, m2_per_row) &&
-		    !bad++)
-			*bad_row = row;
+		if (row_nonfinite(w, d->dtype == EMBD_DTYPE_FP16, cols, m1, m1_per_row, m2,
+				  m2_per_row)) {
+			(*bad)++;
+			if (row < *bad_row)
+				*bad_row = row;
+		}
+		p.rows_ahead--;
 	}
-	return bad;
+	return p.at > n ? p.at - n : 0;
 }
 
 const struct embd_cpu_kernels VARIANT_TABLE = {

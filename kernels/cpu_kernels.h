@@ -16,6 +16,63 @@
 
 /* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth). */
 #define EMBD_PREFETCH_IDS 12
+/* Lines of a row that are prefetched; longer rows stream on their own after the first. */
+#define EMBD_PREFETCH_MAX_LINES 16
+#define EMBD_CACHE_LINE_BYTES 64
+
+/*
+ * How many rows ahead the kernels prefetch when each row brings row_bytes of memory (weights,
+ * and for the backward its state too). The benchmark's limits use the same distance.
+ */
+static inline uint32_t embd_prefetch_rows(uint64_t row_bytes)
+{
+	(void)row_bytes;
+	return EMBD_PREFETCH_IDS;
+}
+
+/*
+ * Columns the forward pools per pass over a bag: as many as its accumulators in registers hold
+ * (avx512: 16 zmm x 16, avx2: 8 ymm x 8); wider rows take several passes. The scalar
+ * variant pools whole rows.
+ */
+static inline uint32_t embd_forward_pass_cols(enum embd_isa isa, uint32_t cols)
+{
+	uint32_t pass = isa == EMBD_ISA_AVX512 ? 256 : isa == EMBD_ISA_AVX2 ? 64 : cols;
+
+	return pass < cols ? pass : cols;
+}
+
+/*
+ * How much of a row of row_bytes the kernels prefetch: rows up to 512 bytes whole, longer ones
+ * their first quarter. The L2 streamer brings the rest of a long row once its head is read,
+ * without holding one of the core's few line fill buffers per line: prefetching every line
+ * of 1 KiB rows 12 rows ahead gathered 20% slower than the first 256 bytes (D 256 fp32 P 20,
+ * AVX-512, paired CPU-time runs); rows of 256-512 bytes were 10-20% faster prefetched whole
+ * (fp16 D 128 and 256, fp32 D 64), fp32 D 128 within 4% either way.
+ */
+static inline uint64_t embd_prefetch_row_bytes(uint64_t row_bytes)
+{
+	return row_bytes <= 512 ? row_bytes : row_bytes / 4;
+}
+
+/* Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, for reading
+ * (write 0) or for writing (1). */
+static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes,
+								      const int write)
+{
+	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
+	uintptr_t end = (uintptr_t)p + bytes;
+
+#ifndef __CUDACC__     /* nvcc (cuda_internal.cuh includes this) knows no GCC pragmas */
+#pragma GCC unroll 16
+#endif
+	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES) {
+		if (write)
+			__builtin_prefetch((const void *)line, 1, 3);
+		else
+			__builtin_prefetch((const void *)line, 0, 3);
+	}
+}
 
 /* One occurrence of a row in a backward step, after its id was checked. */
 struct embd_occ {
@@ -41,11 +98,15 @@ struct embd_cpu_kernels {
 			    struct embd_kernel_err *err);
 	/*
 	 * occ[0, n) is sorted by row, each row's run in batch order: sums each run into grad_row
-	 * (2 x cols floats of scratch) and applies the optimizer to the row once. Returns how
-	 * many rows it left NaN or infinite (weights or state), the first (lowest) in *bad_row.
+	 * (2 x cols floats of scratch) and applies the optimizer to the row once. next[0, next_n)
+	 * are the (sorted) occurrences the caller applies next, whose rows are prefetched once
+	 * occ's run out; the previous call prefetched occ[0, prefetched). Adds to *bad the rows it
+	 * left NaN or infinite (weights or state) and lowers *bad_row to the first of them.
+	 * Returns how many of next it prefetched, to pass on as prefetched.
 	 */
-	uint64_t (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ,
-			       size_t n, float *grad_row, uint64_t *bad_row);
+	size_t (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+			     const struct embd_occ *next, size_t next_n, size_t prefetched,
+			     float *grad_row, uint64_t *bad, uint64_t *bad_row);
 };
 
 extern const struct embd_cpu_kernels embd_cpu_kernels_scalar;
@@ -53,6 +114,9 @@ extern const struct embd_cpu_kernels embd_cpu_kernels_scalar;
 extern const struct embd_cpu_kernels embd_cpu_kernels_avx2;
 extern const struct embd_cpu_kernels embd_cpu_kernels_avx512;
 #endif
+
+/* What $EMBD_ISA = cap (NULL when unset) makes of the detected best isa (embedding.h). */
+enum embd_isa embd_kernels_isa_capped(enum embd_isa detected, const char *cap);
 
 /* The table for isa (AUTO: the best), or NULL when this CPU or build cannot run it. */
 const struct embd_cpu_kernels *embd_cpu_kernels_get(enum embd_isa isa);

@@ -32,19 +32,45 @@ enum embd_isa {
 	EMBD_ISA_AVX512 = 3,            /* AVX-512 F/BW/VL + FMA + F16C */
 };
 
-/* Whether this build and this CPU can run isa (AUTO: always). */
+/*
+ * $EMBD_ISA (scalar, avx2 or avx512), read once per process, caps the best isa: with
+ * EMBD_ISA=avx2 an AVX-512 machine runs, tests and benchmarks the AVX2 kernels as an AVX2-only
+ * machine would, and an explicit request for avx512 is refused as unsupported. A cap above
+ * what this CPU has changes nothing; "auto", an empty or an unknown value is ignored.
+ */
+
+/* Whether this build and this CPU (under $EMBD_ISA) can run isa (AUTO: always). */
 bool embd_kernels_isa_supported(enum embd_isa isa);
 
-/* The isa AUTO stands for on this CPU. */
+/* The isa AUTO stands for on this CPU, under $EMBD_ISA. */
 enum embd_isa embd_kernels_isa_best(void);
 
 /* "scalar", "avx2", "avx512" or "auto". */
 const char *embd_kernels_isa_name(enum embd_isa isa);
 
+/* The isa named name (as embd_kernels_isa_name() spells it) into *out: 0, or EMBD_EINVAL. */
+int embd_kernels_isa_parse(const char *name, enum embd_isa *out);
+
+/*
+ * Where the time of backward calls went, in wall-clock ns per phase (backward.c describes
+ * them), added up over the calls that were given it. Phase 4 sorts a bucket and then applies
+ * its rows, worker by worker: its wall time is split in proportion to the workers' summed
+ * time in each.
+ */
+struct embd_backward_times {
+	uint64_t calls;
+	uint64_t setup_ns;              /* allocation, offsets snapshot and checks */
+	uint64_t collect_ns;            /* ids checked, occurrences written and counted by bucket */
+	uint64_t scatter_ns;            /* occurrences moved into their buckets */
+	uint64_t sort_ns;               /* buckets sorted by row: the rest of the deduplication */
+	uint64_t apply_ns;              /* gradients summed per row, optimizer on weights and state */
+};
+
 /* How a kernel call runs. A NULL exec means the calling thread and the best isa. */
 struct embd_exec {
 	struct embd_workers *workers;   /* NULL: the calling thread only */
 	enum embd_isa isa;              /* EMBD_ISA_AUTO, or one to force (tests, benchmarks) */
+	struct embd_backward_times *backward_times; /* NULL, or where backward adds its phases */
 };
 
 /* Where and why a kernel call failed: the batch's feature, the sample and the offending id. */

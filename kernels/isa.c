@@ -1,13 +1,16 @@
 /*
  * Which variant of the CPU kernels runs: the best instruction set that both this build and
- * this CPU have, unless the caller forces one (tests run every supported variant against the
- * scalar definition). Also the error helper the kernels share.
+ * this CPU have, capped by $EMBD_ISA (so one machine can run and measure a smaller machine's
+ * path), unless the caller forces one (tests run every supported variant against the scalar
+ * definition). Also the error helper the kernels share.
  */
 #include "kernels/cpu_kernels.h"
 
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #ifdef EMBD_KERNELS_X86
 #include <cpuid.h>
@@ -37,6 +40,28 @@ static enum embd_isa detect_best(void)
 #endif
 }
 
+int embd_kernels_isa_parse(const char *name, enum embd_isa *out)
+{
+	static const enum embd_isa all[] = { EMBD_ISA_AUTO, EMBD_ISA_SCALAR, EMBD_ISA_AVX2,
+					     EMBD_ISA_AVX512 };
+
+	for (size_t i = 0; name && i < sizeof(all) / sizeof(all[0]); i++)
+		if (!strcmp(name, embd_kernels_isa_name(all[i]))) {
+			*out = all[i];
+			return 0;
+		}
+	return EMBD_EINVAL;
+}
+
+enum embd_isa embd_kernels_isa_capped(enum embd_isa detected, const char *cap)
+{
+	enum embd_isa want;
+
+	if (!cap || embd_kernels_isa_parse(cap, &want) || want == EMBD_ISA_AUTO)
+		return detected;
+	return want < detected ? want : detected;
+}
+
 /*
  * The answer is cached: CPUID traps to the hypervisor in a VM, 13 us each on the dev VMs, and
  * every kernel call picks its isa, so two CPUIDs per call were a quarter of a 2048-bag P=1
@@ -49,7 +74,7 @@ enum embd_isa embd_kernels_isa_best(void)
 	int isa = atomic_load_explicit(&best_isa, memory_order_relaxed);
 
 	if (!isa) {
-		isa = (int)detect_best();
+		isa = (int)embd_kernels_isa_capped(detect_best(), getenv("EMBD_ISA"));
 		atomic_store_explicit(&best_isa, isa, memory_order_relaxed);
 	}
 	return (enum embd_isa)isa;

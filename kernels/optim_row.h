@@ -6,7 +6,8 @@
  * The caller has already combined every occurrence of the row in the step into one fp32
  * gradient (FBGEMM's EXACT_* semantics), so each row is updated once per step. State is fp32:
  *   adagrad          momentum1[c] += g'^2;  w -= lr * g' / (sqrt(momentum1[c]) + eps)
- *   rowwise_adagrad  momentum1 += sum_c(g'^2) / cols (one float per row);
+ *   rowwise_adagrad  momentum1 += sum_c(g'^2) / cols (one float per row; the sum's order is
+ *                    embd_optim_sum_sq's);
  *                    w -= lr / (sqrt(momentum1) + eps) * g'
  *   adam             m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2   (momentum1 = m, momentum2 = v)
  *                    w -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps),  t = 1 on the first step
@@ -100,9 +101,40 @@ static inline EMBD_HOST_DEVICE float embd_optim_elem(const struct embd_optim_par
 }
 
 /*
+ * rowwise_adagrad's sum over c of g'[c]^2 on the CPU, in a fixed order that vectors of any
+ * width reproduce: element c is added (fmaf, c ascending) into lane c % EMBD_SUM_SQ_LANES, then
+ * the lanes are halved, lane i += lane i + half, until one is left. One chain of dependent
+ * fmafs instead took longer than the row's whole memory traffic (4 cycles of latency per
+ * column). A GPU sums with a reduction of its own (a different order).
+ */
+#define EMBD_SUM_SQ_LANES 16
+
+static inline EMBD_HOST_DEVICE float embd_optim_sum_sq(const struct embd_optim_params *p,
+							const float *EMBD_RESTRICT w,
+							const float *EMBD_RESTRICT g, uint32_t cols)
+{
+	float lane[EMBD_SUM_SQ_LANES] = { 0.0f };
+	uint32_t full = cols / EMBD_SUM_SQ_LANES, tail = cols % EMBD_SUM_SQ_LANES;
+
+	/* pointers, not g[c + j]: a 32-bit index may wrap, and compilers then gather lane by lane */
+	for (uint32_t i = 0; i < full; i++, w += EMBD_SUM_SQ_LANES, g += EMBD_SUM_SQ_LANES)
+		for (uint32_t j = 0; j < EMBD_SUM_SQ_LANES; j++) {
+			float gd = embd_optim_decay(p, g[j], w[j]);
+			lane[j] = fmaf(gd, gd, lane[j]);
+		}
+	for (uint32_t j = 0; j < tail; j++) {
+		float gd = embd_optim_decay(p, g[j], w[j]);
+		lane[j] = fmaf(gd, gd, lane[j]);
+	}
+	for (uint32_t half = EMBD_SUM_SQ_LANES / 2; half; half /= 2)
+		for (uint32_t j = 0; j < half; j++)
+			lane[j] += lane[j + half];
+	return lane[0];
+}
+
+/*
  * rowwise_adagrad, part 1: folds the row's sum of g'^2 into its state and returns the step size
- * lr / (sqrt(state) + eps) that every element of the row uses. A GPU sums g'^2 with a
- * reduction (a different order); the CPU sums c = 0, 1, ... with fmaf.
+ * lr / (sqrt(state) + eps) that every element of the row uses.
  */
 static inline EMBD_HOST_DEVICE float embd_optim_rowwise_mult(const struct embd_optim_params *p,
 							     float *row_state, float sum_sq, uint32_t cols)
@@ -143,12 +175,7 @@ static inline EMBD_HOST_DEVICE void embd_optim_row_fp32(const struct embd_optim_
 			w[c] = embd_optim_elem(&p, w[c], g[c], &m1[c], 0);
 		break;
 	case EMBD_OPT_ROWWISE_ADAGRAD: {
-		float sum_sq = 0.0f;
-		for (uint32_t c = 0; c < cols; c++) {
-			float gd = embd_optim_decay(&p, g[c], w[c]);
-			sum_sq = fmaf(gd, gd, sum_sq);
-		}
-		float mult = embd_optim_rowwise_mult(&p, m1, sum_sq, cols);
+		float mult = embd_optim_rowwise_mult(&p, m1, embd_optim_sum_sq(&p, w, g, cols), cols);
 		for (uint32_t c = 0; c < cols; c++)
 			w[c] = embd_optim_rowwise_elem(&p, w[c], g[c], mult);
 		break;

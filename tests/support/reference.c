@@ -119,9 +119,14 @@ static void step_row(struct embd_ref_table *t, int64_t r, const float *g, float 
 		gd[c] = o->weight_decay != 0.0f ? fmaf(o->weight_decay, w, g[c]) : g[c];
 	}
 	if (o->type == EMBD_OPT_ROWWISE_ADAGRAD) {
-		float sum_sq = 0.0f;
+		/* 16 lanes, c into lane c % 16, then halved pairwise (embd_optim_sum_sq) */
+		float lane[16] = { 0.0f };
 		for (uint32_t c = 0; c < D; c++)
-			sum_sq = fmaf(gd[c], gd[c], sum_sq);
+			lane[c % 16] = fmaf(gd[c], gd[c], lane[c % 16]);
+		for (uint32_t half = 8; half; half /= 2)
+			for (uint32_t j = 0; j < half; j++)
+				lane[j] += lane[j + half];
+		float sum_sq = lane[0];
 		t->m1[r] = t->m1[r] + sum_sq / (float)D;
 		float mult = o->lr / (sqrtf(t->m1[r]) + o->eps);
 		for (uint32_t c = 0; c < D; c++)

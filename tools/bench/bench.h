@@ -25,6 +25,10 @@ double bench_median(double *values, size_t n);
 /* Percentile p in [0, 100] of n doubles (sorts values in place), nearest-rank. */
 double bench_percentile(double *values, size_t n, double p);
 
+/* This machine's CPU model ("model name" of /proc/cpuinfo, "unknown" without one), safe to
+ * print inside a JSON string. */
+void bench_cpu_model(char *out, size_t len);
+
 /* embd-bench planner (bench_planner.c) */
 int bench_planner_run(int argc, char **argv);
 

@@ -2,34 +2,38 @@
  * embd-bench kernels: the CPU embedding kernels against this machine's memory limits and
  * against FBGEMM (PyTorch's CPU embedding kernels), on the same ids and threads in one run.
  *
- * Limits first: copy_limit (parallel memcpy, read + write bytes) and gather_limit (a plain
- * prefetching loop summing random rows of R bytes from a table far larger than cache, per
- * batch split over the same workers, so fork-join costs are in the limit too). Forward gbps
- * counts the row bytes gathered; backward gbps counts the least DRAM traffic of an update
- * (each touched row and its state read and written once) and is held against copy_limit.
- * FBGEMM runs in tools/bench/fbgemm_kernels.py under $EMBD_BENCH_PYTHON (default python3);
- * when torch does not import, its fields are left out.
+ * Every forward shape (D 32/64/128/256, P 1/20/100, fp32 and fp16 rows, unweighted and
+ * weighted) is held against the gather limit and every optimizer's backward (fp32, D 128, P 20)
+ * against the read-modify-write limit (bench_limits.c says what they are): runs of the kernel
+ * and of its limit alternate on the same pinned workers and batches, and ratio_to_limit is the
+ * median over runs of limit time / kernel time. copy_limit (a parallel memcpy) is context.
+ * FBGEMM runs in tools/bench/fbgemm_kernels.py under $EMBD_BENCH_PYTHON (default python3),
+ * with FBGEMM and ATen held to AVX2 when the kernels are; when torch does not import, its
+ * fields are left out. Every line names the CPU model and the kernels' isa.
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <cjson/cJSON.h>
-#include <stdatomic.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "bench.h"
+#include "bench_limits.h"
+#include "kernels/cpu_kernels.h"
 #include "kernels/embedding.h"
 #include "kernels/workers.h"
 
 #define MAX_RUNS 64
-#define GATHER_PREFETCH_IDS 12
 #define POOL_IDS_MIN (4u << 20)        /* ids per table: their rows far exceed any cache */
+#define BACKWARD_DIM 128
+#define BACKWARD_P 20
 
 #ifndef EMBD_BENCH_SCRIPT_DIR
 #define EMBD_BENCH_SCRIPT_DIR "tools/bench"
@@ -43,6 +47,7 @@ struct opts {
 	double run_ns;
 	enum embd_isa isa;
 	bool fbgemm;
+	bool cpu_clock;                 /* --clock cpu: process CPU time / threads, not wall time */
 	const char *python;
 	const char *configs;            /* --config: comma-separated names to run, NULL for all */
 };
@@ -51,13 +56,15 @@ struct bench {
 	struct opts o;
 	struct embd_workers *workers;
 	struct embd_exec exec;
-	double copy_gbps;
+	enum embd_isa isa;              /* the kernels' (AUTO resolved) */
+	char cpu[128];
 };
 
-/*
- * Whether the config named name ("forward/64/1", "backward_sgd/128/20") is to run: every one
- * without --config, else those listed (exact names, so that forward/64/1 is not forward/64/100).
- */
+static const uint32_t dims[] = { 32, 64, 128, 256 };
+static const uint32_t pfs[] = { 1, 20, 100 };
+static const char *const opt_names[] = { "sgd", "adagrad", "rowwise_adagrad", "adam" };
+
+/* Whether the config named name is to run: all without --config, else those listed exactly. */
 static bool config_selected(const struct opts *o, const char *name)
 {
 	size_t len = strlen(name);
@@ -73,64 +80,98 @@ static bool config_selected(const struct opts *o, const char *name)
 	return false;
 }
 
+/* Opens a JSON line with the fields every line has. */
+static void print_head(const struct bench *b, const char *name)
+{
+	printf("{\"name\":\"%s\",\"cpu\":\"%s\",\"isa\":\"%s\",\"threads\":%u,\"clock\":\"%s\"", name,
+	       b->cpu, embd_kernels_isa_name(b->isa), b->o.threads, b->o.cpu_clock ? "cpu" : "wall");
+}
+
 /* ---- timing ------------------------------------------------------------------------------ */
 
 typedef void (*step_fn)(void *arg, uint64_t k);
 
+/*
+ * The clock runs are timed with. On a shared machine other processes take the cores for
+ * milliseconds at a time; the process's CPU time over its threads leaves those out (but
+ * still counts the workers' spinning at the joins), where wall time counts them in full.
+ */
+static double clock_ns(const struct bench *b)
+{
+	struct timespec ts;
+
+	if (!b->o.cpu_clock)
+		return (double)bench_now_ns();
+	clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+	return ((double)ts.tv_sec * 1e9 + (double)ts.tv_nsec) / b->o.threads;
+}
+
 /* One run: repeats steps from *k on for run_ns; returns ns per step. */
 static double run_steps(const struct bench *b, step_fn fn, void *arg, uint64_t *k)
 {
-	uint64_t n = 0, t0 = bench_now_ns(), el;
+	double t0 = clock_ns(b), el;
+	uint64_t n = 0;
 
 	do {
 		fn(arg, (*k)++);
 		n++;
-		el = bench_now_ns() - t0;
+		el = clock_ns(b) - t0;
 	} while (el < b->o.run_ns);
-	return (double)el / (double)n;
+	return el / (double)n;
 }
 
-/* Median over runs of the time of one step. */
+/* Median over runs of the time of one step, after a warm-up run. */
 static double median_step_ns(const struct bench *b, step_fn fn, void *arg)
 {
 	double per[MAX_RUNS];
 	uint64_t k = 0;
 
-	fn(arg, k++);
+	run_steps(b, fn, arg, &k);
 	for (int r = 0; r < b->o.runs; r++)
 		per[r] = run_steps(b, fn, arg, &k);
 	return bench_median(per, (size_t)b->o.runs);
 }
 
-/*
- * Runs of fn and of its reference ref alternate, so that both see the same machine (other
- * processes come and go on a shared host): *ns and *ref_ns are the medians of each, and
- * *ratio the median over runs of ref time / fn time, i.e. fn's throughput over ref's.
- */
-static void paired_step_ns(const struct bench *b, step_fn fn, void *arg, step_fn ref, void *ref_arg,
-			   double *ns, double *ref_ns, double *ratio)
-{
-	double a[MAX_RUNS], r[MAX_RUNS], q[MAX_RUNS];
-	uint64_t k = 0, kr = 0;
+struct paired {
+	double ns, ref_ns;              /* medians */
+	double ratio;                   /* median over runs of ref time / fn time */
+	double ref_spread;              /* (slowest - fastest) / median run of ref */
+};
 
-	fn(arg, k++);
-	ref(ref_arg, kr++);
+/*
+ * Runs of fn and of its reference ref alternate after a warm-up run of each, so that both see
+ * the same machine (other processes come and go on a shared host).
+ */
+static struct paired paired_step_ns(const struct bench *b, step_fn fn, void *arg, step_fn ref,
+				    void *ref_arg)
+{
+	double a[MAX_RUNS], r[MAX_RUNS], q[MAX_RUNS], lo = 0, hi = 0;
+	uint64_t k = 0, kr = 0;
+	struct paired p;
+
+	run_steps(b, ref, ref_arg, &kr);
+	run_steps(b, fn, arg, &k);
 	for (int i = 0; i < b->o.runs; i++) {
 		r[i] = run_steps(b, ref, ref_arg, &kr);
 		a[i] = run_steps(b, fn, arg, &k);
 		q[i] = r[i] / a[i];
+		lo = i && lo < r[i] ? lo : r[i];
+		hi = hi > r[i] ? hi : r[i];
 	}
-	*ns = bench_median(a, (size_t)b->o.runs);
-	*ref_ns = bench_median(r, (size_t)b->o.runs);
-	*ratio = bench_median(q, (size_t)b->o.runs);
+	p.ns = bench_median(a, (size_t)b->o.runs);
+	p.ref_ns = bench_median(r, (size_t)b->o.runs);
+	p.ratio = bench_median(q, (size_t)b->o.runs);
+	p.ref_spread = (hi - lo) / p.ref_ns;
+	return p;
 }
 
-/* ---- the limits -------------------------------------------------------------------------- */
+/* ---- copy: context, not a limit of either kernel ----------------------------------------- */
 
 struct copy_job {
 	const uint8_t *src;
 	uint8_t *dst;
 	uint64_t bytes;
+	struct embd_workers *workers;
 };
 
 static void copy_worker(void *arg, uint32_t w, uint32_t nw)
@@ -142,14 +183,14 @@ static void copy_worker(void *arg, uint32_t w, uint32_t nw)
 
 static void copy_step(void *arg, uint64_t k)
 {
-	struct bench *b = ((void **)arg)[0];
+	struct copy_job *j = arg;
 	(void)k;
-	embd_workers_run(b->workers, copy_worker, ((void **)arg)[1]);
+	embd_workers_run(j->workers, copy_worker, j);
 }
 
 static int measure_copy(struct bench *b)
 {
-	struct copy_job j = { .bytes = 256ull << 20 };
+	struct copy_job j = { .bytes = 256ull << 20, .workers = b->workers };
 	void *src = aligned_alloc(64, j.bytes), *dst = aligned_alloc(64, j.bytes);
 
 	if (!src || !dst) {
@@ -162,229 +203,106 @@ static int measure_copy(struct bench *b)
 	memset(dst, 2, j.bytes);
 	j.src = src;
 	j.dst = dst;
-	void *arg[2] = { b, &j };
-	double ns = median_step_ns(b, copy_step, arg);
-	b->copy_gbps = 2.0 * (double)j.bytes / ns;
-	printf("{\"name\":\"copy_limit\",\"bytes\":%llu,\"threads\":%u,\"counts\":\"read+write\",\"gbps\":%.2f}\n",
-	       (unsigned long long)j.bytes, b->o.threads, b->copy_gbps);
+	double ns = median_step_ns(b, copy_step, &j);
+	print_head(b, "copy_limit");
+	printf(",\"bytes\":%llu,\"counts\":\"read+write\",\"gbps\":%.2f}\n",
+	       (unsigned long long)j.bytes, 2.0 * (double)j.bytes / ns);
 	free(src);
 	free(dst);
 	return 0;
 }
 
-/* The batches every measurement walks: pool[(k % nbatches) * per_batch ...]. */
-struct id_pool {
-	int64_t *ids;
-	uint64_t n;
+/* ---- one table: shard, ids, and the batches every measurement walks ---------------------- */
+
+struct table {
+	uint32_t dim;
+	bool fp16;
 	int64_t rows;
+	uint64_t row_bytes;
+	struct embd_shard *shard;
+	int64_t *ids;                   /* batch k of per_batch ids: ids[(k % nb) * per_batch ...] */
+	uint64_t num_ids;
+	char ids_path[64];              /* for FBGEMM; "" when not written */
 };
 
-static const int64_t *pool_batch(const struct id_pool *p, uint64_t per_batch, uint64_t k)
+static const int64_t *table_batch(const struct table *t, uint64_t per_batch, uint64_t k)
 {
-	uint64_t nb = p->n / per_batch;
-	return p->ids + (k % nb) * per_batch;
+	return t->ids + (k % (t->num_ids / per_batch)) * per_batch;
 }
 
-/* Workers grab chunks of the batch's ids from a counter, as the kernels do, so one worker
- * the scheduler delays does not hold the limit back more than it holds back the kernel. */
-#define GATHER_CHUNK_IDS 1024
-
-struct gather_job {
-	const float *table;
-	uint32_t floats;
-	const int64_t *ids;
-	uint64_t n;
-	atomic_uint_fast64_t next;
-	float sink[64][128];            /* per worker; read after the run so nothing is elided */
-};
-
-#if defined(__x86_64__)
-/*
- * nvec 64-byte vectors per row (constant nvec: see gather_avx512). Each row is summed to one
- * vector by a tree, then into one of 4 rotating accumulators: no long chain of dependent adds,
- * so a late row never stalls the loads of the rows after it. The unroll pragmas matter: with
- * the loops rolled (gcc -O2) this loop ran about 1.5x slower than the kernel itself.
- */
-__attribute__((target("avx512f"), always_inline)) static inline void
-gather_rows_avx512(const float *t, const int64_t *ids, uint64_t n, float *acc, const uint32_t nvec)
+static bool write_ids(struct table *t)
 {
-	__m512 a[4] = { _mm512_loadu_ps(acc), _mm512_setzero_ps(), _mm512_setzero_ps(),
-			_mm512_setzero_ps() };
-
-	for (uint64_t k = 0; k < n; k++) {
-		if (k + GATHER_PREFETCH_IDS < n) {
-			const char *p = (const char *)(t + (uint64_t)ids[k + GATHER_PREFETCH_IDS] * 16 * nvec);
-#pragma GCC unroll 8
-			for (uint32_t v = 0; v < nvec; v++)
-				_mm_prefetch(p + 64 * v, _MM_HINT_T0);
-		}
-		const float *row = t + (uint64_t)ids[k] * 16 * nvec;
-		__m512 x[8];
-#pragma GCC unroll 8
-		for (uint32_t v = 0; v < nvec; v++)
-			x[v] = _mm512_loadu_ps(row + 16 * v);
-#pragma GCC unroll 4
-		for (uint32_t w = nvec; w > 1; w /= 2)
-#pragma GCC unroll 4
-			for (uint32_t v = 0; v < w / 2; v++)
-				x[v] = _mm512_add_ps(x[v], x[v + w / 2]);
-		a[k & 3] = _mm512_add_ps(a[k & 3], x[0]);
-	}
-	_mm512_storeu_ps(acc, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-}
-
-__attribute__((target("avx512f"))) static bool gather_avx512(const float *t, uint32_t floats,
-							      const int64_t *ids, uint64_t n, float *acc)
-{
-	switch (floats) {
-	case 64: gather_rows_avx512(t, ids, n, acc, 4); return true;
-	case 128: gather_rows_avx512(t, ids, n, acc, 8); return true;
-	default: return false;
-	}
-}
-#endif
-
-static void gather_plain(const float *t, uint32_t floats, const int64_t *ids, uint64_t n, float *acc)
-{
-	for (uint64_t k = 0; k < n; k++) {
-		if (k + GATHER_PREFETCH_IDS < n) {
-			const char *p = (const char *)(t + (uint64_t)ids[k + GATHER_PREFETCH_IDS] * floats);
-			for (uint32_t off = 0; off < floats * 4; off += 64)
-				__builtin_prefetch(p + off, 0, 3);
-		}
-		const float *row = t + (uint64_t)ids[k] * floats;
-		for (uint32_t c = 0; c < floats; c++)
-			acc[c] += row[c];
-	}
-}
-
-static void gather_worker(void *arg, uint32_t w, uint32_t nw)
-{
-	struct gather_job *j = arg;
-	float *acc = j->sink[w % 64];
-	bool avx512 = embd_kernels_isa_supported(EMBD_ISA_AVX512);
-
-	(void)nw;
-	for (;;) {
-		uint64_t lo = atomic_fetch_add_explicit(&j->next, GATHER_CHUNK_IDS, memory_order_relaxed);
-		if (lo >= j->n)
-			break;
-		uint64_t n = j->n - lo < GATHER_CHUNK_IDS ? j->n - lo : GATHER_CHUNK_IDS;
-#if defined(__x86_64__)
-		if (avx512 && gather_avx512(j->table, j->floats, j->ids + lo, n, acc))
-			continue;
-#endif
-		(void)avx512;
-		gather_plain(j->table, j->floats, j->ids + lo, n, acc);
-	}
-}
-
-struct gather_arg {
-	struct bench *b;
-	struct gather_job *job;
-	const struct id_pool *pool;
-	uint64_t per_batch;
-};
-
-static void gather_step(void *arg, uint64_t k)
-{
-	struct gather_arg *g = arg;
-	g->job->ids = pool_batch(g->pool, g->per_batch, k);
-	atomic_store_explicit(&g->job->next, 0, memory_order_relaxed);
-	embd_workers_run(g->b->workers, gather_worker, g->job);
-}
-
-/* The gather limit over the pool's batches of per_batch ids; job outlives the arg. */
-static struct gather_arg gather_prepare(struct bench *b, struct gather_job *job,
-					const struct embd_shard *s, const struct id_pool *pool,
-					uint64_t per_batch)
-{
-	memset(job, 0, sizeof(*job));
-	job->table = s->weights;
-	job->floats = s->desc.cols;
-	job->n = per_batch;
-	return (struct gather_arg){ b, job, pool, per_batch };
-}
-
-static void print_gather(const struct bench *b, const struct gather_job *job, double ns)
-{
-	float check = 0;
-
-	for (int w = 0; w < 64; w++)
-		check += job->sink[w][0];
-	printf("{\"name\":\"gather_limit\",\"row_bytes\":%u,\"threads\":%u,\"table_bytes\":%llu,"
-	       "\"ids_per_batch\":%llu,\"gbps\":%.2f,\"checksum\":%.3g}\n",
-	       job->floats * 4, b->o.threads, (unsigned long long)b->o.table_bytes,
-	       (unsigned long long)job->n, (double)job->n * job->floats * 4 / ns, check);
-}
-
-/* ---- FBGEMM ------------------------------------------------------------------------------ */
-
-static bool write_ids(const struct id_pool *p, char *path, size_t path_len)
-{
-	snprintf(path, path_len, "/tmp/embd-bench-ids-XXXXXX");
-	int fd = mkstemp(path);
-	if (fd < 0)
+	snprintf(t->ids_path, sizeof(t->ids_path), "/tmp/embd-bench-ids-XXXXXX");
+	int fd = mkstemp(t->ids_path);
+	if (fd < 0) {
+		t->ids_path[0] = 0;
 		return false;
+	}
 	FILE *f = fdopen(fd, "wb");
-	bool ok = f && fwrite(p->ids, sizeof(int64_t), p->n, f) == p->n;
+	bool ok = f && fwrite(t->ids, sizeof(int64_t), t->num_ids, f) == t->num_ids;
 	if (f)
 		ok = fclose(f) == 0 && ok;
+	if (!ok) {
+		unlink(t->ids_path);
+		t->ids_path[0] = 0;
+	}
 	return ok;
 }
 
-/* Runs the python side; *ns = its median ns per batch, 0 when it did not run. */
-static void fbgemm_time(const struct bench *b, const char *ids_path, int64_t rows, uint32_t dim,
-			uint32_t P, const char *mode, const char *optimizer, double *ns, char *op,
-			size_t op_len)
+static void table_destroy(struct table *t)
 {
-	char cmd[1024], line[4096];
-	const char *script = getenv("EMBD_BENCH_FBGEMM_SCRIPT");
-
-	*ns = 0;
-	snprintf(cmd, sizeof(cmd),
-		 "'%s' '%s' --ids '%s' --rows %lld --dim %u --pooling-factor %u --batch %u --threads %u "
-		 "--mode %s --optimizer %s --runs %d --run-seconds %.3f 2>/dev/null",
-		 b->o.python, script ? script : EMBD_BENCH_SCRIPT_DIR "/fbgemm_kernels.py", ids_path,
-		 (long long)rows, dim, P, b->o.batch, b->o.threads, mode, optimizer, b->o.runs,
-		 b->o.run_ns / 1e9);
-	FILE *f = popen(cmd, "r");
-	if (!f)
-		return;
-	bool got = fgets(line, sizeof(line), f) != NULL;
-	int status = pclose(f);
-	if (!got || status != 0)
-		return;
-	cJSON *j = cJSON_Parse(line);
-	const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "ns_per_batch");
-	const cJSON *o = cJSON_GetObjectItemCaseSensitive(j, "op");
-	if (cJSON_IsNumber(v) && v->valuedouble > 0)
-		*ns = v->valuedouble;
-	snprintf(op, op_len, "%s", cJSON_IsString(o) ? o->valuestring : "?");
-	cJSON_Delete(j);
+	if (t->ids_path[0])
+		unlink(t->ids_path);
+	embd_shard_destroy(t->shard);
+	free(t->ids);
 }
 
-static bool fbgemm_available(const struct bench *b, char *why, size_t why_len)
+/* A table of table_bytes of random-looking weights and uniformly random ids (xorshift). */
+static int table_create(struct bench *b, uint32_t dim, bool fp16, struct table *t)
 {
-	char cmd[512];
+	char err[256];
+	uint64_t max_batch_ids = (uint64_t)b->o.batch * pfs[2];
 
-	snprintf(cmd, sizeof(cmd), "'%s' -c 'import torch, fbgemm_gpu' >/dev/null 2>&1", b->o.python);
-	int status = system(cmd);
-	snprintf(why, why_len, "%s -c 'import torch, fbgemm_gpu' failed (exit code %d)", b->o.python,
-		 WIFEXITED(status) ? WEXITSTATUS(status) : -1);
-	return status == 0;
+	memset(t, 0, sizeof(*t));
+	t->dim = dim;
+	t->fp16 = fp16;
+	t->row_bytes = (uint64_t)dim * (fp16 ? 2 : 4);
+	t->rows = (int64_t)(b->o.table_bytes / t->row_bytes);
+	struct embd_shard_desc d = {
+		.num_embeddings = t->rows, .embedding_dim = dim,
+		.dtype = fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32, .rows = t->rows, .cols = dim,
+		.optimizer = { .type = EMBD_OPT_SGD, .lr = 0.01f, .eps = 1e-8f, .beta1 = 0.9f,
+			       .beta2 = 0.999f },
+	};
+	t->num_ids = POOL_IDS_MIN > 8 * max_batch_ids ? POOL_IDS_MIN : 8 * max_batch_ids;
+	t->num_ids -= t->num_ids % max_batch_ids; /* whole batches at P = 100, and so at 20 and 1 */
+	t->ids = malloc(t->num_ids * sizeof(int64_t));
+	if (!t->ids || embd_shard_create(&d, &t->shard, err, sizeof(err))) {
+		fprintf(stderr, "embd-bench kernels: table D %u: %s\n", dim, t->ids ? err : "out of memory");
+		return 1;
+	}
+	embd_shard_init_weights(t->shard, 1, &b->exec);
+	uint64_t x = 0x1234567 + dim;
+	for (uint64_t i = 0; i < t->num_ids; i++) {
+		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+		t->ids[i] = (int64_t)(x % (uint64_t)t->rows);
+	}
+	if (b->o.fbgemm && !write_ids(t))
+		fprintf(stderr, "embd-bench kernels: cannot write the ids file for FBGEMM\n");
+	return 0;
 }
 
-/* ---- forward and backward ---------------------------------------------------------------- */
+/* ---- the kernels' steps and their limits' --------------------------------------------------- */
 
 struct kernel_arg {
 	struct bench *b;
+	const struct table *t;
 	struct embd_shard *shard;
-	const struct id_pool *pool;
 	uint32_t P;
-	int64_t *offsets;
+	const int64_t *offsets;
+	const float *weights;           /* per id of a batch, or NULL */
 	float *pooled;
-	float *grad;
+	const float *grad;
 	int rc;
 	struct embd_kernel_err err;
 };
@@ -394,9 +312,9 @@ static struct embd_bag_batch kernel_batch(struct kernel_arg *a, uint64_t k)
 	uint64_t per_batch = (uint64_t)a->b->o.batch * a->P;
 	struct embd_bag_batch bt = {
 		.shard = a->shard, .batch_size = a->b->o.batch, .offsets = a->offsets,
-		.ids = pool_batch(a->pool, per_batch, k), .num_ids = per_batch,
+		.ids = table_batch(a->t, per_batch, k), .weights = a->weights, .num_ids = per_batch,
 		.pooling = EMBD_POOLING_SUM, .pooled = a->pooled, .pooled_grad = a->grad,
-		.pooled_stride = a->shard->desc.cols,
+		.pooled_stride = a->t->dim,
 	};
 	return bt;
 }
@@ -419,267 +337,499 @@ static void backward_step(void *arg, uint64_t k)
 		a->rc = rc;
 }
 
+struct gather_arg {
+	struct bench *b;
+	const struct table *t;
+	uint64_t per_batch;
+	struct bench_gather g;
+};
+
+static void gather_step(void *arg, uint64_t k)
+{
+	struct gather_arg *ga = arg;
+	ga->g.ids = table_batch(ga->t, ga->per_batch, k);
+	bench_gather_run(ga->b->workers, &ga->g);
+}
+
+/* The distinct rows of each batch, ascending: what an exact update writes. */
+struct unique_rows {
+	uint64_t *rows;
+	uint64_t *start;                /* nb + 1 */
+	uint64_t nb;
+};
+
+static int compare_u64(const void *a, const void *b)
+{
+	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+	return (x > y) - (x < y);
+}
+
+static int unique_rows_make(const struct table *t, uint64_t per_batch, struct unique_rows *u)
+{
+	u->nb = t->num_ids / per_batch;
+	u->rows = malloc(t->num_ids * sizeof(*u->rows));
+	u->start = malloc((u->nb + 1) * sizeof(*u->start));
+	if (!u->rows || !u->start)
+		return 1;
+	u->start[0] = 0;
+	for (uint64_t k = 0; k < u->nb; k++) {
+		uint64_t *r = u->rows + u->start[k], n = 0;
+		for (uint64_t i = 0; i < per_batch; i++)
+			r[i] = (uint64_t)t->ids[k * per_batch + i];
+		qsort(r, per_batch, sizeof(*r), compare_u64);
+		for (uint64_t i = 0; i < per_batch; i++)
+			if (!n || r[n - 1] != r[i])
+				r[n++] = r[i];
+		u->start[k + 1] = u->start[k] + n;
+	}
+	return 0;
+}
+
+struct rmw_arg {
+	struct bench *b;
+	const struct unique_rows *u;
+	struct bench_rmw r;
+};
+
+static void rmw_step(void *arg, uint64_t k)
+{
+	struct rmw_arg *ra = arg;
+	uint64_t i = k % ra->u->nb;
+	ra->r.rows = ra->u->rows + ra->u->start[i];
+	ra->r.n = ra->u->start[i + 1] - ra->u->start[i];
+	bench_rmw_run(ra->b->workers, &ra->r);
+}
+
+/* ---- FBGEMM ------------------------------------------------------------------------------ */
+
+/* FBGEMM's results for one config; ns 0 when it did not run. */
+struct theirs {
+	double ns, tbe_ns;
+	char op[160], tbe_op[160], isa[64];
+};
+
+static void parse_theirs(const char *line, struct theirs *th)
+{
+	cJSON *j = cJSON_Parse(line);
+	const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "ns_per_batch");
+	const cJSON *tv = cJSON_GetObjectItemCaseSensitive(j, "tbe_ns_per_batch");
+	const cJSON *op = cJSON_GetObjectItemCaseSensitive(j, "op");
+	const cJSON *top = cJSON_GetObjectItemCaseSensitive(j, "tbe_op");
+	const cJSON *isa = cJSON_GetObjectItemCaseSensitive(j, "isa");
+
+	if (cJSON_IsNumber(v) && v->valuedouble > 0)
+		th->ns = v->valuedouble;
+	if (cJSON_IsNumber(tv) && tv->valuedouble > 0)
+		th->tbe_ns = tv->valuedouble;
+	snprintf(th->op, sizeof(th->op), "%s", cJSON_IsString(op) ? op->valuestring : "?");
+	snprintf(th->tbe_op, sizeof(th->tbe_op), "%s", cJSON_IsString(top) ? top->valuestring : "?");
+	snprintf(th->isa, sizeof(th->isa), "%s", cJSON_IsString(isa) ? isa->valuestring : "?");
+	cJSON_Delete(j);
+}
+
+/*
+ * Runs the python side for n configs of table t (mode, optimizer, "P" or "Pw" per config in
+ * what) and fills th[0, n) in order. On an AVX2 run FBGEMM and ATen are held to AVX2 too.
+ */
+static void fbgemm_time(const struct bench *b, const struct table *t, const char *mode,
+			const char *optimizer, const char *what, struct theirs *th, int n)
+{
+	char cmd[1536], line[4096];
+	const char *script = getenv("EMBD_BENCH_FBGEMM_SCRIPT");
+
+	memset(th, 0, (size_t)n * sizeof(*th));
+	if (!t->ids_path[0])
+		return;
+	snprintf(cmd, sizeof(cmd),
+		 "%s'%s' '%s' --ids '%s' --rows %lld --dim %u --dtype %s --configs %s --batch %u "
+		 "--threads %u --mode %s --optimizer %s --runs %d --run-seconds %.3f --clock %s 2>/dev/null",
+		 b->isa == EMBD_ISA_AVX2 ? "FBGEMM_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 " : "",
+		 b->o.python, script ? script : EMBD_BENCH_SCRIPT_DIR "/fbgemm_kernels.py", t->ids_path,
+		 (long long)t->rows, t->dim, t->fp16 ? "fp16" : "fp32", what, b->o.batch, b->o.threads,
+		 mode, optimizer, b->o.runs, b->o.run_ns / 1e9, b->o.cpu_clock ? "cpu" : "wall");
+	FILE *f = popen(cmd, "r");
+	if (!f)
+		return;
+	for (int i = 0; i < n && fgets(line, sizeof(line), f); i++)
+		parse_theirs(line, &th[i]);
+	if (pclose(f) != 0)
+		memset(th, 0, (size_t)n * sizeof(*th));
+}
+
+static bool fbgemm_available(const struct bench *b, char *why, size_t why_len)
+{
+	char cmd[512];
+
+	snprintf(cmd, sizeof(cmd), "'%s' -c 'import torch, fbgemm_gpu' >/dev/null 2>&1", b->o.python);
+	int status = system(cmd);
+	snprintf(why, why_len, "%s -c 'import torch, fbgemm_gpu' failed (exit code %d)", b->o.python,
+		 WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+	return status == 0;
+}
+
+/*
+ * FBGEMM ran in another process after ours: ours is measured again right after it and each
+ * vs_ uses the mean of both medians, so a load that comes or goes on a shared machine between
+ * the two sides does not decide the ratio alone.
+ */
+static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ours_ns,
+			 const struct theirs *th)
+{
+	if (th->ns <= 0)
+		return;
+	double after = median_step_ns(b, fn, arg), ours = 0.5 * (ours_ns + after);
+	printf(",\"ns_per_batch_after_fbgemm\":%.0f,\"fbgemm_ns_per_batch\":%.0f,\"vs_fbgemm\":%.3f,"
+	       "\"fbgemm_op\":\"%s\",\"fbgemm_isa\":\"%s\"", after, th->ns, th->ns / ours, th->op, th->isa);
+	if (th->tbe_ns > 0)
+		printf(",\"tbe_ns_per_batch\":%.0f,\"vs_tbe\":%.3f,\"tbe_op\":\"%s\"", th->tbe_ns,
+		       th->tbe_ns / ours, th->tbe_op);
+}
+
+/* ---- forward ----------------------------------------------------------------------------- */
+
+#define FWD_CONFIGS 6                   /* pfs x {unweighted, weighted} */
+
 static void set_offsets(int64_t *offsets, uint32_t batch, uint32_t P)
 {
 	for (uint32_t i = 0; i <= batch; i++)
 		offsets[i] = (int64_t)i * P;
 }
 
-/* Distinct rows per batch, averaged over the pool's batches: the rows an update writes. */
-static double mean_unique_rows(const struct id_pool *p, uint64_t per_batch)
+static void forward_name(const struct table *t, uint32_t P, bool weighted, char *name, size_t len)
 {
-	uint64_t nb = p->n / per_batch, total = 0;
-	uint8_t *seen = calloc((uint64_t)p->rows / 8 + 1, 1);
-
-	if (!seen)
-		return (double)per_batch;
-	for (uint64_t k = 0; k < nb; k++) {
-		const int64_t *ids = p->ids + k * per_batch;
-		for (uint64_t i = 0; i < per_batch; i++) {
-			uint8_t bit = (uint8_t)(1u << (ids[i] & 7));
-			total += !(seen[ids[i] >> 3] & bit);
-			seen[ids[i] >> 3] |= bit;
-		}
-		for (uint64_t i = 0; i < per_batch; i++)
-			seen[ids[i] >> 3] = 0;
-	}
-	free(seen);
-	return (double)total / (double)nb;
+	snprintf(name, len, "forward%s%s/%u/%u", t->fp16 ? "_fp16" : "", weighted ? "_weighted" : "",
+		 t->dim, P);
 }
 
-static const char *const opt_names[] = { "sgd", "adagrad", "rowwise_adagrad", "adam" };
-
-/*
- * FBGEMM runs in another process, after ours: ours is measured again right after it and
- * vs_fbgemm uses the mean of both medians, so a load that comes or goes on a shared machine
- * between the two sides does not decide the ratio alone.
- */
-static void print_fbgemm(const struct bench *b, step_fn fn, void *arg, double ours_ns,
-			 double theirs_ns, const char *op)
+/* The forward configs of table t: gather limit and ours, then FBGEMM for all, then lines. */
+static int bench_forward(struct bench *b, const struct table *t, int64_t *offsets,
+			 const float *weights, float *pooled)
 {
-	if (theirs_ns <= 0)
-		return;
-	double after = median_step_ns(b, fn, arg);
-	printf(",\"ns_per_batch_after_fbgemm\":%.0f,\"fbgemm_ns_per_batch\":%.0f,\"vs_fbgemm\":%.3f,"
-	       "\"fbgemm_op\":\"%s\"", after, theirs_ns, theirs_ns / (0.5 * (ours_ns + after)), op);
-}
+	struct paired res[FWD_CONFIGS];
+	struct theirs th[FWD_CONFIGS];
+	int idx[FWD_CONFIGS], n = 0;
+	char name[64], what[64] = "";
 
-/* Everything for one table of dim columns: its gather limit, forward at each P, and (for
- * the backward dim) every optimizer. */
-static int bench_dim(struct bench *b, uint32_t dim, bool with_backward)
-{
-	static const uint32_t pfs[] = { 1, 20, 100 };
-	const uint32_t backward_P = 20;
-	int64_t rows = (int64_t)(b->o.table_bytes / ((uint64_t)dim * 4));
-	struct embd_shard_desc d = {
-		.num_embeddings = rows, .embedding_dim = dim, .dtype = EMBD_DTYPE_FP32, .rows = rows,
-		.cols = dim, .optimizer = { .type = EMBD_OPT_SGD, .lr = 0.01f, .eps = 1e-8f,
-					    .beta1 = 0.9f, .beta2 = 0.999f },
-	};
-	struct embd_shard *s = NULL;
-	struct id_pool pool = { .rows = rows };
-	char err[256], ids_path[64] = "", op[256];
-	int rc = 1;
-	uint64_t max_batch_ids = (uint64_t)b->o.batch * 100;
-	int64_t *offsets = malloc(((uint64_t)b->o.batch + 1) * sizeof(int64_t));
-	float *pooled = malloc((uint64_t)b->o.batch * dim * sizeof(float));
-	float *grad = malloc((uint64_t)b->o.batch * dim * sizeof(float));
-
-	bool any = false;
-	char name[64];
-	for (size_t i = 0; i < sizeof(pfs) / sizeof(pfs[0]); i++) {
-		snprintf(name, sizeof(name), "forward/%u/%u", dim, pfs[i]);
-		any = any || config_selected(&b->o, name);
-	}
-	for (int t = EMBD_OPT_SGD; with_backward && t <= EMBD_OPT_ADAM; t++) {
-		snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[t], dim, backward_P);
-		any = any || config_selected(&b->o, name);
-	}
-	if (!any) {
-		rc = 0;
-		goto out;
-	}
-	pool.n = POOL_IDS_MIN > 8 * max_batch_ids ? POOL_IDS_MIN : 8 * max_batch_ids;
-	pool.n -= pool.n % max_batch_ids;  /* whole batches at P = 100, and so at 20 and 1 */
-	pool.ids = malloc(pool.n * sizeof(int64_t));
-	if (!offsets || !pooled || !grad || !pool.ids) {
-		fprintf(stderr, "embd-bench kernels: out of memory\n");
-		goto out;
-	}
-	if (embd_shard_create(&d, &s, err, sizeof(err))) {
-		fprintf(stderr, "embd-bench kernels: %s\n", err);
-		goto out;
-	}
-	embd_shard_init_weights(s, 1, &b->exec);
-	uint64_t x = 0x1234567 + dim;
-	for (uint64_t i = 0; i < pool.n; i++) {
-		x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-		pool.ids[i] = (int64_t)(x % (uint64_t)rows);
-	}
-	for (uint64_t i = 0; i < (uint64_t)b->o.batch * dim; i++)
-		grad[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
-	if (b->o.fbgemm && !write_ids(&pool, ids_path, sizeof(ids_path))) {
-		fprintf(stderr, "embd-bench kernels: cannot write the ids file for FBGEMM\n");
-		ids_path[0] = 0;
-	}
-
-	static struct gather_job gjob;
-	struct gather_arg g = gather_prepare(b, &gjob, s, &pool, (uint64_t)b->o.batch * 20);
-	print_gather(b, &gjob, median_step_ns(b, gather_step, &g));
-	for (size_t i = 0; i < sizeof(pfs) / sizeof(pfs[0]); i++) {
-		struct kernel_arg a = { b, s, &pool, pfs[i], offsets, pooled, grad, 0, { 0 } };
-		snprintf(name, sizeof(name), "forward/%u/%u", dim, pfs[i]);
+	for (int c = 0; c < FWD_CONFIGS; c++) {
+		uint32_t P = pfs[c % 3];
+		bool weighted = c >= 3;
+		forward_name(t, P, weighted, name, sizeof(name));
 		if (!config_selected(&b->o, name))
 			continue;
-		set_offsets(offsets, b->o.batch, pfs[i]);
-		/* the limit over the very batches of this config, runs interleaved with ours */
-		g = gather_prepare(b, &gjob, s, &pool, (uint64_t)b->o.batch * pfs[i]);
-		double ns, limit_ns, ratio;
-		paired_step_ns(b, forward_step, &a, gather_step, &g, &ns, &limit_ns, &ratio);
+		struct kernel_arg a = { .b = b, .t = t, .shard = t->shard, .P = P, .offsets = offsets,
+					.weights = weighted ? weights : NULL, .pooled = pooled };
+		struct gather_arg g = { b, t, (uint64_t)b->o.batch * P,
+					{ .table = t->shard->weights, .row_bytes = t->row_bytes,
+					  .pass_bytes = (uint64_t)embd_forward_pass_cols(b->isa, t->dim) *
+							(t->fp16 ? 2 : 4),
+					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
+					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P } };
+		set_offsets(offsets, b->o.batch, P);
+		res[n] = paired_step_ns(b, forward_step, &a, gather_step, &g);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
-			goto out;
+			return 1;
 		}
-		double gbps = (double)b->o.batch * pfs[i] * dim * 4 / ns;
-		double theirs = 0;
-		if (ids_path[0])
-			fbgemm_time(b, ids_path, rows, dim, pfs[i], "forward", "sgd", &theirs, op, sizeof(op));
-		printf("{\"name\":\"forward\",\"dim\":%u,\"pooling_factor\":%u,\"batch\":%u,"
-		       "\"table_bytes\":%llu,\"threads\":%u,\"isa\":\"%s\",\"ns_per_batch\":%.0f,"
-		       "\"gbps\":%.2f,\"limit_gbps\":%.2f,\"ratio_to_limit\":%.3f", dim, pfs[i],
-		       b->o.batch, (unsigned long long)b->o.table_bytes, b->o.threads,
-		       embd_kernels_isa_name(b->exec.isa ? b->exec.isa : embd_kernels_isa_best()), ns,
-		       gbps, (double)b->o.batch * pfs[i] * dim * 4 / limit_ns, ratio);
-		print_fbgemm(b, forward_step, &a, ns, theirs, op);
+		snprintf(what + strlen(what), sizeof(what) - strlen(what), "%s%u%s", n ? "," : "", P,
+			 weighted ? "w" : "");
+		idx[n++] = c;
+	}
+	if (!n)
+		return 0;
+	if (b->o.fbgemm)
+		fbgemm_time(b, t, "forward", "sgd", what, th, n);
+	else
+		memset(th, 0, sizeof(th));
+	for (int i = 0; i < n; i++) {
+		uint32_t P = pfs[idx[i] % 3];
+		bool weighted = idx[i] >= 3;
+		double bytes = (double)b->o.batch * P * (double)t->row_bytes;
+		struct kernel_arg a = { .b = b, .t = t, .shard = t->shard, .P = P, .offsets = offsets,
+					.weights = weighted ? weights : NULL, .pooled = pooled };
+		set_offsets(offsets, b->o.batch, P);
+		forward_name(t, P, weighted, name, sizeof(name));
+		print_head(b, "forward");
+		printf(",\"config\":\"%s\",\"dim\":%u,\"dtype\":\"%s\",\"weighted\":%s,\"pooling_factor\":%u,"
+		       "\"batch\":%u,\"table_bytes\":%llu,\"ns_per_batch\":%.0f,\"gbps\":%.2f,"
+		       "\"limit\":\"gather\",\"limit_gbps\":%.2f,\"limit_spread\":%.3f,\"ratio_to_limit\":%.3f",
+		       name, t->dim, t->fp16 ? "fp16" : "fp32", weighted ? "true" : "false", P, b->o.batch,
+		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
+		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
+		print_theirs(b, forward_step, &a, res[i].ns, &th[i]);
 		printf("}\n");
 		fflush(stdout);
 	}
+	return 0;
+}
 
-	if (with_backward) {
-		set_offsets(offsets, b->o.batch, backward_P);
-		double unique = mean_unique_rows(&pool, (uint64_t)b->o.batch * backward_P);
-		for (int t = EMBD_OPT_SGD; t <= EMBD_OPT_ADAM; t++) {
-			struct embd_shard_desc od = d;
-			uint64_t wb, m1b, m2b;
-			struct embd_shard *os = NULL;
-			snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[t], dim, backward_P);
-			if (!config_selected(&b->o, name))
-				continue;
-			od.optimizer.type = t;
-			/* a shard of its own (state allocated like the weights), weights copied */
-			if (embd_shard_sizes(&od, &wb, &m1b, &m2b, err, sizeof(err)) ||
-			    embd_shard_create(&od, &os, err, sizeof(err))) {
-				fprintf(stderr, "embd-bench kernels: %s state: %s\n", opt_names[t], err);
-				goto out;
-			}
-			memcpy(os->weights, s->weights, wb);
-			struct kernel_arg a = { b, os, &pool, backward_P, offsets, pooled, grad, 0, { 0 } };
-			double ns = median_step_ns(b, backward_step, &a);
-			if (a.rc) {
-				fprintf(stderr, "embd-bench kernels: backward failed: %s\n", a.err.msg);
-				embd_shard_destroy(os);
-				goto out;
-			}
-			double state_row = (double)(m1b + m2b) / (double)rows;
-			double bytes = unique * 2.0 * (dim * 4.0 + state_row);
-			double theirs = 0;
-			if (ids_path[0])
-				fbgemm_time(b, ids_path, rows, dim, backward_P, "backward", opt_names[t],
-					    &theirs, op, sizeof(op));
-			printf("{\"name\":\"backward_%s\",\"dim\":%u,\"pooling_factor\":%u,\"batch\":%u,"
-			       "\"table_bytes\":%llu,\"state_bytes\":%llu,\"threads\":%u,"
-			       "\"unique_rows_per_batch\":%.0f,\"ns_per_batch\":%.0f,\"gbps\":%.2f,"
-			       "\"limit\":\"copy_limit\",\"ratio_to_limit\":%.3f", opt_names[t], dim, backward_P,
-			       b->o.batch, (unsigned long long)wb, (unsigned long long)(m1b + m2b),
-			       b->o.threads, unique, ns, bytes / ns, bytes / ns / b->copy_gbps);
-			print_fbgemm(b, backward_step, &a, ns, theirs, op);
-			printf("}\n");
-			fflush(stdout);
-			embd_shard_destroy(os);
-		}
+/* ---- backward ---------------------------------------------------------------------------- */
+
+/* Where one backward's time goes, per batch, from a run with the kernel's phase times on. */
+static void print_phases(struct bench *b, struct kernel_arg *a)
+{
+	struct embd_backward_times tm = { 0 };
+	uint64_t k = 0;
+
+	b->exec.backward_times = &tm;
+	run_steps(b, backward_step, a, &k);
+	b->exec.backward_times = NULL;
+	double c = (double)(tm.calls ? tm.calls : 1);
+	printf(",\"phases_ns\":{\"setup\":%.0f,\"collect\":%.0f,\"scatter\":%.0f,\"sort\":%.0f,"
+	       "\"apply\":%.0f}", (double)tm.setup_ns / c, (double)tm.collect_ns / c,
+	       (double)tm.scatter_ns / c, (double)tm.sort_ns / c, (double)tm.apply_ns / c);
+}
+
+/* One optimizer's backward on a shard of its own (state allocated like the weights). */
+static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
+			      const struct unique_rows *u, struct kernel_arg *proto)
+{
+	struct embd_shard_desc od = t->shard->desc;
+	struct embd_shard *os = NULL;
+	uint64_t wb, m1b, m2b;
+	char err[256], name[64];
+
+	od.optimizer.type = (enum embd_optimizer_type)opt;
+	if (embd_shard_sizes(&od, &wb, &m1b, &m2b, err, sizeof(err)) ||
+	    embd_shard_create(&od, &os, err, sizeof(err))) {
+		fprintf(stderr, "embd-bench kernels: %s state: %s\n", opt_names[opt], err);
+		return 1;
 	}
+	memcpy(os->weights, t->shard->weights, wb);
+	struct kernel_arg a = *proto;
+	a.shard = os;
+	struct rmw_arg ra = { b, u, { .isa = b->isa, .grad = (const uint8_t *)a.grad,
+				      .grad_bytes = (uint64_t)b->o.batch * t->dim * 4 } };
+	uint64_t state_row = (m1b + m2b) / (uint64_t)t->rows;
+	void *arrays[3] = { os->weights, os->momentum1, os->momentum2 };
+	uint64_t sizes[3] = { wb, m1b, m2b };
+	for (int i = 0; i < 3; i++)
+		if (sizes[i]) {
+			ra.r.arrays[ra.r.num_arrays] = arrays[i];
+			ra.r.row_bytes[ra.r.num_arrays++] = sizes[i] / (uint64_t)t->rows;
+		}
+	struct paired p = paired_step_ns(b, backward_step, &a, rmw_step, &ra);
+	int nstate = ra.r.num_arrays;
+	ra.r.num_arrays = 1;
+	double weights_only_ns = median_step_ns(b, rmw_step, &ra);
+	ra.r.num_arrays = nstate;
+	if (a.rc) {
+		fprintf(stderr, "embd-bench kernels: backward failed: %s\n", a.err.msg);
+		embd_shard_destroy(os);
+		return 1;
+	}
+	double unique = (double)u->start[u->nb] / (double)u->nb;
+	double bytes = unique * 2.0 * ((double)t->row_bytes + (double)state_row);
+	struct theirs th;
+	if (b->o.fbgemm)
+		fbgemm_time(b, t, "backward", opt_names[opt], "20", &th, 1);
+	else
+		memset(&th, 0, sizeof(th));
+	snprintf(name, sizeof(name), "backward_%s", opt_names[opt]);
+	print_head(b, name);
+	printf(",\"config\":\"%s/%u/%u\",\"dim\":%u,\"dtype\":\"fp32\",\"pooling_factor\":%u,"
+	       "\"batch\":%u,\"table_bytes\":%llu,\"state_bytes\":%llu,\"unique_rows_per_batch\":%.0f,"
+	       "\"ns_per_batch\":%.0f,\"gbps\":%.2f,\"limit\":\"read_modify_write\",\"limit_gbps\":%.2f,"
+	       "\"limit_spread\":%.3f,\"ratio_to_limit\":%.3f,\"limit_ns\":%.0f,"
+	       "\"limit_weights_only_ns\":%.0f", name, t->dim, BACKWARD_P, t->dim, BACKWARD_P,
+	       b->o.batch, (unsigned long long)wb, (unsigned long long)(m1b + m2b), unique, p.ns,
+	       bytes / p.ns, bytes / p.ref_ns, p.ref_spread, p.ratio, p.ref_ns, weights_only_ns);
+	print_phases(b, &a);
+	print_theirs(b, backward_step, &a, p.ns, &th);
+	printf("}\n");
+	fflush(stdout);
+	embd_shard_destroy(os);
+	return 0;
+}
+
+static int bench_backward(struct bench *b, const struct table *t, int64_t *offsets, const float *grad)
+{
+	struct unique_rows u = { 0 };
+	char name[64];
+	int rc = 0;
+
+	for (int opt = EMBD_OPT_SGD; opt <= EMBD_OPT_ADAM && !rc; opt++) {
+		snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[opt], t->dim, BACKWARD_P);
+		if (!config_selected(&b->o, name))
+			continue;
+		if (!u.rows && unique_rows_make(t, (uint64_t)b->o.batch * BACKWARD_P, &u)) {
+			fprintf(stderr, "embd-bench kernels: out of memory for the unique rows\n");
+			rc = 1;
+			break;
+		}
+		struct kernel_arg proto = { .b = b, .t = t, .P = BACKWARD_P, .offsets = offsets,
+					    .grad = grad };
+		set_offsets(offsets, b->o.batch, BACKWARD_P);
+		rc = bench_backward_opt(b, t, opt, &u, &proto);
+	}
+	free(u.rows);
+	free(u.start);
+	return rc;
+}
+
+/* ---- driver ------------------------------------------------------------------------------ */
+
+/* Whether any config of the table (dim, fp16) is selected. */
+static bool table_selected(const struct bench *b, uint32_t dim, bool fp16)
+{
+	struct table t = { .dim = dim, .fp16 = fp16 };
+	char name[64];
+
+	for (int c = 0; c < FWD_CONFIGS; c++) {
+		forward_name(&t, pfs[c % 3], c >= 3, name, sizeof(name));
+		if (config_selected(&b->o, name))
+			return true;
+	}
+	for (int opt = EMBD_OPT_SGD; !fp16 && dim == BACKWARD_DIM && opt <= EMBD_OPT_ADAM; opt++) {
+		snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[opt], dim, BACKWARD_P);
+		if (config_selected(&b->o, name))
+			return true;
+	}
+	return false;
+}
+
+static int bench_tables(struct bench *b)
+{
+	uint64_t max_ids = (uint64_t)b->o.batch * pfs[2];
+	int64_t *offsets = malloc(((uint64_t)b->o.batch + 1) * sizeof(int64_t));
+	float *weights = malloc(max_ids * sizeof(float));
+	float *pooled = malloc((uint64_t)b->o.batch * dims[3] * sizeof(float));
+	float *grad = malloc((uint64_t)b->o.batch * BACKWARD_DIM * sizeof(float));
+	int rc = 1;
+
+	if (!offsets || !weights || !pooled || !grad) {
+		fprintf(stderr, "embd-bench kernels: out of memory\n");
+		goto out;
+	}
+	for (uint64_t i = 0; i < max_ids; i++)
+		weights[i] = 0.5f + (float)(i % 7) / 8.0f; /* as fbgemm_kernels.py weights() */
+	for (uint64_t i = 0; i < (uint64_t)b->o.batch * BACKWARD_DIM; i++)
+		grad[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+	for (int h = 0; h < 2; h++)
+		for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++) {
+			struct table t;
+			if (!table_selected(b, dims[d], h))
+				continue;
+			int bad = table_create(b, dims[d], h, &t) ||
+				  bench_forward(b, &t, offsets, weights, pooled) ||
+				  (!h && dims[d] == BACKWARD_DIM && bench_backward(b, &t, offsets, grad));
+			table_destroy(&t);
+			if (bad)
+				goto out;
+		}
 	rc = 0;
 out:
-	if (ids_path[0])
-		unlink(ids_path);
-	embd_shard_destroy(s);
-	free(pool.ids);
 	free(grad);
 	free(pooled);
+	free(weights);
 	free(offsets);
 	return rc;
+}
+
+/* Workers pinned one per CPU this process may run on (cycling when there are fewer). */
+static int create_workers(struct bench *b, char *err, size_t len)
+{
+	cpu_set_t set;
+	int cpus[BENCH_LIMIT_MAX_WORKERS], n = 0;
+
+	if (b->o.threads > BENCH_LIMIT_MAX_WORKERS) {
+		snprintf(err, len, "at most %d threads", BENCH_LIMIT_MAX_WORKERS);
+		return 1;
+	}
+	if (sched_getaffinity(0, sizeof(set), &set))
+		return embd_workers_create(b->o.threads, NULL, &b->workers, err, len);
+	int allowed[CPU_SETSIZE], na = 0;
+	for (int c = 0; c < CPU_SETSIZE; c++)
+		if (CPU_ISSET(c, &set))
+			allowed[na++] = c;
+	for (; n < (int)b->o.threads; n++)
+		cpus[n] = allowed[n % na];
+	return embd_workers_create(b->o.threads, cpus, &b->workers, err, len);
 }
 
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: embd-bench kernels [--threads N] [--table-mib M] [--batch B] [--runs R]\n"
 		   "                          [--run-ms MS] [--isa scalar|avx2|avx512] [--no-fbgemm]\n"
-		   "                          [--config NAME,...]\n"
-		   "defaults: all cores, 512 MiB tables, B 2048, 5 runs of 100 ms (medians);\n"
+		   "                          [--clock wall|cpu] [--config NAME,...]\n"
+		   "defaults: all cores (pinned), 512 MiB tables, B 2048, 7 runs of 100 ms (medians);\n"
 		   "FBGEMM through $EMBD_BENCH_PYTHON (default python3); --config runs only the configs\n"
-		   "named, as forward/DIM/P (DIM 64 or 128, P 1, 20 or 100) and backward_OPT/128/20\n"
-		   "(OPT sgd, adagrad, rowwise_adagrad or adam); the limits run for every dim named\n");
+		   "named: forward[_fp16][_weighted]/DIM/P (DIM 32, 64, 128 or 256; P 1, 20 or 100) and\n"
+		   "backward_OPT/128/20 (OPT sgd, adagrad, rowwise_adagrad or adam). --isa and $EMBD_ISA\n"
+		   "pick the kernels' instruction set; FBGEMM is held to AVX2 when they run AVX2.\n"
+		   "--clock cpu times runs by the process's CPU time over the threads (both sides),\n"
+		   "which leaves out the time other processes hold the cores on a shared machine.\n");
 }
 
-int bench_kernels_run(int argc, char **argv)
+static int parse_args(struct bench *b, int argc, char **argv)
 {
-	struct bench b = { .o = { .threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN),
-				  .table_bytes = 512ull << 20, .batch = 2048, .runs = 5,
-				  .run_ns = 100e6, .fbgemm = true } };
-	char err[256];
-	int rc = 1;
-
-	b.o.python = getenv("EMBD_BENCH_PYTHON") ? getenv("EMBD_BENCH_PYTHON") : "python3";
 	for (int i = 1; i < argc; i++) {
 		const char *v = i + 1 < argc ? argv[i + 1] : NULL;
 		if (!strcmp(argv[i], "--no-fbgemm")) {
-			b.o.fbgemm = false;
+			b->o.fbgemm = false;
 		} else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
 			usage(stdout);
 			return 0;
 		} else if (v && !strcmp(argv[i], "--threads")) {
-			b.o.threads = (uint32_t)atoi(v), i++;
+			b->o.threads = (uint32_t)atoi(v), i++;
 		} else if (v && !strcmp(argv[i], "--table-mib")) {
-			b.o.table_bytes = strtoull(v, NULL, 10) << 20, i++;
+			b->o.table_bytes = strtoull(v, NULL, 10) << 20, i++;
 		} else if (v && !strcmp(argv[i], "--batch")) {
-			b.o.batch = (uint32_t)atoi(v), i++;
+			b->o.batch = (uint32_t)atoi(v), i++;
 		} else if (v && !strcmp(argv[i], "--runs")) {
-			b.o.runs = atoi(v), i++;
+			b->o.runs = atoi(v), i++;
 		} else if (v && !strcmp(argv[i], "--config")) {
-			b.o.configs = v, i++;
+			b->o.configs = v, i++;
 		} else if (v && !strcmp(argv[i], "--run-ms")) {
-			b.o.run_ns = atof(v) * 1e6, i++;
+			b->o.run_ns = atof(v) * 1e6, i++;
+		} else if (v && !strcmp(argv[i], "--clock")) {
+			b->o.cpu_clock = !strcmp(v, "cpu");
+			if (!b->o.cpu_clock && strcmp(v, "wall"))
+				b->o.runs = 0; /* refused below */
+			i++;
 		} else if (v && !strcmp(argv[i], "--isa")) {
-			b.o.isa = !strcmp(v, "scalar") ? EMBD_ISA_SCALAR : !strcmp(v, "avx2") ? EMBD_ISA_AVX2
-				: !strcmp(v, "avx512") ? EMBD_ISA_AVX512 : (enum embd_isa)-1;
+			if (embd_kernels_isa_parse(v, &b->o.isa))
+				b->o.isa = (enum embd_isa)-1;
 			i++;
 		} else {
 			usage(stderr);
 			return 2;
 		}
 	}
-	if (!b.o.threads || !b.o.batch || b.o.runs < 1 || b.o.runs > MAX_RUNS || b.o.table_bytes < (1u << 20) ||
-	    !embd_kernels_isa_supported(b.o.isa)) {
+	if (!b->o.threads || !b->o.batch || b->o.runs < 1 || b->o.runs > MAX_RUNS ||
+	    b->o.table_bytes < (1u << 20) || !embd_kernels_isa_supported(b->o.isa)) {
 		fprintf(stderr, "embd-bench kernels: bad option value (threads, batch, runs 1..%d, "
 				"table >= 1 MiB, isa this CPU has)\n", MAX_RUNS);
 		return 2;
 	}
-	if (embd_workers_create(b.o.threads, NULL, &b.workers, err, sizeof(err))) {
+	return -1;
+}
+
+int bench_kernels_run(int argc, char **argv)
+{
+	struct bench b = { .o = { .threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN),
+				  .table_bytes = 512ull << 20, .batch = 2048, .runs = 7,
+				  .run_ns = 100e6, .fbgemm = true } };
+	char err[256];
+	int rc;
+
+	b.o.python = getenv("EMBD_BENCH_PYTHON") ? getenv("EMBD_BENCH_PYTHON") : "python3";
+	rc = parse_args(&b, argc, argv);
+	if (rc >= 0)
+		return rc;
+	if (create_workers(&b, err, sizeof(err))) {
 		fprintf(stderr, "embd-bench kernels: %s\n", err);
 		return 1;
 	}
+	bench_cpu_model(b.cpu, sizeof(b.cpu));
+	b.isa = b.o.isa ? b.o.isa : embd_kernels_isa_best();
 	b.exec.workers = b.workers;
-	b.exec.isa = b.o.isa;
+	b.exec.isa = b.isa;
 	if (b.o.fbgemm && !fbgemm_available(&b, err, sizeof(err))) {
-		printf("{\"name\":\"fbgemm\",\"available\":false,\"reason\":\"%s\"}\n", err);
+		print_head(&b, "fbgemm");
+		printf(",\"available\":false,\"reason\":\"%s\"}\n", err);
 		b.o.fbgemm = false;
 	}
-	if (measure_copy(&b))
-		goto out;
-	if (bench_dim(&b, 64, false) || bench_dim(&b, 128, true))
-		goto out;
-	rc = 0;
-out:
+	rc = measure_copy(&b) || bench_tables(&b);
 	embd_workers_destroy(b.workers);
 	return rc;
 }

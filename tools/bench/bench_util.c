@@ -2,7 +2,9 @@
 #include "bench.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 uint64_t bench_now_ns(void)
@@ -37,4 +39,27 @@ double bench_median(double *values, size_t n)
 		return 0.0;
 	qsort(values, n, sizeof(*values), compare_double);
 	return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+void bench_cpu_model(char *out, size_t len)
+{
+	char line[512];
+	FILE *f = fopen("/proc/cpuinfo", "r");
+
+	snprintf(out, len, "unknown");
+	while (f && fgets(line, sizeof(line), f)) {
+		char *colon = strchr(line, ':');
+		if (strncmp(line, "model name", 10) || !colon)
+			continue;
+		colon += 1 + (colon[1] == ' ');
+		colon[strcspn(colon, "\n")] = 0;
+		/* printed inside JSON strings: keep it to characters that need no escaping */
+		for (char *c = colon; *c; c++)
+			if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20)
+				*c = ' ';
+		snprintf(out, len, "%s", colon);
+		break;
+	}
+	if (f)
+		fclose(f);
 }

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/device.h"
 #include "kernels/finite.h"
@@ -168,6 +169,52 @@ Test(kernels_backward, a_million_ids, .timeout = 120)
 	cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
 	cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
 	expect_shard_equals_ref("a million ids", s, ref);
+	free(g);
+	tbags_free(&t);
+	embd_workers_destroy(two);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
+/*
+ * Phase times: asked for, every phase of every call is counted, their sum is inside the calls'
+ * wall time, and the result is still the reference's (timing changes nothing computed).
+ */
+Test(kernels_backward, phase_times_add_up)
+{
+	struct trng r = { 35 };
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ADAGRAD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(8, 1 << 16, 16, EMBD_DTYPE_FP32, &o, 5);
+	struct embd_shard *s = tshard(ref, 5, 0, 1 << 16, 0, 16);
+	struct embd_backward_times tm = { 0 };
+	struct embd_workers *two;
+	char msg[128];
+	struct tbags t;
+
+	cr_assert_eq(embd_workers_create(2, NULL, &two, msg, sizeof(msg)), 0, "%s", msg);
+	tbags_random(&t, &r, 2000, 40, 5, 1 << 16, 10, true);
+	float *g = random_grad(&r, 2000 * 16);
+	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 16, 0);
+	struct embd_ref_bags rb = { 2000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+	struct embd_exec ex = { .workers = two, .backward_times = &tm };
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (int step = 0; step < 2; step++) {
+		cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
+		cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
+	}
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	uint64_t wall = (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000ull + (uint64_t)t1.tv_nsec -
+			(uint64_t)t0.tv_nsec;
+	uint64_t sum = tm.setup_ns + tm.collect_ns + tm.scatter_ns + tm.sort_ns + tm.apply_ns;
+	cr_expect_eq(tm.calls, 2, "expected 2 calls counted, got %llu", (unsigned long long)tm.calls);
+	cr_expect(tm.collect_ns && tm.scatter_ns && tm.sort_ns && tm.apply_ns,
+		  "a phase was not timed: collect %llu scatter %llu sort %llu apply %llu ns",
+		  (unsigned long long)tm.collect_ns, (unsigned long long)tm.scatter_ns,
+		  (unsigned long long)tm.sort_ns, (unsigned long long)tm.apply_ns);
+	cr_expect(sum <= wall, "phases add up to %llu ns, more than the calls' %llu ns",
+		  (unsigned long long)sum, (unsigned long long)wall);
+	expect_shard_equals_ref("timed backward", s, ref);
 	free(g);
 	tbags_free(&t);
 	embd_workers_destroy(two);

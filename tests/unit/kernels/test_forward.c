@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu_kernels.h"
 #include "kernels/jagged.h"
 #include "tests/unit/kernels/kernel_test_util.h"
 
@@ -342,8 +343,64 @@ Test(kernels_forward, isa_selection)
 	cr_assert_str_eq(embd_kernels_isa_name(EMBD_ISA_AVX512), "avx512");
 #if defined(__x86_64__)
 	__builtin_cpu_init();
-	if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-		cr_assert_eq(best, EMBD_ISA_AVX512, "this CPU has AVX-512, best is %s",
-			     embd_kernels_isa_name(best));
+	if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+		enum embd_isa want = embd_kernels_isa_capped(EMBD_ISA_AVX512, getenv("EMBD_ISA"));
+		cr_assert_eq(best, want, "this CPU has AVX-512 and EMBD_ISA is %s: best should be %s, is %s",
+			     getenv("EMBD_ISA") ? getenv("EMBD_ISA") : "unset",
+			     embd_kernels_isa_name(want), embd_kernels_isa_name(best));
+	}
 #endif
+}
+
+Test(kernels_forward, isa_names_parse)
+{
+	enum embd_isa all[] = { EMBD_ISA_AUTO, EMBD_ISA_SCALAR, EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
+	for (int i = 0; i < 4; i++) {
+		enum embd_isa got = (enum embd_isa)-1;
+		cr_assert_eq(embd_kernels_isa_parse(embd_kernels_isa_name(all[i]), &got), 0);
+		cr_assert_eq(got, all[i], "%s parsed as %d", embd_kernels_isa_name(all[i]), (int)got);
+	}
+	enum embd_isa untouched = EMBD_ISA_AVX2;
+	cr_assert_eq(embd_kernels_isa_parse("avx512f", &untouched), EMBD_EINVAL);
+	cr_assert_eq(embd_kernels_isa_parse("", &untouched), EMBD_EINVAL);
+	cr_assert_eq(embd_kernels_isa_parse(NULL, &untouched), EMBD_EINVAL);
+	cr_assert_eq(untouched, EMBD_ISA_AVX2);
+}
+
+/* $EMBD_ISA lowers the best isa and never raises it; what it does not name is ignored. */
+Test(kernels_forward, isa_env_caps_the_best)
+{
+	static const struct { enum embd_isa detected; const char *cap; enum embd_isa want; } cases[] = {
+		{ EMBD_ISA_AVX512, "avx2", EMBD_ISA_AVX2 },
+		{ EMBD_ISA_AVX512, "scalar", EMBD_ISA_SCALAR },
+		{ EMBD_ISA_AVX512, "avx512", EMBD_ISA_AVX512 },
+		{ EMBD_ISA_AVX2, "avx512", EMBD_ISA_AVX2 },
+		{ EMBD_ISA_SCALAR, "avx2", EMBD_ISA_SCALAR },
+		{ EMBD_ISA_AVX512, NULL, EMBD_ISA_AVX512 },
+		{ EMBD_ISA_AVX512, "", EMBD_ISA_AVX512 },
+		{ EMBD_ISA_AVX512, "auto", EMBD_ISA_AVX512 },
+		{ EMBD_ISA_AVX2, "sse9", EMBD_ISA_AVX2 },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		enum embd_isa got = embd_kernels_isa_capped(cases[i].detected, cases[i].cap);
+		cr_expect_eq(got, cases[i].want, "detected %s, EMBD_ISA %s: expected %s, got %s",
+			     embd_kernels_isa_name(cases[i].detected), cases[i].cap ? cases[i].cap : "unset",
+			     embd_kernels_isa_name(cases[i].want), embd_kernels_isa_name(got));
+	}
+}
+
+/*
+ * The variable itself, read by the library: Criterion runs each test in a fresh process, so
+ * the cached answer is first computed here, after setenv. scalar is below every CPU's best.
+ */
+Test(kernels_forward, isa_env_forces_scalar)
+{
+	setenv("EMBD_ISA", "scalar", 1);
+	cr_assert_eq(embd_kernels_isa_best(), EMBD_ISA_SCALAR, "EMBD_ISA=scalar: best is %s",
+		     embd_kernels_isa_name(embd_kernels_isa_best()));
+	cr_assert(!embd_kernels_isa_supported(EMBD_ISA_AVX2), "EMBD_ISA=scalar still offers avx2");
+	const struct embd_cpu_kernels *k = embd_cpu_kernels_get(EMBD_ISA_AUTO);
+	cr_assert(k && k->isa == EMBD_ISA_SCALAR, "AUTO picked %s",
+		  k ? embd_kernels_isa_name(k->isa) : "nothing");
+	cr_assert_null(embd_cpu_kernels_get(EMBD_ISA_AVX2));
 }

@@ -1,0 +1,300 @@
+/*
+ * The memory limits of `embd-bench kernels`: what the memory system allows for the kernels'
+ * own access patterns, measured with the kernels' own tricks and none of their work.
+ *
+ * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
+ *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
+ *   compiler vectorizes with SSE2), fully unrolled per row size, the head of the row
+ *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes:
+ *   for one pass over a row that beat prefetching all of it at every size), chunks
+ *   of ids grabbed from one counter by the same workers; and after every P ids one pooled row
+ *   (D fp32) stored, as the kernel must (at P = 1 that write is as much traffic as the reads).
+ *   It checks no id, multiplies by no weight and keeps no per-column sums: the loads feed
+ *   integer adds into four rotating accumulators (one cycle, no denormal assists on fp16 bits,
+ *   no chain that holds back the loads of later rows). It is the kernel minus everything but
+ *   the traffic the kernel cannot avoid, so a kernel can only approach it.
+ * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
+ *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
+ *   once in the weights and in each optimizer state array, state rows prefetched for writing
+ *   beside the weights, embd_prefetch_rows() rows ahead; and the incoming gradient (B x D
+ *   fp32) read once, in order. That is the least traffic any exact update does; it leaves out
+ *   the kernel's reading of ids, the grouping of occurrences, the gradient rows it reads once
+ *   per occurrence (in row order, so at random) and all arithmetic.
+ * Stored values are unchanged (an opaque zero is added), so the limits run on the kernels' own
+ * shards: same pages, same huge-page backing, same placement.
+ */
+#include "bench_limits.h"
+
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kernels/cpu_kernels.h"
+
+#define RMW_CHUNK_ROWS 256
+
+/* ---- gather ------------------------------------------------------------------------------ */
+
+#if defined(__x86_64__)
+/*
+ * The bags [b0, b1) (P ids each), each in passes of nvec vectors over its rows' columns: for
+ * each id, the same columns of the row dist ids ahead prefetched (their first pf bytes, within
+ * the chunk), then the loads; each pass stores its share of the bag's pooled row. nvec is
+ * constant per call site, so the loads unroll.
+ */
+#define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
+	const uint8_t *t = g->table;                                                              \
+	uint64_t rb = g->row_bytes, P = g->ids_per_out, n = (b1 - b0) * P;                        \
+	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = g->out_row_bytes * pass / rb;         \
+	uint64_t pf = pb < pass ? pb : pass;                                                      \
+	const int64_t *ids = g->ids + b0 * P;                                                     \
+	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
+		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb, 0);                            \
+	for (uint64_t b = 0; b < b1 - b0; b++) {                                                  \
+		uint8_t *out = g->out + (b0 + b) * g->out_row_bytes;                              \
+		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {              \
+			VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                            \
+			for (uint64_t k = b * P; k < (b + 1) * P; k++) {                          \
+				if (k + dist < n)                                                 \
+					embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf, 0); \
+				const uint8_t *row = t + (uint64_t)ids[k] * rb + from;            \
+				_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++)      \
+					acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+			}                                                                         \
+			for (uint64_t o = 0; o < out_pass; o += VBYTES)                           \
+				VSTORE(out + o, acc[(o / VBYTES) & 3]);                           \
+		}                                                                                 \
+	}                                                                                         \
+	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
+
+#define LOAD512(p) _mm512_loadu_si512(p)
+#define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define STORE256(s, x) _mm256_storeu_si256((__m256i *)(s), x)
+#define LOAD128(p) _mm_loadu_si128((const __m128i *)(p))
+#define STORE128(s, x) _mm_storeu_si128((__m128i *)(s), x)
+
+#define GATHER_ARGS                                                                               \
+	const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t pb, uint32_t dist,       \
+	uint64_t *sink
+
+__attribute__((target("avx512f"), always_inline)) static inline void
+bags_512(GATHER_ARGS, const uint32_t nvec)
+{
+	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
+}
+
+__attribute__((target("avx2"), always_inline)) static inline void
+bags_256(GATHER_ARGS, const uint32_t nvec)
+{
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
+}
+
+static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, const uint32_t nvec)
+{
+	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
+}
+
+/* Constant vector counts for passes of 64 bytes to 1 KiB; others take the rolled loop. */
+#define PASS_SWITCH(FN, VBYTES)                                                                   \
+	switch (pass) {                                                                           \
+	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES); break;                               \
+	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES); break;                             \
+	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES); break;                             \
+	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES); break;                             \
+	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES); break;                           \
+	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES)); break;                 \
+	}
+
+__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass)
+{
+	PASS_SWITCH(bags_512, 64)
+}
+
+__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass)
+{
+	PASS_SWITCH(bags_256, 32)
+}
+
+static void bags_any_128(GATHER_ARGS, uint64_t pass)
+{
+	PASS_SWITCH(bags_128, 16)
+}
+#endif
+
+/* The bags [b0, b1) of the batch: the kernel's passes, prefetches and stores, no arithmetic. */
+static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t *sink)
+{
+	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
+	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb;
+	uint32_t dist = embd_prefetch_rows(rb);
+
+#if defined(__x86_64__)
+	if (g->isa == EMBD_ISA_AVX512)
+		bags_any_512(g, b0, b1, pb, dist, sink, pass);
+	else if (g->isa == EMBD_ISA_AVX2)
+		bags_any_256(g, b0, b1, pb, dist, sink, pass);
+	else
+		bags_any_128(g, b0, b1, pb, dist, sink, pass);
+#else
+	uint64_t P = g->ids_per_out;
+	(void)pb, (void)pass, (void)dist;
+	for (uint64_t b = b0; b < b1; b++) {
+		for (uint64_t k = b * P; k < (b + 1) * P; k++) {
+			const uint64_t *row = (const uint64_t *)(g->table + (uint64_t)g->ids[k] * rb);
+			for (uint64_t i = 0; i < rb / 8; i++)
+				sink[i & 7] += row[i];
+		}
+		for (uint64_t i = 0; i < g->out_row_bytes; i += 64)
+			memcpy(g->out + b * g->out_row_bytes + i, sink, 64);
+	}
+#endif
+}
+
+static void gather_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	struct bench_gather *g = arg;
+	uint64_t *sink = g->sink[w % BENCH_LIMIT_MAX_WORKERS];
+	uint64_t bags = g->n / g->ids_per_out;
+	/* chunks of bags as the kernels' (forward.c): about 1024 ids, at least 32 bags */
+	uint64_t per = 1024 / g->ids_per_out > 32 ? 1024 / g->ids_per_out : 32;
+
+	(void)nw;
+	for (;;) {
+		uint64_t b0 = atomic_fetch_add_explicit(&g->next, per, memory_order_relaxed);
+		if (b0 >= bags)
+			break;
+		gather_bags(g, b0, bags - b0 < per ? bags : b0 + per, sink);
+	}
+}
+
+void bench_gather_run(struct embd_workers *workers, struct bench_gather *g)
+{
+	atomic_store_explicit(&g->next, 0, memory_order_relaxed);
+	embd_workers_run(workers, gather_worker, g);
+}
+
+uint64_t bench_gather_checksum(const struct bench_gather *g)
+{
+	uint64_t sum = 0;
+
+	for (int w = 0; w < BENCH_LIMIT_MAX_WORKERS; w++)
+		for (int i = 0; i < 8; i++)
+			sum += g->sink[w][i];
+	return sum;
+}
+
+/* ---- read-modify-write ------------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#define RMW_BODY(VTYPE, VBYTES, VSET1, VLOAD, VADD, VSTORE)                                       \
+	VTYPE z = VSET1((int)zero);                                                               \
+	_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++) {                            \
+		uint8_t *q = p + (uint64_t)v * VBYTES;                                            \
+		VSTORE(q, VADD(VLOAD((const void *)q), z));                                       \
+	}
+
+__attribute__((target("avx512f"), always_inline)) static inline void
+rmw_512(uint8_t *p, uint32_t zero, const uint32_t nvec)
+{
+	RMW_BODY(__m512i, 64, _mm512_set1_epi32, LOAD512, _mm512_add_epi32, STORE512)
+}
+
+__attribute__((target("avx2"), always_inline)) static inline void
+rmw_256(uint8_t *p, uint32_t zero, const uint32_t nvec)
+{
+	RMW_BODY(__m256i, 32, _mm256_set1_epi32, LOAD256, _mm256_add_epi32, STORE256)
+}
+
+static inline __attribute__((always_inline)) void rmw_128(uint8_t *p, uint32_t zero, const uint32_t nvec)
+{
+	RMW_BODY(__m128i, 16, _mm_set1_epi32, LOAD128, _mm_add_epi32, STORE128)
+}
+
+#define RMW_SWITCH(FN, VBYTES)                                                                    \
+	switch (rb) {                                                                             \
+	case 64: FN(p, zero, 64 / VBYTES); break;                                                 \
+	case 128: FN(p, zero, 128 / VBYTES); break;                                               \
+	case 256: FN(p, zero, 256 / VBYTES); break;                                               \
+	case 512: FN(p, zero, 512 / VBYTES); break;                                               \
+	case 1024: FN(p, zero, 1024 / VBYTES); break;                                             \
+	default: FN(p, zero, (uint32_t)(rb / VBYTES)); break;                                     \
+	}
+
+__attribute__((target("avx512f"))) static void rmw_row_512(uint8_t *p, uint64_t rb, uint32_t zero)
+{
+	RMW_SWITCH(rmw_512, 64)
+}
+
+__attribute__((target("avx2"))) static void rmw_row_256(uint8_t *p, uint64_t rb, uint32_t zero)
+{
+	RMW_SWITCH(rmw_256, 32)
+}
+
+static void rmw_row_128(uint8_t *p, uint64_t rb, uint32_t zero)
+{
+	RMW_SWITCH(rmw_128, 16)
+}
+#endif
+
+/* One array's row: vectors of the isa, or one 4-byte word (rowwise_adagrad's state). */
+static inline void rmw_row(enum embd_isa isa, uint8_t *p, uint64_t rb, uint32_t zero)
+{
+	if (rb == 4) {
+		*(uint32_t *)p += zero;
+		return;
+	}
+#if defined(__x86_64__)
+	if (isa == EMBD_ISA_AVX512)
+		rmw_row_512(p, rb, zero);
+	else if (isa == EMBD_ISA_AVX2)
+		rmw_row_256(p, rb, zero);
+	else
+		rmw_row_128(p, rb, zero);
+#else
+	(void)isa;
+	for (uint64_t i = 0; i < rb / 4; i++)
+		((uint32_t *)p)[i] += zero;
+#endif
+}
+
+static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	struct bench_rmw *r = arg;
+	uint64_t bytes = 0;
+
+	/* this worker's share of the incoming gradient, read once */
+	const uint64_t *gr = (const uint64_t *)r->grad;
+	uint64_t words = r->grad_bytes / 8, sum = 0;
+	for (uint64_t i = words * w / nw; i < words * (w + 1) / nw; i++)
+		sum += gr[i];
+	r->sink[w % BENCH_LIMIT_MAX_WORKERS] = sum;
+	for (int a = 0; a < r->num_arrays; a++)
+		bytes += r->row_bytes[a];
+	uint32_t dist = embd_prefetch_rows(bytes);
+	for (;;) {
+		uint64_t lo = atomic_fetch_add_explicit(&r->next, RMW_CHUNK_ROWS, memory_order_relaxed);
+		if (lo >= r->n)
+			break;
+		uint64_t hi = r->n - lo < RMW_CHUNK_ROWS ? r->n : lo + RMW_CHUNK_ROWS;
+		uint32_t zero = r->zero;
+		for (uint64_t k = lo; k < hi && k < lo + dist; k++)
+			for (int a = 0; a < r->num_arrays; a++)
+				embd_prefetch_bytes(r->arrays[a] + r->rows[k] * r->row_bytes[a], r->row_bytes[a], 1);
+		for (uint64_t k = lo; k < hi; k++) {
+			for (int a = 0; k + dist < hi && a < r->num_arrays; a++)
+				embd_prefetch_bytes(r->arrays[a] + r->rows[k + dist] * r->row_bytes[a],
+						    r->row_bytes[a], 1);
+			for (int a = 0; a < r->num_arrays; a++)
+				rmw_row(r->isa, r->arrays[a] + r->rows[k] * r->row_bytes[a], r->row_bytes[a], zero);
+		}
+	}
+}
+
+void bench_rmw_run(struct embd_workers *workers, struct bench_rmw *r)
+{
+	atomic_store_explicit(&r->next, 0, memory_order_relaxed);
+	embd_workers_run(workers, rmw_worker, r);
+}

@@ -1,0 +1,64 @@
+/*
+ * tools/bench/bench_limits.h - the memory limits `embd-bench kernels` holds the kernels to
+ * (bench_limits.c says what each one is and why it is one). Each limit runs one batch per
+ * call on the kernels' own (pinned) worker pool, so fork-join costs are in the limit too.
+ */
+#ifndef EMBD_BENCH_LIMITS_H
+#define EMBD_BENCH_LIMITS_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "kernels/embedding.h"
+#include "kernels/workers.h"
+
+#define BENCH_LIMIT_MAX_WORKERS 64
+
+/*
+ * The forward limit: bags of ids_per_out ids of ids[0, n), the rows (row_bytes, a multiple of
+ * 16) read once each in the kernel's passes of pass_bytes, with its prefetch distance, prefetch
+ * bytes and vector width for isa, and each bag's out_row_bytes pooled row stored in out.
+ */
+struct bench_gather {
+	const uint8_t *table;
+	uint64_t row_bytes;
+	uint64_t pass_bytes;            /* embd_forward_pass_cols() x the row's element size */
+	uint8_t *out;
+	uint64_t out_row_bytes;         /* a multiple of 64 */
+	uint64_t ids_per_out;           /* the pooling factor */
+	enum embd_isa isa;              /* the kernel's (not AUTO) */
+	const int64_t *ids;             /* this batch's */
+	uint64_t n;
+	atomic_uint_fast64_t next;
+	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
+};
+
+/* One batch (g->ids, g->n) of the gather limit. */
+void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
+
+/*
+ * The backward limit: every row of rows[0, n) (distinct, ascending) read and written back
+ * unchanged in each array (the weights and each optimizer state array), with the kernels'
+ * prefetch distance and vector width for isa, and grad_bytes of grad read once.
+ */
+struct bench_rmw {
+	uint8_t *arrays[3];
+	uint64_t row_bytes[3];          /* per row of each array; a multiple of 16, or 4 */
+	int num_arrays;
+	const uint8_t *grad;            /* the batch's dL/d(pooled); grad_bytes a multiple of 8 */
+	uint64_t grad_bytes;
+	uint64_t sink[BENCH_LIMIT_MAX_WORKERS];
+	enum embd_isa isa;
+	const uint64_t *rows;           /* this batch's */
+	uint64_t n;
+	atomic_uint_fast64_t next;
+	volatile uint32_t zero;         /* 0, unknown to the compiler: the stores stay */
+};
+
+/* One batch (r->rows, r->n) of the read-modify-write limit. */
+void bench_rmw_run(struct embd_workers *workers, struct bench_rmw *r);
+
+/* The checksum of what the gather limit read, to print: nothing it loaded was dead code. */
+uint64_t bench_gather_checksum(const struct bench_gather *g);
+
+#endif /* EMBD_BENCH_LIMITS_H */
