@@ -337,7 +337,7 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 		 * data_parallel item has no output at all (it only trains) */
 		bool direct = !remote && (grad || it->partial_at == NO_INDEX);
 		*bb = (struct embd_bag_batch){
-			.shard = ss->shard, .feature = it->feature, .batch_size = s->layout.batch_size,
+			.shard = ss->shard, .feature = it->feature, .batch_size = it->bsize,
 			.offsets = remote ? it->r_offsets : VEC_AT(io->offsets, int64_t, it->offsets_at),
 			.ids = remote ? it->r_ids : VEC_AT(io->ids, int64_t, it->ids_at),
 			.weights = !it->weighted ? NULL : remote ? it->r_weights :
@@ -406,7 +406,7 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
  */
 static void assemble(struct embd_step *s)
 {
-	const uint32_t B = s->layout.batch_size, D = s->layout.total_dim, F = s->layout.num_features;
+	const uint32_t D = s->layout.total_dim, F = s->layout.num_features;
 	const uint32_t M = s->max_table_shards;
 
 	for (uint32_t r = 0; r < s->num_ranks; r++) {
@@ -423,6 +423,7 @@ static void assemble(struct embd_step *s)
 	for (uint32_t i = 0; i < s->num_batches; i++) {
 		if (s->batches[i].status)
 			continue;
+		const uint32_t B = s->batches[i].kjt.batch_size;
 		for (uint32_t f = 0; f < F; f++) {
 			const struct step_table *t = &s->tables[s->feature_tables[f]];
 			const bool split = row_split(t->type);

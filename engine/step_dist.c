@@ -35,7 +35,7 @@
 
 /* What this node received: one record per wire item, in arrival order. */
 struct wire_rx {
-	uint32_t peer, rank, cols;
+	uint32_t peer, rank, cols, bsize;
 	bool forward;
 	uint64_t out_at;                        /* floats into io[rank].partial */
 	uint64_t grad_at;                       /* bytes into the peer's GRADS block */
@@ -308,8 +308,10 @@ static int check_heads(struct embd_step *s, const struct vec *recv, struct wire_
 
 /* ---- forward ----------------------------------------------------------------------------- */
 
-static uint64_t item_wire_bytes(const struct step_item *it, uint32_t B, bool lengths)
+static uint64_t item_wire_bytes(const struct step_item *it, bool lengths)
 {
+	const uint32_t B = it->bsize;
+
 	return sizeof(struct wire_item) + (B + 1ull) * 8 + it->num_ids * 8 +
 	       (it->weighted ? wire_pad8(it->num_ids * 4) : 0) + (lengths ? wire_pad8(B * 4ull) : 0);
 }
@@ -324,7 +326,7 @@ static uint64_t staged_block_bytes(const struct embd_step *s, uint32_t m, bool f
 	for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
 		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 		if (it->forward || !forward_only)
-			bytes += (uint64_t)s->layout.batch_size * s->shards[it->shard].desc.cols * 4;
+			bytes += (uint64_t)it->bsize * s->shards[it->shard].desc.cols * 4;
 	}
 	return bytes;
 }
@@ -333,16 +335,16 @@ static uint64_t staged_block_bytes(const struct embd_step *s, uint32_t m, bool f
 static void pack_items(const struct embd_step *s, uint32_t m, uint8_t *out)
 {
 	const struct rank_io *io = &s->io[s->num_ranks + m];
-	const uint32_t B = s->layout.batch_size;
 
 	for (uint64_t i = 0; i < io->items.len; i++) {
 		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+		const uint32_t B = it->bsize;
 		const bool lengths = it->lengths_at != NO_INDEX;
 		struct wire_item w = {
 			.gtrainer = it->gtrainer, .feature = it->feature, .shard = it->shard,
 			.flags = (it->weighted ? WIRE_WEIGHTED : 0) | (lengths ? WIRE_LENGTHS : 0) |
 				 (it->forward ? WIRE_FORWARD : 0),
-			.num_ids = it->num_ids,
+			.num_ids = it->num_ids, .batch_size = B,
 		};
 		memcpy(out, &w, sizeof(w));
 		out += sizeof(w);
@@ -376,7 +378,7 @@ static int add_rx_item(struct embd_step *s, uint32_t shard, const struct step_it
 	it.shard = shard;
 	it.forward = forward;
 	if (forward && *partial_at == NO_INDEX &&
-	    (rc = vec_take(&io->partial, (uint64_t)s->layout.batch_size * cols, sizeof(float),
+	    (rc = vec_take(&io->partial, (uint64_t)proto->bsize * cols, sizeof(float),
 			   partial_at)))
 		return rc;
 	it.partial_at = forward ? *partial_at : NO_INDEX;
@@ -398,7 +400,7 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 	struct unpack *u = arg;
 	struct embd_step *s = u->s;
 	struct step_dist *d = s->dist;
-	const uint32_t B = s->layout.batch_size;
+	const uint32_t B = w->batch_size;
 	const struct step_shard *ss = &s->shards[w->shard];
 	const struct step_table *t = &s->tables[ss->table];
 	const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
@@ -408,7 +410,7 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 	(void)seq;
 	struct step_item proto = {
 		.shard = w->shard, .feature = w->feature, .batch = NO_BATCH,
-		.gtrainer = w->gtrainer, .weighted = w->weighted, .num_ids = w->num_ids,
+		.gtrainer = w->gtrainer, .bsize = B, .weighted = w->weighted, .num_ids = w->num_ids,
 		.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = p, .rx = d->rx.len,
 		.r_offsets = w->offsets, .r_ids = w->ids, .r_weights = w->weights,
 		.r_lengths = w->lengths,
@@ -417,7 +419,7 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 		return rc;
 	/* no output until the lookup wrote it (out_at set below) */
 	*VEC_AT(d->rx, struct wire_rx, rx_at) = (struct wire_rx){
-		.peer = p, .rank = ss->local, .cols = ss->desc.cols, .forward = false,
+		.peer = p, .rank = ss->local, .cols = ss->desc.cols, .bsize = B, .forward = false,
 		.out_at = NO_INDEX, .grad_at = u->grad_at,
 	};
 	u->grad_at += (uint64_t)B * ss->desc.cols * 4;
@@ -436,7 +438,7 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 int step_dist_input(struct embd_step *s)
 {
 	struct step_dist *d = s->dist;
-	const uint32_t N = d->nodes, B = s->layout.batch_size;
+	const uint32_t N = d->nodes;
 	const size_t H = sizeof(struct wire_head);
 	struct wire_head heads[N];
 	uint64_t payload[N], out_b[N], grad_b[N], mask = 0, total = 0;
@@ -454,7 +456,7 @@ int step_dist_input(struct embd_step *s)
 		payload[m] = 0;
 		for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
-			payload[m] += item_wire_bytes(it, B, it->lengths_at != NO_INDEX);
+			payload[m] += item_wire_bytes(it, it->lengths_at != NO_INDEX);
 		}
 		out_b[m] = staged_block_bytes(s, m, true);
 		grad_b[m] = staged_block_bytes(s, m, false);
@@ -522,13 +524,12 @@ int step_dist_input(struct embd_step *s)
 static bool pack_outputs(const struct embd_step *s, uint32_t p, uint8_t *out, uint64_t want)
 {
 	const struct step_dist *d = s->dist;
-	const uint32_t B = s->layout.batch_size;
 	uint64_t at = 0;
 
 	memset(out, 0, want);
 	for (uint64_t j = d->rx_first[p]; j < d->rx_first[p + 1]; j++) {
 		const struct wire_rx *r = VEC_AT(d->rx, struct wire_rx, j);
-		uint64_t block = (uint64_t)B * r->cols * 4;
+		uint64_t block = (uint64_t)r->bsize * r->cols * 4;
 		if (!r->forward)
 			continue;
 		if (block > want - at)
@@ -542,7 +543,7 @@ static bool pack_outputs(const struct embd_step *s, uint32_t p, uint8_t *out, ui
 int step_dist_output(struct embd_step *s, int status, const char *why)
 {
 	struct step_dist *d = s->dist;
-	const uint32_t N = d->nodes, B = s->layout.batch_size, F = s->layout.num_features;
+	const uint32_t N = d->nodes, F = s->layout.num_features;
 	const size_t H = sizeof(struct wire_head);
 	struct wire_head heads[N];
 	uint64_t total = 0;
@@ -592,7 +593,7 @@ int step_dist_output(struct embd_step *s, int status, const char *why)
 			const struct step_table *t = &s->tables[s->shards[it->shard].table];
 			s->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
 				   t->first_shard] = (const float *)at;
-			at += (uint64_t)B * s->shards[it->shard].desc.cols * 4;
+			at += (uint64_t)it->bsize * s->shards[it->shard].desc.cols * 4;
 		}
 	}
 	return 0;
@@ -603,7 +604,7 @@ int step_dist_output(struct embd_step *s, int status, const char *why)
 int step_dist_grads(struct embd_step *s, int status, const char *why)
 {
 	struct step_dist *d = s->dist;
-	const uint32_t N = d->nodes, B = s->layout.batch_size, D = s->layout.total_dim;
+	const uint32_t N = d->nodes, D = s->layout.total_dim;
 	const size_t H = sizeof(struct wire_head);
 	struct wire_head heads[N];
 	uint64_t total = 0;
@@ -627,7 +628,7 @@ int step_dist_grads(struct embd_step *s, int status, const char *why)
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 			const struct embd_shard_desc *sd = &s->shards[it->shard].desc;
 			const float *src = s->batches[it->batch].pooled_grad;
-			for (uint32_t b = 0; b < B; b++, g += sd->cols) {
+			for (uint32_t b = 0; b < it->bsize; b++, g += sd->cols) {
 				if (status || !src)
 					memset(g, 0, sd->cols * 4ull);
 				else

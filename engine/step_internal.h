@@ -46,6 +46,7 @@ struct step_item {
 	uint32_t shard, feature;
 	uint32_t batch;                         /* index into the step's batches, or NO_BATCH */
 	uint32_t gtrainer;                      /* (node << 16) | batch: the global batch order */
+	uint32_t bsize;                         /* samples of its trainer's batch (<= layout B) */
 	bool forward;                           /* data_parallel: only the trainer's replica */
 	bool weighted;
 	bool copy;                              /* data_parallel: filled by its first replica's */

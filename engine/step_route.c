@@ -18,7 +18,8 @@
 #include "kernels/jagged.h"
 #include "engine/step_internal.h"
 
-/* Trainer i's private offsets: F * B + 1, feature-major (check_batch writes them). */
+/* Trainer i's private offsets: F * b + 1, feature-major, b its batch's samples (check_batch
+ * writes them); each trainer has room for the layout's B. */
 static int64_t *trainer_offsets(const struct embd_step *s, uint32_t batch)
 {
 	const uint64_t FB = (uint64_t)s->layout.num_features * s->layout.batch_size;
@@ -37,9 +38,10 @@ static int check_batch(struct embd_step *s, uint32_t batch, struct embd_step_bat
 			 k->num_features, l->num_features);
 		return EMBD_EINVAL;
 	}
-	if (k->batch_size != l->batch_size) {
-		snprintf(b->err, sizeof(b->err), "batch_size: %u, the layout's is %u", k->batch_size,
-			 l->batch_size);
+	/* fewer samples than the layout's B: the last batch of an epoch (TorchRec's stride) */
+	if (k->batch_size == 0 || k->batch_size > l->batch_size) {
+		snprintf(b->err, sizeof(b->err), "batch_size: %u, the layout takes 1..%u",
+			 k->batch_size, l->batch_size);
 		return EMBD_EINVAL;
 	}
 	if (k->num_values > l->max_values) {
@@ -47,7 +49,7 @@ static int check_batch(struct embd_step *s, uint32_t batch, struct embd_step_bat
 			 (unsigned long long)k->num_values, (unsigned long long)l->max_values);
 		return EMBD_ERANGE;
 	}
-	if ((!k->lengths && l->num_features && l->batch_size) || (!k->values && k->num_values) ||
+	if ((!k->lengths && l->num_features) || (!k->values && k->num_values) ||
 	    !b->pooled) {
 		snprintf(b->err, sizeof(b->err), "%s: missing", !b->pooled ? "pooled" :
 			 !k->lengths ? "lengths" : "values");
@@ -60,7 +62,7 @@ static int check_batch(struct embd_step *s, uint32_t batch, struct embd_step_bat
 			return EMBD_ENOENT;
 		}
 	char inner[160];
-	int rc = embd_jagged_offsets(k->lengths, (uint64_t)l->num_features * l->batch_size,
+	int rc = embd_jagged_offsets(k->lengths, (uint64_t)l->num_features * k->batch_size,
 				     k->num_values, trainer_offsets(s, batch), inner, sizeof(inner));
 	if (rc)
 		snprintf(b->err, sizeof(b->err), "lengths: %s", inner);
@@ -99,7 +101,7 @@ static int route_feature(struct embd_step *s, uint32_t batch, uint32_t f,
 			 struct embd_step_batch *b)
 {
 	const struct step_table *t = &s->tables[s->feature_tables[f]];
-	const uint32_t B = s->layout.batch_size;
+	const uint32_t B = b->kjt.batch_size;
 	const int64_t *offs = trainer_offsets(s, batch) + (uint64_t)f * B;
 	const uint64_t n = (uint64_t)(offs[B] - offs[0]);
 	const bool split = row_split(t->type);
@@ -118,7 +120,7 @@ static int route_feature(struct embd_step *s, uint32_t batch, uint32_t f,
 		const bool local = ref->io < s->num_ranks;
 		struct step_item it = {
 			.shard = t->first_shard + k, .feature = f, .batch = batch,
-			.gtrainer = (s->node << 16) | batch,
+			.gtrainer = (s->node << 16) | batch, .bsize = B,
 			/* data_parallel: the trainer's own local replica looks up, the others train */
 			.forward = t->num_replicas == 1 ||
 				   (local && replica++ == batch % t->num_local),
@@ -153,7 +155,7 @@ static void fill_item(const struct embd_step *s, struct rank_io *io, struct step
 	const struct step_table *t = &s->tables[s->feature_tables[it->feature]];
 	const struct embd_shard_desc *d = &s->shards[it->shard].desc;
 	const struct embd_kjt *kjt = &s->batches[it->batch].kjt;
-	const uint32_t B = s->layout.batch_size;
+	const uint32_t B = it->bsize;
 	const int64_t *offs = trainer_offsets(s, it->batch) + (uint64_t)it->feature * B;
 	const uint64_t max_row = (uint64_t)t->spec->num_embeddings;
 	const bool split = row_split(t->type);
@@ -352,9 +354,9 @@ uint32_t step_fill_batches(struct embd_step *s)
 			continue;
 		accepted++;
 		s->counts.ids += b->kjt.num_values;
-		s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size * 4 +
+		s->counts.input_bytes += (uint64_t)s->layout.num_features * b->kjt.batch_size * 4 +
 					 b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
-		s->counts.output_bytes += (uint64_t)s->layout.batch_size * s->layout.total_dim * 4;
+		s->counts.output_bytes += (uint64_t)b->kjt.batch_size * s->layout.total_dim * 4;
 	}
 	return accepted;
 }

@@ -69,6 +69,11 @@ static int check_item_head(const struct step_wire_plan *s, uint32_t p, uint64_t 
 			 "%u's", p, seq, w->gtrainer, p);
 		return EMBD_EPROTO;
 	}
+	if (w->batch_size == 0 || w->batch_size > s->batch_size || w->reserved) {
+		snprintf(err, err_len, "from node %u, item %" PRIu64 ": batch_size %u (1..%u), "
+			 "reserved %u", p, seq, w->batch_size, s->batch_size, w->reserved);
+		return EMBD_EPROTO;
+	}
 	const struct step_wire_table *t = &s->tables[ss->table];
 	const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
 	const bool row_split = t->type == EMBD_SHARD_ROW_WISE || t->type == EMBD_SHARD_TABLE_ROW_WISE;
@@ -87,7 +92,7 @@ static int check_item_head(const struct step_wire_plan *s, uint32_t p, uint64_t 
 static int check_item_data(const struct step_wire_plan *s, uint32_t p, uint64_t seq,
 			   const struct step_wire_item *it, char *err, size_t err_len)
 {
-	const uint32_t B = s->batch_size;
+	const uint32_t B = it->batch_size;
 	const struct step_wire_shard *d = &s->shards[it->shard];
 
 	if (it->offsets[0] != 0 || it->offsets[B] != (int64_t)it->num_ids) {
@@ -126,7 +131,6 @@ int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *b
 		    uint64_t grad_bytes, step_wire_item_fn fn, void *arg, char *err,
 		    size_t err_len)
 {
-	const uint32_t B = s->batch_size;
 	uint64_t at = 0, seq = 0, grads = 0;
 	int rc;
 
@@ -139,6 +143,7 @@ int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *b
 		if ((rc = check_item_head(s, p, seq, &w, err, err_len)))
 			return rc;
 		const bool weighted = w.flags & WIRE_WEIGHTED, lengths = w.flags & WIRE_LENGTHS;
+		const uint32_t B = w.batch_size;        /* checked: 1 .. the plan's */
 		if (w.num_ids > (len - at) / 8)
 			goto bad_size;
 		uint64_t need = (B + 1ull) * 8 + w.num_ids * 8 +
@@ -150,7 +155,7 @@ int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *b
 		const int64_t *offsets = (const int64_t *)(buf + at);
 		struct step_wire_item it = {
 			.gtrainer = w.gtrainer, .feature = w.feature, .shard = w.shard,
-			.weighted = weighted, .forward = w.flags & WIRE_FORWARD,
+			.batch_size = B, .weighted = weighted, .forward = w.flags & WIRE_FORWARD,
 			.num_ids = w.num_ids, .offsets = offsets, .ids = offsets + B + 1,
 			.weights = weighted ? (const float *)(offsets + B + 1 + w.num_ids) : NULL,
 			.lengths = lengths ? (const int32_t *)(buf + at + need - wire_pad8(B * 4ull)) :

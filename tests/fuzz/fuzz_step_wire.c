@@ -23,9 +23,10 @@ static int touch_item(void *arg, uint32_t p, uint64_t seq, const struct step_wir
 	(void)seq;
 	if (p != WP_PEER || it->shard >= wp_plan.num_shards ||
 	    wp_plan.shards[it->shard].node != wp_plan.node || it->offsets[0] != 0 ||
-	    it->offsets[WP_B] != (int64_t)it->num_ids)
+	    it->batch_size == 0 || it->batch_size > WP_B ||
+	    it->offsets[it->batch_size] != (int64_t)it->num_ids)
 		abort();
-	for (uint32_t b = 0; b < WP_B; b++) {
+	for (uint32_t b = 0; b < it->batch_size; b++) {
 		if (it->offsets[b + 1] < it->offsets[b])
 			abort();
 		if (it->lengths && it->lengths[b] < it->offsets[b + 1] - it->offsets[b])

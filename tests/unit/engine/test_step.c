@@ -188,14 +188,16 @@ static int64_t feature_rows(const struct fixture *fx, uint32_t f)
 	return fx->specs[f < 2 ? 0 : 1].num_embeddings;
 }
 
-static void fill_trainer(const struct fixture *fx, struct trainer *tr, uint64_t seed, bool weighted)
+/* A batch of nb samples (1..B): lengths feature-major with stride nb, output rows nb. */
+static void fill_trainer_n(const struct fixture *fx, struct trainer *tr, uint64_t seed,
+			   bool weighted, uint32_t nb)
 {
 	uint64_t rng = seed, n = 0;
 	memset(tr, 0, sizeof(*tr));
 	for (uint32_t f = 0; f < 3; f++)
-		for (uint32_t b = 0; b < B; b++) {
+		for (uint32_t b = 0; b < nb; b++) {
 			int32_t len = (int32_t)(rng_next(&rng) % 4);
-			tr->lengths[f * B + b] = len;
+			tr->lengths[f * nb + b] = len;
 			for (int32_t j = 0; j < len; j++, n++) {
 				/* ids 0..11 and the table's last rows: duplicates and every row shard */
 				uint64_t r = rng_next(&rng) % 16;
@@ -206,10 +208,15 @@ static void fill_trainer(const struct fixture *fx, struct trainer *tr, uint64_t 
 	for (uint32_t i = 0; i < B * 40; i++)
 		tr->grad[i] = ((float)(rng_next(&rng) % 200) - 100.0f) / 64.0f;
 	tr->batch = (struct embd_step_batch){
-		.kjt = { .num_features = 3, .batch_size = B, .lengths = tr->lengths,
+		.kjt = { .num_features = 3, .batch_size = nb, .lengths = tr->lengths,
 			 .values = tr->values, .weights = weighted ? tr->weights : NULL, .num_values = n },
 		.pooled = tr->pooled, .pooled_grad = tr->grad,
 	};
+}
+
+static void fill_trainer(const struct fixture *fx, struct trainer *tr, uint64_t seed, bool weighted)
+{
+	fill_trainer_n(fx, tr, seed, weighted, B);
 }
 
 static uint32_t feature_col(uint32_t f)
@@ -222,15 +229,16 @@ static uint32_t feature_col(uint32_t f)
 static struct embd_ref_bags ref_bags(const struct fixture *fx, const struct trainer *tr,
 				     uint32_t f, uint32_t col, uint32_t cols, float *grad_cols)
 {
+	const uint32_t nb = tr->batch.kjt.batch_size;
 	uint64_t start_id = 0;
-	for (uint32_t i = 0; i < f * B; i++)
+	for (uint32_t i = 0; i < f * nb; i++)
 		start_id += (uint64_t)tr->lengths[i];
 	const uint32_t t = f < 2 ? 0 : 1;
 	if (grad_cols)
-		for (uint32_t b = 0; b < B; b++)
+		for (uint32_t b = 0; b < nb; b++)
 			memcpy(&grad_cols[b * cols], &tr->grad[b * 40 + feature_col(f) + col],
 			       cols * sizeof(float));
-	return (struct embd_ref_bags){ .batch_size = B, .lengths = &tr->lengths[f * B],
+	return (struct embd_ref_bags){ .batch_size = nb, .lengths = &tr->lengths[f * nb],
 		.ids = &tr->values[start_id],
 		.weights = tr->batch.kjt.weights ? &tr->weights[start_id] : NULL,
 		.pooling = fx->specs[t].pooling, .grad = grad_cols };
@@ -259,7 +267,7 @@ static void check_forward(const struct fixture *fx, struct trainer *trs, uint32_
 				const uint32_t col = feature_col(f) + fx->ref_col[t][k];
 				struct embd_ref_bags bags = ref_bags(fx, &trs[i], f, 0, cols, NULL);
 				embd_ref_forward(fx->ref[t][k], &bags, out);
-				for (uint32_t b = 0; b < B; b++)
+				for (uint32_t b = 0; b < bags.batch_size; b++)
 					for (uint32_t c = 0; c < cols; c++) {
 						float want = out[b * cols + c];
 						float got = trs[i].pooled[b * 40 + col + c];
@@ -325,9 +333,30 @@ static void backward_and_check(struct fixture *fx, struct trainer *trs,
 	check_weights(fx, replicas, 0.0f, what);
 }
 
-/* K steps of type x optimizer with n trainers on num_ranks ranks, checked at every step. */
-static void run_training(enum embd_sharding_type type, enum embd_optimizer_type opt,
-			 uint32_t n, uint32_t num_ranks)
+/* Samples of trainer i's batch: B, or with short batches B, B - 1, 1, 3, ... (the last
+ * batch of an epoch, TorchRec's smaller stride). */
+static uint32_t batch_samples(uint32_t i, bool short_batches)
+{
+	static const uint32_t sizes[4] = { B, B - 1, 1, 3 };
+	return short_batches ? sizes[i % 4] : B;
+}
+
+/* Rows past a short batch's in its pooled buffer keep this value: forward writes nb rows. */
+#define UNTOUCHED (-12345.0f)
+
+static void check_rows_untouched(const struct trainer *tr, const char *what, uint32_t i)
+{
+	for (uint32_t r = tr->batch.kjt.batch_size; r < B; r++)
+		for (uint32_t c = 0; c < 40; c++)
+			cr_assert_eq(tr->pooled[r * 40 + c], UNTOUCHED, "%s: trainer %u of %u samples: "
+				     "row %u col %u written (%g)", what, i, tr->batch.kjt.batch_size, r,
+				     c, tr->pooled[r * 40 + c]);
+}
+
+/* K steps of type x optimizer with n trainers on num_ranks ranks, checked at every step;
+ * short_batches: the trainers' batches have different sizes below B. */
+static void run_training_n(enum embd_sharding_type type, enum embd_optimizer_type opt,
+			   uint32_t n, uint32_t num_ranks, bool short_batches)
 {
 	static struct fixture fx;
 	static struct trainer trs[MAX_T];
@@ -336,11 +365,14 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 
 	setup(&fx, opt, type, num_ranks);
 	for (uint32_t step = 0; step < 3; step++) {
-		snprintf(what, sizeof(what), "%s opt %d, %u trainers, step %u",
-			 embd_plan_sharding_name(type), (int)opt, n, step);
+		snprintf(what, sizeof(what), "%s opt %d, %u trainers%s, step %u",
+			 embd_plan_sharding_name(type), (int)opt, n,
+			 short_batches ? " of short batches" : "", step);
 		for (uint32_t i = 0; i < n; i++) {
-			fill_trainer(&fx, &trs[i], 1000 * step + i + 1, i % 2 == 1);
-			trs[i].batch.pooled = trs[i].pooled;
+			fill_trainer_n(&fx, &trs[i], 1000 * step + i + 1, i % 2 == 1,
+				       batch_samples(i + step, short_batches));
+			for (uint32_t k = 0; k < B * 40; k++)
+				trs[i].pooled[k] = UNTOUCHED;
 		}
 		struct embd_step_batch batches[MAX_T];
 		for (uint32_t i = 0; i < n; i++)
@@ -348,10 +380,18 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 		int rc = embd_step_forward(fx.step, batches, n);
 		cr_assert_eq(rc, (int)n, "%s: forward accepted %d of %u: %s", what, rc, n, batches[0].err);
 		check_forward(&fx, trs, n, split ? RW_TOL : 0.0f, what);
+		for (uint32_t i = 0; i < n; i++)
+			check_rows_untouched(&trs[i], what, i);
 		backward_and_check(&fx, trs, batches, n,
 				   type == EMBD_SHARD_DATA_PARALLEL ? num_ranks : 1, what);
 	}
 	stop(&fx);
+}
+
+static void run_training(enum embd_sharding_type type, enum embd_optimizer_type opt,
+			 uint32_t n, uint32_t num_ranks)
+{
+	run_training_n(type, opt, n, num_ranks, false);
 }
 
 #define OPTIMIZER_TESTS(name, type)                                                     \
@@ -359,7 +399,9 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 	Test(step_##name, adagrad_four_trainers) { run_training(type, EMBD_OPT_ADAGRAD, 4, 2); } \
 	Test(step_##name, rowwise_adagrad_two_trainers_four_ranks)                      \
 	{ run_training(type, EMBD_OPT_ROWWISE_ADAGRAD, 2, 4); }                          \
-	Test(step_##name, adam_four_trainers_four_ranks) { run_training(type, EMBD_OPT_ADAM, 4, 4); }
+	Test(step_##name, adam_four_trainers_four_ranks) { run_training(type, EMBD_OPT_ADAM, 4, 4); } \
+	Test(step_##name, short_batches_four_trainers)                                   \
+	{ run_training_n(type, EMBD_OPT_ADAGRAD, 4, 2, true); }
 
 OPTIMIZER_TESTS(table_wise, EMBD_SHARD_TABLE_WISE)
 OPTIMIZER_TESTS(column_wise, EMBD_SHARD_COLUMN_WISE)
@@ -444,8 +486,9 @@ Test(step, malformed_batches_name_the_field)
 	const char *keys_bad[3] = { "a", "x", "c" };
 
 	setup(&fx, EMBD_OPT_SGD, EMBD_SHARD_TABLE_WISE, 2);
-	const char *fields[] = { "batch_size", "num_features", "lengths", "keys[1]" };
-	for (uint32_t k = 0; k < 4; k++) {
+	const char *fields[] = { "batch_size", "num_features", "lengths", "keys[1]",
+				 "batch_size: 0" };
+	for (uint32_t k = 0; k < 5; k++) {
 		fill_trainer(&fx, &tr, 3, false);
 		b = tr.batch;
 		if (k == 0)
@@ -454,8 +497,10 @@ Test(step, malformed_batches_name_the_field)
 			b.kjt.num_features = 2;
 		else if (k == 2)
 			b.kjt.num_values += 1;  /* lengths no longer sum to num_values */
-		else
+		else if (k == 3)
 			b.kjt.keys = keys_bad;
+		else
+			b.kjt.batch_size = 0;
 		cr_assert_eq(embd_step_forward(fx.step, &b, 1), 0, "%s: batch accepted", fields[k]);
 		cr_assert(b.status < 0 && strstr(b.err, fields[k]),
 			  "expected an error naming %s, got %d '%s'", fields[k], b.status, b.err);

@@ -167,6 +167,9 @@ static void other_feature(struct wire_item *w) { w->feature = 0; }
 static void other_trainer(struct wire_item *w) { w->gtrainer = 1; }
 static void no_lengths(struct wire_item *w) { w->flags &= ~WIRE_LENGTHS; }
 static void unknown_flag(struct wire_item *w) { w->flags |= 8; }
+static void no_samples(struct wire_item *w) { w->batch_size = 0; }
+static void too_many_samples(struct wire_item *w) { w->batch_size = WP_B + 1; }
+static void reserved_set(struct wire_item *w) { w->reserved = 1; }
 
 static void expect_item_refused(uint32_t k, void (*edit)(struct wire_item *),
 				const char *const *words)
@@ -189,6 +192,34 @@ Test(step_wire, feature_of_another_table) { ITEM_REFUSED(1, other_feature, "feat
 Test(step_wire, trainer_of_another_node) { ITEM_REFUSED(0, other_trainer, "trainer"); }
 Test(step_wire, mean_lengths_missing) { ITEM_REFUSED(1, no_lengths, "flags"); }
 Test(step_wire, unknown_flag) { ITEM_REFUSED(2, unknown_flag, "flags 0x9"); }
+Test(step_wire, batch_of_no_samples) { ITEM_REFUSED(1, no_samples, "item 1", "batch_size 0"); }
+Test(step_wire, batch_over_the_plan) { ITEM_REFUSED(0, too_many_samples, "batch_size 5 (1..4)"); }
+Test(step_wire, item_reserved_word) { ITEM_REFUSED(2, reserved_set, "reserved 1"); }
+
+/* A trainer's short last batch: items of 1 and 3 samples, each with b + 1 offsets, b full
+ * lengths and b x cols of gradient. */
+Test(step_wire, short_batches_pass_with_their_own_size)
+{
+	static const int32_t lens[3] = { 2, 0, 1 }, full[3] = { 2, 1, 1 };
+	static const int64_t ids[3] = { 4, 5, 6 };
+	struct seen s = { .fail_at = -1 };
+	uint64_t at = 0, grads;
+
+	grads = wp_put_item(msg, &at, 1, 1, WIRE_FORWARD | WIRE_LENGTHS, 3, lens, ids, NULL, full);
+	grads += wp_put_item(msg, &at, 0, 0, WIRE_FORWARD, 1, lens, ids, NULL, NULL);
+	cr_assert_eq(grads, (3 * 8 + 1 * 4) * 4ull);
+	cr_assert_eq(input(at, grads, &s), 0, "%s", err);
+	cr_assert_eq(s.n, 2);
+	cr_expect_eq(s.items[0].batch_size, 3);
+	cr_expect_eq(s.items[0].offsets[3], 3);
+	cr_expect_eq(s.items[0].lengths[1], 1);
+	cr_expect_eq(s.items[1].batch_size, 1);
+	cr_expect_eq(s.items[1].num_ids, 2);
+	cr_expect_eq(s.items[1].ids[1], 5);
+	/* a gradient announced for full batches does not fit short ones */
+	s.n = 0;
+	REFUSED(input(at, (3 * 8 + 1 * 4) * 4ull * WP_B, &s), EMBD_EPROTO, "gradient bytes");
+}
 
 /* The flag promises weights the message does not hold: they would be read past its end. */
 Test(step_wire, weights_flag_with_no_weights)
@@ -198,7 +229,8 @@ Test(step_wire, weights_flag_with_no_weights)
 	struct seen s = { .fail_at = -1 };
 	uint64_t at = 0, grads;
 
-	grads = wp_put_item(msg, &at, 0, 0, WIRE_FORWARD | WIRE_WEIGHTED, lens, ids, NULL, NULL);
+	grads = wp_put_item(msg, &at, 0, 0, WIRE_FORWARD | WIRE_WEIGHTED, WP_B, lens, ids, NULL,
+			    NULL);
 	REFUSED(input(at, grads, &s), EMBD_EPROTO, "ends inside item 0");
 	cr_expect_eq(s.n, 0);
 }
