@@ -153,6 +153,17 @@ bool embd_server_client_ready(const struct embd_server *sv, const struct client 
 	return c->participant ? !c->has_bwd : !c->has_fwd;
 }
 
+/* The gradient must have the rows of the forward's output: the engine routes it by them. */
+static void backward_batch_size_refused(struct embd_server *sv, struct client *c,
+					const struct embd_sqe *sqe, uint64_t popped_ns)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+
+	snprintf(err, sizeof(err), "batch_size: %" PRIu32 " samples, step %" PRIu64 "'s forward had "
+		 "%" PRIu32, sqe->batch_size, sqe->step, c->kjt.batch_size);
+	embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
+}
+
 static void handle_backward(struct embd_server *sv, struct client *c,
 			    const struct embd_sqe *sqe, uint64_t popped_ns)
 {
@@ -161,6 +172,8 @@ static void handle_backward(struct embd_server *sv, struct client *c,
 	else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				     "step: this trainer takes no part in that step's backward");
+	else if (sqe->batch_size != c->kjt.batch_size)
+		backward_batch_size_refused(sv, c, sqe, popped_ns);
 	else {
 		c->bwd = *sqe;
 		c->bwd_popped_ns = popped_ns;

@@ -292,10 +292,16 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 	if (req->num_values > l->max_values)
 		return fail(c, EMBD_EINVAL, "num_values: %llu, at most %llu per batch",
 			    (unsigned long long)req->num_values, (unsigned long long)l->max_values);
+	const uint32_t b = req->batch_size ? req->batch_size : l->batch_size;
+	if (b > l->batch_size)
+		return fail(c, EMBD_EINVAL, "batch_size: %u samples, at most %u per batch", b,
+			    l->batch_size);
 	const struct slot_spans *s = &c->slots[req->slot];
-	sqe->batch_size = l->batch_size;
+	const uint64_t out_bytes = (uint64_t)b * l->total_dim * sizeof(float);
+	sqe->batch_size = b;
 	sqe->num_values = req->num_values;
-	sqe->lengths = s->lengths;
+	sqe->lengths = (struct embd_slab_span){ s->lengths.offset,
+						(uint64_t)l->num_features * b * sizeof(int32_t) };
 	sqe->values = (struct embd_slab_span){ s->values.offset, req->num_values * sizeof(int64_t) };
 	if (req->weighted) {
 		sqe->flags = EMBD_SQE_WEIGHTED;
@@ -303,9 +309,9 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 							req->num_values * sizeof(float) };
 	}
 	if (req->op == EMBD_REQUEST_FORWARD)
-		sqe->output = s->pooled;
+		sqe->output = (struct embd_slab_span){ s->pooled.offset, out_bytes };
 	else
-		sqe->grad = s->grad;
+		sqe->grad = (struct embd_slab_span){ s->grad.offset, out_bytes };
 	return 0;
 }
 
@@ -375,33 +381,36 @@ int embd_wait(struct embd_client *c, struct embd_completion *out, int timeout_ms
 	}
 }
 
-static int blocking(struct embd_client *c, enum embd_request_op op, uint32_t slot, uint64_t step,
-		    uint64_t num_values, int weighted)
+int embd_run(struct embd_client *c, const struct embd_request *req)
 {
-	struct embd_request req = { .op = op, .slot = slot, .step = step, .num_values = num_values,
-				    .weighted = weighted, .user_data = ++c->next_user_data };
+	struct embd_request r = *req;
 	struct embd_completion done;
-	int rc = embd_submit(c, &req);
 
+	r.user_data = ++c->next_user_data;
+	int rc = embd_submit(c, &r);
 	if (rc)
 		return rc;
 	rc = embd_wait(c, &done, -1);
 	if (rc)
 		return rc;
-	if (done.user_data != req.user_data)
+	if (done.user_data != r.user_data)
 		return fail(c, EMBD_EPROTO, "completion for request %llu while waiting for %llu",
-			    (unsigned long long)done.user_data, (unsigned long long)req.user_data);
+			    (unsigned long long)done.user_data, (unsigned long long)r.user_data);
 	return done.result;
 }
 
 int embd_forward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t num_values,
 		 int weighted)
 {
-	return blocking(c, EMBD_REQUEST_FORWARD, slot, step, num_values, weighted);
+	struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = slot, .step = step,
+				    .num_values = num_values, .weighted = weighted };
+	return embd_run(c, &req);
 }
 
 int embd_backward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t num_values,
 		  int weighted)
 {
-	return blocking(c, EMBD_REQUEST_BACKWARD, slot, step, num_values, weighted);
+	struct embd_request req = { .op = EMBD_REQUEST_BACKWARD, .slot = slot, .step = step,
+				    .num_values = num_values, .weighted = weighted };
+	return embd_run(c, &req);
 }

@@ -65,17 +65,20 @@ struct embd_client_layout {
 };
 
 /*
- * One batch slot, inside the shared region. The trainer fills lengths (feature-major,
- * num_features * batch_size) and the first num_values entries of values (and weights for a
- * weighted batch); forward writes pooled; the trainer writes grad before backward.
- * The pointers stay valid until embd_close.
+ * One batch slot, inside the shared region. A batch has b samples, 1 <= b <= the layout's
+ * batch_size (b below it: the last batch of an epoch, TorchRec's KJT stride; the request
+ * says b). The trainer fills lengths (feature-major with stride b: lengths[f * b + i] ids of
+ * feature f in sample i) and the first num_values entries of values (and weights for a
+ * weighted batch); forward writes the first b rows of pooled; the trainer writes the first
+ * b rows of grad before backward. No padding to batch_size is needed. The pointers stay
+ * valid until embd_close.
  */
 struct embd_batch {
-	int32_t *lengths;
+	int32_t *lengths;                /* room for num_features * batch_size */
 	int64_t *values;                 /* max_values entries */
 	float *weights;                  /* max_values entries */
-	float *pooled;                   /* float[batch_size][total_dim], written by forward */
-	float *grad;                     /* float[batch_size][total_dim], read by backward */
+	float *pooled;                   /* float[b][total_dim], written by forward */
+	float *grad;                     /* float[b][total_dim], read by backward */
 };
 
 enum embd_request_op {
@@ -92,6 +95,8 @@ struct embd_request {
 	uint64_t num_values;             /* ids in the slot's batch (sum of its lengths) */
 	int weighted;                    /* nonzero: the slot's weights are used */
 	uint64_t user_data;              /* echoed in the completion */
+	uint32_t batch_size;             /* samples b of the batch, 1..layout batch_size; 0: the
+					    layout's. A BACKWARD names its FORWARD's b */
 };
 
 struct embd_completion {
@@ -124,8 +129,9 @@ EMBD_CLIENT_API int embd_batch_get(struct embd_client *client, uint32_t slot,
 				   struct embd_batch *out);
 
 /*
- * Posts one request (async). Returns 0, EMBD_EINVAL (slot, op, num_values over max_values),
- * EMBD_ENOSPC (submission ring full: wait for completions first), EMBD_EPROTO or EMBD_EIO.
+ * Posts one request (async). Returns 0, EMBD_EINVAL (slot, op, num_values over max_values,
+ * batch_size over the layout's), EMBD_ENOSPC (submission ring full: wait for completions
+ * first), EMBD_EPROTO or EMBD_EIO.
  */
 EMBD_CLIENT_API int embd_submit(struct embd_client *client, const struct embd_request *req);
 
@@ -150,12 +156,20 @@ EMBD_CLIENT_API int embd_wait(struct embd_client *client, struct embd_completion
  * On a cluster also: an error naming the node that failed; EMBD_EAGAIN while the cluster
  * re-forms (post the same step again a little later); EMBD_ERESUMED when it re-formed at
  * another step (embd_layout(client)->resumed_step is then the step to post).
+ * These post full batches (the layout's batch_size samples); embd_run posts any request.
  * Do not call with async requests in flight on the same handle.
  */
 EMBD_CLIENT_API int embd_forward(struct embd_client *client, uint32_t slot, uint64_t step,
 				 uint64_t num_values, int weighted);
 EMBD_CLIENT_API int embd_backward(struct embd_client *client, uint32_t slot, uint64_t step,
 				  uint64_t num_values, int weighted);
+
+/*
+ * Blocking form of embd_submit: posts *req (its user_data is replaced by the handle's own)
+ * and waits without limit for that completion. Returns embd_submit's or embd_wait's error,
+ * else the request's result, as embd_forward. Do not call with async requests in flight.
+ */
+EMBD_CLIENT_API int embd_run(struct embd_client *client, const struct embd_request *req);
 
 /* The text of the handle's last failure ("" when none). Valid until the next call. */
 EMBD_CLIENT_API const char *embd_last_error(const struct embd_client *client);

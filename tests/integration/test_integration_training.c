@@ -82,6 +82,18 @@ Test(training, table_column_wise_equals_reference) { train_and_check("table_colu
 Test(training, data_parallel_equals_reference) { train_and_check("data_parallel", 2); }
 Test(training, four_concurrent_trainers_equal_reference) { train_and_check(NULL, 4); }
 
+/* Batches of 8, 5 and 2 samples (the last batch of an epoch): each output has its batch's
+ * rows and the steps train as the reference on the shorter global batch. */
+static void train_short(const char *sharding, uint32_t trainers)
+{
+	short_batches = true;
+	train_and_check(sharding, trainers);
+}
+
+Test(training, short_batches_row_wise_equal_reference) { train_short("row_wise", 2); }
+Test(training, short_batches_column_wise_equal_reference) { train_short("column_wise", 3); }
+Test(training, short_batches_data_parallel_equal_reference) { train_short("data_parallel", 2); }
+
 /* ---- a trainer killed mid-step ----------------------------------------------------------- */
 
 /* Blocking forward + backward of trainer tr's deterministic step-k batch. */
@@ -300,6 +312,37 @@ Test(training, malformed_batches_are_named_and_others_run)
 	sqe.batch_size = BATCH + 1;
 	bad_sqe_case(good, bad, s++, &sqe, "a wrong batch size", "batch_size");
 
+	/* a backward whose gradient has other rows than its forward's output (every bag of
+	 * fill_ones holds one id, so BATCH - 1 samples hold NUM_F fewer) */
+	req = (struct embd_request){ .op = EMBD_REQUEST_FORWARD, .step = s, .batch_size = BATCH - 1,
+				     .num_values = fill_ones(bad) - NUM_F };
+	cr_assert_eq(embd_submit(bad, &req), 0, "%s", embd_last_error(bad));
+	struct embd_request fwd = { .op = EMBD_REQUEST_FORWARD, .step = s,
+				    .num_values = fill_ones(good) };
+	cr_assert_eq(embd_submit(good, &fwd), 0, "%s", embd_last_error(good));
+	struct embd_completion done;
+	cr_assert_eq(embd_wait(bad, &done, 3000), 0, "%s", embd_last_error(bad));
+	cr_assert_eq(done.result, 0, "short forward: %s", embd_last_error(bad));
+	cr_assert_eq(embd_wait(good, &done, 3000), 0, "%s", embd_last_error(good));
+	req.op = EMBD_REQUEST_BACKWARD;
+	req.batch_size = BATCH;
+	req.num_values += NUM_F;
+	cr_assert_eq(embd_submit(bad, &req), 0, "%s", embd_last_error(bad));
+	expect_refused(bad, "a backward of another batch size", "batch_size: 8 samples",
+		       "forward had 7");
+	req.batch_size = BATCH - 1;
+	req.num_values -= NUM_F;
+	fwd.op = EMBD_REQUEST_BACKWARD;
+	cr_assert_eq(embd_submit(bad, &req), 0, "%s", embd_last_error(bad));
+	cr_assert_eq(embd_submit(good, &fwd), 0, "%s", embd_last_error(good));
+	cr_assert_eq(embd_wait(bad, &done, 3000), 0, "%s", embd_last_error(bad));
+	cr_expect_eq(done.result, 0, "short backward: %s", embd_last_error(bad));
+	cr_assert_eq(embd_wait(good, &done, 3000), 0, "%s", embd_last_error(good));
+	cr_expect_eq(done.result, 0, "good backward: %s", embd_last_error(good));
+	s++;
+
+	req = (struct embd_request){ .op = EMBD_REQUEST_FORWARD, .step = s,
+				     .num_values = fill_ones(bad) };
 	cr_assert_eq(embd_client_sqe_build(bad, &req, &sqe), 0);
 	sqe.step = s;
 	srand(4242);
