@@ -20,6 +20,8 @@
  * The global batch is the concatenation of the trainers' batches, so the result equals one
  * unsharded table trained on it. A step whose backward never runs changed no parameter.
  *
+ * An evaluation (embd_step_eval) runs the forward phases 1-3 alone, in buffers of its own.
+ *
  * On several nodes (embd_step_create_cluster) each node holds the shards of its own ranks and
  * runs the same phases with three collectives in forward and one in backward between them
  * (engine/step_dist.c): a fixed-size exchange of sizes, accept counts and status; ONE
@@ -137,6 +139,30 @@ int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, u
 /* Accepted batches of the last forward over the whole cluster (= forward's result on one
  * node). When it is > 0 every node must call backward or abort, even with none of its own. */
 uint32_t embd_step_cluster_accepted(const struct embd_step *step);
+
+/*
+ * An evaluation: the forward of n batches (checked and refused per batch as in forward) on the
+ * rows as they are now, with nothing kept for a backward and no parameter changed. It has
+ * buffers of its own, so it may run between a step's forward and its backward and leaves
+ * that step's pending backward intact (the rows it reads are then those before that step's
+ * update, as in TorchRec, whose update happens in the backward). Returns the batches accepted
+ * on this node, or an error as forward (err in every batch).
+ * On a cluster it is a collective round of its own, as a forward: every node calls
+ * embd_step_eval (or embd_step_follow) for the same evaluation round, in the same order
+ * relative to its steps; a node that runs a step's forward at that point instead fails the
+ * round on every node with EMBD_EMISMATCH and breaks the comm (the trainers disagree on the
+ * order of their steps and evaluations).
+ */
+int embd_step_eval(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+
+/*
+ * On a cluster, for a node none of whose trainers has a batch (none connected): joins the
+ * next round the other nodes run, whichever it is. *eval says which it was: an evaluation
+ * (nothing pending), or a training step's forward of no batch (then, as after forward,
+ * backward or abort is due when embd_step_cluster_accepted > 0). EMBD_EINVAL while a forward
+ * is pending; otherwise returns as forward. On one node: a forward of no batch.
+ */
+int embd_step_follow(struct embd_step *step, bool *eval);
 
 /* Checkpoints a cluster agrees on (ckpt/ckpt_service.h): _want sets this node's flag in the
  * HELLO of the next forwards; _cluster_checkpoint says whether any node's HELLO of the last

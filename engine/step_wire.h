@@ -37,7 +37,13 @@ struct wire_head {
 
 /* The sender wants every node to checkpoint at the boundary after this step. */
 #define WIRE_HELLO_CHECKPOINT 1u
-#define WIRE_HELLO_KNOWN WIRE_HELLO_CHECKPOINT
+/* This round is an evaluation (forward only, nothing trains), not a training step's forward:
+ * the nodes' evaluations are rounds of their own between the steps, in the same order on
+ * every node. */
+#define WIRE_HELLO_EVAL 2u
+/* The sender has no trainer with a batch: it runs whatever round the others run. */
+#define WIRE_HELLO_IDLE 4u
+#define WIRE_HELLO_KNOWN (WIRE_HELLO_CHECKPOINT | WIRE_HELLO_EVAL | WIRE_HELLO_IDLE)
 
 /* One staged item on the wire, followed by int64 offsets[b + 1], int64 ids[num_ids], float
  * weights[num_ids] (WIRE_WEIGHTED) and int32 lengths[b] (WIRE_LENGTHS), each padded to 8, with
@@ -74,6 +80,17 @@ int step_wire_head(uint32_t p, const uint8_t *msg, uint64_t len, uint64_t seq, u
  * know. EMBD_EPROTO naming node p.
  */
 int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t err_len);
+
+/*
+ * The kind of round every node's HELLO head (heads[0..n), checked by step_wire_hello) makes:
+ * *eval when the nodes that are not IDLE evaluate (a training step when all are IDLE). Every
+ * node that is not IDLE must run the same kind, and no node may both evaluate and be IDLE:
+ * else EMBD_EMISMATCH naming a node that trains and one that evaluates (their trainers post
+ * evaluations at another point of their steps; the cluster cannot go on). An evaluation
+ * announces no gradient bytes (EMBD_EPROTO). self names this node in the message.
+ */
+int step_wire_round(const struct wire_head *heads, uint32_t n, uint32_t self, bool *eval,
+		    char *err, size_t err_len);
 
 /* A shard of the cluster as the checks see it. */
 struct step_wire_shard {
@@ -121,11 +138,13 @@ typedef int (*step_wire_item_fn)(void *arg, uint32_t p, uint64_t seq,
  * p's trainers, with a batch size of 1 .. the plan's, the flags its table needs, offsets from
  * 0 to num_ids never decreasing, ids inside the shard's rows, full bag lengths no shorter than
  * the bag's ids here, and the whole message made of whole items. The gradients p announced
- * (grad_bytes, from its HELLO) must be exactly b * cols * 4 per item. Returns 0, fn's code,
- * or EMBD_EPROTO with err naming the node, the item and the field.
+ * (grad_bytes, from its HELLO) must be exactly b * cols * 4 per item. An evaluation's message
+ * (eval) carries no data_parallel item (every node looks those up in its own replica) and
+ * announces no gradient. Returns 0, fn's code, or EMBD_EPROTO with err naming the node, the
+ * item and the field.
  */
 int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *buf, uint64_t len,
-		    uint64_t grad_bytes, step_wire_item_fn fn, void *arg, char *err,
+		    uint64_t grad_bytes, bool eval, step_wire_item_fn fn, void *arg, char *err,
 		    size_t err_len);
 
 #endif /* EMBD_ENGINE_STEP_WIRE_H */

@@ -61,7 +61,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		return 0;
 	memcpy(buf, data + H, len);
 	err[0] = 0;
-	rc = step_wire_input(&wp_plan, WP_PEER, buf, len, head.grad_bytes, touch_item, NULL, err,
+	rc = step_wire_input(&wp_plan, WP_PEER, buf, len, head.grad_bytes,
+			     (head.flags & WIRE_HELLO_EVAL) != 0, touch_item, NULL, err,
 			     sizeof(err));
 	if (rc && !err[0])
 		abort();        /* every refusal says why */

@@ -128,6 +128,12 @@ static void make_plan(struct fixture *fx, enum embd_sharding_type type, uint32_t
 	}
 }
 
+static bool row_split_plan(const struct fixture *fx)
+{
+	enum embd_sharding_type type = fx->plan.tables[0].sharding_type;
+	return type == EMBD_SHARD_ROW_WISE || type == EMBD_SHARD_TABLE_ROW_WISE;
+}
+
 static void start(struct fixture *fx, uint32_t num_ranks)
 {
 	char err[256] = "";
@@ -394,6 +400,59 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 	run_training_n(type, opt, n, num_ranks, false);
 }
 
+/* Evaluations of three batches (one short, one weighted) on the rows as they are: checked
+ * against the reference forward, with rows past a short batch's untouched. */
+static void eval_and_check(struct fixture *fx, struct trainer *ev, uint64_t seed,
+			   const char *what)
+{
+	const bool split = row_split_plan(fx);
+	struct embd_step_batch batches[3];
+
+	for (uint32_t i = 0; i < 3; i++) {
+		fill_trainer_n(fx, &ev[i], seed + i, i == 1, i == 2 ? 2 : B);
+		for (uint32_t k = 0; k < B * 40; k++)
+			ev[i].pooled[k] = UNTOUCHED;
+		batches[i] = ev[i].batch;
+	}
+	int rc = embd_step_eval(fx->step, batches, 3);
+	cr_assert_eq(rc, 3, "%s: eval accepted %d of 3: %s", what, rc, batches[0].err);
+	check_forward(fx, ev, 3, split ? RW_TOL : 0.0f, what);
+	for (uint32_t i = 0; i < 3; i++)
+		check_rows_untouched(&ev[i], what, i);
+}
+
+/*
+ * Evaluations between a step's forward and its backward read the rows before the step's
+ * update (TorchRec's order: the update happens in backward), change no row and leave the
+ * pending step intact: its backward still trains exactly; an evaluation after it reads the
+ * updated rows. A refused evaluation batch changes nothing either.
+ */
+static void eval_case(enum embd_sharding_type type)
+{
+	static struct fixture fx;
+	static struct trainer trs[2], ev[3];
+	struct embd_step_batch batches[2];
+	const uint32_t replicas = type == EMBD_SHARD_DATA_PARALLEL ? 2 : 1;
+
+	setup(&fx, EMBD_OPT_ADAGRAD, type, 2);
+	eval_and_check(&fx, ev, 70, "eval before any step");
+	cr_assert_eq(embd_step_backward(fx.step, batches, 0),
+		     EMBD_EINVAL, "an evaluation leaves no backward pending");
+	fill_all(&fx, trs, batches, 2, 5);
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+	eval_and_check(&fx, ev, 80, "eval between forward and backward");
+	struct embd_step_batch bad = ev[0].batch;
+	bad.kjt.batch_size = B + 1;
+	cr_assert_eq(embd_step_eval(fx.step, &bad, 1), 0);
+	cr_assert(bad.status == EMBD_EINVAL && strstr(bad.err, "batch_size"), "got %d '%s'",
+		  bad.status, bad.err);
+	check_weights(&fx, replicas, 0.0f, "after evaluations");
+	backward_and_check(&fx, trs, batches, 2, replicas, "backward after evaluations");
+	eval_and_check(&fx, ev, 90, "eval after the step");
+	check_weights(&fx, replicas, 0.0f, "after the last evaluation");
+	stop(&fx);
+}
+
 #define OPTIMIZER_TESTS(name, type)                                                     \
 	Test(step_##name, sgd_two_trainers) { run_training(type, EMBD_OPT_SGD, 2, 2); }    \
 	Test(step_##name, adagrad_four_trainers) { run_training(type, EMBD_OPT_ADAGRAD, 4, 2); } \
@@ -401,7 +460,8 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 	{ run_training(type, EMBD_OPT_ROWWISE_ADAGRAD, 2, 4); }                          \
 	Test(step_##name, adam_four_trainers_four_ranks) { run_training(type, EMBD_OPT_ADAM, 4, 4); } \
 	Test(step_##name, short_batches_four_trainers)                                   \
-	{ run_training_n(type, EMBD_OPT_ADAGRAD, 4, 2, true); }
+	{ run_training_n(type, EMBD_OPT_ADAGRAD, 4, 2, true); }                          \
+	Test(step_##name, eval_between_forward_and_backward) { eval_case(type); }
 
 OPTIMIZER_TESTS(table_wise, EMBD_SHARD_TABLE_WISE)
 OPTIMIZER_TESTS(column_wise, EMBD_SHARD_COLUMN_WISE)
