@@ -63,6 +63,7 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 		close(c->eventfd);
 	close(c->sock);
 	free(c->lengths);
+	free(c->eval_lengths);
 	memset(c, 0, sizeof(*c));
 	embd_server_checkpoint_client_gone(sv, slot);
 	while (sv->slots_end && !sv->clients[sv->slots_end - 1].used)
@@ -198,7 +199,8 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	if (rc)
 		return rc;
 	c->lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
-	if (!c->lengths)
+	c->eval_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
+	if (!c->lengths || !c->eval_lengths)
 		return EMBD_ENOMEM;
 	int fds[2] = { embd_region_fd(c->region), -1 };
 	if (embd_evloop_doorbell_mode(sv->loop) == EMBD_DOORBELL_EVENTFD) {

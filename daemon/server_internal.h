@@ -46,6 +46,13 @@ struct client {
 	uint64_t fwd_popped_ns, bwd_popped_ns;
 	struct embd_kjt kjt;
 	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
+	/* its evaluation (EVAL): run at once on one node; on a cluster kept for the node's next
+	 * evaluation round (server_schedule.c) */
+	bool has_eval, eval_sat_out;    /* eval_sat_out: its EVAL was refused, the round goes on */
+	struct embd_sqe eval;
+	uint64_t eval_popped_ns;
+	struct embd_kjt eval_kjt;
+	int32_t *eval_lengths;          /* private copy of the evaluation batch's lengths */
 	uint64_t requests, errors;
 };
 

@@ -6,6 +6,9 @@
  * (one per trainer and phase), and the client's ring is not polled until then: it keeps the
  * rest. On a cluster each phase is collective, so it runs even when no trainer of this node
  * takes part, and may hold the thread up to collective_timeout_ms.
+ * Evaluations (EVAL) are no part of the steps: on one node each runs as soon as it is popped;
+ * on a cluster the node runs an evaluation round, between steps, once every trainer posted
+ * one (or sat it out), and a node with no trainer follows the others' rounds.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -138,7 +141,9 @@ void embd_server_drop_step(struct embd_server *sv, const char *why)
 			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		if (c->has_fwd)
 			embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, EMBD_EAGAIN, msg);
-		c->has_bwd = c->has_fwd = c->participant = false;
+		if (c->has_eval)
+			embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, EMBD_EAGAIN, msg);
+		c->has_bwd = c->has_fwd = c->has_eval = c->eval_sat_out = c->participant = false;
 		c->sat_out = 0;
 	}
 	sv->phase = COLLECT;
@@ -148,9 +153,9 @@ bool embd_server_client_ready(const struct embd_server *sv, const struct client 
 {
 	if (!c->used || !c->region)
 		return false;
-	if (sv->phase == COLLECT)
-		return !c->has_fwd;
-	return c->participant ? !c->has_bwd : !c->has_fwd;
+	if (sv->phase == COLLECT || !c->participant)
+		return !c->has_fwd && !c->has_eval;
+	return !c->has_bwd;
 }
 
 /* The gradient must have the rows of the forward's output: the engine routes it by them. */
@@ -188,6 +193,13 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 	/* early for the next step: kept, and looked at again once step s is done */
 	const bool early = sv->phase == WAIT_BACKWARD && sqe->step == sv->s + 1;
 
+	/* its backward of step s is due first: waiting for it here would wait for ever */
+	if (sv->phase == WAIT_BACKWARD && c->participant) {
+		snprintf(err, sizeof(err), "step %" PRIu64 ": the BACKWARD of step %" PRIu64
+			 " is due first (EVAL looks up without training)", sqe->step, sv->s);
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
+		return;
+	}
 	if (embd_server_regroup_gate(sv, c, sqe, popped_ns, early))
 		return;
 	if (early) {
@@ -216,6 +228,52 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 	c->sat_out = 0;
 }
 
+/* One node: the evaluation of c's batch, now and alone. */
+static void run_eval_now(struct embd_server *sv, struct client *c)
+{
+	uint8_t *slab = embd_region_slab(c->region);
+	struct embd_step_batch b = { .kjt = c->eval_kjt,
+				     .pooled = (float *)(slab + c->eval.output.offset) };
+	int rc = embd_step_eval(sv->step, &b, 1);
+	int st = rc < 0 ? rc : b.status;
+
+	embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? b.err : NULL);
+}
+
+static void handle_eval(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			uint64_t popped_ns)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+
+	if (sv->cluster && sv->phase == WAIT_BACKWARD && c->participant) {
+		snprintf(err, sizeof(err), "EVAL: the BACKWARD of step %" PRIu64 " is due first (on a "
+			 "cluster evaluations run between steps)", sv->s);
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
+		return;
+	}
+	if (!embd_server_regroup_running(sv)) {
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EAGAIN,
+				     "EVAL: the cluster is re-forming; evaluate again later");
+		return;
+	}
+	int rc = embd_kjt_view_build(sqe, &c->limits, embd_region_slab(c->region), c->eval_lengths,
+				     (size_t)c->limits.num_features * c->limits.batch_size + 1,
+				     &c->eval_kjt, err, sizeof(err));
+	c->eval = *sqe;
+	c->eval_popped_ns = popped_ns;
+	if (rc) {
+		c->eval_sat_out = sv->cluster;  /* its node's round goes on without it */
+		embd_server_complete(sv, c, sqe, popped_ns, rc, err);
+		return;
+	}
+	if (!sv->cluster) {
+		run_eval_now(sv, c);
+		return;
+	}
+	c->has_eval = true;
+	c->eval_sat_out = false;
+}
+
 static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
 		       uint64_t popped_ns)
 {
@@ -234,13 +292,19 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 	}
 	if (sqe->opcode == EMBD_OP_BACKWARD)
 		handle_backward(sv, c, sqe, popped_ns);
+	else if (sqe->opcode == EMBD_OP_EVAL)
+		handle_eval(sv, c, sqe, popped_ns);
 	else
 		handle_forward(sv, c, sqe, popped_ns);
 }
 
-static void run_forward(struct embd_server *sv)
+/* The forward of step s over the FORWARDs kept; follow: no trainer is connected, so the node
+ * joins whichever round the other nodes run (an evaluation changes nothing here). */
+static void run_forward(struct embd_server *sv, bool follow)
 {
 	uint32_t n = 0;
+	bool evaluated = false;
+	int rc;
 
 	/* in trainer order: the global batch is node 0's trainers in order, then node 1's, ... */
 	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
@@ -256,8 +320,17 @@ static void run_forward(struct embd_server *sv)
 	sv->step_start_ns = embd_now_ns();
 	sv->num_batches = n;
 	embd_server_checkpoint_forward_begin(sv);
-	int rc = embd_step_forward(sv->step, sv->batches, n);
+	if (follow)
+		rc = embd_step_follow(sv->step, &evaluated);
+	else
+		rc = embd_step_forward(sv->step, sv->batches, n);
 	embd_server_checkpoint_forward_end(sv, rc);
+	if (evaluated) {
+		if (rc < 0)
+			embd_log_error("an evaluation round of the cluster failed: %s",
+				       embd_strerror(rc));
+		return;
+	}
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		int st = rc < 0 ? rc : sv->batches[k].status;
@@ -281,6 +354,54 @@ static void run_forward(struct embd_server *sv)
 		embd_log_error("step %" PRIu64 " forward failed: %s", sv->s,
 			       n ? sv->batches[0].err : embd_strerror(rc));
 	next_step(sv);
+}
+
+/* A cluster's evaluation round over the EVALs kept (trainers that sat it out have none). */
+static void run_eval_round(struct embd_server *sv)
+{
+	const uint32_t T = sv->config->trainers_per_node;
+	struct embd_step_batch batches[T];
+	uint32_t slot[T], n = 0;
+
+	for (int32_t index = 0; index < (int32_t)T; index++)
+		for (uint32_t i = 0; i < sv->slots_end; i++) {
+			struct client *c = &sv->clients[i];
+			if (!c->used || c->index != index)
+				continue;
+			c->eval_sat_out = false;
+			if (!c->has_eval)
+				continue;
+			uint8_t *slab = embd_region_slab(c->region);
+			batches[n] = (struct embd_step_batch){
+				.kjt = c->eval_kjt, .pooled = (float *)(slab + c->eval.output.offset) };
+			slot[n++] = i;
+		}
+	int rc = embd_step_eval(sv->step, batches, n);
+	for (uint32_t k = 0; k < n; k++) {
+		struct client *c = &sv->clients[slot[k]];
+		int st = rc < 0 ? rc : batches[k].status;
+		embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? batches[k].err : NULL);
+		c->has_eval = false;
+	}
+	if (rc < 0)
+		embd_log_error("an evaluation round of the cluster failed: %s",
+			       n ? batches[0].err : embd_strerror(rc));
+}
+
+/* A trainer of the node posted a FORWARD (or sits step s out) while others posted EVALs: the
+ * node cannot run both, so the EVALs are refused, naming that trainer. */
+static void refuse_mixed_evals(struct embd_server *sv, const struct client *trainer)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+
+	snprintf(err, sizeof(err), "EVAL: trainer %d is in step %" PRIu64 " (on a cluster every "
+		 "trainer evaluates at the same point)", trainer->index, sv->s);
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (c->used && c->has_eval)
+			embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, EMBD_EINVAL, err);
+		c->has_eval = c->eval_sat_out = false;
+	}
 }
 
 static void run_backward(struct embd_server *sv)
@@ -316,9 +437,13 @@ static void run_backward(struct embd_server *sv)
 }
 
 /* Runs the phase everyone is in for, if any (only when something changed since last time). */
+/* Runs the phase everyone is in for, if any (only when something changed since last time).
+ * Between steps each trainer votes with what it posted: FORWARD s (or sitting s out), or on a
+ * cluster EVAL (or sitting the evaluation round out). */
 static void advance(struct embd_server *sv)
 {
-	uint32_t trainers = 0, waiting = 0, posted = 0;
+	uint32_t trainers = 0, waiting = 0, posted = 0, evals = 0;
+	const struct client *in_step = NULL;
 
 	if (!sv->dirty || sv->stop || !embd_server_regroup_running(sv))
 		return;
@@ -330,19 +455,32 @@ static void advance(struct embd_server *sv)
 			continue;
 		trainers++;
 		if (sv->phase == COLLECT) {
+			const bool step = c->has_fwd || c->sat_out == sv->s + 1;
+			const bool eval = c->has_eval || c->eval_sat_out;
 			posted += c->has_fwd;
-			waiting += !c->has_fwd && c->sat_out != sv->s + 1;
+			evals += eval;
+			waiting += !step && !eval;
+			if (step && !in_step)
+				in_step = c;
 		} else if (c->participant) {
 			waiting += !c->has_bwd;
 		}
 	}
 	if (sv->phase == COLLECT) {
+		if (in_step && evals) {
+			refuse_mixed_evals(sv, in_step);
+			return;
+		}
 		if (!sv->first_step_done && trainers < sv->config->trainers_per_node)
+			return;
+		if (waiting)
 			return;
 		/* a cluster's step is collective: a node whose trainers all sat it out (or left)
 		 * still joins it, and waits in it for the others up to collective_timeout_ms */
-		if (!waiting && (posted || sv->cluster))
-			run_forward(sv);
+		if (evals)
+			run_eval_round(sv);
+		else if (posted || sv->cluster)
+			run_forward(sv, sv->cluster && !trainers);
 	} else if (!waiting) {
 		run_backward(sv);
 	}

@@ -92,8 +92,12 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 	if (rc)
 		return rc;
 
-	if (sqe->opcode == EMBD_OP_FORWARD) {
-		rc = check_absent(&sqe->grad, "grad", "for FORWARD", err, err_len);
+	if (sqe->opcode == EMBD_OP_FORWARD || sqe->opcode == EMBD_OP_EVAL) {
+		const char *op = sqe->opcode == EMBD_OP_EVAL ? "for EVAL" : "for FORWARD";
+		if (sqe->opcode == EMBD_OP_EVAL && sqe->step != 0)
+			return embd_fail(err, err_len, EMBD_EINVAL,
+					"sqe.step: must be 0 for EVAL, got %" PRIu64, sqe->step);
+		rc = check_absent(&sqe->grad, "grad", op, err, err_len);
 		if (rc)
 			return rc;
 		rc = check_span(&sqe->output, "output", pooled_bytes, sizeof(float), slab, err, err_len);
@@ -138,6 +142,7 @@ int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits
 		}
 		return 0;
 	case EMBD_OP_FORWARD:
+	case EMBD_OP_EVAL:
 	case EMBD_OP_BACKWARD:
 		return check_batch(sqe, lim, err, err_len);
 	default:
@@ -154,7 +159,8 @@ int embd_kjt_view_build(const struct embd_sqe *sqe, const struct embd_batch_limi
 	uint64_t count = (uint64_t)lim->num_features * sqe->batch_size;
 	uint64_t sum = 0;
 
-	if (sqe->opcode != EMBD_OP_FORWARD && sqe->opcode != EMBD_OP_BACKWARD)
+	if (sqe->opcode != EMBD_OP_FORWARD && sqe->opcode != EMBD_OP_EVAL &&
+	    sqe->opcode != EMBD_OP_BACKWARD)
 		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.opcode: %u carries no batch",
 				(unsigned)sqe->opcode);
 	if (sqe->batch_size == 0 || sqe->batch_size > lim->batch_size)

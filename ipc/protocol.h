@@ -19,6 +19,8 @@ enum embd_op {
 	EMBD_OP_NOP = 0,        /* no work; completes with result 0 (ping, IPC round-trip benchmark) */
 	EMBD_OP_FORWARD = 1,    /* KJT in -> pooled output written to the output span */
 	EMBD_OP_BACKWARD = 2,   /* KJT + dL/d(pooled) in the grad span -> fused optimizer update */
+	EMBD_OP_EVAL = 3,       /* KJT in -> pooled output of the rows as they are; trains nothing
+				 * and is no part of a training step (ipc/README.md) */
 };
 
 #define EMBD_SQE_WEIGHTED (1u << 0)     /* the batch carries per-id weights */
@@ -34,6 +36,7 @@ struct embd_slab_span {
  * Submission descriptor, 128 bytes. Spans by opcode (others must be zero), with b =
  * batch_size the samples of this batch:
  *   FORWARD   lengths, values, weights (iff WEIGHTED), output (float[b][total_dim], written)
+ *   EVAL      as FORWARD; step must be 0 (evaluations are not numbered by the trainer)
  *   BACKWARD  lengths, values, weights (iff WEIGHTED), grad (float[b][total_dim], read)
  *   NOP       none
  * b may be below the layout's batch size (the last batch of an epoch: TorchRec's stride);
@@ -90,7 +93,8 @@ int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits
 		      char *err, size_t err_len);
 
 /*
- * Builds a safe KJT view of a validated FORWARD/BACKWARD SQE whose slab is mapped at `slab`.
+ * Builds a safe KJT view of a validated FORWARD/EVAL/BACKWARD SQE whose slab is mapped at
+ * `slab`.
  * Copies lengths (F * b int32, b the SQE's batch size, which the view carries) from the slab
  * into lengths_buf (lengths_cap entries) with one
  * read, then checks every length >= 0 and that they sum to sqe->num_values. On success *out

@@ -279,11 +279,13 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 
 	memset(sqe, 0, sizeof(*sqe));
 	if (req->op != EMBD_REQUEST_NOP && req->op != EMBD_REQUEST_FORWARD &&
-	    req->op != EMBD_REQUEST_BACKWARD)
-		return fail(c, EMBD_EINVAL, "op: %d is not NOP, FORWARD or BACKWARD", (int)req->op);
+	    req->op != EMBD_REQUEST_BACKWARD && req->op != EMBD_REQUEST_EVAL)
+		return fail(c, EMBD_EINVAL, "op: %d is not NOP, FORWARD, BACKWARD or EVAL",
+			    (int)req->op);
 	sqe->opcode = (uint16_t)req->op;
 	sqe->user_data = req->user_data;
-	sqe->step = req->step;
+	/* an evaluation belongs to no training step */
+	sqe->step = req->op == EMBD_REQUEST_EVAL ? 0 : req->step;
 	if (req->op == EMBD_REQUEST_NOP)
 		return 0;
 	if (req->slot >= EMBD_CLIENT_SLOTS)
@@ -308,7 +310,7 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 		sqe->weights = (struct embd_slab_span){ s->weights.offset,
 							req->num_values * sizeof(float) };
 	}
-	if (req->op == EMBD_REQUEST_FORWARD)
+	if (req->op == EMBD_REQUEST_FORWARD || req->op == EMBD_REQUEST_EVAL)
 		sqe->output = (struct embd_slab_span){ s->pooled.offset, out_bytes };
 	else
 		sqe->grad = (struct embd_slab_span){ s->grad.offset, out_bytes };
@@ -411,6 +413,14 @@ int embd_backward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t 
 		  int weighted)
 {
 	struct embd_request req = { .op = EMBD_REQUEST_BACKWARD, .slot = slot, .step = step,
+				    .num_values = num_values, .weighted = weighted };
+	return embd_run(c, &req);
+}
+
+int embd_eval(struct embd_client *c, uint32_t slot, uint32_t batch_size, uint64_t num_values,
+	      int weighted)
+{
+	struct embd_request req = { .op = EMBD_REQUEST_EVAL, .slot = slot, .batch_size = batch_size,
 				    .num_values = num_values, .weighted = weighted };
 	return embd_run(c, &req);
 }

@@ -6,7 +6,8 @@
  * the trainer writes each KJT straight into one of EMBD_CLIENT_SLOTS batch slots of that
  * region (embd_batch_get), posts FORWARD for step s, reads the pooled output from the same
  * slot, writes dL/d(pooled) into the slot's grad buffer and posts BACKWARD for step s. Two
- * slots let a trainer fill step s + 1 while step s runs.
+ * slots let a trainer fill step s + 1 while step s runs. An EVAL (embd_eval) looks a batch up
+ * without training: no step, no backward.
  *
  * Threading: a handle is used by one thread at a time (calls on one handle must be
  * serialised by the caller); different handles are independent. embd_last_error belongs to
@@ -81,17 +82,43 @@ struct embd_batch {
 	float *grad;                     /* float[b][total_dim], read by backward */
 };
 
+/*
+ * FORWARD s and BACKWARD s are a training step: every trainer of the node (of the cluster)
+ * posts both, and BACKWARD s before FORWARD s + 1 (a FORWARD posted while this trainer's
+ * BACKWARD of the step before is due completes at once with EMBD_EINVAL naming that step).
+ *
+ * EVAL is an evaluation (TorchRec's eval mode): the pooled output of the slot's batch from
+ * the rows as they are, nothing kept for a backward, no row changed, the training step
+ * sequence neither advanced nor waited for. Its step must be 0 (libembdclient sets it).
+ *   - On one node a trainer may post an EVAL whenever it likes; it runs as soon as the
+ *     service pops it, alone. The rows it reads include the update of every step whose
+ *     BACKWARD completed; between this trainer's FORWARD s and BACKWARD s (or while another
+ *     trainer's BACKWARD s is missing) they are the rows step s's forward read: the update
+ *     happens in the backward, as in TorchRec. Between steps they are therefore exactly the
+ *     rows the next training FORWARD reads.
+ *   - On a cluster every trainer of every node posts its EVAL together, as TorchRec's sharded
+ *     modules need in eval: the node runs an evaluation round once each of its trainers has
+ *     posted one (a trainer whose EVAL batch was refused sits the round out), exchanging ids
+ *     and pooled blocks with the other nodes like a forward. Rounds are numbered apart from
+ *     the steps and run between steps: an EVAL while this trainer's BACKWARD is due is
+ *     refused (EMBD_EINVAL), and one posted while another trainer of the node posted a
+ *     FORWARD (or sits a step out) is refused too, naming that trainer. Every trainer must
+ *     post its evaluations at the same point of its steps: a node that trains while another
+ *     evaluates fails both and the cluster re-forms (EMBD_EMISMATCH). While it re-forms an
+ *     EVAL gets EMBD_EAGAIN.
+ */
 enum embd_request_op {
 	EMBD_REQUEST_NOP = 0,            /* completes at once (round-trip measurement) */
 	EMBD_REQUEST_FORWARD = 1,
 	EMBD_REQUEST_BACKWARD = 2,
+	EMBD_REQUEST_EVAL = 3,           /* an evaluation: forward only, see above */
 };
 
 /* What one request asks for. */
 struct embd_request {
 	enum embd_request_op op;
 	uint32_t slot;                   /* batch slot, < EMBD_CLIENT_SLOTS */
-	uint64_t step;
+	uint64_t step;                   /* FORWARD, BACKWARD; ignored for EVAL and NOP */
 	uint64_t num_values;             /* ids in the slot's batch (sum of its lengths) */
 	int weighted;                    /* nonzero: the slot's weights are used */
 	uint64_t user_data;              /* echoed in the completion */
@@ -163,6 +190,15 @@ EMBD_CLIENT_API int embd_forward(struct embd_client *client, uint32_t slot, uint
 				 uint64_t num_values, int weighted);
 EMBD_CLIENT_API int embd_backward(struct embd_client *client, uint32_t slot, uint64_t step,
 				  uint64_t num_values, int weighted);
+
+/*
+ * Blocking evaluation (EMBD_REQUEST_EVAL) of the batch of batch_size samples (0: the layout's)
+ * in slot `slot`: its pooled rows are in the slot's pooled buffer on return. Returns 0, the
+ * batch's validation error, EMBD_EINVAL when this trainer's BACKWARD is due on a cluster, or
+ * EMBD_EAGAIN while a cluster re-forms. Do not call with async requests in flight.
+ */
+EMBD_CLIENT_API int embd_eval(struct embd_client *client, uint32_t slot, uint32_t batch_size,
+			      uint64_t num_values, int weighted);
 
 /*
  * Blocking form of embd_submit: posts *req (its user_data is replaced by the handle's own)

@@ -348,7 +348,7 @@ Test(training, malformed_batches_are_named_and_others_run)
 	srand(4242);
 	do
 		sqe.opcode = (uint16_t)(rand() & 0xffff);
-	while (sqe.opcode <= 2);  /* NOP, FORWARD, BACKWARD are the valid ones */
+	while (sqe.opcode <= 3);  /* NOP, FORWARD, BACKWARD, EVAL are the valid ones */
 	bad_sqe_case(good, bad, s++, &sqe, "a garbage opcode", "opcode");
 
 	cr_expect_eq(kill(service.pid, 0), 0, "embd should survive malformed batches");

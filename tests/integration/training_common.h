@@ -246,21 +246,24 @@ static void write_tables(FILE *f, const char *sharding)
 	fprintf(f, "]");
 }
 
-/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
- * k % 2; 0 or a negative code (text in sh->err). */
-static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
+/*
+ * Connects global trainer tr as index `local` of the service at socket into *out and checks
+ * its layout; trainer 0 notes where each feature sits in the outputs (for the reference
+ * check). 0 or a negative code (text in sh->err[tr]).
+ */
+static int trainer_connect(struct shared *sh, const char *socket, uint32_t local, uint32_t tr,
+			   struct embd_client **out)
 {
-	struct embd_client *c;
 	char *err = sh->err[tr];
-	int rc = embd_connect(socket, (int)local, 10000, &c, err, 256);
+	int rc = embd_connect(socket, (int)local, 10000, out, err, 256);
 
 	if (rc)
 		return rc;
-	const struct embd_client_layout *l = embd_layout(c);
+	const struct embd_client_layout *l = embd_layout(*out);
 	if (l->num_features != NUM_F || l->batch_size != BATCH || l->total_dim > MAX_COLS) {
 		snprintf(err, 256, "layout: %u features, B %u, %u columns; expected %u, %u, <= %u",
 			 l->num_features, l->batch_size, l->total_dim, NUM_F, BATCH, MAX_COLS);
-		embd_close(c);
+		embd_close(*out);
 		return EMBD_EPROTO;
 	}
 	sh->resumed_step[tr] = l->resumed_step;
@@ -271,6 +274,20 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 			sh->feature_dim[f] = l->features[f].dim;
 		}
 	}
+	return 0;
+}
+
+/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
+ * k % 2; 0 or a negative code (text in sh->err). */
+static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
+{
+	struct embd_client *c;
+	char *err = sh->err[tr];
+	int rc = trainer_connect(sh, socket, local, tr, &c);
+
+	if (rc)
+		return rc;
+	const struct embd_client_layout *l = embd_layout(c);
 	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
 		struct embd_batch b;
 		const uint32_t nb = batch_samples(k, tr);

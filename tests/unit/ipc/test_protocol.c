@@ -76,6 +76,10 @@ Test(protocol, every_bad_field_is_named)
 	s = good_forward(); s.opcode = EMBD_OP_BACKWARD; expect_bad(s, EMBD_EINVAL, "sqe.output");
 	s = (struct embd_sqe){ .opcode = EMBD_OP_NOP, .num_values = 1 };
 	expect_bad(s, EMBD_EINVAL, "sqe.num_values");
+	/* an evaluation: a forward's spans, no step */
+	s = good_forward(); s.opcode = EMBD_OP_EVAL; expect_bad(s, EMBD_EINVAL, "sqe.step");
+	s = good_forward(); s.opcode = EMBD_OP_EVAL; s.step = 0; s.grad = s.output;
+	expect_bad(s, EMBD_EINVAL, "sqe.grad: must be empty (offset 0, bytes 0) for EVAL");
 }
 
 Test(protocol, kjt_view_checks_lengths)
@@ -105,6 +109,15 @@ Test(protocol, kjt_view_checks_lengths)
 	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B, &kjt, err, sizeof(err)), EMBD_EINVAL);
 	cr_assert(strstr(err, "lengths[4] (feature 1, sample 1): negative"), "got \"%s\"", err);
 	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B - 1, &kjt, err, sizeof(err)), EMBD_ENOSPC);
+	/* an evaluation is a forward without a step */
+	((int32_t *)slab)[4] = 1;
+	((int32_t *)slab)[5] = 1;
+	s.opcode = EMBD_OP_EVAL;
+	s.step = 0;
+	cr_assert_eq(embd_sqe_validate(&s, &lim, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B, &kjt, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect_eq(kjt.num_values, 6u);
 }
 
 /* A batch of 2 samples (B is 3): its lengths are F x 2 with stride 2, its output 2 rows. */
