@@ -371,9 +371,11 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 			.pooled_stride = direct ? s->layout.total_dim : ss->desc.cols,
 			.pooled_col = direct ? s->offsets[it->feature] + ss->desc.col_offset : 0,
 		};
-		if (grad)
+		if (grad) {
 			bb->pooled_grad = remote ? step_dist_grad_of(s, it) :
 				s->pass->batches[it->batch].pooled_grad;
+			bb->grad_divisor = s->grad_divisor;
+		}
 		else if (direct)
 			bb->pooled = s->pass->batches[it->batch].pooled;
 		else if (it->partial_at != NO_INDEX)
@@ -701,6 +703,11 @@ int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row
 		return 0;
 	}
 	return EMBD_ENOENT;
+}
+
+void embd_step_set_grad_divisor(struct embd_step *s, uint32_t divisor)
+{
+	s->grad_divisor = divisor;
 }
 
 void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg)

@@ -173,7 +173,8 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
 
 /*
  * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
- * set for every accepted batch). Applies the fused optimizer to every shard once.
+ * set for every accepted batch). Applies the fused optimizer to every shard once, with the
+ * gradients of all trainers summed (each divided by the grad divisor when one is set).
  * EMBD_EINVAL when no forward is pending.
  */
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
@@ -194,6 +195,14 @@ void embd_step_comm_break(struct embd_step *step, const char *why);
 /* Between steps (none pending): the comm of generation gen, same size and rank (the caller
  * keeps owning it); exchanges count from 0 again. EMBD_EINVAL otherwise. */
 int embd_step_comm_set(struct embd_step *step, struct embd_comm *comm, uint64_t gen);
+
+/*
+ * TorchRec's gradient division: from the next backward on, every trainer's dL/d(pooled) is
+ * divided by divisor before the gradients are summed (TorchRec divides by its world size,
+ * the number of trainers, so that a learning rate means the same whatever their number). 0
+ * or 1 (the default): summed as they are. Between steps.
+ */
+void embd_step_set_grad_divisor(struct embd_step *step, uint32_t divisor);
 
 /* Counters of the last forward. */
 void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out);

@@ -138,6 +138,7 @@ struct embd_step {
 	char (*names)[EMBD_NAME_MAX];
 	uint32_t *dims, *offsets, *feature_tables;
 	uint64_t seed;
+	uint32_t grad_divisor;                  /* embd_step_set_grad_divisor; 0, 1: none */
 	struct step_dist *dist;                 /* NULL on one node */
 	struct step_pass train, eval;
 	struct step_pass *pass;                 /* the pass running: &train but in an evaluation */

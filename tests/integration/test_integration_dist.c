@@ -285,3 +285,10 @@ Test(dist, mismatched_world_size_refused_at_join)
 {
 	expect_join_refused(NULL, 3, "world_size");
 }
+
+/* Nodes that would combine the trainers' gradients differently never form a cluster. */
+Test(dist, mismatched_gradient_scaling_refused_at_join)
+{
+	snprintf(dist_node_json[1], sizeof(dist_node_json[1]), ", \"gradient_scaling\": \"sum\"");
+	expect_join_refused(NULL, 2, "gradient_scaling");
+}

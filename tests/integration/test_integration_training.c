@@ -25,6 +25,7 @@
 #include "tests/integration/training_common.h"
 
 static char config_path[128];
+static const char *extra_json = "";     /* more config keys: ", \"key\": value" */
 
 /* ---- the service -------------------------------------------------------------------------- */
 
@@ -38,7 +39,8 @@ static void write_config(const char *sharding, uint32_t trainers)
 	fprintf(f, ", \"topology\": {\"world_size\": 2, \"local_world_size\": 2, "
 		"\"compute_device\": \"cpu\", \"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", "
 		"\"batch_size\": %d},\n \"trainers_per_node\": %u, \"seed\": %u, "
-		"\"threads_per_rank\": 1, \"busy_poll_us\": 20 }\n", BATCH, trainers, SEED);
+		"\"threads_per_rank\": 1, \"busy_poll_us\": 20%s }\n", BATCH, trainers, SEED,
+		extra_json);
 	fclose(f);
 }
 
@@ -91,6 +93,15 @@ static void train_short(const char *sharding, uint32_t trainers)
 }
 
 Test(training, short_batches_row_wise_equal_reference) { train_short("row_wise", 2); }
+
+/* "gradient_scaling": "sum": the trainers' gradients summed as they are, so the same learning
+ * rate moves rows 3 times as far with 3 trainers (and the default's reference fails). */
+Test(training, summed_gradients_equal_the_summing_reference)
+{
+	extra_json = ", \"gradient_scaling\": \"sum\"";
+	sum_gradients = true;
+	train_and_check("table_wise", 3);
+}
 Test(training, short_batches_column_wise_equal_reference) { train_short("column_wise", 3); }
 Test(training, short_batches_data_parallel_equal_reference) { train_short("data_parallel", 2); }
 

@@ -3,7 +3,9 @@
  * tables of every config, deterministic batches and gradients of global trainer tr at step k,
  * the trainer process body, and the check of every pooled output against the unsharded
  * reference (tests/support/reference.c) trained on the global batch (trainer 0's bags, then trainer
- * 1's, ...); with short_batches the trainers' batches have fewer samples than BATCH. Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
+ * 1's, ...), every trainer's gradient divided by the number of trainers (the service's default
+ * gradient_scaling, TorchRec's); with short_batches the trainers' batches have fewer samples
+ * than BATCH. Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
  * sums and the trainers' gradients in another order than the reference).
  */
 #ifndef EMBD_TESTS_TRAINING_COMMON_H
@@ -68,6 +70,11 @@ static uint32_t feature_table(uint32_t f)
 /* Set by a test before its trainers start: their batches have fewer samples than BATCH, as
  * the last batch of an epoch. */
 static bool short_batches;
+
+/* Set by a test whose service sums the trainers' gradients ("gradient_scaling": "sum"); by
+ * default the service divides each by the trainers of the cluster (TorchRec's gradient
+ * division), and so does the reference. */
+static bool sum_gradients;
 
 /* Samples of trainer tr's batch at step k: BATCH, or with short_batches 8, 5, 2, ... */
 static uint32_t batch_samples(uint32_t k, uint32_t tr)
@@ -210,7 +217,8 @@ static void check_against_reference_after(const struct shared *sh, uint32_t trai
 				if (feature_table(f) == t)
 					bags[n++] = (struct embd_ref_bags){
 						.batch_size = GB, .lengths = glen[f], .ids = gids[f],
-						.pooling = tables[t].pooling, .grad = ggrad[f] };
+						.pooling = tables[t].pooling, .grad = ggrad[f],
+						.grad_divisor = sum_gradients ? 1 : trainers };
 			cr_assert_eq(embd_ref_backward(ref[t], bags, n), 0);
 		}
 	}

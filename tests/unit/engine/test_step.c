@@ -23,6 +23,10 @@
 #define NTAB 2u
 #define RW_TOL 2e-6f
 
+/* The gradient division the step engine is given (embd_step_set_grad_divisor; 0: none) and
+ * the reference applies. */
+static uint32_t grad_divisor;
+
 struct fixture {
 	struct embd_tables tables;
 	struct embd_table_spec specs[NTAB];
@@ -142,6 +146,7 @@ static void start(struct fixture *fx, uint32_t num_ranks)
 	rc = embd_step_create(&fx->tables, &fx->plan, fx->ranks, SEED, MAX_T, &fx->step, err,
 			      sizeof(err));
 	cr_assert_eq(rc, 0, "embd_step_create: expected 0, got %d: %s", rc, err);
+	embd_step_set_grad_divisor(fx->step, grad_divisor);
 	for (uint32_t t = 0; t < NTAB; t++) {
 		const struct embd_table_spec *sp = &fx->specs[t];
 		bool sliced = slice_per_shard(fx, t);
@@ -300,6 +305,7 @@ static void ref_backward(struct fixture *fx, struct trainer *trs, uint32_t n)
 					if (!trs[i].batch.status) {
 						bags[k] = ref_bags(fx, &trs[i], f, fx->ref_col[t][s],
 								   fx->ref_cols[t][s], grads[k]);
+						bags[k].grad_divisor = grad_divisor;
 						k++;
 					}
 			cr_assert_eq(embd_ref_backward(fx->ref[t][s], bags, k), 0);
@@ -400,6 +406,14 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 	run_training_n(type, opt, n, num_ranks, false);
 }
 
+/* TorchRec's gradient division by the 3 trainers (not a power of two), adam and adagrad. */
+static void run_divided(enum embd_sharding_type type)
+{
+	grad_divisor = 3;
+	run_training_n(type, EMBD_OPT_ADAM, 3, 2, false);
+	run_training_n(type, EMBD_OPT_ADAGRAD, 3, 4, true);
+}
+
 /* Evaluations of three batches (one short, one weighted) on the rows as they are: checked
  * against the reference forward, with rows past a short batch's untouched. */
 static void eval_and_check(struct fixture *fx, struct trainer *ev, uint64_t seed,
@@ -461,7 +475,9 @@ static void eval_case(enum embd_sharding_type type)
 	Test(step_##name, adam_four_trainers_four_ranks) { run_training(type, EMBD_OPT_ADAM, 4, 4); } \
 	Test(step_##name, short_batches_four_trainers)                                   \
 	{ run_training_n(type, EMBD_OPT_ADAGRAD, 4, 2, true); }                          \
-	Test(step_##name, eval_between_forward_and_backward) { eval_case(type); }
+	Test(step_##name, eval_between_forward_and_backward) { eval_case(type); }   \
+	Test(step_##name, gradients_divided_by_the_trainers)                            \
+	{ run_divided(type); }
 
 OPTIMIZER_TESTS(table_wise, EMBD_SHARD_TABLE_WISE)
 OPTIMIZER_TESTS(column_wise, EMBD_SHARD_COLUMN_WISE)
