@@ -212,6 +212,56 @@ void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out
 int embd_step_read_weight(const struct embd_step *step, uint32_t table, int64_t row,
 			  uint32_t col, uint32_t replica, float *out);
 
+/* ---- live table access ---------------------------------------------------------------------
+ * Rows of one table in table coordinates, read or written between steps (no forward or
+ * backward running) on the caller's thread, whatever the sharding (engine/step_tables.c).
+ * Arrays: the weights (num_embeddings x embedding_dim, fp16 tables converted), the optimizer
+ * state momentum1 (adagrad's sum of squares, adam's m: x embedding_dim; rowwise_adagrad's: x
+ * one value per column shard of the row, 1 unless the table is column-split) and momentum2
+ * (adam's v). A data_parallel table is read from this node's replica and written to all of
+ * them. On a cluster only what this node holds: a row or columns on another node give
+ * EMBD_ENOENT naming it. */
+enum embd_step_array {
+	EMBD_STEP_WEIGHTS = 0,
+	EMBD_STEP_MOMENTUM1 = 1,
+	EMBD_STEP_MOMENTUM2 = 2,
+};
+
+struct embd_step_table_info {
+	int64_t num_embeddings;
+	uint32_t cols;                  /* floats per row of the array; 0: the optimizer has none */
+	int64_t optimizer_step;         /* optimizer steps the table's shards applied (adam's t) */
+};
+
+/* The shape of array a of table t. EMBD_ENOENT: no such table or array. */
+int embd_step_table_info(const struct embd_step *step, uint32_t table, enum embd_step_array a,
+			 struct embd_step_table_info *out);
+
+/* n rows: ids[0..n) when ids is not NULL, else row_begin .. row_begin + n - 1. */
+struct embd_step_rows {
+	const int64_t *ids;
+	int64_t row_begin;
+	uint64_t n;
+};
+
+/*
+ * Reads the rows of array a of table t into out (float[n][info.cols]). Returns 0, EMBD_ENOENT
+ * (no such table; a part on another node, named in err), EMBD_EINVAL (the optimizer keeps no
+ * such array), EMBD_ERANGE (a row outside the table, named).
+ */
+int embd_step_table_read(const struct embd_step *step, uint32_t table, enum embd_step_array a,
+			 const struct embd_step_rows *rows, float *out, char *err, size_t err_len);
+
+/*
+ * Writes in (float[n][info.cols], every value finite) into the rows of array a of table t:
+ * the next forward reads them. Every row is checked before any is written, and the update
+ * hook (a running checkpoint's copy-before-write) sees them first. Returns as read, and
+ * EMBD_EINVAL for a value that is not finite (named).
+ */
+int embd_step_table_write(struct embd_step *step, uint32_t table, enum embd_step_array a,
+			  const struct embd_step_rows *rows, const float *in, char *err,
+			  size_t err_len);
+
 /* ---- shards, for checkpoints ---------------------------------------------------------------
  * Between steps (no forward or backward running) the shards may be read and, before the first
  * step, written through these views; a data_parallel table's replicas beyond the first are
