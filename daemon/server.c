@@ -299,6 +299,14 @@ static void socket_event(struct embd_server *sv, struct client *c)
 	case EMBD_CTL_CHECKPOINT_REQUEST:
 		rc = embd_server_checkpoint_request(sv, c, &msg, err, sizeof(err));
 		break;
+	case EMBD_CTL_TABLE_READ:
+	case EMBD_CTL_TABLE_WRITE:
+		if (embd_server_table_request(sv, c, &msg, err, sizeof(err))) {
+			embd_ctl_msg_close_fds(&msg);
+			embd_server_drop_client(sv, c, err);
+			return;
+		}
+		break;
 	default:
 		rc = EMBD_EPROTO;
 		snprintf(err, sizeof(err), "unexpected message type %u", msg.type);

@@ -5,6 +5,7 @@
  *   server_schedule.c  the step schedule: requests, the phases of step s, completions
  *   server_ckpt.c      checkpoints: embctl requests, --wait answers, SIGTERM's final one
  *   server_regroup.c   re-forming a cluster after a failure
+ *   server_tables.c    live table access (TABLE_READ, TABLE_WRITE)
  * struct embd_server holds the loop, the sessions and the schedule; the checkpoint and regroup
  * parts keep their state in their own structs, defined in their own files and reached only
  * through the functions below (each of which does nothing, or answers for a plain node, when
@@ -152,6 +153,14 @@ int embd_server_checkpoint_status_add(const struct embd_server *sv, char **statu
 /* The client in slot left: nobody waits there any more. */
 void embd_server_checkpoint_client_gone(struct embd_server *sv, uint32_t slot);
 void embd_server_checkpoint_free(struct embd_server *sv);
+
+/* ---- server_tables.c ---- */
+
+/* A TABLE_READ or TABLE_WRITE from client c: answered with the rows, DONE or an ERROR that
+ * says why (the client stays). Returns only a failure to send the answer (the client is
+ * gone), with err. */
+int embd_server_table_request(struct embd_server *sv, struct client *c,
+			      const struct embd_ctl_msg *msg, char *err, size_t err_len);
 
 /* ---- server_regroup.c ---- */
 

@@ -207,6 +207,70 @@ EMBD_CLIENT_API int embd_eval(struct embd_client *client, uint32_t slot, uint32_
  */
 EMBD_CLIENT_API int embd_run(struct embd_client *client, const struct embd_request *req);
 
+/* ---- live table access -------------------------------------------------------------------
+ *
+ * Rows of a table, read and written through the handle's control socket while the service
+ * runs, for state_dict() / load_state_dict(). table is the index into embd_layout()->tables;
+ * rows are in table coordinates (whatever the sharding), row-major float[n][cols]. Each
+ * message is answered at a moment no step phase runs: between steps the rows read are
+ * exactly the rows the next training forward reads, and rows written are what it reads
+ * (written between a step's FORWARD and BACKWARD, that step's update lands on them, as in
+ * TorchRec). Arrays beyond the weights are the fused optimizer's state, for a full round
+ * trip. Large requests travel in chunks of embd_table_info's max_rows rows; a trainer that
+ * reads or writes between its own steps holds every other trainer of its node at the next
+ * step meanwhile, so no step runs between the chunks. These calls wait for the service
+ * without limit (a service that goes away ends them with EMBD_ECONNRESET). Errors name the
+ * table, the row or the value: EMBD_ENOENT (no such table; on a cluster, rows or columns on
+ * another node, named), EMBD_EINVAL (an array the table's optimizer has not; a value that is
+ * not finite), EMBD_ERANGE (a row outside the table), EMBD_ENOTSUP (a write on a cluster:
+ * every node would have to agree on it; not supported).
+ */
+enum embd_table_array {
+	EMBD_TABLE_WEIGHTS = 0,          /* num_embeddings x embedding_dim (fp16 tables converted) */
+	EMBD_TABLE_MOMENTUM1 = 1,        /* adagrad's sum of squares and adam's m (embedding_dim
+					    wide); rowwise_adagrad's: one value per column shard of
+					    a row (1 wide unless the table is column-wise sharded) */
+	EMBD_TABLE_MOMENTUM2 = 2,        /* adam's v (embedding_dim wide) */
+};
+
+struct embd_table_info {
+	int64_t num_embeddings;          /* rows of the table */
+	uint32_t cols;                   /* floats per row of the array */
+	uint32_t max_rows;               /* rows of the array one message carries */
+	uint64_t applied_step;           /* the rows hold the update of every step before it */
+	int64_t optimizer_step;          /* the table's optimizer steps so far (adam's t) */
+};
+
+/* The shape of array `array` of table `table`. Returns 0 or an error as above (EMBD_EINVAL:
+ * the optimizer keeps no such array). */
+EMBD_CLIENT_API int embd_table_info(struct embd_client *client, uint32_t table,
+				    enum embd_table_array array, struct embd_table_info *out);
+
+/*
+ * Reads rows row_begin .. row_begin + num_rows - 1 (or the num_ids rows ids[]) of an array into
+ * out (num_rows x cols floats, cols from embd_table_info). *applied_step (may be NULL) gets the
+ * steps the rows hold. EMBD_EAGAIN when a step ran between two chunks (another trainer or
+ * node went on meanwhile: read again between steps).
+ */
+EMBD_CLIENT_API int embd_table_read(struct embd_client *client, uint32_t table,
+				    enum embd_table_array array, int64_t row_begin,
+				    uint64_t num_rows, float *out, uint64_t *applied_step);
+EMBD_CLIENT_API int embd_table_read_ids(struct embd_client *client, uint32_t table,
+					enum embd_table_array array, const int64_t *ids,
+					uint64_t num_ids, float *out, uint64_t *applied_step);
+
+/*
+ * Writes rows (num_rows x cols floats, every one finite) into rows row_begin .. (or ids[]) of
+ * an array: data_parallel tables on every replica. A chunk is checked whole before any of its
+ * rows changes; chunks are applied one after the other. Not on a cluster (EMBD_ENOTSUP).
+ */
+EMBD_CLIENT_API int embd_table_write(struct embd_client *client, uint32_t table,
+				     enum embd_table_array array, int64_t row_begin,
+				     uint64_t num_rows, const float *rows);
+EMBD_CLIENT_API int embd_table_write_ids(struct embd_client *client, uint32_t table,
+					 enum embd_table_array array, const int64_t *ids,
+					 uint64_t num_ids, const float *rows);
+
 /* The text of the handle's last failure ("" when none). Valid until the next call. */
 EMBD_CLIENT_API const char *embd_last_error(const struct embd_client *client);
 
