@@ -143,8 +143,9 @@ struct embd_tables {
  *                      "batch_sizes": [512], "is_weighted": false } }
  * pooling defaults to sum, data_type to fp32, optimizer to sgd lr 0.01, feature_names to
  * [name]. Names are unique. Errors name the table (index and name) and the field.
- * embd_plan_tables_parse_text parses text (errors add the line and byte offset); _load reads
- * a file. On success *out owns its arrays: release them with embd_plan_tables_free.
+ * embd_plan_tables_parse_text parses text (errors add the line and byte offset): the array,
+ * or an object whose only key is "tables" holding it; _load reads a file the same way.
+ * On success *out owns its arrays: release them with embd_plan_tables_free.
  */
 int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables *out,
 				char *err, size_t err_len);
