@@ -213,6 +213,26 @@ Test(step, nonfinite_gradient_refuses_the_step)
 	stop(&fx);
 }
 
+/* A short batch's gradient is its b rows: whatever lies past them in the buffer (here NaN) is
+ * neither checked nor applied. */
+Test(step, short_batch_gradient_is_its_own_rows)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	struct embd_step_batch batches[2];
+
+	setup(&fx, EMBD_OPT_ADAGRAD, EMBD_SHARD_ROW_WISE, 2);
+	fill_trainer_n(&fx, &trs[0], 11, false, 3);
+	fill_trainer_n(&fx, &trs[1], 12, true, B);
+	for (uint32_t i = 3 * 40; i < B * 40; i++)
+		trs[0].grad[i] = NAN;
+	for (uint32_t i = 0; i < 2; i++)
+		batches[i] = trs[i].batch;
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+	backward_and_check(&fx, trs, batches, 2, 1, "a short batch with NaN past its rows");
+	stop(&fx);
+}
+
 /* A huge but finite gradient is applied (clipping is the trainer's job); the rows it leaves
  * non-finite (here adagrad's sum of squares overflows) are counted and named. */
 Test(step, rows_an_update_leaves_nonfinite_are_counted)
