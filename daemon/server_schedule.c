@@ -460,7 +460,6 @@ static void run_backward(struct embd_server *sv)
 	next_step(sv);
 }
 
-/* Runs the phase everyone is in for, if any (only when something changed since last time). */
 /* Runs the phase everyone is in for, if any (only when something changed since last time).
  * Between steps each trainer votes with what it posted: FORWARD s (or sitting s out), or on a
  * cluster EVAL (or sitting the evaluation round out). */
