@@ -270,6 +270,9 @@ static bool numeric_addr(const char *s)
 
 static const struct choice layouts[] = {
 	{ "shared", EMBD_CKPT_SHARED }, { "per_node", EMBD_CKPT_PER_NODE }, { NULL, 0 } };
+static const struct choice scalings[] = {
+	{ "mean_over_trainers", EMBD_GRADIENT_MEAN_OVER_TRAINERS }, { "sum", EMBD_GRADIENT_SUM },
+	{ NULL, 0 } };
 static const struct choice backends[] = {
 	{ "gloo", EMBD_COMM_GLOO }, { "nccl", EMBD_COMM_NCCL }, { NULL, 0 } };
 
@@ -288,6 +291,8 @@ static const struct key keys[] = {
 	{ "trainers_per_node", parse_uint, FIELD(trainers_per_node), .min = 1,
 	  .max = EMBD_CONFIG_TRAINERS_MAX,
 	  .why = "must be at least 1" },
+	{ "gradient_scaling", parse_choice, FIELD(gradient_scaling), .choices = scalings,
+	  .why = "expected mean_over_trainers or sum", .def = "\"mean_over_trainers\"" },
 	/* 2^53: the largest integer a JSON double carries exactly */
 	{ "seed", parse_uint, FIELD(seed), .max = 9007199254740992.0, .def = "2026" },
 	{ "threads_per_rank", parse_uint, FIELD(threads_per_rank), .min = 1, .max = 1024,
@@ -553,6 +558,8 @@ int embd_config_join_settings(const struct embd_config *c, char **out)
 	cJSON_AddNumberToObject(o, "checkpoint_every_steps", c->checkpoint_every_steps);
 	cJSON_AddNumberToObject(o, "checkpoint_every_seconds", c->checkpoint_every_seconds);
 	cJSON_AddNumberToObject(o, "checkpoint_keep", c->checkpoint_keep);
+	cJSON_AddStringToObject(o, "gradient_scaling",
+				c->gradient_scaling == EMBD_GRADIENT_SUM ? "sum" : "mean_over_trainers");
 	*out = cJSON_PrintUnformatted(o);
 	cJSON_Delete(o);
 	return *out ? 0 : EMBD_ENOMEM;

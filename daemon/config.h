@@ -20,6 +20,15 @@
  *                                   peer's SO_PEERCRED decides; the socket's mode only lets
  *                                   them reach it (embd_config_socket_mode)
  *     "trainers_per_node": 2,       T trainers per step (default: local_world_size)
+ *     "gradient_scaling": "mean_over_trainers",  how the trainers' gradients of a step
+ *                                   combine: "mean_over_trainers" divides each dL/d(pooled)
+ *                                   by the number of trainers of the cluster
+ *                                   (trainers_per_node x nodes) before they are summed, as
+ *                                   TorchRec's sharded modules do by default (their gradient
+ *                                   division by the world size), so that a TorchRec learning
+ *                                   rate means the same here; "sum" sums them as they are (a
+ *                                   learning rate then moves rows T times as far with T
+ *                                   trainers). Every node of a cluster must have the same
  *     "seed": 2026,                 weight init seed (unsigned 64-bit)
  *     "threads_per_rank": 1,        worker threads of each CPU rank
  *     "log_level": "info",          error | warning | notice | info | debug
@@ -45,7 +54,8 @@
  *                                   Meant for one start: the damaged ones are out of the way
  *                                   afterwards
  *   every node of a cluster must have the same checkpoint_layout, every_steps,
- *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
+ *   every_seconds and keep, checkpoint_dir set on all or none, and the same
+ *   gradient_scaling (checked at join)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
  *     "step_wait_warn_ms": 10000,   a step that waits this long for a trainer (its FORWARD,
  *                                   once another trainer's came; its BACKWARD, once the
@@ -108,6 +118,12 @@
 #define EMBD_CONFIG_SOCKET_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
 #define EMBD_CONFIG_DEFAULT_SOCKET "/run/embd/embd.sock"
 
+/* "gradient_scaling": how the trainers' gradients of one step combine. */
+enum embd_gradient_scaling {
+	EMBD_GRADIENT_MEAN_OVER_TRAINERS = 0,   /* each divided by the cluster's trainers */
+	EMBD_GRADIENT_SUM = 1,                  /* summed as they are */
+};
+
 struct embd_config {
 	struct embd_tables tables;                      /* owned; embd_config_free releases */
 	struct embd_topology topology;
@@ -118,6 +134,7 @@ struct embd_config {
 	uint32_t num_allowed_gids;
 	gid_t allowed_gids[EMBD_CONFIG_IDS_MAX];
 	uint32_t trainers_per_node;
+	enum embd_gradient_scaling gradient_scaling;
 	uint64_t seed;
 	uint32_t threads_per_rank;
 	enum embd_log_level log_level;
@@ -173,6 +190,13 @@ int embd_config_join_settings(const struct embd_config *c, char **out);
  * refuses the rest; a mode narrower than the config would keep allowed peers out before the
  * check, with EACCES from connect). */
 mode_t embd_config_socket_mode(const struct embd_config *c, uid_t owner, gid_t group);
+/* What the step engine divides every trainer's gradient by (embd_step_set_grad_divisor):
+ * the cluster's trainers under mean_over_trainers, 1 under sum. */
+static inline uint32_t embd_config_grad_divisor(const struct embd_config *c)
+{
+	return c->gradient_scaling == EMBD_GRADIENT_SUM ? 1 :
+	       c->trainers_per_node * embd_config_nodes(c);
+}
 
 /* The checkpoint service's view of the config (ckpt/ckpt_service.h); *out borrows c's tables. */
 void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_settings *out);

@@ -350,8 +350,11 @@ static int start_engine(struct daemon *d, char *err, size_t err_len)
 	struct embd_step_cluster where = {
 		c->node_rank, embd_config_nodes(c), rg ? embd_regroup_comm(rg) : NULL,
 		d->cluster.store, c->collective_timeout_ms };
-	return embd_step_create_cluster(&c->tables, d->plan, d->ranks, c->seed,
-					c->trainers_per_node, &where, &d->step, err, err_len);
+	rc = embd_step_create_cluster(&c->tables, d->plan, d->ranks, c->seed, c->trainers_per_node,
+				      &where, &d->step, err, err_len);
+	if (!rc)
+		embd_step_set_grad_divisor(d->step, embd_config_grad_divisor(c));
+	return rc;
 }
 
 /* With checkpoint_dir: the checkpointer, and the newest valid checkpoint restored before the

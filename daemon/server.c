@@ -65,6 +65,7 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 		close(c->eventfd);
 	close(c->sock);
 	free(c->lengths);
+	free(c->eval_lengths);
 	memset(c, 0, sizeof(*c));
 	embd_server_checkpoint_client_gone(sv, slot);
 	while (sv->slots_end && !sv->clients[sv->slots_end - 1].used)
@@ -307,7 +308,8 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	if (rc)
 		return rc;
 	c->lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
-	if (!c->lengths)
+	c->eval_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
+	if (!c->lengths || !c->eval_lengths)
 		return EMBD_ENOMEM;
 	int fds[2] = { embd_region_fd(c->region), -1 };
 	if (embd_evloop_doorbell_mode(sv->loop) == EMBD_DOORBELL_EVENTFD) {
@@ -430,6 +432,14 @@ static void socket_event(struct embd_server *sv, struct client *c)
 		break;
 	case EMBD_CTL_CHECKPOINT_REQUEST:
 		rc = embd_server_checkpoint_request(sv, c, &msg, err, sizeof(err));
+		break;
+	case EMBD_CTL_TABLE_READ:
+	case EMBD_CTL_TABLE_WRITE:
+		if (embd_server_table_request(sv, c, &msg, err, sizeof(err))) {
+			embd_ctl_msg_close_fds(&msg);
+			embd_server_drop_client(sv, c, err);
+			return;
+		}
 		break;
 	default:
 		rc = EMBD_EPROTO;

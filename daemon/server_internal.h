@@ -5,6 +5,7 @@
  *   server_schedule.c  the step schedule: requests, the phases of step s, completions
  *   server_ckpt.c      checkpoints: embctl requests, --wait answers, SIGTERM's final one
  *   server_regroup.c   re-forming a cluster after a failure
+ *   server_tables.c    live table access (TABLE_READ, TABLE_WRITE)
  * struct embd_server holds the loop, the sessions and the schedule; the checkpoint and regroup
  * parts keep their state in their own structs, defined in their own files and reached only
  * through the functions below (each of which does nothing, or answers for a plain node, when
@@ -58,6 +59,13 @@ struct client {
 	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
 	bool cq_broken;                 /* its completion ring's head is corrupt: dropped at the
 					 * next pass over the rings */
+	/* its evaluation (EVAL): run at once on one node; on a cluster kept for the node's next
+	 * evaluation round (server_schedule.c) */
+	bool has_eval, eval_sat_out;    /* eval_sat_out: its EVAL was refused, the round goes on */
+	struct embd_sqe eval;
+	uint64_t eval_popped_ns;
+	struct embd_kjt eval_kjt;
+	int32_t *eval_lengths;          /* private copy of the evaluation batch's lengths */
 	uint64_t requests, errors;
 };
 
@@ -182,6 +190,14 @@ int embd_server_checkpoint_status_add(const struct embd_server *sv, char **statu
 /* The client in slot left: nobody waits there any more. */
 void embd_server_checkpoint_client_gone(struct embd_server *sv, uint32_t slot);
 void embd_server_checkpoint_free(struct embd_server *sv);
+
+/* ---- server_tables.c ---- */
+
+/* A TABLE_READ or TABLE_WRITE from client c: answered with the rows, DONE or an ERROR that
+ * says why (the client stays). Returns only a failure to send the answer (the client is
+ * gone), with err. */
+int embd_server_table_request(struct embd_server *sv, struct client *c,
+			      const struct embd_ctl_msg *msg, char *err, size_t err_len);
 
 /* ---- server_regroup.c ---- */
 

@@ -8,6 +8,9 @@
  * takes part, and may hold the thread up to collective_timeout_ms. A phase that waits for
  * trainers is timed from the first request it kept (or, for the backward, from the forward's
  * end): past step_wait_warn_ms it names them, past step_wait_abort_ms it gives up.
+ * Evaluations (EVAL) are no part of the steps: on one node each runs as soon as it is popped;
+ * on a cluster the node runs an evaluation round, between steps, once every trainer posted
+ * one (or sat it out), and a node with no trainer follows the others' rounds.
  */
 #include <cjson/cJSON.h>
 #include <inttypes.h>
@@ -159,7 +162,9 @@ void embd_server_drop_step(struct embd_server *sv, const char *why)
 			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
 		if (c->has_fwd)
 			embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, EMBD_EAGAIN, msg);
-		c->has_bwd = c->has_fwd = c->participant = false;
+		if (c->has_eval)
+			embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, EMBD_EAGAIN, msg);
+		c->has_bwd = c->has_fwd = c->has_eval = c->eval_sat_out = c->participant = false;
 		c->sat_out = 0;
 	}
 	sv->phase = COLLECT;
@@ -169,17 +174,30 @@ bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bo
 {
 	if (!c->used || !c->region || c->cq_broken)
 		return false;
-	bool takes = sv->phase == COLLECT ? !c->has_fwd :
-		     c->participant ? !c->has_bwd : !c->has_fwd;
+	bool takes = sv->phase == COLLECT || !c->participant ? !c->has_fwd && !c->has_eval :
+							      !c->has_bwd;
 	if (!takes)
 		return false;
-	/* every request gets one completion: now, or later for one kept (has_fwd, has_bwd) */
-	int room = embd_ring_room(embd_region_cq(c->region), 1u + c->has_fwd + c->has_bwd);
+	/* every request gets one completion: now, or later for one kept (has_fwd, has_bwd,
+	 * has_eval) */
+	int room = embd_ring_room(embd_region_cq(c->region),
+				  1u + c->has_fwd + c->has_bwd + c->has_eval);
 	if (room < 0)
 		c->cq_broken = true;
 	if (held)
 		*held = room == 0;
 	return room == 1;
+}
+
+/* The gradient must have the rows of the forward's output: the engine routes it by them. */
+static void backward_batch_size_refused(struct embd_server *sv, struct client *c,
+					const struct embd_sqe *sqe, uint64_t popped_ns)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+
+	snprintf(err, sizeof(err), "batch_size: %" PRIu32 " samples, step %" PRIu64 "'s forward had "
+		 "%" PRIu32, sqe->batch_size, sqe->step, c->kjt.batch_size);
+	embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
 }
 
 static void handle_backward(struct embd_server *sv, struct client *c,
@@ -190,6 +208,8 @@ static void handle_backward(struct embd_server *sv, struct client *c,
 	else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				     "step: this trainer takes no part in that step's backward");
+	else if (sqe->batch_size != c->kjt.batch_size)
+		backward_batch_size_refused(sv, c, sqe, popped_ns);
 	else {
 		c->bwd = *sqe;
 		c->bwd_popped_ns = popped_ns;
@@ -227,7 +247,8 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 		else
 			snprintf(err, sizeof(err), "step %" PRIu64 ": its forward ran %s; post %s",
 				 sv->s, c->participant ? "already" : "without this trainer",
-				 c->participant ? "its BACKWARD" : "FORWARD of the next step");
+				 c->participant ? "its BACKWARD (EVAL looks up without training)" :
+						  "FORWARD of the next step");
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
 		return;
 	}
@@ -245,6 +266,52 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 	c->sat_out = 0;
 	if (!sv->wait_since_ns)
 		wait_from(sv, embd_now_ns());
+}
+
+/* One node: the evaluation of c's batch, now and alone. */
+static void run_eval_now(struct embd_server *sv, struct client *c)
+{
+	uint8_t *slab = embd_region_slab(c->region);
+	struct embd_step_batch b = { .kjt = c->eval_kjt,
+				     .pooled = (float *)(slab + c->eval.output.offset) };
+	int rc = embd_step_eval(sv->step, &b, 1);
+	int st = rc < 0 ? rc : b.status;
+
+	embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? b.err : NULL);
+}
+
+static void handle_eval(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			uint64_t popped_ns)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+
+	if (sv->cluster && sv->phase == WAIT_BACKWARD && c->participant) {
+		snprintf(err, sizeof(err), "EVAL: the BACKWARD of step %" PRIu64 " is due first (on a "
+			 "cluster evaluations run between steps)", sv->s);
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
+		return;
+	}
+	if (!embd_server_regroup_running(sv)) {
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EAGAIN,
+				     "EVAL: the cluster is re-forming; evaluate again later");
+		return;
+	}
+	int rc = embd_kjt_view_build(sqe, &c->limits, embd_region_slab(c->region), c->eval_lengths,
+				     (size_t)c->limits.num_features * c->limits.batch_size + 1,
+				     &c->eval_kjt, err, sizeof(err));
+	c->eval = *sqe;
+	c->eval_popped_ns = popped_ns;
+	if (rc) {
+		c->eval_sat_out = sv->cluster;  /* its node's round goes on without it */
+		embd_server_complete(sv, c, sqe, popped_ns, rc, err);
+		return;
+	}
+	if (!sv->cluster) {
+		run_eval_now(sv, c);
+		return;
+	}
+	c->has_eval = true;
+	c->eval_sat_out = false;
 }
 
 static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
@@ -265,13 +332,19 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 	}
 	if (sqe->opcode == EMBD_OP_BACKWARD)
 		handle_backward(sv, c, sqe, popped_ns);
+	else if (sqe->opcode == EMBD_OP_EVAL)
+		handle_eval(sv, c, sqe, popped_ns);
 	else
 		handle_forward(sv, c, sqe, popped_ns);
 }
 
-static void run_forward(struct embd_server *sv)
+/* The forward of step s over the FORWARDs kept; follow: no trainer is connected, so the node
+ * joins whichever round the other nodes run (an evaluation changes nothing here). */
+static void run_forward(struct embd_server *sv, bool follow)
 {
 	uint32_t n = 0;
+	bool evaluated = false;
+	int rc;
 
 	/* in trainer order: the global batch is node 0's trainers in order, then node 1's, ... */
 	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
@@ -288,8 +361,17 @@ static void run_forward(struct embd_server *sv)
 	sv->step_start_ns = embd_now_ns();
 	sv->num_batches = n;
 	embd_server_checkpoint_forward_begin(sv);
-	int rc = embd_step_forward(sv->step, sv->batches, n);
+	if (follow)
+		rc = embd_step_follow(sv->step, &evaluated);
+	else
+		rc = embd_step_forward(sv->step, sv->batches, n);
 	embd_server_checkpoint_forward_end(sv, rc);
+	if (evaluated) {
+		if (rc < 0)
+			embd_log_error("an evaluation round of the cluster failed: %s",
+				       embd_strerror(rc));
+		return;
+	}
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		int st = rc < 0 ? rc : sv->batches[k].status;
@@ -314,6 +396,54 @@ static void run_forward(struct embd_server *sv)
 		embd_log_error("step %" PRIu64 " forward failed: %s", sv->s,
 			       n ? sv->batches[0].err : embd_strerror(rc));
 	next_step(sv);
+}
+
+/* A cluster's evaluation round over the EVALs kept (trainers that sat it out have none). */
+static void run_eval_round(struct embd_server *sv)
+{
+	const uint32_t T = sv->config->trainers_per_node;
+	struct embd_step_batch batches[T];
+	uint32_t slot[T], n = 0;
+
+	for (int32_t index = 0; index < (int32_t)T; index++)
+		for (uint32_t i = 0; i < sv->slots_end; i++) {
+			struct client *c = &sv->clients[i];
+			if (!c->used || c->index != index)
+				continue;
+			c->eval_sat_out = false;
+			if (!c->has_eval)
+				continue;
+			uint8_t *slab = embd_region_slab(c->region);
+			batches[n] = (struct embd_step_batch){
+				.kjt = c->eval_kjt, .pooled = (float *)(slab + c->eval.output.offset) };
+			slot[n++] = i;
+		}
+	int rc = embd_step_eval(sv->step, batches, n);
+	for (uint32_t k = 0; k < n; k++) {
+		struct client *c = &sv->clients[slot[k]];
+		int st = rc < 0 ? rc : batches[k].status;
+		embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? batches[k].err : NULL);
+		c->has_eval = false;
+	}
+	if (rc < 0)
+		embd_log_error("an evaluation round of the cluster failed: %s",
+			       n ? batches[0].err : embd_strerror(rc));
+}
+
+/* A trainer of the node posted a FORWARD (or sits step s out) while others posted EVALs: the
+ * node cannot run both, so the EVALs are refused, naming that trainer. */
+static void refuse_mixed_evals(struct embd_server *sv, const struct client *trainer)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+
+	snprintf(err, sizeof(err), "EVAL: trainer %d is in step %" PRIu64 " (on a cluster every "
+		 "trainer evaluates at the same point)", trainer->index, sv->s);
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (c->used && c->has_eval)
+			embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, EMBD_EINVAL, err);
+		c->has_eval = c->eval_sat_out = false;
+	}
 }
 
 /* Rows an update left NaN or infinite (engine/step.h): counted in stats and said, at most every
@@ -535,10 +665,13 @@ int embd_server_schedule_status_add(const struct embd_server *sv, char **status)
 	return embd_server_status_replace(status, root);
 }
 
-/* Runs the phase everyone is in for, if any (only when something changed since last time). */
+/* Runs the phase everyone is in for, if any (only when something changed since last time).
+ * Between steps each trainer votes with what it posted: FORWARD s (or sitting s out), or on a
+ * cluster EVAL (or sitting the evaluation round out). */
 static void advance(struct embd_server *sv)
 {
-	uint32_t trainers = 0, waiting = 0, posted = 0;
+	uint32_t trainers = 0, waiting = 0, posted = 0, evals = 0;
+	const struct client *in_step = NULL;
 
 	if (!sv->dirty || sv->stop || !embd_server_regroup_running(sv))
 		return;
@@ -550,19 +683,32 @@ static void advance(struct embd_server *sv)
 			continue;
 		trainers++;
 		if (sv->phase == COLLECT) {
+			const bool step = c->has_fwd || c->sat_out == sv->s + 1;
+			const bool eval = c->has_eval || c->eval_sat_out;
 			posted += c->has_fwd;
-			waiting += !c->has_fwd && c->sat_out != sv->s + 1;
+			evals += eval;
+			waiting += !step && !eval;
+			if (step && !in_step)
+				in_step = c;
 		} else if (c->participant) {
 			waiting += !c->has_bwd;
 		}
 	}
 	if (sv->phase == COLLECT) {
+		if (in_step && evals) {
+			refuse_mixed_evals(sv, in_step);
+			return;
+		}
 		if (!sv->first_step_done && trainers < sv->config->trainers_per_node)
+			return;
+		if (waiting)
 			return;
 		/* a cluster's step is collective: a node whose trainers all sat it out (or left)
 		 * still joins it, and waits in it for the others up to collective_timeout_ms */
-		if (!waiting && (posted || sv->cluster))
-			run_forward(sv);
+		if (evals)
+			run_eval_round(sv);
+		else if (posted || sv->cluster)
+			run_forward(sv, sv->cluster && !trainers);
 	} else if (!waiting) {
 		run_backward(sv);
 	}

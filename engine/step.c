@@ -57,10 +57,10 @@ void vec_free(struct vec *v)
 static void init_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 {
 	struct embd_step *s = arg;
-	struct rank_io *io = &s->io[rank];
+	const struct rank_shards *rs = &s->rank_shards[rank];
 
-	for (uint32_t i = 0; i < io->num_shards; i++)
-		embd_shard_init_weights(s->shards[io->shards[i]].shard, s->seed, exec);
+	for (uint32_t i = 0; i < rs->num_shards; i++)
+		embd_shard_init_weights(s->shards[rs->shards[i]].shard, s->seed, exec);
 }
 
 static int build_layout(struct embd_step *s, const struct embd_tables *tables,
@@ -75,9 +75,7 @@ static int build_layout(struct embd_step *s, const struct embd_tables *tables,
 	s->dims = calloc(f ? f : 1, sizeof(uint32_t));
 	s->offsets = calloc(f ? f : 1, sizeof(uint32_t));
 	s->feature_tables = calloc(f ? f : 1, sizeof(uint32_t));
-	s->scratch_offsets = calloc((uint64_t)s->max_trainers * ((uint64_t)f * batch_size + 1),
-				    sizeof(int64_t));
-	if (!s->names || !s->dims || !s->offsets || !s->feature_tables || !s->scratch_offsets)
+	if (!s->names || !s->dims || !s->offsets || !s->feature_tables)
 		return EMBD_ENOMEM;
 	f = 0;
 	for (uint32_t t = 0; t < tables->count; t++) {
@@ -138,21 +136,17 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 	s->shards = calloc(n ? n : 1, sizeof(*s->shards));
 	s->wire_tables = calloc(tables->count ? tables->count : 1, sizeof(*s->wire_tables));
 	s->wire_shards = calloc(n ? n : 1, sizeof(*s->wire_shards));
-	s->sources = calloc((size_t)s->max_trainers * s->layout.num_features *
-			    (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->sources));
-	s->refs = calloc((size_t)s->max_trainers * s->layout.num_features *
-			 (s->max_table_shards ? s->max_table_shards : 1), sizeof(*s->refs));
-	for (uint32_t r = 0; r < s->num_io; r++)
-		s->io[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
-	if (!s->shards || !s->sources || !s->refs || !s->wire_tables || !s->wire_shards)
+	for (uint32_t r = 0; r < s->num_ranks; r++)
+		s->rank_shards[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
+	if (!s->shards || !s->wire_tables || !s->wire_shards)
 		return EMBD_ENOMEM;
 	s->wire = (struct step_wire_plan){
 		.node = s->node, .batch_size = s->layout.batch_size, .num_tables = tables->count,
 		.num_shards = n, .num_features = s->layout.num_features, .tables = s->wire_tables,
 		.shards = s->wire_shards, .feature_tables = s->feature_tables,
 	};
-	for (uint32_t r = 0; r < s->num_io; r++)
-		if (!s->io[r].shards)
+	for (uint32_t r = 0; r < s->num_ranks; r++)
+		if (!s->rank_shards[r].shards)
 			return EMBD_ENOMEM;
 	for (uint32_t t = 0; t < tables->count; t++) {
 		const struct embd_table_spec *spec = &tables->specs[t];
@@ -194,8 +188,8 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 				return rc;
 			}
 			s->tables[t].num_local++;
-			struct rank_io *io = &s->io[ss->local];
-			io->shards[io->num_shards++] = s->tables[t].first_shard + k;
+			struct rank_shards *rs = &s->rank_shards[ss->local];
+			rs->shards[rs->num_shards++] = s->tables[t].first_shard + k;
 		}
 		if (s->tables[t].type == EMBD_SHARD_DATA_PARALLEL && !s->tables[t].num_local) {
 			snprintf(err, err_len, "table '%s': data_parallel without a replica on node %u",
@@ -204,6 +198,36 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 		}
 	}
 	return 0;
+}
+
+/* The buffers of one pass: every io, and room for max_trainers batches' offsets, sources and
+ * item references. After place_shards (it counts max_table_shards). */
+static int pass_alloc(struct embd_step *s, struct step_pass *p)
+{
+	const uint64_t F = s->layout.num_features, B = s->layout.batch_size;
+	const uint64_t refs = (uint64_t)s->max_trainers * F *
+			      (s->max_table_shards ? s->max_table_shards : 1);
+
+	p->io = calloc(s->num_io, sizeof(*p->io));
+	p->scratch_offsets = calloc((uint64_t)s->max_trainers * (F * B + 1), sizeof(int64_t));
+	p->sources = calloc(refs, sizeof(*p->sources));
+	p->refs = calloc(refs, sizeof(*p->refs));
+	return p->io && p->scratch_offsets && p->sources && p->refs ? 0 : EMBD_ENOMEM;
+}
+
+static void pass_free(struct embd_step *s, struct step_pass *p)
+{
+	for (uint32_t r = 0; p->io && r < s->num_io; r++) {
+		struct rank_io *io = &p->io[r];
+		struct vec *vs[] = { &io->offsets, &io->ids, &io->weights, &io->lengths,
+				     &io->partial, &io->items, &io->batches };
+		for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++)
+			vec_free(vs[i]);
+	}
+	free(p->io);
+	free(p->scratch_offsets);
+	free(p->sources);
+	free(p->refs);
 }
 
 int embd_step_create_cluster(const struct embd_tables *tables, const struct embd_plan *plan,
@@ -242,13 +266,19 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 	s->num_io = s->num_ranks + (nodes > 1 ? nodes : 0);
 	s->num_tables = tables->count;
 	s->tables = calloc(tables->count ? tables->count : 1, sizeof(*s->tables));
-	s->io = calloc(s->num_io, sizeof(*s->io));
-	if (!s->tables || !s->io)
+	s->rank_shards = calloc(s->num_ranks, sizeof(*s->rank_shards));
+	s->pass = &s->train;
+	s->eval.eval = true;
+	if (!s->tables || !s->rank_shards)
 		goto out;
 	rc = build_layout(s, tables, plan->topology.batch_size);
 	if (rc)
 		goto out;
 	rc = place_shards(s, tables, plan, err, err_len);
+	if (!rc)
+		rc = pass_alloc(s, &s->train);
+	if (!rc)
+		rc = pass_alloc(s, &s->eval);
 	if (!rc && nodes > 1)
 		rc = step_dist_create(s, cluster, err, err_len);
 	if (rc)
@@ -279,15 +309,11 @@ void embd_step_destroy(struct embd_step *s)
 	for (uint32_t i = 0; s->shards && i < s->num_shards; i++)
 		if (s->shards[i].shard)
 			embd_ranks_free_shard(s->ranks, s->shards[i].shard);
-	for (uint32_t r = 0; s->io && r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
-		struct vec *vs[] = { &io->offsets, &io->ids, &io->weights, &io->lengths,
-				     &io->partial, &io->items, &io->batches };
-		for (size_t i = 0; i < sizeof(vs) / sizeof(vs[0]); i++)
-			vec_free(vs[i]);
-		free(io->shards);
-	}
-	free(s->io);
+	pass_free(s, &s->train);
+	pass_free(s, &s->eval);
+	for (uint32_t r = 0; s->rank_shards && r < s->num_ranks; r++)
+		free(s->rank_shards[r].shards);
+	free(s->rank_shards);
 	free(s->shards);
 	free(s->tables);
 	free(s->names);
@@ -296,9 +322,6 @@ void embd_step_destroy(struct embd_step *s)
 	free(s->feature_tables);
 	free(s->wire_tables);
 	free(s->wire_shards);
-	free(s->scratch_offsets);
-	free(s->sources);
-	free(s->refs);
 	free(s);
 }
 
@@ -338,7 +361,7 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 		 * data_parallel item has no output at all (it only trains) */
 		bool direct = !remote && (grad || it->partial_at == NO_INDEX);
 		*bb = (struct embd_bag_batch){
-			.shard = ss->shard, .feature = it->feature, .batch_size = s->layout.batch_size,
+			.shard = ss->shard, .feature = it->feature, .batch_size = it->bsize,
 			.offsets = remote ? it->r_offsets : VEC_AT(io->offsets, int64_t, it->offsets_at),
 			.ids = remote ? it->r_ids : VEC_AT(io->ids, int64_t, it->ids_at),
 			.weights = !it->weighted ? NULL : remote ? it->r_weights :
@@ -349,11 +372,13 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 			.pooled_stride = direct ? s->layout.total_dim : ss->desc.cols,
 			.pooled_col = direct ? s->offsets[it->feature] + ss->desc.col_offset : 0,
 		};
-		if (grad)
+		if (grad) {
 			bb->pooled_grad = remote ? step_dist_grad_of(s, it) :
-				s->batches[it->batch].pooled_grad;
+				s->pass->batches[it->batch].pooled_grad;
+			bb->grad_divisor = s->grad_divisor;
+		}
 		else if (direct)
-			bb->pooled = s->batches[it->batch].pooled;
+			bb->pooled = s->pass->batches[it->batch].pooled;
 		else if (it->partial_at != NO_INDEX)
 			bb->pooled = VEC_AT(io->partial, float, it->partial_at);
 	}
@@ -366,7 +391,7 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 {
 	struct embd_step *s = arg;
-	struct rank_io *io = &s->io[rank];
+	struct rank_io *io = &s->pass->io[rank];
 	struct embd_bag_batch *all = io->batches.p;
 	uint64_t n = 0;
 
@@ -380,14 +405,14 @@ static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 {
 	struct embd_step *s = arg;
-	struct rank_io *io = &s->io[rank];
+	struct rank_io *io = &s->pass->io[rank];
 	struct embd_bag_batch *all = io->batches.p;
 	uint64_t i = 0;
 
 	io->rc = 0;
 	/* items are sorted by shard; every shard of the rank steps once, even untouched */
-	for (uint32_t k = 0; k < io->num_shards && !io->rc; k++) {
-		uint32_t shard = io->shards[k];
+	for (uint32_t k = 0; k < s->rank_shards[rank].num_shards && !io->rc; k++) {
+		uint32_t shard = s->rank_shards[rank].shards[k];
 		uint64_t first = i;
 		while (i < io->items.len && VEC_AT(io->items, struct step_item, i)->shard == shard)
 			i++;
@@ -402,37 +427,38 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
 /*
  * Outputs that did not go straight into a trainer's columns: the partial sums of row-split
  * tables (out = their sum, in shard order, wherever the shard is) and the column blocks of
- * shards on other nodes (copied). s->sources holds one pointer per (batch, feature, shard of
+ * shards on other nodes (copied). s->pass->sources holds one pointer per (batch, feature, shard of
  * the table): the rank's partial buffer here, the output exchange's buffer for other nodes.
  */
 static void assemble(struct embd_step *s)
 {
-	const uint32_t B = s->layout.batch_size, D = s->layout.total_dim, F = s->layout.num_features;
+	const uint32_t D = s->layout.total_dim, F = s->layout.num_features;
 	const uint32_t M = s->max_table_shards;
 
 	for (uint32_t r = 0; r < s->num_ranks; r++) {
-		struct rank_io *io = &s->io[r];
+		struct rank_io *io = &s->pass->io[r];
 		for (uint64_t i = 0; i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 			if (it->partial_at == NO_INDEX || it->batch == NO_BATCH)
 				continue;
 			const struct step_table *t = &s->tables[s->shards[it->shard].table];
-			s->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
+			s->pass->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
 				   t->first_shard] = VEC_AT(io->partial, float, it->partial_at);
 		}
 	}
-	for (uint32_t i = 0; i < s->num_batches; i++) {
-		if (s->batches[i].status)
+	for (uint32_t i = 0; i < s->pass->num_batches; i++) {
+		if (s->pass->batches[i].status)
 			continue;
+		const uint32_t B = s->pass->batches[i].kjt.batch_size;
 		for (uint32_t f = 0; f < F; f++) {
 			const struct step_table *t = &s->tables[s->feature_tables[f]];
 			const bool split = row_split(t->type);
-			float *out = s->batches[i].pooled + s->offsets[f];
+			float *out = s->pass->batches[i].pooled + s->offsets[f];
 			if (split)
 				for (uint32_t b = 0; b < B; b++)
 					memset(&out[(uint64_t)b * D], 0, sizeof(float) * s->dims[f]);
 			for (uint32_t k = 0; k < t->num_shards; k++) {
-				const float *src = s->sources[((uint64_t)i * F + f) * M + k];
+				const float *src = s->pass->sources[((uint64_t)i * F + f) * M + k];
 				if (!src)
 					continue;
 				const struct embd_shard_desc *d = &s->shards[t->first_shard + k].desc;
@@ -449,68 +475,60 @@ static void assemble(struct embd_step *s)
 static void reset_io(struct embd_step *s)
 {
 	for (uint32_t r = 0; r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
+		struct rank_io *io = &s->pass->io[r];
 		io->offsets.len = io->ids.len = io->weights.len = io->lengths.len = 0;
 		io->partial.len = io->items.len = io->batches.len = 0;
 	}
 }
 
+void step_pass_begin(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	struct step_pass *p = s->pass;
+
+	p->batches = batches;
+	p->num_batches = n;
+	p->cluster_accepted = 0;
+	p->counts = (struct embd_step_counts){ 0 };
+	reset_io(s);
+}
+
 int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 {
-	char msg[sizeof(s->batches[0].err)];
+	struct step_pass *p = s->pass;
+	char msg[sizeof(p->batches[0].err)];
 	va_list ap;
 
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	for (uint32_t i = 0; i < s->num_batches; i++)
-		if (!s->batches[i].status) {
-			s->batches[i].status = rc;
-			snprintf(s->batches[i].err, sizeof(s->batches[i].err), "%s", msg);
+	for (uint32_t i = 0; i < p->num_batches; i++)
+		if (!p->batches[i].status) {
+			p->batches[i].status = rc;
+			snprintf(p->batches[i].err, sizeof(p->batches[i].err), "%s", msg);
 		}
-	s->pending = false;
+	if (!p->eval)
+		s->pending = false;
 	return rc;
 }
 
-int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+/* Lookup and assembly of the running pass once its items are in (the exchanges included). */
+static int lookup_pass(struct embd_step *s)
 {
-	uint32_t accepted = 0;
+	struct step_pass *p = s->pass;
+	uint32_t failed_rank = 0;
 	int rc = 0;
 
-	s->pending = false;
-	s->batches = batches;
-	s->num_batches = n;
-	s->cluster_accepted = 0;
-	s->cluster_ckpt = false;
-	s->counts = (struct embd_step_counts){ 0 };
-	reset_io(s);
-	if (n > s->max_trainers)
-		return EMBD_EINVAL;
-	for (uint32_t i = 0; i < n; i++)
-		step_route_batch(s, i);
-	/* bad ids are known before the other nodes learn which batches this node accepted */
-	accepted = step_fill_batches(s);
-	s->cluster_accepted = accepted;
-	if (s->dist) {
-		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */
-		rc = step_dist_input(s);
-		if (rc)
-			return rc;
-	}
-	if (!s->cluster_accepted)
-		return 0;
-	memset(s->sources, 0, sizeof(*s->sources) * n * s->layout.num_features *
+	memset(p->sources, 0, sizeof(*p->sources) * p->num_batches * s->layout.num_features *
 			      s->max_table_shards);
 	/* from here on a failure is reported to the other nodes before the step fails */
-	uint32_t failed_rank = 0;
 	for (uint32_t r = 0; r < s->num_ranks && !rc; r++) {
-		struct rank_io *io = &s->io[r];
+		struct rank_io *io = &p->io[r];
 		if (io->items.len) /* a rank may hold no shard */
 			qsort(io->items.p, io->items.len, sizeof(struct step_item), compare_items);
 		for (uint64_t i = 0; i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 			if (it->forward)
-				s->counts.lookups += it->num_ids;
+				p->counts.lookups += it->num_ids;
 		}
 		rc = make_batches(s, io, false);
 		failed_rank = r;
@@ -518,13 +536,13 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 	if (!rc) {
 		embd_ranks_run(s->ranks, lookup_rank, s);
 		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
-			if ((rc = s->io[r].rc))
+			if ((rc = p->io[r].rc))
 				failed_rank = r;
 	}
 	char why[160] = "";
 	if (rc)
 		snprintf(why, sizeof(why), "lookup on rank %u of node %u: %.100s", failed_rank,
-			 s->node, rc == EMBD_ENOMEM ? "out of memory" : s->io[failed_rank].kerr.msg);
+			 s->node, rc == EMBD_ENOMEM ? "out of memory" : p->io[failed_rank].kerr.msg);
 	if (s->dist)
 		rc = step_dist_output(s, rc, why);
 	else if (rc)
@@ -532,13 +550,74 @@ int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint
 	if (rc)
 		return rc;
 	assemble(s);
-	s->pending = true;
-	return (int)accepted;
+	return 0;
+}
+
+/*
+ * One forward pass over n batches in s->pass: routing, the input exchange, lookup, the output
+ * exchange, assembly. Returns the batches accepted on this node, or an error. A ROUND_FOLLOW
+ * pass may leave s->pass switched to the evaluation pass (step_dist_input).
+ */
+static int forward_pass(struct embd_step *s, struct embd_step_batch *batches, uint32_t n,
+			enum step_round round)
+{
+	struct step_pass *p = s->pass;
+	uint32_t accepted = 0;
+	int rc = 0;
+
+	step_pass_begin(s, batches, n);
+	if (n > s->max_trainers)
+		return EMBD_EINVAL;
+	for (uint32_t i = 0; i < n; i++)
+		step_route_batch(s, i);
+	/* bad ids are known before the other nodes learn which batches this node accepted */
+	accepted = step_fill_batches(s);
+	p->cluster_accepted = accepted;
+	if (s->dist) {
+		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */
+		rc = step_dist_input(s, round);
+		if (rc)
+			return rc;
+	}
+	if (!s->pass->cluster_accepted)
+		return 0;
+	rc = lookup_pass(s);
+	return rc ? rc : (int)accepted;
+}
+
+int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	s->pending = false;
+	s->cluster_ckpt = false;
+	int rc = forward_pass(s, batches, n, ROUND_TRAIN);
+	s->pending = rc >= 0 && s->train.cluster_accepted;
+	return rc;
+}
+
+int embd_step_eval(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	s->pass = &s->eval;
+	int rc = forward_pass(s, batches, n, ROUND_EVAL);
+	s->pass = &s->train;
+	return rc;
+}
+
+int embd_step_follow(struct embd_step *s, bool *eval)
+{
+	*eval = false;
+	if (s->pending)
+		return EMBD_EINVAL;
+	s->cluster_ckpt = false;
+	int rc = forward_pass(s, NULL, 0, ROUND_FOLLOW);
+	*eval = s->pass == &s->eval;
+	s->pass = &s->train;
+	s->pending = !*eval && rc >= 0 && s->train.cluster_accepted;
+	return rc;
 }
 
 uint32_t embd_step_cluster_accepted(const struct embd_step *s)
 {
-	return s->cluster_accepted;
+	return s->train.cluster_accepted;
 }
 
 void embd_step_want_checkpoint(struct embd_step *s, bool want)
@@ -556,11 +635,12 @@ bool embd_step_cluster_checkpoint(const struct embd_step *s)
 static uint32_t check_grads_finite(struct embd_step *s, char *why, size_t why_len)
 {
 	const struct embd_step_layout *l = &s->layout;
-	const uint64_t n = (uint64_t)l->batch_size * l->total_dim;
 	uint32_t bad = 0;
 
-	for (uint32_t i = 0; i < s->num_batches; i++) {
-		const struct embd_step_batch *b = &s->batches[i];
+	for (uint32_t i = 0; i < s->pass->num_batches; i++) {
+		const struct embd_step_batch *b = &s->pass->batches[i];
+		/* the gradient has the rows of its batch: b of them */
+		const uint64_t n = (uint64_t)b->kjt.batch_size * l->total_dim;
 		uint64_t k = b->status ? n : embd_first_nonfinite(b->pooled_grad, n);
 		if (k == n || bad++)
 			continue;
@@ -582,11 +662,11 @@ static void count_nonfinite_rows(struct embd_step *s)
 		struct step_shard *ss = &s->shards[i];
 		if (!ss->shard || ss->shard->nonfinite_rows == ss->nonfinite_seen)
 			continue;
-		if (!s->counts.nonfinite_rows) {
-			s->counts.nonfinite_table = ss->table;
-			s->counts.nonfinite_row = ss->shard->nonfinite_row;
+		if (!s->pass->counts.nonfinite_rows) {
+			s->pass->counts.nonfinite_table = ss->table;
+			s->pass->counts.nonfinite_row = ss->shard->nonfinite_row;
 		}
-		s->counts.nonfinite_rows += ss->shard->nonfinite_rows - ss->nonfinite_seen;
+		s->pass->counts.nonfinite_rows += ss->shard->nonfinite_rows - ss->nonfinite_seen;
 		ss->nonfinite_seen = ss->shard->nonfinite_rows;
 	}
 }
@@ -596,7 +676,7 @@ int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uin
 	char why[192] = "";
 	int rc = 0;
 
-	if (!s->pending || batches != s->batches || n != s->num_batches)
+	if (!s->pending || batches != s->pass->batches || n != s->pass->num_batches)
 		return EMBD_EINVAL;
 	s->pending = false;
 	for (uint32_t i = 0; i < n; i++)
@@ -605,8 +685,8 @@ int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uin
 			rc = EMBD_EINVAL;
 		}
 	/* before anything is sent or applied: refused like an abort (step.h) */
-	s->counts.nonfinite_grads = rc ? 0 : check_grads_finite(s, why, sizeof(why));
-	if (s->counts.nonfinite_grads)
+	s->pass->counts.nonfinite_grads = rc ? 0 : check_grads_finite(s, why, sizeof(why));
+	if (s->pass->counts.nonfinite_grads)
 		rc = EMBD_ECANCELED;
 	else if (rc)
 		snprintf(why, sizeof(why), "a trainer's pooled_grad is missing");
@@ -622,18 +702,18 @@ int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uin
 	}
 	uint32_t failed_rank = 0;
 	for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
-		if ((rc = make_batches(s, &s->io[r], true)))
+		if ((rc = make_batches(s, &s->pass->io[r], true)))
 			failed_rank = r;
 	if (!rc) {
 		embd_ranks_run(s->ranks, backward_rank, s);
 		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
-			if ((rc = s->io[r].rc))
+			if ((rc = s->pass->io[r].rc))
 				failed_rank = r;
 		count_nonfinite_rows(s);
 	}
 	if (rc)
 		return step_fail(s, rc, "backward on rank %u of node %u: %.150s", failed_rank, s->node,
-				 rc == EMBD_ENOMEM ? "out of memory" : s->io[failed_rank].kerr.msg);
+				 rc == EMBD_ENOMEM ? "out of memory" : s->pass->io[failed_rank].kerr.msg);
 	return 0;
 }
 
@@ -650,7 +730,7 @@ int embd_step_abort(struct embd_step *s, const char *why)
 
 void embd_step_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
-	*out = s->counts;
+	*out = s->train.counts;
 	if (s->dist)
 		step_dist_counts(s, out);
 }
@@ -675,6 +755,11 @@ int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row
 		return 0;
 	}
 	return EMBD_ENOENT;
+}
+
+void embd_step_set_grad_divisor(struct embd_step *s, uint32_t divisor)
+{
+	s->grad_divisor = divisor;
 }
 
 void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg)

@@ -20,6 +20,8 @@
  * The global batch is the concatenation of the trainers' batches, so the result equals one
  * unsharded table trained on it. A step whose backward never runs changed no parameter.
  *
+ * An evaluation (embd_step_eval) runs the forward phases 1-3 alone, in buffers of its own.
+ *
  * On several nodes (embd_step_create_cluster) each node holds the shards of its own ranks and
  * runs the same phases with three collectives in forward and one in backward between them
  * (engine/step_dist.c): a fixed-size exchange of sizes, accept counts and status; ONE
@@ -144,6 +146,30 @@ int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, u
  * node). When it is > 0 every node must call backward or abort, even with none of its own. */
 uint32_t embd_step_cluster_accepted(const struct embd_step *step);
 
+/*
+ * An evaluation: the forward of n batches (checked and refused per batch as in forward) on the
+ * rows as they are now, with nothing kept for a backward and no parameter changed. It has
+ * buffers of its own, so it may run between a step's forward and its backward and leaves
+ * that step's pending backward intact (the rows it reads are then those before that step's
+ * update, as in TorchRec, whose update happens in the backward). Returns the batches accepted
+ * on this node, or an error as forward (err in every batch).
+ * On a cluster it is a collective round of its own, as a forward: every node calls
+ * embd_step_eval (or embd_step_follow) for the same evaluation round, in the same order
+ * relative to its steps; a node that runs a step's forward at that point instead fails the
+ * round on every node with EMBD_EMISMATCH and breaks the comm (the trainers disagree on the
+ * order of their steps and evaluations).
+ */
+int embd_step_eval(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+
+/*
+ * On a cluster, for a node none of whose trainers has a batch (none connected): joins the
+ * next round the other nodes run, whichever it is. *eval says which it was: an evaluation
+ * (nothing pending), or a training step's forward of no batch (then, as after forward,
+ * backward or abort is due when embd_step_cluster_accepted > 0). EMBD_EINVAL while a forward
+ * is pending; otherwise returns as forward. On one node: a forward of no batch.
+ */
+int embd_step_follow(struct embd_step *step, bool *eval);
+
 /* Checkpoints a cluster agrees on (ckpt/ckpt_service.h): _want sets this node's flag in the
  * HELLO of the next forwards; _cluster_checkpoint says whether any node's HELLO of the last
  * forward carried it, the same answer on every node (false on one node, and when the forward
@@ -153,7 +179,8 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
 
 /*
  * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
- * set for every accepted batch). Applies the fused optimizer to every shard once.
+ * set for every accepted batch). Applies the fused optimizer to every shard once, with the
+ * gradients of all trainers summed (each divided by the grad divisor when one is set).
  * EMBD_EINVAL when no forward is pending.
  *
  * Every accepted gradient is checked first (kernels/finite.h): one with a NaN or infinite
@@ -186,6 +213,14 @@ void embd_step_comm_break(struct embd_step *step, const char *why);
  * keeps owning it); exchanges count from 0 again. EMBD_EINVAL otherwise. */
 int embd_step_comm_set(struct embd_step *step, struct embd_comm *comm, uint64_t gen);
 
+/*
+ * TorchRec's gradient division: from the next backward on, every trainer's dL/d(pooled) is
+ * divided by divisor before the gradients are summed (TorchRec divides by its world size,
+ * the number of trainers, so that a learning rate means the same whatever their number). 0
+ * or 1 (the default): summed as they are. Between steps.
+ */
+void embd_step_set_grad_divisor(struct embd_step *step, uint32_t divisor);
+
 /* Counters of the last forward. */
 void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out);
 
@@ -193,6 +228,56 @@ void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out
  * holds it (data_parallel: replica on rank `replica`); EMBD_ENOENT when none does. */
 int embd_step_read_weight(const struct embd_step *step, uint32_t table, int64_t row,
 			  uint32_t col, uint32_t replica, float *out);
+
+/* ---- live table access ---------------------------------------------------------------------
+ * Rows of one table in table coordinates, read or written between steps (no forward or
+ * backward running) on the caller's thread, whatever the sharding (engine/step_tables.c).
+ * Arrays: the weights (num_embeddings x embedding_dim, fp16 tables converted), the optimizer
+ * state momentum1 (adagrad's sum of squares, adam's m: x embedding_dim; rowwise_adagrad's: x
+ * one value per column shard of the row, 1 unless the table is column-split) and momentum2
+ * (adam's v). A data_parallel table is read from this node's replica and written to all of
+ * them. On a cluster only what this node holds: a row or columns on another node give
+ * EMBD_ENOENT naming it. */
+enum embd_step_array {
+	EMBD_STEP_WEIGHTS = 0,
+	EMBD_STEP_MOMENTUM1 = 1,
+	EMBD_STEP_MOMENTUM2 = 2,
+};
+
+struct embd_step_table_info {
+	int64_t num_embeddings;
+	uint32_t cols;                  /* floats per row of the array; 0: the optimizer has none */
+	int64_t optimizer_step;         /* optimizer steps the table's shards applied (adam's t) */
+};
+
+/* The shape of array a of table t. EMBD_ENOENT: no such table or array. */
+int embd_step_table_info(const struct embd_step *step, uint32_t table, enum embd_step_array a,
+			 struct embd_step_table_info *out);
+
+/* n rows: ids[0..n) when ids is not NULL, else row_begin .. row_begin + n - 1. */
+struct embd_step_rows {
+	const int64_t *ids;
+	int64_t row_begin;
+	uint64_t n;
+};
+
+/*
+ * Reads the rows of array a of table t into out (float[n][info.cols]). Returns 0, EMBD_ENOENT
+ * (no such table; a part on another node, named in err), EMBD_EINVAL (the optimizer keeps no
+ * such array), EMBD_ERANGE (a row outside the table, named).
+ */
+int embd_step_table_read(const struct embd_step *step, uint32_t table, enum embd_step_array a,
+			 const struct embd_step_rows *rows, float *out, char *err, size_t err_len);
+
+/*
+ * Writes in (float[n][info.cols], every value finite) into the rows of array a of table t:
+ * the next forward reads them. Every row is checked before any is written, and the update
+ * hook (a running checkpoint's copy-before-write) sees them first. Returns as read, and
+ * EMBD_EINVAL for a value that is not finite (named).
+ */
+int embd_step_table_write(struct embd_step *step, uint32_t table, enum embd_step_array a,
+			  const struct embd_step_rows *rows, const float *in, char *err,
+			  size_t err_len);
 
 /* ---- shards, for checkpoints ---------------------------------------------------------------
  * Between steps (no forward or backward running) the shards may be read and, before the first

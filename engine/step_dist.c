@@ -35,10 +35,22 @@
 
 /* What this node received: one record per wire item, in arrival order. */
 struct wire_rx {
-	uint32_t peer, rank, cols;
+	uint32_t peer, rank, cols, bsize;
 	bool forward;
 	uint64_t out_at;                        /* floats into io[rank].partial */
 	uint64_t grad_at;                       /* bytes into the peer's GRADS block */
+};
+
+/* What one pass (the training step's, or an evaluation's: step_internal.h) keeps of its
+ * exchanges; the training pass's received items live in `in` until its backward. */
+struct dist_pass {
+	struct vec in, out;                     /* bytes */
+	struct vec rx;                          /* struct wire_rx */
+	uint64_t *rx_first;                     /* nodes + 1: first rx of each peer */
+	uint64_t *out_expect, *grad_expect;     /* per peer, from HELLO: OUTPUT / GRADS sizes */
+	int local_status;                       /* this node's failure to unpack the input */
+	char why[96];
+	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* of the last pass, sent to others */
 };
 
 struct step_dist {
@@ -46,20 +58,20 @@ struct step_dist {
 	struct embd_store *store;               /* only to name the missing node on failure */
 	int timeout_ms;
 	uint32_t nodes;
-	uint64_t seq;
+	uint64_t seq;                           /* forward rounds (training and evaluation) */
 	uint64_t gen;                           /* the comm's generation (regroup.h), for keys */
 	uint64_t *sbytes, *rbytes, *roff;       /* per peer, of the exchange at hand */
-	struct vec send, in, out, grad;         /* bytes; in and grad live until backward */
-	struct vec rx;                          /* struct wire_rx */
-	uint64_t *rx_first;                     /* nodes + 1: first rx of each peer */
+	struct vec send, grad;                  /* bytes; grad lives until backward */
 	uint64_t *grad_off;                     /* per peer: its block in grad */
-	uint64_t *out_expect, *grad_expect;     /* per peer, from HELLO: OUTPUT / GRADS sizes */
-	int local_status;                       /* this node's failure to unpack the input */
-	char why[96];
+	struct dist_pass passes[2];             /* [0] the training step's, [1] an evaluation's */
 	bool broken;
 	char broken_msg[256];
-	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* of the last step, sent to others */
 };
+
+static struct dist_pass *dpass(const struct embd_step *s)
+{
+	return &s->dist->passes[s->pass->eval];
+}
 
 int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluster, char *err,
 		     size_t err_len)
@@ -78,13 +90,17 @@ int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluste
 	d->sbytes = calloc(N, sizeof(uint64_t));
 	d->rbytes = calloc(N, sizeof(uint64_t));
 	d->roff = calloc(N + 1, sizeof(uint64_t));
-	d->rx_first = calloc(N + 1, sizeof(uint64_t));
 	d->grad_off = calloc(N + 1, sizeof(uint64_t));
-	d->out_expect = calloc(N, sizeof(uint64_t));
-	d->grad_expect = calloc(N, sizeof(uint64_t));
-	if (!d->sbytes || !d->rbytes || !d->roff || !d->rx_first || !d->grad_off ||
-	    !d->out_expect || !d->grad_expect)
+	if (!d->sbytes || !d->rbytes || !d->roff || !d->grad_off)
 		return EMBD_ENOMEM;
+	for (int i = 0; i < 2; i++) {
+		struct dist_pass *x = &d->passes[i];
+		x->rx_first = calloc(N + 1, sizeof(uint64_t));
+		x->out_expect = calloc(N, sizeof(uint64_t));
+		x->grad_expect = calloc(N, sizeof(uint64_t));
+		if (!x->rx_first || !x->out_expect || !x->grad_expect)
+			return EMBD_ENOMEM;
+	}
 	if (!comm) {
 		/* a node that rejoins a running cluster: no step until it is in a generation */
 		d->broken = true;
@@ -107,27 +123,32 @@ void step_dist_destroy(struct embd_step *s)
 	if (!d)
 		return;
 	vec_free(&d->send);
-	vec_free(&d->in);
-	vec_free(&d->out);
 	vec_free(&d->grad);
-	vec_free(&d->rx);
+	for (int i = 0; i < 2; i++) {
+		struct dist_pass *x = &d->passes[i];
+		vec_free(&x->in);
+		vec_free(&x->out);
+		vec_free(&x->rx);
+		free(x->rx_first);
+		free(x->out_expect);
+		free(x->grad_expect);
+	}
 	free(d->sbytes);
 	free(d->rbytes);
 	free(d->roff);
-	free(d->rx_first);
 	free(d->grad_off);
-	free(d->out_expect);
-	free(d->grad_expect);
 	free(d);
 	s->dist = NULL;
 }
 
 void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
+	const struct dist_pass *x = &s->dist->passes[0];
+
 	out->sent_bytes = 0;
 	for (int e = 0; e < EMBD_STEP_EXCHANGES; e++) {
-		out->exchange_bytes[e] = s->dist->exchange_bytes[e];
-		out->sent_bytes += s->dist->exchange_bytes[e];
+		out->exchange_bytes[e] = x->exchange_bytes[e];
+		out->sent_bytes += x->exchange_bytes[e];
 	}
 }
 
@@ -211,15 +232,16 @@ static int exchange(struct embd_step *s, struct vec *recv, enum embd_step_exchan
 	static const char *const names[EMBD_STEP_EXCHANGES] = { "size", "input", "output",
 								 "gradient" };
 	struct step_dist *d = s->dist;
+	struct dist_pass *x = dpass(s);
 	const char *what = names[which];
 	int rc;
 
 	d->roff[0] = 0;
-	d->exchange_bytes[which] = 0;
+	x->exchange_bytes[which] = 0;
 	for (uint32_t p = 0; p < d->nodes; p++) {
 		d->roff[p + 1] = d->roff[p] + d->rbytes[p];
 		if (p != s->node)
-			d->exchange_bytes[which] += d->sbytes[p];
+			x->exchange_bytes[which] += d->sbytes[p];
 	}
 	recv->len = 0;
 	if ((rc = vec_reserve(recv, d->roff[d->nodes], 1)))
@@ -308,8 +330,10 @@ static int check_heads(struct embd_step *s, const struct vec *recv, struct wire_
 
 /* ---- forward ----------------------------------------------------------------------------- */
 
-static uint64_t item_wire_bytes(const struct step_item *it, uint32_t B, bool lengths)
+static uint64_t item_wire_bytes(const struct step_item *it, bool lengths)
 {
+	const uint32_t B = it->bsize;
+
 	return sizeof(struct wire_item) + (B + 1ull) * 8 + it->num_ids * 8 +
 	       (it->weighted ? wire_pad8(it->num_ids * 4) : 0) + (lengths ? wire_pad8(B * 4ull) : 0);
 }
@@ -318,13 +342,13 @@ static uint64_t item_wire_bytes(const struct step_item *it, uint32_t B, bool len
  * what OUTPUT brings back from m, and what GRADS sends to m. */
 static uint64_t staged_block_bytes(const struct embd_step *s, uint32_t m, bool forward_only)
 {
-	const struct rank_io *io = &s->io[s->num_ranks + m];
+	const struct rank_io *io = &s->pass->io[s->num_ranks + m];
 	uint64_t bytes = 0;
 
 	for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
 		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 		if (it->forward || !forward_only)
-			bytes += (uint64_t)s->layout.batch_size * s->shards[it->shard].desc.cols * 4;
+			bytes += (uint64_t)it->bsize * s->shards[it->shard].desc.cols * 4;
 	}
 	return bytes;
 }
@@ -332,17 +356,17 @@ static uint64_t staged_block_bytes(const struct embd_step *s, uint32_t m, bool f
 /* Packs the staged items of node m at out (exactly item_wire_bytes each). */
 static void pack_items(const struct embd_step *s, uint32_t m, uint8_t *out)
 {
-	const struct rank_io *io = &s->io[s->num_ranks + m];
-	const uint32_t B = s->layout.batch_size;
+	const struct rank_io *io = &s->pass->io[s->num_ranks + m];
 
 	for (uint64_t i = 0; i < io->items.len; i++) {
 		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+		const uint32_t B = it->bsize;
 		const bool lengths = it->lengths_at != NO_INDEX;
 		struct wire_item w = {
 			.gtrainer = it->gtrainer, .feature = it->feature, .shard = it->shard,
 			.flags = (it->weighted ? WIRE_WEIGHTED : 0) | (lengths ? WIRE_LENGTHS : 0) |
 				 (it->forward ? WIRE_FORWARD : 0),
-			.num_ids = it->num_ids,
+			.num_ids = it->num_ids, .batch_size = B,
 		};
 		memcpy(out, &w, sizeof(w));
 		out += sizeof(w);
@@ -368,7 +392,7 @@ static int add_rx_item(struct embd_step *s, uint32_t shard, const struct step_it
 		       bool forward, uint64_t *partial_at)
 {
 	const uint32_t cols = s->shards[shard].desc.cols;
-	struct rank_io *io = &s->io[s->shards[shard].local];
+	struct rank_io *io = &s->pass->io[s->shards[shard].local];
 	struct step_item it = *proto;
 	uint64_t at;
 	int rc;
@@ -376,7 +400,7 @@ static int add_rx_item(struct embd_step *s, uint32_t shard, const struct step_it
 	it.shard = shard;
 	it.forward = forward;
 	if (forward && *partial_at == NO_INDEX &&
-	    (rc = vec_take(&io->partial, (uint64_t)s->layout.batch_size * cols, sizeof(float),
+	    (rc = vec_take(&io->partial, (uint64_t)proto->bsize * cols, sizeof(float),
 			   partial_at)))
 		return rc;
 	it.partial_at = forward ? *partial_at : NO_INDEX;
@@ -397,8 +421,8 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 {
 	struct unpack *u = arg;
 	struct embd_step *s = u->s;
-	struct step_dist *d = s->dist;
-	const uint32_t B = s->layout.batch_size;
+	struct dist_pass *x = dpass(s);
+	const uint32_t B = w->batch_size;
 	const struct step_shard *ss = &s->shards[w->shard];
 	const struct step_table *t = &s->tables[ss->table];
 	const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
@@ -408,16 +432,16 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 	(void)seq;
 	struct step_item proto = {
 		.shard = w->shard, .feature = w->feature, .batch = NO_BATCH,
-		.gtrainer = w->gtrainer, .weighted = w->weighted, .num_ids = w->num_ids,
-		.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = p, .rx = d->rx.len,
+		.gtrainer = w->gtrainer, .bsize = B, .weighted = w->weighted, .num_ids = w->num_ids,
+		.lengths_at = NO_INDEX, .partial_at = NO_INDEX, .peer = p, .rx = x->rx.len,
 		.r_offsets = w->offsets, .r_ids = w->ids, .r_weights = w->weights,
 		.r_lengths = w->lengths,
 	};
-	if ((rc = vec_take(&d->rx, 1, sizeof(struct wire_rx), &rx_at)))
+	if ((rc = vec_take(&x->rx, 1, sizeof(struct wire_rx), &rx_at)))
 		return rc;
 	/* no output until the lookup wrote it (out_at set below) */
-	*VEC_AT(d->rx, struct wire_rx, rx_at) = (struct wire_rx){
-		.peer = p, .rank = ss->local, .cols = ss->desc.cols, .forward = false,
+	*VEC_AT(x->rx, struct wire_rx, rx_at) = (struct wire_rx){
+		.peer = p, .rank = ss->local, .cols = ss->desc.cols, .bsize = B, .forward = false,
 		.out_at = NO_INDEX, .grad_at = u->grad_at,
 	};
 	u->grad_at += (uint64_t)B * ss->desc.cols * 4;
@@ -428,67 +452,101 @@ static int unpack_item(void *arg, uint32_t p, uint64_t seq, const struct step_wi
 		    (rc = add_rx_item(s, t->first_shard + k, &proto, !dp, &partial_at)))
 			return rc;
 	}
-	VEC_AT(d->rx, struct wire_rx, rx_at)->forward = !dp;
-	VEC_AT(d->rx, struct wire_rx, rx_at)->out_at = partial_at;
+	VEC_AT(x->rx, struct wire_rx, rx_at)->forward = !dp;
+	VEC_AT(x->rx, struct wire_rx, rx_at)->out_at = partial_at;
 	return 0;
 }
 
-int step_dist_input(struct embd_step *s)
+/* HELLO: sizes, accepted batches and flags with every node; the round's kind from every
+ * node's flags (a ROUND_FOLLOW pass becomes an evaluation when the others evaluate). */
+static int exchange_hello(struct embd_step *s, enum step_round round, const uint64_t *payload,
+			  struct wire_head *heads)
 {
 	struct step_dist *d = s->dist;
-	const uint32_t N = d->nodes, B = s->layout.batch_size;
+	const uint32_t N = d->nodes;
 	const size_t H = sizeof(struct wire_head);
-	struct wire_head heads[N];
-	uint64_t payload[N], out_b[N], grad_b[N], mask = 0, total = 0;
+	const bool eval = round == ROUND_EVAL;
+	uint64_t mask = 0, total = 0;
 	int rc;
 
-	d->seq++;
-	memset(d->exchange_bytes, 0, sizeof(d->exchange_bytes));
-	d->rx.len = 0;
-	if (d->broken)
-		return refuse_broken(s);
-	for (uint32_t i = 0; i < s->num_batches; i++)
-		mask |= (uint64_t)(s->batches[i].status == 0) << i;
-	for (uint32_t m = 0; m < N; m++) {
-		const struct rank_io *io = &s->io[s->num_ranks + m];
-		payload[m] = 0;
-		for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
-			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
-			payload[m] += item_wire_bytes(it, B, it->lengths_at != NO_INDEX);
-		}
-		out_b[m] = staged_block_bytes(s, m, true);
-		grad_b[m] = staged_block_bytes(s, m, false);
+	for (uint32_t i = 0; i < s->pass->num_batches; i++)
+		mask |= (uint64_t)(s->pass->batches[i].status == 0) << i;
+	for (uint32_t m = 0; m < N; m++)
 		total += payload[m];
-	}
-	/* 1. HELLO */
 	d->send.len = 0;
 	if ((rc = vec_reserve(&d->send, N * H + total, 1)))
 		return step_fail(s, rc, "out of memory for the input exchange");
 	for (uint32_t m = 0; m < N; m++) {
+		/* an evaluation announces no gradient: its items never train */
 		struct wire_head h = { .magic = WIRE_MAGIC, .seq = d->seq, .bytes = payload[m],
-				       .out_bytes = out_b[m], .grad_bytes = grad_b[m],
+				       .out_bytes = staged_block_bytes(s, m, true),
+				       .grad_bytes = eval ? 0 : staged_block_bytes(s, m, false),
 				       .accepted_mask = mask,
-				       .flags = s->ckpt_want ? WIRE_HELLO_CHECKPOINT : 0 };
+				       .flags = eval ? WIRE_HELLO_EVAL :
+						(s->ckpt_want ? WIRE_HELLO_CHECKPOINT : 0) |
+						(round == ROUND_FOLLOW ? WIRE_HELLO_IDLE : 0) };
 		memcpy((uint8_t *)d->send.p + m * H, &h, H);
 		d->sbytes[m] = d->rbytes[m] = H;
 	}
-	if ((rc = exchange(s, &d->in, EMBD_STEP_SIZES)))
+	if ((rc = exchange(s, &dpass(s)->in, EMBD_STEP_SIZES)))
 		return rc;
-	if ((rc = check_heads(s, &d->in, heads, 0, "size exchange:")))
+	if ((rc = check_heads(s, &dpass(s)->in, heads, 0, "size exchange:")))
 		return rc;
-	s->cluster_accepted = 0;
-	for (uint32_t p = 0; p < N; p++) {
-		s->cluster_accepted += (uint32_t)__builtin_popcountll(heads[p].accepted_mask);
+	bool round_eval = false;
+	for (uint32_t p = 0; p < N && !rc; p++)
 		/* sizes a sane peer of this version can send; anything else is a broken peer */
-		if ((rc = step_wire_hello(p, &heads[p], d->broken_msg, sizeof(d->broken_msg)))) {
-			d->broken = true;
-			return step_fail(s, rc, "%s", d->broken_msg);
-		}
-		s->cluster_ckpt |= (heads[p].flags & WIRE_HELLO_CHECKPOINT) != 0;
-		d->out_expect[p] = p == s->node ? 0 : heads[p].out_bytes;
-		d->grad_expect[p] = p == s->node ? 0 : heads[p].grad_bytes;
+		rc = step_wire_hello(p, &heads[p], d->broken_msg, sizeof(d->broken_msg));
+	/* a node that trains while another evaluates: their trainers disagree on the order */
+	if (!rc)
+		rc = step_wire_round(heads, N, s->node, &round_eval, d->broken_msg,
+				     sizeof(d->broken_msg));
+	if (rc) {
+		d->broken = true;
+		return step_fail(s, rc, "%s", d->broken_msg);
 	}
-	if (!s->cluster_accepted)
+	if (round_eval && !s->pass->eval) {
+		/* ROUND_FOLLOW: no batch here, so the evaluation pass starts empty */
+		s->pass = &s->eval;
+		step_pass_begin(s, NULL, 0);
+		memset(dpass(s)->exchange_bytes, 0, sizeof(dpass(s)->exchange_bytes));
+	}
+	return 0;
+}
+
+int step_dist_input(struct embd_step *s, enum step_round round)
+{
+	struct step_dist *d = s->dist;
+	const uint32_t N = d->nodes;
+	struct wire_head heads[N];
+	uint64_t payload[N];
+	int rc;
+
+	d->seq++;
+	memset(dpass(s)->exchange_bytes, 0, sizeof(dpass(s)->exchange_bytes));
+	if (d->broken)
+		return refuse_broken(s);
+	for (uint32_t m = 0; m < N; m++) {
+		const struct rank_io *io = &s->pass->io[s->num_ranks + m];
+		payload[m] = 0;
+		for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
+			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+			payload[m] += item_wire_bytes(it, it->lengths_at != NO_INDEX);
+		}
+	}
+	/* 1. HELLO */
+	if ((rc = exchange_hello(s, round, payload, heads)))
+		return rc;
+	struct dist_pass *x = dpass(s);         /* the evaluation's, if the round is one */
+	x->rx.len = 0;
+	s->pass->cluster_accepted = 0;
+	for (uint32_t p = 0; p < N; p++) {
+		s->pass->cluster_accepted += (uint32_t)__builtin_popcountll(heads[p].accepted_mask);
+		if (!s->pass->eval)
+			s->cluster_ckpt |= (heads[p].flags & WIRE_HELLO_CHECKPOINT) != 0;
+		x->out_expect[p] = p == s->node ? 0 : heads[p].out_bytes;
+		x->grad_expect[p] = p == s->node ? 0 : heads[p].grad_bytes;
+	}
+	if (!s->pass->cluster_accepted)
 		return 0;
 	/* 2. INPUT: exactly the staged items, nothing to oneself */
 	uint8_t *out = d->send.p;
@@ -498,22 +556,23 @@ int step_dist_input(struct embd_step *s)
 		d->sbytes[m] = payload[m];
 		d->rbytes[m] = m == s->node ? 0 : heads[m].bytes;
 	}
-	if ((rc = exchange(s, &d->in, EMBD_STEP_INPUT)))
+	if ((rc = exchange(s, &x->in, EMBD_STEP_INPUT)))
 		return rc;
 	/* bad peer data fails the step everywhere: the OUTPUT head carries it */
-	d->local_status = 0;
-	d->why[0] = 0;
+	x->local_status = 0;
+	x->why[0] = 0;
 	for (uint32_t p = 0; p < N; p++) {
-		d->rx_first[p] = d->rx.len;
+		x->rx_first[p] = x->rx.len;
 		struct unpack u = { .s = s };
 		/* the gradients p announced must be exactly those of the items it sent */
-		if (!d->local_status)
-			d->local_status = step_wire_input(&s->wire, p,
-							  (const uint8_t *)d->in.p + d->roff[p],
-							  d->rbytes[p], d->grad_expect[p], unpack_item,
-							  &u, d->why, sizeof(d->why));
+		if (!x->local_status)
+			x->local_status = step_wire_input(&s->wire, p,
+							  (const uint8_t *)x->in.p + d->roff[p],
+							  d->rbytes[p], x->grad_expect[p],
+							  s->pass->eval, unpack_item, &u, x->why,
+							  sizeof(x->why));
 	}
-	d->rx_first[N] = d->rx.len;
+	x->rx_first[N] = x->rx.len;
 	return 0;
 }
 
@@ -521,50 +580,50 @@ int step_dist_input(struct embd_step *s)
  * could not be looked up) after the head; false when the sizes disagree. */
 static bool pack_outputs(const struct embd_step *s, uint32_t p, uint8_t *out, uint64_t want)
 {
-	const struct step_dist *d = s->dist;
-	const uint32_t B = s->layout.batch_size;
+	const struct dist_pass *x = dpass(s);
 	uint64_t at = 0;
 
 	memset(out, 0, want);
-	for (uint64_t j = d->rx_first[p]; j < d->rx_first[p + 1]; j++) {
-		const struct wire_rx *r = VEC_AT(d->rx, struct wire_rx, j);
-		uint64_t block = (uint64_t)B * r->cols * 4;
+	for (uint64_t j = x->rx_first[p]; j < x->rx_first[p + 1]; j++) {
+		const struct wire_rx *r = VEC_AT(x->rx, struct wire_rx, j);
+		uint64_t block = (uint64_t)r->bsize * r->cols * 4;
 		if (!r->forward)
 			continue;
 		if (block > want - at)
 			return false;
-		memcpy(out + at, VEC_AT(s->io[r->rank].partial, float, r->out_at), block);
+		memcpy(out + at, VEC_AT(s->pass->io[r->rank].partial, float, r->out_at), block);
 		at += block;
 	}
-	return at == want || s->dist->local_status;
+	return at == want || x->local_status;
 }
 
 int step_dist_output(struct embd_step *s, int status, const char *why)
 {
 	struct step_dist *d = s->dist;
-	const uint32_t N = d->nodes, B = s->layout.batch_size, F = s->layout.num_features;
+	struct dist_pass *x = dpass(s);
+	const uint32_t N = d->nodes, F = s->layout.num_features;
 	const size_t H = sizeof(struct wire_head);
 	struct wire_head heads[N];
 	uint64_t total = 0;
 	int rc;
 
-	if (!status && d->local_status) {
-		status = d->local_status;
-		why = d->why;
+	if (!status && x->local_status) {
+		status = x->local_status;
+		why = x->why;
 	}
 	for (uint32_t p = 0; p < N; p++)
-		total += H + d->out_expect[p];
+		total += H + x->out_expect[p];
 	d->send.len = 0;
 	if ((rc = vec_reserve(&d->send, total, 1)))
 		return step_fail(s, rc, "out of memory for the output exchange");
 	uint8_t *out = d->send.p;
 	for (uint32_t p = 0; p < N; p++) {
-		bool fits = pack_outputs(s, p, out + H, d->out_expect[p]);
+		bool fits = pack_outputs(s, p, out + H, x->out_expect[p]);
 		if (!fits && !status) {
 			status = EMBD_EPROTO;
 			why = "the items received and the output expected disagree";
 		}
-		d->sbytes[p] = H + d->out_expect[p];
+		d->sbytes[p] = H + x->out_expect[p];
 		out += d->sbytes[p];
 	}
 	/* the head goes in last: status may have changed while packing */
@@ -576,23 +635,23 @@ int step_dist_output(struct embd_step *s, int status, const char *why)
 	/* what comes back: exactly the blocks of the forward items staged for each node */
 	for (uint32_t m = 0; m < N; m++)
 		d->rbytes[m] = H + staged_block_bytes(s, m, true);
-	if ((rc = exchange(s, &d->out, EMBD_STEP_OUTPUT)))
+	if ((rc = exchange(s, &x->out, EMBD_STEP_OUTPUT)))
 		return rc;
-	if ((rc = check_heads(s, &d->out, heads, 0, "lookup failed on")))
+	if ((rc = check_heads(s, &x->out, heads, 0, "lookup failed on")))
 		return rc;
 	/* the staged items' blocks, in staging order, become sources of the assembly */
 	const uint32_t M = s->max_table_shards;
 	for (uint32_t m = 0; m < N; m++) {
-		const struct rank_io *io = &s->io[s->num_ranks + m];
-		const uint8_t *at = (const uint8_t *)d->out.p + d->roff[m] + H;
+		const struct rank_io *io = &s->pass->io[s->num_ranks + m];
+		const uint8_t *at = (const uint8_t *)x->out.p + d->roff[m] + H;
 		for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 			if (!it->forward)
 				continue;
 			const struct step_table *t = &s->tables[s->shards[it->shard].table];
-			s->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
+			s->pass->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
 				   t->first_shard] = (const float *)at;
-			at += (uint64_t)B * s->shards[it->shard].desc.cols * 4;
+			at += (uint64_t)it->bsize * s->shards[it->shard].desc.cols * 4;
 		}
 	}
 	return 0;
@@ -603,7 +662,8 @@ int step_dist_output(struct embd_step *s, int status, const char *why)
 int step_dist_grads(struct embd_step *s, int status, const char *why)
 {
 	struct step_dist *d = s->dist;
-	const uint32_t N = d->nodes, B = s->layout.batch_size, D = s->layout.total_dim;
+	const struct dist_pass *x = &d->passes[0];     /* only a training step has a backward */
+	const uint32_t N = d->nodes, D = s->layout.total_dim;
 	const size_t H = sizeof(struct wire_head);
 	struct wire_head heads[N];
 	uint64_t total = 0;
@@ -620,14 +680,14 @@ int step_dist_grads(struct embd_step *s, int status, const char *why)
 		return step_fail(s, rc, "out of memory for the gradient exchange");
 	uint8_t *out = d->send.p;
 	for (uint32_t m = 0; m < N; m++) {
-		const struct rank_io *io = &s->io[s->num_ranks + m];
+		const struct rank_io *io = &s->pass->io[s->num_ranks + m];
 		put_head(d, out, status, why);
 		float *g = (float *)(out + H);
 		for (uint64_t i = 0; m != s->node && i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 			const struct embd_shard_desc *sd = &s->shards[it->shard].desc;
-			const float *src = s->batches[it->batch].pooled_grad;
-			for (uint32_t b = 0; b < B; b++, g += sd->cols) {
+			const float *src = s->pass->batches[it->batch].pooled_grad;
+			for (uint32_t b = 0; b < it->bsize; b++, g += sd->cols) {
 				if (status || !src)
 					memset(g, 0, sd->cols * 4ull);
 				else
@@ -636,7 +696,7 @@ int step_dist_grads(struct embd_step *s, int status, const char *why)
 			}
 		}
 		out += d->sbytes[m];
-		d->rbytes[m] = H + d->grad_expect[m];
+		d->rbytes[m] = H + x->grad_expect[m];
 	}
 	if ((rc = exchange(s, &d->grad, EMBD_STEP_GRADS)))
 		return rc;
@@ -648,7 +708,7 @@ int step_dist_grads(struct embd_step *s, int status, const char *why)
 const float *step_dist_grad_of(const struct embd_step *s, const struct step_item *it)
 {
 	const struct step_dist *d = s->dist;
-	const struct wire_rx *r = VEC_AT(d->rx, struct wire_rx, it->rx);
+	const struct wire_rx *r = VEC_AT(d->passes[0].rx, struct wire_rx, it->rx);
 
 	return (const float *)((const uint8_t *)d->grad.p + d->grad_off[it->peer] + r->grad_at);
 }

@@ -9,6 +9,11 @@
  * input exchange, and their pooled partials come back in the output exchange. Items that
  * arrived from another node sit on the local rank's io with pointers into the receive buffer
  * (peer != NO_PEER); their outputs go to the rank's partial buffer and are sent back.
+ *
+ * The buffers of one pass over the trainers' batches form a struct step_pass. A training
+ * step's pass keeps its items until its backward; an evaluation (embd_step_eval) runs in a
+ * pass of its own, so that it may run while a step waits for its backward and leave it
+ * intact. s->pass is the pass running; it is the training pass except inside an evaluation.
  */
 #ifndef EMBD_ENGINE_STEP_INTERNAL_H
 #define EMBD_ENGINE_STEP_INTERNAL_H
@@ -47,6 +52,7 @@ struct step_item {
 	uint32_t shard, feature;
 	uint32_t batch;                         /* index into the step's batches, or NO_BATCH */
 	uint32_t gtrainer;                      /* (node << 16) | batch: the global batch order */
+	uint32_t bsize;                         /* samples of its trainer's batch (<= layout B) */
 	bool forward;                           /* data_parallel: only the trainer's replica */
 	bool weighted;
 	bool copy;                              /* data_parallel: filled by its first replica's */
@@ -84,10 +90,34 @@ void vec_free(struct vec *v);
 /* One rank's (or one remote node's staging) input and output buffers. */
 struct rank_io {
 	struct vec offsets, ids, weights, lengths, partial, items, batches;
-	uint32_t *shards;                       /* indices into step->shards on this rank */
-	uint32_t num_shards;
 	int rc;
 	struct embd_kernel_err kerr;
+};
+
+/* The shards one local rank holds: indices into step->shards. */
+struct rank_shards {
+	uint32_t *shards;
+	uint32_t num_shards;
+};
+
+/* One pass over the batches, from routing to assembly (see the top of this file). */
+struct step_pass {
+	bool eval;                              /* forward only: no item trains */
+	struct rank_io *io;                     /* num_io */
+	int64_t *scratch_offsets;               /* max_trainers x (F * B + 1): private offsets */
+	const float **sources;                  /* max_trainers * F * max_table_shards */
+	struct item_ref *refs;                  /* max_trainers * F * max_table_shards */
+	struct embd_step_batch *batches;
+	uint32_t num_batches;
+	uint32_t cluster_accepted;
+	struct embd_step_counts counts;
+};
+
+/* What a pass asks the other nodes for in its HELLO (step_dist_input). */
+enum step_round {
+	ROUND_TRAIN,                            /* a training step's forward */
+	ROUND_EVAL,                             /* an evaluation */
+	ROUND_FOLLOW,                           /* no batch of this node: whatever the others run */
 };
 
 struct step_dist;
@@ -104,23 +134,19 @@ struct embd_step {
 	struct step_wire_table *wire_tables;
 	struct step_wire_shard *wire_shards;
 	struct embd_ranks *ranks;
-	struct rank_io *io;
+	struct rank_shards *rank_shards;        /* num_ranks */
 	struct embd_step_layout layout;
 	char (*names)[EMBD_NAME_MAX];
 	uint32_t *dims, *offsets, *feature_tables;
-	int64_t *scratch_offsets;               /* max_trainers x (F * B + 1): private offsets */
-	const float **sources;                  /* max_trainers * F * max_table_shards */
-	struct item_ref *refs;                  /* max_trainers * F * max_table_shards */
 	uint64_t seed;
+	uint32_t grad_divisor;                  /* embd_step_set_grad_divisor; 0, 1: none */
 	struct step_dist *dist;                 /* NULL on one node */
+	struct step_pass train, eval;
+	struct step_pass *pass;                 /* the pass running: &train but in an evaluation */
 	/* the step in flight */
-	struct embd_step_batch *batches;
-	uint32_t num_batches;
-	uint32_t cluster_accepted;
 	bool ckpt_want;                         /* this node's HELLO flag (embd_step_want_checkpoint) */
 	bool cluster_ckpt;                      /* some node's HELLO of this step carried it */
 	bool pending;
-	struct embd_step_counts counts;
 	embd_step_update_hook update_hook;      /* before a backward updates rows, or NULL */
 	void *update_hook_arg;
 };
@@ -130,7 +156,11 @@ static inline bool row_split(enum embd_sharding_type t)
 	return t == EMBD_SHARD_ROW_WISE || t == EMBD_SHARD_TABLE_ROW_WISE;
 }
 
-/* Marks every accepted batch failed with rc and a message; returns rc. */
+/* Starts the running pass over n batches: its io emptied, counts zeroed. */
+void step_pass_begin(struct embd_step *s, struct embd_step_batch *batches, uint32_t n);
+
+/* Marks every accepted batch of the running pass failed with rc and a message (a training
+ * step is no longer pending); returns rc. */
 int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
@@ -149,8 +179,9 @@ int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluste
 		     size_t err_len);
 void step_dist_destroy(struct embd_step *s);
 /* After routing: sizes, accept counts and status with every node, then the ids. On return
- * the items from other nodes are on the local ranks' io. */
-int step_dist_input(struct embd_step *s);
+ * the items from other nodes are on the local ranks' io. A ROUND_FOLLOW pass that finds the
+ * others evaluating switches s->pass to the evaluation pass (its caller switches back). */
+int step_dist_input(struct embd_step *s, enum step_round round);
 /* After lookup: partials back to the trainers' nodes, with this node's status (0 or why the
  * lookup failed) agreed by all. Fills s->sources for the staged items. */
 int step_dist_output(struct embd_step *s, int status, const char *why);

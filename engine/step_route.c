@@ -18,12 +18,13 @@
 #include "kernels/jagged.h"
 #include "engine/step_internal.h"
 
-/* Trainer i's private offsets: F * B + 1, feature-major (check_batch writes them). */
+/* Trainer i's private offsets: F * b + 1, feature-major, b its batch's samples (check_batch
+ * writes them); each trainer has room for the layout's B. */
 static int64_t *trainer_offsets(const struct embd_step *s, uint32_t batch)
 {
 	const uint64_t FB = (uint64_t)s->layout.num_features * s->layout.batch_size;
 
-	return &s->scratch_offsets[batch * (FB + 1)];
+	return &s->pass->scratch_offsets[batch * (FB + 1)];
 }
 
 /* Checks what can be checked without reading ids, and fills the trainer's offsets. */
@@ -37,9 +38,10 @@ static int check_batch(struct embd_step *s, uint32_t batch, struct embd_step_bat
 			 k->num_features, l->num_features);
 		return EMBD_EINVAL;
 	}
-	if (k->batch_size != l->batch_size) {
-		snprintf(b->err, sizeof(b->err), "batch_size: %u, the layout's is %u", k->batch_size,
-			 l->batch_size);
+	/* fewer samples than the layout's B: the last batch of an epoch (TorchRec's stride) */
+	if (k->batch_size == 0 || k->batch_size > l->batch_size) {
+		snprintf(b->err, sizeof(b->err), "batch_size: %u, the layout takes 1..%u",
+			 k->batch_size, l->batch_size);
 		return EMBD_EINVAL;
 	}
 	if (k->num_values > l->max_values) {
@@ -47,7 +49,7 @@ static int check_batch(struct embd_step *s, uint32_t batch, struct embd_step_bat
 			 (unsigned long long)k->num_values, (unsigned long long)l->max_values);
 		return EMBD_ERANGE;
 	}
-	if ((!k->lengths && l->num_features && l->batch_size) || (!k->values && k->num_values) ||
+	if ((!k->lengths && l->num_features) || (!k->values && k->num_values) ||
 	    !b->pooled) {
 		snprintf(b->err, sizeof(b->err), "%s: missing", !b->pooled ? "pooled" :
 			 !k->lengths ? "lengths" : "values");
@@ -60,7 +62,7 @@ static int check_batch(struct embd_step *s, uint32_t batch, struct embd_step_bat
 			return EMBD_ENOENT;
 		}
 	char inner[160];
-	int rc = embd_jagged_offsets(k->lengths, (uint64_t)l->num_features * l->batch_size,
+	int rc = embd_jagged_offsets(k->lengths, (uint64_t)l->num_features * k->batch_size,
 				     k->num_values, trainer_offsets(s, batch), inner, sizeof(inner));
 	if (rc)
 		snprintf(b->err, sizeof(b->err), "lengths: %s", inner);
@@ -89,7 +91,7 @@ static uint32_t item_dest(const struct embd_step *s, const struct step_table *t,
 static struct item_ref *item_ref(const struct embd_step *s, uint32_t batch, uint32_t f,
 				 uint32_t k)
 {
-	return &s->refs[((uint64_t)batch * s->layout.num_features + f) * s->max_table_shards + k];
+	return &s->pass->refs[((uint64_t)batch * s->layout.num_features + f) * s->max_table_shards + k];
 }
 
 /* Reserves the items of one (batch, feature) on every shard of its table: offsets, room for
@@ -99,7 +101,7 @@ static int route_feature(struct embd_step *s, uint32_t batch, uint32_t f,
 			 struct embd_step_batch *b)
 {
 	const struct step_table *t = &s->tables[s->feature_tables[f]];
-	const uint32_t B = s->layout.batch_size;
+	const uint32_t B = b->kjt.batch_size;
 	const int64_t *offs = trainer_offsets(s, batch) + (uint64_t)f * B;
 	const uint64_t n = (uint64_t)(offs[B] - offs[0]);
 	const bool split = row_split(t->type);
@@ -114,14 +116,18 @@ static int route_feature(struct embd_step *s, uint32_t batch, uint32_t f,
 		ref->io = item_dest(s, t, k);
 		if (ref->io == NO_IO)
 			continue;
-		struct rank_io *io = &s->io[ref->io];
+		struct rank_io *io = &s->pass->io[ref->io];
 		const bool local = ref->io < s->num_ranks;
+		/* data_parallel: the trainer's own local replica looks up, the others train */
+		const bool forward = t->num_replicas == 1 ||
+				     (local && replica++ == batch % t->num_local);
+		if (!forward && s->pass->eval) {
+			ref->io = NO_IO;        /* an evaluation trains nothing */
+			continue;
+		}
 		struct step_item it = {
 			.shard = t->first_shard + k, .feature = f, .batch = batch,
-			.gtrainer = (s->node << 16) | batch,
-			/* data_parallel: the trainer's own local replica looks up, the others train */
-			.forward = t->num_replicas == 1 ||
-				   (local && replica++ == batch % t->num_local),
+			.gtrainer = (s->node << 16) | batch, .bsize = B, .forward = forward,
 			.weighted = b->kjt.weights != NULL,
 			/* data_parallel: the first replica's item fills the others' (one read) */
 			.copy = t->num_replicas > 1 && !first,
@@ -152,8 +158,8 @@ static void fill_item(const struct embd_step *s, struct rank_io *io, struct step
 {
 	const struct step_table *t = &s->tables[s->feature_tables[it->feature]];
 	const struct embd_shard_desc *d = &s->shards[it->shard].desc;
-	const struct embd_kjt *kjt = &s->batches[it->batch].kjt;
-	const uint32_t B = s->layout.batch_size;
+	const struct embd_kjt *kjt = &s->pass->batches[it->batch].kjt;
+	const uint32_t B = it->bsize;
 	const int64_t *offs = trainer_offsets(s, it->batch) + (uint64_t)it->feature * B;
 	const uint64_t max_row = (uint64_t)t->spec->num_embeddings;
 	const bool split = row_split(t->type);
@@ -171,7 +177,7 @@ static void fill_item(const struct embd_step *s, struct rank_io *io, struct step
 		if (max_dst > 1) {
 			if (ref->io == NO_IO)
 				continue;
-			x_io = &s->io[ref->io];
+			x_io = &s->pass->io[ref->io];
 			x = VEC_AT(x_io->items, struct step_item, ref->at);
 		}
 		dst[m] = x;
@@ -225,7 +231,7 @@ struct fill_rank_work {
  * their first replica's item). */
 static void fill_io(struct fill_work *w, uint32_t i)
 {
-	struct rank_io *io = &w->s->io[i];
+	struct rank_io *io = &w->s->pass->io[i];
 
 	for (uint64_t at; (at = atomic_fetch_add(&w->next[i], 1)) < io->items.len;) {
 		struct step_item *it = VEC_AT(io->items, struct step_item, at);
@@ -260,11 +266,11 @@ static void fill_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
  */
 static void refuse_bad_ids(struct embd_step *s)
 {
-	const struct step_item *first[s->num_batches];
+	const struct step_item *first[s->pass->num_batches];
 
 	memset(first, 0, sizeof(first));
 	for (uint32_t r = 0; r < s->num_io; r++) {
-		const struct rank_io *io = &s->io[r];
+		const struct rank_io *io = &s->pass->io[r];
 		for (uint64_t i = 0; i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
 			if (it->rc && (!first[it->batch] || it->bad_at < first[it->batch]->bad_at))
@@ -272,12 +278,12 @@ static void refuse_bad_ids(struct embd_step *s)
 		}
 	}
 	bool any = false;
-	for (uint32_t i = 0; i < s->num_batches; i++) {
+	for (uint32_t i = 0; i < s->pass->num_batches; i++) {
 		const struct step_item *it = first[i];
 		if (!it)
 			continue;
 		const struct step_table *t = &s->tables[s->feature_tables[it->feature]];
-		struct embd_step_batch *b = &s->batches[i];
+		struct embd_step_batch *b = &s->pass->batches[i];
 		b->status = it->rc;
 		snprintf(b->err, sizeof(b->err), "values[%lld]: id %lld of feature '%s' outside table "
 			 "'%s' rows [0, %llu)", (long long)it->bad_at, (long long)it->bad_id,
@@ -286,11 +292,11 @@ static void refuse_bad_ids(struct embd_step *s)
 		any = true;
 	}
 	for (uint32_t r = 0; any && r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
+		struct rank_io *io = &s->pass->io[r];
 		uint64_t kept = 0;
 		for (uint64_t i = 0; i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
-			if (!s->batches[it->batch].status)
+			if (!s->pass->batches[it->batch].status)
 				*VEC_AT(io->items, struct step_item, kept++) = *it;
 		}
 		io->items.len = kept;
@@ -300,13 +306,13 @@ static void refuse_bad_ids(struct embd_step *s)
 /* Checks batch i and reserves its items; on a bad value rolls them back and sets its status. */
 void step_route_batch(struct embd_step *s, uint32_t i)
 {
-	struct embd_step_batch *b = &s->batches[i];
+	struct embd_step_batch *b = &s->pass->batches[i];
 	uint64_t saved[s->num_io][5];
 	int rc;
 
 	b->err[0] = 0;
 	for (uint32_t r = 0; r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
+		struct rank_io *io = &s->pass->io[r];
 		uint64_t v[5] = { io->offsets.len, io->ids.len, io->lengths.len, io->partial.len,
 				  io->items.len };
 		memcpy(saved[r], v, sizeof(v));
@@ -320,7 +326,7 @@ void step_route_batch(struct embd_step *s, uint32_t i)
 	if (rc == EMBD_ENOMEM)
 		snprintf(b->err, sizeof(b->err), "out of memory routing the batch");
 	for (uint32_t r = 0; r < s->num_io; r++) {
-		struct rank_io *io = &s->io[r];
+		struct rank_io *io = &s->pass->io[r];
 		io->offsets.len = saved[r][0];
 		io->ids.len = io->weights.len = saved[r][1];
 		io->lengths.len = saved[r][2];
@@ -340,21 +346,21 @@ uint32_t step_fill_batches(struct embd_step *s)
 
 	for (uint32_t r = 0; r < s->num_io; r++) {
 		atomic_init(&next[r], 0);
-		items += s->io[r].items.len;
+		items += s->pass->io[r].items.len;
 	}
 	if (items) {
 		embd_ranks_run(s->ranks, fill_rank, &w);
 		refuse_bad_ids(s);
 	}
-	for (uint32_t i = 0; i < s->num_batches; i++) {
-		const struct embd_step_batch *b = &s->batches[i];
+	for (uint32_t i = 0; i < s->pass->num_batches; i++) {
+		const struct embd_step_batch *b = &s->pass->batches[i];
 		if (b->status)
 			continue;
 		accepted++;
-		s->counts.ids += b->kjt.num_values;
-		s->counts.input_bytes += (uint64_t)s->layout.num_features * s->layout.batch_size * 4 +
+		s->pass->counts.ids += b->kjt.num_values;
+		s->pass->counts.input_bytes += (uint64_t)s->layout.num_features * b->kjt.batch_size * 4 +
 					 b->kjt.num_values * (8 + (b->kjt.weights ? 4 : 0));
-		s->counts.output_bytes += (uint64_t)s->layout.batch_size * s->layout.total_dim * 4;
+		s->pass->counts.output_bytes += (uint64_t)b->kjt.batch_size * s->layout.total_dim * 4;
 	}
 	return accepted;
 }

@@ -48,10 +48,43 @@ int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t 
 	return 0;
 }
 
+int step_wire_round(const struct wire_head *heads, uint32_t n, uint32_t self, bool *eval,
+		    char *err, size_t err_len)
+{
+	int64_t trains = -1, evaluates = -1;
+
+	for (uint32_t p = 0; p < n; p++) {
+		const bool ev = heads[p].flags & WIRE_HELLO_EVAL;
+		if (ev && (heads[p].flags & WIRE_HELLO_IDLE)) {
+			snprintf(err, err_len, "node %u sent a sizes message both idle and "
+				 "evaluating", p);
+			return EMBD_EPROTO;
+		}
+		if (ev && heads[p].grad_bytes) {
+			snprintf(err, err_len, "node %u announced %" PRIu64 " gradient bytes for an "
+				 "evaluation", p, heads[p].grad_bytes);
+			return EMBD_EPROTO;
+		}
+		if (ev && evaluates < 0)
+			evaluates = p;
+		if (!ev && !(heads[p].flags & WIRE_HELLO_IDLE) && trains < 0)
+			trains = p;
+	}
+	if (trains >= 0 && evaluates >= 0) {
+		snprintf(err, err_len, "node %lld runs a training step while node %lld evaluates "
+			 "(this is node %u): every trainer of the cluster must post its evaluations "
+			 "at the same point of its steps", (long long)trains, (long long)evaluates,
+			 self);
+		return EMBD_EMISMATCH;
+	}
+	*eval = evaluates >= 0;
+	return 0;
+}
+
 /* The item's head: a shard of this node, a feature of its table, a trainer of p, the flags
- * of its table. */
+ * of its table (an evaluation has no data_parallel item). */
 static int check_item_head(const struct step_wire_plan *s, uint32_t p, uint64_t seq,
-			   const struct wire_item *w, char *err, size_t err_len)
+			   const struct wire_item *w, bool eval, char *err, size_t err_len)
 {
 	if (w->shard >= s->num_shards || s->shards[w->shard].node != s->node) {
 		snprintf(err, err_len, "from node %u, item %" PRIu64 ": shard %u is not on node %u",
@@ -69,10 +102,20 @@ static int check_item_head(const struct step_wire_plan *s, uint32_t p, uint64_t 
 			 "%u's", p, seq, w->gtrainer, p);
 		return EMBD_EPROTO;
 	}
+	if (w->batch_size == 0 || w->batch_size > s->batch_size || w->reserved) {
+		snprintf(err, err_len, "from node %u, item %" PRIu64 ": batch_size %u (1..%u), "
+			 "reserved %u", p, seq, w->batch_size, s->batch_size, w->reserved);
+		return EMBD_EPROTO;
+	}
 	const struct step_wire_table *t = &s->tables[ss->table];
 	const bool dp = t->type == EMBD_SHARD_DATA_PARALLEL;
 	const bool row_split = t->type == EMBD_SHARD_ROW_WISE || t->type == EMBD_SHARD_TABLE_ROW_WISE;
 	const bool lengths = row_split && t->pooling == EMBD_POOLING_MEAN;
+	if (dp && eval) {
+		snprintf(err, err_len, "from node %u, item %" PRIu64 ": table %u is data_parallel, "
+			 "which every node evaluates in its own replica", p, seq, ss->table);
+		return EMBD_EPROTO;
+	}
 	if (!!(w->flags & WIRE_FORWARD) != !dp || !!(w->flags & WIRE_LENGTHS) != lengths ||
 	    (w->flags & ~7u)) {
 		snprintf(err, err_len, "from node %u, item %" PRIu64 ": flags %#x do not fit "
@@ -87,7 +130,7 @@ static int check_item_head(const struct step_wire_plan *s, uint32_t p, uint64_t 
 static int check_item_data(const struct step_wire_plan *s, uint32_t p, uint64_t seq,
 			   const struct step_wire_item *it, char *err, size_t err_len)
 {
-	const uint32_t B = s->batch_size;
+	const uint32_t B = it->batch_size;
 	const struct step_wire_shard *d = &s->shards[it->shard];
 
 	if (it->offsets[0] != 0 || it->offsets[B] != (int64_t)it->num_ids) {
@@ -123,10 +166,9 @@ static int check_item_data(const struct step_wire_plan *s, uint32_t p, uint64_t 
 }
 
 int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *buf, uint64_t len,
-		    uint64_t grad_bytes, step_wire_item_fn fn, void *arg, char *err,
+		    uint64_t grad_bytes, bool eval, step_wire_item_fn fn, void *arg, char *err,
 		    size_t err_len)
 {
-	const uint32_t B = s->batch_size;
 	uint64_t at = 0, seq = 0, grads = 0;
 	int rc;
 
@@ -136,9 +178,10 @@ int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *b
 			goto bad_size;
 		memcpy(&w, buf + at, sizeof(w));
 		at += sizeof(w);
-		if ((rc = check_item_head(s, p, seq, &w, err, err_len)))
+		if ((rc = check_item_head(s, p, seq, &w, eval, err, err_len)))
 			return rc;
 		const bool weighted = w.flags & WIRE_WEIGHTED, lengths = w.flags & WIRE_LENGTHS;
+		const uint32_t B = w.batch_size;        /* checked: 1 .. the plan's */
 		if (w.num_ids > (len - at) / 8)
 			goto bad_size;
 		uint64_t need = (B + 1ull) * 8 + w.num_ids * 8 +
@@ -150,7 +193,7 @@ int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *b
 		const int64_t *offsets = (const int64_t *)(buf + at);
 		struct step_wire_item it = {
 			.gtrainer = w.gtrainer, .feature = w.feature, .shard = w.shard,
-			.weighted = weighted, .forward = w.flags & WIRE_FORWARD,
+			.batch_size = B, .weighted = weighted, .forward = w.flags & WIRE_FORWARD,
 			.num_ids = w.num_ids, .offsets = offsets, .ids = offsets + B + 1,
 			.weights = weighted ? (const float *)(offsets + B + 1 + w.num_ids) : NULL,
 			.lengths = lengths ? (const int32_t *)(buf + at + need - wire_pad8(B * 4ull)) :
@@ -161,7 +204,8 @@ int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *b
 			return rc;
 		if ((rc = fn(arg, p, seq, &it)))
 			return rc;
-		grads += (uint64_t)B * s->shards[w.shard].cols * 4;
+		if (!eval)
+			grads += (uint64_t)B * s->shards[w.shard].cols * 4;
 	}
 	/* the gradients p announced must be exactly those of the items it sent */
 	if (grads != grad_bytes) {

@@ -19,7 +19,7 @@
 
 #include "embd/plan.h"
 
-#define WIRE_MAGIC 0x31504554534d4245ull        /* "EMBSTEP1" */
+#define WIRE_MAGIC 0x32504554534d4245ull        /* "EMBSTEP2" */
 #define MAX_MESSAGE_BYTES (1ull << 36)
 
 /* The head of every message between two nodes (160 bytes, a multiple of 8). */
@@ -37,13 +37,23 @@ struct wire_head {
 
 /* The sender wants every node to checkpoint at the boundary after this step. */
 #define WIRE_HELLO_CHECKPOINT 1u
-#define WIRE_HELLO_KNOWN WIRE_HELLO_CHECKPOINT
+/* This round is an evaluation (forward only, nothing trains), not a training step's forward:
+ * the nodes' evaluations are rounds of their own between the steps, in the same order on
+ * every node. */
+#define WIRE_HELLO_EVAL 2u
+/* The sender has no trainer with a batch: it runs whatever round the others run. */
+#define WIRE_HELLO_IDLE 4u
+#define WIRE_HELLO_KNOWN (WIRE_HELLO_CHECKPOINT | WIRE_HELLO_EVAL | WIRE_HELLO_IDLE)
 
-/* One staged item on the wire, followed by int64 offsets[B + 1], int64 ids[num_ids], float
- * weights[num_ids] (WIRE_WEIGHTED) and int32 lengths[B] (WIRE_LENGTHS), each padded to 8. */
+/* One staged item on the wire, followed by int64 offsets[b + 1], int64 ids[num_ids], float
+ * weights[num_ids] (WIRE_WEIGHTED) and int32 lengths[b] (WIRE_LENGTHS), each padded to 8, with
+ * b = batch_size: the samples of its trainer's batch (1 .. the plan's batch size; a short
+ * last batch of an epoch has fewer). Its pooled block and gradient are b x cols floats. */
 struct wire_item {
 	uint32_t gtrainer, feature, shard, flags;
 	uint64_t num_ids;
+	uint32_t batch_size;
+	uint32_t reserved;                      /* zero */
 };
 #define WIRE_WEIGHTED 1u
 #define WIRE_LENGTHS 2u
@@ -71,6 +81,17 @@ int step_wire_head(uint32_t p, const uint8_t *msg, uint64_t len, uint64_t seq, u
  */
 int step_wire_hello(uint32_t p, const struct wire_head *head, char *err, size_t err_len);
 
+/*
+ * The kind of round every node's HELLO head (heads[0..n), checked by step_wire_hello) makes:
+ * *eval when the nodes that are not IDLE evaluate (a training step when all are IDLE). Every
+ * node that is not IDLE must run the same kind, and no node may both evaluate and be IDLE:
+ * else EMBD_EMISMATCH naming a node that trains and one that evaluates (their trainers post
+ * evaluations at another point of their steps; the cluster cannot go on). An evaluation
+ * announces no gradient bytes (EMBD_EPROTO). self names this node in the message.
+ */
+int step_wire_round(const struct wire_head *heads, uint32_t n, uint32_t self, bool *eval,
+		    char *err, size_t err_len);
+
 /* A shard of the cluster as the checks see it. */
 struct step_wire_shard {
 	uint32_t table;                         /* index into step_wire_plan.tables */
@@ -86,7 +107,7 @@ struct step_wire_table {
 
 /* The plan as the checks read it (the engine fills it once, engine/step.c): every shard of
  * the cluster in the plan's order (the shard numbers peers send), each feature's table, the
- * batch size, this node. */
+ * batch size (the most samples of one trainer's batch), this node. */
 struct step_wire_plan {
 	uint32_t node, batch_size;
 	uint32_t num_tables, num_shards, num_features;
@@ -98,12 +119,13 @@ struct step_wire_plan {
 /* One item of a peer's INPUT message, checked; its arrays point into the message. */
 struct step_wire_item {
 	uint32_t gtrainer, feature, shard;
+	uint32_t batch_size;                    /* b: 1 .. the plan's batch size */
 	bool weighted, forward;
 	uint64_t num_ids;
-	const int64_t *offsets;                 /* B + 1 */
+	const int64_t *offsets;                 /* b + 1 */
 	const int64_t *ids;                     /* num_ids, every one in the shard's rows */
 	const float *weights;                   /* num_ids, or NULL */
-	const int32_t *lengths;                 /* B full bag lengths (row-split mean), or NULL */
+	const int32_t *lengths;                 /* b full bag lengths (row-split mean), or NULL */
 };
 
 /* Called for every item in message order; a non-zero return stops the walk and is returned. */
@@ -113,14 +135,16 @@ typedef int (*step_wire_item_fn)(void *arg, uint32_t p, uint64_t seq,
 /*
  * Checks peer p's INPUT message (len bytes at buf, 8-aligned) against the plan and hands each item to
  * fn. Every item must be for a shard on this node whose table the feature reads, from one of
- * p's trainers, with the flags its table needs, offsets from 0 to num_ids never decreasing,
- * ids inside the shard's rows, full bag lengths no shorter than the bag's ids here, and the
- * whole message made of whole items. The gradients p announced (grad_bytes, from its HELLO)
- * must be exactly B * cols * 4 per item. Returns 0, fn's code, or EMBD_EPROTO with err
- * naming the node, the item and the field.
+ * p's trainers, with a batch size of 1 .. the plan's, the flags its table needs, offsets from
+ * 0 to num_ids never decreasing, ids inside the shard's rows, full bag lengths no shorter than
+ * the bag's ids here, and the whole message made of whole items. The gradients p announced
+ * (grad_bytes, from its HELLO) must be exactly b * cols * 4 per item. An evaluation's message
+ * (eval) carries no data_parallel item (every node looks those up in its own replica) and
+ * announces no gradient. Returns 0, fn's code, or EMBD_EPROTO with err naming the node, the
+ * item and the field.
  */
 int step_wire_input(const struct step_wire_plan *s, uint32_t p, const uint8_t *buf, uint64_t len,
-		    uint64_t grad_bytes, step_wire_item_fn fn, void *arg, char *err,
+		    uint64_t grad_bytes, bool eval, step_wire_item_fn fn, void *arg, char *err,
 		    size_t err_len);
 
 #endif /* EMBD_ENGINE_STEP_WIRE_H */

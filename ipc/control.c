@@ -265,6 +265,18 @@ static int payload_rule(uint16_t type, uint32_t *want, bool *exact)
 	case EMBD_CTL_CHECKPOINT_REQUEST:
 		*want = sizeof(struct embd_ctl_checkpoint);
 		return 0;
+	case EMBD_CTL_TABLE_READ:
+	case EMBD_CTL_TABLE_WRITE:
+		*want = sizeof(struct embd_ctl_table_request);
+		*exact = false;
+		return 0;
+	case EMBD_CTL_TABLE_DATA:
+		*want = sizeof(struct embd_ctl_table_reply);
+		*exact = false;
+		return 0;
+	case EMBD_CTL_TABLE_DONE:
+		*want = sizeof(struct embd_ctl_table_reply);
+		return 0;
 	case EMBD_CTL_STATS_REPLY:
 	case EMBD_CTL_STATUS_REPLY:
 	case EMBD_CTL_CHECKPOINT_REPLY:

@@ -35,6 +35,10 @@ enum embd_ctl_type {
 	EMBD_CTL_STATUS_REPLY = 7,      /* service -> embctl: JSON text */
 	EMBD_CTL_CHECKPOINT_REQUEST = 8,/* embctl -> service: struct embd_ctl_checkpoint */
 	EMBD_CTL_CHECKPOINT_REPLY = 9,  /* service -> embctl: JSON text (ckpt_service.h) */
+	EMBD_CTL_TABLE_READ = 10,       /* client -> service: struct embd_ctl_table_request, ids */
+	EMBD_CTL_TABLE_DATA = 11,       /* service -> client: struct embd_ctl_table_reply, rows */
+	EMBD_CTL_TABLE_WRITE = 12,      /* client -> service: the request, ids, rows */
+	EMBD_CTL_TABLE_DONE = 13,       /* service -> client: struct embd_ctl_table_reply */
 };
 
 /* Wire header of every message (host byte order: both ends are on one machine). */
@@ -63,6 +67,46 @@ struct embd_ctl_checkpoint {
 	uint32_t flags;                 /* EMBD_CTL_CHECKPOINT_WAIT */
 	uint32_t reserved;              /* zero */
 };
+
+/*
+ * Live table access: rows of one array of one table read (TABLE_READ -> TABLE_DATA) or written
+ * (TABLE_WRITE -> TABLE_DONE) between steps, in table coordinates (engine/step.h's live table
+ * access); a refusal is an ERROR reply and the connection stays. A message carries at most
+ * EMBD_CTL_TABLE_BYTES_MAX bytes of ids and rows: the reply's max_rows says how many rows of
+ * the array fit, and a client splits larger tables into such chunks. Arrays: 0 weights, 1
+ * momentum1, 2 momentum2 (embd/client.h's enum embd_table_array).
+ */
+#define EMBD_CTL_TABLE_BYTES_MAX (128u * 1024u)
+#define EMBD_CTL_TABLE_IDS (1u << 0)    /* the rows are named by num_rows int64 ids */
+
+struct embd_ctl_table_request {
+	uint32_t table;                 /* index into the layout's tables */
+	uint32_t array;                 /* 0 weights, 1 momentum1, 2 momentum2 */
+	uint32_t flags;                 /* EMBD_CTL_TABLE_IDS */
+	uint32_t num_rows;              /* rows of this message; 0: only the reply's head */
+	int64_t row_begin;              /* without IDS: the first of num_rows rows; with: 0 */
+	uint32_t cols;                  /* TABLE_WRITE: floats per row that follow; READ: 0 */
+	uint32_t reserved;              /* zero */
+};
+/* then int64 ids[num_rows] with IDS, then (TABLE_WRITE) float rows[num_rows][cols] */
+
+struct embd_ctl_table_reply {
+	uint32_t table, array;
+	uint32_t cols;                  /* floats per row of the array */
+	uint32_t num_rows;              /* rows read (that follow) or written */
+	int64_t num_embeddings;         /* rows of the table */
+	uint64_t applied_step;          /* the rows hold the updates of every step before it */
+	int64_t optimizer_step;         /* the table's optimizer steps (adam's t) */
+	uint32_t max_rows;              /* most rows of this array one message carries */
+	uint32_t reserved;              /* zero */
+};
+/* then (TABLE_DATA) float rows[num_rows][cols] */
+
+/* Rows of cols floats one table message carries, ids included. */
+static inline uint32_t embd_ctl_table_max_rows(uint32_t cols)
+{
+	return EMBD_CTL_TABLE_BYTES_MAX / (8u + 4u * cols);
+}
 
 /* One table as a client sees it. */
 struct embd_layout_table {
@@ -225,6 +269,29 @@ int embd_ctl_text_decode(const struct embd_ctl_msg *msg, char *text, size_t text
 /* CHECKPOINT_REQUEST: decode checks flags and reserved (EMBD_EPROTO names the field). */
 int embd_ctl_checkpoint_decode(const struct embd_ctl_msg *msg, struct embd_ctl_checkpoint *out,
 			       char *err, size_t err_len);
+
+/*
+ * TABLE_READ / TABLE_WRITE: the request, then num_rows ids (with EMBD_CTL_TABLE_IDS), then
+ * num_rows x cols floats of rows (TABLE_WRITE), into buf (cap bytes); EMBD_EINVAL when it would
+ * not fit a table message.
+ */
+int embd_ctl_table_request_encode(const struct embd_ctl_table_request *req, const int64_t *ids,
+				  const float *rows, void *buf, size_t cap, uint32_t *len_out);
+/*
+ * Checks a TABLE_READ / TABLE_WRITE (flags, reserved, row_begin 0 with ids, cols 0 for a
+ * read, num_rows within a table message's rows, exactly the ids and rows it announces) and
+ * points *ids (NULL without IDS) and *rows (NULL for a read) into the payload, which must be
+ * 8-byte aligned as embd_ctl_recv's buffer is. EMBD_EPROTO naming the field.
+ */
+int embd_ctl_table_request_decode(const struct embd_ctl_msg *msg, struct embd_ctl_table_request *out,
+				  const int64_t **ids, const float **rows, char *err, size_t err_len);
+/* TABLE_DATA (with num_rows x cols floats of rows) / TABLE_DONE (rows NULL) into buf. */
+int embd_ctl_table_reply_encode(enum embd_ctl_type type, const struct embd_ctl_table_reply *rep,
+				const float *rows, void *buf, size_t cap, uint32_t *len_out);
+/* Checks a TABLE_DATA / TABLE_DONE (the rows a DATA announces, reserved) and points *rows into
+ * the payload (NULL for DONE). EMBD_EPROTO naming the field. */
+int embd_ctl_table_reply_decode(const struct embd_ctl_msg *msg, struct embd_ctl_table_reply *out,
+				const float **rows, char *err, size_t err_len);
 
 /* Closes the fds a message carries and clears msg->nfds (for refused messages). */
 void embd_ctl_msg_close_fds(struct embd_ctl_msg *msg);

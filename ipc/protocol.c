@@ -61,21 +61,22 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 		       char *err, size_t err_len)
 {
 	uint64_t slab = lim->slab_bytes;
-	uint64_t pooled_bytes = array_bytes((uint64_t)lim->batch_size * lim->total_dim, sizeof(float));
+	uint64_t pooled_bytes = array_bytes((uint64_t)sqe->batch_size * lim->total_dim, sizeof(float));
 	const struct embd_slab_span *inputs[3] = { &sqe->lengths, &sqe->values, &sqe->weights };
 	static const char *const input_names[3] = { "lengths", "values", "weights" };
 	int rc;
 
-	if (sqe->batch_size != lim->batch_size)
+	/* fewer samples than B: the last batch of an epoch */
+	if (sqe->batch_size == 0 || sqe->batch_size > lim->batch_size)
 		return embd_fail(err, err_len, EMBD_EINVAL,
-				"sqe.batch_size: expected %" PRIu32 ", got %" PRIu32,
+				"sqe.batch_size: expected 1..%" PRIu32 ", got %" PRIu32,
 				lim->batch_size, sqe->batch_size);
 	if (sqe->num_values > lim->max_values)
 		return embd_fail(err, err_len, EMBD_ERANGE,
 				"sqe.num_values: %" PRIu64 " exceeds the cap of %" PRIu64,
 				sqe->num_values, lim->max_values);
 	rc = check_span(&sqe->lengths, "lengths",
-			array_bytes((uint64_t)lim->num_features * lim->batch_size, sizeof(int32_t)),
+			array_bytes((uint64_t)lim->num_features * sqe->batch_size, sizeof(int32_t)),
 			sizeof(int32_t), slab, err, err_len);
 	if (rc)
 		return rc;
@@ -91,8 +92,12 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 	if (rc)
 		return rc;
 
-	if (sqe->opcode == EMBD_OP_FORWARD) {
-		rc = check_absent(&sqe->grad, "grad", "for FORWARD", err, err_len);
+	if (sqe->opcode == EMBD_OP_FORWARD || sqe->opcode == EMBD_OP_EVAL) {
+		const char *op = sqe->opcode == EMBD_OP_EVAL ? "for EVAL" : "for FORWARD";
+		if (sqe->opcode == EMBD_OP_EVAL && sqe->step != 0)
+			return embd_fail(err, err_len, EMBD_EINVAL,
+					"sqe.step: must be 0 for EVAL, got %" PRIu64, sqe->step);
+		rc = check_absent(&sqe->grad, "grad", op, err, err_len);
 		if (rc)
 			return rc;
 		rc = check_span(&sqe->output, "output", pooled_bytes, sizeof(float), slab, err, err_len);
@@ -137,6 +142,7 @@ int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits
 		}
 		return 0;
 	case EMBD_OP_FORWARD:
+	case EMBD_OP_EVAL:
 	case EMBD_OP_BACKWARD:
 		return check_batch(sqe, lim, err, err_len);
 	default:
@@ -150,12 +156,15 @@ int embd_kjt_view_build(const struct embd_sqe *sqe, const struct embd_batch_limi
 			struct embd_kjt *out, char *err, size_t err_len)
 {
 	const unsigned char *base = slab;
-	uint64_t count = (uint64_t)lim->num_features * lim->batch_size;
+	uint64_t count = (uint64_t)lim->num_features * sqe->batch_size;
 	uint64_t sum = 0;
 
-	if (sqe->opcode != EMBD_OP_FORWARD && sqe->opcode != EMBD_OP_BACKWARD)
+	if (sqe->opcode != EMBD_OP_FORWARD && sqe->opcode != EMBD_OP_EVAL &&
+	    sqe->opcode != EMBD_OP_BACKWARD)
 		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.opcode: %u carries no batch",
 				(unsigned)sqe->opcode);
+	if (sqe->batch_size == 0 || sqe->batch_size > lim->batch_size)
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.batch_size: not validated");
 	if (count > lengths_cap)
 		return embd_fail(err, err_len, EMBD_ENOSPC,
 				"lengths: %" PRIu64 " entries exceed the buffer of %zu", count, lengths_cap);
@@ -167,8 +176,8 @@ int embd_kjt_view_build(const struct embd_sqe *sqe, const struct embd_batch_limi
 		if (lengths_buf[i] < 0)
 			return embd_fail(err, err_len, EMBD_EINVAL,
 					"lengths[%" PRIu64 "] (feature %" PRIu64 ", sample %" PRIu64
-					"): negative length %" PRId32, i, i / lim->batch_size,
-					i % lim->batch_size, lengths_buf[i]);
+					"): negative length %" PRId32, i, i / sqe->batch_size,
+					i % sqe->batch_size, lengths_buf[i]);
 		sum += (uint64_t)lengths_buf[i];
 	}
 	if (sum != sqe->num_values)
@@ -178,7 +187,7 @@ int embd_kjt_view_build(const struct embd_sqe *sqe, const struct embd_batch_limi
 
 	memset(out, 0, sizeof(*out));
 	out->num_features = lim->num_features;
-	out->batch_size = lim->batch_size;
+	out->batch_size = sqe->batch_size;
 	out->keys = NULL;
 	out->lengths = lengths_buf;
 	out->num_values = sum;

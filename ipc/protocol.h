@@ -19,6 +19,8 @@ enum embd_op {
 	EMBD_OP_NOP = 0,        /* no work; completes with result 0 (ping, IPC round-trip benchmark) */
 	EMBD_OP_FORWARD = 1,    /* KJT in -> pooled output written to the output span */
 	EMBD_OP_BACKWARD = 2,   /* KJT + dL/d(pooled) in the grad span -> fused optimizer update */
+	EMBD_OP_EVAL = 3,       /* KJT in -> pooled output of the rows as they are; trains nothing
+				 * and is no part of a training step (ipc/README.md) */
 };
 
 #define EMBD_SQE_WEIGHTED (1u << 0)     /* the batch carries per-id weights */
@@ -31,23 +33,28 @@ struct embd_slab_span {
 };
 
 /*
- * Submission descriptor, 128 bytes. Spans by opcode (others must be zero):
- *   FORWARD   lengths, values, weights (iff WEIGHTED), output (float[B][total_dim], written)
- *   BACKWARD  lengths, values, weights (iff WEIGHTED), grad (float[B][total_dim], read)
+ * Submission descriptor, 128 bytes. Spans by opcode (others must be zero), with b =
+ * batch_size the samples of this batch:
+ *   FORWARD   lengths, values, weights (iff WEIGHTED), output (float[b][total_dim], written)
+ *   EVAL      as FORWARD; step must be 0 (evaluations are not numbered by the trainer)
+ *   BACKWARD  lengths, values, weights (iff WEIGHTED), grad (float[b][total_dim], read)
  *   NOP       none
+ * b may be below the layout's batch size (the last batch of an epoch: TorchRec's stride);
+ * the lengths are then feature-major with stride b (lengths[f * b + i]) and the output has b
+ * rows. A BACKWARD names the b of its step's FORWARD.
  */
 struct embd_sqe {
 	uint16_t opcode;                /* enum embd_op */
 	uint16_t flags;                 /* EMBD_SQE_* */
-	uint32_t batch_size;            /* must equal the layout's batch size */
+	uint32_t batch_size;            /* b: 1 .. the layout's batch size */
 	uint64_t user_data;             /* echoed in the CQE */
 	uint64_t step;                  /* training step this batch belongs to */
 	uint64_t num_values;            /* ids in the batch; lengths must sum to it */
-	struct embd_slab_span lengths;  /* int32[num_features * batch_size], 4-byte aligned */
+	struct embd_slab_span lengths;  /* int32[num_features * b], 4-byte aligned */
 	struct embd_slab_span values;   /* int64[num_values], 8-byte aligned */
 	struct embd_slab_span weights;  /* float[num_values], 4-byte aligned */
-	struct embd_slab_span grad;     /* float[batch_size * total_dim], 4-byte aligned */
-	struct embd_slab_span output;   /* float[batch_size * total_dim], 4-byte aligned */
+	struct embd_slab_span grad;     /* float[b * total_dim], 4-byte aligned */
+	struct embd_slab_span output;   /* float[b * total_dim], 4-byte aligned */
 	uint64_t reserved[2];           /* must be zero */
 };
 _Static_assert(sizeof(struct embd_sqe) == 128, "SQE is 128 bytes on the wire");
@@ -68,14 +75,15 @@ _Static_assert(sizeof(struct embd_cqe) == 128, "CQE is 128 bytes on the wire");
 struct embd_batch_limits {
 	uint64_t slab_bytes;            /* size of the client's slab */
 	uint32_t num_features;          /* F */
-	uint32_t batch_size;            /* B */
+	uint32_t batch_size;            /* B: the most samples of one batch */
 	uint32_t total_dim;             /* columns of the pooled output */
 	uint64_t max_values;            /* cap on num_values per batch */
 };
 
 /*
- * Checks a private copy of an SQE: opcode, flags, reserved words, batch size, value count,
- * and for each span its size (exact, from the limits), alignment and bounds within the slab
+ * Checks a private copy of an SQE: opcode, flags, reserved words, batch size (1 .. B), value
+ * count, and for each span its size (exact, from the limits and the SQE's batch size),
+ * alignment and bounds within the slab
  * (overflow-safe), and that the output span does not overlap an input span.
  * Returns 0, or EMBD_EINVAL (bad opcode, flags, reserved, batch size, span size or alignment),
  * EMBD_ERANGE (span outside the slab or num_values over the cap) with a message naming the
@@ -85,8 +93,10 @@ int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits
 		      char *err, size_t err_len);
 
 /*
- * Builds a safe KJT view of a validated FORWARD/BACKWARD SQE whose slab is mapped at `slab`.
- * Copies lengths (F * B int32) from the slab into lengths_buf (lengths_cap entries) with one
+ * Builds a safe KJT view of a validated FORWARD/EVAL/BACKWARD SQE whose slab is mapped at
+ * `slab`.
+ * Copies lengths (F * b int32, b the SQE's batch size, which the view carries) from the slab
+ * into lengths_buf (lengths_cap entries) with one
  * read, then checks every length >= 0 and that they sum to sqe->num_values. On success *out
  * has lengths -> lengths_buf (private), keys = NULL, and values/weights pointing into the
  * slab.

@@ -79,7 +79,7 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 		const int64_t *off = job->offsets + job->off_base[i];
 		int64_t s = off[b], e = off[b + 1];
 		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
-		float scale = embd_pool_scale(bt->pooling, divisor);
+		float scale = embd_grad_scale(bt->pooling, divisor, bt->grad_divisor);
 		struct embd_occ *out = job->occ + job->id_base[i];
 
 		if (first)

@@ -48,7 +48,8 @@ collect_kernel(const struct embd_cuda_bags *descs, uint32_t n, uint64_t total_ba
 		return;
 	}
 	int64_t divisor = d.mean_lengths ? d.mean_lengths[b] : e - s;
-	float scale = embd_pool_scale(d.mean ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM, divisor);
+	float scale = embd_grad_scale(d.mean ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM, divisor,
+				      d.grad_divisor);
 	if (lane == 0)
 		bag_dy[g] = d.pooled_grad + b * d.pooled_stride;
 	for (int64_t k0 = s; k0 < e; k0 += 32) {

@@ -360,6 +360,7 @@ int embd_cuda_bags_prepare(struct embd_cuda_ctx *ctx, const struct embd_bag_batc
 		o->batch_size = bt->batch_size;
 		o->cols = d->cols;
 		o->feature = bt->feature;
+		o->grad_divisor = bt->grad_divisor;
 		o->fp16 = d->dtype == EMBD_DTYPE_FP16;
 		o->mean = bt->pooling == EMBD_POOLING_MEAN;
 		/* a row starts 16 (fp32) or 8 (fp16) bytes aligned when cols is a multiple of 4 */

@@ -85,6 +85,7 @@ struct embd_cuda_bags {
 	uint64_t bag_base;              /* global index of bag 0 */
 	uint64_t id_base;               /* global index of id 0 */
 	uint32_t batch_size, cols, feature;
+	uint32_t grad_divisor;          /* backward: embd_bag_batch.grad_divisor */
 	uint8_t fp16, mean;
 	uint8_t vec_rows;               /* rows may be read 4 elements at a time */
 	uint8_t vec_pooled;             /* pooled / pooled_grad may be accessed as float4 */

@@ -175,6 +175,9 @@ struct embd_bag_batch {
 	const int32_t *mean_lengths;
 	float *pooled;                  /* forward: written, B x shard cols */
 	const float *pooled_grad;       /* backward: dL/d(pooled), same layout */
+	/* backward: dL/d(pooled) counts divided by it (TorchRec's gradient division by the
+	 * number of trainers; kernels/pool_row.h embd_grad_scale); 0 or 1: not divided */
+	uint32_t grad_divisor;
 	uint64_t pooled_stride;         /* floats between the rows of pooled / pooled_grad */
 	uint32_t pooled_col;
 };

@@ -62,7 +62,20 @@ static inline EMBD_HOST_DEVICE void embd_pool_finish(float *out, const float *ac
 		out[c] = acc[c] * scale;
 }
 
-/* d(out)/d(row_k) of one occurrence: its per-id weight (1 when unweighted) times the bag scale. */
+/*
+ * The scale of a bag's gradient: its pool scale (embd_pool_scale), divided by grad_divisor
+ * when that is above 1 (TorchRec's gradient division: dL/d(pooled) divided by the number of
+ * trainers, so that a learning rate means the same as with its sharded modules).
+ */
+static inline EMBD_HOST_DEVICE float embd_grad_scale(enum embd_pooling pooling, int64_t divisor,
+						     uint32_t grad_divisor)
+{
+	float s = embd_pool_scale(pooling, divisor);
+	return grad_divisor > 1 ? s / (float)grad_divisor : s;
+}
+
+/* d(out)/d(row_k) of one occurrence: its per-id weight (1 when unweighted) times the bag's
+ * gradient scale. */
 static inline EMBD_HOST_DEVICE float embd_grad_coef(float weight, float scale)
 {
 	return weight * scale;

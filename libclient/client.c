@@ -45,6 +45,7 @@ struct embd_client {
 	struct embd_client_feature *features;
 	struct slot_spans slots[EMBD_CLIENT_SLOTS];
 	uint64_t next_user_data;
+	uint8_t *table_buf;             /* one control message, for table access (lazily) */
 	char last_error[EMBD_CTL_TEXT_MAX + 64];
 };
 
@@ -225,6 +226,7 @@ void embd_close(struct embd_client *c)
 		close(c->sock);
 	free(c->tables);
 	free(c->features);
+	free(c->table_buf);
 	free(c);
 }
 
@@ -279,11 +281,13 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 
 	memset(sqe, 0, sizeof(*sqe));
 	if (req->op != EMBD_REQUEST_NOP && req->op != EMBD_REQUEST_FORWARD &&
-	    req->op != EMBD_REQUEST_BACKWARD)
-		return fail(c, EMBD_EINVAL, "op: %d is not NOP, FORWARD or BACKWARD", (int)req->op);
+	    req->op != EMBD_REQUEST_BACKWARD && req->op != EMBD_REQUEST_EVAL)
+		return fail(c, EMBD_EINVAL, "op: %d is not NOP, FORWARD, BACKWARD or EVAL",
+			    (int)req->op);
 	sqe->opcode = (uint16_t)req->op;
 	sqe->user_data = req->user_data;
-	sqe->step = req->step;
+	/* an evaluation belongs to no training step */
+	sqe->step = req->op == EMBD_REQUEST_EVAL ? 0 : req->step;
 	if (req->op == EMBD_REQUEST_NOP)
 		return 0;
 	if (req->slot >= EMBD_CLIENT_SLOTS)
@@ -292,20 +296,26 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 	if (req->num_values > l->max_values)
 		return fail(c, EMBD_EINVAL, "num_values: %llu, at most %llu per batch",
 			    (unsigned long long)req->num_values, (unsigned long long)l->max_values);
+	const uint32_t b = req->batch_size ? req->batch_size : l->batch_size;
+	if (b > l->batch_size)
+		return fail(c, EMBD_EINVAL, "batch_size: %u samples, at most %u per batch", b,
+			    l->batch_size);
 	const struct slot_spans *s = &c->slots[req->slot];
-	sqe->batch_size = l->batch_size;
+	const uint64_t out_bytes = (uint64_t)b * l->total_dim * sizeof(float);
+	sqe->batch_size = b;
 	sqe->num_values = req->num_values;
-	sqe->lengths = s->lengths;
+	sqe->lengths = (struct embd_slab_span){ s->lengths.offset,
+						(uint64_t)l->num_features * b * sizeof(int32_t) };
 	sqe->values = (struct embd_slab_span){ s->values.offset, req->num_values * sizeof(int64_t) };
 	if (req->weighted) {
 		sqe->flags = EMBD_SQE_WEIGHTED;
 		sqe->weights = (struct embd_slab_span){ s->weights.offset,
 							req->num_values * sizeof(float) };
 	}
-	if (req->op == EMBD_REQUEST_FORWARD)
-		sqe->output = s->pooled;
+	if (req->op == EMBD_REQUEST_FORWARD || req->op == EMBD_REQUEST_EVAL)
+		sqe->output = (struct embd_slab_span){ s->pooled.offset, out_bytes };
 	else
-		sqe->grad = s->grad;
+		sqe->grad = (struct embd_slab_span){ s->grad.offset, out_bytes };
 	return 0;
 }
 
@@ -375,33 +385,176 @@ int embd_wait(struct embd_client *c, struct embd_completion *out, int timeout_ms
 	}
 }
 
-static int blocking(struct embd_client *c, enum embd_request_op op, uint32_t slot, uint64_t step,
-		    uint64_t num_values, int weighted)
+int embd_run(struct embd_client *c, const struct embd_request *req)
 {
-	struct embd_request req = { .op = op, .slot = slot, .step = step, .num_values = num_values,
-				    .weighted = weighted, .user_data = ++c->next_user_data };
+	struct embd_request r = *req;
 	struct embd_completion done;
-	int rc = embd_submit(c, &req);
 
+	r.user_data = ++c->next_user_data;
+	int rc = embd_submit(c, &r);
 	if (rc)
 		return rc;
 	rc = embd_wait(c, &done, -1);
 	if (rc)
 		return rc;
-	if (done.user_data != req.user_data)
+	if (done.user_data != r.user_data)
 		return fail(c, EMBD_EPROTO, "completion for request %llu while waiting for %llu",
-			    (unsigned long long)done.user_data, (unsigned long long)req.user_data);
+			    (unsigned long long)done.user_data, (unsigned long long)r.user_data);
 	return done.result;
 }
 
 int embd_forward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t num_values,
 		 int weighted)
 {
-	return blocking(c, EMBD_REQUEST_FORWARD, slot, step, num_values, weighted);
+	struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = slot, .step = step,
+				    .num_values = num_values, .weighted = weighted };
+	return embd_run(c, &req);
 }
 
 int embd_backward(struct embd_client *c, uint32_t slot, uint64_t step, uint64_t num_values,
 		  int weighted)
 {
-	return blocking(c, EMBD_REQUEST_BACKWARD, slot, step, num_values, weighted);
+	struct embd_request req = { .op = EMBD_REQUEST_BACKWARD, .slot = slot, .step = step,
+				    .num_values = num_values, .weighted = weighted };
+	return embd_run(c, &req);
+}
+
+int embd_eval(struct embd_client *c, uint32_t slot, uint32_t batch_size, uint64_t num_values,
+	      int weighted)
+{
+	struct embd_request req = { .op = EMBD_REQUEST_EVAL, .slot = slot, .batch_size = batch_size,
+				    .num_values = num_values, .weighted = weighted };
+	return embd_run(c, &req);
+}
+
+/* ---- live table access --------------------------------------------------------------------- */
+
+/*
+ * One table request (TABLE_READ or TABLE_WRITE) and its answer into *rep; a read's rows are
+ * copied to out. The service's refusal comes back as its code with its text.
+ */
+static int table_call(struct embd_client *c, enum embd_ctl_type type,
+		      const struct embd_ctl_table_request *req, const int64_t *ids,
+		      const float *rows, struct embd_ctl_table_reply *rep, float *out)
+{
+	char *e = c->last_error;
+	const size_t el = sizeof(c->last_error);
+	struct embd_ctl_msg msg;
+	const float *got;
+	uint32_t len;
+	int rc, code;
+
+	if (!c->table_buf && !(c->table_buf = malloc(EMBD_CTL_MSG_MAX)))
+		return fail(c, EMBD_ENOMEM, "table: out of memory");
+	if (embd_ctl_table_request_encode(req, ids, rows, c->table_buf, EMBD_CTL_MSG_MAX, &len))
+		return fail(c, EMBD_EINVAL, "table: %u rows do not fit one message", req->num_rows);
+	if ((rc = embd_ctl_send(c->sock, type, c->table_buf, len, NULL, 0, e, el)))
+		return rc;
+	if ((rc = embd_ctl_recv(c->sock, c->table_buf, EMBD_CTL_MSG_MAX, -1, &msg, e, el)))
+		return rc;
+	if (msg.type == EMBD_CTL_ERROR) {
+		char text[EMBD_CTL_TEXT_MAX + 1];
+		rc = embd_ctl_error_decode(&msg, &code, text, sizeof(text), e, el);
+		return rc ? rc : fail(c, code < 0 ? code : EMBD_EPROTO, "table %u: %s", req->table,
+				      text);
+	}
+	if (msg.type != (type == EMBD_CTL_TABLE_READ ? EMBD_CTL_TABLE_DATA : EMBD_CTL_TABLE_DONE))
+		return fail(c, EMBD_EPROTO, "table: message type %u answers a table request",
+			    msg.type);
+	if ((rc = embd_ctl_table_reply_decode(&msg, rep, &got, e, el)))
+		return rc;
+	if (rep->table != req->table || rep->array != req->array ||
+	    rep->num_rows != req->num_rows || !rep->cols || rep->max_rows > EMBD_CTL_TABLE_BYTES_MAX)
+		return fail(c, EMBD_EPROTO, "table: the answer names table %u array %u, %u rows",
+			    rep->table, rep->array, rep->num_rows);
+	if (out && got)
+		memcpy(out, got, (size_t)rep->num_rows * rep->cols * sizeof(float));
+	return 0;
+}
+
+int embd_table_info(struct embd_client *c, uint32_t table, enum embd_table_array array,
+		    struct embd_table_info *out)
+{
+	struct embd_ctl_table_request req = { .table = table, .array = (uint32_t)array };
+	struct embd_ctl_table_reply rep;
+	int rc = table_call(c, EMBD_CTL_TABLE_READ, &req, NULL, NULL, &rep, NULL);
+
+	if (rc)
+		return rc;
+	*out = (struct embd_table_info){ .num_embeddings = rep.num_embeddings, .cols = rep.cols,
+					 .max_rows = rep.max_rows, .applied_step = rep.applied_step,
+					 .optimizer_step = rep.optimizer_step };
+	return 0;
+}
+
+/*
+ * A read or write of n rows (ids, or row_begin onwards) in chunks of the most rows one message
+ * carries. Reads fill out; writes send rows. Every chunk of a read must hold the same steps.
+ */
+static int table_chunks(struct embd_client *c, enum embd_ctl_type type, uint32_t table,
+			enum embd_table_array array, const int64_t *ids, int64_t row_begin,
+			uint64_t n, float *out, const float *rows, uint64_t *applied_step)
+{
+	struct embd_table_info info;
+	int rc = embd_table_info(c, table, array, &info);
+
+	if (rc)
+		return rc;
+	if (n > (uint64_t)INT64_MAX)
+		return fail(c, EMBD_EINVAL, "num_rows: %llu", (unsigned long long)n);
+	if (applied_step)
+		*applied_step = info.applied_step;
+	for (uint64_t done = 0; done < n;) {
+		const uint32_t k = (uint32_t)(n - done < info.max_rows ? n - done : info.max_rows);
+		struct embd_ctl_table_request req = {
+			.table = table, .array = (uint32_t)array, .num_rows = k,
+			.flags = ids ? EMBD_CTL_TABLE_IDS : 0,
+			.row_begin = ids ? 0 : row_begin + (int64_t)done,
+			.cols = type == EMBD_CTL_TABLE_WRITE ? info.cols : 0,
+		};
+		struct embd_ctl_table_reply rep;
+		const uint64_t at = done * info.cols;
+		rc = table_call(c, type, &req, ids ? ids + done : NULL, rows ? rows + at : NULL, &rep,
+				out ? out + at : NULL);
+		if (rc)
+			return rc;
+		if (rep.cols != info.cols)
+			return fail(c, EMBD_EPROTO, "table %u: rows of %u floats, then of %u", table,
+				    info.cols, rep.cols);
+		if (type == EMBD_CTL_TABLE_READ && rep.applied_step != info.applied_step)
+			return fail(c, EMBD_EAGAIN, "table %u: a step ran while it was read (the rows "
+				    "of step %llu, then of %llu): read it between steps", table,
+				    (unsigned long long)info.applied_step,
+				    (unsigned long long)rep.applied_step);
+		done += k;
+	}
+	return 0;
+}
+
+int embd_table_read(struct embd_client *c, uint32_t table, enum embd_table_array array,
+		    int64_t row_begin, uint64_t num_rows, float *out, uint64_t *applied_step)
+{
+	return table_chunks(c, EMBD_CTL_TABLE_READ, table, array, NULL, row_begin, num_rows, out,
+			    NULL, applied_step);
+}
+
+int embd_table_read_ids(struct embd_client *c, uint32_t table, enum embd_table_array array,
+			const int64_t *ids, uint64_t num_ids, float *out, uint64_t *applied_step)
+{
+	return table_chunks(c, EMBD_CTL_TABLE_READ, table, array, ids, 0, num_ids, out, NULL,
+			    applied_step);
+}
+
+int embd_table_write(struct embd_client *c, uint32_t table, enum embd_table_array array,
+		     int64_t row_begin, uint64_t num_rows, const float *rows)
+{
+	return table_chunks(c, EMBD_CTL_TABLE_WRITE, table, array, NULL, row_begin, num_rows, NULL,
+			    rows, NULL);
+}
+
+int embd_table_write_ids(struct embd_client *c, uint32_t table, enum embd_table_array array,
+			 const int64_t *ids, uint64_t num_ids, const float *rows)
+{
+	return table_chunks(c, EMBD_CTL_TABLE_WRITE, table, array, ids, 0, num_ids, NULL, rows,
+			    NULL);
 }

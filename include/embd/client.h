@@ -6,7 +6,8 @@
  * the trainer writes each KJT straight into one of EMBD_CLIENT_SLOTS batch slots of that
  * region (embd_batch_get), posts FORWARD for step s, reads the pooled output from the same
  * slot, writes dL/d(pooled) into the slot's grad buffer and posts BACKWARD for step s. Two
- * slots let a trainer fill step s + 1 while step s runs.
+ * slots let a trainer fill step s + 1 while step s runs. An EVAL (embd_eval) looks a batch up
+ * without training: no step, no backward.
  *
  * Threading: a handle is used by one thread at a time (calls on one handle must be
  * serialised by the caller); different handles are independent. embd_last_error belongs to
@@ -65,33 +66,64 @@ struct embd_client_layout {
 };
 
 /*
- * One batch slot, inside the shared region. The trainer fills lengths (feature-major,
- * num_features * batch_size) and the first num_values entries of values (and weights for a
- * weighted batch); forward writes pooled; the trainer writes grad before backward.
- * The pointers stay valid until embd_close.
+ * One batch slot, inside the shared region. A batch has b samples, 1 <= b <= the layout's
+ * batch_size (b below it: the last batch of an epoch, TorchRec's KJT stride; the request
+ * says b). The trainer fills lengths (feature-major with stride b: lengths[f * b + i] ids of
+ * feature f in sample i) and the first num_values entries of values (and weights for a
+ * weighted batch); forward writes the first b rows of pooled; the trainer writes the first
+ * b rows of grad before backward. No padding to batch_size is needed. The pointers stay
+ * valid until embd_close.
  */
 struct embd_batch {
-	int32_t *lengths;
+	int32_t *lengths;                /* room for num_features * batch_size */
 	int64_t *values;                 /* max_values entries */
 	float *weights;                  /* max_values entries */
-	float *pooled;                   /* float[batch_size][total_dim], written by forward */
-	float *grad;                     /* float[batch_size][total_dim], read by backward */
+	float *pooled;                   /* float[b][total_dim], written by forward */
+	float *grad;                     /* float[b][total_dim], read by backward */
 };
 
+/*
+ * FORWARD s and BACKWARD s are a training step: every trainer of the node (of the cluster)
+ * posts both, and BACKWARD s before FORWARD s + 1 (a FORWARD posted while this trainer's
+ * BACKWARD of the step before is due completes at once with EMBD_EINVAL naming that step).
+ *
+ * EVAL is an evaluation (TorchRec's eval mode): the pooled output of the slot's batch from
+ * the rows as they are, nothing kept for a backward, no row changed, the training step
+ * sequence neither advanced nor waited for. Its step must be 0 (libembdclient sets it).
+ *   - On one node a trainer may post an EVAL whenever it likes; it runs as soon as the
+ *     service pops it, alone. The rows it reads include the update of every step whose
+ *     BACKWARD completed; between this trainer's FORWARD s and BACKWARD s (or while another
+ *     trainer's BACKWARD s is missing) they are the rows step s's forward read: the update
+ *     happens in the backward, as in TorchRec. Between steps they are therefore exactly the
+ *     rows the next training FORWARD reads.
+ *   - On a cluster every trainer of every node posts its EVAL together, as TorchRec's sharded
+ *     modules need in eval: the node runs an evaluation round once each of its trainers has
+ *     posted one (a trainer whose EVAL batch was refused sits the round out), exchanging ids
+ *     and pooled blocks with the other nodes like a forward. Rounds are numbered apart from
+ *     the steps and run between steps: an EVAL while this trainer's BACKWARD is due is
+ *     refused (EMBD_EINVAL), and one posted while another trainer of the node posted a
+ *     FORWARD (or sits a step out) is refused too, naming that trainer. Every trainer must
+ *     post its evaluations at the same point of its steps: a node that trains while another
+ *     evaluates fails both and the cluster re-forms (EMBD_EMISMATCH). While it re-forms an
+ *     EVAL gets EMBD_EAGAIN.
+ */
 enum embd_request_op {
 	EMBD_REQUEST_NOP = 0,            /* completes at once (round-trip measurement) */
 	EMBD_REQUEST_FORWARD = 1,
 	EMBD_REQUEST_BACKWARD = 2,
+	EMBD_REQUEST_EVAL = 3,           /* an evaluation: forward only, see above */
 };
 
 /* What one request asks for. */
 struct embd_request {
 	enum embd_request_op op;
 	uint32_t slot;                   /* batch slot, < EMBD_CLIENT_SLOTS */
-	uint64_t step;
+	uint64_t step;                   /* FORWARD, BACKWARD; ignored for EVAL and NOP */
 	uint64_t num_values;             /* ids in the slot's batch (sum of its lengths) */
 	int weighted;                    /* nonzero: the slot's weights are used */
 	uint64_t user_data;              /* echoed in the completion */
+	uint32_t batch_size;             /* samples b of the batch, 1..layout batch_size; 0: the
+					    layout's. A BACKWARD names its FORWARD's b */
 };
 
 struct embd_completion {
@@ -124,9 +156,10 @@ EMBD_CLIENT_API int embd_batch_get(struct embd_client *client, uint32_t slot,
 				   struct embd_batch *out);
 
 /*
- * Posts one request (async). Returns 0, EMBD_EINVAL (slot, op, num_values over max_values),
- * EMBD_ENOSPC (submission ring full: wait for completions first; the service takes requests
- * only while the completion ring has room for theirs), EMBD_EPROTO or EMBD_EIO.
+ * Posts one request (async). Returns 0, EMBD_EINVAL (slot, op, num_values over max_values,
+ * batch_size over the layout's), EMBD_ENOSPC (submission ring full: wait for completions
+ * first; the service takes requests only while the completion ring has room for theirs),
+ * EMBD_EPROTO or EMBD_EIO.
  */
 EMBD_CLIENT_API int embd_submit(struct embd_client *client, const struct embd_request *req);
 
@@ -151,12 +184,93 @@ EMBD_CLIENT_API int embd_wait(struct embd_client *client, struct embd_completion
  * On a cluster also: an error naming the node that failed; EMBD_EAGAIN while the cluster
  * re-forms (post the same step again a little later); EMBD_ERESUMED when it re-formed at
  * another step (embd_layout(client)->resumed_step is then the step to post).
+ * These post full batches (the layout's batch_size samples); embd_run posts any request.
  * Do not call with async requests in flight on the same handle.
  */
 EMBD_CLIENT_API int embd_forward(struct embd_client *client, uint32_t slot, uint64_t step,
 				 uint64_t num_values, int weighted);
 EMBD_CLIENT_API int embd_backward(struct embd_client *client, uint32_t slot, uint64_t step,
 				  uint64_t num_values, int weighted);
+
+/*
+ * Blocking evaluation (EMBD_REQUEST_EVAL) of the batch of batch_size samples (0: the layout's)
+ * in slot `slot`: its pooled rows are in the slot's pooled buffer on return. Returns 0, the
+ * batch's validation error, EMBD_EINVAL when this trainer's BACKWARD is due on a cluster, or
+ * EMBD_EAGAIN while a cluster re-forms. Do not call with async requests in flight.
+ */
+EMBD_CLIENT_API int embd_eval(struct embd_client *client, uint32_t slot, uint32_t batch_size,
+			      uint64_t num_values, int weighted);
+
+/*
+ * Blocking form of embd_submit: posts *req (its user_data is replaced by the handle's own)
+ * and waits without limit for that completion. Returns embd_submit's or embd_wait's error,
+ * else the request's result, as embd_forward. Do not call with async requests in flight.
+ */
+EMBD_CLIENT_API int embd_run(struct embd_client *client, const struct embd_request *req);
+
+/* ---- live table access -------------------------------------------------------------------
+ *
+ * Rows of a table, read and written through the handle's control socket while the service
+ * runs, for state_dict() / load_state_dict(). table is the index into embd_layout()->tables;
+ * rows are in table coordinates (whatever the sharding), row-major float[n][cols]. Each
+ * message is answered at a moment no step phase runs: between steps the rows read are
+ * exactly the rows the next training forward reads, and rows written are what it reads
+ * (written between a step's FORWARD and BACKWARD, that step's update lands on them, as in
+ * TorchRec). Arrays beyond the weights are the fused optimizer's state, for a full round
+ * trip. Large requests travel in chunks of embd_table_info's max_rows rows; a trainer that
+ * reads or writes between its own steps holds every other trainer of its node at the next
+ * step meanwhile, so no step runs between the chunks. These calls wait for the service
+ * without limit (a service that goes away ends them with EMBD_ECONNRESET). Errors name the
+ * table, the row or the value: EMBD_ENOENT (no such table; on a cluster, rows or columns on
+ * another node, named), EMBD_EINVAL (an array the table's optimizer has not; a value that is
+ * not finite), EMBD_ERANGE (a row outside the table), EMBD_ENOTSUP (a write on a cluster:
+ * every node would have to agree on it; not supported).
+ */
+enum embd_table_array {
+	EMBD_TABLE_WEIGHTS = 0,          /* num_embeddings x embedding_dim (fp16 tables converted) */
+	EMBD_TABLE_MOMENTUM1 = 1,        /* adagrad's sum of squares and adam's m (embedding_dim
+					    wide); rowwise_adagrad's: one value per column shard of
+					    a row (1 wide unless the table is column-wise sharded) */
+	EMBD_TABLE_MOMENTUM2 = 2,        /* adam's v (embedding_dim wide) */
+};
+
+struct embd_table_info {
+	int64_t num_embeddings;          /* rows of the table */
+	uint32_t cols;                   /* floats per row of the array */
+	uint32_t max_rows;               /* rows of the array one message carries */
+	uint64_t applied_step;           /* the rows hold the update of every step before it */
+	int64_t optimizer_step;          /* the table's optimizer steps so far (adam's t) */
+};
+
+/* The shape of array `array` of table `table`. Returns 0 or an error as above (EMBD_EINVAL:
+ * the optimizer keeps no such array). */
+EMBD_CLIENT_API int embd_table_info(struct embd_client *client, uint32_t table,
+				    enum embd_table_array array, struct embd_table_info *out);
+
+/*
+ * Reads rows row_begin .. row_begin + num_rows - 1 (or the num_ids rows ids[]) of an array into
+ * out (num_rows x cols floats, cols from embd_table_info). *applied_step (may be NULL) gets the
+ * steps the rows hold. EMBD_EAGAIN when a step ran between two chunks (another trainer or
+ * node went on meanwhile: read again between steps).
+ */
+EMBD_CLIENT_API int embd_table_read(struct embd_client *client, uint32_t table,
+				    enum embd_table_array array, int64_t row_begin,
+				    uint64_t num_rows, float *out, uint64_t *applied_step);
+EMBD_CLIENT_API int embd_table_read_ids(struct embd_client *client, uint32_t table,
+					enum embd_table_array array, const int64_t *ids,
+					uint64_t num_ids, float *out, uint64_t *applied_step);
+
+/*
+ * Writes rows (num_rows x cols floats, every one finite) into rows row_begin .. (or ids[]) of
+ * an array: data_parallel tables on every replica. A chunk is checked whole before any of its
+ * rows changes; chunks are applied one after the other. Not on a cluster (EMBD_ENOTSUP).
+ */
+EMBD_CLIENT_API int embd_table_write(struct embd_client *client, uint32_t table,
+				     enum embd_table_array array, int64_t row_begin,
+				     uint64_t num_rows, const float *rows);
+EMBD_CLIENT_API int embd_table_write_ids(struct embd_client *client, uint32_t table,
+					 enum embd_table_array array, const int64_t *ids,
+					 uint64_t num_ids, const float *rows);
 
 /* The text of the handle's last failure ("" when none). Valid until the next call. */
 EMBD_CLIENT_API const char *embd_last_error(const struct embd_client *client);

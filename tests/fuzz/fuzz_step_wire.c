@@ -23,9 +23,10 @@ static int touch_item(void *arg, uint32_t p, uint64_t seq, const struct step_wir
 	(void)seq;
 	if (p != WP_PEER || it->shard >= wp_plan.num_shards ||
 	    wp_plan.shards[it->shard].node != wp_plan.node || it->offsets[0] != 0 ||
-	    it->offsets[WP_B] != (int64_t)it->num_ids)
+	    it->batch_size == 0 || it->batch_size > WP_B ||
+	    it->offsets[it->batch_size] != (int64_t)it->num_ids)
 		abort();
-	for (uint32_t b = 0; b < WP_B; b++) {
+	for (uint32_t b = 0; b < it->batch_size; b++) {
 		if (it->offsets[b + 1] < it->offsets[b])
 			abort();
 		if (it->lengths && it->lengths[b] < it->offsets[b + 1] - it->offsets[b])
@@ -60,7 +61,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		return 0;
 	memcpy(buf, data + H, len);
 	err[0] = 0;
-	rc = step_wire_input(&wp_plan, WP_PEER, buf, len, head.grad_bytes, touch_item, NULL, err,
+	rc = step_wire_input(&wp_plan, WP_PEER, buf, len, head.grad_bytes,
+			     (head.flags & WIRE_HELLO_EVAL) != 0, touch_item, NULL, err,
 			     sizeof(err));
 	if (rc && !err[0])
 		abort();        /* every refusal says why */

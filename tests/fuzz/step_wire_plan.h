@@ -42,23 +42,26 @@ static const struct step_wire_plan wp_plan = {
 };
 
 /*
- * Appends one item to out at *at (8-aligned, as the sender packs it): the head, offsets from
- * lens (B bag lengths), ids, weights when weights != NULL, full lengths when full != NULL.
- * Returns the bytes of gradient the item brings (B * cols * 4).
+ * Appends one item of a batch of nb samples (1..WP_B) to out at *at (8-aligned, as the sender
+ * packs it): the head, offsets from lens (nb bag lengths), ids, weights when weights != NULL,
+ * full lengths (nb) when full != NULL. Returns the bytes of gradient the item brings
+ * (nb * cols * 4).
  */
-__attribute__((unused)) static uint64_t wp_put_item(uint8_t *out, uint64_t *at, uint32_t feature, uint32_t shard,
-			    uint32_t flags, const int32_t *lens, const int64_t *ids,
-			    const float *weights, const int32_t *full)
+__attribute__((unused)) static uint64_t wp_put_item(uint8_t *out, uint64_t *at, uint32_t feature,
+						    uint32_t shard, uint32_t flags, uint32_t nb,
+						    const int32_t *lens, const int64_t *ids,
+						    const float *weights, const int32_t *full)
 {
 	int64_t offsets[WP_B + 1] = { 0 };
-	for (uint32_t b = 0; b < WP_B; b++)
+	for (uint32_t b = 0; b < nb; b++)
 		offsets[b + 1] = offsets[b] + lens[b];
 	struct wire_item w = { .gtrainer = (WP_PEER << 16) | 1, .feature = feature,
-			       .shard = shard, .flags = flags, .num_ids = (uint64_t)offsets[WP_B] };
+			       .shard = shard, .flags = flags, .num_ids = (uint64_t)offsets[nb],
+			       .batch_size = nb };
 	memcpy(out + *at, &w, sizeof(w));
 	*at += sizeof(w);
-	memcpy(out + *at, offsets, sizeof(offsets));
-	*at += sizeof(offsets);
+	memcpy(out + *at, offsets, (nb + 1) * 8);
+	*at += (nb + 1) * 8;
 	memcpy(out + *at, ids, w.num_ids * 8);
 	*at += w.num_ids * 8;
 	if (weights) {
@@ -67,11 +70,11 @@ __attribute__((unused)) static uint64_t wp_put_item(uint8_t *out, uint64_t *at, 
 		*at += wire_pad8(w.num_ids * 4);
 	}
 	if (full) {
-		memset(out + *at, 0, wire_pad8(WP_B * 4));
-		memcpy(out + *at, full, WP_B * 4);
-		*at += wire_pad8(WP_B * 4);
+		memset(out + *at, 0, wire_pad8(nb * 4));
+		memcpy(out + *at, full, nb * 4);
+		*at += wire_pad8(nb * 4);
 	}
-	return (uint64_t)WP_B * wp_shards[shard].cols * 4;
+	return (uint64_t)nb * wp_shards[shard].cols * 4;
 }
 
 /* (unused attributes: the fuzz target only needs the plan) */
@@ -86,10 +89,11 @@ __attribute__((unused)) static uint64_t wp_good_input(uint8_t *out, uint64_t *gr
 	static const float weights[4] = { 0.5f, 1.0f, 2.0f, -1.0f };
 	uint64_t at = 0;
 
-	*grad_bytes = wp_put_item(out, &at, 0, 0, WIRE_FORWARD, lens, ts_ids, NULL, NULL);
-	*grad_bytes += wp_put_item(out, &at, 1, 1, WIRE_FORWARD | WIRE_LENGTHS, lens, rm_ids, NULL,
-				   full);
-	*grad_bytes += wp_put_item(out, &at, 2, 3, WIRE_WEIGHTED, lens, dp_ids, weights, NULL);
+	*grad_bytes = wp_put_item(out, &at, 0, 0, WIRE_FORWARD, WP_B, lens, ts_ids, NULL, NULL);
+	*grad_bytes += wp_put_item(out, &at, 1, 1, WIRE_FORWARD | WIRE_LENGTHS, WP_B, lens, rm_ids,
+				   NULL, full);
+	*grad_bytes += wp_put_item(out, &at, 2, 3, WIRE_WEIGHTED, WP_B, lens, dp_ids, weights,
+				   NULL);
 	return at;
 }
 

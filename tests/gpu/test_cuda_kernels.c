@@ -120,6 +120,9 @@ static void backward_case(struct grng *r, enum embd_optimizer_type opt, enum emb
 		struct embd_bag_batch cb[2] = { s[0].cpu, s[1].cpu }, gb[2] = { s[0].gpu, s[1].gpu };
 		cb[0].pooled_grad = cb[1].pooled_grad = dy.cpu;
 		gb[0].pooled_grad = gb[1].pooled_grad = dy.gpu;
+		/* every other step with TorchRec's gradient division (by 3 trainers) */
+		for (int k = 0; k < 2; k++)
+			cb[k].grad_divisor = gb[k].grad_divisor = step % 2 ? 3 : 0;
 
 		int crc = embd_kernels_backward(NULL, t.cpu, cb, 2, &ce);
 		int grc = embd_cuda_backward(ctx, t.gpu, gb, 2, &ge);

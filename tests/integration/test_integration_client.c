@@ -55,6 +55,10 @@ Test(client, bad_arguments_are_named)
 				    .num_values = embd_layout(c)->max_values + 1 };
 	cr_expect_eq(embd_submit(c, &big), EMBD_EINVAL);
 	cr_expect(strstr(embd_last_error(c), "num_values") != NULL, "got '%s'", embd_last_error(c));
+	struct embd_request wide = { .op = EMBD_REQUEST_FORWARD,
+				     .batch_size = embd_layout(c)->batch_size + 1 };
+	cr_expect_eq(embd_submit(c, &wide), EMBD_EINVAL);
+	cr_expect(strstr(embd_last_error(c), "batch_size") != NULL, "got '%s'", embd_last_error(c));
 	/* the same index twice is refused by the service, with its reason */
 	struct embd_client *twin;
 	int rc = embd_connect(service.socket, embd_layout(c)->index, 5000, &twin, err, sizeof(err));

@@ -51,6 +51,18 @@ Test(dist, three_nodes_table_row_wise) { train_and_check(3, "table_row_wise"); }
 Test(dist, three_nodes_table_column_wise) { train_and_check(3, "table_column_wise"); }
 Test(dist, three_nodes_data_parallel) { train_and_check(3, "data_parallel"); }
 
+/* Short batches (8, 5, 2 samples) across the nodes: each item on the wire has its own size. */
+static void train_short(uint32_t N, const char *sharding)
+{
+	short_batches = true;
+	train_and_check(N, sharding);
+}
+
+Test(dist, two_nodes_short_batches_row_wise) { train_short(2, "row_wise"); }
+Test(dist, two_nodes_short_batches_column_wise) { train_short(2, "column_wise"); }
+Test(dist, two_nodes_short_batches_table_row_wise) { train_short(2, "table_row_wise"); }
+Test(dist, three_nodes_short_batches_data_parallel) { train_short(3, "data_parallel"); }
+
 /* env:// wins: nodes 1 and 2 have node_rank 0 in their configs and NODE_RANK in the env. */
 Test(dist, node_rank_from_the_environment)
 {
@@ -341,4 +353,11 @@ Test(dist, mismatched_tables_refused_at_join)
 Test(dist, mismatched_world_size_refused_at_join)
 {
 	expect_join_refused(NULL, 3, "world_size");
+}
+
+/* Nodes that would combine the trainers' gradients differently never form a cluster. */
+Test(dist, mismatched_gradient_scaling_refused_at_join)
+{
+	snprintf(dist_node_json[1], sizeof(dist_node_json[1]), ", \"gradient_scaling\": \"sum\"");
+	expect_join_refused(NULL, 2, "gradient_scaling");
 }

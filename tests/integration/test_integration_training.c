@@ -25,6 +25,7 @@
 #include "tests/integration/training_common.h"
 
 static char config_path[128];
+static const char *extra_json = "";     /* more config keys: ", \"key\": value" */
 
 /* ---- the service -------------------------------------------------------------------------- */
 
@@ -38,7 +39,8 @@ static void write_config(const char *sharding, uint32_t trainers)
 	fprintf(f, ", \"topology\": {\"world_size\": 2, \"local_world_size\": 2, "
 		"\"compute_device\": \"cpu\", \"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", "
 		"\"batch_size\": %d},\n \"trainers_per_node\": %u, \"seed\": %u, "
-		"\"threads_per_rank\": 1, \"busy_poll_us\": 20 }\n", BATCH, trainers, SEED);
+		"\"threads_per_rank\": 1, \"busy_poll_us\": 20%s }\n", BATCH, trainers, SEED,
+		extra_json);
 	fclose(f);
 }
 
@@ -81,6 +83,27 @@ Test(training, table_row_wise_equals_reference) { train_and_check("table_row_wis
 Test(training, table_column_wise_equals_reference) { train_and_check("table_column_wise", 2); }
 Test(training, data_parallel_equals_reference) { train_and_check("data_parallel", 2); }
 Test(training, four_concurrent_trainers_equal_reference) { train_and_check(NULL, 4); }
+
+/* Batches of 8, 5 and 2 samples (the last batch of an epoch): each output has its batch's
+ * rows and the steps train as the reference on the shorter global batch. */
+static void train_short(const char *sharding, uint32_t trainers)
+{
+	short_batches = true;
+	train_and_check(sharding, trainers);
+}
+
+Test(training, short_batches_row_wise_equal_reference) { train_short("row_wise", 2); }
+
+/* "gradient_scaling": "sum": the trainers' gradients summed as they are, so the same learning
+ * rate moves rows 3 times as far with 3 trainers (and the default's reference fails). */
+Test(training, summed_gradients_equal_the_summing_reference)
+{
+	extra_json = ", \"gradient_scaling\": \"sum\"";
+	sum_gradients = true;
+	train_and_check("table_wise", 3);
+}
+Test(training, short_batches_column_wise_equal_reference) { train_short("column_wise", 3); }
+Test(training, short_batches_data_parallel_equal_reference) { train_short("data_parallel", 2); }
 
 /* ---- a trainer killed mid-step ----------------------------------------------------------- */
 
@@ -300,12 +323,43 @@ Test(training, malformed_batches_are_named_and_others_run)
 	sqe.batch_size = BATCH + 1;
 	bad_sqe_case(good, bad, s++, &sqe, "a wrong batch size", "batch_size");
 
+	/* a backward whose gradient has other rows than its forward's output (every bag of
+	 * fill_ones holds one id, so BATCH - 1 samples hold NUM_F fewer) */
+	req = (struct embd_request){ .op = EMBD_REQUEST_FORWARD, .step = s, .batch_size = BATCH - 1,
+				     .num_values = fill_ones(bad) - NUM_F };
+	cr_assert_eq(embd_submit(bad, &req), 0, "%s", embd_last_error(bad));
+	struct embd_request fwd = { .op = EMBD_REQUEST_FORWARD, .step = s,
+				    .num_values = fill_ones(good) };
+	cr_assert_eq(embd_submit(good, &fwd), 0, "%s", embd_last_error(good));
+	struct embd_completion done;
+	cr_assert_eq(embd_wait(bad, &done, 3000), 0, "%s", embd_last_error(bad));
+	cr_assert_eq(done.result, 0, "short forward: %s", embd_last_error(bad));
+	cr_assert_eq(embd_wait(good, &done, 3000), 0, "%s", embd_last_error(good));
+	req.op = EMBD_REQUEST_BACKWARD;
+	req.batch_size = BATCH;
+	req.num_values += NUM_F;
+	cr_assert_eq(embd_submit(bad, &req), 0, "%s", embd_last_error(bad));
+	expect_refused(bad, "a backward of another batch size", "batch_size: 8 samples",
+		       "forward had 7");
+	req.batch_size = BATCH - 1;
+	req.num_values -= NUM_F;
+	fwd.op = EMBD_REQUEST_BACKWARD;
+	cr_assert_eq(embd_submit(bad, &req), 0, "%s", embd_last_error(bad));
+	cr_assert_eq(embd_submit(good, &fwd), 0, "%s", embd_last_error(good));
+	cr_assert_eq(embd_wait(bad, &done, 3000), 0, "%s", embd_last_error(bad));
+	cr_expect_eq(done.result, 0, "short backward: %s", embd_last_error(bad));
+	cr_assert_eq(embd_wait(good, &done, 3000), 0, "%s", embd_last_error(good));
+	cr_expect_eq(done.result, 0, "good backward: %s", embd_last_error(good));
+	s++;
+
+	req = (struct embd_request){ .op = EMBD_REQUEST_FORWARD, .step = s,
+				     .num_values = fill_ones(bad) };
 	cr_assert_eq(embd_client_sqe_build(bad, &req, &sqe), 0);
 	sqe.step = s;
 	srand(4242);
 	do
 		sqe.opcode = (uint16_t)(rand() & 0xffff);
-	while (sqe.opcode <= 2);  /* NOP, FORWARD, BACKWARD are the valid ones */
+	while (sqe.opcode <= 3);  /* NOP, FORWARD, BACKWARD, EVAL are the valid ones */
 	bad_sqe_case(good, bad, s++, &sqe, "a garbage opcode", "opcode");
 
 	cr_expect_eq(kill(service.pid, 0), 0, "embd should survive malformed batches");

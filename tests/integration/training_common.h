@@ -3,7 +3,9 @@
  * tables of every config, deterministic batches and gradients of global trainer tr at step k,
  * the trainer process body, and the check of every pooled output against the unsharded
  * reference (tests/support/reference.c) trained on the global batch (trainer 0's bags, then trainer
- * 1's, ...). Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
+ * 1's, ...), every trainer's gradient divided by the number of trainers (the service's default
+ * gradient_scaling, TorchRec's); with short_batches the trainers' batches have fewer samples
+ * than BATCH. Tolerance: REL_TOL relative + ABS_TOL absolute (the service sums row-wise partial
  * sums and the trainers' gradients in another order than the reference).
  */
 #ifndef EMBD_TESTS_TRAINING_COMMON_H
@@ -65,22 +67,45 @@ static uint32_t feature_table(uint32_t f)
 	return f < 2 ? 0 : 1;
 }
 
-/* Trainer `tr`'s batch of step k: lengths 0..3, ids in range. Returns the id count. */
-static uint64_t gen_batch(uint32_t k, uint32_t tr, int32_t *lengths, int64_t *values)
+/* Set by a test before its trainers start: their batches have fewer samples than BATCH, as
+ * the last batch of an epoch. */
+static bool short_batches;
+
+/* Set by a test whose service sums the trainers' gradients ("gradient_scaling": "sum"); by
+ * default the service divides each by the trainers of the cluster (TorchRec's gradient
+ * division), and so does the reference. */
+static bool sum_gradients;
+
+/* Samples of trainer tr's batch at step k: BATCH, or with short_batches 8, 5, 2, ... */
+static uint32_t batch_samples(uint32_t k, uint32_t tr)
+{
+	return short_batches ? BATCH - 3 * ((k + tr) % 3) : BATCH;
+}
+
+/* Trainer `tr`'s batch of step k with nb samples (lengths stride nb): lengths 0..3, ids in
+ * range; sample b's bags are the same whatever nb. Returns the id count. */
+static uint64_t gen_batch_n(uint32_t k, uint32_t tr, uint32_t nb, int32_t *lengths,
+			    int64_t *values)
 {
 	uint64_t n = 0;
 
 	for (uint32_t f = 0; f < NUM_F; f++)
-		for (uint32_t b = 0; b < BATCH; b++) {
+		for (uint32_t b = 0; b < nb; b++) {
 			uint64_t h = tu_mix64(((uint64_t)k << 40) ^ ((uint64_t)tr << 32) ^
 					      (f << 16) ^ b);
 			int32_t len = (int32_t)(h % 4);
-			lengths[f * BATCH + b] = len;
+			lengths[f * nb + b] = len;
 			for (int32_t j = 0; j < len; j++)
 				values[n++] = (int64_t)(tu_mix64(h + (uint64_t)j + 1) %
 							(uint64_t)tables[feature_table(f)].rows);
 		}
 	return n;
+}
+
+__attribute__((unused))         /* tests that only run trainer_run do not */
+static uint64_t gen_batch(uint32_t k, uint32_t tr, int32_t *lengths, int64_t *values)
+{
+	return gen_batch_n(k, tr, BATCH, lengths, values);
 }
 
 /* dL/d(pooled) of trainer tr, step k, bag b, output column col: in [-1, 1]. */
@@ -122,12 +147,13 @@ static bool close_enough(float want, float got)
 
 /* Replays the K steps of `trainers` trainers on the unsharded reference and compares; with
  * rounds_before > 0 the reference first trains that many rounds of the same K batches (a
- * service that resumed from a checkpoint of step rounds_before * K). */
-static void check_against_reference_after(const struct shared *sh, uint32_t trainers,
-					  const char *what, uint32_t rounds_before)
+ * service that resumed from a checkpoint of step rounds_before * K). keep (may be NULL) gets
+ * the reference's tables as trained (the caller destroys them). */
+static void check_against_reference_keep(const struct shared *sh, uint32_t trainers,
+					 const char *what, uint32_t rounds_before,
+					 struct embd_ref_table **keep)
 {
 	struct embd_ref_table *ref[NUM_TABLES];
-	const uint32_t GB = BATCH * trainers;
 	static int32_t lengths[MAX_T][NUM_F * BATCH];
 	static int64_t values[MAX_T][NUM_F * BATCH * 4];
 	static int32_t glen[NUM_F][MAX_T * BATCH];
@@ -148,16 +174,24 @@ static void check_against_reference_after(const struct shared *sh, uint32_t trai
 	for (uint32_t i = 0; i < (rounds_before + 1) * K_STEPS; i++) {
 		const uint32_t k = i % K_STEPS;
 		const bool compare = i >= rounds_before * K_STEPS;
-		/* the global batch: trainer 0's bags, then trainer 1's, ... per feature */
+		/* the global batch: trainer 0's bags, then trainer 1's, ... per feature; trainer
+		 * tr's samples start at first[tr] of it */
 		uint64_t pos[MAX_T] = { 0 };
 		uint64_t gn[NUM_F] = { 0 };
-		for (uint32_t tr = 0; tr < trainers; tr++)
-			gen_batch(k, tr, lengths[tr], values[tr]);
+		uint32_t nb[MAX_T], first[MAX_T + 1] = { 0 }, owner[MAX_T * BATCH];
+		for (uint32_t tr = 0; tr < trainers; tr++) {
+			nb[tr] = batch_samples(k, tr);
+			first[tr + 1] = first[tr] + nb[tr];
+			for (uint32_t b = 0; b < nb[tr]; b++)
+				owner[first[tr] + b] = tr;
+			gen_batch_n(k, tr, nb[tr], lengths[tr], values[tr]);
+		}
+		const uint32_t GB = first[trainers];
 		for (uint32_t f = 0; f < NUM_F; f++)
 			for (uint32_t tr = 0; tr < trainers; tr++)
-				for (uint32_t b = 0; b < BATCH; b++) {
-					int32_t len = lengths[tr][f * BATCH + b];
-					glen[f][tr * BATCH + b] = len;
+				for (uint32_t b = 0; b < nb[tr]; b++) {
+					int32_t len = lengths[tr][f * nb[tr] + b];
+					glen[f][first[tr] + b] = len;
 					for (int32_t j = 0; j < len; j++)
 						gids[f][gn[f]++] = values[tr][pos[tr]++];
 				}
@@ -168,14 +202,14 @@ static void check_against_reference_after(const struct shared *sh, uint32_t trai
 			embd_ref_forward(ref[t], &bags, gout);
 			for (uint32_t g = 0; g < GB; g++)
 				for (uint32_t c = 0; c < D; c++) {
+					const uint32_t tr = owner[g], b = g - first[tr];
 					float want = gout[g * D + c];
-					float got = sh->pooled[k][g / BATCH][(g % BATCH) * sh->total_dim +
-									   off + c];
+					float got = sh->pooled[k][tr][b * sh->total_dim + off + c];
 					if (compare && !close_enough(want, got) && mismatches++ < 5)
 						cr_expect(false, "%s step %u feature %u trainer %u bag %u "
 							  "col %u: expected %.9g, got %.9g", what, k, f,
-							  g / BATCH, g % BATCH, c, want, got);
-					ggrad[f][g * D + c] = gen_grad(k, g / BATCH, g % BATCH, off + c);
+							  tr, b, c, want, got);
+					ggrad[f][g * D + c] = gen_grad(k, tr, b, off + c);
 				}
 		}
 		for (uint32_t t = 0; t < NUM_TABLES; t++) {
@@ -185,20 +219,33 @@ static void check_against_reference_after(const struct shared *sh, uint32_t trai
 				if (feature_table(f) == t)
 					bags[n++] = (struct embd_ref_bags){
 						.batch_size = GB, .lengths = glen[f], .ids = gids[f],
-						.pooling = tables[t].pooling, .grad = ggrad[f] };
+						.pooling = tables[t].pooling, .grad = ggrad[f],
+						.grad_divisor = sum_gradients ? 1 : trainers };
 			cr_assert_eq(embd_ref_backward(ref[t], bags, n), 0);
 		}
 	}
-	for (uint32_t t = 0; t < NUM_TABLES; t++)
-		embd_ref_table_destroy(ref[t]);
+	for (uint32_t t = 0; t < NUM_TABLES; t++) {
+		if (keep)
+			keep[t] = ref[t];
+		else
+			embd_ref_table_destroy(ref[t]);
+	}
 	cr_expect_eq(mismatches, 0, "%s: expected every pooled output within %g rel + %g abs of "
 		     "the reference, got %u mismatches", what, (double)REL_TOL, (double)ABS_TOL,
 		     mismatches);
 }
 
+__attribute__((unused))
+static void check_against_reference_after(const struct shared *sh, uint32_t trainers,
+					  const char *what, uint32_t rounds_before)
+{
+	check_against_reference_keep(sh, trainers, what, rounds_before, NULL);
+}
+
+__attribute__((unused))
 static void check_against_reference(const struct shared *sh, uint32_t trainers, const char *what)
 {
-	check_against_reference_after(sh, trainers, what, 0);
+	check_against_reference_keep(sh, trainers, what, 0, NULL);
 }
 
 /* The "tables" array of a config, every table forced to sharding (NULL: planner's choice). */
@@ -221,21 +268,24 @@ static void write_tables(FILE *f, const char *sharding)
 	fprintf(f, "]");
 }
 
-/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
- * k % 2; 0 or a negative code (text in sh->err). */
-static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
+/*
+ * Connects global trainer tr as index `local` of the service at socket into *out and checks
+ * its layout; trainer 0 notes where each feature sits in the outputs (for the reference
+ * check). 0 or a negative code (text in sh->err[tr]).
+ */
+static int trainer_connect(struct shared *sh, const char *socket, uint32_t local, uint32_t tr,
+			   struct embd_client **out)
 {
-	struct embd_client *c;
 	char *err = sh->err[tr];
-	int rc = embd_connect(socket, (int)local, 10000, &c, err, 256);
+	int rc = embd_connect(socket, (int)local, 10000, out, err, 256);
 
 	if (rc)
 		return rc;
-	const struct embd_client_layout *l = embd_layout(c);
+	const struct embd_client_layout *l = embd_layout(*out);
 	if (l->num_features != NUM_F || l->batch_size != BATCH || l->total_dim > MAX_COLS) {
 		snprintf(err, 256, "layout: %u features, B %u, %u columns; expected %u, %u, <= %u",
 			 l->num_features, l->batch_size, l->total_dim, NUM_F, BATCH, MAX_COLS);
-		embd_close(c);
+		embd_close(*out);
 		return EMBD_EPROTO;
 	}
 	sh->resumed_step[tr] = l->resumed_step;
@@ -246,21 +296,38 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 			sh->feature_dim[f] = l->features[f].dim;
 		}
 	}
+	return 0;
+}
+
+/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
+ * k % 2; 0 or a negative code (text in sh->err). */
+static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
+{
+	struct embd_client *c;
+	char *err = sh->err[tr];
+	int rc = trainer_connect(sh, socket, local, tr, &c);
+
+	if (rc)
+		return rc;
+	const struct embd_client_layout *l = embd_layout(c);
 	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
 		struct embd_batch b;
-		uint64_t step = l->resumed_step + k;
+		const uint32_t nb = batch_samples(k, tr);
 		embd_batch_get(c, k % 2, &b);
-		uint64_t n = gen_batch(k, tr, b.lengths, b.values);
-		rc = embd_forward(c, k % 2, step, n, 0);
+		struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = k % 2,
+					    .step = l->resumed_step + k, .batch_size = nb,
+					    .num_values = gen_batch_n(k, tr, nb, b.lengths, b.values) };
+		rc = embd_run(c, &req);
 		if (rc) {
 			snprintf(err, 256, "step %u forward: %s", k, embd_last_error(c));
 			break;
 		}
-		memcpy(sh->pooled[k][tr], b.pooled, (size_t)BATCH * l->total_dim * sizeof(float));
-		for (uint32_t i = 0; i < BATCH; i++)
+		memcpy(sh->pooled[k][tr], b.pooled, (size_t)nb * l->total_dim * sizeof(float));
+		for (uint32_t i = 0; i < nb; i++)
 			for (uint32_t col = 0; col < l->total_dim; col++)
 				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
-		rc = embd_backward(c, k % 2, step, n, 0);
+		req.op = EMBD_REQUEST_BACKWARD;
+		rc = embd_run(c, &req);
 		if (rc)
 			snprintf(err, 256, "step %u backward: %s", k, embd_last_error(c));
 	}

@@ -85,6 +85,13 @@ static float bag_scale(enum embd_pooling pooling, int32_t len)
 	return len > 0 ? 1.0f / (float)len : 0.0f;
 }
 
+/* The bag's scale with TorchRec's gradient division: dL/d(pooled) / grad_divisor. */
+static float grad_scale(const struct embd_ref_bags *bags, int32_t len)
+{
+	float s = bag_scale(bags->pooling, len);
+	return bags->grad_divisor > 1 ? s / (float)bags->grad_divisor : s;
+}
+
 void embd_ref_forward(const struct embd_ref_table *t, const struct embd_ref_bags *bags, float *out)
 {
 	const int64_t *id = bags->ids;
@@ -166,7 +173,7 @@ int embd_ref_backward(struct embd_ref_table *t, const struct embd_ref_bags *bags
 		const float *w = bags[f].weights;
 		for (uint32_t b = 0; b < bags[f].batch_size; b++) {
 			int32_t len = bags[f].lengths[b];
-			float s = bag_scale(bags[f].pooling, len);
+			float s = grad_scale(&bags[f], len);
 			const float *dy = bags[f].grad + (uint64_t)b * t->dim;
 			for (int32_t k = 0; k < len; k++, id++) {
 				float coef = (w ? *w++ : 1.0f) * s;

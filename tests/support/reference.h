@@ -47,6 +47,7 @@ struct embd_ref_bags {
 	const float *weights;           /* or NULL */
 	enum embd_pooling pooling;
 	const float *grad;              /* backward: B x dim dL/d(pooled) */
+	uint32_t grad_divisor;          /* backward: grad counts divided by it (0, 1: not) */
 };
 
 /* out[b * dim + c] = pooled bag b. */

@@ -54,7 +54,7 @@ Test(config, every_key_is_read)
 		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
 		"  \"checkpoint_allow_fresh_start\": true,"
 		"  \"handshake_timeout_ms\": 250, \"step_wait_warn_ms\": 0,"
-		"  \"step_wait_abort_ms\": 60000 }";
+		"  \"step_wait_abort_ms\": 60000, \"gradient_scaling\": \"sum\" }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -78,6 +78,8 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_every_seconds, 600);
 	cr_assert_eq(c.checkpoint_keep, 0);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
+	cr_assert_eq(c.gradient_scaling, EMBD_GRADIENT_SUM);
+	cr_assert_eq(embd_config_grad_divisor(&c), 1);
 	cr_assert(c.checkpoint_allow_fresh_start);
 	cr_assert_eq(c.handshake_timeout_ms, 250);
 	cr_assert_eq(c.step_wait_warn_ms, 0);
@@ -100,6 +102,9 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
 	cr_assert(!c.checkpoint_allow_fresh_start, "a fresh start over damage is opt-in");
 	cr_assert_eq(c.checkpoint_every_steps, 0);
+	/* TorchRec's gradient division by the trainers of the cluster */
+	cr_assert_eq(c.gradient_scaling, EMBD_GRADIENT_MEAN_OVER_TRAINERS);
+	cr_assert_eq(embd_config_grad_divisor(&c), c.trainers_per_node);
 	embd_config_free(&c);
 	/* an explicit empty allowed_uids means nobody by uid */
 	rc = parse("{ \"allowed_uids\": [], \"allowed_gids\": [5] }", &c, err, sizeof(err));
@@ -168,6 +173,8 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
+		{ "{ \"gradient_scaling\": \"mean\" }", "gradient_scaling" },
+		{ "{ \"gradient_scaling\": 1 }", "gradient_scaling" },
 		{ "{ \"checkpoint_allow_fresh_start\": 1 }", "checkpoint_allow_fresh_start" },
 		{ "{ \"seed\": 1, \"seed\": 2 }", "seed" },
 		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
@@ -234,6 +241,8 @@ Test(config, cluster_keys)
 	cr_expect_str_eq(c.comm_addr, "");
 	cr_expect_eq(c.store_timeout_ms, 1500, "store_timeout_ms 0 means collective_timeout_ms, "
 		     "got %d", c.store_timeout_ms);
+	cr_expect_eq(embd_config_grad_divisor(&c), 6u, "the gradients of 2 trainers on each of 3 "
+		     "nodes: expected a divisor of 6, got %u", embd_config_grad_divisor(&c));
 	embd_config_free(&c);
 	rc = parse("{ }", &c, err, sizeof(err));
 	cr_assert_eq(rc, 0, "%s", err);

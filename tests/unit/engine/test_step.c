@@ -12,322 +12,33 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/embedding.h"
 #include "daemon/config.h"
-#include "engine/step.h"
-#include "tests/support/reference.h"
+#include "tests/unit/engine/step_fixture.h"
 
-#define SEED 77u
-#define B 6u
-#define MAX_T 4u
-#define NTAB 2u
-#define RW_TOL 2e-6f
-
-struct fixture {
-	struct embd_tables tables;
-	struct embd_table_spec specs[NTAB];
-	struct embd_table_constraints cons[NTAB];
-	struct embd_plan plan;
-	struct embd_plan_table ptables[NTAB];
-	struct embd_plan_shard pshards[NTAB][8];
-	struct embd_ranks *ranks;
-	struct embd_step *step;
-	/* the reference of each table, as column slices: one slice of all columns, except where
-	 * the optimizer's state is per shard row (see slice_per_shard) */
-	struct embd_ref_table *ref[NTAB][8];
-	uint32_t ref_col[NTAB][8], ref_cols[NTAB][8], num_refs[NTAB];
-};
-
-/*
- * rowwise_adagrad keeps one state value per row of a SHARD, as FBGEMM's TBE does under
- * TorchRec's column-wise sharding: each column shard then trains like a table of its own
- * columns, so that is what the reference is for those plans.
- */
-static bool slice_per_shard(const struct fixture *fx, uint32_t t)
+/* Samples of trainer i's batch: B, or with short batches B, B - 1, 1, 3, ... (the last
+ * batch of an epoch, TorchRec's smaller stride). */
+static uint32_t batch_samples(uint32_t i, bool short_batches)
 {
-	enum embd_sharding_type type = fx->plan.tables[t].sharding_type;
-	return fx->specs[t].optimizer.type == EMBD_OPT_ROWWISE_ADAGRAD &&
-	       (type == EMBD_SHARD_COLUMN_WISE || type == EMBD_SHARD_TABLE_COLUMN_WISE);
+	static const uint32_t sizes[4] = { B, B - 1, 1, 3 };
+	return short_batches ? sizes[i % 4] : B;
 }
 
-/* Trainer batches: lengths 0..3 (so empty bags occur), ids from a small range (duplicates). */
-struct trainer {
-	int32_t lengths[3 * B];
-	int64_t values[3 * B * 3];
-	float weights[3 * B * 3];
-	float pooled[B * 40];
-	float grad[B * 40];
-	struct embd_step_batch batch;
-};
+/* Rows past a short batch's in its pooled buffer keep this value: forward writes nb rows. */
+#define UNTOUCHED (-12345.0f)
 
-static void make_tables(struct fixture *fx, enum embd_optimizer_type opt)
+static void check_rows_untouched(const struct trainer *tr, const char *what, uint32_t i)
 {
-	struct embd_optimizer_spec o = { .type = opt, .lr = 0.05f, .eps = 1e-8f, .beta1 = 0.9f,
-					 .beta2 = 0.999f };
-	memset(fx, 0, sizeof(*fx));
-	fx->specs[0] = (struct embd_table_spec){ .name = "t0", .num_embeddings = 40,
-		.embedding_dim = 16, .pooling = EMBD_POOLING_SUM, .optimizer = o, .num_features = 2,
-		.feature_names = { "a", "b" } };
-	fx->specs[1] = (struct embd_table_spec){ .name = "t1", .num_embeddings = 23,
-		.embedding_dim = 8, .pooling = EMBD_POOLING_MEAN, .optimizer = o, .num_features = 1,
-		.feature_names = { "c" } };
-	fx->tables = (struct embd_tables){ .count = NTAB, .specs = fx->specs,
-					   .constraints = fx->cons };
+	for (uint32_t r = tr->batch.kjt.batch_size; r < B; r++)
+		for (uint32_t c = 0; c < 40; c++)
+			cr_assert_eq(tr->pooled[r * 40 + c], UNTOUCHED, "%s: trainer %u of %u samples: "
+				     "row %u col %u written (%g)", what, i, tr->batch.kjt.batch_size, r,
+				     c, tr->pooled[r * 40 + c]);
 }
 
-/* The plan of every table sharded as type over num_ranks ranks. */
-static void make_plan(struct fixture *fx, enum embd_sharding_type type, uint32_t num_ranks)
-{
-	embd_plan_topology_default(&fx->plan.topology, (int32_t)num_ranks);
-	fx->plan.topology.batch_size = B;
-	fx->plan.topology.compute_device = EMBD_DEVICE_CPU;
-	fx->plan.num_tables = NTAB;
-	fx->plan.tables = fx->ptables;
-	for (uint32_t t = 0; t < NTAB; t++) {
-		struct embd_plan_table *pt = &fx->ptables[t];
-		int64_t rows = fx->specs[t].num_embeddings;
-		int32_t dim = fx->specs[t].embedding_dim;
-		strcpy(pt->name, fx->specs[t].name);
-		pt->sharding_type = type;
-		pt->compute_kernel = EMBD_KERNEL_FUSED;
-		pt->shards = fx->pshards[t];
-		switch (type) {
-		case EMBD_SHARD_TABLE_WISE:
-			pt->num_shards = 1;
-			pt->shards[0] = (struct embd_plan_shard){ (int32_t)((t + 1) % num_ranks), 0, rows,
-								  0, dim };
-			break;
-		case EMBD_SHARD_COLUMN_WISE:
-		case EMBD_SHARD_TABLE_COLUMN_WISE:
-			/* three column shards: two ranks hold one each, one rank holds two */
-			pt->num_shards = 3;
-			pt->shards[0] = (struct embd_plan_shard){ 0, 0, rows, 0, dim / 4 };
-			pt->shards[1] = (struct embd_plan_shard){ (int32_t)(1 % num_ranks), 0, rows,
-								  dim / 4, dim / 4 };
-			pt->shards[2] = (struct embd_plan_shard){ 0, 0, rows, dim / 2, dim / 2 };
-			break;
-		case EMBD_SHARD_ROW_WISE:
-		case EMBD_SHARD_TABLE_ROW_WISE: {
-			int64_t block = (rows + num_ranks - 1) / num_ranks;
-			pt->num_shards = 0;
-			for (uint32_t r = 0; r < num_ranks && block * r < rows; r++) {
-				int64_t n = rows - block * r < block ? rows - block * r : block;
-				pt->shards[pt->num_shards++] = (struct embd_plan_shard){ (int32_t)r,
-					block * r, n, 0, dim };
-			}
-			break;
-		}
-		case EMBD_SHARD_DATA_PARALLEL:
-			pt->num_shards = num_ranks;
-			for (uint32_t r = 0; r < num_ranks; r++)
-				pt->shards[r] = (struct embd_plan_shard){ (int32_t)r, 0, rows, 0, dim };
-			break;
-		default:
-			cr_assert_fail("unknown type %d", type);
-		}
-	}
-}
-
-static void start(struct fixture *fx, uint32_t num_ranks)
-{
-	char err[256] = "";
-	int rc = embd_ranks_create(num_ranks, 1, &fx->ranks, err, sizeof(err));
-	cr_assert_eq(rc, 0, "embd_ranks_create: %d %s", rc, err);
-	rc = embd_step_create(&fx->tables, &fx->plan, fx->ranks, SEED, MAX_T, &fx->step, err,
-			      sizeof(err));
-	cr_assert_eq(rc, 0, "embd_step_create: expected 0, got %d: %s", rc, err);
-	for (uint32_t t = 0; t < NTAB; t++) {
-		const struct embd_table_spec *sp = &fx->specs[t];
-		bool sliced = slice_per_shard(fx, t);
-		fx->num_refs[t] = sliced ? fx->plan.tables[t].num_shards : 1;
-		for (uint32_t k = 0; k < fx->num_refs[t]; k++) {
-			uint32_t col = sliced ? (uint32_t)fx->plan.tables[t].shards[k].col_offset : 0;
-			uint32_t cols = sliced ? (uint32_t)fx->plan.tables[t].shards[k].cols
-					       : (uint32_t)sp->embedding_dim;
-			struct embd_ref_table *r = embd_ref_table_create(t, sp->num_embeddings, cols,
-				sp->data_type, &sp->optimizer, SEED);
-			cr_assert_not_null(r);
-			/* a slice starts from the table's init values of its own columns */
-			for (int64_t row = 0; row < sp->num_embeddings; row++)
-				for (uint32_t c = 0; c < cols; c++)
-					r->w32[row * cols + c] = embd_init_value(SEED, t, sp->num_embeddings,
-										 row, col + c);
-			fx->ref[t][k] = r;
-			fx->ref_col[t][k] = col;
-			fx->ref_cols[t][k] = cols;
-		}
-	}
-}
-
-static void setup(struct fixture *fx, enum embd_optimizer_type opt,
-		  enum embd_sharding_type type, uint32_t num_ranks)
-{
-	make_tables(fx, opt);
-	make_plan(fx, type, num_ranks);
-	start(fx, num_ranks);
-}
-
-static void stop(struct fixture *fx)
-{
-	embd_step_destroy(fx->step);
-	embd_ranks_destroy(fx->ranks);
-	for (uint32_t t = 0; t < NTAB; t++)
-		for (uint32_t k = 0; k < fx->num_refs[t]; k++)
-			embd_ref_table_destroy(fx->ref[t][k]);
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
-	return *s >> 33;
-}
-
-/* Feature f's table rows: a, b -> t0; c -> t1. */
-static int64_t feature_rows(const struct fixture *fx, uint32_t f)
-{
-	return fx->specs[f < 2 ? 0 : 1].num_embeddings;
-}
-
-static void fill_trainer(const struct fixture *fx, struct trainer *tr, uint64_t seed, bool weighted)
-{
-	uint64_t rng = seed, n = 0;
-	memset(tr, 0, sizeof(*tr));
-	for (uint32_t f = 0; f < 3; f++)
-		for (uint32_t b = 0; b < B; b++) {
-			int32_t len = (int32_t)(rng_next(&rng) % 4);
-			tr->lengths[f * B + b] = len;
-			for (int32_t j = 0; j < len; j++, n++) {
-				/* ids 0..11 and the table's last rows: duplicates and every row shard */
-				uint64_t r = rng_next(&rng) % 16;
-				tr->values[n] = r < 12 ? (int64_t)r : feature_rows(fx, f) - 1 - (int64_t)(r - 12);
-				tr->weights[n] = 0.5f + (float)(rng_next(&rng) % 8) / 8.0f;
-			}
-		}
-	for (uint32_t i = 0; i < B * 40; i++)
-		tr->grad[i] = ((float)(rng_next(&rng) % 200) - 100.0f) / 64.0f;
-	tr->batch = (struct embd_step_batch){
-		.kjt = { .num_features = 3, .batch_size = B, .lengths = tr->lengths,
-			 .values = tr->values, .weights = weighted ? tr->weights : NULL, .num_values = n },
-		.pooled = tr->pooled, .pooled_grad = tr->grad,
-	};
-}
-
-static uint32_t feature_col(uint32_t f)
-{
-	return f == 0 ? 0 : f == 1 ? 16 : 32;
-}
-
-/* Reference bags of feature f of trainer tr; grad_cols gets columns [col, col + cols) of the
- * trainer's gradient for the feature. */
-static struct embd_ref_bags ref_bags(const struct fixture *fx, const struct trainer *tr,
-				     uint32_t f, uint32_t col, uint32_t cols, float *grad_cols)
-{
-	uint64_t start_id = 0;
-	for (uint32_t i = 0; i < f * B; i++)
-		start_id += (uint64_t)tr->lengths[i];
-	const uint32_t t = f < 2 ? 0 : 1;
-	if (grad_cols)
-		for (uint32_t b = 0; b < B; b++)
-			memcpy(&grad_cols[b * cols], &tr->grad[b * 40 + feature_col(f) + col],
-			       cols * sizeof(float));
-	return (struct embd_ref_bags){ .batch_size = B, .lengths = &tr->lengths[f * B],
-		.ids = &tr->values[start_id],
-		.weights = tr->batch.kjt.weights ? &tr->weights[start_id] : NULL,
-		.pooling = fx->specs[t].pooling, .grad = grad_cols };
-}
-
-static void fill_all(const struct fixture *fx, struct trainer *trs, struct embd_step_batch *batches,
-		     uint32_t n, uint64_t seed)
-{
-	for (uint32_t i = 0; i < n; i++) {
-		fill_trainer(fx, &trs[i], seed + i, false);
-		batches[i] = trs[i].batch;
-	}
-}
-
-static void check_forward(const struct fixture *fx, struct trainer *trs, uint32_t n, float tol,
-			  const char *what)
-{
-	float out[B * 16];
-	for (uint32_t i = 0; i < n; i++) {
-		if (trs[i].batch.status)
-			continue;
-		for (uint32_t f = 0; f < 3; f++) {
-			const uint32_t t = f < 2 ? 0 : 1;
-			for (uint32_t k = 0; k < fx->num_refs[t]; k++) {
-				const uint32_t cols = fx->ref_cols[t][k];
-				const uint32_t col = feature_col(f) + fx->ref_col[t][k];
-				struct embd_ref_bags bags = ref_bags(fx, &trs[i], f, 0, cols, NULL);
-				embd_ref_forward(fx->ref[t][k], &bags, out);
-				for (uint32_t b = 0; b < B; b++)
-					for (uint32_t c = 0; c < cols; c++) {
-						float want = out[b * cols + c];
-						float got = trs[i].pooled[b * 40 + col + c];
-						cr_assert(fabsf(want - got) <= tol * (1.0f + fabsf(want)),
-							  "%s: trainer %u feature %u sample %u col %u: "
-							  "expected %.9g, got %.9g", what, i, f, b, col + c,
-							  want, got);
-					}
-			}
-		}
-	}
-}
-
-/* The reference step on the concatenated batch: features in order, trainers in order. */
-static void ref_backward(struct fixture *fx, struct trainer *trs, uint32_t n)
-{
-	static float grads[MAX_T * 3][B * 16];
-	struct embd_ref_bags bags[MAX_T * 3];
-	for (uint32_t t = 0; t < NTAB; t++)
-		for (uint32_t s = 0; s < fx->num_refs[t]; s++) {
-			uint32_t k = 0;
-			for (uint32_t f = t == 0 ? 0 : 2; f < (t == 0 ? 2u : 3u); f++)
-				for (uint32_t i = 0; i < n; i++)
-					if (!trs[i].batch.status) {
-						bags[k] = ref_bags(fx, &trs[i], f, fx->ref_col[t][s],
-								   fx->ref_cols[t][s], grads[k]);
-						k++;
-					}
-			cr_assert_eq(embd_ref_backward(fx->ref[t][s], bags, k), 0);
-		}
-}
-
-static void check_weights(const struct fixture *fx, uint32_t num_ranks, float tol, const char *what)
-{
-	for (uint32_t t = 0; t < NTAB; t++)
-		for (uint32_t replica = 0; replica < num_ranks; replica++)
-			for (int64_t r = 0; r < fx->specs[t].num_embeddings; r++)
-				for (uint32_t c = 0; c < (uint32_t)fx->specs[t].embedding_dim; c++) {
-					uint32_t k = 0;
-					while (c >= fx->ref_col[t][k] + fx->ref_cols[t][k])
-						k++;
-					float got, want = embd_ref_weight(fx->ref[t][k], r,
-									  c - fx->ref_col[t][k]);
-					int rc = embd_step_read_weight(fx->step, t, r, c, replica, &got);
-					cr_assert_eq(rc, 0, "%s: table %u row %lld col %u: no shard holds it",
-						     what, t, (long long)r, c);
-					cr_assert(fabsf(want - got) <= tol * (1.0f + fabsf(want)),
-						  "%s: table %u replica %u row %lld col %u: expected %.9g, got %.9g",
-						  what, t, replica, (long long)r, c, want, got);
-				}
-}
-
-/* Backward of the step just forwarded, then the same step on the reference, then compare. */
-static void backward_and_check(struct fixture *fx, struct trainer *trs,
-			       struct embd_step_batch *batches, uint32_t n, uint32_t replicas,
-			       const char *what)
-{
-	for (uint32_t i = 0; i < n; i++)
-		trs[i].batch.status = batches[i].status;
-	int rc = embd_step_backward(fx->step, batches, n);
-	cr_assert_eq(rc, 0, "%s: backward: expected 0, got %d %s", what, rc, batches[0].err);
-	ref_backward(fx, trs, n);
-	check_weights(fx, replicas, 0.0f, what);
-}
-
-/* K steps of type x optimizer with n trainers on num_ranks ranks, checked at every step. */
-static void run_training(enum embd_sharding_type type, enum embd_optimizer_type opt,
-			 uint32_t n, uint32_t num_ranks)
+/* K steps of type x optimizer with n trainers on num_ranks ranks, checked at every step;
+ * short_batches: the trainers' batches have different sizes below B. */
+static void run_training_n(enum embd_sharding_type type, enum embd_optimizer_type opt,
+			   uint32_t n, uint32_t num_ranks, bool short_batches)
 {
 	static struct fixture fx;
 	static struct trainer trs[MAX_T];
@@ -336,11 +47,14 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 
 	setup(&fx, opt, type, num_ranks);
 	for (uint32_t step = 0; step < 3; step++) {
-		snprintf(what, sizeof(what), "%s opt %d, %u trainers, step %u",
-			 embd_plan_sharding_name(type), (int)opt, n, step);
+		snprintf(what, sizeof(what), "%s opt %d, %u trainers%s, step %u",
+			 embd_plan_sharding_name(type), (int)opt, n,
+			 short_batches ? " of short batches" : "", step);
 		for (uint32_t i = 0; i < n; i++) {
-			fill_trainer(&fx, &trs[i], 1000 * step + i + 1, i % 2 == 1);
-			trs[i].batch.pooled = trs[i].pooled;
+			fill_trainer_n(&fx, &trs[i], 1000 * step + i + 1, i % 2 == 1,
+				       batch_samples(i + step, short_batches));
+			for (uint32_t k = 0; k < B * 40; k++)
+				trs[i].pooled[k] = UNTOUCHED;
 		}
 		struct embd_step_batch batches[MAX_T];
 		for (uint32_t i = 0; i < n; i++)
@@ -348,9 +62,78 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 		int rc = embd_step_forward(fx.step, batches, n);
 		cr_assert_eq(rc, (int)n, "%s: forward accepted %d of %u: %s", what, rc, n, batches[0].err);
 		check_forward(&fx, trs, n, split ? RW_TOL : 0.0f, what);
+		for (uint32_t i = 0; i < n; i++)
+			check_rows_untouched(&trs[i], what, i);
 		backward_and_check(&fx, trs, batches, n,
 				   type == EMBD_SHARD_DATA_PARALLEL ? num_ranks : 1, what);
 	}
+	stop(&fx);
+}
+
+static void run_training(enum embd_sharding_type type, enum embd_optimizer_type opt,
+			 uint32_t n, uint32_t num_ranks)
+{
+	run_training_n(type, opt, n, num_ranks, false);
+}
+
+/* TorchRec's gradient division by the 3 trainers (not a power of two), adam and adagrad. */
+static void run_divided(enum embd_sharding_type type)
+{
+	grad_divisor = 3;
+	run_training_n(type, EMBD_OPT_ADAM, 3, 2, false);
+	run_training_n(type, EMBD_OPT_ADAGRAD, 3, 4, true);
+}
+
+/* Evaluations of three batches (one short, one weighted) on the rows as they are: checked
+ * against the reference forward, with rows past a short batch's untouched. */
+static void eval_and_check(struct fixture *fx, struct trainer *ev, uint64_t seed,
+			   const char *what)
+{
+	const bool split = row_split_plan(fx);
+	struct embd_step_batch batches[3];
+
+	for (uint32_t i = 0; i < 3; i++) {
+		fill_trainer_n(fx, &ev[i], seed + i, i == 1, i == 2 ? 2 : B);
+		for (uint32_t k = 0; k < B * 40; k++)
+			ev[i].pooled[k] = UNTOUCHED;
+		batches[i] = ev[i].batch;
+	}
+	int rc = embd_step_eval(fx->step, batches, 3);
+	cr_assert_eq(rc, 3, "%s: eval accepted %d of 3: %s", what, rc, batches[0].err);
+	check_forward(fx, ev, 3, split ? RW_TOL : 0.0f, what);
+	for (uint32_t i = 0; i < 3; i++)
+		check_rows_untouched(&ev[i], what, i);
+}
+
+/*
+ * Evaluations between a step's forward and its backward read the rows before the step's
+ * update (TorchRec's order: the update happens in backward), change no row and leave the
+ * pending step intact: its backward still trains exactly; an evaluation after it reads the
+ * updated rows. A refused evaluation batch changes nothing either.
+ */
+static void eval_case(enum embd_sharding_type type)
+{
+	static struct fixture fx;
+	static struct trainer trs[2], ev[3];
+	struct embd_step_batch batches[2];
+	const uint32_t replicas = type == EMBD_SHARD_DATA_PARALLEL ? 2 : 1;
+
+	setup(&fx, EMBD_OPT_ADAGRAD, type, 2);
+	eval_and_check(&fx, ev, 70, "eval before any step");
+	cr_assert_eq(embd_step_backward(fx.step, batches, 0),
+		     EMBD_EINVAL, "an evaluation leaves no backward pending");
+	fill_all(&fx, trs, batches, 2, 5);
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+	eval_and_check(&fx, ev, 80, "eval between forward and backward");
+	struct embd_step_batch bad = ev[0].batch;
+	bad.kjt.batch_size = B + 1;
+	cr_assert_eq(embd_step_eval(fx.step, &bad, 1), 0);
+	cr_assert(bad.status == EMBD_EINVAL && strstr(bad.err, "batch_size"), "got %d '%s'",
+		  bad.status, bad.err);
+	check_weights(&fx, replicas, 0.0f, "after evaluations");
+	backward_and_check(&fx, trs, batches, 2, replicas, "backward after evaluations");
+	eval_and_check(&fx, ev, 90, "eval after the step");
+	check_weights(&fx, replicas, 0.0f, "after the last evaluation");
 	stop(&fx);
 }
 
@@ -359,7 +142,12 @@ static void run_training(enum embd_sharding_type type, enum embd_optimizer_type 
 	Test(step_##name, adagrad_four_trainers) { run_training(type, EMBD_OPT_ADAGRAD, 4, 2); } \
 	Test(step_##name, rowwise_adagrad_two_trainers_four_ranks)                      \
 	{ run_training(type, EMBD_OPT_ROWWISE_ADAGRAD, 2, 4); }                          \
-	Test(step_##name, adam_four_trainers_four_ranks) { run_training(type, EMBD_OPT_ADAM, 4, 4); }
+	Test(step_##name, adam_four_trainers_four_ranks) { run_training(type, EMBD_OPT_ADAM, 4, 4); } \
+	Test(step_##name, short_batches_four_trainers)                                   \
+	{ run_training_n(type, EMBD_OPT_ADAGRAD, 4, 2, true); }                          \
+	Test(step_##name, eval_between_forward_and_backward) { eval_case(type); }   \
+	Test(step_##name, gradients_divided_by_the_trainers)                            \
+	{ run_divided(type); }
 
 OPTIMIZER_TESTS(table_wise, EMBD_SHARD_TABLE_WISE)
 OPTIMIZER_TESTS(column_wise, EMBD_SHARD_COLUMN_WISE)
@@ -422,6 +210,26 @@ Test(step, nonfinite_gradient_refuses_the_step)
 	fill_all(&fx, trs, batches, 2, 50);
 	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2);
 	backward_and_check(&fx, trs, batches, 2, 1, "step after a refused gradient");
+	stop(&fx);
+}
+
+/* A short batch's gradient is its b rows: whatever lies past them in the buffer (here NaN) is
+ * neither checked nor applied. */
+Test(step, short_batch_gradient_is_its_own_rows)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	struct embd_step_batch batches[2];
+
+	setup(&fx, EMBD_OPT_ADAGRAD, EMBD_SHARD_ROW_WISE, 2);
+	fill_trainer_n(&fx, &trs[0], 11, false, 3);
+	fill_trainer_n(&fx, &trs[1], 12, true, B);
+	for (uint32_t i = 3 * 40; i < B * 40; i++)
+		trs[0].grad[i] = NAN;
+	for (uint32_t i = 0; i < 2; i++)
+		batches[i] = trs[i].batch;
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+	backward_and_check(&fx, trs, batches, 2, 1, "a short batch with NaN past its rows");
 	stop(&fx);
 }
 
@@ -511,8 +319,9 @@ Test(step, malformed_batches_name_the_field)
 	const char *keys_bad[3] = { "a", "x", "c" };
 
 	setup(&fx, EMBD_OPT_SGD, EMBD_SHARD_TABLE_WISE, 2);
-	const char *fields[] = { "batch_size", "num_features", "lengths", "keys[1]" };
-	for (uint32_t k = 0; k < 4; k++) {
+	const char *fields[] = { "batch_size", "num_features", "lengths", "keys[1]",
+				 "batch_size: 0" };
+	for (uint32_t k = 0; k < 5; k++) {
 		fill_trainer(&fx, &tr, 3, false);
 		b = tr.batch;
 		if (k == 0)
@@ -521,8 +330,10 @@ Test(step, malformed_batches_name_the_field)
 			b.kjt.num_features = 2;
 		else if (k == 2)
 			b.kjt.num_values += 1;  /* lengths no longer sum to num_values */
-		else
+		else if (k == 3)
 			b.kjt.keys = keys_bad;
+		else
+			b.kjt.batch_size = 0;
 		cr_assert_eq(embd_step_forward(fx.step, &b, 1), 0, "%s: batch accepted", fields[k]);
 		cr_assert(b.status < 0 && strstr(b.err, fields[k]),
 			  "expected an error naming %s, got %d '%s'", fields[k], b.status, b.err);

@@ -33,11 +33,16 @@ static int collect(void *arg, uint32_t p, uint64_t seq, const struct step_wire_i
 	return 0;
 }
 
-static int input(uint64_t len, uint64_t grad_bytes, struct seen *s)
+static int input_of(uint64_t len, uint64_t grad_bytes, bool eval, struct seen *s)
 {
 	err[0] = 0;
-	return step_wire_input(&wp_plan, WP_PEER, msg, len, grad_bytes, collect, s, err,
+	return step_wire_input(&wp_plan, WP_PEER, msg, len, grad_bytes, eval, collect, s, err,
 			       sizeof(err));
+}
+
+static int input(uint64_t len, uint64_t grad_bytes, struct seen *s)
+{
+	return input_of(len, grad_bytes, false, s);
 }
 
 /* rc and an error naming node 1 and each of words. */
@@ -129,10 +134,73 @@ Test(step_wire, oversize_byte_counts)
 Test(step_wire, unknown_hello_flags)
 {
 	struct wire_head h = wp_hello(0, 0);
-	h.flags = WIRE_HELLO_CHECKPOINT;
+	h.flags = WIRE_HELLO_CHECKPOINT | WIRE_HELLO_EVAL | WIRE_HELLO_IDLE;
 	cr_expect_eq(step_wire_hello(WP_PEER, &h, err, sizeof(err)), 0, "%s", err);
-	h.flags = 2;
-	REFUSED(step_wire_hello(WP_PEER, &h, err, sizeof(err)), EMBD_EPROTO, "unknown flags 0x2");
+	h.flags = 8;
+	REFUSED(step_wire_hello(WP_PEER, &h, err, sizeof(err)), EMBD_EPROTO, "unknown flags 0x8");
+}
+
+/* The round three nodes' HELLO flags make (node 2 names itself in messages). */
+static int round_of(uint64_t f0, uint64_t f1, uint64_t f2, bool *eval)
+{
+	struct wire_head h[3] = { wp_hello(0, 0), wp_hello(0, 0), wp_hello(0, 0) };
+	h[0].flags = f0;
+	h[1].flags = f1;
+	h[2].flags = f2;
+	err[0] = 0;
+	*eval = false;
+	return step_wire_round(h, 3, 2, eval, err, sizeof(err));
+}
+
+Test(step_wire, round_kind_from_every_node)
+{
+	const uint64_t E = WIRE_HELLO_EVAL, I = WIRE_HELLO_IDLE, C = WIRE_HELLO_CHECKPOINT;
+	bool eval;
+
+	cr_expect_eq(round_of(0, C, 0, &eval), 0, "%s", err);
+	cr_expect(!eval, "every node trains: a training step");
+	cr_expect_eq(round_of(E, E, E, &eval), 0, "%s", err);
+	cr_expect(eval, "every node evaluates: an evaluation");
+	cr_expect_eq(round_of(E, I, E, &eval), 0, "%s", err);
+	cr_expect(eval, "an idle node follows the evaluation");
+	cr_expect_eq(round_of(I, 0, I | C, &eval), 0, "%s", err);
+	cr_expect(!eval, "idle nodes follow the training step");
+	cr_expect_eq(round_of(I, I, I, &eval), 0, "%s", err);
+	cr_expect(!eval, "every node idle: a training step of no batch");
+	cr_expect_eq(round_of(E, 0, I, &eval), EMBD_EMISMATCH);
+	cr_expect(strstr(err, "node 1 runs a training step while node 0 evaluates") &&
+		  strstr(err, "this is node 2"), "got '%s'", err);
+	cr_expect_eq(round_of(I, E | I, 0, &eval), EMBD_EPROTO);
+	cr_expect(strstr(err, "node 1") != NULL, "got '%s'", err);
+}
+
+Test(step_wire, evaluation_announces_no_gradient)
+{
+	struct wire_head h[2] = { wp_hello(0, 0), wp_hello(0, 16) };
+	bool eval;
+
+	h[0].flags = h[1].flags = WIRE_HELLO_EVAL;
+	REFUSED(step_wire_round(h, 2, 0, &eval, err, sizeof(err)), EMBD_EPROTO,
+		"16 gradient bytes");
+}
+
+/* An evaluation: the table_wise and row_wise items pass with no gradient announced; the
+ * data_parallel one is refused (every node evaluates its own replica). */
+Test(step_wire, evaluation_items)
+{
+	struct seen s = { .fail_at = -1 };
+	uint64_t grads, len = wp_good_input(msg, &grads);
+	REFUSED(input_of(len, 0, true, &s), EMBD_EPROTO, "item 2", "data_parallel");
+	cr_expect_eq(s.n, 2);
+	s.n = 0;
+	uint64_t at = 0;
+	static const int32_t lens[WP_B] = { 1, 0, 2, 1 };
+	static const int64_t ids[4] = { 3, 1, 2, 9 };
+	wp_put_item(msg, &at, 0, 0, WIRE_FORWARD, WP_B, lens, ids, NULL, NULL);
+	cr_expect_eq(input_of(at, 0, true, &s), 0, "%s", err);
+	cr_expect_eq(s.n, 1);
+	s.n = 0;
+	REFUSED(input_of(at, 64, true, &s), EMBD_EPROTO, "gradient bytes");
 }
 
 Test(step_wire, input_bytes_not_whole_items)
@@ -167,6 +235,9 @@ static void other_feature(struct wire_item *w) { w->feature = 0; }
 static void other_trainer(struct wire_item *w) { w->gtrainer = 1; }
 static void no_lengths(struct wire_item *w) { w->flags &= ~WIRE_LENGTHS; }
 static void unknown_flag(struct wire_item *w) { w->flags |= 8; }
+static void no_samples(struct wire_item *w) { w->batch_size = 0; }
+static void too_many_samples(struct wire_item *w) { w->batch_size = WP_B + 1; }
+static void reserved_set(struct wire_item *w) { w->reserved = 1; }
 
 static void expect_item_refused(uint32_t k, void (*edit)(struct wire_item *),
 				const char *const *words)
@@ -189,6 +260,34 @@ Test(step_wire, feature_of_another_table) { ITEM_REFUSED(1, other_feature, "feat
 Test(step_wire, trainer_of_another_node) { ITEM_REFUSED(0, other_trainer, "trainer"); }
 Test(step_wire, mean_lengths_missing) { ITEM_REFUSED(1, no_lengths, "flags"); }
 Test(step_wire, unknown_flag) { ITEM_REFUSED(2, unknown_flag, "flags 0x9"); }
+Test(step_wire, batch_of_no_samples) { ITEM_REFUSED(1, no_samples, "item 1", "batch_size 0"); }
+Test(step_wire, batch_over_the_plan) { ITEM_REFUSED(0, too_many_samples, "batch_size 5 (1..4)"); }
+Test(step_wire, item_reserved_word) { ITEM_REFUSED(2, reserved_set, "reserved 1"); }
+
+/* A trainer's short last batch: items of 1 and 3 samples, each with b + 1 offsets, b full
+ * lengths and b x cols of gradient. */
+Test(step_wire, short_batches_pass_with_their_own_size)
+{
+	static const int32_t lens[3] = { 2, 0, 1 }, full[3] = { 2, 1, 1 };
+	static const int64_t ids[3] = { 4, 5, 6 };
+	struct seen s = { .fail_at = -1 };
+	uint64_t at = 0, grads;
+
+	grads = wp_put_item(msg, &at, 1, 1, WIRE_FORWARD | WIRE_LENGTHS, 3, lens, ids, NULL, full);
+	grads += wp_put_item(msg, &at, 0, 0, WIRE_FORWARD, 1, lens, ids, NULL, NULL);
+	cr_assert_eq(grads, (3 * 8 + 1 * 4) * 4ull);
+	cr_assert_eq(input(at, grads, &s), 0, "%s", err);
+	cr_assert_eq(s.n, 2);
+	cr_expect_eq(s.items[0].batch_size, 3);
+	cr_expect_eq(s.items[0].offsets[3], 3);
+	cr_expect_eq(s.items[0].lengths[1], 1);
+	cr_expect_eq(s.items[1].batch_size, 1);
+	cr_expect_eq(s.items[1].num_ids, 2);
+	cr_expect_eq(s.items[1].ids[1], 5);
+	/* a gradient announced for full batches does not fit short ones */
+	s.n = 0;
+	REFUSED(input(at, (3 * 8 + 1 * 4) * 4ull * WP_B, &s), EMBD_EPROTO, "gradient bytes");
+}
 
 /* The flag promises weights the message does not hold: they would be read past its end. */
 Test(step_wire, weights_flag_with_no_weights)
@@ -198,7 +297,8 @@ Test(step_wire, weights_flag_with_no_weights)
 	struct seen s = { .fail_at = -1 };
 	uint64_t at = 0, grads;
 
-	grads = wp_put_item(msg, &at, 0, 0, WIRE_FORWARD | WIRE_WEIGHTED, lens, ids, NULL, NULL);
+	grads = wp_put_item(msg, &at, 0, 0, WIRE_FORWARD | WIRE_WEIGHTED, WP_B, lens, ids, NULL,
+			    NULL);
 	REFUSED(input(at, grads, &s), EMBD_EPROTO, "ends inside item 0");
 	cr_expect_eq(s.n, 0);
 }

@@ -202,3 +202,129 @@ Test(control, connect_kept_out_by_the_mode_is_eacces)
 		  "connect kept out by the mode: expected EMBD_EACCES naming the path, child says %d "
 		  "(1: EMBD_EIO, 2: another code, 3: setuid failed)", WEXITSTATUS(status));
 }
+
+/* ---- live table access ------------------------------------------------------------------- */
+
+static _Alignas(8) uint8_t tbuf[EMBD_CTL_MSG_MAX];
+
+/* Sends payload of len bytes as type through a socketpair and receives it into buf. */
+static void through_socket(enum embd_ctl_type type, const void *payload, uint32_t len,
+			   struct embd_ctl_msg *msg)
+{
+	char err[256] = "";
+	int sv[2];
+
+	pair(sv);
+	cr_assert_eq(embd_ctl_send(sv[0], type, payload, len, NULL, 0, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(embd_ctl_recv(sv[1], buf, sizeof(buf), 1000, msg, err, sizeof(err)), 0, "%s",
+		     err);
+	close(sv[0]);
+	close(sv[1]);
+}
+
+/* A write of the most rows of 16 floats one message carries, named by ids, and the read
+ * reply of as many: both travel through the socket intact. */
+Test(control, table_messages_round_trip)
+{
+	const uint32_t cols = 16, n = embd_ctl_table_max_rows(cols);
+	static int64_t ids[EMBD_CTL_TABLE_BYTES_MAX / 8];
+	static float rows[EMBD_CTL_TABLE_BYTES_MAX / 4];
+	struct embd_ctl_table_request req = { .table = 1, .array = 2, .flags = EMBD_CTL_TABLE_IDS,
+					      .num_rows = n, .cols = cols }, got;
+	struct embd_ctl_msg msg;
+	const int64_t *gids;
+	const float *grows;
+	char err[256] = "";
+	uint32_t len;
+
+	for (uint32_t i = 0; i < n; i++)
+		ids[i] = 3 * (int64_t)i;
+	for (uint32_t i = 0; i < n * cols; i++)
+		rows[i] = (float)i / 7.0f;
+	cr_assert_eq(embd_ctl_table_request_encode(&req, ids, rows, tbuf, sizeof(tbuf), &len), 0);
+	through_socket(EMBD_CTL_TABLE_WRITE, tbuf, len, &msg);
+	cr_assert_eq(embd_ctl_table_request_decode(&msg, &got, &gids, &grows, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect(got.table == 1 && got.array == 2 && got.num_rows == n && got.cols == cols);
+	cr_expect(!memcmp(gids, ids, n * 8ull) && !memcmp(grows, rows, (size_t)n * cols * 4));
+	/* one row more does not fit a table message */
+	req.num_rows = n + 1;
+	cr_expect_eq(embd_ctl_table_request_encode(&req, ids, rows, tbuf, sizeof(tbuf), &len),
+		     EMBD_EINVAL);
+	/* a read of a range: no ids, no rows */
+	req = (struct embd_ctl_table_request){ .table = 0, .array = 0, .num_rows = 7, .row_begin = 5 };
+	cr_assert_eq(embd_ctl_table_request_encode(&req, NULL, NULL, tbuf, sizeof(tbuf), &len), 0);
+	through_socket(EMBD_CTL_TABLE_READ, tbuf, len, &msg);
+	cr_assert_eq(embd_ctl_table_request_decode(&msg, &got, &gids, &grows, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect(got.row_begin == 5 && got.num_rows == 7 && !gids && !grows);
+
+	struct embd_ctl_table_reply rep = { .table = 1, .array = 0, .cols = cols,
+					    .num_rows = embd_ctl_table_max_rows(cols),
+					    .num_embeddings = 1 << 20, .applied_step = 9,
+					    .optimizer_step = 9, .max_rows = n }, rgot;
+	cr_assert_eq(embd_ctl_table_reply_encode(EMBD_CTL_TABLE_DATA, &rep, rows, tbuf, sizeof(tbuf),
+						 &len), 0);
+	through_socket(EMBD_CTL_TABLE_DATA, tbuf, len, &msg);
+	cr_assert_eq(embd_ctl_table_reply_decode(&msg, &rgot, &grows, err, sizeof(err)), 0, "%s", err);
+	cr_expect(rgot.applied_step == 9 && rgot.num_rows == rep.num_rows && rgot.max_rows == n);
+	cr_expect(!memcmp(grows, rows, (size_t)rep.num_rows * cols * 4));
+	cr_assert_eq(embd_ctl_table_reply_encode(EMBD_CTL_TABLE_DONE, &rep, NULL, tbuf, sizeof(tbuf),
+						 &len), 0);
+	through_socket(EMBD_CTL_TABLE_DONE, tbuf, len, &msg);
+	cr_assert_eq(embd_ctl_table_reply_decode(&msg, &rgot, &grows, err, sizeof(err)), 0, "%s", err);
+	cr_expect(rgot.num_rows == rep.num_rows && !grows);
+}
+
+/* A table request with one field changed by edit, decoded from a packet built by hand. */
+static int bad_request(enum embd_ctl_type type, void (*edit)(struct embd_ctl_table_request *),
+		       uint32_t extra, char *err, size_t err_len)
+{
+	struct embd_ctl_table_request req = { .table = 0, .array = 0, .flags = EMBD_CTL_TABLE_IDS,
+					      .num_rows = 2, .cols = type == EMBD_CTL_TABLE_WRITE };
+	struct embd_ctl_header h = { EMBD_CTL_MAGIC, EMBD_CTL_VERSION, (uint16_t)type, 0, 0 };
+	struct embd_ctl_msg msg;
+	const int64_t *ids;
+	const float *rows;
+
+	edit(&req);
+	uint32_t body = 16 + (type == EMBD_CTL_TABLE_WRITE ? 8 : 0) + extra;
+	h.length = (uint32_t)sizeof(req) + body;
+	memcpy(tbuf, &h, sizeof(h));
+	memcpy(tbuf + sizeof(h), &req, sizeof(req));
+	memset(tbuf + sizeof(h) + sizeof(req), 0, body);
+	cr_assert_eq(embd_ctl_parse(tbuf, sizeof(h) + h.length, &msg, err, err_len), 0, "%s", err);
+	return embd_ctl_table_request_decode(&msg, &req, &ids, &rows, err, err_len);
+}
+
+static void no_edit(struct embd_ctl_table_request *r) { (void)r; }
+static void unknown_flag(struct embd_ctl_table_request *r) { r->flags |= 2; }
+static void reserved_set(struct embd_ctl_table_request *r) { r->reserved = 1; }
+static void begin_with_ids(struct embd_ctl_table_request *r) { r->row_begin = 4; }
+static void cols_in_read(struct embd_ctl_table_request *r) { r->cols = 3; }
+static void too_many_rows(struct embd_ctl_table_request *r) { r->num_rows = 1u << 30; }
+
+Test(control, table_requests_refused_naming_the_field)
+{
+	struct { enum embd_ctl_type type; void (*edit)(struct embd_ctl_table_request *);
+		 uint32_t extra; const char *word; } cases[] = {
+		{ EMBD_CTL_TABLE_READ, unknown_flag, 0, "table.flags" },
+		{ EMBD_CTL_TABLE_READ, reserved_set, 0, "reserved" },
+		{ EMBD_CTL_TABLE_READ, begin_with_ids, 0, "table.row_begin" },
+		{ EMBD_CTL_TABLE_READ, cols_in_read, 0, "table.cols" },
+		{ EMBD_CTL_TABLE_WRITE, too_many_rows, 0, "table.num_rows" },
+		{ EMBD_CTL_TABLE_READ, no_edit, 8, "its head announces" },
+		{ EMBD_CTL_TABLE_WRITE, no_edit, 4, "its head announces" },
+	};
+	char err[256];
+
+	cr_assert_eq(bad_request(EMBD_CTL_TABLE_WRITE, no_edit, 0, err, sizeof(err)), 0, "%s", err);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		err[0] = 0;
+		int rc = bad_request(cases[i].type, cases[i].edit, cases[i].extra, err, sizeof(err));
+		cr_expect_eq(rc, EMBD_EPROTO, "case %zu: expected EMBD_EPROTO, got %d (%s)", i, rc, err);
+		cr_expect(strstr(err, cases[i].word), "case %zu: expected '%s' in '%s'", i,
+			  cases[i].word, err);
+	}
+}

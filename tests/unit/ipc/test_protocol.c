@@ -55,6 +55,11 @@ Test(protocol, every_bad_field_is_named)
 	s = good_forward(); s.flags = 0x80; expect_bad(s, EMBD_EINVAL, "sqe.flags");
 	s = good_forward(); s.reserved[1] = 1; expect_bad(s, EMBD_EINVAL, "sqe.reserved");
 	s = good_forward(); s.batch_size = B + 1; expect_bad(s, EMBD_EINVAL, "sqe.batch_size");
+	s = good_forward(); s.batch_size = 0; expect_bad(s, EMBD_EINVAL, "sqe.batch_size");
+	/* a short batch's spans are sized by its own samples */
+	s = good_forward(); s.batch_size = 2; expect_bad(s, EMBD_EINVAL, "sqe.lengths.bytes");
+	s = good_forward(); s.batch_size = 2; s.lengths.bytes = F * 2 * 4;
+	expect_bad(s, EMBD_EINVAL, "sqe.output.bytes");
 	s = good_forward(); s.num_values = 65; expect_bad(s, EMBD_ERANGE, "sqe.num_values");
 	s = good_forward(); s.lengths.bytes = 20; expect_bad(s, EMBD_EINVAL, "sqe.lengths.bytes");
 	s = good_forward(); s.lengths.offset = 4094; expect_bad(s, EMBD_EINVAL, "sqe.lengths.offset");
@@ -71,6 +76,10 @@ Test(protocol, every_bad_field_is_named)
 	s = good_forward(); s.opcode = EMBD_OP_BACKWARD; expect_bad(s, EMBD_EINVAL, "sqe.output");
 	s = (struct embd_sqe){ .opcode = EMBD_OP_NOP, .num_values = 1 };
 	expect_bad(s, EMBD_EINVAL, "sqe.num_values");
+	/* an evaluation: a forward's spans, no step */
+	s = good_forward(); s.opcode = EMBD_OP_EVAL; expect_bad(s, EMBD_EINVAL, "sqe.step");
+	s = good_forward(); s.opcode = EMBD_OP_EVAL; s.step = 0; s.grad = s.output;
+	expect_bad(s, EMBD_EINVAL, "sqe.grad: must be empty (offset 0, bytes 0) for EVAL");
 }
 
 Test(protocol, kjt_view_checks_lengths)
@@ -100,4 +109,42 @@ Test(protocol, kjt_view_checks_lengths)
 	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B, &kjt, err, sizeof(err)), EMBD_EINVAL);
 	cr_assert(strstr(err, "lengths[4] (feature 1, sample 1): negative"), "got \"%s\"", err);
 	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B - 1, &kjt, err, sizeof(err)), EMBD_ENOSPC);
+	/* an evaluation is a forward without a step */
+	((int32_t *)slab)[4] = 1;
+	((int32_t *)slab)[5] = 1;
+	s.opcode = EMBD_OP_EVAL;
+	s.step = 0;
+	cr_assert_eq(embd_sqe_validate(&s, &lim, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B, &kjt, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect_eq(kjt.num_values, 6u);
+}
+
+/* A batch of 2 samples (B is 3): its lengths are F x 2 with stride 2, its output 2 rows. */
+Test(protocol, short_batch_has_its_own_sizes)
+{
+	_Alignas(8) unsigned char slab[4096] = { 0 };
+	int32_t lengths[F * 2] = { 1, 2, 0, 3 }, priv[F * B];
+	struct embd_sqe s = good_forward();
+	struct embd_kjt kjt;
+	char err[256] = "";
+
+	s.batch_size = 2;
+	s.lengths.bytes = F * 2 * 4;
+	s.output.bytes = 2 * DIM * 4;
+	cr_assert_eq(embd_sqe_validate(&s, &lim, err, sizeof(err)), 0, "%s", err);
+	memcpy(slab, lengths, sizeof(lengths));
+	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B, &kjt, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect_eq(kjt.batch_size, 2);
+	cr_expect_eq(kjt.num_values, 6u);
+	cr_expect_eq(kjt.lengths[3], 3);
+	((int32_t *)slab)[3] = -1;
+	cr_assert_eq(embd_kjt_view_build(&s, &lim, slab, priv, F * B, &kjt, err, sizeof(err)),
+		     EMBD_EINVAL);
+	cr_assert(strstr(err, "lengths[3] (feature 1, sample 1): negative"), "got \"%s\"", err);
+	s.opcode = EMBD_OP_BACKWARD;
+	s.grad = s.output;
+	s.output = (struct embd_slab_span){ 0, 0 };
+	cr_assert_eq(embd_sqe_validate(&s, &lim, err, sizeof(err)), 0, "%s", err);
 }

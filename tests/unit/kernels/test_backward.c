@@ -78,10 +78,11 @@ static float *random_grad(struct trng *r, uint64_t n)
 	return g;
 }
 
-/* steps of two features on one unsplit shard, on every ISA, with 1 and 3 workers. */
-static void check_unsharded(struct trng *r, enum embd_optimizer_type type, enum embd_data_type dtype,
-			    int64_t rows, uint32_t dim, uint32_t batch, uint32_t max_len,
-			    uint32_t hot_pct, int steps)
+/* steps of two features on one unsplit shard, on every ISA, with 1 and 3 workers;
+ * grad_divisor: the gradients' division (0: none). */
+static void check_unsharded_div(struct trng *r, enum embd_optimizer_type type,
+				enum embd_data_type dtype, int64_t rows, uint32_t dim, uint32_t batch,
+				uint32_t max_len, uint32_t hot_pct, int steps, uint32_t grad_divisor)
 {
 	enum embd_isa isas[3];
 	int nisa = tisas(isas);
@@ -105,8 +106,10 @@ static void check_unsharded(struct trng *r, enum embd_optimizer_type type, enum 
 					g[f] = random_grad(r, (uint64_t)batch * dim);
 					enum embd_pooling p = f ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM;
 					bt[f] = tbatch(s, f, &t[f], p, NULL, g[f], dim, 0);
+					bt[f].grad_divisor = grad_divisor;
 					rb[f] = (struct embd_ref_bags){ batch, t[f].lengths, t[f].ids,
-									t[f].weights, p, g[f] };
+									t[f].weights, p, g[f],
+									grad_divisor };
 				}
 				struct embd_kernel_err err;
 				int rc = embd_kernels_backward(&ex, s, bt, 2, &err);
@@ -127,6 +130,47 @@ static void check_unsharded(struct trng *r, enum embd_optimizer_type type, enum 
 		}
 	}
 	embd_workers_destroy(three);
+}
+
+static void check_unsharded(struct trng *r, enum embd_optimizer_type type,
+			    enum embd_data_type dtype, int64_t rows, uint32_t dim, uint32_t batch,
+			    uint32_t max_len, uint32_t hot_pct, int steps)
+{
+	check_unsharded_div(r, type, dtype, rows, dim, batch, max_len, hot_pct, steps, 0);
+}
+
+/* TorchRec's gradient division (by 3: not a power of two) equals the reference's. */
+Test(kernels_backward, gradient_division_equals_reference, .timeout = 120)
+{
+	struct trng r = { 34 };
+
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+		check_unsharded_div(&r, type, EMBD_DTYPE_FP32, 300, 16, 20, 6, 30, 3, 3);
+}
+
+/* By hand: sgd, lr 0.1, one id of gradient 1 with the gradient divided by 4 moves the row
+ * by 0.025; without division by 0.1. */
+Test(kernels_backward, gradient_division_by_hand)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(1, 4, 1, EMBD_DTYPE_FP32, &o, 7);
+	int64_t offsets[2] = { 0, 1 }, ids[1] = { 2 };
+	float g = 1.0f;
+
+	for (uint32_t div = 0; div <= 4; div += 4) {
+		struct embd_shard *s = tshard(ref, 7, 0, 4, 0, 1);
+		float before = ((float *)s->weights)[2];
+		struct embd_bag_batch bt = { .shard = s, .batch_size = 1, .offsets = offsets,
+					     .ids = ids, .num_ids = 1, .pooled_grad = &g,
+					     .pooled_stride = 1, .grad_divisor = div };
+		struct embd_kernel_err err;
+		cr_assert_eq(embd_kernels_backward(NULL, s, &bt, 1, &err), 0, "%s", err.msg);
+		float moved = before - ((float *)s->weights)[2], want = div ? 0.025f : 0.1f;
+		cr_expect(fabsf(moved - want) <= 1e-6f * want, "divisor %u: expected the row to "
+			  "move by %g, it moved by %g", div, want, moved);
+		embd_shard_destroy(s);
+	}
+	embd_ref_table_destroy(ref);
 }
 
 Test(kernels_backward, every_optimizer_equals_reference, .timeout = 120)
@@ -164,7 +208,7 @@ Test(kernels_backward, a_million_ids, .timeout = 120)
 	tbags_random(&t, &r, 4000, 500, 0, 1 << 20, 5, true);
 	float *g = random_grad(&r, 4000 * 8);
 	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 8, 0);
-	struct embd_ref_bags rb = { 4000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+	struct embd_ref_bags rb = { 4000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g, 0 };
 	struct embd_exec ex = { .workers = two };
 	cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
 	cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
@@ -195,7 +239,7 @@ Test(kernels_backward, phase_times_add_up)
 	tbags_random(&t, &r, 2000, 40, 5, 1 << 16, 10, true);
 	float *g = random_grad(&r, 2000 * 16);
 	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 16, 0);
-	struct embd_ref_bags rb = { 2000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+	struct embd_ref_bags rb = { 2000, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g, 0 };
 	struct embd_exec ex = { .workers = two, .backward_times = &tm };
 	struct timespec t0, t1;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -287,7 +331,7 @@ Test(kernels_backward, row_shards_equal_reference)
 				for (uint32_t b = 0; b < B; b++)
 					memcpy(g2[f] + b * dim, grad + b * F * dim + f * dim, dim * sizeof(float));
 				rb[f] = (struct embd_ref_bags){ B, t[f].lengths, t[f].ids, t[f].weights,
-								EMBD_POOLING_MEAN, g2[f] };
+								EMBD_POOLING_MEAN, g2[f], 0 };
 			}
 			cr_assert_eq(embd_ref_backward(ref, rb, F), 0);
 			for (uint32_t k = 0; k < W; k++)
@@ -330,7 +374,7 @@ Test(kernels_backward, column_shards_equal_reference)
 			struct embd_bag_batch bb = tbatch(b, 0, &t, EMBD_POOLING_SUM, NULL, g, dim, split);
 			cr_assert_eq(embd_kernels_backward(NULL, a, &ba, 1, NULL), 0);
 			cr_assert_eq(embd_kernels_backward(NULL, b, &bb, 1, NULL), 0);
-			struct embd_ref_bags rb = { B, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g };
+			struct embd_ref_bags rb = { B, t.lengths, t.ids, t.weights, EMBD_POOLING_SUM, g, 0 };
 			cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
 			expect_shard_equals_ref("column shard a", a, ref);
 			expect_shard_equals_ref("column shard b", b, ref);

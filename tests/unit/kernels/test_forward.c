@@ -47,7 +47,7 @@ static void check_unsharded(struct trng *r, int64_t rows, uint32_t dim, enum emb
 	tbags_random(&t, r, batch, max_len, 10, rows, 20, weighted);
 	float *expected = malloc((uint64_t)batch * dim * sizeof(float) + 4);
 	float *got = malloc((uint64_t)batch * dim * sizeof(float) + 4);
-	struct embd_ref_bags rb = { batch, t.lengths, t.ids, t.weights, pooling, NULL };
+	struct embd_ref_bags rb = { batch, t.lengths, t.ids, t.weights, pooling, NULL, 0 };
 	embd_ref_forward(ref, &rb, expected);
 
 	for (int i = 0; i < nisa; i++) {
@@ -134,7 +134,7 @@ Test(kernels_forward, column_shards_equal_reference)
 		/* a KeyedTensor of two features: a 3-column feature first, then this table's */
 		const uint32_t stride = 3 + dim;
 		float *got = calloc(50 * stride, sizeof(float)), *expected = malloc(50 * dim * sizeof(float));
-		struct embd_ref_bags rb = { 50, t.lengths, t.ids, t.weights, EMBD_POOLING_MEAN, NULL };
+		struct embd_ref_bags rb = { 50, t.lengths, t.ids, t.weights, EMBD_POOLING_MEAN, NULL, 0 };
 		embd_ref_forward(ref, &rb, expected);
 		struct embd_bag_batch bt[2] = {
 			{ .shard = a, .batch_size = 50, .offsets = t.offsets, .ids = t.ids,
@@ -198,7 +198,7 @@ Test(kernels_forward, row_shards_sum_to_reference)
 			embd_shard_destroy(s);
 		}
 		float *expected = malloc(B * dim * sizeof(float));
-		struct embd_ref_bags rb = { B, t.lengths, t.ids, t.weights, pooling, NULL };
+		struct embd_ref_bags rb = { B, t.lengths, t.ids, t.weights, pooling, NULL, 0 };
 		embd_ref_forward(ref, &rb, expected);
 		const int64_t *id = t.ids;
 		const float *w = t.weights;
