@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "planner/plan_json.h"
+
 static const char *const state_names[] = { "weight", "momentum1", "momentum2" };
 static const char *const optimizer_names[] = { "sgd", "adagrad", "rowwise_adagrad", "adam" };
 
@@ -247,13 +249,16 @@ static bool overlap(const struct embd_ckpt_file *a, const struct embd_ckpt_file 
 int embd_ckpt_manifest_parse(const char *text, size_t len, struct embd_ckpt_manifest *m,
 			     char *err, size_t err_len)
 {
-	cJSON *root = cJSON_ParseWithLength(text, len);
+	cJSON *root;
 	const cJSON *arr, *item;
 	char buf[32], where[48];
 	int64_t v;
-	int rc = EMBD_EPARSE;
+	int rc;
 
 	memset(m, 0, sizeof(*m));
+	if ((rc = embd_plan_json_parse(text, len, "manifest", &root, err, err_len)))
+		goto out;
+	rc = EMBD_EPARSE;
 	if (!cJSON_IsObject(root)) {
 		snprintf(err, err_len, "manifest: not a JSON object");
 		goto out;

@@ -87,7 +87,8 @@ uint32_t embd_ckpt_optimizer_states(enum embd_optimizer_type type);
 int embd_ckpt_manifest_write(const struct embd_ckpt_manifest *m, char **out);
 
 /* Parses and checks manifest text (len bytes) into *out (zeroed first; free with
- * embd_ckpt_manifest_free even on error). EMBD_EPARSE / EMBD_ENOTSUP name the field. */
+ * embd_ckpt_manifest_free even on error). EMBD_EPARSE / EMBD_ENOTSUP name the field; text
+ * after the JSON object is EMBD_EPARSE too. */
 int embd_ckpt_manifest_parse(const char *text, size_t len, struct embd_ckpt_manifest *out,
 			     char *err, size_t err_len);
 

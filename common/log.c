@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "embd/types.h"
 
 static enum embd_log_level log_level = EMBD_LOG_INFO;
@@ -53,14 +54,13 @@ void embd_log_init(void)
 	log_journal = getenv("JOURNAL_STREAM") != NULL;
 }
 
-void embd_log(enum embd_log_level level, const char *fmt, ...)
+/* Formats and writes one line; suffix (may be "") goes after the message. */
+static void write_line(enum embd_log_level level, const char *suffix, const char *fmt,
+		       va_list ap)
 {
 	char line[2048];
 	size_t n;
-	va_list ap;
 
-	if (level > log_level)
-		return;
 	if (log_journal) {
 		n = (size_t)snprintf(line, sizeof(line), "<%d>%s: ", (int)level,
 				     embd_log_level_name(level));
@@ -73,14 +73,54 @@ void embd_log(enum embd_log_level level, const char *fmt, ...)
 		n += (size_t)snprintf(line + n, sizeof(line) - n, ".%03ldZ embd[%d] %s: ",
 				      ts.tv_nsec / 1000000, (int)getpid(), embd_log_level_name(level));
 	}
-	va_start(ap, fmt);
 	int m = vsnprintf(line + n, sizeof(line) - n, fmt, ap);
-	va_end(ap);
-	/* a truncated line keeps its newline */
 	n = m < 0 ? n : n + (size_t)m;
+	if (n < sizeof(line) && suffix[0]) {
+		m = snprintf(line + n, sizeof(line) - n, "%s", suffix);
+		n = m < 0 ? n : n + (size_t)m;
+	}
+	/* a truncated line keeps its newline */
 	if (n > sizeof(line) - 2)
 		n = sizeof(line) - 2;
 	line[n++] = '\n';
 	ssize_t w = write(2, line, n);
 	(void)w; /* nowhere to report a failing stderr */
+}
+
+void embd_log(enum embd_log_level level, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (level > log_level)
+		return;
+	va_start(ap, fmt);
+	write_line(level, "", fmt, ap);
+	va_end(ap);
+}
+
+void embd_log_limited(struct embd_log_limit *limit, enum embd_log_level level,
+		      const char *fmt, ...)
+{
+	char suffix[64] = "";
+	uint64_t now = embd_now_ns();
+	va_list ap;
+
+	if (level > log_level)
+		return;
+	if (!limit->window_start_ns ||
+	    now - limit->window_start_ns >= EMBD_LOG_LIMIT_WINDOW_MS * 1000000ull) {
+		limit->window_start_ns = now;
+		limit->lines = 0;
+	}
+	if (limit->lines == EMBD_LOG_LIMIT_BURST) {
+		limit->dropped++;
+		return;
+	}
+	limit->lines++;
+	if (limit->dropped)
+		snprintf(suffix, sizeof(suffix), " (%u more like it not logged)", limit->dropped);
+	limit->dropped = 0;
+	va_start(ap, fmt);
+	write_line(level, suffix, fmt, ap);
+	va_end(ap);
 }

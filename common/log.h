@@ -9,6 +9,8 @@
 #ifndef EMBD_COMMON_LOG_H
 #define EMBD_COMMON_LOG_H
 
+#include <stdint.h>
+
 /* syslog's numbers, which journald's "<N>" prefix uses */
 enum embd_log_level {
 	EMBD_LOG_ERROR = 3,
@@ -29,6 +31,24 @@ void embd_log_init(void);
 
 void embd_log(enum embd_log_level level, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
+
+/*
+ * Lines a peer can cause at will (a refused connection, a client that broke the protocol)
+ * go through a limit of their own, so a peer looping on it cannot flood the log: at most
+ * EMBD_LOG_LIMIT_BURST lines per EMBD_LOG_LIMIT_WINDOW_MS, the rest counted and the count
+ * named on the next line written ("(N more like it not logged)"). One limit per kind of
+ * line, owned by the thread that logs it; a zeroed struct is a fresh limit.
+ */
+#define EMBD_LOG_LIMIT_BURST 10u
+#define EMBD_LOG_LIMIT_WINDOW_MS 10000u
+struct embd_log_limit {
+	uint64_t window_start_ns;       /* CLOCK_MONOTONIC (common/clock.h) */
+	uint32_t lines;                 /* written in the window */
+	uint32_t dropped;               /* not written since the last line that was */
+};
+
+void embd_log_limited(struct embd_log_limit *limit, enum embd_log_level level,
+		      const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 #define embd_log_error(...) embd_log(EMBD_LOG_ERROR, __VA_ARGS__)
 #define embd_log_warning(...) embd_log(EMBD_LOG_WARNING, __VA_ARGS__)

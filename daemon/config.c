@@ -9,7 +9,11 @@
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <grp.h>
 #include <math.h>
+#include <pwd.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,9 +60,37 @@ const char *embd_config_default_text(void)
 	return default_text;
 }
 
-/* allowed_uids, allowed_gids */
-static int get_ids(const cJSON *v, const char *key, unsigned int *ids, uint32_t *count,
-		   char *err, size_t err_len)
+/*
+ * A user or group name in allowed_uids / allowed_gids, resolved once when the file is read:
+ * a packaged config names the group its package created, whose id differs per machine.
+ * Returns 0 or an errno value (ENOENT: no such name).
+ */
+static int resolve_name(const char *name, bool group, unsigned int *id)
+{
+	size_t len = 1024;
+	int rc;
+
+	for (;;) {
+		char *buf = malloc(len);
+		struct passwd pw, *pwr = NULL;
+		struct group gr, *grr = NULL;
+		if (!buf)
+			return ENOMEM;
+		rc = group ? getgrnam_r(name, &gr, buf, len, &grr) : getpwnam_r(name, &pw, buf, len, &pwr);
+		if (!rc && (grr || pwr))
+			*id = group ? grr->gr_gid : pwr->pw_uid;
+		else if (!rc)
+			rc = ENOENT;
+		free(buf);
+		if (rc != ERANGE || len >= (1u << 20))
+			return rc;
+		len *= 2;       /* a group with many members */
+	}
+}
+
+/* allowed_uids (group false), allowed_gids (group true): ids or names */
+static int get_ids(const cJSON *v, const char *key, bool group, unsigned int *ids,
+		   uint32_t *count, char *err, size_t err_len)
 {
 	const cJSON *e;
 	uint32_t n = 0;
@@ -70,11 +102,21 @@ static int get_ids(const cJSON *v, const char *key, unsigned int *ids, uint32_t 
 		if (n == EMBD_CONFIG_IDS_MAX)
 			return embd_fail(err, err_len, EMBD_EINVAL,
 					 "config key '%s': more than 64 ids", key);
+		if (cJSON_IsString(e)) {
+			int rc = resolve_name(e->valuestring, group, &ids[n++]);
+			if (rc)
+				return embd_fail(err, err_len, rc == ENOMEM ? EMBD_ENOMEM : EMBD_EINVAL,
+						 "config key '%s': %s '%.64s': %s", key,
+						 group ? "group" : "user", e->valuestring,
+						 rc == ENOENT ? "no such name" : strerror(rc));
+			continue;
+		}
 		double d = cJSON_IsNumber(e) ? e->valuedouble : -1;
 		/* (uint32_t)-1 is the kernel's "no id" value and never a real uid or gid */
 		if (!(d >= 0 && d < 4294967295.0) || floor(d) != d)
 			return embd_fail(err, err_len, EMBD_EINVAL,
-					 "config key '%s': every entry must be an integer id", key);
+					 "config key '%s': every entry must be an integer id or a name",
+					 key);
 		ids[n++] = (unsigned int)d;
 	}
 	*count = n;
@@ -199,13 +241,13 @@ static int parse_log_level(const struct key *k, const cJSON *v, struct embd_conf
 static int parse_uids(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
 		      size_t err_len)
 {
-	return get_ids(v, k->name, c->allowed_uids, &c->num_allowed_uids, err, err_len);
+	return get_ids(v, k->name, false, c->allowed_uids, &c->num_allowed_uids, err, err_len);
 }
 
 static int parse_gids(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
 		      size_t err_len)
 {
-	return get_ids(v, k->name, c->allowed_gids, &c->num_allowed_gids, err, err_len);
+	return get_ids(v, k->name, true, c->allowed_gids, &c->num_allowed_gids, err, err_len);
 }
 
 static bool not_empty(const char *s)
@@ -243,7 +285,8 @@ static const struct key keys[] = {
 	  .why = "must not be empty", .def = "\"" EMBD_CONFIG_DEFAULT_SOCKET "\"" },
 	{ "allowed_uids", parse_uids, FIELD(allowed_uids) },
 	{ "allowed_gids", parse_gids, FIELD(allowed_gids) },
-	{ "trainers_per_node", parse_uint, FIELD(trainers_per_node), .min = 1, .max = 1024,
+	{ "trainers_per_node", parse_uint, FIELD(trainers_per_node), .min = 1,
+	  .max = EMBD_CONFIG_TRAINERS_MAX,
 	  .why = "must be at least 1" },
 	/* 2^53: the largest integer a JSON double carries exactly */
 	{ "seed", parse_uint, FIELD(seed), .max = 9007199254740992.0, .def = "2026" },
@@ -261,6 +304,11 @@ static const struct key keys[] = {
 	{ "checkpoint_allow_fresh_start", parse_bool, FIELD(checkpoint_allow_fresh_start),
 	  .why = "expected true or false" },
 	{ "busy_poll_us", parse_uint, FIELD(busy_poll_us), .max = 1000000, .def = "50" },
+	{ "handshake_timeout_ms", parse_uint, FIELD(handshake_timeout_ms), .min = 1,
+	  .max = MS_PER_DAY, .why = "must be at least 1", .def = "5000" },
+	{ "step_wait_warn_ms", parse_uint, FIELD(step_wait_warn_ms), .max = MS_PER_DAY,
+	  .def = "10000" },
+	{ "step_wait_abort_ms", parse_uint, FIELD(step_wait_abort_ms), .max = MS_PER_DAY },
 	{ "master_addr", parse_string, FIELD(master_addr), .valid = not_empty,
 	  .why = "must not be empty", .def = "\"127.0.0.1\"" },
 	{ "master_port", parse_uint, FIELD(master_port), .min = 1, .max = 65535,
@@ -326,6 +374,15 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 			    "config key '%s': compute_device must be cpu in this build", "topology");
 	if (c->tables.count == 0)
 		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
+	if (c->step_wait_abort_ms && c->step_wait_abort_ms <= c->step_wait_warn_ms)
+		return embd_fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': %u ms must be above step_wait_warn_ms (%u ms; 0 turns "
+			    "the warning off)", "step_wait_abort_ms", c->step_wait_abort_ms,
+			    c->step_wait_warn_ms);
+	if (!c->num_allowed_uids && !c->num_allowed_gids)
+		return embd_fail(err, err_len, EMBD_EINVAL,
+			    "config key '%s': empty and no allowed_gids: nobody could connect",
+			    "allowed_uids");
 	return 0;
 }
 
@@ -406,20 +463,13 @@ static void resolve_defaults(const cJSON *root, struct embd_config *c)
 int embd_config_parse(const char *text, size_t len, struct embd_config *out, char *err,
 		      size_t err_len)
 {
-	const char *end = NULL;
 	cJSON *root;
 	int rc;
 
 	memset(out, 0, sizeof(*out));
-	root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-	if (!root) {
-		size_t at = end && end >= text && end <= text + len ? (size_t)(end - text) : len;
-		unsigned line = 1;
-		for (size_t i = 0; i < at; i++)
-			line += text[i] == '\n';
-		return embd_fail(err, err_len, EMBD_EPARSE,
-				 "config: JSON syntax error at line %u, byte %zu", line, at);
-	}
+	rc = embd_plan_json_parse(text, len, "config", &root, err, err_len);
+	if (rc)
+		return rc;
 	if (!cJSON_IsObject(root))
 		rc = embd_fail(err, err_len, EMBD_EINVAL, "config: expected a JSON object");
 	else
@@ -455,6 +505,21 @@ int embd_config_load(const char *path, struct embd_config *out, char *err, size_
 	}
 	free(text);
 	return rc;
+}
+
+mode_t embd_config_socket_mode(const struct embd_config *c, uid_t owner, gid_t group)
+{
+	bool group_in = false, others_in = false;
+
+	/* root passes any mode; the owner has its own bits */
+	for (uint32_t i = 0; i < c->num_allowed_uids; i++)
+		others_in |= c->allowed_uids[i] != owner && c->allowed_uids[i] != 0;
+	for (uint32_t i = 0; i < c->num_allowed_gids; i++) {
+		group_in |= c->allowed_gids[i] == group;
+		others_in |= c->allowed_gids[i] != group;
+	}
+	/* a process in the socket's group is judged by the group bits, not the others' */
+	return others_in ? 0666 : group_in ? 0660 : 0600;
 }
 
 void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_settings *out)

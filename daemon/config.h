@@ -1,7 +1,8 @@
 /*
  * daemon/config.h - the configuration of `embd`: one JSON object, parsed strictly (an unknown
- * key or a wrong type is an error naming the key), with an embedded default so that `embd`
- * alone runs a small CPU node.
+ * key or a wrong type is an error naming the key; text after the closing brace other than
+ * whitespace is an error naming its line), with an embedded default so that `embd` alone runs
+ * a small CPU node.
  *
  * This comment is the reference for the file format; the one place keys are read is the keys[]
  * table of daemon/config.c (each key's type, range and default). Every key is optional:
@@ -13,7 +14,11 @@
  *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
  *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
  *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
- *     "allowed_gids": [100],        ... or by primary gid (default: none)
+ *     "allowed_gids": [100],        ... or by primary or supplementary gid (default: none);
+ *                                   both take names too ("embd"), resolved when parsed.
+ *                                   Both empty is refused (nobody could connect). The
+ *                                   peer's SO_PEERCRED decides; the socket's mode only lets
+ *                                   them reach it (embd_config_socket_mode)
  *     "trainers_per_node": 2,       T trainers per step (default: local_world_size)
  *     "seed": 2026,                 weight init seed (unsigned 64-bit)
  *     "threads_per_rank": 1,        worker threads of each CPU rank
@@ -42,6 +47,17 @@
  *   every node of a cluster must have the same checkpoint_layout, every_steps,
  *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
+ *     "step_wait_warn_ms": 10000,   a step that waits this long for a trainer (its FORWARD,
+ *                                   once another trainer's came; its BACKWARD, once the
+ *                                   forward ran) logs which trainers (index, pid) it waits
+ *                                   for and shows them in `embctl status` and `stats`
+ *                                   (daemon/stats.h); 0 = off
+ *     "step_wait_abort_ms": 0,      ... and after this long (above step_wait_warn_ms; 0 = off)
+ *                                   gives up: the requests kept for the step are answered
+ *                                   EMBD_ETIMEDOUT naming those trainers (daemon/server.h)
+ *     "handshake_timeout_ms": 5000, a connection that sent no message within it is closed
+ *                                   (daemon/server.h: at most 32 such wait at a time, the
+ *                                   longest-waiting one closed to make room for a new one)
  *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the
  *   environment variables MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
  *   override these keys and the topology's sizes; see dist/rendezvous.h):
@@ -87,6 +103,7 @@
 #include "common/log.h"
 
 #define EMBD_CONFIG_IDS_MAX 64          /* entries of allowed_uids / allowed_gids */
+#define EMBD_CONFIG_TRAINERS_MAX 1024u  /* trainers_per_node */
 #define EMBD_CONFIG_PATH_MAX 4096
 #define EMBD_CONFIG_SOCKET_MAX sizeof(((struct sockaddr_un *)0)->sun_path)
 #define EMBD_CONFIG_DEFAULT_SOCKET "/run/embd/embd.sock"
@@ -111,6 +128,9 @@ struct embd_config {
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
 	bool checkpoint_allow_fresh_start;
 	uint32_t busy_poll_us;
+	uint32_t handshake_timeout_ms;
+	uint32_t step_wait_warn_ms;                     /* 0 = off */
+	uint32_t step_wait_abort_ms;                    /* 0 = off */
 	char master_addr[256];
 	uint16_t master_port;
 	char gloo_ifname[16];                           /* "" = not given (IFNAMSIZ) */
@@ -146,6 +166,13 @@ int embd_config_load(const char *path, struct embd_config *out, char *err, size_
  * object for the join record (rendezvous.h: embd_collective_plan's settings); *out is
  * malloc'ed. checkpoint_dir is compared as "set" / "unset" only. */
 int embd_config_join_settings(const struct embd_config *c, char **out);
+
+/* The control socket's file mode for what allowed_uids and allowed_gids allow, when the
+ * socket belongs to owner:group (the service's euid and egid): 0600 for the owner (and root)
+ * alone, 0660 when the group is allowed too, 0666 when any other uid or gid is (SO_PEERCRED
+ * refuses the rest; a mode narrower than the config would keep allowed peers out before the
+ * check, with EACCES from connect). */
+mode_t embd_config_socket_mode(const struct embd_config *c, uid_t owner, gid_t group);
 
 /* The checkpoint service's view of the config (ckpt/ckpt_service.h); *out borrows c's tables. */
 void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_settings *out);

@@ -6,11 +6,13 @@
  * then advertises NEED_WAKEUP on every ring it may sleep on and sleeps in the loop (doorbells,
  * sockets, the signalfd, and a one-second tick). A client with a request that must wait for a
  * later phase is not polled at all until then: its ring keeps the rest of its requests.
- * Here: the loop, the sessions (accept, HELLO and its region, stats and status) and lifetime.
+ * Here: the loop, the sessions (accept, the pending / control / trainer kinds and their limits,
+ * HELLO and its region, stats and status) and lifetime.
  */
 #include "common/clock.h"
 #include "daemon/server.h"
 
+#include <cjson/cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -70,32 +72,137 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 	sv->dirty = true;
 }
 
+/* ---- sessions: pending, control and trainer connections --------------------------------- */
+
+static uint64_t handshake_ns(const struct embd_server *sv)
+{
+	return (uint64_t)sv->config->handshake_timeout_ms * 1000000;
+}
+
+/* Closes pending client c, telling it why first (logged under limit). */
+static void close_pending(struct embd_server *sv, struct embd_log_limit *limit, struct client *c,
+			  int code, const char *why)
+{
+	embd_log_limited(limit, EMBD_LOG_WARNING,
+			 "closed the connection of pid %d uid %u: %s", (int)c->peer.pid,
+			 (unsigned)c->peer.uid, why);
+	embd_ctl_send_error(c->sock, code, why, NULL, 0);
+	embd_server_drop_client(sv, c, why);
+}
+
+/* The earliest handshake deadline of the pending connections; 0: none pends. */
+static uint64_t handshake_due(const struct embd_server *sv)
+{
+	uint64_t due = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		const struct client *c = &sv->clients[i];
+		if (c->used && !c->spoke && (!due || c->accepted_ns + handshake_ns(sv) < due))
+			due = c->accepted_ns + handshake_ns(sv);
+	}
+	return due;
+}
+
+/* Closes the pending connections that said nothing within handshake_timeout_ms. */
+static void sweep_pending(struct embd_server *sv, uint64_t now)
+{
+	char why[96];
+
+	if (!sv->handshake_due_ns || now < sv->handshake_due_ns)
+		return;
+	snprintf(why, sizeof(why), "no message within handshake_timeout_ms (%u ms) of connecting",
+		 sv->config->handshake_timeout_ms);
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (c->used && !c->spoke && now - c->accepted_ns >= handshake_ns(sv))
+			close_pending(sv, &sv->silent_log, c, EMBD_ETIMEDOUT, why);
+	}
+	sv->handshake_due_ns = handshake_due(sv);
+}
+
+/* How long the loop may sleep (ms): until the next handshake deadline at most. */
+static int sessions_sleep_ms(const struct embd_server *sv, int idle_ms)
+{
+	uint64_t now = embd_now_ns();
+
+	if (!sv->handshake_due_ns)
+		return idle_ms;
+	if (sv->handshake_due_ns <= now)
+		return 0;
+	uint64_t left_ms = (sv->handshake_due_ns - now) / 1000000 + 1;
+	return left_ms < (uint64_t)idle_ms ? (int)left_ms : idle_ms;
+}
+
+/* A free slot for a new connection. With MAX_PENDING connections pending, the one pending
+ * longest is closed to make room: idle sockets, however many, delay nobody who speaks. */
+static struct client *take_slot(struct embd_server *sv, uint64_t now)
+{
+	struct client *free_slot = NULL, *oldest = NULL;
+	uint32_t pending = 0;
+	char why[128];
+
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (!c->used && !free_slot)
+			free_slot = c;
+		if (c->used && !c->spoke) {
+			pending++;
+			if (!oldest || c->accepted_ns < oldest->accepted_ns)
+				oldest = c;
+		}
+	}
+	if (!free_slot && sv->slots_end < MAX_CLIENTS)
+		free_slot = &sv->clients[sv->slots_end];
+	if (pending >= MAX_PENDING) {
+		snprintf(why, sizeof(why), "no message in %" PRIu64 " ms, and %u newer connections "
+			 "wait for their first", (now - oldest->accepted_ns) / 1000000,
+			 MAX_PENDING - 1);
+		if (!free_slot)
+			free_slot = oldest;
+		close_pending(sv, &sv->room_log, oldest, EMBD_EBUSY, why);
+	}
+	return free_slot;
+}
+
+/* The connections that sent something other than HELLO first (embctl's). */
+static uint32_t control_count(const struct embd_server *sv)
+{
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		n += sv->clients[i].used && sv->clients[i].spoke && sv->clients[i].index < 0;
+	return n;
+}
+
 static void accept_client(struct embd_server *sv)
 {
 	char err[256];
-	struct client *c = NULL;
+	uint64_t now = embd_now_ns();
 	int fd = accept4(sv->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
 
 	if (fd < 0)
 		return;
-	for (uint32_t i = 0; i < MAX_CLIENTS && !c; i++)
-		if (!sv->clients[i].used)
-			c = &sv->clients[i];
 	struct embd_ctl_peer peer;
 	if (embd_ctl_peer_get(fd, &peer, err, sizeof(err))) {
-		embd_log_warning("refused a connection: %s", err);
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING, "refused a connection: %s",
+				 err);
 		close(fd);
 		return;
 	}
 	const struct embd_config *cf = sv->config;
 	if (embd_ctl_peer_check(&peer, cf->allowed_uids, cf->num_allowed_uids, cf->allowed_gids,
 				cf->num_allowed_gids, err, sizeof(err))) {
-		embd_log_warning("refused peer uid %u gid %u pid %d: %s", (unsigned)peer.uid,
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING,
+				 "refused peer uid %u gid %u pid %d: %s", (unsigned)peer.uid,
 				 (unsigned)peer.gid, (int)peer.pid, err);
 		embd_ctl_refuse(fd, EMBD_EACCES, err);
 		return;
 	}
-	if (!c) {
+	struct client *c = take_slot(sv, now);
+	if (!c) {       /* the limits leave a slot for every kind: only a bug gets here */
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_ERROR,
+				 "refused pid %d uid %u: all %u client slots taken", (int)peer.pid,
+				 (unsigned)peer.uid, MAX_CLIENTS);
 		embd_ctl_refuse(fd, EMBD_EBUSY, "too many clients");
 		return;
 	}
@@ -109,10 +216,12 @@ static void accept_client(struct embd_server *sv)
 		embd_log_debug("client pid %d: %s; only a socket hangup will tell when it is gone",
 			       (int)peer.pid, err);
 	*c = (struct client){ .used = true, .sock = fd, .pidfd = pidfd, .peer = peer, .index = -1,
-			      .eventfd = -1 };
+			      .eventfd = -1, .accepted_ns = now };
 	uint32_t slot = slot_of(sv, c);
 	if (slot >= sv->slots_end)
 		sv->slots_end = slot + 1;
+	if (!sv->handshake_due_ns)      /* else an older one is due first */
+		sv->handshake_due_ns = now + handshake_ns(sv);
 	if (embd_evloop_add_fd(sv->loop, fd, TAG(TAG_SOCKET, slot)) ||
 	    (pidfd >= 0 && embd_evloop_add_fd(sv->loop, pidfd, TAG(TAG_PIDFD, slot)))) {
 		embd_log_warning("client pid %d: cannot watch its socket and pidfd", (int)peer.pid);
@@ -251,6 +360,7 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 			.sq_used = sq < 0 ? 0 : (uint32_t)sq, .sq_entries = RING_ENTRIES,
 			.cq_used = cq < 0 ? 0 : (uint32_t)cq, .cq_entries = RING_ENTRIES,
 			.requests = k->requests, .errors = k->errors,
+			.stalling_ms = embd_server_stalling_ms(sv, k),
 		};
 	}
 	for (uint32_t r = 0; r < embd_ranks_count(sv->ranks); r++)
@@ -265,11 +375,25 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 		rc = embd_server_checkpoint_status_add(sv, &text);
 	if (!rc && type == EMBD_CTL_STATUS_REPLY)
 		rc = embd_server_regroup_status_add(sv, &text);
+	if (!rc && type == EMBD_CTL_STATUS_REPLY)
+		rc = embd_server_schedule_status_add(sv, &text);
 	if (!rc && strlen(text) < EMBD_CTL_MSG_MAX - sizeof(struct embd_ctl_header))
 		embd_ctl_send(c->sock, type, text, (uint32_t)strlen(text), NULL, 0, NULL, 0);
 	else
 		embd_ctl_send_error(c->sock, rc ? rc : EMBD_ENOSPC, "stats do not fit", NULL, 0);
 	free(text);
+}
+
+int embd_server_status_replace(char **status, cJSON *root)
+{
+	char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+
+	cJSON_Delete(root);
+	if (!text)
+		return EMBD_ENOMEM;
+	free(*status);
+	*status = text;
+	return 0;
 }
 
 static void socket_event(struct embd_server *sv, struct client *c)
@@ -282,6 +406,16 @@ static void socket_event(struct embd_server *sv, struct client *c)
 		return;
 	if (rc) {
 		embd_server_drop_client(sv, c, rc == EMBD_ECONNRESET ? "hung up" : err);
+		return;
+	}
+	c->spoke = true;
+	if (msg.type != EMBD_CTL_HELLO && c->index < 0 && control_count(sv) > MAX_CONTROL) {
+		snprintf(err, sizeof(err), "too many control connections (%u open)", MAX_CONTROL);
+		embd_log_limited(&sv->refusals_log, EMBD_LOG_WARNING, "refused pid %d uid %u: %s",
+				 (int)c->peer.pid, (unsigned)c->peer.uid, err);
+		embd_ctl_msg_close_fds(&msg);
+		embd_ctl_send_error(c->sock, EMBD_EBUSY, err, NULL, 0);
+		embd_server_drop_client(sv, c, err);
 		return;
 	}
 	switch (msg.type) {
@@ -303,8 +437,8 @@ static void socket_event(struct embd_server *sv, struct client *c)
 	}
 	embd_ctl_msg_close_fds(&msg);
 	if (rc) {
-		embd_log_warning("client pid %d uid %u: %s", (int)c->peer.pid, (unsigned)c->peer.uid,
-				 err);
+		embd_log_limited(&sv->errors_log, EMBD_LOG_WARNING, "client pid %d uid %u: %s",
+				 (int)c->peer.pid, (unsigned)c->peer.uid, err);
 		embd_ctl_send_error(c->sock, rc, err, NULL, 0);
 		embd_server_drop_client(sv, c, err);
 	}
@@ -312,15 +446,24 @@ static void socket_event(struct embd_server *sv, struct client *c)
 
 /* ---- the loop ---------------------------------------------------------------------------- */
 
-/* Advertises NEED_WAKEUP on every ring the loop may sleep on; false when one is not empty. */
-static bool prepare_sleep(struct embd_server *sv)
+/* A client held back until it reads its completions does not say when it did (the rings
+ * have no doorbell in that direction): the loop looks again after this long. */
+#define HELD_SLEEP_MS 1
+
+/* Advertises NEED_WAKEUP on every ring the loop may sleep on; false when one is not empty.
+ * *held: some client waits for room in its completion ring. */
+static bool prepare_sleep(struct embd_server *sv, bool *held)
 {
 	bool empty = true;
 
+	*held = false;
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
-		if (!embd_server_client_ready(sv, c))
+		bool full = false;
+		if (!embd_server_client_ready(sv, c, &full)) {
+			*held |= full;
 			continue;
+		}
 		uint32_t seen;
 		struct embd_ring *sq = embd_region_sq(c->region);
 		if (!embd_ring_sleep_prepare(sq, &seen)) {
@@ -375,6 +518,15 @@ static void handle_events(struct embd_server *sv, int timeout_ms)
 		accept_client(sv);
 }
 
+/* The deadlines the loop keeps: handshakes, and the step's wait for trainers. */
+static void tick(struct embd_server *sv)
+{
+	uint64_t now = embd_now_ns();
+
+	sweep_pending(sv, now);
+	embd_server_schedule_tick(sv, now);
+}
+
 /* While busy-polling, sockets and signals are looked at every this many passes: a pass over
  * the rings costs nanoseconds, a look at the io_uring a system call. */
 #define SPIN_EVENT_PASSES 64
@@ -394,6 +546,7 @@ int embd_server_run(struct embd_server *sv)
 		if (passes % SPIN_EVENT_PASSES == 0) {
 			handle_events(sv, 0);
 			embd_server_regroup_tick(sv);
+			tick(sv);
 		}
 		if (embd_server_poll_rings(sv)) {
 			idle_since = 0;
@@ -404,12 +557,16 @@ int embd_server_run(struct embd_server *sv)
 		if (spin_ns && (passes % SPIN_CLOCK_PASSES ||
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
-		int tick_ms = embd_server_checkpoint_sleep_ms(sv, TICK_MS);
-		if (prepare_sleep(sv))
-			handle_events(sv, embd_server_regroup_sleep_ms(sv, tick_ms));
+		int tick_ms = sessions_sleep_ms(sv, embd_server_schedule_sleep_ms(sv,
+						embd_server_checkpoint_sleep_ms(sv, TICK_MS)));
+		bool held;
+		int sleep_ms = embd_server_regroup_sleep_ms(sv, tick_ms);
+		if (prepare_sleep(sv, &held))
+			handle_events(sv, held && sleep_ms > HELD_SLEEP_MS ? HELD_SLEEP_MS : sleep_ms);
 		finish_sleep(sv);
 		idle_since = 0;
 		embd_server_regroup_tick(sv);
+		tick(sv);
 	}
 	return 0;
 }
@@ -468,10 +625,13 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	rc = make_socket_dir(config->socket_path, err, err_len);
 	if (rc)
 		goto out;
-	rc = embd_ctl_listen(config->socket_path, 128, &sv->listen_fd, err, err_len);
+	rc = embd_ctl_listen(config->socket_path, 128,
+			     embd_config_socket_mode(config, geteuid(), getegid()), &sv->listen_fd,
+			     err, err_len);
 	if (rc)
 		goto out;
-	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 2 * MAX_CLIENTS + 3, err, err_len);
+	/* a trainer's socket, pidfd and doorbell; the listener, the signalfd, the writer */
+	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 3 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
 		goto out;
 	rc = embd_evloop_add_fd(sv->loop, sv->listen_fd, TAG(TAG_LISTEN, 0));

@@ -11,6 +11,30 @@
  * posted BACKWARD s. A participant hanging up aborts step s: nobody's parameters change, the
  * others get EMBD_ECANCELED for step s, and the node moves on to s + 1.
  *
+ * A step waits for a trainer from the first FORWARD it kept (a trainer that posted nothing
+ * yet is not waited for while nobody did), or for a participant's BACKWARD from the end of
+ * the forward, as long as another trainer's request is kept waiting (the first step waiting
+ * for trainers to connect is no stall). Past step_wait_warn_ms it logs those trainers
+ * (index, pid) once and shows them
+ * in STATUS ("stalled") and STATS ("stalling_ms"); past step_wait_abort_ms it gives up: in
+ * backward the step is aborted as when a participant leaves, its kept BACKWARDs (and a late
+ * one of the staller) answered EMBD_ETIMEDOUT naming them; in forward, which never ran, the
+ * FORWARDs kept are answered EMBD_ETIMEDOUT and the schedule stays at step s (post it again).
+ * One FORWARD per trainer and step: a FORWARD of a step whose forward ran, or a second one
+ * while one is pending, is refused at once with EMBD_EINVAL.
+ *
+ * A request is taken from a client's submission ring only while its completion ring has room
+ * for the request's completion besides those the client is owed (ipc/README.md): completions
+ * are never dropped, and a client that does not read them is held back, no one else.
+ *
+ * Connections are pending until their first message, then trainers (HELLO welcomed, up to
+ * trainers_per_node) or control connections (embctl: any other first message, at most 32;
+ * one more is refused with EMBD_EBUSY). At most 32 connections pend at a time: a new one
+ * closes the one pending longest (it is told EMBD_EBUSY), and one that sends nothing within
+ * handshake_timeout_ms is closed (EMBD_ETIMEDOUT), so idle sockets never lock trainers or
+ * embctl out. Each kind has slots of its own. Lines a peer can cause (refusals, closed
+ * connections, refused messages) are rate-limited in the log (common/log.h).
+ *
  * On several nodes the schedule spans the cluster: node n runs the forward of step s when its
  * own trainers are in (or at once when all sat it out), then the step's collectives; backward
  * likewise, even with no participant of its own. An abort goes through the backward's

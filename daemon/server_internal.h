@@ -17,13 +17,21 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <cjson/cJSON.h>
+
+#include "common/log.h"
 #include "ipc/control.h"
 #include "ipc/doorbell.h"
 #include "ipc/protocol.h"
 #include "daemon/server.h"
 #include "daemon/stats.h"
 
-#define MAX_CLIENTS 256u
+/* A connection is pending until its first message, then a trainer (HELLO welcomed) or a
+ * control connection (embctl: anything else). Each kind has its own limit, and the slots hold
+ * all of them at once, so idle connections never take a trainer's or embctl's place. */
+#define MAX_PENDING 32u
+#define MAX_CONTROL 32u
+#define MAX_CLIENTS (EMBD_CONFIG_TRAINERS_MAX + MAX_PENDING + MAX_CONTROL)
 
 enum tag_kind { TAG_LISTEN = 1, TAG_SIGNAL, TAG_SOCKET, TAG_DOORBELL, TAG_CKPT, TAG_PIDFD };
 #define TAG(kind, slot) (((uint64_t)(kind) << 32) | (slot))
@@ -35,6 +43,8 @@ struct client {
 					 * when a child it forked keeps the socket open */
 	struct embd_ctl_peer peer;
 	int32_t index;                  /* trainer index, -1 before HELLO (embctl stays -1) */
+	bool spoke;                     /* sent a message: no longer pending */
+	uint64_t accepted_ns;
 	struct embd_region *region;
 	int eventfd;
 	struct embd_doorbell sq_db, cq_db;
@@ -46,6 +56,8 @@ struct client {
 	uint64_t fwd_popped_ns, bwd_popped_ns;
 	struct embd_kjt kjt;
 	uint64_t sat_out;               /* step + 1 of a refused FORWARD/descriptor: skip it */
+	bool cq_broken;                 /* its completion ring's head is corrupt: dropped at the
+					 * next pass over the rings */
 	uint64_t requests, errors;
 };
 
@@ -68,6 +80,11 @@ struct embd_server {
 	uint32_t slots_end;             /* 1 + the highest slot in use: per-pass loops stop here */
 	bool dirty;                     /* something advance() looks at changed since it last ran */
 	struct embd_stats stats;
+	struct embd_log_limit refusals_log;     /* connections refused at accept */
+	struct embd_log_limit silent_log;       /* pending ones closed at handshake_timeout_ms */
+	struct embd_log_limit room_log;         /* ... or to make room for a newer one */
+	struct embd_log_limit errors_log;       /* messages refused (protocol, HELLO) */
+	uint64_t handshake_due_ns;              /* the oldest pending one's deadline; 0: none */
 	struct embd_layout *layout;
 	uint8_t *msgbuf;
 	/* the step schedule (server_schedule.c) */
@@ -76,7 +93,11 @@ struct embd_server {
 	bool first_step_done;
 	uint64_t step_start_ns;
 	uint64_t canceled_step;         /* step + 1 of the last aborted or dropped step */
-	char canceled_why[EMBD_CQE_MSG_BYTES];  /* what a late BACKWARD of it is told */
+	int canceled_code;              /* what a late BACKWARD of it is told: code and why */
+	char canceled_why[EMBD_CQE_MSG_BYTES];
+	uint64_t wait_since_ns;         /* the phase waits for trainers since (0: nobody is in
+					 * yet): step_wait_warn_ms / step_wait_abort_ms count here */
+	bool wait_warned;
 	struct embd_step_batch *batches;
 	uint32_t batch_slot[MAX_CLIENTS];
 	uint32_t num_batches;
@@ -89,6 +110,9 @@ struct embd_server {
 
 /* Drops client c (its socket, pidfd and region), aborting the step it takes part in. */
 void embd_server_drop_client(struct embd_server *sv, struct client *c, const char *why);
+/* The status JSON text *status becomes root printed (the parts add their objects to it);
+ * root is deleted either way. 0 or EMBD_ENOMEM. */
+int embd_server_status_replace(char **status, cJSON *root);
 
 /* ---- server_schedule.c ---- */
 
@@ -98,8 +122,21 @@ void embd_server_complete(struct embd_server *sv, struct client *c, const struct
 /* Pops what every ready client posted and runs the phases that became due. Returns how many
  * requests were handled. */
 uint32_t embd_server_poll_rings(struct embd_server *sv);
-/* Whether client c may hand in its next request now (else it stays in its ring). */
-bool embd_server_client_ready(const struct embd_server *sv, const struct client *c);
+/* Whether client c may hand in its next request now (else it stays in its ring): the schedule
+ * takes one from it, and its completion ring has room for that request's completion besides
+ * the ones it is owed already (back-pressure: a completion is never dropped). *held (may be
+ * NULL) is set when only the room is missing: the client must read its completions first. */
+bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bool *held);
+/* Every pass that reads the clock: a step that waits for trainers longer than
+ * step_wait_warn_ms names them in the log, longer than step_wait_abort_ms gives up. */
+void embd_server_schedule_tick(struct embd_server *sv, uint64_t now_ns);
+/* How long the loop may sleep (ms): until the next of those limits at most. */
+int embd_server_schedule_sleep_ms(const struct embd_server *sv, int idle_ms);
+/* How long the step has waited for client c, when that is step_wait_warn_ms or more (else 0). */
+uint64_t embd_server_stalling_ms(const struct embd_server *sv, const struct client *c);
+/* Adds the "stalled" object (daemon/stats.h) to the status JSON text *status when the step
+ * waits for trainers past step_wait_warn_ms. */
+int embd_server_schedule_status_add(const struct embd_server *sv, char **status);
 /* Client c leaves: the step it takes part in is aborted (why names it). */
 void embd_server_schedule_leave(struct embd_server *sv, struct client *c, const char *why);
 /* The first step a trainer welcomed now posts. */

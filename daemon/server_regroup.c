@@ -342,11 +342,5 @@ int embd_server_regroup_status_add(const struct embd_server *sv, char **status)
 	cJSON_AddStringToObject(o, "state", names[r->state]);
 	cJSON_AddNumberToObject(o, "applied_step", (double)r->applied);
 	cJSON_AddStringToObject(o, "message", r->state == RG_RUNNING ? "" : r->msg);
-	char *text = cJSON_PrintUnformatted(root);
-	cJSON_Delete(root);
-	if (!text)
-		return EMBD_ENOMEM;
-	free(*status);
-	*status = text;
-	return 0;
+	return embd_server_status_replace(status, root);
 }

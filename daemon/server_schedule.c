@@ -5,10 +5,14 @@
  * backward once every participant is. A request that must wait for a later phase is kept
  * (one per trainer and phase), and the client's ring is not polled until then: it keeps the
  * rest. On a cluster each phase is collective, so it runs even when no trainer of this node
- * takes part, and may hold the thread up to collective_timeout_ms.
+ * takes part, and may hold the thread up to collective_timeout_ms. A phase that waits for
+ * trainers is timed from the first request it kept (or, for the backward, from the forward's
+ * end): past step_wait_warn_ms it names them, past step_wait_abort_ms it gives up.
  */
+#include <cjson/cJSON.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/clock.h"
@@ -24,10 +28,13 @@ void embd_server_complete(struct embd_server *sv, struct client *c, const struct
 	embd_cqe_fill(&cqe, sqe, result, msg);
 	if (result)
 		c->errors++;
-	/* the CQ holds as many entries as the SQ: a client can never have more in flight */
+	/* room was made sure of before the request was taken (embd_server_client_ready): only
+	 * a head the client moved where it cannot be fails here */
 	if (embd_ring_push(embd_region_cq(c->region), &cqe)) {
-		embd_log_warning("client %u (pid %d): completion ring full or corrupt, dropping it",
-				 c->index, (int)c->peer.pid);
+		if (!c->cq_broken)
+			embd_log_warning("trainer %d (pid %d): completion ring corrupt; dropping the "
+					 "client", c->index, (int)c->peer.pid);
+		c->cq_broken = true;
 		return;
 	}
 	embd_doorbell_notify(embd_region_cq(c->region), &c->cq_db);
@@ -45,19 +52,29 @@ uint64_t embd_server_join_step(const struct embd_server *sv)
 	return sv->s + (sv->phase == WAIT_BACKWARD);
 }
 
+/* The phase starts waiting for trainers now (now_ns 0: nobody waits any more). */
+static void wait_from(struct embd_server *sv, uint64_t now_ns)
+{
+	sv->wait_since_ns = now_ns;
+	sv->wait_warned = false;
+}
+
 void embd_server_resume_at(struct embd_server *sv, uint64_t step)
 {
 	sv->s = step;
 	sv->phase = COLLECT;
 	sv->dirty = true;
+	wait_from(sv, 0);
 }
 
 /* Step s ends with no update (aborted, or dropped by re-forming): a BACKWARD of it that comes
- * later is answered EMBD_ECANCELED with why. */
-static void cancel_step(struct embd_server *sv, const char *why)
+ * later is answered code (EMBD_ECANCELED, or EMBD_ETIMEDOUT) with why. */
+static void cancel_step(struct embd_server *sv, int code, const char *why)
 {
 	sv->canceled_step = sv->s + 1;
-	snprintf(sv->canceled_why, sizeof(sv->canceled_why), "%s", why);
+	sv->canceled_code = code;
+	snprintf(sv->canceled_why, sizeof(sv->canceled_why), "%.*s",
+		 (int)sizeof(sv->canceled_why) - 1, why);
 }
 
 static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
@@ -68,6 +85,7 @@ static void next_step(struct embd_server *sv)
 {
 	sv->s++;
 	sv->phase = COLLECT;
+	wait_from(sv, 0);
 	if (embd_server_checkpoint_boundary(sv)) {
 		sv->stop = true;
 		return;
@@ -83,9 +101,11 @@ static void next_step(struct embd_server *sv)
 	}
 }
 
-/* A participant left before backward: the step is dropped here and, through the backward's
- * collective, on every node (collectives may hold this thread up to collective_timeout_ms). */
-static void abort_step(struct embd_server *sv, const char *why)
+/* A participant left, or stalled, before backward: the step is dropped here and, through the
+ * backward's collective, on every node (collectives may hold this thread up to
+ * collective_timeout_ms). The BACKWARDs kept are answered code (EMBD_ECANCELED: it left,
+ * EMBD_ETIMEDOUT: it stalled). */
+static void abort_step(struct embd_server *sv, int code, const char *why)
 {
 	char msg[256];
 
@@ -101,10 +121,10 @@ static void abort_step(struct embd_server *sv, const char *why)
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
 		if (c->used && c->has_bwd)
-			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, EMBD_ECANCELED, msg);
+			embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, code, msg);
 		c->has_bwd = c->participant = false;
 	}
-	cancel_step(sv, "step aborted: a participant hung up");
+	cancel_step(sv, code, msg);
 	next_step(sv);
 }
 
@@ -115,7 +135,7 @@ void embd_server_schedule_leave(struct embd_server *sv, struct client *c, const 
 		snprintf(what, sizeof(what), "trainer %d on node %u %.150s", c->index,
 			 sv->config->node_rank, why);
 		c->participant = false;
-		abort_step(sv, what);
+		abort_step(sv, EMBD_ECANCELED, what);
 	}
 }
 
@@ -127,8 +147,9 @@ void embd_server_drop_step(struct embd_server *sv, const char *why)
 	if (sv->phase == WAIT_BACKWARD) {
 		embd_step_abort(sv->step, why);         /* refused at once: no collective */
 		sv->stats.aborted_steps++;
-		cancel_step(sv, msg);
+		cancel_step(sv, EMBD_ECANCELED, msg);
 	}
+	wait_from(sv, 0);
 	embd_server_checkpoint_step_dropped(sv);
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
@@ -144,20 +165,28 @@ void embd_server_drop_step(struct embd_server *sv, const char *why)
 	sv->phase = COLLECT;
 }
 
-bool embd_server_client_ready(const struct embd_server *sv, const struct client *c)
+bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bool *held)
 {
-	if (!c->used || !c->region)
+	if (!c->used || !c->region || c->cq_broken)
 		return false;
-	if (sv->phase == COLLECT)
-		return !c->has_fwd;
-	return c->participant ? !c->has_bwd : !c->has_fwd;
+	bool takes = sv->phase == COLLECT ? !c->has_fwd :
+		     c->participant ? !c->has_bwd : !c->has_fwd;
+	if (!takes)
+		return false;
+	/* every request gets one completion: now, or later for one kept (has_fwd, has_bwd) */
+	int room = embd_ring_room(embd_region_cq(c->region), 1u + c->has_fwd + c->has_bwd);
+	if (room < 0)
+		c->cq_broken = true;
+	if (held)
+		*held = room == 0;
+	return room == 1;
 }
 
 static void handle_backward(struct embd_server *sv, struct client *c,
 			    const struct embd_sqe *sqe, uint64_t popped_ns)
 {
 	if (sqe->step + 1 == sv->canceled_step && !c->participant)
-		embd_server_complete(sv, c, sqe, popped_ns, EMBD_ECANCELED, sv->canceled_why);
+		embd_server_complete(sv, c, sqe, popped_ns, sv->canceled_code, sv->canceled_why);
 	else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				     "step: this trainer takes no part in that step's backward");
@@ -177,15 +206,28 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 
 	if (embd_server_regroup_gate(sv, c, sqe, popped_ns, early))
 		return;
+	/* one FORWARD per trainer and step: a second one, or one of a step whose forward ran,
+	 * would otherwise wait for a BACKWARD its blocked trainer never sends */
+	if (c->has_fwd) {
+		snprintf(err, sizeof(err), "step %" PRIu64 ": this trainer's FORWARD of step %" PRIu64
+			 " is pending already", sqe->step, c->fwd.step);
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
+		return;
+	}
 	if (early) {
 		c->fwd = *sqe;
 		c->fwd_popped_ns = popped_ns;
 		c->has_fwd = true;
 		return;
 	}
-	if (sqe->step != sv->s) {
-		snprintf(err, sizeof(err), "step: %" PRIu64 ", the service is at step %" PRIu64,
-			 sqe->step, sv->s);
+	if (sqe->step != sv->s || sv->phase == WAIT_BACKWARD) {
+		if (sqe->step != sv->s)
+			snprintf(err, sizeof(err), "step: %" PRIu64 ", the service is at step %" PRIu64,
+				 sqe->step, sv->s);
+		else
+			snprintf(err, sizeof(err), "step %" PRIu64 ": its forward ran %s; post %s",
+				 sv->s, c->participant ? "already" : "without this trainer",
+				 c->participant ? "its BACKWARD" : "FORWARD of the next step");
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL, err);
 		return;
 	}
@@ -201,6 +243,8 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 	c->fwd_popped_ns = popped_ns;
 	c->has_fwd = true;
 	c->sat_out = 0;
+	if (!sv->wait_since_ns)
+		wait_from(sv, embd_now_ns());
 }
 
 static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
@@ -259,6 +303,7 @@ static void run_forward(struct embd_server *sv)
 	 * of its own trainers does (then advance() runs it at once) */
 	if (rc >= 0 && embd_step_cluster_accepted(sv->step)) {
 		sv->phase = WAIT_BACKWARD;
+		wait_from(sv, embd_now_ns());
 		return;
 	}
 	if (rc >= 0)    /* the cluster ran it, with no update anywhere */
@@ -314,7 +359,7 @@ static void run_backward(struct embd_server *sv)
 			if (sv->batches[k].status == EMBD_ECANCELED)
 				why = sv->batches[k].err;
 		sv->stats.aborted_steps++;
-		cancel_step(sv, why);
+		cancel_step(sv, EMBD_ECANCELED, why);
 		embd_log_warning("step %" PRIu64 ": %s", sv->s, why);
 	} else if (rc) {
 		embd_log_error("step %" PRIu64 " backward failed: %s", sv->s, embd_strerror(rc));
@@ -324,6 +369,170 @@ static void run_backward(struct embd_server *sv)
 	embd_stats_step(&sv->stats, &counts, embd_now_ns() - sv->step_start_ns);
 	warn_nonfinite_rows(sv, &counts);
 	next_step(sv);
+}
+
+/* ---- trainers the step waits for ---------------------------------------------------------- */
+
+/* Whether the phase waits for client c: a trainer that neither posted the FORWARD of the step
+ * being collected nor sat it out, or a participant whose BACKWARD is missing. */
+static bool waits_for(const struct embd_server *sv, const struct client *c)
+{
+	if (!c->used || c->index < 0)
+		return false;
+	if (sv->phase == COLLECT)
+		return !c->has_fwd && c->sat_out != sv->s + 1;
+	return c->participant && !c->has_bwd;
+}
+
+/* Requests kept while the phase waits (a FORWARD of this step, or a BACKWARD of it or an
+ * early FORWARD of the next): someone is kept waiting. */
+static uint32_t kept_requests(const struct embd_server *sv)
+{
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		n += sv->clients[i].used && (sv->clients[i].has_fwd || sv->clients[i].has_bwd);
+	return n;
+}
+
+/* How long the phase has kept someone waiting, once that is step_wait_warn_ms (else 0). */
+static uint64_t stalled_ms(const struct embd_server *sv)
+{
+	uint64_t ms = sv->wait_since_ns ? (embd_now_ns() - sv->wait_since_ns) / 1000000 : 0;
+
+	if (!sv->config->step_wait_warn_ms || ms < sv->config->step_wait_warn_ms ||
+	    !kept_requests(sv))
+		return 0;
+	return ms;
+}
+
+static const char *awaited_request(const struct embd_server *sv)
+{
+	return sv->phase == COLLECT ? "FORWARD" : "BACKWARD";
+}
+
+/* "trainer 1 (pid 42)" or "trainers 1 (pid 42), 3 (pid 50)": those the phase waits for, into
+ * out. Returns how many. */
+static uint32_t name_awaited(const struct embd_server *sv, char *out, size_t len)
+{
+	char list[192] = "";
+	size_t at = 0;
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		const struct client *c = &sv->clients[i];
+		if (!waits_for(sv, c))
+			continue;
+		if (at < sizeof(list))
+			at += (size_t)snprintf(list + at, sizeof(list) - at, "%s%d (pid %d)",
+					       n ? ", " : "", c->index, (int)c->peer.pid);
+		n++;
+	}
+	snprintf(out, len, "trainer%s %s", n > 1 ? "s" : "", list);
+	return n;
+}
+
+/* step_wait_abort_ms ran out: the requests kept for the phase are answered EMBD_ETIMEDOUT
+ * naming who. A backward is aborted as when a participant leaves (on every node, moving on
+ * to the next step); a forward that never ran leaves the step where it is, so the trainers
+ * answered may post it again. */
+static void give_up(struct embd_server *sv, const char *who)
+{
+	char why[320], msg[340];
+
+	snprintf(why, sizeof(why), "%s on node %u sent no %s in %u ms", who,
+		 sv->config->node_rank, awaited_request(sv), sv->config->step_wait_abort_ms);
+	sv->stats.step_timeouts++;
+	if (sv->phase == WAIT_BACKWARD) {
+		abort_step(sv, EMBD_ETIMEDOUT, why);
+		return;
+	}
+	embd_log_warning("step %" PRIu64 " forward given up: %s", sv->s, why);
+	snprintf(msg, sizeof(msg), "step aborted: %s", why);
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		if (c->used && c->has_fwd)
+			embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, EMBD_ETIMEDOUT, msg);
+		c->has_fwd = false;
+	}
+	wait_from(sv, 0);
+	sv->dirty = true;
+}
+
+void embd_server_schedule_tick(struct embd_server *sv, uint64_t now_ns)
+{
+	const struct embd_config *cf = sv->config;
+	char who[224];
+
+	if (!sv->wait_since_ns || sv->stop || !embd_server_regroup_running(sv))
+		return;
+	uint64_t ms = (now_ns - sv->wait_since_ns) / 1000000;
+	bool warn = cf->step_wait_warn_ms && !sv->wait_warned && ms >= cf->step_wait_warn_ms;
+	bool abort = cf->step_wait_abort_ms && ms >= cf->step_wait_abort_ms;
+	if (!warn && !abort)
+		return;
+	if (!name_awaited(sv, who, sizeof(who)) || !kept_requests(sv)) {
+		/* nobody is kept waiting by a trainer (the first step waits for trainers to
+		 * connect, or those who posted left): count again from now */
+		wait_from(sv, now_ns);
+		return;
+	}
+	if (warn) {
+		sv->wait_warned = true;
+		embd_log_warning("step %" PRIu64 ": waited %" PRIu64 " ms for the %s of %s", sv->s, ms,
+				 awaited_request(sv), who);
+	}
+	if (abort)
+		give_up(sv, who);
+}
+
+int embd_server_schedule_sleep_ms(const struct embd_server *sv, int idle_ms)
+{
+	const struct embd_config *cf = sv->config;
+	uint32_t next_ms = !sv->wait_warned && cf->step_wait_warn_ms ? cf->step_wait_warn_ms :
+			   cf->step_wait_abort_ms;
+
+	if (!sv->wait_since_ns || !next_ms || sv->stop || !embd_server_regroup_running(sv))
+		return idle_ms;
+	uint64_t due = sv->wait_since_ns + (uint64_t)next_ms * 1000000, now = embd_now_ns();
+	if (due <= now)
+		return 0;
+	uint64_t left_ms = (due - now) / 1000000 + 1;
+	return left_ms < (uint64_t)idle_ms ? (int)left_ms : idle_ms;
+}
+
+uint64_t embd_server_stalling_ms(const struct embd_server *sv, const struct client *c)
+{
+	return waits_for(sv, c) ? stalled_ms(sv) : 0;
+}
+
+int embd_server_schedule_status_add(const struct embd_server *sv, char **status)
+{
+	cJSON *root, *o, *arr;
+	uint64_t ms = stalled_ms(sv);
+
+	if (!ms)
+		return 0;
+	root = cJSON_Parse(*status);
+	if (!root || !(o = cJSON_AddObjectToObject(root, "stalled")) ||
+	    !(arr = cJSON_CreateArray())) {
+		cJSON_Delete(root);
+		return EMBD_ENOMEM;
+	}
+	cJSON_AddNumberToObject(o, "step", (double)sv->s);
+	cJSON_AddStringToObject(o, "waiting_for", awaited_request(sv));
+	cJSON_AddNumberToObject(o, "waited_ms", (double)ms);
+	cJSON_AddItemToObject(o, "trainers", arr);
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		const struct client *c = &sv->clients[i];
+		cJSON *t;
+		if (!waits_for(sv, c) || !(t = cJSON_CreateObject()))
+			continue;
+		cJSON_AddNumberToObject(t, "index", c->index);
+		cJSON_AddNumberToObject(t, "pid", c->peer.pid);
+		cJSON_AddItemToArray(arr, t);
+	}
+	return embd_server_status_replace(status, root);
 }
 
 /* Runs the phase everyone is in for, if any (only when something changed since last time). */
@@ -365,7 +574,11 @@ uint32_t embd_server_poll_rings(struct embd_server *sv)
 
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
-		while (embd_server_client_ready(sv, c)) {
+		if (c->used && c->cq_broken) {
+			embd_server_drop_client(sv, c, "corrupt completion ring");
+			continue;
+		}
+		while (embd_server_client_ready(sv, c, NULL)) {
 			struct embd_sqe sqe;
 			int rc = embd_ring_pop(embd_region_sq(c->region), &sqe);
 			if (rc == EMBD_EAGAIN)

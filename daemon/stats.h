@@ -6,14 +6,15 @@
  * STATS JSON (one object; times in microseconds, rates per second over the uptime):
  *   { "uptime_s": 12.5,
  *     "steps": 100,                 steps whose backward completed
- *     "aborted_steps": 1,           steps aborted (a participant hung up mid-step, or a
- *                                   gradient was not finite: below)
+ *     "aborted_steps": 1,           steps aborted (a participant hung up or stalled
+ *                                   mid-step, or a gradient was not finite: below)
  *     "nonfinite_grads": 0,         this node's trainers' backwards refused because their
  *                                   gradient held a NaN or infinity (the step aborted for
  *                                   every trainer and node, engine/step.h)
  *     "nonfinite_rows": 0,          row updates that left a row NaN or infinite (weights or
  *                                   optimizer state; a huge but finite gradient is applied
  *                                   and can do that: clipping is the trainer's job)
+ *     "step_timeouts": 0,           phases given up at step_wait_abort_ms (daemon/config.h)
  *     "lookups": 123, "lookups_per_s": 9.8,   row reads by all ranks
  *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
  *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
@@ -21,7 +22,9 @@
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
  *     "ranks": [ { "rank": 0, "numa_node": 0, "memory_bytes": 1048576 } ],
  *     "clients": [ { "index": 0, "pid": 42, "uid": 1000, "sq_used": 0, "sq_entries": 64,
- *                    "cq_used": 1, "cq_entries": 64, "requests": 200, "errors": 0 } ] }
+ *                    "cq_used": 1, "cq_entries": 64, "requests": 200, "errors": 0,
+ *                    "stalling_ms": 0 } ] }    how long the step has waited for this trainer,
+ *                                   once that is step_wait_warn_ms or more (else 0)
  * The percentiles cover the last EMBD_STATS_WINDOW samples (0 before the first).
  *
  * STATUS JSON: { "version": "0.1.0", "uptime_s", "step": next step to run, "plan_hash": "16
@@ -31,7 +34,9 @@
  * and "checkpoint" (ckpt/ckpt_service.h); on a cluster also "cluster": { "generation": the
  * comm's (dist/regroup.h), "state": "running" | "forming" | "lost" | "detached",
  * "applied_step": the step the parameters are at, "message": why steps are refused ("" when
- * running) }.
+ * running) }; while the step has waited step_wait_warn_ms or more for trainers, also
+ * "stalled": { "step", "waiting_for": "FORWARD" | "BACKWARD", "waited_ms",
+ * "trainers": [ { "index", "pid" } ] }.
  */
 #ifndef EMBD_DAEMON_STATS_H
 #define EMBD_DAEMON_STATS_H
@@ -46,7 +51,7 @@
 
 struct embd_stats {
 	uint64_t start_ns;              /* CLOCK_MONOTONIC at creation */
-	uint64_t steps, aborted_steps;
+	uint64_t steps, aborted_steps, step_timeouts;
 	uint64_t nonfinite_grads, nonfinite_rows;
 	uint64_t lookups, ids, bytes_in, bytes_out;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
@@ -65,6 +70,7 @@ struct embd_stats_client {
 	uint32_t uid;
 	uint32_t sq_used, sq_entries, cq_used, cq_entries;
 	uint64_t requests, errors;
+	uint64_t stalling_ms;
 };
 
 

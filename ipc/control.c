@@ -56,13 +56,17 @@ int embd_ctl_connect(const char *path, int *fd_out, char *err, size_t err_len)
 			return embd_fail(err, err_len, EMBD_ENOENT, "connect %s: no such socket", path);
 		if (e == ECONNREFUSED)
 			return embd_fail(err, err_len, EMBD_ECONNRESET, "connect %s: nobody listens", path);
+		if (e == EACCES || e == EPERM)
+			return embd_fail(err, err_len, EMBD_EACCES, "connect %s: the socket's mode or its "
+					 "directory's does not let uid %u in", path, (unsigned)geteuid());
 		return embd_fail(err, err_len, EMBD_EIO, "connect %s: %s", path, strerror(e));
 	}
 	*fd_out = fd;
 	return 0;
 }
 
-int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_t err_len)
+int embd_ctl_listen(const char *path, int backlog, mode_t mode, int *fd_out, char *err,
+		    size_t err_len)
 {
 	struct sockaddr_un addr;
 	struct stat st;
@@ -97,8 +101,8 @@ int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_
 		rc = embd_fail(err, err_len, EMBD_EIO, "bind %s: %s", tmp.sun_path, strerror(errno));
 		goto out;
 	}
-	/* access is decided by SO_PEERCRED; the mode only keeps strangers from connecting */
-	if (chmod(tmp.sun_path, 0660) != 0 || listen(fd, backlog) != 0) {
+	/* set before the socket has its name: nobody connects under another mode meanwhile */
+	if (chmod(tmp.sun_path, mode) != 0 || listen(fd, backlog) != 0) {
 		rc = embd_fail(err, err_len, EMBD_EIO, "listen %s: %s", path, strerror(errno));
 		unlink(tmp.sun_path);
 		goto out;

@@ -131,12 +131,16 @@ struct embd_ctl_peer {
 /* ---- sockets ---------------------------------------------------------------------------- */
 
 /*
- * Binds and listens on `path` (SOCK_SEQPACKET, close-on-exec, mode 0660). A stale socket file
- * that nobody listens on is replaced; a live one gives EMBD_EBUSY.
+ * Binds and listens on `path` (SOCK_SEQPACKET, close-on-exec, with file mode `mode`, set
+ * before the path appears). A stale socket file that nobody listens on is replaced; a live
+ * one gives EMBD_EBUSY. Who may connect is decided by SO_PEERCRED (embd_ctl_peer_check): the
+ * mode only has to let those peers reach the socket.
  */
-int embd_ctl_listen(const char *path, int backlog, int *fd_out, char *err, size_t err_len);
+int embd_ctl_listen(const char *path, int backlog, mode_t mode, int *fd_out, char *err,
+		    size_t err_len);
 
-/* Connects to `path`. Returns 0, EMBD_ENOENT (no socket), EMBD_ECONNRESET (refused), EMBD_EIO. */
+/* Connects to `path`. Returns 0, EMBD_ENOENT (no socket), EMBD_ECONNRESET (refused),
+ * EMBD_EACCES (the socket's mode or a directory's keeps this uid out), EMBD_EIO. */
 int embd_ctl_connect(const char *path, int *fd_out, char *err, size_t err_len);
 
 /* Reads the peer's pid/uid/gid/groups. Returns 0 or EMBD_EIO. */

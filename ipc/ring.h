@@ -187,6 +187,23 @@ static inline int embd_ring_push(struct embd_ring *r, const void *entry)
 }
 
 /*
+ * Producer: whether `want` (at most size) more entries fit now: 1 or 0, or EMBD_EPROTO for a
+ * corrupt head. Like embd_ring_push it reads the consumer's head only when the last copy says
+ * they do not, so a producer that must never push into a full ring (a completion that cannot
+ * be dropped) can ask before it takes on the work whose results it will push.
+ */
+static inline int embd_ring_room(struct embd_ring *r, uint32_t want)
+{
+	if (r->local - r->peer_head + want <= r->size)
+		return 1;
+	int64_t in_flight = embd_ring_count(r);
+	if (in_flight < 0)
+		return (int)in_flight;
+	r->peer_head = r->local - (uint32_t)in_flight;
+	return (uint32_t)in_flight + want <= r->size;
+}
+
+/*
  * Consumer: copies the oldest entry into private memory at `entry_out` and frees its slot.
  * The copy is the only read of the slot, so the producer changing it later cannot change
  * what the caller validates. Returns 0, EMBD_EAGAIN when empty, or EMBD_EPROTO for a

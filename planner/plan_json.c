@@ -259,14 +259,14 @@ static int parse_root(const cJSON *root, struct embd_plan *plan, char *err, size
 int embd_plan_parse_json(const char *text, size_t len, struct embd_plan **out, char *err,
 			 size_t err_len)
 {
-	const char *end = NULL;
 	struct embd_plan *plan = NULL;
-	cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+	cJSON *root;
 	int rc;
 
 	*out = NULL;
-	if (!root)
-		return planner_syntax_err(err, err_len, "plan", text, len, end);
+	rc = embd_plan_json_parse(text, len, "plan", &root, err, err_len);
+	if (rc)
+		return rc;
 	plan = calloc(1, sizeof(*plan));
 	rc = plan ? parse_root(root, plan, err, err_len) : EMBD_ENOMEM;
 	cJSON_Delete(root);

@@ -9,6 +9,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,6 +165,53 @@ static int parse_constraints(const struct ctx *x, const cJSON *obj, uint32_t fea
 	return 0;
 }
 
+/* One optimizer hyperparameter's range, open or closed at each end. The kernels compute in
+ * fp32, so the value is checked again as they will see it: 0.999999999 is 1 in fp32. */
+struct hyper {
+	const char *name;
+	size_t offset;                  /* its float in struct embd_optimizer_spec */
+	double lo, hi;
+	bool lo_open, hi_open;
+};
+
+#define HYPER(f) #f, offsetof(struct embd_optimizer_spec, f)
+
+/* lr 0 trains nothing; eps 0 divides adagrad's and adam's step by sqrt(0); a beta of 1 never
+ * forgets (adam's bias correction 1 - beta^t is then 0: NaN after one step); a negative
+ * weight decay grows every row it touches. */
+static const struct hyper hypers[] = {
+	{ HYPER(lr), 0, 1e6, true, false },
+	{ HYPER(eps), 0, 1e6, true, false },
+	{ HYPER(beta1), 0, 1, false, true },
+	{ HYPER(beta2), 0, 1, false, true },
+	{ HYPER(weight_decay), 0, 1e6, false, false },
+};
+
+static bool in_range(const struct hyper *h, double v)
+{
+	return (h->lo_open ? v > h->lo : v >= h->lo) && (h->hi_open ? v < h->hi : v <= h->hi);
+}
+
+static int get_hyper(const struct ctx *x, const struct hyper *h, const cJSON *item,
+		     struct embd_optimizer_spec *o)
+{
+	char range[64];
+
+	snprintf(range, sizeof(range), "%c%g, %g%c", h->lo_open ? '(' : '[', h->lo, h->hi,
+		 h->hi_open ? ')' : ']');
+	if (!cJSON_IsNumber(item))
+		return fail(x, "'optimizer.%s' must be a number", h->name);
+	double v = item->valuedouble;
+	float f = (float)v;
+	if (!in_range(h, v))
+		return fail(x, "'optimizer.%s' = %.17g is outside %s", h->name, v, range);
+	if (!in_range(h, f))
+		return fail(x, "'optimizer.%s' = %.17g is %.9g in fp32, outside %s", h->name, v,
+			    (double)f, range);
+	memcpy((char *)o + h->offset, &f, sizeof(f));
+	return 0;
+}
+
 static int parse_optimizer(const struct ctx *x, const cJSON *obj, struct embd_optimizer_spec *o)
 {
 	static const char *const names[] = { "sgd", "adagrad", "rowwise_adagrad", "adam" };
@@ -182,21 +230,17 @@ static int parse_optimizer(const struct ctx *x, const cJSON *obj, struct embd_op
 	o->type = (enum embd_optimizer_type)t;
 	const cJSON *item;
 	cJSON_ArrayForEach(item, obj) {
-		const char *k = item->string;
-		float *dst = !strcmp(k, "lr") ? &o->lr : !strcmp(k, "eps") ? &o->eps :
-			     !strcmp(k, "beta1") ? &o->beta1 : !strcmp(k, "beta2") ? &o->beta2 :
-			     !strcmp(k, "weight_decay") ? &o->weight_decay : NULL;
-		if (!strcmp(k, "type"))
+		const struct hyper *h = NULL;
+		if (!strcmp(item->string, "type"))
 			continue;
-		if (!dst)
-			return fail(x, "unknown optimizer field '%s'", k);
-		char field[48];
-		snprintf(field, sizeof(field), "optimizer.%s", k);
-		double v;
-		int rc = get_number(x, item, field, 0, 1e6, false, &v);
+		for (size_t i = 0; i < sizeof(hypers) / sizeof(hypers[0]); i++)
+			if (!strcmp(item->string, hypers[i].name))
+				h = &hypers[i];
+		if (!h)
+			return fail(x, "unknown optimizer field '%s'", item->string);
+		int rc = get_hyper(x, h, item, o);
 		if (rc)
 			return rc;
-		*dst = (float)v;
 	}
 	return 0;
 }
@@ -277,6 +321,54 @@ static int compare_names(const void *a, const void *b)
 		      (*(const struct embd_table_spec *const *)b)->name);
 }
 
+struct feature_ref {
+	const char *name;
+	uint32_t table;
+};
+
+static int compare_features(const void *a, const void *b)
+{
+	const struct feature_ref *x = a, *y = b;
+	int c = strcmp(x->name, y->name);
+
+	return c ? c : (x->table > y->table) - (x->table < y->table);
+}
+
+/* A feature is looked up in one table: a batch's column of that name has one table to go to,
+ * and the layout a trainer gets at WELCOME names each feature once. */
+static int check_features(const struct embd_tables *t, char *err, size_t err_len)
+{
+	uint32_t n = 0;
+	int rc = 0;
+
+	for (uint32_t i = 0; i < t->count; i++)
+		n += t->specs[i].num_features;
+	struct feature_ref *f = calloc(n, sizeof(*f));
+	if (!f)
+		return EMBD_ENOMEM;
+	n = 0;
+	for (uint32_t i = 0; i < t->count; i++)
+		for (uint32_t k = 0; k < t->specs[i].num_features; k++)
+			f[n++] = (struct feature_ref){ t->specs[i].feature_names[k], i };
+	qsort(f, n, sizeof(*f), compare_features);
+	for (uint32_t k = 1; k < n && !rc; k++) {
+		uint32_t a = f[k - 1].table, b = f[k].table;
+		if (strcmp(f[k - 1].name, f[k].name))
+			continue;
+		if (a == b)
+			rc = embd_fail(err, err_len, EMBD_EPARSE,
+				       "table %u ('%s'): feature '%s' is listed twice", a,
+				       t->specs[a].name, f[k].name);
+		else
+			rc = embd_fail(err, err_len, EMBD_EPARSE,
+				       "feature '%s' is in table %u ('%s') and table %u ('%s'): a "
+				       "feature looks up one table", f[k].name, a, t->specs[a].name,
+				       b, t->specs[b].name);
+	}
+	free(f);
+	return rc;
+}
+
 int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out, char *err,
 			   size_t err_len)
 {
@@ -314,7 +406,9 @@ int embd_plan_tables_parse(const struct cJSON *array, struct embd_tables *out, c
 					 sorted[i - 1] - t.specs, sorted[i] - t.specs, sorted[i]->name);
 			goto out;
 		}
-	*out = t;
+	rc = check_features(&t, err, err_len);
+	if (!rc)
+		*out = t;
 out:
 	free(sorted);
 	if (rc)
@@ -325,13 +419,33 @@ out:
 int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables *out,
 				char *err, size_t err_len)
 {
-	const char *end = NULL;
-	cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-	if (!root) {
+	cJSON *root;
+	int rc = embd_plan_json_parse(text, len, "tables", &root, err, err_len);
+	if (rc) {
 		*out = (struct embd_tables){ 0 };
-		return planner_syntax_err(err, err_len, "tables", text, len, end);
+		return rc;
 	}
-	int rc = embd_plan_tables_parse(root, out, err, err_len);
+	/* {"tables": [...]}: the form other tools write and the service config's key; any other
+	 * key (a whole config's topology, say) would be silently dropped, so it is refused */
+	const cJSON *array = root;
+	if (cJSON_IsObject(root)) {
+		array = NULL;
+		for (const cJSON *k = root->child; k && !rc; k = k->next) {
+			if (strcmp(k->string, "tables"))
+				rc = embd_fail(err, err_len, EMBD_EPARSE, "tables: an object must hold "
+					       "only the key \"tables\", not '%s'", k->string);
+			else if (array)
+				rc = embd_fail(err, err_len, EMBD_EPARSE, "tables: \"tables\" given twice");
+			array = k;
+		}
+		if (!rc && !array)
+			rc = embd_fail(err, err_len, EMBD_EPARSE, "tables: the object has no key "
+				       "\"tables\"");
+	}
+	if (rc)
+		*out = (struct embd_tables){ 0 };
+	else
+		rc = embd_plan_tables_parse(array, out, err, err_len);
 	cJSON_Delete(root);
 	return rc;
 }

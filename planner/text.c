@@ -1,9 +1,11 @@
 /*
  * Small text helpers of the planner: a growable string (the JSON writer and the stats table
- * build their output with it), JSON string escaping, FNV-1a 64 (plan and tables hashes) and
- * error messages with the position of a JSON syntax error.
+ * build their output with it), JSON string escaping, FNV-1a 64 (plan and tables hashes), and
+ * the strict JSON parse every file the planner, the daemon and embctl read goes through, with
+ * its errors naming the position.
  */
 #include "planner/planner_internal.h"
+#include "planner/plan_json.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -83,4 +85,28 @@ void planner_prefix_err(char *err, size_t err_len, const char *prefix)
 		return;
 	snprintf(inner, sizeof(inner), "%s", err);
 	snprintf(err, err_len, "%s: %s", prefix, inner);
+}
+
+int embd_plan_json_parse(const char *text, size_t len, const char *what, cJSON **root,
+			 char *err, size_t err_len)
+{
+	const char *end = NULL;
+
+	*root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
+	if (!*root)
+		return planner_syntax_err(err, err_len, what, text, len, end);
+	/* cJSON stops after the value; "require null terminated" would want a NUL inside len */
+	size_t at = (size_t)(end - text);
+	while (at < len && (text[at] == ' ' || text[at] == '\t' || text[at] == '\n' ||
+			    text[at] == '\r'))
+		at++;
+	if (at == len)
+		return 0;
+	cJSON_Delete(*root);
+	*root = NULL;
+	unsigned line = 1;
+	for (size_t i = 0; i < at; i++)
+		line += text[i] == '\n';
+	return embd_fail(err, err_len, EMBD_EPARSE,
+			 "%s: text after the JSON value at line %u, byte %zu", what, line, at);
 }

@@ -284,14 +284,12 @@ int embd_plan_topology_load(const char *path, struct embd_topology *topo, char *
 {
 	char *text = NULL;
 	size_t len = 0;
-	const char *end = NULL;
+	cJSON *root = NULL;
 	int rc = embd_read_file(path, &text, &len, err, err_len);
 	if (rc)
 		return rc;
-	cJSON *root = cJSON_ParseWithLengthOpts(text, len, &end, 0);
-	if (!root)
-		rc = planner_syntax_err(err, err_len, path, text, len, end);
-	else
+	rc = embd_plan_json_parse(text, len, path, &root, err, err_len);
+	if (!rc)
 		rc = embd_plan_topology_parse(root, topo, err, err_len);
 	if (rc && root)
 		planner_prefix_err(err, err_len, path);

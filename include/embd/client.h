@@ -125,7 +125,8 @@ EMBD_CLIENT_API int embd_batch_get(struct embd_client *client, uint32_t slot,
 
 /*
  * Posts one request (async). Returns 0, EMBD_EINVAL (slot, op, num_values over max_values),
- * EMBD_ENOSPC (submission ring full: wait for completions first), EMBD_EPROTO or EMBD_EIO.
+ * EMBD_ENOSPC (submission ring full: wait for completions first; the service takes requests
+ * only while the completion ring has room for theirs), EMBD_EPROTO or EMBD_EIO.
  */
 EMBD_CLIENT_API int embd_submit(struct embd_client *client, const struct embd_request *req);
 

@@ -11,7 +11,9 @@
  * no floating-point contraction), which collective_plan relies on.
  *
  * Everything returns 0 or a negative EMBD_E* code and writes a message naming the field, table
- * or rank into err[err_len] (err may be NULL).
+ * or rank into err[err_len] (err may be NULL). Every JSON file read here (tables, topology,
+ * plan) holds exactly one JSON value: text after it other than whitespace is EMBD_EPARSE,
+ * naming its line and byte.
  */
 #ifndef EMBD_PLAN_H
 #define EMBD_PLAN_H
@@ -141,10 +143,16 @@ struct embd_tables {
  *     "constraints": { "sharding_types": ["table_wise", ...], "compute_kernels": ["fused"],
  *                      "min_partition": 64, "pooling_factors": [20.0], "num_poolings": [1],
  *                      "batch_sizes": [512], "is_weighted": false } }
+ * The optimizer's ranges: lr in (0, 1e6], eps in (0, 1e6], beta1 and beta2 in [0, 1),
+ * weight_decay in [0, 1e6], each also as the fp32 value the kernels use (0.999999999 is 1);
+ * eps, beta1 and beta2 default to 1e-8, 0.9, 0.999 and are read whatever the type.
  * pooling defaults to sum, data_type to fp32, optimizer to sgd lr 0.01, feature_names to
- * [name]. Names are unique. Errors name the table (index and name) and the field.
- * embd_plan_tables_parse_text parses text (errors add the line and byte offset); _load reads
- * a file. On success *out owns its arrays: release them with embd_plan_tables_free.
+ * [name]. Table names are unique, and so are feature names across all tables (a feature
+ * looks up one table; one listed twice is refused naming both tables). Errors name the table
+ * (index and name) and the field.
+ * embd_plan_tables_parse_text parses text (errors add the line and byte offset): the array,
+ * or an object whose only key is "tables" holding it; _load reads a file the same way.
+ * On success *out owns its arrays: release them with embd_plan_tables_free.
  */
 int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables *out,
 				char *err, size_t err_len);

@@ -2,12 +2,14 @@
  * tests/integration/service_fixture.h - one embd (tests/support/embd_process.h) on a private
  * socket for the single-node integration suites. The Criterion suite fixture (start_service /
  * stop_service) runs the embedded default config before each test and stops it with SIGTERM
- * after, so no test leaves a service running; service_spawn and service_stop_within let a test
- * choose the config, keep the service's log and require that SIGTERM alone stops it in time.
+ * after, so no test leaves a service running; service_spawn (a config file),
+ * service_spawn_keys (a few keys) and service_stop_within let a test choose the config, keep
+ * the service's log and require that SIGTERM alone stops it in time.
  */
 #ifndef EMBD_TESTS_SERVICE_FIXTURE_H
 #define EMBD_TESTS_SERVICE_FIXTURE_H
 
+#include <criterion/criterion.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -33,6 +35,21 @@ static inline void service_spawn(const char *config_path, const char *log_level)
 	snprintf(service.log, sizeof(service.log), "/tmp/embd-test-%d.log", (int)getpid());
 	tu_embd_start(&service, &o);
 	tu_embd_await_socket(&service, 5000, "embd");
+}
+
+/* service_spawn with a config of the given keys (a JSON object's members without the
+ * braces; the rest take their defaults), written to a file removed once embd is up. */
+static inline void service_spawn_keys(const char *keys, const char *log_level)
+{
+	char path[128];
+
+	snprintf(path, sizeof(path), "/tmp/embd-test-%d.json", (int)getpid());
+	FILE *f = fopen(path, "w");
+	cr_assert_not_null(f, "cannot write %s", path);
+	fprintf(f, "{ %s }\n", keys);
+	fclose(f);
+	service_spawn(path, log_level);
+	unlink(path);
 }
 
 /*

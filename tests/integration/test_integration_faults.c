@@ -1,15 +1,23 @@
 /*
  * Integration: a malformed batch is refused with an error naming the field while the other
- * trainer's step runs, and a peer whose uid is not allowed is refused. Each test starts the
- * real embd (EMBD_BINARY) on a private socket: the embedded default config, or one that
- * allows another uid than this process's.
+ * trainer's step runs, and peers are let in by what the config allows: a uid that is not
+ * allowed is refused (EMBD_EACCES, rate-limited log lines), one that is allowed reaches the
+ * socket whatever its groups. Each test starts the real embd (EMBD_BINARY) on a private
+ * socket: the embedded default config, or one naming other uids; the tests that connect as
+ * another uid fork a child that becomes it (they need root).
  */
 #include <criterion/criterion.h>
+#include <grp.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/log.h"
 #include "embd/client.h"
+#include "ipc/control.h"
 #include "tests/integration/service_fixture.h"
+#include "tests/support/children.h"
 #include "libclient/client_internal.h"
 
 TestSuite(integration, .init = start_service, .fini = stop_service, .timeout = 60);
@@ -78,19 +86,47 @@ Test(integration, malformed_batch_is_named_and_others_run)
  */
 TestSuite(refusal, .fini = stop_service, .timeout = 60);
 
+struct outcome {
+	int rc;
+	char err[256];
+};
+
+/* embd_connect as a trainer from a child that became uid (and gid) `uid`, with no
+ * supplementary groups: what it got. */
+static struct outcome connect_as(uid_t uid)
+{
+	struct outcome o = { .rc = 1, .err = "the child said nothing" };
+	int p[2];
+
+	cr_assert_eq(pipe(p), 0);
+	pid_t child = tu_fork_child();
+	if (child == 0) {
+		struct embd_client *c = NULL;
+		close(p[0]);
+		if (setgroups(0, NULL) || setgid(uid) || setuid(uid))
+			o = (struct outcome){ .rc = 1, .err = "setuid failed" };
+		else
+			o.rc = embd_connect(service.socket, EMBD_CLIENT_ANY_INDEX, 5000, &c, o.err,
+					    sizeof(o.err));
+		embd_close(c);
+		_exit(write(p[1], &o, sizeof(o)) == (ssize_t)sizeof(o) ? 0 : 1);
+	}
+	close(p[1]);
+	if (read(p[0], &o, sizeof(o)) != (ssize_t)sizeof(o))
+		o.rc = 1;
+	close(p[0]);
+	waitpid(child, NULL, 0);
+	return o;
+}
+
 Test(refusal, unauthorised_uid_is_refused)
 {
-	char path[128], err[256], logged[96];
+	char err[256], logged[96];
 	struct embd_client *c = NULL;
 	uid_t me = getuid(), other = me == 0 ? 65534 : 0;
 
-	snprintf(path, sizeof(path), "/tmp/embd-uid-%d.json", (int)getpid());
-	FILE *f = fopen(path, "w");
-	cr_assert_not_null(f, "cannot write %s", path);
-	fprintf(f, "{ \"allowed_uids\": [%u] }\n", (unsigned)other);
-	fclose(f);
-	service_spawn(path, "warning");
-	unlink(path);
+	snprintf(logged, sizeof(logged), "\"allowed_uids\": [%u]", (unsigned)other);
+	service_spawn_keys(logged, "warning");
 	int rc = embd_connect(service.socket, EMBD_CLIENT_ANY_INDEX, 5000, &c, err, sizeof(err));
 	cr_assert_eq(rc, EMBD_EACCES, "connect as uid %u with allowed_uids [%u]: expected "
 		     "EMBD_EACCES (%d), got %d (%s)", (unsigned)me, (unsigned)other, EMBD_EACCES, rc,
@@ -102,4 +138,75 @@ Test(refusal, unauthorised_uid_is_refused)
 	snprintf(logged, sizeof(logged), "refused peer uid %u", (unsigned)me);
 	cr_expect(tu_embd_log_has(&service, logged), "the service's log (%s) should say '%s'",
 		  service.log, logged);
+}
+
+/* allowed_uids names a uid outside the service's group: the socket's mode lets it reach the
+ * socket (SO_PEERCRED admits it), and a uid not named is refused by the check itself. */
+Test(refusal, allowed_uid_outside_the_group_connects)
+{
+	struct stat st;
+	char keys[96];
+
+	if (geteuid() != 0)
+		cr_skip_test("connecting as another uid needs root");
+	snprintf(keys, sizeof(keys), "\"allowed_uids\": [%u, 1001]", (unsigned)getuid());
+	service_spawn_keys(keys, "warning");
+	cr_assert_eq(stat(service.socket, &st), 0);
+	cr_expect_eq(st.st_mode & 0777, 0666, "socket mode with uid 1001 allowed: expected 0666, "
+		     "got 0%o", st.st_mode & 0777);
+	struct outcome o = connect_as(1001);
+	cr_expect_eq(o.rc, 0, "uid 1001 (allowed, not in the service's group): expected 0, got %d "
+		     "(%s)", o.rc, o.err);
+	o = connect_as(1002);
+	cr_expect_eq(o.rc, EMBD_EACCES, "uid 1002 (not allowed): expected EMBD_EACCES (%d), got %d "
+		     "(%s)", EMBD_EACCES, o.rc, o.err);
+	cr_expect(strstr(o.err, "uid 1002") != NULL, "the refusal should name uid 1002: %s", o.err);
+}
+
+/* Only the service's own uid is allowed: the socket is 0600, and a client the mode keeps out
+ * is told EMBD_EACCES (not an I/O error). */
+Test(refusal, uid_kept_out_by_the_mode_gets_eacces)
+{
+	struct stat st;
+
+	if (geteuid() != 0)
+		cr_skip_test("connecting as another uid needs root");
+	service_spawn(NULL, "warning");
+	cr_assert_eq(stat(service.socket, &st), 0);
+	cr_expect_eq(st.st_mode & 0777, 0600, "socket mode for the owner alone: expected 0600, got "
+		     "0%o", st.st_mode & 0777);
+	struct outcome o = connect_as(1001);
+	cr_expect_eq(o.rc, EMBD_EACCES, "uid 1001 kept out by the mode: expected EMBD_EACCES (%d), "
+		     "got %d (%s)", EMBD_EACCES, o.rc, o.err);
+}
+
+/* A peer refused in a loop makes EMBD_LOG_LIMIT_BURST log lines, not one per connection. */
+Test(refusal, refusals_are_rate_limited_in_the_log)
+{
+	char keys[64], line[1024], logged[64];
+	uint8_t buf[4096];
+	struct embd_ctl_msg msg;
+	int refused = 0;
+
+	snprintf(keys, sizeof(keys), "\"allowed_uids\": [%u]", getuid() == 0 ? 65534u : 0u);
+	service_spawn_keys(keys, "warning");
+	for (int i = 0; i < 2000; i++) {
+		int sock, rc = embd_ctl_connect(service.socket, &sock, NULL, 0);
+		cr_assert_eq(rc, 0, "connect %d: %d", i, rc);
+		/* the ERROR comes at accept: the service has logged (or not) this refusal */
+		if (embd_ctl_recv(sock, buf, sizeof(buf), 5000, &msg, NULL, 0) == 0 &&
+		    msg.type == EMBD_CTL_ERROR)
+			refused++;
+		close(sock);
+	}
+	cr_expect_eq(refused, 2000, "expected every connection refused, %d were", refused);
+	snprintf(logged, sizeof(logged), "refused peer uid %u", (unsigned)getuid());
+	FILE *f = fopen(service.log, "r");
+	cr_assert_not_null(f, "cannot read %s", service.log);
+	int lines = 0;
+	while (fgets(line, sizeof(line), f))
+		lines += strstr(line, logged) != NULL;
+	fclose(f);
+	cr_expect(lines >= 1 && lines <= (int)EMBD_LOG_LIMIT_BURST, "2000 refusals: expected 1 to %u "
+		  "log lines, got %d", EMBD_LOG_LIMIT_BURST, lines);
 }

@@ -87,8 +87,8 @@ static void print_human(const cJSON *s)
 {
 	const cJSON *it;
 
-	printf("uptime %.1f s  steps %.0f (aborted %.0f)\n", num(s, "uptime_s"), num(s, "steps"),
-	       num(s, "aborted_steps"));
+	printf("uptime %.1f s  steps %.0f (aborted %.0f, timed out %.0f)\n", num(s, "uptime_s"),
+	       num(s, "steps"), num(s, "aborted_steps"), num(s, "step_timeouts"));
 	printf("lookups %.0f (%.1f/s)  ids %.0f (%.1f/s)  bytes in %.0f out %.0f\n",
 	       num(s, "lookups"), num(s, "lookups_per_s"), num(s, "ids"), num(s, "ids_per_s"),
 	       num(s, "bytes_in"), num(s, "bytes_out"));
@@ -97,11 +97,15 @@ static void print_human(const cJSON *s)
 	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "ranks"))
 		printf("rank %.0f  numa node %.0f  memory %.0f bytes\n", num(it, "rank"),
 		       num(it, "numa_node"), num(it, "memory_bytes"));
-	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "clients"))
+	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "clients")) {
 		printf("trainer %.0f  pid %.0f uid %.0f  sq %.0f/%.0f cq %.0f/%.0f  requests %.0f "
-		       "errors %.0f\n", num(it, "index"), num(it, "pid"), num(it, "uid"),
+		       "errors %.0f", num(it, "index"), num(it, "pid"), num(it, "uid"),
 		       num(it, "sq_used"), num(it, "sq_entries"), num(it, "cq_used"),
 		       num(it, "cq_entries"), num(it, "requests"), num(it, "errors"));
+		if (num(it, "stalling_ms") > 0)
+			printf("  STALLS the step: waited for %.0f ms", num(it, "stalling_ms"));
+		printf("\n");
+	}
 }
 
 static int run(int argc, char **argv, enum embd_ctl_type request)

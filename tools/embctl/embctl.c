@@ -40,7 +40,8 @@ int embctl_number(const char *flag, const char *text, uint64_t min, uint64_t max
 
 static void usage(FILE *out)
 {
-	fprintf(out, "usage: embctl COMMAND [args]   (embctl COMMAND --help for its flags)\n\n"
+	fprintf(out, "usage: embctl COMMAND [args]   (embctl COMMAND --help for its flags)\n"
+		     "       embctl --help | --version\n\n"
 		     "commands:\n");
 	for (const struct embctl_command *c = commands; c->name; c++)
 		fprintf(out, "  %-12s %s\n", c->name, c->summary);
@@ -51,6 +52,10 @@ int main(int argc, char **argv)
 	if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
 		usage(argc < 2 ? stderr : stdout);
 		return argc < 2 ? 2 : 0;
+	}
+	if (!strcmp(argv[1], "-V") || !strcmp(argv[1], "--version")) {
+		printf("embctl %s\n", EMBD_VERSION);
+		return 0;
 	}
 	for (const struct embctl_command *c = commands; c->name; c++)
 		if (!strcmp(c->name, argv[1]))

@@ -218,6 +218,14 @@ Test(checkpoint, manifest_round_trip)
 		cr_expect_eq(back.files[i].state, files[i].state);
 	}
 	embd_ckpt_manifest_free(&back);
+	/* one JSON value: a second object appended is refused, not ignored */
+	char appended[8192];
+	snprintf(appended, sizeof(appended), "%s\n{}\n", text);
+	rc = embd_ckpt_manifest_parse(appended, strlen(appended), &back, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EPARSE, "a manifest with text after it: expected EMBD_EPARSE, got %d",
+		     rc);
+	cr_expect(strstr(err, "manifest") && strstr(err, "after the JSON value"), "got '%s'", err);
+	embd_ckpt_manifest_free(&back);
 	free(text);
 }
 

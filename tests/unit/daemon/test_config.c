@@ -4,6 +4,7 @@
  * types, out-of-range values, duplicates, the planner's own table and topology errors).
  */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -30,6 +31,9 @@ Test(config, default_parses_and_plans)
 	cr_assert_eq(c.num_allowed_uids, 1);
 	cr_assert_eq(c.allowed_uids[0], getuid());
 	cr_assert_eq(c.num_allowed_gids, 0);
+	cr_assert_eq(c.handshake_timeout_ms, 5000);
+	cr_assert_eq(c.step_wait_warn_ms, 10000);
+	cr_assert_eq(c.step_wait_abort_ms, 0);
 	rc = embd_plan_build(c.tables.specs, c.tables.constraints, c.tables.count, &c.topology, NULL,
 			     &plan, err, sizeof(err));
 	cr_assert_eq(rc, 0, "planning the default: %d %s", rc, err);
@@ -48,7 +52,9 @@ Test(config, every_key_is_read)
 		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
 		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
-		"  \"checkpoint_allow_fresh_start\": true }";
+		"  \"checkpoint_allow_fresh_start\": true,"
+		"  \"handshake_timeout_ms\": 250, \"step_wait_warn_ms\": 0,"
+		"  \"step_wait_abort_ms\": 60000 }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -73,6 +79,9 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_keep, 0);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
 	cr_assert(c.checkpoint_allow_fresh_start);
+	cr_assert_eq(c.handshake_timeout_ms, 250);
+	cr_assert_eq(c.step_wait_warn_ms, 0);
+	cr_assert_eq(c.step_wait_abort_ms, 60000);
 	embd_config_free(&c);
 }
 
@@ -97,6 +106,33 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(rc, 0, "%d %s", rc, err);
 	cr_assert_eq(c.num_allowed_uids, 0);
 	embd_config_free(&c);
+}
+
+/* allowed_uids / allowed_gids take names, resolved when parsed (root and its group exist on
+ * every Linux system); an unknown name is refused naming the key and the name. */
+Test(config, ids_by_name)
+{
+	struct embd_config c;
+	char err[256] = "";
+
+	int rc = parse("{ \"allowed_uids\": [\"root\", 7], \"allowed_gids\": [9, \"root\"] }", &c,
+		       err, sizeof(err));
+	cr_assert_eq(rc, 0, "%d %s", rc, err);
+	cr_expect_eq(c.num_allowed_uids, 2);
+	cr_expect_eq(c.allowed_uids[0], 0, "user root should be uid 0, got %u", c.allowed_uids[0]);
+	cr_expect_eq(c.allowed_uids[1], 7);
+	cr_expect_eq(c.num_allowed_gids, 2);
+	cr_expect_eq(c.allowed_gids[1], 0, "group root should be gid 0, got %u", c.allowed_gids[1]);
+	embd_config_free(&c);
+
+	rc = parse("{ \"allowed_gids\": [\"no-such-group-embd-test\"] }", &c, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_expect(strstr(err, "allowed_gids") && strstr(err, "group 'no-such-group-embd-test'"),
+		  "message: %s", err);
+	rc = parse("{ \"allowed_uids\": [\"no-such-user-embd-test\"] }", &c, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_expect(strstr(err, "allowed_uids") && strstr(err, "user 'no-such-user-embd-test'"),
+		  "message: %s", err);
 }
 
 struct bad_case {
@@ -125,6 +161,10 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_dir\": false }", "checkpoint_dir" },
 		{ "{ \"checkpoint_layout\": \"nfs\" }", "checkpoint_layout" },
 		{ "{ \"busy_poll_us\": -5 }", "busy_poll_us" },
+		{ "{ \"handshake_timeout_ms\": 0 }", "handshake_timeout_ms" },
+		{ "{ \"step_wait_warn_ms\": -1 }", "step_wait_warn_ms" },
+		{ "{ \"step_wait_abort_ms\": 5000 }", "step_wait_abort_ms': 5000 ms must be above" },
+		{ "{ \"step_wait_warn_ms\": 100, \"step_wait_abort_ms\": 100 }", "step_wait_abort_ms" },
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
@@ -150,8 +190,15 @@ Test(config, errors_name_the_key)
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
 		{ "{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10 } ] }", "embedding_dim" },
 		{ "{ \"tables\": [] }", "tables" },
+		{ "{ \"tables\": [ { \"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4, "
+		  "\"feature_names\": [\"clicks\"] }, { \"name\": \"b\", \"num_embeddings\": 10, "
+		  "\"embedding_dim\": 4, \"feature_names\": [\"clicks\"] } ] }",
+		  "feature 'clicks' is in table 0 ('a') and table 1 ('b')" },
 		{ "[1, 2]", "object" },
 		{ "{ \"seed\": 1,\n  \"x\" }", "line 2" },
+		{ "{ \"seed\": 1 }\n}", "after the JSON value" },
+		{ "{ \"allowed_uids\": [] }", "allowed_uids': empty and no allowed_gids" },
+		{ "{ \"seed\": 1 }\n{ \"seed\": 2 }", "line 2" },
 	};
 	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
 		struct embd_config c;
@@ -199,6 +246,36 @@ Test(config, cluster_keys)
 	cr_assert_eq(rc, 0, "%s", err);
 	cr_expect_str_eq(c.comm_addr, "fd00::2");
 	embd_config_free(&c);
+}
+
+/* The socket's mode lets in what the config allows and no more: SO_PEERCRED checks each
+ * peer, but a mode narrower than the config would refuse allowed peers with EACCES first. */
+Test(config, socket_mode_follows_the_allowed_ids)
+{
+	static const struct { const char *ids; mode_t mode; } cases[] = {
+		{ "", 0600 },                                           /* the owner alone */
+		{ "\"allowed_uids\": [1000]", 0600 },
+		{ "\"allowed_uids\": [1000, 0]", 0600 },                /* root passes any mode */
+		{ "\"allowed_uids\": [1000, 1001]", 0666 },
+		{ "\"allowed_gids\": [100]", 0660 },                    /* the owner and its group */
+		{ "\"allowed_gids\": [100, 200]", 0666 },
+		{ "\"allowed_uids\": [], \"allowed_gids\": [100]", 0660 },
+		{ "\"allowed_uids\": [], \"allowed_gids\": [200]", 0666 },
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		char text[256], err[256] = "";
+		struct embd_config c;
+		snprintf(text, sizeof(text), "{ %s }", cases[i].ids);
+		int rc = parse(text, &c, err, sizeof(err));
+		cr_assert_eq(rc, 0, "%s: %s", text, err);
+		if (!cases[i].ids[0]) {       /* the default: the parsing process's uid */
+			c.allowed_uids[0] = 1000;
+		}
+		mode_t mode = embd_config_socket_mode(&c, 1000, 100);
+		cr_expect_eq(mode, cases[i].mode, "%s for uid 1000 gid 100: expected 0%o, got 0%o",
+			     text, cases[i].mode, mode);
+		embd_config_free(&c);
+	}
 }
 
 Test(config, load_names_the_path)

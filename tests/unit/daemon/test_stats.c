@@ -32,9 +32,11 @@ Test(stats, json_fields_and_percentiles)
 		embd_stats_request(s, (101 - i) * 10);
 	}
 	s->aborted_steps = 2;
+	s->step_timeouts = 1;
 	struct embd_stats_rank ranks[2] = { { 0, 0, 4096 }, { 1, 1, 8192 } };
 	struct embd_stats_client clients[1] = { { .index = 1, .pid = 42, .uid = 7, .sq_used = 3,
-		.sq_entries = 64, .cq_used = 1, .cq_entries = 64, .requests = 9, .errors = 2 } };
+		.sq_entries = 64, .cq_used = 1, .cq_entries = 64, .requests = 9, .errors = 2,
+		.stalling_ms = 12000 } };
 	cr_assert_eq(embd_stats_json(s, ranks, 2, clients, 1, &text), 0);
 	cJSON *root = cJSON_Parse(text);
 	cr_assert_not_null(root, "not JSON: %s", text);
@@ -42,6 +44,7 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "aborted_steps"), 2);
 	cr_assert_eq(num(root, "nonfinite_grads"), 1);
 	cr_assert_eq(num(root, "nonfinite_rows"), 30);
+	cr_assert_eq(num(root, "step_timeouts"), 1);
 	cr_assert_eq(num(root, "ids"), 1000);
 	cr_assert_eq(num(root, "lookups"), 2000);
 	cr_assert_eq(num(root, "bytes_in"), 10000);
@@ -60,9 +63,9 @@ Test(stats, json_fields_and_percentiles)
 	const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "clients"), 0);
 	cr_assert_not_null(c);
 	const char *keys[] = { "index", "pid", "uid", "sq_used", "sq_entries", "cq_used",
-			       "cq_entries", "requests", "errors" };
-	double want[] = { 1, 42, 7, 3, 64, 1, 64, 9, 2 };
-	for (int i = 0; i < 9; i++)
+			       "cq_entries", "requests", "errors", "stalling_ms" };
+	double want[] = { 1, 42, 7, 3, 64, 1, 64, 9, 2, 12000 };
+	for (int i = 0; i < 10; i++)
 		cr_assert_eq(num(c, keys[i]), want[i], "client %s: expected %g, got %g", keys[i],
 			     want[i], num(c, keys[i]));
 	cJSON_Delete(root);

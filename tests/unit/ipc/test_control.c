@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "ipc/control.h"
@@ -156,10 +157,12 @@ Test(control, listen_publishes_the_path_once_listening_and_refuses_a_second_serv
 	snprintf(path, sizeof(path), "/tmp/embd-test-control-%d.sock", (int)getpid());
 	snprintf(tmp, sizeof(tmp), "%s.%d", path, (int)getpid());
 	unlink(path);
-	cr_assert_eq(embd_ctl_listen(path, 4, &fd, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_listen(path, 4, 0640, &fd, err, sizeof(err)), 0, "%s", err);
 	cr_expect_eq(lstat(tmp, &st), -1, "the temporary name %s should be gone", tmp);
+	cr_assert_eq(lstat(path, &st), 0);
+	cr_expect_eq(st.st_mode & 0777, 0640, "mode: expected 0640, got 0%o", st.st_mode & 0777);
 	cr_expect_eq(embd_ctl_connect(path, &client, err, sizeof(err)), 0, "%s", err);
-	int rc = embd_ctl_listen(path, 4, &fd2, err, sizeof(err));
+	int rc = embd_ctl_listen(path, 4, 0660, &fd2, err, sizeof(err));
 	cr_expect_eq(rc, EMBD_EBUSY, "a second listener: expected EMBD_EBUSY, got %d (%s)", rc, err);
 	cr_expect(strstr(err, path) != NULL, "the refusal should name the path: %s", err);
 	cr_expect_eq(lstat(tmp, &st), -1, "the refused service's temporary name should be gone");
@@ -167,4 +170,35 @@ Test(control, listen_publishes_the_path_once_listening_and_refuses_a_second_serv
 		close(client);
 	close(fd);
 	unlink(path);
+}
+
+/* A socket whose mode keeps this uid out is EMBD_EACCES, not an I/O error: as root (which
+ * the mode does not stop) the connect runs in a child that became uid 65534. */
+Test(control, connect_kept_out_by_the_mode_is_eacces)
+{
+	char path[108], err[256];
+	int fd = -1;
+
+	snprintf(path, sizeof(path), "/tmp/embd-test-control-acc-%d.sock", (int)getpid());
+	unlink(path);
+	cr_assert_eq(embd_ctl_listen(path, 4, 0600, &fd, err, sizeof(err)), 0, "%s", err);
+	if (geteuid() != 0) {
+		cr_assert_eq(chmod(path, 0), 0);
+	}
+	pid_t child = fork();
+	cr_assert_geq(child, 0);
+	if (child == 0) {
+		int c = -1;
+		if (geteuid() == 0 && (setgid(65534) || setuid(65534)))
+			_exit(3);
+		int rc = embd_ctl_connect(path, &c, err, sizeof(err));
+		_exit(rc == EMBD_EACCES && strstr(err, path) ? 0 : rc == EMBD_EIO ? 1 : 2);
+	}
+	int status = 0;
+	waitpid(child, &status, 0);
+	close(fd);
+	unlink(path);
+	cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+		  "connect kept out by the mode: expected EMBD_EACCES naming the path, child says %d "
+		  "(1: EMBD_EIO, 2: another code, 3: setuid failed)", WEXITSTATUS(status));
 }

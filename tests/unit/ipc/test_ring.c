@@ -114,6 +114,35 @@ Test(ring, hostile_indices_are_errors)
 	free(mem);
 }
 
+/* room(want) says whether want more pushes would succeed, from the cached head when that is
+ * enough, and a corrupt head is an error there too. */
+Test(ring, room_for_pushes_to_come)
+{
+	void *mem = ring_mem(RING_SIZE);
+	struct embd_ring_shared *sh = mem;
+	struct embd_ring p = { 0 }, c = { 0 };
+	struct entry e = { 0 };
+
+	cr_assert_eq(embd_ring_attach(&c, mem, RING_SIZE, sizeof(e), EMBD_RING_CONSUMER), 0);
+	cr_assert_eq(embd_ring_attach(&p, mem, RING_SIZE, sizeof(e), EMBD_RING_PRODUCER), 0);
+	cr_assert_eq(embd_ring_room(&p, RING_SIZE), 1);
+	cr_assert_eq(embd_ring_room(&p, RING_SIZE + 1), 0);
+	for (uint32_t i = 0; i < RING_SIZE - 2; i++)
+		cr_assert_eq(embd_ring_push(&p, &e), 0);
+	cr_assert_eq(embd_ring_room(&p, 2), 1);
+	cr_assert_eq(embd_ring_room(&p, 3), 0, "6 of 8 in flight: 3 more do not fit");
+	cr_assert_eq(embd_ring_pop(&c, &e), 0);
+	cr_assert_eq(embd_ring_room(&p, 3), 1, "one consumed: 3 fit again");
+	for (uint32_t i = 0; i < 3; i++)
+		cr_assert_eq(embd_ring_push(&p, &e), 0);
+	cr_assert_eq(embd_ring_room(&p, 1), 0, "full");
+	cr_assert_eq(embd_ring_push(&p, &e), EMBD_ENOSPC);
+	/* a hostile consumer's head past the producer's tail */
+	atomic_store(&sh->head, atomic_load(&sh->tail) + 1);
+	cr_assert_eq(embd_ring_room(&p, 1), EMBD_EPROTO);
+	free(mem);
+}
+
 Test(ring, need_wakeup_flag)
 {
 	void *mem = ring_mem(RING_SIZE);

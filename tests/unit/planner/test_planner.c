@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "embd/plan.h"
 
@@ -295,6 +296,30 @@ Test(planner, parse_errors_name_field_and_position)
 		     EMBD_EPARSE);
 	cr_expect(strstr(err, "'a'") != NULL, "message: %s", err);
 
+	/* a feature in two tables, or twice in one: every trainer's WELCOME would fail */
+	const char *two_tables = "[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+				 " \"feature_names\": [\"f\", \"g\"]},"
+				 " {\"name\": \"b\", \"num_embeddings\": 1, \"embedding_dim\": 4},"
+				 " {\"name\": \"c\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+				 " \"feature_names\": [\"g\"]}]";
+	cr_expect_eq(embd_plan_tables_parse_text(two_tables, strlen(two_tables), &t, err,
+						 sizeof(err)), EMBD_EPARSE);
+	cr_expect(strstr(err, "'g'") && strstr(err, "table 0 ('a')") && strstr(err, "table 2 ('c')"),
+		  "a feature in two tables should name it and both tables: %s", err);
+	const char *twice = "[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+			    " \"feature_names\": [\"f\", \"f\"]}]";
+	cr_expect_eq(embd_plan_tables_parse_text(twice, strlen(twice), &t, err, sizeof(err)),
+		     EMBD_EPARSE);
+	cr_expect(strstr(err, "'f'") && strstr(err, "twice") && strstr(err, "'a'"), "message: %s",
+		  err);
+	/* a table's default feature is its own name */
+	const char *by_default = "[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4},"
+				 " {\"name\": \"b\", \"num_embeddings\": 1, \"embedding_dim\": 4,"
+				 " \"feature_names\": [\"a\"]}]";
+	cr_expect_eq(embd_plan_tables_parse_text(by_default, strlen(by_default), &t, err,
+						 sizeof(err)), EMBD_EPARSE);
+	cr_expect(strstr(err, "'a'") && strstr(err, "table 1 ('b')"), "message: %s", err);
+
 	struct embd_plan *plan;
 	const char *bad_plan = "{\"version\": 1, \"topology\": {\"world_size\": 2},"
 			       " \"tables\": [{\"name\": \"a\", \"sharding_type\": \"table_wise\","
@@ -304,6 +329,115 @@ Test(planner, parse_errors_name_field_and_position)
 		     EMBD_EPARSE);
 	cr_expect(strstr(err, "tables[0]") && strstr(err, "shards[0]") && strstr(err, "rows"),
 		  "message: %s", err);
+}
+
+/* {"tables": [...]} is the array itself; any other key in it is refused, never dropped. */
+Test(planner, tables_object_form)
+{
+	const char *array = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]";
+	char object[256];
+	snprintf(object, sizeof(object), "{\"tables\": %s}", array);
+	struct embd_tables t1 = parse(array), t2 = parse(object);
+	cr_assert_eq(t2.count, 1);
+	cr_expect_eq(embd_plan_tables_hash(t1.specs, t1.count), embd_plan_tables_hash(t2.specs, t2.count),
+		     "the object form should parse to the same tables as the array");
+	embd_plan_tables_free(&t1);
+	embd_plan_tables_free(&t2);
+
+	struct embd_tables t;
+	const char *bad[][2] = {
+		{ "{\"tables\": [{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}],"
+		  " \"topology\": {\"world_size\": 2}}", "'topology'" },
+		{ "{\"tables\": [], \"tables\": []}", "twice" },
+		{ "{}", "no key" },
+		{ "{\"tables\": {\"name\": \"a\"}}", "array" },
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc = embd_plan_tables_parse_text(bad[i][0], strlen(bad[i][0]), &t, err, sizeof(err));
+		cr_expect_eq(rc, EMBD_EPARSE, "%s: expected EMBD_EPARSE, got %d", bad[i][0], rc);
+		cr_expect(strstr(err, bad[i][1]) != NULL, "%s: expected the message to say %s: %s",
+			  bad[i][0], bad[i][1], err);
+		cr_expect_eq(t.count, 0);
+	}
+}
+
+/* Every optimizer hyperparameter has its real range, checked also in fp32 (what the kernels
+ * compute with): beta 1 would make adam's bias correction 0 and the rows NaN after a step. */
+Test(planner, optimizer_hyperparameters_in_range)
+{
+	static const struct { const char *opt, *needle; } bad[] = {
+		{ "\"type\": \"adam\", \"beta1\": 1", "'optimizer.beta1' = 1 is outside [0, 1)" },
+		{ "\"type\": \"adam\", \"beta2\": 1.5", "optimizer.beta2" },
+		{ "\"type\": \"adam\", \"beta2\": 0.999999999", "in fp32" },
+		{ "\"type\": \"adam\", \"beta1\": -0.1", "optimizer.beta1" },
+		{ "\"type\": \"adagrad\", \"eps\": 0", "'optimizer.eps' = 0 is outside (0, 1e+06]" },
+		{ "\"type\": \"adagrad\", \"eps\": 1e-50", "in fp32" },
+		{ "\"type\": \"sgd\", \"lr\": 0", "optimizer.lr" },
+		{ "\"type\": \"sgd\", \"lr\": -0.01", "optimizer.lr" },
+		{ "\"type\": \"sgd\", \"weight_decay\": -0.001", "optimizer.weight_decay" },
+		{ "\"type\": \"sgd\", \"lr\": \"0.1\"", "must be a number" },
+	};
+	char text[512];
+	struct embd_tables t;
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		snprintf(text, sizeof(text), "[{\"name\": \"a\", \"num_embeddings\": 1, "
+			 "\"embedding_dim\": 4, \"optimizer\": {%s}}]", bad[i].opt);
+		int rc = embd_plan_tables_parse_text(text, strlen(text), &t, err, sizeof(err));
+		cr_expect_eq(rc, EMBD_EPARSE, "{%s}: expected EMBD_EPARSE, got %d", bad[i].opt, rc);
+		cr_expect(strstr(err, bad[i].needle) && strstr(err, "'a'"),
+			  "{%s}: expected the error to say '%s', got '%s'", bad[i].opt, bad[i].needle,
+			  err);
+		if (!rc)
+			embd_plan_tables_free(&t);
+	}
+	/* the closed ends are in */
+	t = parse("[{\"name\": \"a\", \"num_embeddings\": 1, \"embedding_dim\": 4, \"optimizer\": "
+		  "{\"type\": \"adam\", \"lr\": 1e6, \"eps\": 1e-30, \"beta1\": 0, \"beta2\": 0.9999, "
+		  "\"weight_decay\": 0}}]");
+	cr_expect_eq(t.specs[0].optimizer.beta1, 0.0f);
+	cr_expect_eq(t.specs[0].optimizer.beta2, 0.9999f);
+	cr_expect_eq(t.specs[0].optimizer.lr, 1e6f);
+	embd_plan_tables_free(&t);
+}
+
+/* One JSON value per file: text after it (a second object pasted below, a stray brace) is
+ * refused naming the line and byte where it starts, in every file the planner reads. */
+Test(planner, text_after_the_json_value_refused)
+{
+	const char *tables = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]\n"
+			     "[{\"name\": \"b\"}]\n";
+	struct embd_tables t;
+	cr_expect_eq(embd_plan_tables_parse_text(tables, strlen(tables), &t, err, sizeof(err)),
+		     EMBD_EPARSE);
+	cr_expect(strstr(err, "after the JSON value") && strstr(err, "line 2"), "message: %s", err);
+	/* whitespace after it is fine */
+	const char *spaced = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]\n\t \r\n";
+	t = parse(spaced);
+	embd_plan_tables_free(&t);
+	/* a NUL inside the text is not its end */
+	const char nul[] = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]\0}";
+	cr_expect_eq(embd_plan_tables_parse_text(nul, sizeof(nul) - 1, &t, err, sizeof(err)),
+		     EMBD_EPARSE, "a NUL and a brace after the array: %s", err);
+
+	struct embd_plan *plan;
+	const char *plan_text = "{\"version\": 1} }";
+	cr_expect_eq(embd_plan_parse_json(plan_text, strlen(plan_text), &plan, err, sizeof(err)),
+		     EMBD_EPARSE);
+	cr_expect(strstr(err, "plan") && strstr(err, "byte 15"), "message: %s", err);
+
+	char path[] = "/tmp/embd_test_topology_XXXXXX";
+	int fd = mkstemp(path);
+	cr_assert_geq(fd, 0);
+	const char *topo_text = "{\"world_size\": 2}\n{\"world_size\": 4}\n";
+	cr_assert_eq(write(fd, topo_text, strlen(topo_text)), (ssize_t)strlen(topo_text));
+	close(fd);
+	struct embd_topology topo;
+	embd_plan_topology_default(&topo, 1);
+	int rc = embd_plan_topology_load(path, &topo, err, sizeof(err));
+	unlink(path);
+	cr_expect_eq(rc, EMBD_EPARSE, "topology with a second object: expected EMBD_EPARSE, got %d",
+		     rc);
+	cr_expect(strstr(err, path) && strstr(err, "after the JSON value"), "message: %s", err);
 }
 
 Test(planner, topology_fields_and_suffixes)

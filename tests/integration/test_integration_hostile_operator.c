@@ -63,7 +63,7 @@ static void teardown(void)
 	cr_expect_eq(system(cmd), 0);
 }
 
-TestSuite(hostile, .init = setup, .fini = teardown, .timeout = 120);
+TestSuite(hostile_operator, .init = setup, .fini = teardown, .timeout = 120);
 
 /* One table "t" (adagrad) of ROWS x DIM, `trainers` trainers; extra: more keys or "". */
 static void write_config(const char *extra)
@@ -149,7 +149,7 @@ static void import_step(uint64_t step, float value)
 
 /* ---- damaged checkpoints ------------------------------------------------------------------ */
 
-Test(hostile, every_checkpoint_damaged_refuses_a_fresh_start)
+Test(hostile_operator, every_checkpoint_damaged_refuses_a_fresh_start)
 {
 	char path[256];
 	int st;
@@ -186,7 +186,7 @@ Test(hostile, every_checkpoint_damaged_refuses_a_fresh_start)
 
 /* ---- one owner per checkpoint directory --------------------------------------------------- */
 
-Test(hostile, a_second_embd_on_the_same_checkpoint_dir_is_refused)
+Test(hostile_operator, a_second_embd_on_the_same_checkpoint_dir_is_refused)
 {
 	char pid[32], args[1024], npy[192];
 	int st;
@@ -231,7 +231,7 @@ static void both(struct embd_client **c, enum embd_request_op op, uint64_t step,
 
 /* One trainer's NaN gradient: the step is refused for both trainers, nothing is applied (the
  * next forward pools the same rows to the same values), the log and stats say so. */
-Test(hostile, a_nan_gradient_is_refused_for_every_trainer)
+Test(hostile_operator, a_nan_gradient_is_refused_for_every_trainer)
 {
 	struct embd_client *c[2];
 	struct embd_batch b[2][2];
@@ -287,7 +287,7 @@ Test(hostile, a_nan_gradient_is_refused_for_every_trainer)
 
 /* ---- embctl ------------------------------------------------------------------------------- */
 
-Test(hostile, embctl_numbers_are_parsed_strictly)
+Test(hostile_operator, embctl_numbers_are_parsed_strictly)
 {
 	static const struct { const char *args, *flag, *value; } bad[] = {
 		{ "import --config %s --step -5 --table t -i x.npy", "--step", "'-5'" },
@@ -312,7 +312,7 @@ Test(hostile, embctl_numbers_are_parsed_strictly)
 	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0, "nothing written (step-18446744073709551611 was)");
 }
 
-Test(hostile, embctl_export_never_writes_into_the_checkpoint_it_reads)
+Test(hostile_operator, embctl_export_never_writes_into_the_checkpoint_it_reads)
 {
 	char args[1024], target[256], link[192];
 
@@ -337,7 +337,7 @@ Test(hostile, embctl_export_never_writes_into_the_checkpoint_it_reads)
 	cr_expect_eq(embctl(args), 0, "export -o outside the checkpoint");
 }
 
-Test(hostile, embctl_import_refuses_what_would_train_nan)
+Test(hostile_operator, embctl_import_refuses_what_would_train_nan)
 {
 	char args[1024], npy[192], ok[192];
 
@@ -363,7 +363,7 @@ Test(hostile, embctl_import_refuses_what_would_train_nan)
 	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0, "no refused import writes anything");
 }
 
-Test(hostile, embctl_import_says_which_checkpoint_embd_restores)
+Test(hostile_operator, embctl_import_says_which_checkpoint_embd_restores)
 {
 	char expect[256];
 
@@ -377,7 +377,7 @@ Test(hostile, embctl_import_says_which_checkpoint_embd_restores)
 }
 
 /* A socket that takes connections and never answers: a hung or stopped service. */
-Test(hostile, embctl_checkpoint_gives_up_on_a_service_that_never_answers)
+Test(hostile_operator, embctl_checkpoint_gives_up_on_a_service_that_never_answers)
 {
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
 	char args[256];
