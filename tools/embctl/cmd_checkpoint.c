@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "embctl.h"
 #include "kernels/device.h"
@@ -60,22 +61,27 @@ int embctl_checkpoint(int argc, char **argv)
 	if (optind != argc)
 		goto usage;
 	bool wait = req.flags & EMBD_CTL_CHECKPOINT_WAIT;
+	int sock;
 	if (!timeout_s)
 		timeout_s = wait ? WAIT_TIMEOUT_S : ANSWER_TIMEOUT_S;
-	/* --wait may rightly take long (a big write): first make sure a service answers at all */
+	if (embctl_send(socket_path, EMBD_CTL_CHECKPOINT_REQUEST, &req, sizeof(req), &sock))
+		return 1;
+	/* --wait may rightly take long (a big write): meanwhile make sure the service answers at
+	 * all, on a second connection (the request is in already, as early as without it) */
 	if (wait) {
 		int probe_s = timeout_s < ANSWER_TIMEOUT_S ? (int)timeout_s : ANSWER_TIMEOUT_S;
 		rc = embctl_ask(socket_path, EMBD_CTL_STATUS_REQUEST, NULL, 0, probe_s * 1000, &text);
 		free(text);
 		text = NULL;
 		if (rc) {
-			fprintf(stderr, "embctl: no checkpoint asked for (a status request first, "
-				"with %d s for the answer)\n", probe_s);
+			fprintf(stderr, "embctl: the service did not answer a status request within "
+				"%d s: not waiting for the checkpoint\n", probe_s);
+			close(sock);
 			return 1;
 		}
 	}
-	rc = embctl_ask(socket_path, EMBD_CTL_CHECKPOINT_REQUEST, &req, sizeof(req),
-			(int)timeout_s * 1000, &text);
+	rc = embctl_reply(socket_path, sock, EMBD_CTL_CHECKPOINT_REQUEST, (int)timeout_s * 1000,
+			  &text);
 	if (!rc) {
 		printf("%s\n", text);
 		cJSON *r = cJSON_Parse(text);
@@ -90,7 +96,7 @@ usage:
 	fprintf(stderr, "usage: embctl checkpoint [--socket PATH] [--wait] [--timeout SECONDS]\n"
 		"  --wait            answer once the checkpoint is on disk, with its result\n"
 		"  --timeout SECONDS give up when the service has not answered by then (default %d;\n"
-		"                    with --wait %d, once the service answered a status request\n"
+		"                    with --wait %d, while the service answers a status request\n"
 		"                    within %d)\n", ANSWER_TIMEOUT_S, WAIT_TIMEOUT_S, ANSWER_TIMEOUT_S);
 	return 2;
 }

@@ -16,20 +16,35 @@
 
 #define REPLY_TIMEOUT_MS 5000
 
-int embctl_ask(const char *socket_path, enum embd_ctl_type request, const void *payload,
-	       uint32_t len, int timeout_ms, char **text)
+int embctl_send(const char *socket_path, enum embd_ctl_type request, const void *payload,
+		uint32_t len, int *sock)
+{
+	char err[EMBD_CTL_TEXT_MAX + 64] = "";
+
+	*sock = -1;
+	if (embd_ctl_connect(socket_path, sock, err, sizeof(err)) ||
+	    embd_ctl_send(*sock, request, payload, len, NULL, 0, err, sizeof(err))) {
+		fprintf(stderr, "embctl: %s: %s\n", socket_path, err);
+		if (*sock >= 0)
+			close(*sock);
+		*sock = -1;
+		return 1;
+	}
+	return 0;
+}
+
+int embctl_reply(const char *socket_path, int sock, enum embd_ctl_type request, int timeout_ms,
+		 char **text)
 {
 	char err[EMBD_CTL_TEXT_MAX + 64] = "", etext[EMBD_CTL_TEXT_MAX + 1];
 	uint8_t *buf = malloc(EMBD_CTL_MSG_MAX);
 	struct embd_ctl_msg msg = { .nfds = 0 };
-	int sock = -1, rc = 1, code;
+	int rc = 1, code;
 
 	*text = malloc(EMBD_CTL_MSG_MAX);
 	if (!buf || !*text)
 		goto out;
-	if (embd_ctl_connect(socket_path, &sock, err, sizeof(err)) ||
-	    embd_ctl_send(sock, request, payload, len, NULL, 0, err, sizeof(err)) ||
-	    embd_ctl_recv(sock, buf, EMBD_CTL_MSG_MAX, timeout_ms, &msg, err, sizeof(err)))
+	if (embd_ctl_recv(sock, buf, EMBD_CTL_MSG_MAX, timeout_ms, &msg, err, sizeof(err)))
 		goto out;
 	if (msg.type == EMBD_CTL_ERROR) {
 		if (!embd_ctl_error_decode(&msg, &code, etext, sizeof(etext), err, sizeof(err)))
@@ -45,10 +60,20 @@ out:
 	embd_ctl_msg_close_fds(&msg);
 	if (rc)
 		fprintf(stderr, "embctl: %s: %s\n", socket_path, err[0] ? err : "out of memory");
-	if (sock >= 0)
-		close(sock);
+	close(sock);
 	free(buf);
 	return rc;
+}
+
+int embctl_ask(const char *socket_path, enum embd_ctl_type request, const void *payload,
+	       uint32_t len, int timeout_ms, char **text)
+{
+	int sock;
+
+	*text = NULL;
+	if (embctl_send(socket_path, request, payload, len, &sock))
+		return 1;
+	return embctl_reply(socket_path, sock, request, timeout_ms, text);
 }
 
 static double num(const cJSON *o, const char *key)

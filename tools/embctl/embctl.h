@@ -33,5 +33,11 @@ int embctl_number(const char *flag, const char *text, uint64_t min, uint64_t max
  * error printed. */
 int embctl_ask(const char *socket_path, enum embd_ctl_type request, const void *payload,
 	       uint32_t len, int timeout_ms, char **text);
+/* The same in two halves: _send connects and sends (*sock: the connection), _reply waits for
+ * the answer on it and closes it. Both print their error and return 1 on failure. */
+int embctl_send(const char *socket_path, enum embd_ctl_type request, const void *payload,
+		uint32_t len, int *sock);
+int embctl_reply(const char *socket_path, int sock, enum embd_ctl_type request, int timeout_ms,
+		 char **text);
 
 #endif
