@@ -1,7 +1,8 @@
 /*
  * Checkpoint directories (ckpt/checkpoint.h). The invariant every function keeps: a
  * directory named step-<N> is only ever created by one rename of a directory whose files and
- * manifest are already on disk, and only ever removed by retention or because it is damaged.
+ * manifest are already on disk, only ever removed by retention once newer valid ones exist,
+ * and moved aside (never deleted) when it is damaged.
  */
 #include "ckpt/checkpoint.h"
 
@@ -61,7 +62,7 @@ static int remove_dir(const char *dir, char *err, size_t err_len)
 	return 0;
 }
 
-static int mkdir_p(const char *path, char *err, size_t err_len)
+int embd_ckpt_mkdir(const char *path, char *err, size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX];
 
@@ -127,21 +128,51 @@ out:
 	return rc;
 }
 
-/* step-<N> already there: EMBD_EBUSY when it is valid (nothing to write), removed when it is
- * damaged (replaced by the new one). */
-static int check_final(const char *final, char *err, size_t err_len)
+int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, size_t cap,
+			   char *err, size_t err_len)
+{
+	char aside[EMBD_CKPT_PATH_MAX + 16], stamp[32];
+	const char *name = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
+	time_t now = time(NULL);
+	struct tm tm;
+
+	snprintf(aside, sizeof(aside), "%s/damaged", root);
+	if (mkdir(aside, 0755) && errno != EEXIST)
+		return snprintf(err, err_len, "%s: mkdir: %s", aside, strerror(errno)), EMBD_EIO;
+	strftime(stamp, sizeof(stamp), "%Y%m%dT%H%M%SZ", gmtime_r(&now, &tm));
+	/* the same step may be damaged again within a second (a rewrite that failed the same way) */
+	for (uint32_t k = 0; k < 1000; k++) {
+		snprintf(moved_to, cap, k ? "%s/%s-%s.%u" : "%s/%s-%s", aside, name, stamp, k);
+		if (!access(moved_to, F_OK))
+			continue;
+		if (rename(dir, moved_to))
+			return snprintf(err, err_len, "%s: rename to %s: %s", dir, moved_to,
+					strerror(errno)), EMBD_EIO;
+		return 0;
+	}
+	return snprintf(err, err_len, "%s: no free name under %s", dir, aside), EMBD_EIO;
+}
+
+/* step-<N> already there: EMBD_EBUSY when it is valid (nothing to write), moved aside when it
+ * is damaged (err then says where; "" otherwise). */
+static int check_final(const char *root, const char *final, char *err, size_t err_len)
 {
 	struct embd_ckpt_manifest old;
-	char inner[512];
+	char inner[512], moved[EMBD_CKPT_PATH_MAX + 128];
 	int rc;
 
+	err[0] = 0;
 	if (access(final, F_OK))
 		return 0;
 	rc = embd_ckpt_open_dir(final, &old, inner, sizeof(inner));
 	embd_ckpt_manifest_free(&old);
 	if (!rc)
 		return snprintf(err, err_len, "%s: already written", final), EMBD_EBUSY;
-	return remove_dir(final, err, err_len);
+	if ((rc = embd_ckpt_move_damaged(root, final, moved, sizeof(moved), err, err_len)))
+		return rc;
+	snprintf(err, err_len, "the damaged %s it replaces was moved to %s (%s)", final, moved,
+		 inner);
+	return 0;
 }
 
 /* Every array -> <tmp>/<name>.npy; m's files become one entry per array (bytes, crc32c). */
@@ -208,19 +239,26 @@ int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
 	int rc;
 
 	*bytes_out = 0;
-	if ((rc = mkdir_p(root, err, err_len)))
+	if ((rc = embd_ckpt_mkdir(root, err, err_len)))
 		return rc;
+	char note[EMBD_CKPT_PATH_MAX + 700], inner[256];
+
 	embd_ckpt_dir_name(root, m->step, final, sizeof(final));
-	if ((rc = check_final(final, err, err_len)))
-		return rc;
+	if ((rc = check_final(root, final, note, sizeof(note))))
+		return snprintf(err, err_len, "%s", note), rc;
 	tmp_name(root, m->step, tmp, sizeof(tmp));
 	if ((rc = remove_dir(tmp, err, err_len)))
 		return rc;
 	if (mkdir(tmp, 0755))
 		return snprintf(err, err_len, "%s: mkdir: %s", tmp, strerror(errno)), EMBD_EIO;
 	if ((rc = write_arrays(tmp, m, arrays, num_arrays, sync, &bytes, err, err_len)) ||
-	    (rc = commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len)))
+	    (rc = commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len))) {
+		/* now, not at the next checkpoint: a full disk gets its space back at once */
+		if (remove_dir(tmp, inner, sizeof(inner)))
+			snprintf(err + strlen(err), err_len - strlen(err), "; %s", inner);
 		return rc;
+	}
+	snprintf(err, err_len, "%s", note);
 	*bytes_out = bytes;
 	return 0;
 }
@@ -233,7 +271,7 @@ int embd_ckpt_write_part(const char *root, struct embd_ckpt_manifest *m,
 	int rc;
 
 	*bytes_out = 0;
-	if ((rc = mkdir_p(root, err, err_len)))
+	if ((rc = embd_ckpt_mkdir(root, err, err_len)))
 		return rc;
 	tmp_name(root, m->step, tmp, sizeof(tmp));
 	if (mkdir(tmp, 0755) && errno != EEXIST)   /* every node makes it; the first one wins */
@@ -248,11 +286,16 @@ int embd_ckpt_commit(const char *root, struct embd_ckpt_manifest *m, bool sync, 
 	uint64_t bytes = 0;
 	int rc;
 
+	char note[EMBD_CKPT_PATH_MAX + 700];
+
 	embd_ckpt_dir_name(root, m->step, final, sizeof(final));
 	tmp_name(root, m->step, tmp, sizeof(tmp));
-	if ((rc = check_final(final, err, err_len)))
+	if ((rc = check_final(root, final, note, sizeof(note))))
+		return snprintf(err, err_len, "%s", note), rc;
+	if ((rc = commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len)))
 		return rc;
-	return commit_tmp(root, tmp, final, m, sync, &bytes, err, err_len);
+	snprintf(err, err_len, "%s", note);
+	return 0;
 }
 
 int embd_ckpt_discard(const char *root, uint64_t step, char *err, size_t err_len)
@@ -305,12 +348,12 @@ out:
 	return rc;
 }
 
-int embd_ckpt_open_dir(const char *dir, struct embd_ckpt_manifest *m, char *err, size_t err_len)
+/* dir's manifest into *m (freed on error). */
+static int read_manifest(const char *dir, struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	char path[EMBD_CKPT_PATH_MAX + 64], inner[384];
 	char *text = NULL;
 	size_t len = 0;
-	uint8_t *buf = NULL;
 	struct stat st;
 	int rc, fd;
 
@@ -333,10 +376,23 @@ int embd_ckpt_open_dir(const char *dir, struct embd_ckpt_manifest *m, char *err,
 		len += (size_t)r;
 	}
 	rc = embd_ckpt_manifest_parse(text, len, m, inner, sizeof(inner));
-	if (rc) {
+	if (rc)
 		snprintf(err, err_len, "%s: %s", path, inner);
-		goto out;
-	}
+out:
+	if (rc)
+		embd_ckpt_manifest_free(m);
+	close(fd);
+	free(text);
+	return rc;
+}
+
+int embd_ckpt_open_dir(const char *dir, struct embd_ckpt_manifest *m, char *err, size_t err_len)
+{
+	uint8_t *buf = NULL;
+	int rc = read_manifest(dir, m, err, err_len);
+
+	if (rc)
+		return rc;
 	rc = EMBD_ENOMEM;
 	if (!(buf = malloc(READ_CHUNK)))
 		goto out;
@@ -347,9 +403,37 @@ int embd_ckpt_open_dir(const char *dir, struct embd_ckpt_manifest *m, char *err,
 out:
 	if (rc)
 		embd_ckpt_manifest_free(m);
-	close(fd);
-	free(text);
 	free(buf);
+	return rc;
+}
+
+/* Retention's check of step-<step> (checkpoint.h): its manifest, its step, every file's size. */
+static int check_quick(const char *dir, uint64_t step, char *err, size_t err_len)
+{
+	char path[EMBD_CKPT_PATH_MAX + 256];
+	struct embd_ckpt_manifest m;
+	struct stat st;
+	int rc = read_manifest(dir, &m, err, err_len);
+
+	if (rc)
+		return rc;
+	if (m.step != step) {
+		rc = EMBD_EPARSE;
+		snprintf(err, err_len, "manifest step %" PRIu64 " in a directory named for step %"
+			 PRIu64, m.step, step);
+	}
+	for (uint32_t i = 0; i < m.num_files && !rc; i++) {
+		snprintf(path, sizeof(path), "%s/%s", dir, m.files[i].name);
+		if (stat(path, &st)) {
+			rc = EMBD_ENOENT;
+			snprintf(err, err_len, "%s: %s", m.files[i].name, strerror(errno));
+		} else if ((uint64_t)st.st_size != m.files[i].bytes) {
+			rc = EMBD_ECHECKSUM;
+			snprintf(err, err_len, "%s: %lld bytes, the manifest says %" PRIu64,
+				 m.files[i].name, (long long)st.st_size, m.files[i].bytes);
+		}
+	}
+	embd_ckpt_manifest_free(&m);
 	return rc;
 }
 
@@ -435,11 +519,11 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 }
 
 int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, uint64_t spare,
-		     char *err, size_t err_len)
+		     embd_ckpt_skip_fn moved, void *moved_arg, char *err, size_t err_len)
 {
-	char dir[EMBD_CKPT_PATH_MAX + 64];
+	char dir[EMBD_CKPT_PATH_MAX + 64], aside[EMBD_CKPT_PATH_MAX + 128], why[512];
 	uint64_t *steps;
-	uint32_t n;
+	uint32_t n, valid = 0;
 	int removed = 0, rc;
 
 	if ((rc = list_steps(root, ".tmp-step-", &steps, &n, err, err_len)))
@@ -455,10 +539,17 @@ int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, uint6
 		return removed;
 	if ((rc = list_steps(root, "step-", &steps, &n, err, err_len)))
 		return rc;
-	for (uint32_t i = keep; i < n; i++) {
-		if (steps[i] == spare)
-			continue;
+	/* newest first: a damaged one is moved aside and holds no slot of the keep */
+	for (uint32_t i = 0; i < n; i++) {
 		embd_ckpt_dir_name(root, steps[i], dir, sizeof(dir));
+		if (check_quick(dir, steps[i], why, sizeof(why))) {
+			if (!embd_ckpt_move_damaged(root, dir, aside, sizeof(aside), err, err_len) &&
+			    moved)
+				moved(moved_arg, aside, why);
+			continue;
+		}
+		if (++valid <= keep || steps[i] == spare)
+			continue;
 		if (!(rc = remove_dir(dir, err, err_len)))
 			removed++;
 	}

@@ -46,6 +46,27 @@
  *     restores any other.
  * In both layouts node 0 then publishes its verdict, which every node waits for, so every
  * node's result is the cluster's. Triggers on a cluster: ckpt/ckpt_service.h.
+ *
+ * Damaged checkpoints are never deleted: a step-<N> that fails its check (a restore's full
+ * CRC check, retention's cheaper one, or a write of the same step that finds it) is moved to
+ * <root>/damaged/step-<N>-<UTC time> (embd_ckpt_move_damaged) with a warning, where the
+ * operator may inspect, repair or delete it. Retention counts only checkpoints that pass its
+ * check, so damaged ones never hold a checkpoint_keep slot, and it never removes the newest
+ * one. A service that finds damaged checkpoints and no valid one refuses to start from the
+ * initial weights (ckpt/ckpt_service.h, checkpoint_allow_fresh_start).
+ *
+ * Ownership and identity. A checkpoint directory belongs to one service: it takes a lock at
+ * start (embd_ckpt_lock_take: flock, held until it exits, released by the kernel when it
+ * dies) and a second one is refused with the holder's pid. One node, and a per_node
+ * layout's node, take <root>/.embd.lock exclusively; the nodes of a shared-layout cluster
+ * share it (LOCK_SH) and each takes <root>/.embd.lock-node-<k> exclusively, so two services
+ * claiming one node rank, or a cluster and a lone service, are refused alike. The identity a
+ * restore checks: a checkpoint's tables must be the config's (names, rows, columns, and the
+ * optimizer when it has state), and its manifest's node, num_nodes and "layout" say what it
+ * is: a whole checkpoint (one node, or a shared cluster's merged manifest: restores under
+ * any plan and node count) or one node's part (per_node: node k of N, only node k's shards,
+ * restored only by node k of N under the same plan). A part is refused by a one-node or
+ * shared-layout restore instead of failing on missing shards.
  */
 #ifndef EMBD_CKPT_CHECKPOINT_H
 #define EMBD_CKPT_CHECKPOINT_H
@@ -86,11 +107,34 @@ typedef void (*embd_ckpt_skip_fn)(void *arg, const char *dir, const char *why);
 /* <root>/step-<step> into out (cap bytes). */
 void embd_ckpt_dir_name(const char *root, uint64_t step, char *out, size_t cap);
 
+/* mkdir -p root (0755). */
+int embd_ckpt_mkdir(const char *root, char *err, size_t err_len);
+
+/* Moves the damaged checkpoint directory dir (under root) to <root>/damaged/<its name>-<UTC
+ * time>, the new path into moved_to (cap bytes). Nothing is deleted. */
+int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, size_t cap,
+			   char *err, size_t err_len);
+
+/*
+ * Takes root's lock (created with root if missing) for the process's lifetime: exclusive for
+ * one node or a per_node layout's node (shared_part false), shared plus node `node`'s own
+ * for a shared-layout cluster's node (above). who describes the holder for the message a
+ * second one gets ("embd node 0 of 2", "embctl import"). EMBD_EBUSY when another process
+ * holds it, err naming its pid; EMBD_EIO when the lock file cannot be opened.
+ */
+struct embd_ckpt_lock;
+int embd_ckpt_lock_take(const char *root, bool shared_part, uint32_t node, const char *who,
+			struct embd_ckpt_lock **out, char *err, size_t err_len);
+/* Releases it. NULL is a no-op. */
+void embd_ckpt_lock_release(struct embd_ckpt_lock *lock);
+
 /*
  * Writes step-<m->step> under root (created if missing) as described above. m's files are
  * replaced by one entry per array (with bytes and crc32c). With sync false nothing is
  * fsynced (tests of the format only). *bytes_out: bytes of all files written. Errors name the
- * file. When step-<N> already holds a valid checkpoint, returns EMBD_EBUSY and writes nothing.
+ * file; a failed write removes its .tmp-step-<N> at once (a full disk gets its space back).
+ * When step-<N> already holds a valid checkpoint, returns EMBD_EBUSY and writes nothing; a
+ * damaged one is moved aside (returning 0, err then says where it went, else err is "").
  */
 int embd_ckpt_write_dir(const char *root, struct embd_ckpt_manifest *m,
 			const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,
@@ -112,19 +156,25 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 		   char *dir_out, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
 		   size_t err_len);
 
-/* Removes every step-<N> but the newest keep (keep 0: none removed) and step-<spare>
- * (UINT64_MAX: none spared; per-node directories spare the newest step every node holds),
- * and stale .tmp-step-<M> directories with M < tmp_before (UINT64_MAX: all). Returns the
- * number removed or a negative code. */
+/*
+ * Retention: keeps the newest keep valid step-<N> (keep 0: removes none) and step-<spare>
+ * (UINT64_MAX: none spared; the service spares the checkpoint it just wrote, per-node
+ * directories the newest step every node holds), removes the older valid ones, and stale
+ * .tmp-step-<M> directories with M < tmp_before (UINT64_MAX: all). Valid here: the manifest
+ * parses, names the directory's step, and every file it lists exists with its size (no CRC:
+ * reading every kept checkpoint at each write would cost more than the write). A directory
+ * that fails is moved aside (embd_ckpt_move_damaged) and reported to moved (may be NULL)
+ * with its new path and why. Returns the number removed or a negative code.
+ */
 int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, uint64_t spare,
-		     char *err, size_t err_len);
+		     embd_ckpt_skip_fn moved, void *moved_arg, char *err, size_t err_len);
 
 /*
  * Shared-directory cluster checkpoints (above). _write_part: step 2 only, into
  * <root>/.tmp-step-<m->step> (created if missing, never emptied: the other nodes write there
  * too); m's files become this node's entries. _commit: node 0, once every node's entries are
  * merged into m: steps 3 and 4 (EMBD_EBUSY when step-N is valid already; a damaged one is
- * replaced). _discard: removes .tmp-step-<step> (a cluster checkpoint that cannot complete).
+ * moved aside, err saying where, as in embd_ckpt_write_dir). _discard: removes .tmp-step-<step> (a cluster checkpoint that cannot complete).
  */
 int embd_ckpt_write_part(const char *root, struct embd_ckpt_manifest *m,
 			 const struct embd_ckpt_array *arrays, uint32_t num_arrays, bool sync,

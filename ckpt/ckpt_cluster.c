@@ -117,6 +117,15 @@ static void publish_verdict(const struct embd_ckpt_cluster *cl, const char *key,
 
 /* ---- writing ----------------------------------------------------------------------------- */
 
+void embd_ckpt_write_delay(const struct embd_ckpt_cluster *cl)
+{
+	struct timespec d = { .tv_sec = cl->write_delay_ms / 1000,
+			      .tv_nsec = (long)(cl->write_delay_ms % 1000) * 1000000 };
+
+	while (cl->write_delay_ms > 0 && nanosleep(&d, &d) && errno == EINTR)
+		;
+}
+
 /* Node 0: every node's report of step, then the commit (shared) or the check (per_node). */
 static int commit(const struct embd_ckpt_cluster *cl, uint64_t step, char (*keys)[CKPT_KEY_MAX],
 		  char *err, size_t err_len)
@@ -181,12 +190,7 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 	/* the others wait for the verdict while this mark is there (ckpt_cluster.h) */
 	if (cl->node == 0 && embd_store_set(cl->store, busy, "1", 1))
 		embd_log_warning("checkpoints: cannot set %s: %s", busy, embd_store_error(cl->store));
-	if (cl->write_delay_ms > 0) {
-		struct timespec d = { .tv_sec = cl->write_delay_ms / 1000,
-				      .tv_nsec = (long)(cl->write_delay_ms % 1000) * 1000000 };
-		while (nanosleep(&d, &d) && errno == EINTR)
-			;
-	}
+	embd_ckpt_write_delay(cl);
 	rc = shared ? embd_ckpt_write_part(root, m, arrays, num_arrays, true, bytes, err, err_len)
 		    : embd_ckpt_write_dir(root, m, arrays, num_arrays, true, bytes, err, err_len);
 	if (rc == EMBD_EBUSY && !shared)
@@ -221,12 +225,63 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 
 /* ---- restore ----------------------------------------------------------------------------- */
 
+void embd_ckpt_skipped_free(struct embd_ckpt_skipped *s)
+{
+	free(s->dirs);
+	memset(s, 0, sizeof(*s));
+}
+
+static void note_skipped(void *arg, const char *dir, const char *why)
+{
+	struct embd_ckpt_skipped *s = arg;
+
+	embd_log_warning("checkpoint %s is damaged, skipped: %s", dir, why);
+	for (uint32_t i = 0; i < s->n; i++)
+		if (!strcmp(s->dirs[i], dir))
+			return;
+	if (!s->n)
+		snprintf(s->why, sizeof(s->why), "%s", why);
+	if (s->n == s->cap) {
+		uint32_t cap = s->cap ? 2 * s->cap : 8;
+		void *p = realloc(s->dirs, cap * sizeof(*s->dirs));
+		if (!p)
+			return;         /* it stays where it is: moved aside at a later restore */
+		s->dirs = p;
+		s->cap = cap;
+	}
+	snprintf(s->dirs[s->n++], sizeof(s->dirs[0]), "%s", dir);
+}
+
+/* Why a restore that skipped damaged checkpoints and found no valid one does not start
+ * afresh (what), into err. */
+static int refuse_fresh_start(const struct embd_ckpt_skipped *s, const char *what, char *err,
+			      size_t err_len)
+{
+	return snprintf(err, err_len, "%s: %u damaged checkpoint%s (%s: %s) and no valid one to "
+			"restore; refusing to start from the initial weights. Repair or move them "
+			"away, or set checkpoint_allow_fresh_start to start afresh (they are then "
+			"moved to damaged/)", what, s->n, s->n == 1 ? "" : "s", s->dirs[0], s->why),
+	       EMBD_ECHECKSUM;
+}
+
+int embd_ckpt_find_local(const struct embd_ckpt_cluster *cl, uint64_t bound,
+			 struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
+			 struct embd_ckpt_manifest *m, char *err, size_t err_len)
+{
+	const char *root = cl->settings->checkpoint_dir;
+	int rc = embd_ckpt_find(root, bound, note_skipped, skipped, dir, dir_cap, m, err, err_len);
+
+	if (rc == EMBD_ENOENT && skipped->n && !cl->settings->checkpoint_allow_fresh_start)
+		return refuse_fresh_start(skipped, root, err, err_len);
+	return rc;
+}
+
 /* Shared: node 0 finds the newest valid step and publishes it ("none", or "error: why");
  * every other node opens that very directory and fails on damage rather than take another
  * step than node 0. */
-static int find_shared(const struct embd_ckpt_cluster *cl, const char *key, embd_ckpt_skip_fn skip,
-		       char *dir, size_t dir_cap, struct embd_ckpt_manifest *m, char *err,
-		       size_t err_len)
+static int find_shared(const struct embd_ckpt_cluster *cl, const char *key,
+		       struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
+		       struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	const char *root = cl->settings->checkpoint_dir;
 	char value[800], inner[600];
@@ -235,7 +290,7 @@ static int find_shared(const struct embd_ckpt_cluster *cl, const char *key, embd
 	int rc;
 
 	if (!cl->node) {
-		rc = embd_ckpt_find(root, UINT64_MAX, skip, NULL, dir, dir_cap, m, err, err_len);
+		rc = embd_ckpt_find_local(cl, UINT64_MAX, skipped, dir, dir_cap, m, err, err_len);
 		if (!rc)
 			snprintf(value, sizeof(value), "%" PRIu64, m->step);
 		else
@@ -276,11 +331,13 @@ static int find_shared(const struct embd_ckpt_cluster *cl, const char *key, embd
 	return 0;
 }
 
-/* Per_node, node 0's part of round r: every node's newest valid step, then the answer. */
+/* Per_node, node 0's part of round r: every node's newest valid step, then the answer. A
+ * value is "<step>" or "none", followed by " damaged" when that node skipped damaged steps. */
 static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*keys)[CKPT_KEY_MAX],
 			char *answer, size_t cap, char *err, size_t err_len)
 {
 	uint64_t lowest = UINT64_MAX, highest = 0;
+	uint32_t damaged = UINT32_MAX, none = UINT32_MAX;
 	int rc = wait_all(cl, keys, "say which checkpoints it holds", err, err_len);
 
 	for (uint32_t k = 0; k < cl->num_nodes && !rc; k++) {
@@ -294,43 +351,61 @@ static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*k
 		snprintf(text, sizeof(text), "%.*s", (int)len, (char *)v);
 		free(v);
 		embd_store_delete(cl->store, keys[k]);
-		if (!strcmp(text, "none")) {
-			snprintf(answer, cap, "none");
-			embd_log_notice("restore: node %u holds no valid checkpoint (round %u): every "
-					"node starts from the initial weights", k, r);
-			return 0;
-		}
 		if (!strncmp(text, "error: ", 7)) {
 			snprintf(err, err_len, "node %u: %s", k, text + 7);
 			return EMBD_EIO;
+		}
+		if (strstr(text, " damaged") && damaged == UINT32_MAX)
+			damaged = k;
+		if (!strncmp(text, "none", 4)) {
+			none = none == UINT32_MAX ? k : none;
+			continue;
 		}
 		uint64_t s = strtoull(text, NULL, 10);
 		lowest = s < lowest ? s : lowest;
 		highest = s > highest ? s : highest;
 	}
-	if (!rc)
+	if (rc)
+		return rc;
+	if (none == UINT32_MAX) {
 		snprintf(answer, cap, "%s %" PRIu64, lowest == highest ? "step" : "below", lowest);
-	return rc;
+		return 0;
+	}
+	/* a step damaged on one node only was a cluster checkpoint: do not start afresh over it */
+	if (damaged != UINT32_MAX && !cl->settings->checkpoint_allow_fresh_start)
+		return snprintf(err, err_len, "node %u skipped damaged checkpoints (see its log) and "
+				"no step every node holds valid remains; refusing to start from the "
+				"initial weights. Repair or move them away, or set "
+				"checkpoint_allow_fresh_start on every node", damaged), EMBD_ECHECKSUM;
+	snprintf(answer, cap, "none");
+	embd_log_notice("restore: node %u holds no valid checkpoint (round %u): every node starts "
+			"from the initial weights", none, r);
+	return 0;
 }
 
 /* Per_node: rounds until every node holds the same newest valid step (ckpt_cluster.h). */
 static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
-			 embd_ckpt_skip_fn skip, char *dir, size_t dir_cap,
+			 struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
 			 struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	const char *root = cl->settings->checkpoint_dir;
-	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), key[CKPT_KEY_MAX], value[640], answer[64];
+	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), key[CKPT_KEY_MAX], value[640], answer[700];
 	uint64_t bound = UINT64_MAX;
 	int rc = keys ? 0 : EMBD_ENOMEM;
 
 	memset(m, 0, sizeof(*m));
 	for (uint32_t r = 0; !rc; r++) {
 		embd_ckpt_manifest_free(m);
-		int frc = embd_ckpt_find(root, bound, skip, NULL, dir, dir_cap, m, err, err_len);
+		/* the cluster decides whether damage forbids a fresh start: this node says "none" */
+		int frc = embd_ckpt_find(root, bound, note_skipped, skipped, dir, dir_cap, m, err,
+					 err_len);
 		if (frc == 0)
-			snprintf(value, sizeof(value), "%" PRIu64, m->step);
+			snprintf(value, sizeof(value), "%" PRIu64 "%s", m->step,
+				 skipped->n ? " damaged" : "");
+		else if (frc == EMBD_ENOENT)
+			snprintf(value, sizeof(value), "none%s", skipped->n ? " damaged" : "");
 		else
-			snprintf(value, sizeof(value), frc == EMBD_ENOENT ? "none" : "error: %s", err);
+			snprintf(value, sizeof(value), "error: %s", err);
 		for (uint32_t k = 0; k < cl->num_nodes; k++)
 			snprintf(keys[k], sizeof(keys[k]), "%s/%u/node/%u", base, r, k);
 		snprintf(key, sizeof(key), "%s/%u", base, r);
@@ -355,7 +430,7 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
 			free(v);
 			if (!strncmp(answer, "error: ", 7)) {
 				rc = EMBD_EIO;
-				snprintf(err, err_len, "node 0 cannot choose a checkpoint");
+				snprintf(err, err_len, "node 0 cannot choose a checkpoint: %s", answer + 7);
 				break;
 			}
 		}
@@ -388,12 +463,12 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
 }
 
 int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,
-			   embd_ckpt_skip_fn skip, char *dir, size_t dir_cap,
+			   struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
 			   struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	return cl->settings->checkpoint_layout == EMBD_CKPT_SHARED
-		       ? find_shared(cl, key, skip, dir, dir_cap, m, err, err_len)
-		       : find_per_node(cl, key, skip, dir, dir_cap, m, err, err_len);
+		       ? find_shared(cl, key, skipped, dir, dir_cap, m, err, err_len)
+		       : find_per_node(cl, key, skipped, dir, dir_cap, m, err, err_len);
 }
 
 /* ---- the final checkpoint of an idle cluster ---------------------------------------------- */

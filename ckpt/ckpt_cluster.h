@@ -25,7 +25,8 @@
 struct embd_store;
 
 /* The test hook of a slow write: this many ms of sleep before a node writes its part (read
- * from the environment at start, so that a test can slow one node; 0 when unset). */
+ * from the environment at start, so that a test can slow one node; 0 when unset), also before
+ * one node's write. embd_ckpt_write_delay sleeps it. */
 #define EMBD_CKPT_WRITE_DELAY_ENV "EMBD_TEST_CKPT_WRITE_DELAY_MS"
 
 struct embd_ckpt_cluster {
@@ -37,6 +38,8 @@ struct embd_ckpt_cluster {
 	uint64_t generation;                    /* scopes the keys: the cluster's comm generation
 						 * (0 until a re-form); set only while no write runs */
 };
+
+void embd_ckpt_write_delay(const struct embd_ckpt_cluster *cl);
 
 /*
  * This node's part of step m->step: shared layout, its files into .tmp-step-N
@@ -62,6 +65,29 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
 			    uint64_t *bytes, char *err, size_t err_len);
 
 /*
+ * The damaged checkpoints one node's restore skipped (each logged as it is found): the service
+ * moves them aside (embd_ckpt_move_damaged) once the restore goes ahead, and leaves them in
+ * place when it refuses, so that the next start refuses too.
+ */
+struct embd_ckpt_skipped {
+	uint32_t n, cap;
+	char (*dirs)[EMBD_CKPT_PATH_MAX + 64];
+	char why[512];                  /* the newest one's reason */
+};
+void embd_ckpt_skipped_free(struct embd_ckpt_skipped *s);
+
+/*
+ * This node's newest valid checkpoint with step <= bound in its checkpoint_dir
+ * (embd_ckpt_find), noting the damaged ones it skips in skipped. EMBD_ENOENT when there is
+ * none; but when it skipped damaged ones and checkpoint_allow_fresh_start is not set,
+ * EMBD_ECHECKSUM naming them: starting from the initial weights would silently drop the
+ * training they hold.
+ */
+int embd_ckpt_find_local(const struct embd_ckpt_cluster *cl, uint64_t bound,
+			 struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
+			 struct embd_ckpt_manifest *m, char *err, size_t err_len);
+
+/*
  * The checkpoint a cluster restores, the same on every node; dir and *m are this node's.
  * key: the store key of this restore (EMBD_CKPT_RESTORE_KEY at start; one per generation when
  * a re-formed cluster restores, dist/regroup.h).
@@ -69,14 +95,16 @@ int embd_ckpt_cluster_write(const struct embd_ckpt_cluster *cl, struct embd_ckpt
  * open that very directory. Per_node: rounds r = 0, 1, ...: every node publishes the newest
  * step <= bound it holds valid ("<key>/<r>/node/<k>"), node 0 answers with the step
  * when all agree, or with the smallest as the next bound ("<key>/<r>"), so the newest
- * step that every node holds valid wins. Per_node restores only a checkpoint of this plan
- * and node count (EMBD_EMISMATCH otherwise, saying how to reshard). EMBD_ENOENT: none. A
+ * step that every node holds valid wins; a node that skipped damaged steps says so, and
+ * when no step remains node 0 refuses to start afresh as embd_ckpt_find_local does. Per_node
+ * restores only a checkpoint of this plan and node count (EMBD_EMISMATCH otherwise, saying
+ * how to reshard). Every node notes what it skipped in skipped. EMBD_ENOENT: none. A
  * failure of this node's store handle returns the store's code (EMBD_ETIMEDOUT,
  * EMBD_ECONNRESET): a re-formed cluster tries again after those (dist/regroup.h).
  */
 #define EMBD_CKPT_RESTORE_KEY "ckpt/restore"
 int embd_ckpt_cluster_find(const struct embd_ckpt_cluster *cl, const char *key,
-			   embd_ckpt_skip_fn skip, char *dir, size_t dir_cap,
+			   struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
 			   struct embd_ckpt_manifest *m, char *err, size_t err_len);
 
 /*

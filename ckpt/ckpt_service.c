@@ -37,6 +37,7 @@ struct result {
 
 struct embd_ckpt_service {
 	const struct embd_ckpt_settings *settings;
+	struct embd_ckpt_lock *lock;            /* checkpoint_dir's, held until destroy */
 	struct embd_step *step;
 	struct embd_ckpt_manifest base;         /* tables, plan, node: every write's manifest */
 	struct embd_store *store;               /* a cluster's: restore, then the writer's only */
@@ -61,6 +62,8 @@ struct embd_ckpt_service {
 	uint64_t common_step;                   /* the newest step every node holds (per_node
 						 * retention spares it); UINT64_MAX: none known */
 	uint64_t last_step, last_ns;            /* of the last started (or restored) checkpoint */
+	uint64_t skipped;                       /* every_steps boundaries passed while a write ran
+						 * (one node; ckpt_service.h) */
 	uint64_t resumed_step;
 	/* the steps' share of the running checkpoint (service thread): the boundary's own time
 	 * (waiting for the previous write, the begin), then per step the hooks' copies */
@@ -90,6 +93,18 @@ int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct e
 	ck->efd = -1;
 	ck->base.node = settings->node_rank;
 	ck->base.num_nodes = settings->num_nodes;
+	const bool cluster = settings->num_nodes > 1;
+	ck->base.node_part = cluster && settings->checkpoint_layout == EMBD_CKPT_PER_NODE;
+	char who[96];
+	snprintf(who, sizeof(who), "embd node %u of %u%s%s", settings->node_rank,
+		 settings->num_nodes, cluster ? ", checkpoint_layout " : "",
+		 cluster ? embd_ckpt_layout_name(settings->checkpoint_layout) : "");
+	/* first: a second service must not even read the directory the first one writes */
+	if ((rc = embd_ckpt_lock_take(settings->checkpoint_dir,
+				      cluster && settings->checkpoint_layout == EMBD_CKPT_SHARED,
+				      settings->node_rank, who, &ck->lock, err, err_len)))
+		goto out;
+	rc = EMBD_ENOMEM;
 	ck->base.num_tables = t->count;
 	ck->base.tables = calloc(t->count + 1, sizeof(*ck->base.tables));
 	if (!ck->base.tables)
@@ -149,6 +164,7 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck)
 	embd_store_close(ck->store);
 	embd_ckpt_manifest_free(&ck->base);
 	embd_ckpt_snapshot_destroy(ck->snap);
+	embd_ckpt_lock_release(ck->lock);
 	free(ck);
 }
 
@@ -158,6 +174,13 @@ int embd_ckpt_service_fd(const struct embd_ckpt_service *ck)
 }
 
 /* ---- writing ----------------------------------------------------------------------------- */
+
+static void log_moved(void *arg, const char *dir, const char *why)
+{
+	(void)arg;
+	embd_log_warning("checkpoint retention: a damaged checkpoint was moved to %s (%s); it no "
+			 "longer counts toward checkpoint_keep", dir, why);
+}
 
 /* The write itself: the thread's body, or the final checkpoint's on the service thread. */
 static void write_snapshot(struct embd_ckpt_service *ck)
@@ -173,6 +196,8 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 	m.step = w->step;
 	m.created_unix_ms = 0;
 	embd_ckpt_dir_name(root, w->step, w->dir, sizeof(w->dir));
+	if (!cluster)
+		embd_ckpt_write_delay(&ck->cl);        /* a cluster's node sleeps in its protocol */
 	w->rc = cluster ? embd_ckpt_cluster_write(&ck->cl, &m, ck->arrays, ck->num_arrays,
 						  &w->bytes, w->err, sizeof(w->err))
 			: embd_ckpt_write_dir(root, &m, ck->arrays, ck->num_arrays, true, &w->bytes,
@@ -185,10 +210,11 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 	const bool per_node = cluster && ck->settings->checkpoint_layout == EMBD_CKPT_PER_NODE;
 	if (per_node || (!w->rc && !m.node)) {
 		char inner[512];
+		/* per_node spares the newest step every node holds, else the one just written */
 		int removed = embd_ckpt_retain(root, ck->settings->checkpoint_keep,
 					       cluster && !per_node ? w->step : UINT64_MAX,
-					       per_node ? ck->common_step : UINT64_MAX, inner,
-					       sizeof(inner));
+					       per_node ? ck->common_step : w->rc ? UINT64_MAX : w->step,
+					       log_moved, NULL, inner, sizeof(inner));
 		if (removed < 0 && !w->rc)
 			snprintf(w->err, sizeof(w->err), "retention: %s", inner);
 	}
@@ -269,9 +295,11 @@ static void finish(struct embd_ckpt_service *ck)
 		embd_log_error("checkpoint of step %" PRIu64 " failed: %s", w->step, w->err);
 	} else {
 		ck->written++;
-		embd_log_info("checkpoint of step %" PRIu64 ": %s, %" PRIu64 " bytes in %.1f ms "
-			      "(steps stalled %.2f ms)%s%s", w->step, w->dir, w->bytes, w->write_ms,
-			      w->stall_ms, w->err[0] ? "; " : "", w->err);
+		/* a note beside success: a damaged step replaced, retention that failed */
+		embd_log(w->err[0] ? EMBD_LOG_WARNING : EMBD_LOG_INFO,
+			 "checkpoint of step %" PRIu64 ": %s, %" PRIu64 " bytes in %.1f ms (steps "
+			 "stalled %.2f ms)%s%s", w->step, w->dir, w->bytes, w->write_ms, w->stall_ms,
+			 w->err[0] ? "; " : "", w->err);
 		w->err[0] = 0;
 	}
 	ck->last = *w;
@@ -333,6 +361,22 @@ static bool timer_due(const struct embd_ckpt_service *ck, uint64_t step)
 	       embd_now_ns() - ck->last_ns >= (uint64_t)c->checkpoint_every_seconds * 1000000000u;
 }
 
+/* One node takes a due every_steps checkpoint at the first boundary after the write that ran
+ * meanwhile (ckpt_service.h); the boundaries it passed are counted and said, not silent. */
+static void count_skipped(struct embd_ckpt_service *ck, uint64_t step)
+{
+	uint32_t every = ck->settings->checkpoint_every_steps;
+	uint64_t passed = (step - ck->last_step) / every;
+
+	if (passed < 2)
+		return;
+	ck->skipped += passed - 1;
+	embd_log_notice("checkpoint_every_steps %u: checkpoint of step %" PRIu64 " only: %" PRIu64
+			" due since step %" PRIu64 " passed while the previous write ran (%" PRIu64
+			" skipped so far, checkpoint.skipped in embctl status)", every, step,
+			passed - 1, ck->last_step, ck->skipped);
+}
+
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 {
 	const struct embd_ckpt_settings *c = ck->settings;
@@ -360,6 +404,8 @@ bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 	}
 	if (!must && (cluster || !(ck->requested || timer_due(ck, step))))
 		return false;
+	if (every && !cluster)
+		count_skipped(ck, step);
 	start(ck, step, waited_ms);
 	return true;
 }
@@ -422,12 +468,6 @@ int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step)
 
 /* ---- restore ----------------------------------------------------------------------------- */
 
-static void log_skip(void *arg, const char *dir, const char *why)
-{
-	(void)arg;
-	embd_log_warning("checkpoint %s is damaged, skipped: %s", dir, why);
-}
-
 /* The checkpoint's tables must be the config's: same names, rows and columns. */
 static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ckpt_manifest *m,
 			const char *dir, int *index, char *err, size_t err_len)
@@ -464,13 +504,44 @@ static int check_tables(const struct embd_ckpt_service *ck, const struct embd_ck
 	return 0;
 }
 
+/* The damaged checkpoints a restore that goes ahead skipped: out of the way (checkpoint.h). */
+static void move_skipped(struct embd_ckpt_service *ck, const struct embd_ckpt_skipped *sk)
+{
+	char moved[EMBD_CKPT_PATH_MAX + 128], err[512];
+
+	for (uint32_t i = 0; i < sk->n; i++) {
+		if (embd_ckpt_move_damaged(ck->settings->checkpoint_dir, sk->dirs[i], moved,
+					   sizeof(moved), err, sizeof(err)))
+			embd_log_warning("damaged checkpoint %s stays where it is: %s", sk->dirs[i], err);
+		else
+			embd_log_warning("damaged checkpoint %s moved to %s", sk->dirs[i], moved);
+	}
+}
+
+/* A checkpoint this service may restore (checkpoint.h, identity): one node's part only on
+ * that node of a per_node cluster (which checks node, count and plan in ckpt_cluster.c). */
+static int check_identity(const struct embd_ckpt_service *ck, const struct embd_ckpt_manifest *m,
+			  const char *dir, char *err, size_t err_len)
+{
+	if (!m->node_part || ck->base.node_part)
+		return 0;
+	return snprintf(err, err_len, "%s is node %u of %u's part of a checkpoint_layout per_node "
+			"checkpoint (only that node's shards): this service (node %u of %u, %s) "
+			"restores whole checkpoints; gather every node's directory (embctl export "
+			"--dir ... --dir ...) or restore it under per_node", dir, m->node, m->num_nodes,
+			ck->base.node, ck->base.num_nodes,
+			ck->base.num_nodes > 1 ? "checkpoint_layout shared" : "one node"), EMBD_EMISMATCH;
+}
+
 /* The newest valid checkpoint into the shards; on a cluster the one chosen through the store
- * at restore_key (ckpt_cluster.h). EMBD_ENOENT (not logged) when there is none. */
+ * at restore_key (ckpt_cluster.h). EMBD_ENOENT (not logged) when there is none; the damaged
+ * ones skipped are moved aside when it goes ahead (restored, or none and a fresh start). */
 static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64_t *step_out,
 		   char *err, size_t err_len)
 {
 	char dir[EMBD_CKPT_PATH_MAX + 64];
 	struct embd_ckpt_manifest m;
+	struct embd_ckpt_skipped skipped = { 0 };
 	uint32_t n = embd_step_num_shards(ck->step);
 	struct embd_ckpt_target *targets = calloc(n + 1, sizeof(*targets));
 	int *index = calloc(ck->settings->tables.count + 1, sizeof(int));
@@ -480,12 +551,19 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 	memset(&m, 0, sizeof(m));
 	if (!targets || !index)
 		goto out;
-	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, restore_key, log_skip, dir,
+	rc = ck->base.num_nodes > 1 ? embd_ckpt_cluster_find(&ck->cl, restore_key, &skipped, dir,
 							     sizeof(dir), &m, err, err_len)
-				    : embd_ckpt_find(ck->settings->checkpoint_dir, UINT64_MAX, log_skip,
-						     NULL, dir, sizeof(dir), &m, err, err_len);
-	if (rc || (rc = check_tables(ck, &m, dir, index, err, err_len)))
+				    : embd_ckpt_find_local(&ck->cl, UINT64_MAX, &skipped, dir,
+							   sizeof(dir), &m, err, err_len);
+	if (rc == EMBD_ENOENT && skipped.n) {
+		move_skipped(ck, &skipped);
+		embd_log_warning("checkpoint_allow_fresh_start: starting from the initial weights "
+				 "over the damaged checkpoints found (%u)", skipped.n);
+	}
+	if (rc || (rc = check_identity(ck, &m, dir, err, err_len)) ||
+	    (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
+	move_skipped(ck, &skipped);
 	uint32_t num_targets = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		struct embd_step_shard_view v;
@@ -513,6 +591,7 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 			"%s", dir, m.step, m.num_files, m.plan_hash,
 			m.plan_hash == ck->base.plan_hash ? "" : " (resharded to this plan)");
 out:
+	embd_ckpt_skipped_free(&skipped);
 	embd_ckpt_manifest_free(&m);
 	free(targets);
 	free(index);
@@ -594,6 +673,7 @@ int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **stat
 	cJSON_AddNumberToObject(o, "keep", ck->settings->checkpoint_keep);
 	cJSON_AddBoolToObject(o, "in_progress", ck->running);
 	cJSON_AddNumberToObject(o, "written", (double)ck->written);
+	cJSON_AddNumberToObject(o, "skipped", (double)ck->skipped);
 	cJSON_AddNumberToObject(o, "max_stall_ms", ck->max_stall_ms);
 	if (ck->last.seq && (last = cJSON_AddObjectToObject(o, "last")))
 		add_result(last, &ck->last);

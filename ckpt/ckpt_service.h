@@ -19,6 +19,15 @@
  * (the shards are then at "steps completed = step": a forward changes no parameter). At most
  * one write runs; a trigger that comes due meanwhile is taken when it ends.
  *
+ * checkpoint_every_steps N when a write takes longer than N steps (one node): the steps never
+ * wait for the disk. A checkpoint that comes due while a write runs is taken at the first
+ * step boundary after that write ended, so with a slow disk the checkpoints land every
+ * "write time" steps rather than every N (every 42-100 steps for N = 5 in one report). The
+ * due boundaries that passed meanwhile are not queued (a queue behind a disk slower than the
+ * steps only grows): each late checkpoint logs how many it replaced, and their total is
+ * "skipped" in the status's "checkpoint" object (`embctl status`: checkpoint.skipped). Raise N
+ * (or give the writes a faster disk) until skipped stays 0. A cluster waits instead (below).
+ *
  * A cluster (either layout, checkpoint.h) must take every checkpoint at the same step on every
  * node. checkpoint_every_steps is known to all in advance: the multiples of it (not "N steps
  * after this node's last one", which drifts when a node missed a boundary). The other triggers are agreed
@@ -55,13 +64,16 @@ struct embd_ckpt_settings {
 	uint32_t checkpoint_every_steps;                /* 0 = off */
 	uint32_t checkpoint_every_seconds;              /* 0 = off */
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
+	bool checkpoint_allow_fresh_start;              /* start afresh over damaged ones */
 	uint32_t node_rank, num_nodes;
 	char master_addr[256];                          /* node 0's store, on a cluster */
 	uint16_t master_port;
 	int store_timeout_ms;
 };
 
-/* For settings->checkpoint_dir (must be set). Keeps pointers to settings and step. */
+/* For settings->checkpoint_dir (must be set, created if missing), whose lock it takes until
+ * destroyed (embd_ckpt_lock_take: EMBD_EBUSY naming the holder's pid when another service
+ * has it). Keeps pointers to settings and step. */
 int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct embd_step *step,
 			     struct embd_plan *plan, struct embd_ckpt_service **out, char *err,
 			     size_t err_len);
@@ -69,9 +81,16 @@ int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct e
 void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
 
 /*
- * Restores the newest valid checkpoint into the step's shards (before any step ran), logging
- * every damaged one it skips; on a cluster the one node 0 chose (checkpoint.h). *step_out: its step (0 when there is none, which returns 0 too).
- * EMBD_EMISMATCH when the checkpoint's tables differ from the config's (err names the table).
+ * Restores the newest valid checkpoint into the step's shards (before any step ran); on a
+ * cluster the one node 0 chose (checkpoint.h). *step_out: its step (0 when there is none,
+ * which returns 0 too). Every damaged checkpoint it skips is logged and, once the restore
+ * goes ahead, moved to <checkpoint_dir>/damaged/ (checkpoint.h). With damaged ones and no
+ * valid one it refuses to start from the initial weights (EMBD_ECHECKSUM naming them, the
+ * directories left in place) unless checkpoint_allow_fresh_start is set: silently starting
+ * over would drop the training they hold. EMBD_EMISMATCH when the checkpoint is not this
+ * service's (checkpoint.h: its tables differ from the config's, err naming the table; one
+ * node's part of a per_node checkpoint on one node or the shared layout; per_node: another
+ * node, node count or plan).
  */
 int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, char *err,
 			      size_t err_len);
@@ -126,8 +145,9 @@ uint64_t embd_ckpt_service_reap(struct embd_ckpt_service *ck);
  * When ok is false, the error is in "error". */
 int embd_ckpt_service_result_json(const struct embd_ckpt_service *ck, char **out);
 
-/* Adds "resumed_step" and a "checkpoint" object (config, last result, in progress, worst
- * stall) to the status JSON text *status (replaced by a new malloc'ed text). */
+/* Adds "resumed_step" and a "checkpoint" object (config, last result, in progress, written,
+ * skipped (above), worst stall) to the status JSON text *status (replaced by a new malloc'ed
+ * text). */
 int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **status);
 
 /* The final checkpoint at SIGTERM: waits for a running write, then writes `step` on this

@@ -47,6 +47,8 @@ int embd_ckpt_manifest_write(const struct embd_ckpt_manifest *m, char **out)
 	cJSON_AddNumberToObject(root, "created_unix_ms", (double)m->created_unix_ms);
 	cJSON_AddNumberToObject(root, "node", m->node);
 	cJSON_AddNumberToObject(root, "num_nodes", m->num_nodes);
+	if (m->node_part)
+		cJSON_AddStringToObject(root, "layout", "per_node");
 	cJSON_AddStringToObject(root, "plan_hash", hex);
 	if (m->plan_json) {
 		cJSON *plan = cJSON_Parse(m->plan_json);
@@ -288,6 +290,17 @@ int embd_ckpt_manifest_parse(const char *text, size_t len, struct embd_ckpt_mani
 	if ((rc = get_int(root, "node", 0, m->num_nodes - 1.0, &v, "", err, err_len)))
 		goto out;
 	m->node = (uint32_t)v;
+	/* absent in manifests written before parts were marked: whole */
+	if (cJSON_GetObjectItemCaseSensitive(root, "layout")) {
+		if ((rc = get_str(root, "layout", buf, sizeof(buf), "", err, err_len)))
+			goto out;
+		rc = EMBD_EPARSE;
+		if (strcmp(buf, "per_node") && strcmp(buf, "shared")) {
+			snprintf(err, err_len, "manifest layout: '%s', expected per_node or shared", buf);
+			goto out;
+		}
+		m->node_part = !strcmp(buf, "per_node");
+	}
 	if ((rc = get_str(root, "plan_hash", buf, sizeof(buf), "", err, err_len)))
 		goto out;
 	char *end;
@@ -408,6 +421,7 @@ int embd_ckpt_manifest_merge(const struct embd_ckpt_manifest *parts, uint32_t n,
 	out->files = calloc(files + 1, sizeof(*out->files));
 	out->num_files = 0;
 	out->node = 0;
+	out->node_part = false;         /* every node's parts together: whole */
 	if (!out->tables || !out->files || (parts[0].plan_json && !out->plan_json)) {
 		embd_ckpt_manifest_free(out);
 		return EMBD_ENOMEM;

@@ -5,7 +5,8 @@
  *
  * Format (JSON, format_version 1):
  *   { "format": "embd-checkpoint", "format_version": 1, "step": 120, "created_unix_ms": ...,
- *     "node": 0, "num_nodes": 1, "plan_hash": "16 hex digits", "plan": { plan JSON },
+ *     "node": 0, "num_nodes": 1, ["layout": "per_node",] "plan_hash": "16 hex digits",
+ *     "plan": { plan JSON },
  *     "tables": [ {"name": "t", "num_embeddings": 64, "embedding_dim": 8,
  *                  "data_type": "fp32", "optimizer": "adagrad"}, ... ],
  *     "files": [ {"name": "t.r0.c0.weight.npy", "bytes": 2176, "crc32c": 123456789,
@@ -15,6 +16,8 @@
  * state is "weight" (shape rows x cols), "momentum1" (adagrad's sum of squares and adam's m:
  * rows x cols; rowwise_adagrad's per-row sum: shape (rows,)) or "momentum2" (adam's v).
  * col_offset/cols are the columns of the shard the state belongs to, also for per-row state.
+ * "layout": "per_node" marks one node's part of a per_node cluster checkpoint (node k of
+ * num_nodes, only its shards; ckpt/checkpoint.h); absent (or "shared"): a whole checkpoint.
  * The parser refuses, naming the field: unknown format or version, a file name that is not
  * [A-Za-z0-9._-]+ (no path can escape the directory), a duplicate name, a table that is not
  * listed, coordinates outside the table, a state the table's optimizer does not have, and two
@@ -23,6 +26,7 @@
 #ifndef EMBD_CKPT_MANIFEST_H
 #define EMBD_CKPT_MANIFEST_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -64,6 +68,7 @@ struct embd_ckpt_manifest {
 	uint64_t step;                  /* steps completed: the step a restore resumes at */
 	uint64_t created_unix_ms;
 	uint32_t node, num_nodes;
+	bool node_part;                 /* "layout": "per_node": node's shards only */
 	uint64_t plan_hash;
 	char *plan_json;                /* owned; NULL or the plan's JSON text */
 	uint32_t num_tables;

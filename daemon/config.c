@@ -9,7 +9,10 @@
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <errno.h>
+#include <grp.h>
 #include <math.h>
+#include <pwd.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -57,9 +60,37 @@ const char *embd_config_default_text(void)
 	return default_text;
 }
 
-/* allowed_uids, allowed_gids */
-static int get_ids(const cJSON *v, const char *key, unsigned int *ids, uint32_t *count,
-		   char *err, size_t err_len)
+/*
+ * A user or group name in allowed_uids / allowed_gids, resolved once when the file is read:
+ * a packaged config names the group its package created, whose id differs per machine.
+ * Returns 0 or an errno value (ENOENT: no such name).
+ */
+static int resolve_name(const char *name, bool group, unsigned int *id)
+{
+	size_t len = 1024;
+	int rc;
+
+	for (;;) {
+		char *buf = malloc(len);
+		struct passwd pw, *pwr = NULL;
+		struct group gr, *grr = NULL;
+		if (!buf)
+			return ENOMEM;
+		rc = group ? getgrnam_r(name, &gr, buf, len, &grr) : getpwnam_r(name, &pw, buf, len, &pwr);
+		if (!rc && (grr || pwr))
+			*id = group ? grr->gr_gid : pwr->pw_uid;
+		else if (!rc)
+			rc = ENOENT;
+		free(buf);
+		if (rc != ERANGE || len >= (1u << 20))
+			return rc;
+		len *= 2;       /* a group with many members */
+	}
+}
+
+/* allowed_uids (group false), allowed_gids (group true): ids or names */
+static int get_ids(const cJSON *v, const char *key, bool group, unsigned int *ids,
+		   uint32_t *count, char *err, size_t err_len)
 {
 	const cJSON *e;
 	uint32_t n = 0;
@@ -71,11 +102,21 @@ static int get_ids(const cJSON *v, const char *key, unsigned int *ids, uint32_t 
 		if (n == EMBD_CONFIG_IDS_MAX)
 			return embd_fail(err, err_len, EMBD_EINVAL,
 					 "config key '%s': more than 64 ids", key);
+		if (cJSON_IsString(e)) {
+			int rc = resolve_name(e->valuestring, group, &ids[n++]);
+			if (rc)
+				return embd_fail(err, err_len, rc == ENOMEM ? EMBD_ENOMEM : EMBD_EINVAL,
+						 "config key '%s': %s '%.64s': %s", key,
+						 group ? "group" : "user", e->valuestring,
+						 rc == ENOENT ? "no such name" : strerror(rc));
+			continue;
+		}
 		double d = cJSON_IsNumber(e) ? e->valuedouble : -1;
 		/* (uint32_t)-1 is the kernel's "no id" value and never a real uid or gid */
 		if (!(d >= 0 && d < 4294967295.0) || floor(d) != d)
 			return embd_fail(err, err_len, EMBD_EINVAL,
-					 "config key '%s': every entry must be an integer id", key);
+					 "config key '%s': every entry must be an integer id or a name",
+					 key);
 		ids[n++] = (unsigned int)d;
 	}
 	*count = n;
@@ -180,6 +221,15 @@ static int parse_choice(const struct key *k, const cJSON *v, struct embd_config 
 	return refuse(k, err, err_len);
 }
 
+static int parse_bool(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
+		      size_t err_len)
+{
+	if (!cJSON_IsBool(v))
+		return refuse(k, err, err_len);
+	*(bool *)field(c, k) = cJSON_IsTrue(v);
+	return 0;
+}
+
 static int parse_log_level(const struct key *k, const cJSON *v, struct embd_config *c,
 			   char *err, size_t err_len)
 {
@@ -191,13 +241,13 @@ static int parse_log_level(const struct key *k, const cJSON *v, struct embd_conf
 static int parse_uids(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
 		      size_t err_len)
 {
-	return get_ids(v, k->name, c->allowed_uids, &c->num_allowed_uids, err, err_len);
+	return get_ids(v, k->name, false, c->allowed_uids, &c->num_allowed_uids, err, err_len);
 }
 
 static int parse_gids(const struct key *k, const cJSON *v, struct embd_config *c, char *err,
 		      size_t err_len)
 {
-	return get_ids(v, k->name, c->allowed_gids, &c->num_allowed_gids, err, err_len);
+	return get_ids(v, k->name, true, c->allowed_gids, &c->num_allowed_gids, err, err_len);
 }
 
 static bool not_empty(const char *s)
@@ -251,6 +301,8 @@ static const struct key keys[] = {
 	{ "checkpoint_every_seconds", parse_uint, FIELD(checkpoint_every_seconds),
 	  .max = U32_MAX_D },
 	{ "checkpoint_keep", parse_uint, FIELD(checkpoint_keep), .max = U32_MAX_D, .def = "3" },
+	{ "checkpoint_allow_fresh_start", parse_bool, FIELD(checkpoint_allow_fresh_start),
+	  .why = "expected true or false" },
 	{ "busy_poll_us", parse_uint, FIELD(busy_poll_us), .max = 1000000, .def = "50" },
 	{ "handshake_timeout_ms", parse_uint, FIELD(handshake_timeout_ms), .min = 1,
 	  .max = MS_PER_DAY, .why = "must be at least 1", .def = "5000" },
@@ -478,6 +530,7 @@ void embd_config_ckpt_settings(const struct embd_config *c, struct embd_ckpt_set
 		.checkpoint_every_steps = c->checkpoint_every_steps,
 		.checkpoint_every_seconds = c->checkpoint_every_seconds,
 		.checkpoint_keep = c->checkpoint_keep,
+		.checkpoint_allow_fresh_start = c->checkpoint_allow_fresh_start,
 		.node_rank = c->node_rank,
 		.num_nodes = embd_config_nodes(c),
 		.master_port = c->master_port,

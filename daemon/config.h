@@ -14,7 +14,8 @@
  *     "plan_file": "plan.json",     a plan to load and check instead of planning at start
  *     "socket_path": "/run/embd/embd.sock",  control socket; its directory is created
  *     "allowed_uids": [1000],       peers allowed by uid (default: the service's own uid)
- *     "allowed_gids": [100],        ... or by primary or supplementary gid (default: none).
+ *     "allowed_gids": [100],        ... or by primary or supplementary gid (default: none);
+ *                                   both take names too ("embd"), resolved when parsed.
  *                                   Both empty is refused (nobody could connect). The
  *                                   peer's SO_PEERCRED decides; the socket's mode only lets
  *                                   them reach it (embd_config_socket_mode)
@@ -23,7 +24,9 @@
  *     "threads_per_rank": 1,        worker threads of each CPU rank
  *     "log_level": "info",          error | warning | notice | info | debug
  *     "checkpoint_dir": "",         where checkpoints go (ckpt/checkpoint.h); "" = none. At start
- *                                   the newest valid one there is restored
+ *                                   the newest valid one there is restored, damaged ones are
+ *                                   moved to damaged/ there; the service locks it (a second
+ *                                   one on the same directory is refused, naming the pid)
  *     "checkpoint_layout": "shared",  a cluster's directories: "shared" (every node's
  *                                   checkpoint_dir is one directory, NFS or one machine) or
  *                                   "per_node" (each node its own disk: step-N/ with its
@@ -34,7 +37,13 @@
  *                                   `embctl checkpoint` and SIGTERM take one too. On a
  *                                   cluster node 0's timer decides, and every trigger is
  *                                   agreed through the step's first exchange (ckpt_service.h)
- *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all)
+ *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all);
+ *                                   only valid ones count, damaged ones are moved aside
+ *     "checkpoint_allow_fresh_start": false,  true: start from the initial weights when
+ *                                   checkpoint_dir holds damaged checkpoints and no valid one
+ *                                   (moving them to damaged/); false refuses to start then.
+ *                                   Meant for one start: the damaged ones are out of the way
+ *                                   afterwards
  *   every node of a cluster must have the same checkpoint_layout, every_steps,
  *   every_seconds and keep, and checkpoint_dir set on all or none (checked at join)
  *     "busy_poll_us": 50,           how long the event loop spins on rings before sleeping
@@ -117,6 +126,7 @@ struct embd_config {
 	uint32_t checkpoint_every_steps;                /* 0 = off */
 	uint32_t checkpoint_every_seconds;              /* 0 = off */
 	uint32_t checkpoint_keep;                       /* 0 = keep all */
+	bool checkpoint_allow_fresh_start;
 	uint32_t busy_poll_us;
 	uint32_t handshake_timeout_ms;
 	uint32_t step_wait_warn_ms;                     /* 0 = off */

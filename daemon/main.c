@@ -19,9 +19,9 @@
 #include <unistd.h>
 
 #include "ckpt/ckpt_service.h"
-#include "common/file.h"
 #include "dist/comm.h"
 #include "daemon/config.h"
+#include "daemon/config_plan.h"
 #include "common/log.h"
 #include "engine/ranks.h"
 #include "dist/regroup.h"
@@ -42,37 +42,6 @@ static void usage(FILE *f)
 		"  --socket PATH          control socket, overrides the config's socket_path\n"
 		"  --log-level LEVEL      error, warning, notice, info or debug\n"
 		"  --print-default-config print the embedded default config and exit\n");
-}
-
-/* The plan: built from the config, or loaded from plan_file and checked against it. */
-static int make_plan(const struct embd_config *c, struct embd_plan **out, char *err,
-		     size_t err_len)
-{
-	const struct embd_tables *t = &c->tables;
-	char *text = NULL;
-	size_t len;
-	int rc;
-
-	if (!c->plan_file[0])
-		return embd_plan_build(t->specs, t->constraints, t->count, &c->topology, NULL, out,
-				       err, err_len);
-	rc = embd_read_file(c->plan_file, &text, &len, err, err_len);
-	if (rc)
-		return rc;
-	rc = embd_plan_parse_json(text, len, out, err, err_len);
-	free(text);
-	if (rc)
-		return rc;
-	const struct embd_topology *p = &(*out)->topology, *q = &c->topology;
-	if (p->world_size != q->world_size || p->local_world_size != q->local_world_size ||
-	    p->batch_size != q->batch_size || p->compute_device != q->compute_device) {
-		snprintf(err, err_len, "plan_file %.512s: built for world_size %d, local_world_size %d, "
-			 "batch_size %u; the config has %d, %d, %u", c->plan_file, p->world_size,
-			 p->local_world_size, p->batch_size, q->world_size, q->local_world_size,
-			 q->batch_size);
-		return EMBD_EMISMATCH;
-	}
-	return embd_plan_check(*out, t->specs, t->constraints, t->count, err, err_len);
 }
 
 /* What a node of several holds besides its step engine. */
@@ -135,7 +104,7 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 	char inner[768];
 	int rc;
 
-	if (c->node_rank == 0 && (rc = make_plan(c, plan, inner, sizeof(inner))))
+	if (c->node_rank == 0 && (rc = embd_config_plan(c, plan, inner, sizeof(inner))))
 		return snprintf(err, err_len, "plan: %s", inner), rc;
 	rc = embd_rendezvous_store(r, c->store_timeout_ms, &cl->server, &cl->store, inner,
 				   sizeof(inner));
@@ -351,7 +320,7 @@ static int plan_node(struct daemon *d)
 			return rc;
 		}
 	} else {
-		rc = make_plan(c, &d->plan, err, sizeof(err));
+		rc = embd_config_plan(c, &d->plan, err, sizeof(err));
 		if (rc) {
 			embd_log_error("plan: %s (%s)", err, embd_strerror(rc));
 			return rc;

@@ -281,7 +281,8 @@ static void run_forward(struct embd_server *sv)
 				continue;
 			uint8_t *slab = embd_region_slab(c->region);
 			sv->batches[n] = (struct embd_step_batch){
-				.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset) };
+				.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+				.trainer = (uint32_t)index };
 			sv->batch_slot[n++] = i;
 		}
 	sv->step_start_ns = embd_now_ns();
@@ -315,6 +316,23 @@ static void run_forward(struct embd_server *sv)
 	next_step(sv);
 }
 
+/* Rows an update left NaN or infinite (engine/step.h): counted in stats and said, at most every
+ * 10 s (a row that stays NaN counts at every update of it). */
+static void warn_nonfinite_rows(struct embd_server *sv, const struct embd_step_counts *c)
+{
+	static uint64_t last_ns;
+	uint64_t now = embd_now_ns();
+
+	if (!c->nonfinite_rows || (last_ns && now - last_ns < 10000000000ull))
+		return;
+	last_ns = now;
+	embd_log_warning("step %" PRIu64 ": the update left %" PRIu64 " row(s) NaN or infinite "
+			 "(first: table '%s' row %lld; %" PRIu64 " so far, stats nonfinite_rows): their "
+			 "gradients are too large for the optimizer; clip them in the trainer", sv->s,
+			 c->nonfinite_rows, sv->config->tables.specs[c->nonfinite_table].name,
+			 (long long)c->nonfinite_row, sv->stats.nonfinite_rows);
+}
+
 static void run_backward(struct embd_server *sv)
 {
 	for (uint32_t k = 0; k < sv->num_batches; k++) {
@@ -335,15 +353,21 @@ static void run_backward(struct embd_server *sv)
 	if (rc == 0 || rc == EMBD_ECANCELED)   /* or dropped alike (a participant left) */
 		embd_server_regroup_applied(sv, sv->s + 1);
 	if (rc == EMBD_ECANCELED) {
+		/* a participant hung up on another node, or a gradient was not finite (step.h) */
+		const char *why = "step aborted by the cluster";
+		for (uint32_t k = sv->num_batches; k-- > 0;)
+			if (sv->batches[k].status == EMBD_ECANCELED)
+				why = sv->batches[k].err;
 		sv->stats.aborted_steps++;
-		cancel_step(sv, EMBD_ECANCELED, "step aborted by the cluster");
-		embd_log_warning("step %" PRIu64 " aborted by the cluster", sv->s);
+		cancel_step(sv, EMBD_ECANCELED, why);
+		embd_log_warning("step %" PRIu64 ": %s", sv->s, why);
 	} else if (rc) {
 		embd_log_error("step %" PRIu64 " backward failed: %s", sv->s, embd_strerror(rc));
 	}
 	struct embd_step_counts counts;
 	embd_step_counts(sv->step, &counts);
 	embd_stats_step(&sv->stats, &counts, embd_now_ns() - sv->step_start_ns);
+	warn_nonfinite_rows(sv, &counts);
 	next_step(sv);
 }
 

@@ -22,6 +22,8 @@ void embd_stats_init(struct embd_stats *s)
 void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uint64_t latency_ns)
 {
 	s->steps++;
+	s->nonfinite_grads += c->nonfinite_grads;
+	s->nonfinite_rows += c->nonfinite_rows;
 	s->lookups += c->lookups;
 	s->ids += c->ids;
 	s->bytes_in += c->input_bytes;
@@ -82,6 +84,8 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "steps", (double)s->steps);
 	cJSON_AddNumberToObject(root, "aborted_steps", (double)s->aborted_steps);
 	cJSON_AddNumberToObject(root, "step_timeouts", (double)s->step_timeouts);
+	cJSON_AddNumberToObject(root, "nonfinite_grads", (double)s->nonfinite_grads);
+	cJSON_AddNumberToObject(root, "nonfinite_rows", (double)s->nonfinite_rows);
 	cJSON_AddNumberToObject(root, "lookups", (double)s->lookups);
 	cJSON_AddNumberToObject(root, "lookups_per_s", (double)s->lookups * per_s);
 	cJSON_AddNumberToObject(root, "ids", (double)s->ids);

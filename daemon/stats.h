@@ -6,8 +6,15 @@
  * STATS JSON (one object; times in microseconds, rates per second over the uptime):
  *   { "uptime_s": 12.5,
  *     "steps": 100,                 steps whose backward completed
- *     "aborted_steps": 1,           steps aborted (a participant hung up or stalled mid-step)
+ *     "aborted_steps": 1,           steps aborted (a participant hung up or stalled mid-step,
+ *                                   or a gradient was not finite: below)
  *     "step_timeouts": 0,           phases given up at step_wait_abort_ms (daemon/config.h)
+ *     "nonfinite_grads": 0,         this node's trainers' backwards refused because their
+ *                                   gradient held a NaN or infinity (the step aborted for
+ *                                   every trainer and node, engine/step.h)
+ *     "nonfinite_rows": 0,          row updates that left a row NaN or infinite (weights or
+ *                                   optimizer state; a huge but finite gradient is applied
+ *                                   and can do that: clipping is the trainer's job)
  *     "lookups": 123, "lookups_per_s": 9.8,   row reads by all ranks
  *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
  *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
@@ -45,6 +52,7 @@
 struct embd_stats {
 	uint64_t start_ns;              /* CLOCK_MONOTONIC at creation */
 	uint64_t steps, aborted_steps, step_timeouts;
+	uint64_t nonfinite_grads, nonfinite_rows;
 	uint64_t lookups, ids, bytes_in, bytes_out;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;

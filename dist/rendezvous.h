@@ -9,7 +9,7 @@
  *
  *   embd_rendezvous_resolve(&from_config, &r, err)      env:// over the config's values
  *   embd_rendezvous_apply_topology(&r, &config.topology) the topology follows the env
- *   node 0: build or load + check the plan (main.c's make_plan)
+ *   node 0: build or load + check the plan (daemon/config_plan.h)
  *   embd_rendezvous_store(&r, timeout, &server, &store)  node 0 serves the store, all connect
  *   embd_collective_plan(store, &r, &tables, &topo, settings, NULL, timeout, &plan, err)
  *                                                       (dist/collective_plan.h)

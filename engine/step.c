@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kernels/device.h"
+#include "kernels/finite.h"
 
 int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 {
@@ -550,8 +551,49 @@ bool embd_step_cluster_checkpoint(const struct embd_step *s)
 	return s->cluster_ckpt;
 }
 
+/* The accepted gradients that are not finite (step.h): why names the first one's trainer,
+ * sample, column and feature. Returns how many batches hold one. */
+static uint32_t check_grads_finite(struct embd_step *s, char *why, size_t why_len)
+{
+	const struct embd_step_layout *l = &s->layout;
+	const uint64_t n = (uint64_t)l->batch_size * l->total_dim;
+	uint32_t bad = 0;
+
+	for (uint32_t i = 0; i < s->num_batches; i++) {
+		const struct embd_step_batch *b = &s->batches[i];
+		uint64_t k = b->status ? n : embd_first_nonfinite(b->pooled_grad, n);
+		if (k == n || bad++)
+			continue;
+		uint32_t col = (uint32_t)(k % l->total_dim), f = 0;
+		while (f + 1 < l->num_features && col >= l->feature_offsets[f] + l->feature_dims[f])
+			f++;
+		snprintf(why, why_len, "trainer %u of node %u sent a gradient that is %s at sample "
+			 "%u, column %u (feature '%s')", b->trainer, s->node,
+			 b->pooled_grad[k] != b->pooled_grad[k] ? "NaN" : "infinite",
+			 (uint32_t)(k / l->total_dim), col, l->feature_names[f]);
+	}
+	return bad;
+}
+
+/* Rows the last backward's updates left non-finite, from the shards' counters (step.h). */
+static void count_nonfinite_rows(struct embd_step *s)
+{
+	for (uint32_t i = 0; i < s->num_shards; i++) {
+		struct step_shard *ss = &s->shards[i];
+		if (!ss->shard || ss->shard->nonfinite_rows == ss->nonfinite_seen)
+			continue;
+		if (!s->counts.nonfinite_rows) {
+			s->counts.nonfinite_table = ss->table;
+			s->counts.nonfinite_row = ss->shard->nonfinite_row;
+		}
+		s->counts.nonfinite_rows += ss->shard->nonfinite_rows - ss->nonfinite_seen;
+		ss->nonfinite_seen = ss->shard->nonfinite_rows;
+	}
+}
+
 int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
+	char why[192] = "";
 	int rc = 0;
 
 	if (!s->pending || batches != s->batches || n != s->num_batches)
@@ -562,11 +604,19 @@ int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uin
 			snprintf(batches[i].err, sizeof(batches[i].err), "pooled_grad: missing");
 			rc = EMBD_EINVAL;
 		}
+	/* before anything is sent or applied: refused like an abort (step.h) */
+	s->counts.nonfinite_grads = rc ? 0 : check_grads_finite(s, why, sizeof(why));
+	if (s->counts.nonfinite_grads)
+		rc = EMBD_ECANCELED;
+	else if (rc)
+		snprintf(why, sizeof(why), "a trainer's pooled_grad is missing");
 	if (s->dist) {
-		/* a missing gradient here aborts the step everywhere rather than half of it */
-		rc = step_dist_grads(s, rc, rc ? "a trainer's pooled_grad is missing" : "");
+		/* a refused gradient here aborts the step everywhere rather than half of it */
+		rc = step_dist_grads(s, rc, why);
 		if (rc)
 			return rc;
+	} else if (rc == EMBD_ECANCELED) {
+		return step_fail(s, rc, "step aborted: %s", why);
 	} else if (rc) {
 		return rc;
 	}
@@ -579,6 +629,7 @@ int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uin
 		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
 			if ((rc = s->io[r].rc))
 				failed_rank = r;
+		count_nonfinite_rows(s);
 	}
 	if (rc)
 		return step_fail(s, rc, "backward on rank %u of node %u: %.150s", failed_rank, s->node,

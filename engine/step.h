@@ -61,6 +61,7 @@ struct embd_step_batch {
 	struct embd_kjt kjt;
 	float *pooled;
 	const float *pooled_grad;
+	uint32_t trainer;               /* its trainer's index on this node: named in errors */
 	int status;
 	char err[224];
 };
@@ -93,6 +94,11 @@ struct embd_step_counts {
 	uint64_t output_bytes;          /* pooled floats written to trainers */
 	uint64_t sent_bytes;            /* bytes sent to other nodes (forward and backward) */
 	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* sent_bytes by exchange */
+	/* of the last backward (embd_step_backward): */
+	uint32_t nonfinite_grads;       /* this node's batches refused for a non-finite gradient */
+	uint64_t nonfinite_rows;        /* rows the update left NaN or infinite, this node's */
+	uint32_t nonfinite_table;       /* ... the first one's table and global row */
+	int64_t nonfinite_row;
 };
 
 struct embd_step;
@@ -149,6 +155,17 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
  * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
  * set for every accepted batch). Applies the fused optimizer to every shard once.
  * EMBD_EINVAL when no forward is pending.
+ *
+ * Every accepted gradient is checked first (kernels/finite.h): one with a NaN or infinite
+ * element refuses the whole step as an abort does, before any row changes anywhere (one
+ * trainer's NaN would reach every row it touches, for every trainer and every later
+ * checkpoint): EMBD_ECANCELED, every batch's err naming the trainer, sample, column and
+ * feature; on a cluster through the gradient exchange's abort flag, so every node refuses the
+ * step alike. counts.nonfinite_grads says how many of this node's batches were refused.
+ * A huge but finite gradient is applied: clipping is the trainer's job. A row the update
+ * leaves NaN or infinite (weights or optimizer state, e.g. adagrad's sum of squares
+ * overflowing from gradients near 1e19) is kept, but counted and named in counts
+ * (nonfinite_rows: the CPU kernels check every row they update; the CUDA kernels do not).
  */
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 

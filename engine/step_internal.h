@@ -32,6 +32,7 @@ struct step_shard {
 	uint32_t rank;                          /* global rank */
 	uint32_t node;                          /* rank / local_world_size */
 	uint32_t local;                         /* local rank, when node is this node */
+	uint64_t nonfinite_seen;                /* shard->nonfinite_rows after the last backward */
 };
 
 struct step_table {

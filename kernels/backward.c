@@ -10,7 +10,8 @@
  *               sum each row's run and apply the optimizer to the row once
  * Buckets hold disjoint rows, so workers never write the same row; every sort is stable, so a
  * row's gradient is summed in batch order whatever the number of workers. Nothing is written
- * to the shard before phases 1-2 have checked every offset and id.
+ * to the shard before phases 1-2 have checked every offset and id. Each row updated is
+ * checked for NaN and infinity while it is in cache, and counted on the shard.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -43,6 +44,7 @@ struct bwd_job {
 	uint64_t *bucket_start;         /* num_buckets + 1 */
 	uint64_t *occ_range;            /* nw x 2: the occurrences each worker wrote */
 	struct embd_first_err *errs;    /* one per worker */
+	uint64_t *bad;                  /* nw x 2: rows left non-finite, the lowest of them */
 	float *scratch;                 /* nw x 2 cols */
 	atomic_uint_fast64_t next_bucket;
 };
@@ -156,8 +158,11 @@ static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bwd_job *job = arg;
 	float *scratch = job->scratch + (uint64_t)w * 2 * job->ctx.shard->desc.cols;
+	uint64_t *bad = job->bad + 2 * (uint64_t)w;
 
 	(void)nw;
+	bad[0] = 0;
+	bad[1] = UINT64_MAX;
 	for (;;) {
 		uint64_t bucket = atomic_fetch_add_explicit(&job->next_bucket, 1, memory_order_relaxed);
 		if (bucket >= job->num_buckets)
@@ -167,7 +172,9 @@ static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 			continue;
 		/* occ is free by now: the same index range serves as the radix sort's other half */
 		struct embd_occ *sorted = sort_bucket(job->bucketed + s, job->occ + s, n, job->shift);
-		job->k->apply_rows(&job->ctx, sorted, n, scratch);
+		uint64_t row = UINT64_MAX;
+		bad[0] += job->k->apply_rows(&job->ctx, sorted, n, scratch, &row);
+		bad[1] = row < bad[1] ? row : bad[1];
 	}
 }
 
@@ -238,9 +245,10 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	job.occ = malloc((num_occ ? num_occ : 1) * sizeof(*job.occ));
 	job.bucketed = malloc((num_occ ? num_occ : 1) * sizeof(*job.bucketed));
 	job.errs = calloc(job.nw, sizeof(*job.errs));
+	job.bad = calloc(2 * (uint64_t)job.nw, sizeof(*job.bad));
 	job.scratch = malloc((uint64_t)job.nw * 2 * shard->desc.cols * sizeof(float));
 	if (!bases || !offsets || !job.bag_grad || !job.occ || !job.bucketed || !job.errs ||
-	    !job.scratch) {
+	    !job.bad || !job.scratch) {
 		embd_kernel_fail(err, rc, 0, -1, 0, "out of memory for %llu occurrences",
 				 (unsigned long long)num_occ);
 		goto out;
@@ -293,9 +301,19 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	job.ctx.bag_grad = job.bag_grad;
 	atomic_init(&job.next_bucket, 0);
 	embd_workers_run(workers, apply_worker, &job);
+	uint64_t bad_rows = 0, bad_row = UINT64_MAX;
+	for (uint32_t w = 0; w < job.nw; w++) {
+		bad_rows += job.bad[2 * w];
+		bad_row = job.bad[2 * w + 1] < bad_row ? job.bad[2 * w + 1] : bad_row;
+	}
+	if (bad_rows) {
+		shard->nonfinite_rows += bad_rows;
+		shard->nonfinite_row = shard->desc.row_offset + (int64_t)bad_row;
+	}
 	shard->step++;
 	rc = 0;
 out:
+	free(job.bad);
 	free(job.scratch);
 	free(job.errs);
 	free(job.bucketed);

@@ -13,6 +13,7 @@
 
 #include <string.h>
 
+#include "kernels/finite.h"
 #include "kernels/pool_row.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -268,9 +269,20 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	return 0;
 }
 
-static void apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
-		       float *g)
+/* Whether the row just updated is NaN or infinite anywhere (weights or state). */
+static bool row_nonfinite(const void *w, bool fp16, uint32_t cols, const float *m1, uint64_t m1n,
+			  const float *m2, uint64_t m2n)
 {
+	return (fp16 ? embd_first_nonfinite_fp16(w, cols) : embd_first_nonfinite(w, cols)) < cols ||
+	       (m1 && embd_first_nonfinite(m1, m1n) < m1n) ||
+	       (m2 && embd_first_nonfinite(m2, m2n) < m2n);
+}
+
+static uint64_t apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ,
+			   size_t n, float *g, uint64_t *bad_row)
+{
+	uint64_t bad = 0;
+
 	const struct embd_shard *sh = ctx->shard;
 	const struct embd_shard_desc *d = &sh->desc;
 	uint32_t cols = d->cols;
@@ -298,12 +310,17 @@ static void apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *o
 
 		float *m1 = m1_per_row ? sh->momentum1 + row * m1_per_row : NULL;
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
+		void *w = (uint8_t *)sh->weights + row * row_bytes;
 		if (d->dtype == EMBD_DTYPE_FP16)
-			embd_optim_row_fp16(&ctx->params, (uint16_t *)sh->weights + row * cols, g, m1, m2,
-					    g + cols, cols);
+			embd_optim_row_fp16(&ctx->params, w, g, m1, m2, g + cols, cols);
 		else
-			embd_optim_row_fp32(&ctx->params, (float *)sh->weights + row * cols, g, m1, m2, cols);
+			embd_optim_row_fp32(&ctx->params, w, g, m1, m2, cols);
+		/* the row is in L1 now: reported, not kept silently (engine/step.h) */
+		if (row_nonfinite(w, d->dtype == EMBD_DTYPE_FP16, cols, m1, m1_per_row, m2, m2_per_row) &&
+		    !bad++)
+			*bad_row = row;
 	}
+	return bad;
 }
 
 const struct embd_cpu_kernels VARIANT_TABLE = {

@@ -41,10 +41,11 @@ struct embd_cpu_kernels {
 			    struct embd_kernel_err *err);
 	/*
 	 * occ[0, n) is sorted by row, each row's run in batch order: sums each run into grad_row
-	 * (2 x cols floats of scratch) and applies the optimizer to the row once.
+	 * (2 x cols floats of scratch) and applies the optimizer to the row once. Returns how
+	 * many rows it left NaN or infinite (weights or state), the first (lowest) in *bad_row.
 	 */
-	void (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
-			   float *grad_row);
+	uint64_t (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ,
+			       size_t n, float *grad_row, uint64_t *bad_row);
 };
 
 extern const struct embd_cpu_kernels embd_cpu_kernels_scalar;

@@ -425,7 +425,27 @@ int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables
 		*out = (struct embd_tables){ 0 };
 		return rc;
 	}
-	rc = embd_plan_tables_parse(root, out, err, err_len);
+	/* {"tables": [...]}: the form other tools write and the service config's key; any other
+	 * key (a whole config's topology, say) would be silently dropped, so it is refused */
+	const cJSON *array = root;
+	if (cJSON_IsObject(root)) {
+		array = NULL;
+		for (const cJSON *k = root->child; k && !rc; k = k->next) {
+			if (strcmp(k->string, "tables"))
+				rc = embd_fail(err, err_len, EMBD_EPARSE, "tables: an object must hold "
+					       "only the key \"tables\", not '%s'", k->string);
+			else if (array)
+				rc = embd_fail(err, err_len, EMBD_EPARSE, "tables: \"tables\" given twice");
+			array = k;
+		}
+		if (!rc && !array)
+			rc = embd_fail(err, err_len, EMBD_EPARSE, "tables: the object has no key "
+				       "\"tables\"");
+	}
+	if (rc)
+		*out = (struct embd_tables){ 0 };
+	else
+		rc = embd_plan_tables_parse(array, out, err, err_len);
 	cJSON_Delete(root);
 	return rc;
 }

@@ -6,8 +6,12 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config clang libclang-rt-14-dev
   liburing-dev libnuma-dev libcriterion-dev libgloo-dev libcjson-dev libsystemd-dev
-  python3 python3-numpy
+  python3 python3-numpy python3-venv python3-dev
   iproute2
+  # packages, man pages and the unit: tools/build-packages.sh (dpkg-shlibdeps looks at the
+  # binaries with file), tests/man/check_man.sh (groff), tests/pkg/check_unit.sh
+  # (systemd-analyze), tests/pkg/test_install.sh (debootstrap, systemd-nspawn)
+  dpkg-dev file groff-base systemd debootstrap systemd-container
 )
 
 missing=()

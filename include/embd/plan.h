@@ -150,8 +150,9 @@ struct embd_tables {
  * [name]. Table names are unique, and so are feature names across all tables (a feature
  * looks up one table; one listed twice is refused naming both tables). Errors name the table
  * (index and name) and the field.
- * embd_plan_tables_parse_text parses text (errors add the line and byte offset); _load reads
- * a file. On success *out owns its arrays: release them with embd_plan_tables_free.
+ * embd_plan_tables_parse_text parses text (errors add the line and byte offset): the array,
+ * or an object whose only key is "tables" holding it; _load reads a file the same way.
+ * On success *out owns its arrays: release them with embd_plan_tables_free.
  */
 int embd_plan_tables_parse_text(const char *text, size_t len, struct embd_tables *out,
 				char *err, size_t err_len);

@@ -13,6 +13,7 @@
  * tables or world size differ are refused at join; NODE_RANK from the environment wins.
  */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -259,6 +260,74 @@ static void expect_join_refused(const char *tables_json, uint32_t world_nodes, c
 		  "status 0x%x", st);
 	cr_expect(strstr(log, word) != NULL, "node 1's refusal should name '%s', got: %s", word,
 		  log);
+}
+
+/* Trainer g's steps for the NaN test: step s with a NaN in trainer `bad`'s gradient (sample 0,
+ * column 5), then step s + 1 on the same batch; the pooled outputs of both into sh. */
+static int nan_trainer(struct shared *sh, uint32_t g, uint32_t bad)
+{
+	struct embd_client *c;
+	struct embd_batch b;
+	char err[256];
+
+	if (embd_connect(nodes[g / RANKS].embd.socket, (int)(g % RANKS), 10000, &c, err,
+			 sizeof(err)))
+		return fprintf(stderr, "trainer %u: %s\n", g, err), 1;
+	const uint32_t D = embd_layout(c)->total_dim;
+	uint64_t s = embd_layout(c)->resumed_step;
+	embd_batch_get(c, 0, &b);
+	uint64_t n = gen_batch(0, g, b.lengths, b.values);
+	int fails = 0;
+	for (uint64_t k = 0; k < 2; k++) {
+		int rc = embd_forward(c, 0, s + k, n, 0);
+		if (rc)
+			return fprintf(stderr, "trainer %u step %llu: forward %d (%s)\n", g,
+				       (unsigned long long)(s + k), rc, embd_last_error(c)), 1;
+		memcpy(sh->pooled[k][g], b.pooled, sizeof(float) * BATCH * D);
+		for (uint32_t i = 0; i < BATCH * D; i++)
+			b.grad[i] = gen_grad(0, g, i / D, i % D);
+		if (k == 0 && g == bad)
+			b.grad[5] = NAN;
+		rc = embd_backward(c, 0, s + k, n, 0);
+		bool named = strstr(embd_last_error(c), "trainer 1 of node 1 sent a gradient that is "
+				    "NaN at sample 0, column 5") != NULL;
+		if (k == 0 && (rc != EMBD_ECANCELED || !named))
+			fails += fprintf(stderr, "trainer %u: a NaN gradient on node 1: expected "
+					 "EMBD_ECANCELED naming it, got %d (%s)\n", g, rc,
+					 embd_last_error(c)) > 0;
+		if (k == 1 && rc)
+			fails += fprintf(stderr, "trainer %u: the next step: %d (%s)\n", g, rc,
+					 embd_last_error(c)) > 0;
+	}
+	embd_close(c);
+	return fails != 0;
+}
+
+/* A NaN gradient from a trainer of node 1 is refused for every trainer of every node (the
+ * gradient exchange's abort flag), and no node applies the step: the next forward of the same
+ * batches gives the same outputs everywhere. */
+Test(dist, a_nan_gradient_is_refused_on_every_node)
+{
+	const uint32_t bad = 3;         /* node 1's trainer 1 */
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "row_wise");
+	struct shared *sh = shared_map();
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		kids[g] = tu_fork_child();
+		if (kids[g] == 0)
+			_exit(nan_trainer(sh, g, bad));
+	}
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "trainer %u: expected exit 0, got "
+			  "status 0x%x (its stderr says why)", g, st);
+	}
+	for (uint32_t g = 0; g < 2 * RANKS; g++)
+		cr_expect(!memcmp(sh->pooled[0][g], sh->pooled[1][g], sizeof(float) * BATCH *
+				  MAX_COLS), "trainer %u: the refused step changed rows on some node", g);
+	munmap(sh, sizeof(*sh));
 }
 
 Test(dist, mismatched_tables_refused_at_join)

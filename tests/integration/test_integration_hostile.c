@@ -1,466 +1,404 @@
 /*
- * Integration: clients that misbehave without breaking the protocol, against the real embd:
- * connections that never say anything, more embctl connections than the service takes, a
- * completion ring nobody reads, a trainer that never posts, a second FORWARD of a step.
- * None of them may lock the others out, lose their completions or stall them without a word.
- * The hostile clients speak the raw protocol through ipc/; the others use libembdclient.
+ * Integration: a hostile but realistic operator and trainer against the real embd and embctl
+ * (issue 13). Checkpoints: a directory whose every checkpoint is damaged makes embd refuse to
+ * start from the initial weights until checkpoint_allow_fresh_start, and the damaged ones end
+ * up in damaged/, never deleted; a second embd (or an embctl import) on a directory a running
+ * embd owns is refused with its pid. embctl: numbers parsed strictly on every command line,
+ * export never writes into the checkpoint it reads, import refuses non-finite arrays and a
+ * table given twice and says which checkpoint embd will restore, and `embctl checkpoint`
+ * against a service that never answers gives up after its default timeout.
  */
-#include <cjson/cJSON.h>
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-#include "common/log.h"
 #include "embd/client.h"
-#include "ipc/control.h"
-#include "tests/integration/service_fixture.h"
-#include "libclient/client_internal.h"
+#include "ckpt/checkpoint.h"
+#include "ckpt/npy.h"
+#include "tests/support/dir_util.h"
+#include "tests/support/embd_process.h"
 
-TestSuite(hostile, .fini = stop_service, .timeout = 60);
+#define B 4
+#define ROWS 64
+#define DIM 8
 
-/* The control connections the service holds at once (daemon/server.h). */
-#define CONTROL_MAX 32
+static char base[64], config_path[160], ckdir[128], out_path[160];
 
-static uint8_t msgbuf[EMBD_CTL_MSG_MAX];
+static struct tu_embd services[2];
+static uint32_t trainers = 1;           /* trainers_per_node of write_config */
 
-/* Waits up to timeout_ms for one message on sock: its type (or the negative error of the
- * receive) and, for an ERROR, its code in *code. */
-static int next_message(int sock, int timeout_ms, int *code)
+static void setup(void)
 {
-	struct embd_ctl_msg msg;
-	char text[EMBD_CTL_TEXT_MAX + 1];
-	int rc = embd_ctl_recv(sock, msgbuf, sizeof(msgbuf), timeout_ms, &msg, NULL, 0);
-
-	if (rc)
-		return rc;
-	embd_ctl_msg_close_fds(&msg);
-	*code = 0;
-	if (msg.type == EMBD_CTL_ERROR)
-		embd_ctl_error_decode(&msg, code, text, sizeof(text), NULL, 0);
-	return msg.type;
+	snprintf(base, sizeof(base), "/tmp/embd-hostile-XXXXXX");
+	cr_assert_not_null(mkdtemp(base));
+	snprintf(config_path, sizeof(config_path), "%s/embd.json", base);
+	snprintf(ckdir, sizeof(ckdir), "%s/ck", base);
+	snprintf(out_path, sizeof(out_path), "%s/out.txt", base);
 }
 
-/* A control connection that asked for the status: its socket, or -1 when the connect or the
- * request failed. */
-static int ask_status(int *reply_type, int *code)
+static void stop(struct tu_embd *s)
 {
-	int sock;
-
-	*reply_type = -1;
-	if (embd_ctl_connect(service.socket, &sock, NULL, 0))
-		return -1;
-	if (embd_ctl_send(sock, EMBD_CTL_STATUS_REQUEST, NULL, 0, NULL, 0, NULL, 0)) {
-		close(sock);
-		return -1;
-	}
-	*reply_type = next_message(sock, 5000, code);
-	return sock;
+	tu_embd_stop(s, SIGKILL, 5000, NULL);
 }
 
-static int count_log_lines(const char *needle)
+static void teardown(void)
 {
-	char line[2048];
-	int n = 0;
-	FILE *f = fopen(service.log, "r");
+	char cmd[128];
 
-	cr_assert_not_null(f, "cannot read %s", service.log);
-	while (fgets(line, sizeof(line), f))
-		n += strstr(line, needle) != NULL;
-	fclose(f);
-	return n;
+	for (int i = 0; i < 2; i++)
+		stop(&services[i]);
+	trainers = 1;
+	snprintf(cmd, sizeof(cmd), "rm -rf %s", base);
+	cr_expect_eq(system(cmd), 0);
 }
 
-/*
- * 300 connections that never send a message: a trainer and embctl still get in at once (each
- * new connection closes the one pending longest, told EMBD_EBUSY), and the ones left are
- * closed after handshake_timeout_ms (EMBD_ETIMEDOUT), all in a few log lines.
- */
-Test(hostile, idle_connections_lock_nobody_out)
+TestSuite(hostile, .init = setup, .fini = teardown, .timeout = 120);
+
+/* One table "t" (adagrad) of ROWS x DIM, `trainers` trainers; extra: more keys or "". */
+static void write_config(const char *extra)
 {
-	enum { IDLE = 300 };
-	int idle[IDLE], type, code;
-	char err[256];
-	struct embd_client *trainer = NULL;
+	FILE *f = fopen(config_path, "w");
 
-	service_spawn_keys("\"handshake_timeout_ms\": 1500", "warning");
-	for (int i = 0; i < IDLE; i++)
-		cr_assert_eq(embd_ctl_connect(service.socket, &idle[i], err, sizeof(err)), 0,
-			     "idle connection %d: %s", i, err);
-	int rc = embd_connect(service.socket, EMBD_CLIENT_ANY_INDEX, 5000, &trainer, err,
-			      sizeof(err));
-	cr_assert_eq(rc, 0, "a trainer behind %d idle connections: expected 0, got %d (%s)", IDLE,
-		     rc, err);
-	int status = ask_status(&type, &code);
-	cr_expect_eq(type, EMBD_CTL_STATUS_REPLY, "embctl status behind %d idle connections: "
-		     "expected a STATUS_REPLY, got type %d (code %d)", IDLE, type, code);
-	if (status >= 0)
-		close(status);
-	type = next_message(idle[0], 5000, &code);
-	cr_expect(type == EMBD_CTL_ERROR && code == EMBD_EBUSY, "the oldest idle connection: "
-		  "expected ERROR EMBD_EBUSY (closed for room), got type %d code %d", type, code);
-	type = next_message(idle[IDLE - 1], 5000, &code);
-	cr_expect(type == EMBD_CTL_ERROR && code == EMBD_ETIMEDOUT, "the newest idle connection: "
-		  "expected ERROR EMBD_ETIMEDOUT after handshake_timeout_ms, got type %d code %d",
-		  type, code);
-	int lines = count_log_lines("closed the connection of pid");
-	/* two kinds of line (closed for room, closed at the timeout), each with its limit */
-	cr_expect(lines >= 2 && lines <= 2 * (int)EMBD_LOG_LIMIT_BURST, "%d connections closed: "
-		  "expected 2 to %u log lines, got %d", IDLE, 2 * EMBD_LOG_LIMIT_BURST, lines);
-	cr_expect(tu_embd_log_has(&service, "no message within handshake_timeout_ms (1500 ms)"),
-		  "the log (%s) should say why the idle connections were closed", service.log);
-	/* the trainer was never one of them */
-	struct embd_request nop = { .op = EMBD_REQUEST_NOP, .user_data = 7 };
-	struct embd_completion done;
-	cr_expect_eq(embd_submit(trainer, &nop), 0, "%s", embd_last_error(trainer));
-	cr_expect_eq(embd_wait(trainer, &done, 5000), 0, "%s", embd_last_error(trainer));
-	for (int i = 0; i < IDLE; i++)
-		close(idle[i]);
-	embd_close(trainer);
-}
-
-/* embctl connections are counted apart from trainers: CONTROL_MAX of them held open, one more
- * is refused with EMBD_EBUSY and a log line, and trainers still connect. */
-Test(hostile, control_connections_counted_apart)
-{
-	int ctl[CONTROL_MAX], type, code;
-	char err[256];
-	struct embd_client *t0 = NULL, *t1 = NULL;
-
-	service_spawn(NULL, "warning");
-	for (int i = 0; i < CONTROL_MAX; i++) {
-		ctl[i] = ask_status(&type, &code);
-		cr_assert_eq(type, EMBD_CTL_STATUS_REPLY, "control connection %d: expected a reply, "
-			     "got type %d code %d", i, type, code);
-	}
-	int extra = ask_status(&type, &code);
-	cr_expect(type == EMBD_CTL_ERROR && code == EMBD_EBUSY, "control connection %d: expected "
-		  "ERROR EMBD_EBUSY, got type %d code %d", CONTROL_MAX + 1, type, code);
-	if (extra >= 0)
-		close(extra);
-	cr_expect(tu_embd_log_has(&service, "too many control connections"),
-		  "the refusal should be in the log (%s)", service.log);
-	cr_expect_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	cr_expect_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
-	/* one control connection gone: another gets in */
-	close(ctl[0]);
-	for (int tries = 0; tries < 100; tries++) {
-		extra = ask_status(&type, &code);
-		if (extra >= 0)
-			close(extra);
-		if (type == EMBD_CTL_STATUS_REPLY)
-			break;
-		usleep(20000);
-	}
-	cr_expect_eq(type, EMBD_CTL_STATUS_REPLY, "after one control connection closed: expected a "
-		     "reply, got type %d code %d", type, code);
-	for (int i = 1; i < CONTROL_MAX; i++)
-		close(ctl[i]);
-	embd_close(t0);
-	embd_close(t1);
-}
-
-/*
- * A trainer posts 100 NOPs and reads nothing until they are all posted: the completion ring
- * holds 64, so the service takes the rest only as completions are read, and all 100 come
- * back in order; none is dropped, nothing is logged.
- */
-Test(hostile, full_completion_ring_loses_nothing)
-{
-	enum { REQUESTS = 100 };
-	struct embd_client *c = NULL;
-	struct embd_completion done;
-	char err[256];
-
-	service_spawn(NULL, "warning");
-	cr_assert_eq(embd_connect(service.socket, 0, 5000, &c, err, sizeof(err)), 0, "%s", err);
-	for (uint64_t i = 1; i <= REQUESTS; i++) {
-		struct embd_request nop = { .op = EMBD_REQUEST_NOP, .user_data = i };
-		int rc;
-		/* the submission ring holds 64 too: wait for the service to take some */
-		for (int tries = 0; (rc = embd_submit(c, &nop)) == EMBD_ENOSPC && tries < 2000;
-		     tries++)
-			usleep(1000);
-		cr_assert_eq(rc, 0, "NOP %llu: %s", (unsigned long long)i, embd_last_error(c));
-	}
-	/* a service that drops completions has dropped them by now */
-	usleep(300 * 1000);
-	for (uint64_t i = 1; i <= REQUESTS; i++) {
-		int rc = embd_wait(c, &done, 3000);
-		cr_assert_eq(rc, 0, "completion %llu of %d: expected 0, got %d (%s)",
-			     (unsigned long long)i, REQUESTS, rc, embd_last_error(c));
-		cr_assert_eq(done.user_data, i, "completion %llu: came for request %llu",
-			     (unsigned long long)i, (unsigned long long)done.user_data);
-		cr_assert_eq(done.result, 0);
-	}
-	cr_expect_eq(embd_poll(c, &done), EMBD_EAGAIN, "no completion beyond the %d requests",
-		     REQUESTS);
-	cr_expect(!tu_embd_log_has(&service, "completion ring"), "nothing about the completion "
-		  "ring should be in the log (%s)", service.log);
-	embd_close(c);
-}
-
-/* ---- steps --------------------------------------------------------------------------------- */
-
-/* Batch slot `slot` of c: every feature of every sample one id (1), zero gradients; returns the
- * id count. */
-static uint64_t fill_batch(struct embd_client *c, uint32_t slot)
-{
-	const struct embd_client_layout *l = embd_layout(c);
-	uint64_t n = (uint64_t)l->num_features * l->batch_size;
-	struct embd_batch b;
-
-	embd_batch_get(c, slot, &b);
-	for (uint64_t i = 0; i < n; i++) {
-		b.lengths[i] = 1;
-		b.values[i] = 1;
-	}
-	memset(b.grad, 0, (size_t)l->batch_size * l->total_dim * sizeof(float));
-	return n;
-}
-
-/* Posts op of step on c (slot step % 2) with user_data ud. */
-static void post(struct embd_client *c, enum embd_request_op op, uint64_t step, uint64_t ud)
-{
-	uint32_t slot = (uint32_t)(step % EMBD_CLIENT_SLOTS);
-	struct embd_request r = { .op = op, .slot = slot, .step = step,
-				  .num_values = fill_batch(c, slot), .user_data = ud };
-
-	cr_assert_eq(embd_submit(c, &r), 0, "submit step %llu: %s", (unsigned long long)step,
-		     embd_last_error(c));
-}
-
-/* The next completion of c within timeout_ms: it must be for ud; returns its result (the
- * text in embd_last_error). */
-static int completion(struct embd_client *c, uint64_t ud, int timeout_ms)
-{
-	struct embd_completion done;
-	int rc = embd_wait(c, &done, timeout_ms);
-
-	cr_assert_eq(rc, 0, "waiting for request %llu: %d (%s)", (unsigned long long)ud, rc,
-		     embd_last_error(c));
-	cr_assert_eq(done.user_data, ud, "expected the completion of request %llu, got %llu",
-		     (unsigned long long)ud, (unsigned long long)done.user_data);
-	return done.result;
-}
-
-/* Both trainers through FORWARD and BACKWARD of step; ud counts requests. */
-static void full_step(struct embd_client *t0, struct embd_client *t1, uint64_t step, uint64_t *ud)
-{
-	uint64_t a = ++*ud, b = ++*ud;
-
-	post(t0, EMBD_REQUEST_FORWARD, step, a);
-	post(t1, EMBD_REQUEST_FORWARD, step, b);
-	cr_assert_eq(completion(t0, a, 5000), 0, "step %llu forward: %s", (unsigned long long)step,
-		     embd_last_error(t0));
-	cr_assert_eq(completion(t1, b, 5000), 0, "%s", embd_last_error(t1));
-	a = ++*ud, b = ++*ud;
-	post(t0, EMBD_REQUEST_BACKWARD, step, a);
-	post(t1, EMBD_REQUEST_BACKWARD, step, b);
-	cr_assert_eq(completion(t0, a, 5000), 0, "step %llu backward: %s", (unsigned long long)step,
-		     embd_last_error(t0));
-	cr_assert_eq(completion(t1, b, 5000), 0, "%s", embd_last_error(t1));
-}
-
-/*
- * A FORWARD of a step whose forward ran (a trainer that blocks on it would wait for a
- * BACKWARD it never sends), or a second FORWARD while one is pending, is refused at once.
- */
-Test(hostile, second_forward_is_refused_at_once)
-{
-	struct embd_client *t0 = NULL, *t1 = NULL;
-	char err[256];
-
-	service_spawn(NULL, "warning");
-	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
-	post(t0, EMBD_REQUEST_FORWARD, 0, 1);
-	post(t1, EMBD_REQUEST_FORWARD, 0, 101);
-	cr_assert_eq(completion(t0, 1, 5000), 0, "%s", embd_last_error(t0));
-	cr_assert_eq(completion(t1, 101, 5000), 0, "%s", embd_last_error(t1));
-	/* the same step again, instead of its BACKWARD */
-	post(t0, EMBD_REQUEST_FORWARD, 0, 2);
-	int rc = completion(t0, 2, 2000);
-	cr_expect_eq(rc, EMBD_EINVAL, "FORWARD 0 again: expected EMBD_EINVAL at once, got %d", rc);
-	cr_expect(strstr(embd_last_error(t0), "forward ran already") != NULL, "got '%s'",
-		  embd_last_error(t0));
-	/* the next step early (kept), then once more */
-	post(t0, EMBD_REQUEST_FORWARD, 1, 3);
-	post(t0, EMBD_REQUEST_FORWARD, 1, 4);
-	rc = completion(t0, 4, 2000);
-	cr_expect_eq(rc, EMBD_EINVAL, "a second FORWARD 1: expected EMBD_EINVAL at once, got %d",
-		     rc);
-	cr_expect(strstr(embd_last_error(t0), "pending already") != NULL, "got '%s'",
-		  embd_last_error(t0));
-	/* the first of them is kept and runs with step 1 */
-	post(t0, EMBD_REQUEST_BACKWARD, 0, 5);
-	post(t1, EMBD_REQUEST_BACKWARD, 0, 102);
-	cr_expect_eq(completion(t1, 102, 5000), 0, "%s", embd_last_error(t1));
-	cr_expect_eq(completion(t0, 5, 5000), 0, "%s", embd_last_error(t0));
-	post(t1, EMBD_REQUEST_FORWARD, 1, 103);
-	cr_expect_eq(completion(t1, 103, 5000), 0, "%s", embd_last_error(t1));
-	cr_expect_eq(completion(t0, 3, 5000), 0, "the kept FORWARD 1: %s", embd_last_error(t0));
-	embd_close(t0);
-	embd_close(t1);
-}
-
-/* A STATS or STATUS reply, parsed; NULL on failure. */
-static cJSON *ask_json(enum embd_ctl_type request)
-{
-	char text[EMBD_CTL_TEXT_MAX * 16];
-	struct embd_ctl_msg msg;
-	int sock;
-
-	if (embd_ctl_connect(service.socket, &sock, NULL, 0))
-		return NULL;
-	cJSON *root = NULL;
-	if (!embd_ctl_send(sock, request, NULL, 0, NULL, 0, NULL, 0) &&
-	    !embd_ctl_recv(sock, msgbuf, sizeof(msgbuf), 5000, &msg, NULL, 0) &&
-	    msg.type == request + 1 && !embd_ctl_text_decode(&msg, text, sizeof(text), NULL, 0))
-		root = cJSON_Parse(text);
-	close(sock);
-	return root;
-}
-
-static double json_num(const cJSON *o, const char *key)
-{
-	const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-
-	return cJSON_IsNumber(v) ? v->valuedouble : -1;
-}
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-/*
- * Trainer 1 is connected but posts nothing: past step_wait_warn_ms the log, STATUS and STATS
- * name it; past step_wait_abort_ms trainer 0's FORWARD is answered EMBD_ETIMEDOUT naming it
- * and the step stays. Then trainer 1 stalls a backward: that step is aborted, trainer 0's
- * BACKWARD and trainer 1's late one answered EMBD_ETIMEDOUT, and the next step runs.
- */
-Test(hostile, stalled_trainer_is_named_then_given_up)
-{
-	struct embd_client *t0 = NULL, *t1 = NULL;
-	char err[256], who[64];
-	uint64_t ud = 10;
-
-	service_spawn_keys("\"step_wait_warn_ms\": 300, \"step_wait_abort_ms\": 1500", "warning");
-	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
-	snprintf(who, sizeof(who), "trainer 1 (pid %d)", (int)getpid());
-
-	uint64_t posted = now_ms();
-	post(t0, EMBD_REQUEST_FORWARD, 0, 1);
-	usleep(800 * 1000);
-	cr_expect(tu_embd_log_has(&service, who), "past step_wait_warn_ms the log (%s) should "
-		  "name %s", service.log, who);
-	cJSON *status = ask_json(EMBD_CTL_STATUS_REQUEST);
-	cr_assert_not_null(status, "no status");
-	const cJSON *stalled = cJSON_GetObjectItemCaseSensitive(status, "stalled");
-	const cJSON *trainers = cJSON_GetObjectItemCaseSensitive(stalled, "trainers");
-	cr_expect(cJSON_GetArraySize(trainers) == 1 &&
-		  json_num(cJSON_GetArrayItem(trainers, 0), "index") == 1 &&
-		  json_num(cJSON_GetArrayItem(trainers, 0), "pid") == getpid(),
-		  "status should show the step stalled by trainer 1 (pid %d)", (int)getpid());
-	const cJSON *wants = cJSON_GetObjectItemCaseSensitive(stalled, "waiting_for");
-	cr_expect(cJSON_IsString(wants) && !strcmp(wants->valuestring, "FORWARD"),
-		  "stalled.waiting_for: expected FORWARD");
-	cr_expect_geq(json_num(stalled, "waited_ms"), 300);
-	cJSON_Delete(status);
-	cJSON *stats = ask_json(EMBD_CTL_STATS_REQUEST);
-	cr_assert_not_null(stats, "no stats");
-	const cJSON *c;
-	double stalling[2] = { -1, -1 };
-	cJSON_ArrayForEach(c, cJSON_GetObjectItemCaseSensitive(stats, "clients"))
-		if (json_num(c, "index") == 0 || json_num(c, "index") == 1)
-			stalling[(int)json_num(c, "index")] = json_num(c, "stalling_ms");
-	cr_expect(stalling[0] == 0 && stalling[1] >= 300, "stats stalling_ms: expected 0 for "
-		  "trainer 0 and >= 300 for trainer 1, got %g and %g", stalling[0], stalling[1]);
-	cJSON_Delete(stats);
-
-	int rc = completion(t0, 1, 5000);
-	uint64_t waited = now_ms() - posted;
-	cr_expect_eq(rc, EMBD_ETIMEDOUT, "FORWARD 0 with trainer 1 silent: expected "
-		     "EMBD_ETIMEDOUT, got %d (%s)", rc, embd_last_error(t0));
-	cr_expect(strstr(embd_last_error(t0), "trainer 1 (pid") &&
-		  strstr(embd_last_error(t0), "FORWARD"), "the error should name trainer 1 and "
-		  "its FORWARD: '%s'", embd_last_error(t0));
-	cr_expect_geq(waited, 1450, "given up after %llu ms, step_wait_abort_ms is 1500",
-		      (unsigned long long)waited);
-
-	/* the step stayed at 0: both run its forward, then trainer 1 stalls the backward */
-	post(t0, EMBD_REQUEST_FORWARD, 0, 2);
-	post(t1, EMBD_REQUEST_FORWARD, 0, 201);
-	cr_assert_eq(completion(t0, 2, 5000), 0, "%s", embd_last_error(t0));
-	cr_assert_eq(completion(t1, 201, 5000), 0, "%s", embd_last_error(t1));
-	post(t0, EMBD_REQUEST_BACKWARD, 0, 3);
-	rc = completion(t0, 3, 5000);
-	cr_expect_eq(rc, EMBD_ETIMEDOUT, "BACKWARD 0 with trainer 1's missing: expected "
-		     "EMBD_ETIMEDOUT, got %d (%s)", rc, embd_last_error(t0));
-	cr_expect(strstr(embd_last_error(t0), "trainer 1 (pid") &&
-		  strstr(embd_last_error(t0), "BACKWARD"), "got '%s'", embd_last_error(t0));
-	post(t1, EMBD_REQUEST_BACKWARD, 0, 202);
-	rc = completion(t1, 202, 5000);
-	cr_expect_eq(rc, EMBD_ETIMEDOUT, "trainer 1's late BACKWARD 0: expected EMBD_ETIMEDOUT, "
-		     "got %d (%s)", rc, embd_last_error(t1));
-	full_step(t0, t1, 1, &ud);
-	stats = ask_json(EMBD_CTL_STATS_REQUEST);
-	cr_assert_not_null(stats);
-	cr_expect_eq(json_num(stats, "step_timeouts"), 2);
-	cr_expect_eq(json_num(stats, "aborted_steps"), 1);
-	cr_expect_eq(json_num(stats, "steps"), 1);
-	cJSON_Delete(stats);
-	embd_close(t0);
-	embd_close(t1);
-}
-
-/* CPU seconds embd has used (utime + stime of /proc/PID/stat). */
-static double embd_cpu_s(void)
-{
-	char path[64], buf[1024];
-	unsigned long utime = 0, stime = 0;
-
-	snprintf(path, sizeof(path), "/proc/%d/stat", (int)service.pid);
-	FILE *f = fopen(path, "r");
 	cr_assert_not_null(f);
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	fprintf(f, "{ \"tables\": [{\"name\": \"t\", \"num_embeddings\": %d, \"embedding_dim\": %d, "
+		"\"pooling\": \"sum\", \"feature_names\": [\"f\"], \"optimizer\": {\"type\": "
+		"\"adagrad\", \"lr\": 0.1, \"eps\": 1e-8}}],\n"
+		" \"topology\": {\"world_size\": 1, \"local_world_size\": 1, \"compute_device\": "
+		"\"cpu\", \"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", \"batch_size\": %d},\n"
+		" \"trainers_per_node\": %u, \"seed\": 5, \"busy_poll_us\": 10,\n"
+		" \"checkpoint_dir\": \"%s\"%s }\n", ROWS, DIM, B, trainers, ckdir, extra);
 	fclose(f);
-	buf[n] = 0;
-	/* after the ")" that ends the command name: state is field 3, utime 14, stime 15 */
-	const char *p = strrchr(buf, ')');
-	cr_assert_not_null(p);
-	cr_assert_eq(sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &utime,
-			    &stime), 2);
-	return (double)(utime + stime) / (double)sysconf(_SC_CLK_TCK);
 }
 
-/* The first step waits for trainer 1 to connect: nobody is there to name, so nothing is
- * logged, and the service sleeps meanwhile instead of spinning on the passed deadline. */
-Test(hostile, waiting_for_a_trainer_to_connect_is_no_stall)
+/* Starts embd i; returns once it listens (true) or exited (false, its status in *status). */
+static bool start(int i, int *status)
 {
-	struct embd_client *t0 = NULL;
+	struct tu_embd *s = &services[i];
+	const struct tu_embd_opts o = { .config = config_path, .log_level = "info" };
+
+	snprintf(s->socket, sizeof(s->socket), "%s/s%d.sock", base, i);
+	snprintf(s->log, sizeof(s->log), "%s/embd%d.log", base, i);
+	tu_embd_start(s, &o);
+	for (int k = 0; k < 1000; k++) {
+		if (tu_embd_wait(s, 10, status))
+			return false;
+		if (!access(s->socket, F_OK))
+			return true;
+	}
+	cr_assert_fail("embd %d neither listened nor exited within 10 s", i);
+	return false;
+}
+
+/* Whether file path holds text. */
+static bool file_has(const char *path, const char *text)
+{
+	static char buf[65536];
+	FILE *f = fopen(path, "r");
+	size_t n = f ? fread(buf, 1, sizeof(buf) - 1, f) : 0;
+
+	if (f)
+		fclose(f);
+	buf[n] = 0;
+	return strstr(buf, text) != NULL;
+}
+
+/* Runs `embctl <args>` with its stdout and stderr in out_path; returns its exit code. */
+static int embctl(const char *args)
+{
+	char cmd[2048];
+
+	snprintf(cmd, sizeof(cmd), "%s %s > %s 2>&1", EMBCTL_BINARY, args, out_path);
+	int st = system(cmd);
+	return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void write_npy(const char *path, float value, uint32_t bad_at, float bad)
+{
+	float v[ROWS * DIM];
+	uint64_t shape[2] = { ROWS, DIM };
 	char err[256];
 
-	service_spawn_keys("\"step_wait_warn_ms\": 100, \"step_wait_abort_ms\": 200", "warning");
-	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	post(t0, EMBD_REQUEST_FORWARD, 0, 1);
-	usleep(300 * 1000);
-	double cpu = embd_cpu_s();
-	usleep(1000 * 1000);
-	cpu = embd_cpu_s() - cpu;
-	cr_expect_lt(cpu, 0.1, "embd used %.2f CPU s in 1 s while the step waited for a trainer "
-		     "to connect", cpu);
-	cr_expect(!tu_embd_log_has(&service, "waited"), "nothing to log: nobody stalls the step");
-	struct embd_client *t1 = NULL;
-	cr_assert_eq(embd_connect(service.socket, 1, 5000, &t1, err, sizeof(err)), 0, "%s", err);
-	post(t1, EMBD_REQUEST_FORWARD, 0, 101);
-	cr_expect_eq(completion(t0, 1, 5000), 0, "%s", embd_last_error(t0));
-	cr_expect_eq(completion(t1, 101, 5000), 0, "%s", embd_last_error(t1));
-	embd_close(t0);
-	embd_close(t1);
+	for (uint32_t i = 0; i < ROWS * DIM; i++)
+		v[i] = i == bad_at ? bad : value;
+	cr_assert_eq(embd_npy_write_file(path, EMBD_NPY_F4, 2, shape, v, false, NULL, NULL, err,
+					 sizeof(err)), 0, "%s", err);
+}
+
+/* Imports a -i file of `value`s as step `step` of table t. */
+static void import_step(uint64_t step, float value)
+{
+	char npy[192], args[512];
+
+	snprintf(npy, sizeof(npy), "%s/w%llu.npy", base, (unsigned long long)step);
+	write_npy(npy, value, UINT32_MAX, 0);
+	snprintf(args, sizeof(args), "import --config %s --step %llu --table t -i %s", config_path,
+		 (unsigned long long)step, npy);
+	cr_assert_eq(embctl(args), 0, "embctl import of step %llu failed", (unsigned long long)step);
+}
+
+/* ---- damaged checkpoints ------------------------------------------------------------------ */
+
+Test(hostile, every_checkpoint_damaged_refuses_a_fresh_start)
+{
+	char path[256];
+	int st;
+
+	write_config("");
+	import_step(10, 0.5f);
+	import_step(20, 0.25f);
+	snprintf(path, sizeof(path), "%s/step-10/t0.import.weight.npy", ckdir);
+	cr_assert_eq(truncate(path, 200), 0);
+	snprintf(path, sizeof(path), "%s/step-20/manifest.json", ckdir);
+	cr_assert_eq(truncate(path, 30), 0);
+	cr_assert(!start(0, &st), "embd must refuse to start from the initial weights over "
+		  "damaged checkpoints");
+	cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "expected a failing exit, got 0x%x", st);
+	cr_expect(tu_embd_log_has(&services[0], "checkpoint_allow_fresh_start") &&
+		  tu_embd_log_has(&services[0], "step-20"), "the log must name the damaged checkpoints "
+		  "and the key (see %s)", services[0].log);
+	cr_expect_eq(tu_count_entries(ckdir, "step-"), 2, "a refusal leaves them in place");
+	/* the operator says so: embd starts afresh, the damaged ones kept in damaged/ */
+	write_config(", \"checkpoint_allow_fresh_start\": true");
+	cr_assert(start(0, &st), "with checkpoint_allow_fresh_start embd starts (exit 0x%x)", st);
+	char dmg[192];
+	snprintf(dmg, sizeof(dmg), "%s/damaged", ckdir);
+	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0);
+	cr_expect(tu_count_entries(dmg, "step-10-") == 1 && tu_count_entries(dmg, "step-20-") == 1,
+		  "both damaged checkpoints must be in damaged/");
+	/* and its checkpoints count: none of the damaged ones takes a checkpoint_keep slot */
+	char args[256];
+	snprintf(args, sizeof(args), "checkpoint --wait --socket %s", services[0].socket);
+	cr_expect_eq(embctl(args), 0, "embctl checkpoint --wait after the fresh start");
+	cr_expect_eq(tu_count_entries(ckdir, "step-0"), 1, "the new checkpoint of step 0 is kept");
+	cr_expect_eq(tu_count_entries(dmg, "step-"), 2, "damaged checkpoints are never deleted");
+}
+
+/* ---- one owner per checkpoint directory --------------------------------------------------- */
+
+Test(hostile, a_second_embd_on_the_same_checkpoint_dir_is_refused)
+{
+	char pid[32], args[1024], npy[192];
+	int st;
+
+	write_config("");
+	cr_assert(start(0, &st), "the first embd (exit 0x%x)", st);
+	snprintf(pid, sizeof(pid), "pid %d", (int)services[0].pid);
+	cr_expect(!start(1, &st), "a second embd on the same checkpoint_dir must be refused");
+	cr_expect(tu_embd_log_has(&services[1], pid) && tu_embd_log_has(&services[1], ckdir),
+		  "the refusal names the holder's %s and the directory (see %s)", pid,
+		  services[1].log);
+	/* embctl import would write a step the running embd might remove or restore */
+	snprintf(npy, sizeof(npy), "%s/w.npy", base);
+	write_npy(npy, 0.5f, UINT32_MAX, 0);
+	snprintf(args, sizeof(args), "import --config %s --step 7 --table t -i %s", config_path, npy);
+	cr_expect_eq(embctl(args), 1, "embctl import into a running embd's directory");
+	cr_expect(file_has(out_path, pid), "the import refusal names %s", pid);
+	cr_expect_eq(tu_count_entries(ckdir, "step-7"), 0);
+	/* once it stopped (even killed), the directory is free */
+	stop(&services[0]);
+	cr_expect_eq(embctl(args), 0, "embctl import after embd exited");
+	cr_expect(start(1, &st), "an embd after the first one died (exit 0x%x)", st);
+}
+
+/* ---- NaN and infinite gradients ----------------------------------------------------------- */
+
+/* Posts op of `step` for both trainers (slot = step % 2) and waits for both completions. */
+static void both(struct embd_client **c, enum embd_request_op op, uint64_t step, int *result)
+{
+	for (int i = 0; i < 2; i++) {
+		struct embd_request req = { .op = op, .slot = (uint32_t)(step % 2), .step = step,
+					    .num_values = B };
+		cr_assert_eq(embd_submit(c[i], &req), 0, "%s", embd_last_error(c[i]));
+	}
+	for (int i = 0; i < 2; i++) {
+		struct embd_completion done;
+		cr_assert_eq(embd_wait(c[i], &done, 10000), 0, "trainer %d: %s", i,
+			     embd_last_error(c[i]));
+		result[i] = done.result;
+	}
+}
+
+/* One trainer's NaN gradient: the step is refused for both trainers, nothing is applied (the
+ * next forward pools the same rows to the same values), the log and stats say so. */
+Test(hostile, a_nan_gradient_is_refused_for_every_trainer)
+{
+	struct embd_client *c[2];
+	struct embd_batch b[2][2];
+	float before[2][B * DIM];
+	char err[256], args[256];
+	int st, res[2];
+
+	trainers = 2;
+	write_config("");
+	cr_assert(start(0, &st), "embd (exit 0x%x)", st);
+	for (int i = 0; i < 2; i++) {
+		cr_assert_eq(embd_connect(services[0].socket, i, 10000, &c[i], err, sizeof(err)), 0,
+			     "%s", err);
+		for (uint32_t slot = 0; slot < 2; slot++) {
+			embd_batch_get(c[i], slot, &b[i][slot]);
+			for (uint32_t k = 0; k < B; k++) {
+				b[i][slot].lengths[k] = 1;
+				b[i][slot].values[k] = 3 + k;   /* both trainers on rows 3..6 */
+			}
+			for (uint32_t k = 0; k < B * DIM; k++)
+				b[i][slot].grad[k] = 0.25f;
+		}
+	}
+	b[1][0].grad[2 * DIM + 5] = NAN;                 /* trainer 1: sample 2, column 5 */
+	both(c, EMBD_REQUEST_FORWARD, 0, res);
+	cr_assert(res[0] == 0 && res[1] == 0, "forward: %d %d", res[0], res[1]);
+	for (int i = 0; i < 2; i++)
+		memcpy(before[i], b[i][0].pooled, sizeof(before[i]));
+	both(c, EMBD_REQUEST_BACKWARD, 0, res);
+	for (int i = 0; i < 2; i++) {
+		cr_expect_eq(res[i], EMBD_ECANCELED, "trainer %d: the step must be refused for every "
+			     "trainer, got %d", i, res[i]);
+		cr_expect(strstr(embd_last_error(c[i]), "trainer 1 of node 0") &&
+			  strstr(embd_last_error(c[i]), "NaN at sample 2, column 5 (feature 'f')"),
+			  "trainer %d's error must name trainer, sample, column: '%s'", i,
+			  embd_last_error(c[i]));
+	}
+	both(c, EMBD_REQUEST_FORWARD, 1, res);
+	cr_assert(res[0] == 0 && res[1] == 0, "the next step runs: %d %d", res[0], res[1]);
+	for (int i = 0; i < 2; i++)
+		cr_expect(!memcmp(before[i], b[i][1].pooled, sizeof(before[i])), "trainer %d: the "
+			  "refused step must have changed no row", i);
+	both(c, EMBD_REQUEST_BACKWARD, 1, res);
+	cr_expect(res[0] == 0 && res[1] == 0, "a finite step trains: %d %d", res[0], res[1]);
+	snprintf(args, sizeof(args), "stats --json --socket %s", services[0].socket);
+	cr_expect_eq(embctl(args), 0);
+	cr_expect(file_has(out_path, "\"nonfinite_grads\":1") &&
+		  file_has(out_path, "\"aborted_steps\":1"), "stats count it (see %s)", out_path);
+	cr_expect(tu_embd_log_has(&services[0], "sent a gradient that is NaN"), "the log says why");
+	embd_close(c[0]);
+	embd_close(c[1]);
+}
+
+/* ---- embctl ------------------------------------------------------------------------------- */
+
+Test(hostile, embctl_numbers_are_parsed_strictly)
+{
+	static const struct { const char *args, *flag, *value; } bad[] = {
+		{ "import --config %s --step -5 --table t -i x.npy", "--step", "'-5'" },
+		{ "import --config %s --step abc --table t -i x.npy", "--step", "'abc'" },
+		{ "import --config %s --step 5x --table t -i x.npy", "--step", "'5x'" },
+		{ "import --config %s --step 99999999999999999999 --table t -i x.npy", "--step", "'9999" },
+		{ "export --config %s --step -1 --table t -o x.npy", "--step", "'-1'" },
+		{ "export --config %s --step 1e3 --table t -o x.npy", "--step", "'1e3'" },
+		{ "stats --watch abc --socket %s", "--watch", "'abc'" },
+		{ "checkpoint --timeout -3 --socket %s", "--timeout", "'-3'" },
+		{ "checkpoint --timeout ' 5' --socket %s", "--timeout", "' 5'" },
+	};
+	char args[512];
+
+	write_config("");
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		snprintf(args, sizeof(args), bad[i].args, config_path);
+		cr_expect_eq(embctl(args), 2, "embctl %s: expected a usage error", args);
+		cr_expect(file_has(out_path, bad[i].flag) && file_has(out_path, bad[i].value),
+			  "embctl %s: the error must name %s and %s", args, bad[i].flag, bad[i].value);
+	}
+	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0, "nothing written (step-18446744073709551611 was)");
+}
+
+Test(hostile, embctl_export_never_writes_into_the_checkpoint_it_reads)
+{
+	char args[1024], target[256], link[192];
+
+	write_config("");
+	import_step(3, 0.5f);
+	snprintf(target, sizeof(target), "%s/step-3/t0.import.weight.npy", ckdir);
+	snprintf(args, sizeof(args), "export --dir %s --table t -o %s", ckdir, target);
+	cr_expect_eq(embctl(args), 1, "export -o onto the checkpoint's own file");
+	cr_expect(file_has(out_path, "inside the checkpoint"), "got: see %s", out_path);
+	snprintf(link, sizeof(link), "%s/link.npy", base);
+	cr_assert_eq(symlink(target, link), 0);
+	snprintf(args, sizeof(args), "export --dir %s --table t -o %s", ckdir, link);
+	cr_expect_eq(embctl(args), 1, "export -o through a symlink into the checkpoint");
+	snprintf(args, sizeof(args), "export --dir %s --table t -o %s/step-3/more.npy", ckdir, ckdir);
+	cr_expect_eq(embctl(args), 1, "export -o of a new file inside the checkpoint");
+	struct embd_ckpt_manifest m;
+	char dir[4300], err[512];
+	cr_expect_eq(embd_ckpt_find(ckdir, UINT64_MAX, NULL, NULL, dir, sizeof(dir), &m, err,
+				    sizeof(err)), 0, "the checkpoint must still be valid: %s", err);
+	embd_ckpt_manifest_free(&m);
+	snprintf(args, sizeof(args), "export --dir %s --table t -o %s/t.npy", ckdir, base);
+	cr_expect_eq(embctl(args), 0, "export -o outside the checkpoint");
+}
+
+Test(hostile, embctl_import_refuses_what_would_train_nan)
+{
+	char args[1024], npy[192], ok[192];
+
+	write_config("");
+	snprintf(npy, sizeof(npy), "%s/nan.npy", base);
+	snprintf(ok, sizeof(ok), "%s/ok.npy", base);
+	write_npy(ok, 0.5f, UINT32_MAX, 0);
+	/* all NaN, one NaN, one infinity */
+	const float bad[3] = { NAN, NAN, INFINITY };
+	const uint32_t at[3] = { UINT32_MAX, 3 * DIM + 5, 17 };
+	for (int k = 0; k < 3; k++) {
+		write_npy(npy, k ? 0.5f : NAN, at[k], bad[k]);
+		snprintf(args, sizeof(args), "import --config %s --table t -i %s", config_path, npy);
+		cr_expect_eq(embctl(args), 1, "import of a non-finite array (case %d)", k);
+		cr_expect(file_has(out_path, k == 2 ? "infinite" : "NaN") &&
+			  file_has(out_path, k == 1 ? "(3, 5)" : k == 2 ? "(2, 1)" : "(0, 0)"),
+			  "case %d: the error names the element (see %s)", k, out_path);
+	}
+	snprintf(args, sizeof(args), "import --config %s --table t -i %s --table t -i %s",
+		 config_path, ok, npy);
+	cr_expect_eq(embctl(args), 1, "the same table twice in one import");
+	cr_expect(file_has(out_path, "given twice"), "see %s", out_path);
+	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0, "no refused import writes anything");
+}
+
+Test(hostile, embctl_import_says_which_checkpoint_embd_restores)
+{
+	char expect[256];
+
+	write_config("");
+	import_step(10, 0.5f);
+	cr_expect(file_has(out_path, "embd restores it"), "the newest: see %s", out_path);
+	import_step(5, 0.25f);
+	snprintf(expect, sizeof(expect), "embd restores %s/step-10", ckdir);
+	cr_expect(file_has(out_path, expect), "an import older than step 10: expected '%s' (see %s)",
+		  expect, out_path);
+}
+
+/* A socket that takes connections and never answers: a hung or stopped service. */
+Test(hostile, embctl_checkpoint_gives_up_on_a_service_that_never_answers)
+{
+	struct sockaddr_un a = { .sun_family = AF_UNIX };
+	char args[256];
+	int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+
+	snprintf(a.sun_path, sizeof(a.sun_path), "%s/mute.sock", base);
+	cr_assert(fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) && !listen(fd, 8),
+		  "mute socket: %s", strerror(errno));
+	cr_expect_eq(embctl("checkpoint --help"), 2);
+	cr_expect(file_has(out_path, "default 10"), "the help says the default (see %s)", out_path);
+	for (int wait = 0; wait < 2; wait++) {
+		struct timespec t0, t1;
+		snprintf(args, sizeof(args), "checkpoint %s--socket %s", wait ? "--wait " : "",
+			 a.sun_path);
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+		int rc = embctl(args);
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		double s = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+		cr_expect_eq(rc, 1, "embctl %s: expected a failure", args);
+		cr_expect(s > 9 && s < 20, "embctl %s gave up after %.1f s, expected the 10 s default "
+			  "(it waited 3600 s)", args, s);
+	}
+	close(fd);
 }

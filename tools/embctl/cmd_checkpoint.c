@@ -14,6 +14,8 @@
 #include <cjson/cJSON.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +29,12 @@
 
 #define MAX_IMPORTS 64
 #define MAX_NODES 64
+#define MAX_STEP 9007199254740992ull    /* 2^53: what a manifest's JSON number holds exactly */
+
+/* How long a running embd takes to answer a status request: at once, or after the collective
+ * its loop may be in (a cluster's step, up to collective_timeout_ms when a node is slow). */
+#define ANSWER_TIMEOUT_S 10
+#define WAIT_TIMEOUT_S 600
 
 int embctl_checkpoint(int argc, char **argv)
 {
@@ -37,21 +45,37 @@ int embctl_checkpoint(int argc, char **argv)
 	};
 	const char *socket_path = EMBCTL_DEFAULT_SOCKET;
 	struct embd_ctl_checkpoint req = { 0 };
-	int timeout_s = 3600, opt;
+	uint64_t timeout_s = 0;
+	char *text = NULL;
+	int rc, opt;
 
 	while ((opt = getopt_long(argc, argv, "s:wt:h", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': socket_path = optarg; break;
 		case 'w': req.flags |= EMBD_CTL_CHECKPOINT_WAIT; break;
-		case 't': timeout_s = atoi(optarg); if (timeout_s < 1) goto usage; break;
+		case 't': if (embctl_number("--timeout", optarg, 1, 604800, &timeout_s)) goto usage; break;
 		default: goto usage;
 		}
 	}
 	if (optind != argc)
 		goto usage;
-	char *text = NULL;
-	int rc = embctl_ask(socket_path, EMBD_CTL_CHECKPOINT_REQUEST, &req, sizeof(req),
-			    timeout_s * 1000, &text);
+	bool wait = req.flags & EMBD_CTL_CHECKPOINT_WAIT;
+	if (!timeout_s)
+		timeout_s = wait ? WAIT_TIMEOUT_S : ANSWER_TIMEOUT_S;
+	/* --wait may rightly take long (a big write): first make sure a service answers at all */
+	if (wait) {
+		int probe_s = timeout_s < ANSWER_TIMEOUT_S ? (int)timeout_s : ANSWER_TIMEOUT_S;
+		rc = embctl_ask(socket_path, EMBD_CTL_STATUS_REQUEST, NULL, 0, probe_s * 1000, &text);
+		free(text);
+		text = NULL;
+		if (rc) {
+			fprintf(stderr, "embctl: no checkpoint asked for (a status request first, "
+				"with %d s for the answer)\n", probe_s);
+			return 1;
+		}
+	}
+	rc = embctl_ask(socket_path, EMBD_CTL_CHECKPOINT_REQUEST, &req, sizeof(req),
+			(int)timeout_s * 1000, &text);
 	if (!rc) {
 		printf("%s\n", text);
 		cJSON *r = cJSON_Parse(text);
@@ -63,7 +87,11 @@ int embctl_checkpoint(int argc, char **argv)
 	free(text);
 	return rc;
 usage:
-	fprintf(stderr, "usage: embctl checkpoint [--socket PATH] [--wait] [--timeout SECONDS]\n");
+	fprintf(stderr, "usage: embctl checkpoint [--socket PATH] [--wait] [--timeout SECONDS]\n"
+		"  --wait            answer once the checkpoint is on disk, with its result\n"
+		"  --timeout SECONDS give up when the service has not answered by then (default %d;\n"
+		"                    with --wait %d, once the service answered a status request\n"
+		"                    within %d)\n", ANSWER_TIMEOUT_S, WAIT_TIMEOUT_S, ANSWER_TIMEOUT_S);
 	return 2;
 }
 
@@ -91,6 +119,34 @@ static int pick_dir(const char *dir, const char *config_path, struct embd_config
 	return 0;
 }
 
+/* Whether output (a file to write) lies inside directory dir, after symlinks: writing it
+ * would overwrite (or add to) the checkpoint being read. */
+static bool inside(const char *output, const char *dir)
+{
+	char *out = realpath(output, NULL), *d = realpath(dir, NULL), *parent = NULL;
+	bool in = false;
+
+	if (!out) {     /* a new file: its directory decides */
+		char *copy = strdup(output);
+		char *slash = copy ? strrchr(copy, '/') : NULL;
+		if (slash == copy)
+			slash[1] = 0;
+		else if (slash)
+			*slash = 0;
+		parent = copy ? realpath(slash ? copy : ".", NULL) : NULL;
+		free(copy);
+	}
+	const char *p = out ? out : parent;
+	if (p && d) {
+		size_t n = strlen(d);
+		in = !strncmp(p, d, n) && (p[n] == '/' || p[n] == 0);
+	}
+	free(out);
+	free(parent);
+	free(d);
+	return in;
+}
+
 int embctl_export(int argc, char **argv)
 {
 	static const struct option opts[] = {
@@ -113,7 +169,7 @@ int embctl_export(int argc, char **argv)
 	while ((opt = getopt_long(argc, argv, "t:s:d:c:o:h", opts, NULL)) != -1) {
 		switch (opt) {
 		case 't': table = optarg; break;
-		case 's': step = strtoull(optarg, NULL, 10); break;
+		case 's': if (embctl_number("--step", optarg, 0, MAX_STEP, &step)) goto usage; break;
 		case 'd': if (n_dirs == MAX_NODES) goto usage; dirs[n_dirs++] = optarg; break;
 		case 'c': config_path = optarg; break;
 		case 'o': output = optarg; break;
@@ -143,6 +199,13 @@ int embctl_export(int argc, char **argv)
 			"it: %s)\n", root, step, ckdir);
 		goto out;
 	}
+	for (uint32_t i = 0; i < n_dirs; i++)
+		if (inside(output, ckp[i])) {
+			fprintf(stderr, "embctl: -o %s is inside the checkpoint %s it reads: refusing "
+				"to write there (it would overwrite or add to its files)\n", output,
+				ckp[i]);
+			goto out;
+		}
 	int k = embd_ckpt_table_index(&m, table);
 	if (k < 0) {
 		fprintf(stderr, "embctl: %s: no table '%s'\n", ckdir, table);
@@ -218,13 +281,28 @@ static int import_weights(const struct embd_config *c, uint32_t t, const char *f
 			 (long long)s->num_embeddings, s->embedding_dim);
 	}
 	for (uint64_t i = 0; !rc && i < n; i++) {
-		float v = h.dtype == EMBD_NPY_F4 ? ((float *)src)[i] :
-			  h.dtype == EMBD_NPY_F8 ? (float)((double *)src)[i] :
-			  embd_fp16_to_fp32(((uint16_t *)src)[i]);
+		double given = h.dtype == EMBD_NPY_F4 ? ((float *)src)[i] :
+			       h.dtype == EMBD_NPY_F8 ? ((double *)src)[i] :
+			       embd_fp16_to_fp32(((uint16_t *)src)[i]);
+		float v = (float)given;
 		if (f16)
 			((uint16_t *)dst)[i] = embd_fp32_to_fp16(v);
 		else
 			((float *)dst)[i] = v;
+		/* after the conversion: a finite <f8 or <f4 value may not fit the table's dtype */
+		float kept = f16 ? embd_fp16_to_fp32(((uint16_t *)dst)[i]) : v;
+		if (!isfinite(kept)) {
+			char what[64];
+			if (isfinite(given))
+				snprintf(what, sizeof(what), "%g, beyond %s", given, f16 ? "fp16" : "fp32");
+			else
+				snprintf(what, sizeof(what), "%s", isnan(given) ? "NaN" : "infinite");
+			rc = EMBD_EINVAL;
+			snprintf(err, err_len, "%s: element (%" PRIu64 ", %" PRIu64 ") is %s: table '%s' "
+				 "would train nothing but NaN from it", file,
+				 i / (uint64_t)s->embedding_dim, i % (uint64_t)s->embedding_dim, what,
+				 s->name);
+		}
 	}
 	free(src);
 	if (rc)
@@ -232,6 +310,25 @@ static int import_weights(const struct embd_config *c, uint32_t t, const char *f
 	else
 		*out = dst;
 	return rc;
+}
+
+/* embd restores the newest valid checkpoint, not necessarily the one just imported. */
+static void say_what_embd_restores(const char *root, uint64_t step)
+{
+	char dir[EMBD_CKPT_PATH_MAX + 64], err[1024];
+	struct embd_ckpt_manifest m;
+
+	if (embd_ckpt_find(root, UINT64_MAX, print_skip, NULL, dir, sizeof(dir), &m, err,
+			   sizeof(err)))
+		return;
+	if (m.step == step)
+		fprintf(stderr, "embctl: embd restores it at start (the newest valid checkpoint in "
+			"%s)\n", root);
+	else
+		fprintf(stderr, "embctl: note: embd restores %s at start, not this import: it "
+			"restores the newest valid checkpoint (import with --step above %" PRIu64 ", or "
+			"move that one away)\n", dir, m.step);
+	embd_ckpt_manifest_free(&m);
 }
 
 int embctl_import(int argc, char **argv)
@@ -249,6 +346,7 @@ int embctl_import(int argc, char **argv)
 	struct embd_ckpt_array *arrays = NULL;
 	uint32_t n_names = 0, n_files = 0;
 	const struct embd_tables *t = &config.tables;
+	struct embd_ckpt_lock *lock = NULL;
 	uint64_t step = 0, bytes;
 	int rc, opt;
 
@@ -258,7 +356,7 @@ int embctl_import(int argc, char **argv)
 		case 'i': if (n_files == MAX_IMPORTS) goto usage; files[n_files++] = optarg; break;
 		case 'c': config_path = optarg; break;
 		case 'd': dir = optarg; break;
-		case 's': step = strtoull(optarg, NULL, 10); break;
+		case 's': if (embctl_number("--step", optarg, 0, MAX_STEP, &step)) goto usage; break;
 		default: goto usage;
 		}
 	}
@@ -275,6 +373,17 @@ int embctl_import(int argc, char **argv)
 			fprintf(stderr, "embctl: --table %s: not a table of %s\n", names[k], config_path);
 			goto out;
 		}
+		for (uint32_t j = 0; j < k; j++)
+			if (!strcmp(names[j], names[k])) {
+				fprintf(stderr, "embctl: --table %s given twice (-i %s and -i %s): which "
+					"one?\n", names[k], files[j], files[k]);
+				goto out;
+			}
+	}
+	/* the directory's owner: a running embd would restore or remove what is written here */
+	if (embd_ckpt_lock_take(root, false, 0, "embctl import", &lock, err, sizeof(err))) {
+		fprintf(stderr, "embctl: %s\n", err);
+		goto out;
 	}
 	m = (struct embd_ckpt_manifest){ .step = step, .num_nodes = 1, .num_tables = t->count };
 	m.tables = calloc(t->count + 1, sizeof(*m.tables));
@@ -310,12 +419,14 @@ int embctl_import(int argc, char **argv)
 		goto out;
 	}
 	fprintf(stderr, "embctl: wrote %s/step-%" PRIu64 " (%" PRIu64 " bytes, %u tables, %u "
-		"imported); embd restores it at start\n", root, step, bytes, t->count, n_names);
+		"imported)\n", root, step, bytes, t->count, n_names);
+	say_what_embd_restores(root, step);
 	rc = 0;
 out:
 	for (uint32_t i = 0; arrays && i < t->count; i++)
 		free((void *)arrays[i].data);
 	free(arrays);
+	embd_ckpt_lock_release(lock);
 	embd_ckpt_manifest_free(&m);
 	embd_config_free(&config);
 	return rc;

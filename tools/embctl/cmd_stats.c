@@ -91,13 +91,14 @@ static int run(int argc, char **argv, enum embd_ctl_type request)
 		{ NULL, 0, NULL, 0 },
 	};
 	const char *socket_path = EMBCTL_DEFAULT_SOCKET;
-	int json = request == EMBD_CTL_STATUS_REQUEST, watch_s = 0, opt;
+	int json = request == EMBD_CTL_STATUS_REQUEST, opt;
+	uint64_t watch_s = 0;
 
 	while ((opt = getopt_long(argc, argv, "s:jw:h", opts, NULL)) != -1) {
 		switch (opt) {
 		case 's': socket_path = optarg; break;
 		case 'j': json = 1; break;
-		case 'w': watch_s = atoi(optarg); if (watch_s < 1) goto usage; break;
+		case 'w': if (embctl_number("--watch", optarg, 1, 86400, &watch_s)) goto usage; break;
 		default: goto usage;
 		}
 	}

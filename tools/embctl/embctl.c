@@ -4,7 +4,10 @@
  */
 #include "embctl.h"
 
+#include <errno.h>
+#include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static const struct embctl_command commands[] = {
@@ -17,9 +20,28 @@ static const struct embctl_command commands[] = {
 	{ NULL, NULL, NULL },
 };
 
+int embctl_number(const char *flag, const char *text, uint64_t min, uint64_t max, uint64_t *out)
+{
+	char *end = NULL;
+	uint64_t v = 0;
+
+	/* strtoull alone takes "-5" (as 2^64 - 5), " 5", "5x" and "" */
+	errno = 0;
+	if (text[0] >= '0' && text[0] <= '9')
+		v = strtoull(text, &end, 10);
+	if (!end || *end || errno || v < min || v > max) {
+		fprintf(stderr, "embctl: %s: '%s' is not a whole number in [%" PRIu64 ", %" PRIu64
+			"]\n", flag, text, min, max);
+		return 2;
+	}
+	*out = v;
+	return 0;
+}
+
 static void usage(FILE *out)
 {
-	fprintf(out, "usage: embctl COMMAND [args]   (embctl COMMAND --help for its flags)\n\n"
+	fprintf(out, "usage: embctl COMMAND [args]   (embctl COMMAND --help for its flags)\n"
+		     "       embctl --help | --version\n\n"
 		     "commands:\n");
 	for (const struct embctl_command *c = commands; c->name; c++)
 		fprintf(out, "  %-12s %s\n", c->name, c->summary);
@@ -30,6 +52,10 @@ int main(int argc, char **argv)
 	if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
 		usage(argc < 2 ? stderr : stdout);
 		return argc < 2 ? 2 : 0;
+	}
+	if (!strcmp(argv[1], "-V") || !strcmp(argv[1], "--version")) {
+		printf("embctl %s\n", EMBD_VERSION);
+		return 0;
 	}
 	for (const struct embctl_command *c = commands; c->name; c++)
 		if (!strcmp(c->name, argv[1]))

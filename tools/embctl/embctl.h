@@ -24,6 +24,10 @@ int embctl_checkpoint(int argc, char **argv);
 int embctl_export(int argc, char **argv);
 int embctl_import(int argc, char **argv);
 
+/* The number of a flag's argument, parsed strictly: only decimal digits, within [min, max]
+ * (no sign, no spaces, no trailing text). 0, or 2 (usage) with why printed naming the flag. */
+int embctl_number(const char *flag, const char *text, uint64_t min, uint64_t max, uint64_t *out);
+
 /* Sends one request (payload of len bytes) and waits up to timeout_ms for its reply, whose
  * text goes to *text (malloc'ed; the caller frees it even on failure). 0, or 1 with the
  * error printed. */

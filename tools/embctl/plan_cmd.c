@@ -3,6 +3,8 @@
  * per topology field, spelled with dashes: --hbm-cap 16G) or a --topology JSON file, prints
  * the stats table or the plan JSON, and writes the plan with -o. `--check PLAN` validates
  * and re-estimates an existing plan (for example one converted from TorchRec) instead.
+ * `--config FILE` plans from a service config through the service's own call
+ * (daemon/config_plan.h), so the preview is the plan embd makes from that file.
  */
 #include "embctl.h"
 
@@ -12,9 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "daemon/config.h"
+#include "daemon/config_plan.h"
 #include "embd/plan.h"
 
-enum { OPT_TABLES = 1000, OPT_TOPOLOGY, OPT_JSON, OPT_CHECK, OPT_GREEDY, OPT_HELP,
+enum { OPT_TABLES = 1000, OPT_TOPOLOGY, OPT_JSON, OPT_CHECK, OPT_GREEDY, OPT_HELP, OPT_CONFIG,
        OPT_FIELD = 2000 };
 
 #define MAX_FIELDS 32
@@ -23,8 +27,13 @@ enum { OPT_TABLES = 1000, OPT_TOPOLOGY, OPT_JSON, OPT_CHECK, OPT_GREEDY, OPT_HEL
 static void usage(FILE *out)
 {
 	fprintf(out, "usage: embctl plan --tables FILE [topology flags] [--json] [-o plan.json]\n"
-		     "       embctl plan --check plan.json --tables FILE [--json]\n\n"
-		     "  --tables FILE       tables JSON (format: include/embd/plan.h)\n"
+		     "       embctl plan --config FILE [--json] [-o plan.json]\n"
+		     "       embctl plan --check plan.json (--tables FILE | --config FILE) [--json]\n\n"
+		     "  --tables FILE       tables JSON: an array, or {\"tables\": [...]}\n"
+		     "                      (format: include/embd/plan.h)\n"
+		     "  --config FILE       a service config (embd.conf(5)): the plan embd makes\n"
+		     "                      from it (its tables, topology and plan_file); no\n"
+		     "                      --tables, --topology or topology flags with it\n"
 		     "  --topology FILE     topology JSON object; flags given after it override it\n"
 		     "  --json              print the plan JSON instead of the stats table\n"
 		     "  -o FILE             write the plan JSON to FILE\n"
@@ -109,12 +118,39 @@ out:
 	return status;
 }
 
+/* The plan embd makes from the config at path (or --check of another plan against its tables). */
+static int plan_config(const char *path, const char *check_path, bool json, const char *out_path)
+{
+	struct embd_config config;
+	struct embd_plan *plan = NULL;
+	char err[2048];
+	int rc, status = 1;
+
+	if (embd_config_load(path, &config, err, sizeof(err))) {
+		fprintf(stderr, "embctl plan: %s\n", err);
+		return 1;
+	}
+	if (check_path) {
+		status = check_plan(check_path, &config.tables, json);
+	} else if ((rc = embd_config_plan(&config, &plan, err, sizeof(err)))) {
+		fprintf(stderr, "embctl plan: %s: %s\n", embd_strerror(rc), err);
+	} else {
+		status = print_plan(plan, json, out_path);
+		if (!status && !json && config.plan_file[0])
+			printf("%s: plan_file %s: valid for its tables and topology\n", path,
+			       config.plan_file);
+	}
+	embd_plan_destroy(plan);
+	embd_config_free(&config);
+	return status;
+}
+
 int embctl_plan(int argc, char **argv)
 {
-	struct option longopts[MAX_FIELDS + 8];
+	struct option longopts[MAX_FIELDS + 16];
 	char names[MAX_FIELDS][FLAG_NAME_MAX];
-	const char *tables_path = NULL, *out_path = NULL, *check_path = NULL;
-	bool json = false, local_given = false;
+	const char *tables_path = NULL, *out_path = NULL, *check_path = NULL, *config_path = NULL;
+	bool json = false, local_given = false, topology_given = false;
 	struct embd_plan_options options = { 0 };
 	struct embd_topology topo;
 	struct embd_tables tables = { 0 };
@@ -137,6 +173,7 @@ int embctl_plan(int argc, char **argv)
 		{ "check", required_argument, NULL, OPT_CHECK },
 		{ "greedy-only", no_argument, NULL, OPT_GREEDY },
 		{ "help", no_argument, NULL, OPT_HELP },
+		{ "config", required_argument, NULL, OPT_CONFIG },
 		{ NULL, 0, NULL, 0 },
 	};
 	memcpy(&longopts[n], fixed, sizeof(fixed));
@@ -148,6 +185,7 @@ int embctl_plan(int argc, char **argv)
 		case OPT_JSON: json = true; break;
 		case OPT_CHECK: check_path = optarg; break;
 		case OPT_GREEDY: options.greedy_only = true; break;
+		case OPT_CONFIG: config_path = optarg; break;
 		case 'o': out_path = optarg; break;
 		case 'h':
 		case OPT_HELP: usage(stdout); return 0;
@@ -157,6 +195,7 @@ int embctl_plan(int argc, char **argv)
 				return 2;
 			}
 			local_given = true;     /* the file resolved local_world_size itself */
+			topology_given = true;
 			break;
 		default:
 			if (opt < OPT_FIELD || opt >= OPT_FIELD + (int)n) {
@@ -169,15 +208,22 @@ int embctl_plan(int argc, char **argv)
 				return 2;
 			}
 			local_given |= !strcmp(field, "local_world_size");
+			topology_given = true;
 			break;
 		}
 	}
-	if (optind < argc || !tables_path) {
-		fprintf(stderr, "embctl plan: %s\n", optind < argc ? "unexpected argument" :
-			"--tables FILE is required");
+	const char *wrong = optind < argc ? "unexpected argument" :
+			    !config_path && !tables_path ? "--tables FILE or --config FILE is required" :
+			    config_path && (tables_path || topology_given || options.greedy_only) ?
+			    "--config takes the tables and topology from the config: no --tables, "
+			    "--topology, topology flag or --greedy-only with it" : NULL;
+	if (wrong) {
+		fprintf(stderr, "embctl plan: %s\n", wrong);
 		usage(stderr);
 		return 2;
 	}
+	if (config_path)
+		return plan_config(config_path, check_path, json, out_path);
 	if (!local_given)       /* TorchRec's default: one node */
 		topo.local_world_size = topo.world_size;
 	status = 1;

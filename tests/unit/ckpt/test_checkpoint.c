@@ -1,12 +1,11 @@
 /*
- * Checkpoints (ckpt/manifest.h, ckpt/checkpoint.h, ckpt/ckpt_service.h): manifests
- * round-trip and refuse bad fields; directories are found newest-valid-first, a damaged one
- * (flipped byte, truncated file, broken manifest, leftover .tmp) is reported by name and
- * skipped; retention keeps K; and resharding: tables written under one plan restore under
- * another (table-wise -> row-wise, row-wise -> column-wise, 2 ranks -> 1 rank, fp16 <-> fp32
- * weights) equal to the original exactly, through embd_ckpt_load and through the service's
- * restore into a real step engine. Per-row optimizer state across a column merge becomes the
- * column-weighted mean.
+ * Checkpoint directories (ckpt/manifest.h, ckpt/checkpoint.h): manifests round-trip and refuse
+ * bad fields; directories are found newest-valid-first, a damaged one (flipped byte, truncated
+ * file, broken manifest, leftover .tmp) is reported by name and skipped; retention keeps K
+ * valid ones and moves damaged ones aside; a failed write leaves no .tmp; the directory lock
+ * refuses a second owner; and resharding: tables written under one plan load under another
+ * (table-wise -> row-wise, row-wise -> column-wise, 2 ranks -> 1 rank) equal to the original
+ * exactly. The service's side (restore into a real step engine, triggers): test_ckpt_service.c.
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -15,44 +14,28 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "kernels/embedding.h"
 #include "ckpt/checkpoint.h"
-#include "ckpt/ckpt_service.h"
-#include "engine/step.h"
-#include "tests/support/dist_util.h"
+#include "tests/support/dir_util.h"
 
 static char root[64];
 
 static void setup(void)
 {
-	snprintf(root, sizeof(root), "/tmp/embd-ckpt-XXXXXX");
-	cr_assert_not_null(mkdtemp(root));
+	tu_tmpdir(root, sizeof(root), "embd-ckpt");
 }
 
 static void teardown(void)
 {
-	char cmd[128];
-	snprintf(cmd, sizeof(cmd), "rm -rf %s", root);
-	cr_expect_eq(system(cmd), 0);
+	tu_rmtree(root);
 }
 
 TestSuite(checkpoint, .init = setup, .fini = teardown, .timeout = 60);
-
-/* A cluster node's tests also need a store to talk to (nobody else on it). */
-static void cluster_setup(void)
-{
-	setup();
-	tu_server_start();
-}
-
-static void cluster_teardown(void)
-{
-	tu_server_stop();
-	teardown();
-}
 
 /* ---- a table and its shards as plain arrays ---------------------------------------------- */
 
@@ -305,6 +288,11 @@ static void on_skip(void *arg, const char *dir, const char *why)
 	s->n++;
 }
 
+static bool has_dir(const char *name)
+{
+	return tu_has_entry(root, name);
+}
+
 static uint64_t newest(struct skips *sk)
 {
 	char dir[4200], err[512];
@@ -325,6 +313,16 @@ static void flip_byte(const char *path, off_t at)
 	b ^= 0x40;
 	cr_assert_eq(pwrite(fd, &b, 1, at), 1);
 	close(fd);
+}
+
+static int count_entries(const char *prefix)
+{
+	return tu_count_entries(root, prefix);
+}
+
+static int count_damaged(const char *prefix)
+{
+	return tu_count_damaged(root, prefix);
 }
 
 Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
@@ -353,10 +351,12 @@ Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
 	cr_expect(strstr(sk.dirs[0], "step-40") && strstr(sk.dirs[1], "step-30") &&
 		  strstr(sk.dirs[2], "step-20"), "skipped in order 40, 30, 20: got %s %s %s",
 		  sk.dirs[0], sk.dirs[1], sk.dirs[2]);
-	/* rewriting a damaged step replaces it; an intact one is never overwritten */
+	/* rewriting a damaged step moves the damaged one aside; an intact one is never
+	 * overwritten */
 	write_shards(rw3, 3, 40);
 	sk.n = 0;
 	cr_expect_eq(newest(&sk), 40);
+	cr_expect_eq(count_damaged("step-40-"), 1, "the damaged step-40 must be kept in damaged/");
 	struct embd_ckpt_manifest m;
 	struct embd_ckpt_table tab;
 	struct embd_ckpt_array arrays[6];
@@ -371,16 +371,6 @@ Test(checkpoint, damaged_checkpoints_are_skipped_by_name)
 	free(m.files);
 }
 
-static int count_entries(const char *prefix)
-{
-	DIR *d = opendir(root);
-	int n = 0;
-	for (struct dirent *e; (e = readdir(d));)
-		n += !strncmp(e->d_name, prefix, strlen(prefix));
-	closedir(d);
-	return n;
-}
-
 Test(checkpoint, retention_keeps_the_newest)
 {
 	char path[256], err[512];
@@ -390,7 +380,7 @@ Test(checkpoint, retention_keeps_the_newest)
 		write_shards(tw, 1, s * 100);
 	snprintf(path, sizeof(path), "%s/.tmp-step-900", root);
 	cr_assert_eq(mkdir(path, 0755), 0);
-	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, UINT64_MAX, err, sizeof(err));
+	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, UINT64_MAX, NULL, NULL, err, sizeof(err));
 	cr_expect_eq(removed, 4, "expected 3 old checkpoints and 1 .tmp removed, got %d (%s)",
 		     removed, err);
 	cr_expect_eq(count_entries("step-"), 2);
@@ -408,7 +398,7 @@ Test(checkpoint, retention_spares_the_step_every_node_holds)
 	 * node's part of cluster checkpoints that failed elsewhere */
 	for (uint64_t s = 1; s <= 5; s++)
 		write_shards(tw, 1, s * 100);
-	int removed = embd_ckpt_retain(root, 1, UINT64_MAX, 300, err, sizeof(err));
+	int removed = embd_ckpt_retain(root, 1, UINT64_MAX, 300, NULL, NULL, err, sizeof(err));
 	cr_expect_eq(removed, 3, "expected steps 100, 200 and 400 removed, got %d (%s)", removed,
 		     err);
 	snprintf(path, sizeof(path), "%s/step-300", root);
@@ -418,261 +408,97 @@ Test(checkpoint, retention_spares_the_step_every_node_holds)
 	cr_expect_eq(count_entries("step-"), 2);
 }
 
-/* ---- the service: restore into a step engine under another plan -------------------------- */
-
-struct node {
-	struct embd_table_spec specs[2];
-	struct embd_table_constraints cons[2];
-	struct embd_ckpt_settings config;
-	struct embd_plan plan;
-	struct embd_plan_table ptables[2];
-	struct embd_plan_shard pshards[2][4];
-	struct embd_ranks *ranks;
-	struct embd_step *step;
-	struct embd_ckpt_service *ck;
-};
-
-/* Tables t0 (40 x 16, adagrad) and t1 (23 x 8, rowwise_adagrad), sharded as `kind`. */
-static void node_start(struct node *n, const char *kind, uint32_t num_ranks)
+/* Every checkpoint newer than the valid one is damaged: retention used to keep those and
+ * delete the valid ones, down to the one just written. */
+Test(checkpoint, retention_counts_only_valid_checkpoints)
 {
-	struct embd_optimizer_spec ada = { .type = EMBD_OPT_ADAGRAD, .lr = 0.1f, .eps = 1e-8f };
-	struct embd_optimizer_spec rwa = { .type = EMBD_OPT_ROWWISE_ADAGRAD, .lr = 0.1f, .eps = 1e-8f };
-	char err[512] = "";
+	char path[256], err[512];
+	struct skips mv = { 0 };        /* the moved ones: their new paths */
 
-	memset(n, 0, sizeof(*n));
-	n->specs[0] = (struct embd_table_spec){ .name = "t0", .num_embeddings = 40,
-		.embedding_dim = 16, .optimizer = ada, .num_features = 1, .feature_names = { "a" } };
-	n->specs[1] = (struct embd_table_spec){ .name = "t1", .num_embeddings = 23,
-		.embedding_dim = 8, .optimizer = rwa, .num_features = 1, .feature_names = { "b" } };
-	n->config.tables = (struct embd_tables){ .count = 2, .specs = n->specs, .constraints = n->cons };
-	snprintf(n->config.checkpoint_dir, sizeof(n->config.checkpoint_dir), "%s", root);
-	n->config.checkpoint_keep = 3;
-	embd_plan_topology_default(&n->plan.topology, (int32_t)num_ranks);
-	n->plan.topology.batch_size = 4;
-	n->plan.topology.compute_device = EMBD_DEVICE_CPU;
-	n->config.num_nodes = 1;
-	n->plan.num_tables = 2;
-	n->plan.tables = n->ptables;
-	for (uint32_t t = 0; t < 2; t++) {
-		struct embd_plan_table *pt = &n->ptables[t];
-		int64_t rows = n->specs[t].num_embeddings;
-		int32_t dim = n->specs[t].embedding_dim;
-		strcpy(pt->name, n->specs[t].name);
-		pt->compute_kernel = EMBD_KERNEL_FUSED;
-		pt->shards = n->pshards[t];
-		if (!strcmp(kind, "tw")) {
-			pt->sharding_type = EMBD_SHARD_TABLE_WISE;
-			pt->num_shards = 1;
-			pt->shards[0] = (struct embd_plan_shard){ (int32_t)(t % num_ranks), 0, rows, 0, dim };
-		} else if (!strcmp(kind, "rw")) {
-			pt->sharding_type = EMBD_SHARD_ROW_WISE;
-			pt->num_shards = num_ranks;
-			int64_t block = (rows + num_ranks - 1) / num_ranks;
-			for (uint32_t r = 0; r < num_ranks; r++)
-				pt->shards[r] = (struct embd_plan_shard){ (int32_t)r, block * r,
-					r + 1 < num_ranks ? block : rows - block * r, 0, dim };
-		} else {
-			pt->sharding_type = EMBD_SHARD_COLUMN_WISE;
-			pt->num_shards = 2;
-			pt->shards[0] = (struct embd_plan_shard){ 0, 0, rows, 0, dim / 4 };
-			pt->shards[1] = (struct embd_plan_shard){ (int32_t)(1 % num_ranks), 0, rows,
-								  dim / 4, dim - dim / 4 };
-		}
-	}
-	cr_assert_eq(embd_ranks_create(num_ranks, 1, &n->ranks, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(embd_step_create(&n->config.tables, &n->plan, n->ranks, 7, 2, &n->step, err,
-				      sizeof(err)), 0, "%s", err);
-	int rc = embd_ckpt_service_create(&n->config, n->step, &n->plan, &n->ck, err, sizeof(err));
-	cr_assert_eq(rc, 0, "ckpt_service_create: %d %s", rc, err);
+	write_shards(tw, 1, 10);
+	write_shards(tw, 1, 20);
+	for (uint64_t s = 30; s <= 50; s += 10)
+		write_shards(tw, 1, s);
+	/* 30: a file gone; 40: a truncated file; 50: no manifest */
+	snprintf(path, sizeof(path), "%s/step-30/emb.0.m1.npy", root);
+	cr_assert_eq(unlink(path), 0);
+	snprintf(path, sizeof(path), "%s/step-40/emb.0.w.npy", root);
+	cr_assert_eq(truncate(path, 64), 0);
+	snprintf(path, sizeof(path), "%s/step-50/manifest.json", root);
+	cr_assert_eq(unlink(path), 0);
+	write_shards(tw, 1, 5);         /* the checkpoint just written (spared) */
+	int removed = embd_ckpt_retain(root, 2, UINT64_MAX, 5, on_skip, &mv, err, sizeof(err));
+	cr_expect_eq(removed, 0, "keep 2 valid (20, 10) and the one just written: got %d removed "
+		     "(%s)", removed, err);
+	cr_expect(has_dir("step-20") && has_dir("step-10") && has_dir("step-5"),
+		  "every valid checkpoint must stay");
+	cr_expect_eq(mv.n, 3, "expected 3 damaged checkpoints moved aside, got %d", mv.n);
+	cr_expect_eq(count_entries("step-"), 3);
+	cr_expect(count_damaged("step-30-") == 1 && count_damaged("step-40-") == 1 &&
+		  count_damaged("step-50-") == 1, "damaged ones must be moved to damaged/, not deleted");
+	cr_expect(strstr(mv.dirs[0], "/damaged/step-50-"), "reported with its new path: %s",
+		  mv.dirs[0]);
+	/* with keep 1, the newest valid one stays whatever is spared */
+	removed = embd_ckpt_retain(root, 1, UINT64_MAX, UINT64_MAX, on_skip, &mv, err, sizeof(err));
+	cr_expect_eq(removed, 2, "steps 10 and 5 removed, got %d (%s)", removed, err);
+	cr_expect(has_dir("step-20") && !has_dir("step-5"), "the newest valid step stays");
 }
 
-static void node_stop(struct node *n)
+/* A write that fails (here the file size limit, as a full disk) leaves no .tmp behind. */
+Test(checkpoint, a_failed_write_removes_its_tmp_at_once)
 {
-	embd_ckpt_service_destroy(n->ck);
-	embd_step_destroy(n->step);
-	embd_ranks_destroy(n->ranks);
+	struct embd_ckpt_manifest m;
+	struct embd_ckpt_table tab;
+	struct embd_ckpt_array arrays[6];
+	float *bufs[6];
+	char err[512];
+	uint64_t bytes;
+	struct rlimit lim = { 1024, 1024 }, old;
+
+	make_shards(&m, &tab, rw3, 3, arrays, bufs, 12);
+	signal(SIGXFSZ, SIG_IGN);
+	cr_assert_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+	cr_assert_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+	int rc = embd_ckpt_write_dir(root, &m, arrays, 6, true, &bytes, err, sizeof(err));
+	setrlimit(RLIMIT_FSIZE, &old);
+	cr_expect_neq(rc, 0, "the write must fail past the file size limit");
+	cr_expect_eq(count_entries(".tmp-"), 0, "the failed write's .tmp-step-12 must be gone");
+	cr_expect_eq(count_entries("step-"), 0);
+	for (int i = 0; i < 6; i++)
+		free(bufs[i]);
+	free(m.files);
 }
 
-/* Distinctive weights and state: w = f(table, row, col); per-row state = g(row, shard cols). */
-static void node_fill(struct node *n)
+Test(checkpoint, lock_refuses_a_second_owner_naming_its_pid)
 {
-	for (uint32_t i = 0; i < embd_step_num_shards(n->step); i++) {
-		struct embd_step_shard_view v;
-		embd_step_shard_view(n->step, i, &v);
-		const struct embd_shard_desc *d = &v.shard->desc;
-		for (int64_t r = 0; r < d->rows; r++) {
-			for (uint32_t c = 0; c < d->cols; c++) {
-				float w = (float)(v.table * 1000 + (d->row_offset + r) * 17 + d->col_offset + c) / 8.0f;
-				((float *)v.shard->weights)[r * d->cols + c] = w;
-				if (v.table == 0)
-					v.shard->momentum1[r * d->cols + c] = w * 2;
-			}
-			if (v.table == 1)
-				v.shard->momentum1[r] = (float)(d->row_offset + r) + (float)d->col_offset;
-		}
-		v.shard->step = 11;
-	}
-}
+	struct embd_ckpt_lock *a, *b, *c;
+	char err[1024], pid[32];
 
-/* A node sharded as kind on num_ranks writes its filled shards as checkpoint `step`. */
-static void node_write(const char *kind, uint32_t num_ranks, uint64_t step)
-{
-	struct node a;
-
-	node_start(&a, kind, num_ranks);
-	node_fill(&a);
-	cr_assert_eq(embd_ckpt_service_final(a.ck, step), 0);
-	node_stop(&a);
-}
-
-Test(checkpoint, service_restores_under_another_plan)
-{
-	struct node b;
-	char err[512] = "";
-	uint64_t step;
-
-	node_write("cw", 2, 17);
-	node_start(&b, "rw", 1);         /* CW on 2 ranks -> RW (one row block) on 1 rank */
-	int rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
-	cr_assert_eq(rc, 0, "restore: %d %s", rc, err);
-	cr_expect_eq(step, 17);
-	uint32_t bad = 0;
-	for (uint32_t t = 0; t < 2; t++)
-		for (int64_t r = 0; r < b.specs[t].num_embeddings; r++)
-			for (uint32_t c = 0; c < (uint32_t)b.specs[t].embedding_dim; c++) {
-				float got, want = (float)(t * 1000 + r * 17 + c) / 8.0f;
-				cr_assert_eq(embd_step_read_weight(b.step, t, r, c, 0, &got), 0);
-				if (got != want && bad++ < 5)
-					cr_expect(false, "t%u (%lld, %u): expected %g, got %g", t,
-						  (long long)r, c, want, got);
-			}
-	cr_expect_eq(bad, 0, "%u weights differ", bad);
-	struct embd_step_shard_view v;
-	for (uint32_t i = 0; i < embd_step_num_shards(b.step); i++) {
-		embd_step_shard_view(b.step, i, &v);
-		const struct embd_shard_desc *d = &v.shard->desc;
-		cr_expect_eq(v.shard->step, 11, "optimizer step restored");
-		for (int64_t r = 0; r < d->rows; r++) {
-			if (v.table == 0) {
-				float w = (float)((d->row_offset + r) * 17 + 3) / 8.0f;
-				cr_expect_eq(v.shard->momentum1[r * d->cols + 3], w * 2);
-				continue;
-			}
-			/* source shards: cols [0, 2) with state row + 0, cols [2, 8) with row + 2 */
-			float want = ((float)(d->row_offset + r) * 2 + (float)(d->row_offset + r + 2) * 6) / 8;
-			cr_expect(fabsf(v.shard->momentum1[r] - want) < 1e-5f,
-				  "t1 row %lld per-row state: expected the column-weighted mean %g, got %g",
-				  (long long)(d->row_offset + r), want, v.shard->momentum1[r]);
-		}
-	}
-	node_stop(&b);
-}
-
-Test(checkpoint, service_refuses_other_tables)
-{
-	struct node b;
-	char err[512] = "";
-	uint64_t step;
-
-	node_write("tw", 2, 3);
-	node_start(&b, "tw", 2);
-	b.specs[1].num_embeddings = 24;  /* the config changed the table's rows */
-	int rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
-	cr_expect_eq(rc, EMBD_EMISMATCH, "expected EMBD_EMISMATCH, got %d (%s)", rc, err);
-	cr_expect(strstr(err, "'t1'") && strstr(err, "23 x 8"), "got '%s'", err);
-	b.specs[1].num_embeddings = 23;
-	strcpy(b.specs[1].name, "t9");
-	rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
-	cr_expect_eq(rc, EMBD_EMISMATCH);
-	cr_expect(strstr(err, "'t9'"), "got '%s'", err);
-	node_stop(&b);
-}
-
-/* Waits (up to 10 s) until the service finished checkpoint seq. */
-static void wait_written(struct node *n, uint64_t seq)
-{
-	for (int i = 0; i < 1000 && embd_ckpt_service_reap(n->ck) < seq; i++)
-		usleep(10000);
-	cr_assert_geq(embd_ckpt_service_reap(n->ck), seq, "checkpoint %llu not written in 10 s",
-		      (unsigned long long)seq);
-}
-
-static bool has_step(uint64_t step)
-{
-	char dir[4200];
-	embd_ckpt_dir_name(root, step, dir, sizeof(dir));
-	return access(dir, F_OK) == 0;
-}
-
-Test(checkpoint, service_triggers_and_retention)
-{
-	struct node n;
-	char *json = NULL;
-
-	node_start(&n, "tw", 1);
-	n.config.checkpoint_every_steps = 3;
-	n.config.checkpoint_keep = 2;
-	embd_ckpt_service_poll(n.ck, 1);
-	embd_ckpt_service_poll(n.ck, 2);
-	cr_expect_eq(embd_ckpt_service_reap(n.ck), 0, "nothing is due before step 3");
-	embd_ckpt_service_poll(n.ck, 3);
-	wait_written(&n, 1);
-	cr_expect(has_step(3));
-	embd_ckpt_service_poll(n.ck, 5);
-	embd_ckpt_service_poll(n.ck, 6);
-	wait_written(&n, 2);
-	embd_ckpt_service_poll(n.ck, 9);
-	wait_written(&n, 3);
-	cr_expect(has_step(6) && has_step(9) && !has_step(3), "keep 2: steps 6 and 9 stay");
-	/* every T seconds: only once T passed, and only when steps ran since the last one */
-	n.config.checkpoint_every_steps = 0;
-	n.config.checkpoint_every_seconds = 1;
-	embd_ckpt_service_poll(n.ck, 10);
-	cr_expect_eq(embd_ckpt_service_reap(n.ck), 3, "not due before a second passed");
-	usleep(1100000);
-	embd_ckpt_service_poll(n.ck, 10);
-	wait_written(&n, 4);
-	cr_expect(has_step(10));
-	usleep(1100000);
-	embd_ckpt_service_poll(n.ck, 10);
-	cr_expect_eq(embd_ckpt_service_reap(n.ck), 4, "no new step, no new checkpoint");
-	/* a request for a step already on disk completes at once, successfully */
-	uint64_t seq = embd_ckpt_service_request(n.ck);
-	embd_ckpt_service_poll(n.ck, 10);
-	wait_written(&n, seq);
-	cr_assert_eq(embd_ckpt_service_result_json(n.ck, &json), 0);
-	cr_expect(strstr(json, "\"ok\":true") && strstr(json, "step-10"), "got %s", json);
-	free(json);
-	node_stop(&n);
-}
-
-/* A cluster's every_steps are the multiples of N, not N after the last one this node took (an
- * agreed one, or one a node took alone while the cluster re-formed), so every node is due at
- * the same steps. Node 0 of 2 with no node 1: each write fails after store_timeout_ms. */
-Test(checkpoint, cluster_every_steps_are_its_multiples, .init = cluster_setup,
-     .fini = cluster_teardown)
-{
-	struct node n;
-	char err[512] = "";
-
-	node_start(&n, "tw", 1);
-	embd_ckpt_service_destroy(n.ck);
-	n.config.num_nodes = 2;
-	snprintf(n.config.master_addr, sizeof(n.config.master_addr), "127.0.0.1");
-	n.config.master_port = tu_port;
-	n.config.store_timeout_ms = 200;
-	n.config.checkpoint_every_steps = 5;
-	int rc = embd_ckpt_service_create(&n.config, n.step, &n.plan, &n.ck, err, sizeof(err));
-	cr_assert_eq(rc, 0, "ckpt_service_create on a cluster: %d %s", rc, err);
-	embd_ckpt_service_agreed(n.ck);
-	cr_expect(embd_ckpt_service_poll(n.ck, 3), "an agreed checkpoint at step 3");
-	wait_written(&n, 1);
-	cr_expect(embd_ckpt_service_poll(n.ck, 5), "step 5: due (a multiple of 5)");
-	wait_written(&n, 2);
-	cr_expect(!embd_ckpt_service_poll(n.ck, 8), "step 8: not due (5 after step 3)");
-	cr_expect(embd_ckpt_service_poll(n.ck, 10), "step 10: due");
-	wait_written(&n, 3);
-	node_stop(&n);
+	snprintf(pid, sizeof(pid), "pid %d", (int)getpid());
+	cr_assert_eq(embd_ckpt_lock_take(root, false, 0, "embd node 0 of 1", &a, err, sizeof(err)),
+		     0, "%s", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, false, 0, "second", &b, err, sizeof(err)),
+		     EMBD_EBUSY);
+	cr_expect(strstr(err, pid) && strstr(err, "embd node 0 of 1"), "got '%s'", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, true, 1, "cluster node", &b, err, sizeof(err)),
+		     EMBD_EBUSY, "a shared-layout node must not join a lone service's directory");
+	embd_ckpt_lock_release(a);
+	/* a shared-layout cluster: one lock per node rank */
+	cr_assert_eq(embd_ckpt_lock_take(root, true, 0, "node 0 of 2", &a, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_ckpt_lock_take(root, true, 1, "node 1 of 2", &b, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, true, 1, "node 1 again", &c, err, sizeof(err)),
+		     EMBD_EBUSY, "two services claiming node rank 1");
+	cr_expect(strstr(err, "node 1 of 2") && strstr(err, pid), "got '%s'", err);
+	cr_expect_eq(embd_ckpt_lock_take(root, false, 0, "lone", &c, err, sizeof(err)), EMBD_EBUSY);
+	cr_expect(strstr(err, "node 0 of 2") && strstr(err, "node 1 of 2"), "both nodes named: '%s'",
+		  err);
+	embd_ckpt_lock_release(a);
+	embd_ckpt_lock_release(b);
+	cr_assert_eq(embd_ckpt_lock_take(root, false, 0, "lone", &c, err, sizeof(err)), 0,
+		     "released locks must free the directory: %s", err);
+	embd_ckpt_lock_release(c);
 }
 
 /* ---- per-node directories ------------------------------------------------------------------ */
@@ -775,7 +601,7 @@ Test(checkpoint, shared_directory_parts_appear_only_when_committed)
 	/* both parts on disk, no manifest: nothing to restore, and retention leaves them alone */
 	cr_expect_eq(embd_ckpt_find(root, UINT64_MAX, NULL, NULL, dir, sizeof(dir), &m, err,
 				    sizeof(err)), EMBD_ENOENT, "uncommitted parts must not be found");
-	cr_expect_eq(embd_ckpt_retain(root, 1, 7, UINT64_MAX, err, sizeof(err)), 0,
+	cr_expect_eq(embd_ckpt_retain(root, 1, 7, UINT64_MAX, NULL, NULL, err, sizeof(err)), 0,
 		     "retention must keep the .tmp of the step being written");
 	cr_expect_eq(count_entries(".tmp-step-7"), 1);
 	int rc = embd_ckpt_manifest_merge(parts, 2, &m, err, sizeof(err));

@@ -5,12 +5,15 @@
  * took that step) must not be read when the re-formed cluster checkpoints the same step
  * again. Node 0 used to take node 1's stale report at once and commit the step with node 1's
  * old files before node 1 wrote the new ones: a checkpoint reported ok holding other values.
+ * And the per_node restore decision over a step damaged on one node only: refused on both
+ * nodes (it used to start afresh), unless checkpoint_allow_fresh_start.
  */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/ckpt_cluster.h"
@@ -147,4 +150,105 @@ Test(ckpt_cluster, keys_left_by_an_earlier_generation_are_not_read_when_a_step_i
 	cr_expect_eq(n0.rc, 0, "node 0: %d %s", n0.rc, n0.err);
 	cr_expect_eq(n1.rc, 0, "node 1: %d %s", n1.rc, n1.err);
 	expect_version(2);
+}
+
+/* ---- per_node restore over a damaged part --------------------------------------------------- */
+
+static struct embd_ckpt_settings node_config[2];
+
+/* Node n's own whole step-<step> in <root>/n<n> (per_node: only its rows). */
+static void write_part(uint32_t n, uint64_t step)
+{
+	const int64_t row = n ? SPLIT : 0, rows = n ? ROWS - SPLIT : SPLIT;
+	struct embd_ckpt_table tab = { .name = "emb", .num_embeddings = ROWS, .embedding_dim = DIM,
+				       .data_type = EMBD_DTYPE_FP32, .optimizer = EMBD_OPT_SGD };
+	struct embd_ckpt_manifest m = { .step = step, .node = n, .num_nodes = 2, .node_part = true,
+					.plan_hash = 0x1234, .num_tables = 1, .tables = &tab };
+	float *w = calloc((size_t)(rows * DIM), sizeof(float));
+	struct embd_ckpt_array a = { .data = w, .ndim = 2 };
+	char err[512];
+	uint64_t bytes;
+
+	cr_assert_not_null(w);
+	a.file = (struct embd_ckpt_file){ .state = EMBD_CKPT_WEIGHT, .node = n, .row_offset = row,
+					  .rows = rows, .cols = DIM, .dtype = EMBD_NPY_F4 };
+	snprintf(a.file.name, sizeof(a.file.name), "emb.n%u.w.npy", n);
+	int rc = embd_ckpt_write_dir(node_config[n].checkpoint_dir, &m, &a, 1, false, &bytes, err,
+				     sizeof(err));
+	cr_assert_eq(rc, 0, "node %u: %s", n, err);
+	free(w);
+	free(m.files);
+}
+
+struct finder {
+	uint32_t node;
+	const char *key;
+	int rc;
+	uint32_t skipped;
+	char err[768];
+};
+
+static void *find_node(void *arg)
+{
+	struct finder *f = arg;
+	struct embd_store *store = NULL;
+	struct embd_ckpt_skipped sk = { 0 };
+	struct embd_ckpt_manifest m = { 0 };
+	char dir[EMBD_CKPT_PATH_MAX + 64];
+
+	f->rc = embd_store_connect("127.0.0.1", tu_port, 5000, &store, f->err, sizeof(f->err));
+	if (!f->rc) {
+		struct embd_ckpt_cluster cl = { .store = store, .settings = &node_config[f->node],
+						.node = f->node, .num_nodes = 2, .plan_hash = 0x1234 };
+		f->rc = embd_ckpt_cluster_find(&cl, f->key, &sk, dir, sizeof(dir), &m, f->err,
+					       sizeof(f->err));
+	}
+	f->skipped = sk.n;
+	embd_ckpt_skipped_free(&sk);
+	embd_ckpt_manifest_free(&m);
+	embd_store_close(store);
+	return NULL;
+}
+
+/* Runs both nodes' restore decision under key. */
+static void find_both(const char *key, struct finder *f)
+{
+	pthread_t t1;
+
+	f[0] = (struct finder){ .node = 0, .key = key };
+	f[1] = (struct finder){ .node = 1, .key = key };
+	cr_assert_eq(pthread_create(&t1, NULL, find_node, &f[1]), 0);
+	find_node(&f[0]);
+	pthread_join(t1, NULL);
+}
+
+/* Step 5 is valid on node 0 and damaged on node 1: no step every node holds remains, and the
+ * cluster used to start afresh over it. Both nodes now refuse, until the operator allows it. */
+Test(ckpt_cluster, per_node_refuses_a_fresh_start_over_a_part_damaged_on_one_node)
+{
+	char path[EMBD_CKPT_PATH_MAX + 128];
+	struct finder f[2];
+
+	for (uint32_t n = 0; n < 2; n++) {
+		node_config[n] = (struct embd_ckpt_settings){ .checkpoint_layout = EMBD_CKPT_PER_NODE,
+			.store_timeout_ms = 5000, .node_rank = n, .num_nodes = 2 };
+		snprintf(node_config[n].checkpoint_dir, sizeof(node_config[n].checkpoint_dir),
+			 "%s/n%u", root, n);
+		write_part(n, 5);
+	}
+	snprintf(path, sizeof(path), "%s/n1/step-5/emb.n1.w.npy", root);
+	cr_assert_eq(truncate(path, 64), 0);
+	find_both("ckpt/restore", f);
+	cr_expect_eq(f[0].rc, EMBD_ECHECKSUM, "node 0: expected a refusal, got %d (%s)", f[0].rc,
+		     f[0].err);
+	cr_expect(strstr(f[0].err, "node 1") && strstr(f[0].err, "checkpoint_allow_fresh_start"),
+		  "node 0's refusal names node 1 and the key: '%s'", f[0].err);
+	cr_expect_neq(f[1].rc, 0, "node 1 must not start afresh either");
+	cr_expect_neq(f[1].rc, EMBD_ENOENT, "node 1: %s", f[1].err);
+	cr_expect_eq(f[1].skipped, 1, "node 1 skipped its damaged step 5");
+	for (uint32_t n = 0; n < 2; n++)
+		node_config[n].checkpoint_allow_fresh_start = true;
+	find_both("ckpt/restore-allowed", f);
+	cr_expect(f[0].rc == EMBD_ENOENT && f[1].rc == EMBD_ENOENT, "allowed: a fresh start on "
+		  "both nodes, got %d (%s) and %d (%s)", f[0].rc, f[0].err, f[1].rc, f[1].err);
 }

@@ -53,7 +53,7 @@ Test(config, every_key_is_read)
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
 		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
 		"  \"handshake_timeout_ms\": 250, \"step_wait_warn_ms\": 0,"
-		"  \"step_wait_abort_ms\": 60000 }";
+		"  \"step_wait_abort_ms\": 60000, \"checkpoint_allow_fresh_start\": true }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -80,6 +80,7 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.handshake_timeout_ms, 250);
 	cr_assert_eq(c.step_wait_warn_ms, 0);
 	cr_assert_eq(c.step_wait_abort_ms, 60000);
+	cr_assert(c.checkpoint_allow_fresh_start);
 	embd_config_free(&c);
 }
 
@@ -96,6 +97,7 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.busy_poll_us, 50);
 	cr_assert_eq(c.checkpoint_keep, 3);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
+	cr_assert(!c.checkpoint_allow_fresh_start, "a fresh start over damage is opt-in");
 	cr_assert_eq(c.checkpoint_every_steps, 0);
 	embd_config_free(&c);
 	/* an explicit empty allowed_uids means nobody by uid */
@@ -103,6 +105,33 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(rc, 0, "%d %s", rc, err);
 	cr_assert_eq(c.num_allowed_uids, 0);
 	embd_config_free(&c);
+}
+
+/* allowed_uids / allowed_gids take names, resolved when parsed (root and its group exist on
+ * every Linux system); an unknown name is refused naming the key and the name. */
+Test(config, ids_by_name)
+{
+	struct embd_config c;
+	char err[256] = "";
+
+	int rc = parse("{ \"allowed_uids\": [\"root\", 7], \"allowed_gids\": [9, \"root\"] }", &c,
+		       err, sizeof(err));
+	cr_assert_eq(rc, 0, "%d %s", rc, err);
+	cr_expect_eq(c.num_allowed_uids, 2);
+	cr_expect_eq(c.allowed_uids[0], 0, "user root should be uid 0, got %u", c.allowed_uids[0]);
+	cr_expect_eq(c.allowed_uids[1], 7);
+	cr_expect_eq(c.num_allowed_gids, 2);
+	cr_expect_eq(c.allowed_gids[1], 0, "group root should be gid 0, got %u", c.allowed_gids[1]);
+	embd_config_free(&c);
+
+	rc = parse("{ \"allowed_gids\": [\"no-such-group-embd-test\"] }", &c, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_expect(strstr(err, "allowed_gids") && strstr(err, "group 'no-such-group-embd-test'"),
+		  "message: %s", err);
+	rc = parse("{ \"allowed_uids\": [\"no-such-user-embd-test\"] }", &c, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_EINVAL, "expected EMBD_EINVAL, got %d", rc);
+	cr_expect(strstr(err, "allowed_uids") && strstr(err, "user 'no-such-user-embd-test'"),
+		  "message: %s", err);
 }
 
 struct bad_case {
@@ -138,6 +167,7 @@ Test(config, errors_name_the_key)
 		{ "{ \"checkpoint_every_steps\": -1 }", "checkpoint_every_steps" },
 		{ "{ \"checkpoint_every_seconds\": 1.5 }", "checkpoint_every_seconds" },
 		{ "{ \"checkpoint_keep\": \"3\" }", "checkpoint_keep" },
+		{ "{ \"checkpoint_allow_fresh_start\": 1 }", "checkpoint_allow_fresh_start" },
 		{ "{ \"seed\": 1, \"seed\": 2 }", "seed" },
 		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
 		  "\"compute_device\": \"cpu\" }, \"node_rank\": 2 }", "node_rank" },

@@ -26,7 +26,8 @@ Test(stats, json_fields_and_percentiles)
 	/* steps of 1..100 us: p50 = 50 us, p99 = 99 us (nearest rank) */
 	for (uint64_t i = 1; i <= 100; i++) {
 		struct embd_step_counts c = { .ids = 10, .lookups = 20, .input_bytes = 100,
-					      .output_bytes = 200 };
+					      .output_bytes = 200, .nonfinite_grads = i == 7,
+					      .nonfinite_rows = i % 10 == 0 ? 3 : 0 };
 		embd_stats_step(s, &c, i * 1000);
 		embd_stats_request(s, (101 - i) * 10);
 	}
@@ -42,6 +43,8 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "steps"), 100);
 	cr_assert_eq(num(root, "aborted_steps"), 2);
 	cr_assert_eq(num(root, "step_timeouts"), 1);
+	cr_assert_eq(num(root, "nonfinite_grads"), 1);
+	cr_assert_eq(num(root, "nonfinite_rows"), 30);
 	cr_assert_eq(num(root, "ids"), 1000);
 	cr_assert_eq(num(root, "lookups"), 2000);
 	cr_assert_eq(num(root, "bytes_in"), 10000);

@@ -388,6 +388,73 @@ Test(step, abort_changes_no_row)
 	stop(&fx);
 }
 
+/* A gradient with a NaN or an infinity refuses the whole step before any row changes (the
+ * reference takes no step), naming the trainer, sample, column and feature; the next step
+ * trains as if it never came. */
+Test(step, nonfinite_gradient_refuses_the_step)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	struct embd_step_batch batches[2];
+	struct embd_step_counts counts;
+	const float bad[2] = { NAN, -INFINITY };
+	const char *name[2] = { "NaN", "infinite" };
+
+	setup(&fx, EMBD_OPT_ADAGRAD, EMBD_SHARD_ROW_WISE, 2);
+	for (int k = 0; k < 2; k++) {
+		fill_all(&fx, trs, batches, 2, 5 + (uint64_t)k);
+		batches[1].trainer = 1;
+		trs[1].grad[3 * 40 + 17] = bad[k];     /* sample 3, column 17: feature b */
+		cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2);
+		int rc = embd_step_backward(fx.step, batches, 2);
+		cr_expect_eq(rc, EMBD_ECANCELED, "a %s gradient: expected EMBD_ECANCELED, got %d",
+			     name[k], rc);
+		char want[128];
+		snprintf(want, sizeof(want), "trainer 1 of node 0 sent a gradient that is %s at "
+			 "sample 3, column 17 (feature 'b')", name[k]);
+		for (int i = 0; i < 2; i++)
+			cr_expect(strstr(batches[i].err, want), "batch %d: expected '%s' in '%s'", i,
+				  want, batches[i].err);
+		embd_step_counts(fx.step, &counts);
+		cr_expect_eq(counts.nonfinite_grads, 1);
+		check_weights(&fx, 1, 0.0f, "after a refused gradient");
+	}
+	fill_all(&fx, trs, batches, 2, 50);
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2);
+	backward_and_check(&fx, trs, batches, 2, 1, "step after a refused gradient");
+	stop(&fx);
+}
+
+/* A huge but finite gradient is applied (clipping is the trainer's job); the rows it leaves
+ * non-finite (here adagrad's sum of squares overflows) are counted and named. */
+Test(step, rows_an_update_leaves_nonfinite_are_counted)
+{
+	static struct fixture fx;
+	static struct trainer trs[1];
+	struct embd_step_batch batches[1];
+	struct embd_step_counts counts;
+
+	setup(&fx, EMBD_OPT_ADAGRAD, EMBD_SHARD_TABLE_WISE, 2);
+	fill_all(&fx, trs, batches, 1, 7);
+	for (uint32_t i = 0; i < B * 40; i++)
+		trs[0].grad[i] = 3e19f;
+	cr_assert_eq(embd_step_forward(fx.step, batches, 1), 1);
+	cr_assert_eq(embd_step_backward(fx.step, batches, 1), 0, "a finite gradient is applied: %s",
+		     batches[0].err);
+	embd_step_counts(fx.step, &counts);
+	cr_expect_eq(counts.nonfinite_grads, 0);
+	cr_expect_gt(counts.nonfinite_rows, 0, "adagrad's state overflowed: expected rows counted");
+	cr_expect_lt(counts.nonfinite_table, NTAB);
+	cr_expect(counts.nonfinite_row >= 0 &&
+		  counts.nonfinite_row < fx.specs[counts.nonfinite_table].num_embeddings,
+		  "a row of the table: %lld", (long long)counts.nonfinite_row);
+	/* the next step with sane gradients: rows already bad are counted again when updated */
+	fill_all(&fx, trs, batches, 1, 8);
+	cr_assert_eq(embd_step_forward(fx.step, batches, 1), 1);
+	cr_assert_eq(embd_step_backward(fx.step, batches, 1), 0);
+	stop(&fx);
+}
+
 /* The middle one of three trainers has a bad id: its items are dropped from every rank after
  * the ranks copied the ids, and the others' step stays exact (row_wise: up to the rounding of
  * its partial sums; data_parallel: on every replica). */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "kernels/device.h"
+#include "kernels/finite.h"
 #include "kernels/jagged.h"
 #include "tests/unit/kernels/kernel_test_util.h"
 
@@ -415,4 +416,65 @@ Test(kernels_backward, no_ids_still_counts_the_step)
 	expect_shard_equals_ref("no ids", s, ref);
 	embd_shard_destroy(s);
 	embd_ref_table_destroy(ref);
+}
+
+/* Every row an update leaves NaN or infinite (weights or state) is counted on the shard and
+ * the lowest named, on every instruction set; rows left finite are not. */
+Test(kernels_backward, rows_left_nonfinite_are_counted)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ADAGRAD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 100, 24, EMBD_DTYPE_FP32, &o, 9);
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+
+	for (int i = 0; i < nisa; i++) {
+		struct embd_shard *s = tshard(ref, 9, 40, 60, 0, 24);
+		/* bag 0: rows 47 and 52 (huge gradient: adagrad's sum of squares overflows), bag 1:
+		 * row 45 (small) */
+		int64_t offsets[3] = { 0, 2, 3 }, ids[3] = { 52, 47, 45 };
+		float g[3 * 24];                /* the second step reads 2 bags from g + 24 */
+		for (int k = 0; k < 24; k++) {
+			g[k] = 3e19f;
+			g[24 + k] = g[48 + k] = 0.5f;
+		}
+		struct tbags t = { .batch_size = 2, .offsets = offsets, .ids = ids, .num_ids = 3 };
+		struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 24, 0);
+		struct embd_exec ex = { .isa = isas[i] };
+		cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
+		cr_expect_eq(s->nonfinite_rows, 2, "%s: rows 47 and 52: got %llu",
+			     embd_kernels_isa_name(isas[i]), (unsigned long long)s->nonfinite_rows);
+		cr_expect_eq(s->nonfinite_row, 47, "%s: the lowest: got %lld",
+			     embd_kernels_isa_name(isas[i]), (long long)s->nonfinite_row);
+		/* a second step on row 45 alone leaves nothing new */
+		int64_t off1[3] = { 0, 1, 1 }, id1[1] = { 45 };
+		struct tbags t1 = { .batch_size = 2, .offsets = off1, .ids = id1, .num_ids = 1 };
+		bt = tbatch(s, 0, &t1, EMBD_POOLING_SUM, NULL, g + 24, 24, 0);
+		cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
+		cr_expect_eq(s->nonfinite_rows, 2, "%s: row 45 stays finite",
+			     embd_kernels_isa_name(isas[i]));
+		embd_shard_destroy(s);
+	}
+	embd_ref_table_destroy(ref);
+}
+
+Test(kernels_backward, first_nonfinite_finds_every_position)
+{
+	float x[83];
+	uint16_t h[20];
+
+	for (int i = 0; i < 83; i++)
+		x[i] = i % 2 ? 3.4e38f : -1e-42f;       /* the largest finite, a denormal */
+	cr_expect_eq(embd_first_nonfinite(x, 83), 83);
+	for (int at = 0; at < 83; at++) {
+		float keep = x[at];
+		x[at] = at % 3 == 0 ? NAN : at % 3 == 1 ? INFINITY : -INFINITY;
+		cr_expect_eq(embd_first_nonfinite(x, 83), (uint64_t)at, "at %d", at);
+		cr_expect_eq(embd_first_nonfinite(x, (uint64_t)at), (uint64_t)at, "before %d", at);
+		x[at] = keep;
+	}
+	for (int i = 0; i < 20; i++)
+		h[i] = 0x7bff;                          /* the largest finite half */
+	cr_expect_eq(embd_first_nonfinite_fp16(h, 20), 20);
+	h[13] = 0xfc00;                                 /* -inf */
+	cr_expect_eq(embd_first_nonfinite_fp16(h, 20), 13);
 }

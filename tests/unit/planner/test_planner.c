@@ -410,6 +410,36 @@ Test(planner, text_after_the_json_value_refused)
 	cr_expect(strstr(err, path) && strstr(err, "after the JSON value"), "message: %s", err);
 }
 
+/* {"tables": [...]} is the array itself; any other key in it is refused, never dropped. */
+Test(planner, tables_object_form)
+{
+	const char *array = "[{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}]";
+	char object[256];
+	snprintf(object, sizeof(object), "{\"tables\": %s}", array);
+	struct embd_tables t1 = parse(array), t2 = parse(object);
+	cr_assert_eq(t2.count, 1);
+	cr_expect_eq(embd_plan_tables_hash(t1.specs, t1.count), embd_plan_tables_hash(t2.specs, t2.count),
+		     "the object form should parse to the same tables as the array");
+	embd_plan_tables_free(&t1);
+	embd_plan_tables_free(&t2);
+
+	struct embd_tables t;
+	const char *bad[][2] = {
+		{ "{\"tables\": [{\"name\": \"a\", \"num_embeddings\": 10, \"embedding_dim\": 4}],"
+		  " \"topology\": {\"world_size\": 2}}", "'topology'" },
+		{ "{\"tables\": [], \"tables\": []}", "twice" },
+		{ "{}", "no key" },
+		{ "{\"tables\": {\"name\": \"a\"}}", "array" },
+	};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		int rc = embd_plan_tables_parse_text(bad[i][0], strlen(bad[i][0]), &t, err, sizeof(err));
+		cr_expect_eq(rc, EMBD_EPARSE, "%s: expected EMBD_EPARSE, got %d", bad[i][0], rc);
+		cr_expect(strstr(err, bad[i][1]) != NULL, "%s: expected the message to say %s: %s",
+			  bad[i][0], bad[i][1], err);
+		cr_expect_eq(t.count, 0);
+	}
+}
+
 Test(planner, topology_fields_and_suffixes)
 {
 	struct embd_topology topo;

@@ -1,0 +1,270 @@
+"""embd.torch.EmbeddingBagCollection against the real embd: TorchRec's interface (configs
+from the layout, taken by TorchRec's DLRM as they are, no parameters), KJTs that do not fit
+the layout refused naming the key, training steps numbered from the service's resumed step,
+a weighted collection equal to TorchRec's, an aborted step, a service that goes away, and
+what this service cannot do yet (evaluation lookups, the tables' state_dict) refused."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import numpy as np
+import pytest
+import torch
+import torchrec
+import torchrec.models.dlrm
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import embd
+import embd.torch
+from support import (Service, TableSpec, ThreadTrainer, initial_weights, kjt, make_batch,
+                     make_grad)
+
+B = 4
+SUM_TABLES = [
+    TableSpec("t_a", 30, 8, "sum", ("f_a", "f_b"), {"type": "sgd", "lr": 0.1}),
+    TableSpec("t_c", 20, 8, "sum", ("f_c",), {"type": "sgd", "lr": 0.2}),
+]
+TABLES = [
+    TableSpec("t_a", 30, 8, "sum", ("f_a", "f_b"), {"type": "sgd", "lr": 0.1}),
+    TableSpec("t_c", 20, 8, "mean", ("f_c",), {"type": "sgd", "lr": 0.2}),
+]
+KEYS = ["f_a", "f_b", "f_c"]
+
+
+@pytest.fixture
+def one(tmp_path: Path) -> Iterator[Service]:
+    svc = Service(tmp_path, TABLES, B, trainers=1, weights=initial_weights(TABLES, 9)).start()
+    yield svc
+    svc.stop()
+
+
+def batch_kjt(step: int, keys: List[str] = KEYS, weighted: bool = False) -> KeyedJaggedTensor:
+    return kjt(keys, make_batch(TABLES, B, step, 0, salt=3, weighted=weighted))
+
+
+def train_step(ebc: embd.torch.EmbeddingBagCollection, step: int) -> torch.Tensor:
+    out = ebc(batch_kjt(step)).values()
+    (out * torch.from_numpy(make_grad(B, 24, step, 0, salt=3))).sum().backward()
+    return out.detach()
+
+
+def test_torchrec_interface_and_dlrm_takes_it(one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    assert isinstance(ebc, EmbeddingBagCollectionInterface)
+    assert list(ebc.parameters()) == [] and not ebc.is_weighted()
+    assert [(c.name, c.num_embeddings, c.embedding_dim, c.feature_names, c.pooling)
+            for c in ebc.embedding_bag_configs()] == [
+        ("t_a", 30, 8, ["f_a", "f_b"], PoolingType.SUM),
+        ("t_c", 20, 8, ["f_c"], PoolingType.MEAN)]
+    model = torchrec.models.dlrm.DLRM(embedding_bag_collection=ebc, dense_in_features=5,
+                                      dense_arch_layer_sizes=[8], over_arch_layer_sizes=[4, 1])
+    logits = model(torch.rand(B, 5), batch_kjt(0))
+    assert logits.shape == (B, 1)
+    logits.sum().backward()
+    assert ebc.step == 1
+    kt = ebc(batch_kjt(1))
+    assert kt.keys() == KEYS and kt.length_per_key() == [8, 8, 8]
+    assert kt.values().requires_grad and kt.values().shape == (B, 24)
+    kt.values().sum().backward()
+    ebc.close()
+
+
+@pytest.mark.parametrize("keys,message", [
+    (["f_a", "f_x", "f_c"], "KJT key 'f_x' (position 1) is not a feature of the service"),
+    (["f_a", "f_b"], "KJT has no key 'f_c'"),
+    (["f_b", "f_a", "f_c"], "KJT key 'f_b' at position 0, the service's feature at position 0 "
+                            "is 'f_a'"),
+    (["f_a", "f_a", "f_c"], "KJT key 'f_a' appears 2 times"),
+])
+def test_kjt_keys_that_do_not_fit_are_refused_naming_the_key(one: Service, keys: List[str],
+                                                             message: str) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    bad = KeyedJaggedTensor(keys=keys, values=torch.zeros(len(keys) * B, dtype=torch.long),
+                            lengths=torch.ones(len(keys) * B, dtype=torch.int32))
+    with pytest.raises(embd.InvalidArgumentError) as e:
+        ebc(bad)
+    assert message in e.value.message
+    assert "expects the keys ['f_a', 'f_b', 'f_c'] in this order" in e.value.message
+    assert ebc.step == 0
+    train_step(ebc, 0)                      # nothing was posted: step 0 runs as usual
+    assert ebc.step == 1
+
+
+def test_kjt_batch_size_values_and_weights_that_do_not_fit_are_refused(one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    short = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(9, dtype=torch.long),
+                              lengths=torch.ones(9, dtype=torch.int32))
+    with pytest.raises(embd.InvalidArgumentError,
+                       match=r"KJT stride \(batch size\) 3 for keys \['f_a', 'f_b', 'f_c'\]: "
+                             r"the service's batch_size is 4"):
+        ebc(short)
+    vbe = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(10, dtype=torch.long),
+                            lengths=torch.ones(10, dtype=torch.int32),
+                            stride_per_key_per_rank=torch.tensor([[4], [4], [2]]))
+    with pytest.raises(embd.InvalidArgumentError, match="batch size per key"):
+        ebc(vbe)
+    n = ebc._layout.max_values + 1
+    lengths = torch.zeros(3 * B, dtype=torch.int32)
+    lengths[0] = n
+    too_many = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(n, dtype=torch.long),
+                                 lengths=lengths)
+    with pytest.raises(embd.InvalidArgumentError, match=f"KJT has {n} ids: .* max_values"):
+        ebc(too_many)
+    ebc.close()
+    wbc = embd.torch.EmbeddingBagCollection(one.socket, is_weighted=True)
+    with pytest.raises(embd.InvalidArgumentError, match="KJT has no weights"):
+        wbc(batch_kjt(0))
+    wbc.close()
+
+
+def test_a_refused_batch_raises_the_services_message_and_the_next_step_runs(
+        one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    bad = KeyedJaggedTensor(keys=KEYS, values=torch.full((3 * B,), 25, dtype=torch.long),
+                            lengths=torch.ones(3 * B, dtype=torch.int32))
+    with pytest.raises(embd.OutOfRangeError, match="id 25 of feature 'f_c' outside table 't_c'"):
+        ebc(bad)
+    assert ebc.step == 1      # the trainer sat step 0 out
+    train_step(ebc, 1)
+    assert ebc.step == 2
+
+
+def test_each_forward_needs_its_backward_once(one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    out = ebc(batch_kjt(0)).values()
+    with pytest.raises(embd.InvalidArgumentError,
+                       match="forward of step 1 before the backward of step 0"):
+        ebc(batch_kjt(1))
+    loss = out.sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(embd.InvalidArgumentError, match="backward of step 0 ran already"):
+        loss.backward()
+    assert ebc.step == 1
+    train_step(ebc, 1)
+
+
+def test_evaluation_lookups_and_table_state_are_refused_until_the_service_has_them(
+        one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    ebc.eval()
+    with pytest.raises(embd.NotSupportedError, match="evaluation lookups"):
+        ebc(batch_kjt(0))
+    ebc.train()
+    with torch.no_grad(), pytest.raises(embd.NotSupportedError, match="evaluation lookups"):
+        ebc(batch_kjt(0))
+    with pytest.raises(embd.NotSupportedError, match="live table access"):
+        ebc.state_dict()
+    with pytest.raises(embd.NotSupportedError, match="live table access"):
+        ebc.load_state_dict({"embedding_bags.t_a.weight": torch.zeros(30, 8)})
+    assert ebc.step == 0
+    train_step(ebc, 0)
+
+
+def test_steps_start_at_the_services_resumed_step(tmp_path: Path) -> None:
+    svc = Service(tmp_path, TABLES, B, trainers=1, weights=initial_weights(TABLES, 9),
+                  import_step=5).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(svc.socket)
+        assert ebc.step == 5
+        train_step(ebc, 0)
+        train_step(ebc, 1)
+        assert ebc.step == 7
+        ebc.close()
+        assert svc.weights("t_a", 7).shape == (30, 8)     # the service is at step 7
+    finally:
+        svc.stop()
+
+
+def test_weighted_collection_equals_torchrecs(tmp_path: Path) -> None:
+    """3 steps of a weighted collection (per-id weights) with sgd, beside TorchRec's unsharded
+    EmbeddingBagCollection(is_weighted=True) with SGD applied in backward."""
+    w0 = initial_weights(SUM_TABLES, 9)     # TorchRec weighs only sum-pooled bags
+    svc = Service(tmp_path, SUM_TABLES, B, trainers=1, weights=w0).start()
+    try:
+        ours = embd.torch.EmbeddingBagCollection(svc.socket, is_weighted=True)
+        theirs = torchrec.EmbeddingBagCollection(tables=ours.embedding_bag_configs(),
+                                                 is_weighted=True)
+        for t in SUM_TABLES:
+            with torch.no_grad():
+                theirs.embedding_bags[t.name].weight.copy_(torch.from_numpy(w0[t.name]))
+            apply_optimizer_in_backward(torch.optim.SGD, [theirs.embedding_bags[t.name].weight],
+                                        {"lr": t.optimizer["lr"]})
+        for step in range(3):
+            f = batch_kjt(step, weighted=True)
+            g = torch.from_numpy(make_grad(B, 24, step, 0, salt=3))
+            a, b = ours(f).values(), theirs(f).values()
+            np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), atol=1e-6,
+                                       err_msg=f"step {step}")
+            (a * g).sum().backward()
+            (b * g).sum().backward()
+        ours.close()
+        for t in SUM_TABLES:
+            np.testing.assert_allclose(svc.weights(t.name, 3),
+                                       theirs.embedding_bags[t.name].weight.detach().numpy(),
+                                       atol=1e-6, err_msg=t.name)
+            assert np.abs(svc.weights(t.name, 3) - w0[t.name]).max() > 1e-3
+    finally:
+        svc.stop()
+
+
+def test_a_step_aborted_by_another_trainer_raises_and_the_next_one_runs(tmp_path: Path) -> None:
+    svc = Service(tmp_path, TABLES, B, trainers=2).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(svc.socket, index=0, timeout=30)
+        # connected here, before trainer 0 posts: the service runs a step with the trainers
+        # connected when it starts (after the first step, which waits for all of them)
+        c = embd.Client(svc.socket, index=1)
+
+        def trainer_1_dies_after_its_forward() -> None:
+            b = c.batch(0)
+            c.forward(0, 0, b.write(np.ones((3, B)), np.zeros(3 * B)))
+            del b
+            c.close()                             # gone between forward and backward
+
+        t = ThreadTrainer(trainer_1_dies_after_its_forward)
+        out = ebc(batch_kjt(0)).values()
+        t.join()
+        with pytest.raises(embd.StepAbortedError) as e:
+            out.sum().backward()
+        assert e.value.code == embd.codes["EMBD_ECANCELED"] and e.value.step == 0
+        assert ebc.step == 1
+        c = embd.Client(svc.socket, index=1)
+        assert c.resumed_step == 1
+
+        def trainer_1_runs_step_1() -> None:
+            b = c.batch(1)
+            n = b.write(np.ones((3, B)), np.zeros(3 * B))
+            c.forward(1, 1, n)
+            c.backward(1, 1, n)
+            del b
+            c.close()
+
+        t = ThreadTrainer(trainer_1_runs_step_1)
+        train_step(ebc, 1)
+        t.join()
+        assert ebc.step == 2
+    finally:
+        svc.stop()
+
+
+def test_a_service_that_goes_away_mid_step_raises_and_does_not_hang(tmp_path: Path) -> None:
+    svc = Service(tmp_path, TABLES, B, trainers=2).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(svc.socket, index=0)   # no timeout
+        threading.Timer(0.5, svc.signal, (signal.SIGKILL,)).start()
+        t0 = time.monotonic()
+        with pytest.raises(embd.ServiceGoneError, match="closed the connection"):
+            ebc(batch_kjt(0))                      # trainer 1 never comes
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(embd.InvalidArgumentError, match="step 0: its forward was given up "
+                                                            "on .ServiceGoneError"):
+            ebc(batch_kjt(1))
+    finally:
+        svc.stop()

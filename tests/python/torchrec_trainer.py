@@ -1,0 +1,108 @@
+"""One trainer process of test_torchrec_equal.py: rank RANK of WORLD_SIZE (torch.distributed's
+env:// variables) trains embd.torch's EmbeddingBagCollection (trainer index RANK of the
+service) and, beside it on the same batches and gradients, TorchRec's own sharded
+EmbeddingBagCollection (DistributedModelParallel over gloo, fused optimizers applied in
+backward) from the same initial weights. It saves both outputs of every step and its local
+shards of TorchRec's final weights to an .npz for the test to compare.
+
+Usage: torchrec_trainer.py JOB.json  (written by the test: see run_trainers there)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torchrec
+from torchrec.distributed.comm_ops import set_gradient_division
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+import embd.torch
+from support import TableSpec, kjt, make_batch, make_grad
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
+              "rowwise_adagrad": RowWiseAdagrad}
+
+
+def torchrec_side(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
+                  tables: List[TableSpec], pg: dist.ProcessGroup) -> DistributedModelParallel:
+    """TorchRec's EBC of the tables it can train on CPU, sharded as job["torchrec_sharding"]."""
+    names = {t.name for t in tables}
+    configs = [c for c in ours.embedding_bag_configs() if c.name in names]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+    for t in tables:
+        opt = {k: v for k, v in t.optimizer.items() if k != "type"}
+        apply_optimizer_in_backward(OPTIMIZERS[t.optimizer["type"]],
+                                    [ebc.embedding_bags[t.name].weight], opt)
+    constraints = {t.name: ParameterConstraints(sharding_types=[job["torchrec_sharding"]],
+                                                compute_kernels=["fused"], min_partition=4)
+                   for t in tables}
+    topology = Topology(world_size=dist.get_world_size(), compute_device="cpu",
+                        local_world_size=dist.get_world_size())
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
+        ebc, sharders, pg)
+    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
+                                   sharders=sharders)
+    init = np.load(job["weights"])
+    for key, st in dmp.state_dict().items():
+        table = key.split(".")[-2]
+        for shard in st.local_shards():
+            r, c = shard.metadata.shard_offsets
+            h, w = shard.metadata.shard_sizes
+            shard.tensor.copy_(torch.from_numpy(init[table][r:r + h, c:c + w]))
+    return dmp
+
+
+def main() -> int:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    set_gradient_division(job["gradient_division"])
+    pg = dist.group.WORLD
+    tables = [TableSpec(**{**t, "features": tuple(t["features"])}) for t in job["tables"]]
+    ours = embd.torch.EmbeddingBagCollection(job["socket"], index=rank, timeout=60)
+    layout_keys = [f for t in tables for f in t.features]
+    theirs_tables = [t for t in tables if t.optimizer["type"] in OPTIMIZERS]
+    theirs_keys = [f for t in theirs_tables for f in t.features]
+    dmp = torchrec_side(job, ours, theirs_tables, pg)
+    B, D = job["batch_size"], ours._layout.total_dim
+    cols = np.concatenate([np.arange(f.offset, f.offset + f.dim) for f in ours._layout.features
+                           if f.name in theirs_keys])
+    out_ours, out_theirs = [], []
+    for step in range(job["steps"]):
+        b = make_batch(tables, B, step, rank, salt=job["salt"])
+        grad = torch.from_numpy(make_grad(B, D, step, rank, salt=job["salt"]))
+        kt = ours(kjt(layout_keys, b))
+        (kt.values() * grad).sum().backward()
+        out_ours.append(kt.values().detach().numpy().copy())
+        # a sharded collection's output keys come grouped by sharding: take them by name
+        tkt = dmp(kjt(layout_keys, b, only=theirs_keys)).to_dict()
+        theirs = torch.cat([tkt[k] for k in theirs_keys], dim=1)
+        (theirs * grad[:, cols]).sum().backward()
+        out_theirs.append(theirs.detach().numpy().copy())
+    shards: Dict[str, np.ndarray] = {}
+    for key, st in dmp.state_dict().items():
+        for i, shard in enumerate(st.local_shards()):
+            tag = f"{key.split('.')[-2]}:{i}"
+            shards[f"shard:{tag}"] = shard.tensor.detach().numpy().copy()
+            shards[f"offsets:{tag}"] = np.array(shard.metadata.shard_offsets)
+    np.savez(job["out"] % rank, ours=np.stack(out_ours), theirs=np.stack(out_theirs),
+             theirs_cols=cols, next_step=ours.step, **shards)
+    ours.close()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
