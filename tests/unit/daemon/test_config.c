@@ -47,7 +47,8 @@ Test(config, every_key_is_read)
 		"  \"seed\": 12345678901, \"threads_per_rank\": 2, \"log_level\": \"debug\","
 		"  \"checkpoint_dir\": \"/tmp/ck\", \"busy_poll_us\": 0,"
 		"  \"checkpoint_every_steps\": 100, \"checkpoint_every_seconds\": 600,"
-		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\" }";
+		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
+		"  \"metrics_listen\": \"[::1]:9464\" }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -71,6 +72,7 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.checkpoint_every_seconds, 600);
 	cr_assert_eq(c.checkpoint_keep, 0);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_PER_NODE);
+	cr_assert_str_eq(c.metrics_listen, "[::1]:9464");
 	embd_config_free(&c);
 }
 
@@ -85,6 +87,7 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.trainers_per_node, (uint32_t)c.topology.local_world_size);
 	cr_assert_eq(c.threads_per_rank, 1);
 	cr_assert_eq(c.busy_poll_us, 50);
+	cr_assert_str_eq(c.metrics_listen, "", "the endpoint is off by default");
 	cr_assert_eq(c.checkpoint_keep, 3);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
 	cr_assert_eq(c.checkpoint_every_steps, 0);
@@ -168,6 +171,10 @@ Test(config, errors_name_the_key)
 		{ "{ \"comm_addr\": \"10.0.0.256\" }", "comm_addr" },
 		{ "{ \"comm_addr\": \"10.0.0.1\", \"gloo_ifname\": \"eth0\" }", "comm_addr" },
 		{ "{ \"collective_timeout_ms\": 0 }", "collective_timeout_ms" },
+		{ "{ \"metrics_listen\": \"localhost:9464\" }", "metrics_listen" },
+		{ "{ \"metrics_listen\": \"127.0.0.1\" }", "metrics_listen" },
+		{ "{ \"metrics_listen\": \"127.0.0.1:0\" }", "metrics_listen" },
+		{ "{ \"metrics_listen\": 9464 }", "metrics_listen" },
 		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
 		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" } }", "topology" },
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
