@@ -123,21 +123,6 @@ static void *scraper_main(void *arg)
 	return NULL;
 }
 
-/* A loopback port free a moment ago (embd binds it right after). */
-static int free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM, 0), port = -1;
-
-	if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
-	    !getsockname(fd, (struct sockaddr *)&a, &len))
-		port = ntohs(a.sin_port);
-	if (fd >= 0)
-		close(fd);
-	return port;
-}
-
 static uint64_t rng_next(uint64_t *s)
 {
 	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -376,7 +361,7 @@ static int run_all(struct e2e *x, const char *embd, unsigned busy_poll_us, const
 	int rc = -1, fails = 0;
 
 	if (scrape_hz > 0) {
-		if ((sc.port = free_port()) < 0)
+		if (!(sc.port = bench_free_port()))
 			goto out;
 		snprintf(metrics, sizeof(metrics), ", \"metrics_listen\": \"127.0.0.1:%d\"", sc.port);
 	}

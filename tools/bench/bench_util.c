@@ -2,6 +2,10 @@
 #include "bench.h"
 
 #include <math.h>
+#include <netinet/in.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -37,4 +41,21 @@ double bench_median(double *values, size_t n)
 		return 0.0;
 	qsort(values, n, sizeof(*values), compare_double);
 	return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+/* A TCP port that was free a moment ago on 127.0.0.1 (gloo's pairs take ephemeral ports
+ * too, so a counter could collide); 0 when none could be had. */
+uint16_t bench_free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	uint16_t port = 0;
+
+	if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
+	    !getsockname(fd, (struct sockaddr *)&a, &len))
+		port = ntohs(a.sin_port);
+	if (fd >= 0)
+		close(fd);
+	return port;
 }
