@@ -120,6 +120,10 @@ def test_scrapes_during_training_match_embctl_stats(service: Tuple[Service, int]
     for r in stats["ranks"]:
         assert get(samples, "embd_rank_memory_bytes", rank=str(r["rank"]),
                    numa_node=str(r["numa_node"])) == r["memory_bytes"]
+    human = run([str(EMBCTL), "stats", "--socket", svc.socket])
+    for t in stats["tables"]:
+        assert f"table {t['name']}  lookups {t['lookups']}\n" in human, human
+    assert "refused ERANGE 1\n" in human, human
     assert stats["refusals"] == {"ERANGE": 1}
     assert get(samples, "embd_refusals_total", cause="ERANGE") == 1
     assert get(samples, "embd_refusals_total", cause="EAGAIN") == 0
