@@ -73,7 +73,8 @@ struct embd_ckpt_service {
 	/* results */
 	struct result last;                     /* the last finished one (seq 0: none) */
 	double max_stall_ms;
-	uint64_t written;
+	uint64_t written, failed;
+	double write_ms_sum;                    /* of the written ones */
 };
 
 int embd_ckpt_service_create(const struct embd_ckpt_settings *settings, struct embd_step *step,
@@ -292,9 +293,11 @@ static void finish(struct embd_ckpt_service *ck)
 		w->bytes = 0;
 		embd_log_info("checkpoint of step %" PRIu64 ": %s holds it already", w->step, w->dir);
 	} else if (w->rc) {
+		ck->failed++;
 		embd_log_error("checkpoint of step %" PRIu64 " failed: %s", w->step, w->err);
 	} else {
 		ck->written++;
+		ck->write_ms_sum += w->write_ms;
 		/* a note beside success: a damaged step replaced, retention that failed */
 		embd_log(w->err[0] ? EMBD_LOG_WARNING : EMBD_LOG_INFO,
 			 "checkpoint of step %" PRIu64 ": %s, %" PRIu64 " bytes in %.1f ms (steps "
@@ -691,6 +694,7 @@ void embd_ckpt_service_figures(const struct embd_ckpt_service *ck, struct embd_c
 	*out = (struct embd_ckpt_figures){
 		.max_stall_ms = ck->max_stall_ms, .last_stall_ms = ck->last.stall_ms,
 		.last_write_ms = ck->last.write_ms, .last_bytes = ck->last.bytes,
-		.written = ck->written,
+		.written = ck->written, .failed = ck->failed, .write_ms_sum = ck->write_ms_sum,
+		.last_step = ck->last.step, .in_progress = ck->running,
 	};
 }

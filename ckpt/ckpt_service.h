@@ -157,11 +157,15 @@ int embd_ckpt_service_status_add(const struct embd_ckpt_service *ck, char **stat
  * writes nothing. */
 int embd_ckpt_service_final(struct embd_ckpt_service *ck, uint64_t step);
 
-/* Worst snapshot copy so far (ms) and the last write's figures, for the benchmark. */
+/* Worst snapshot copy so far (ms) and the last write's figures, for the benchmark and the
+ * metrics (daemon/metrics.h). */
 struct embd_ckpt_figures {
 	double max_stall_ms, last_stall_ms, last_write_ms;
-	uint64_t last_bytes;
+	uint64_t last_bytes, last_step;
 	uint64_t written;               /* checkpoints written */
+	uint64_t failed;                /* writes that failed */
+	double write_ms_sum;            /* the written ones' write_ms */
+	bool in_progress;
 };
 void embd_ckpt_service_figures(const struct embd_ckpt_service *ck, struct embd_ckpt_figures *out);
 

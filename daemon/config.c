@@ -8,6 +8,7 @@
 #include "daemon/config.h"
 
 #include <arpa/inet.h>
+#include <netinet/in.h>
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <grp.h>
@@ -268,6 +269,58 @@ static bool numeric_addr(const char *s)
 	return inet_pton(AF_INET, s, bin) == 1 || inet_pton(AF_INET6, s, bin) == 1;
 }
 
+const char embd_config_listen_why[] =
+	"expected \"address:port\": a numeric IPv4 address or [IPv6] address, port 1..65535";
+
+bool embd_config_listen_addr(const char *text, struct sockaddr_storage *addr)
+{
+	const char *colon = strrchr(text, ':'), *port_text;
+	struct sockaddr_in *v4 = (struct sockaddr_in *)addr;
+	struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)addr;
+	char host[INET6_ADDRSTRLEN], *end;
+	size_t host_len;
+
+	memset(addr, 0, sizeof(*addr));
+	if (!colon)
+		return false;
+	host_len = (size_t)(colon - text);
+	port_text = colon + 1;
+	if (text[0] == '[') {
+		if (host_len < 2 || text[host_len - 1] != ']')
+			return false;
+		text++;
+		host_len -= 2;
+	} else if (memchr(text, ':', host_len)) {
+		return false;   /* an IPv6 address without brackets: where its port starts is a guess */
+	}
+	if (!host_len || host_len >= sizeof(host) || *port_text < '0' || *port_text > '9')
+		return false;
+	memcpy(host, text, host_len);
+	host[host_len] = 0;
+	errno = 0;
+	unsigned long port = strtoul(port_text, &end, 10);
+	if (*end || errno || port < 1 || port > 65535)
+		return false;
+	if (inet_pton(AF_INET, host, &v4->sin_addr) == 1) {
+		v4->sin_family = AF_INET;
+		v4->sin_port = htons((uint16_t)port);
+		return true;
+	}
+	if (inet_pton(AF_INET6, host, &v6->sin6_addr) == 1) {
+		v6->sin6_family = AF_INET6;
+		v6->sin6_port = htons((uint16_t)port);
+		return true;
+	}
+	return false;
+}
+
+static bool listen_addr(const char *s)
+{
+	struct sockaddr_storage addr;
+
+	return !s[0] || embd_config_listen_addr(s, &addr);
+}
+
 static const struct choice layouts[] = {
 	{ "shared", EMBD_CKPT_SHARED }, { "per_node", EMBD_CKPT_PER_NODE }, { NULL, 0 } };
 static const struct choice scalings[] = {
@@ -328,6 +381,8 @@ static const struct key keys[] = {
 	{ "collective_timeout_ms", parse_uint, FIELD(collective_timeout_ms), .min = 1,
 	  .max = MS_PER_DAY, .why = "must be at least 1", .def = "30000" },
 	{ "store_timeout_ms", parse_uint, FIELD(store_timeout_ms), .max = MS_PER_DAY },
+	{ "metrics_listen", parse_string, FIELD(metrics_listen), .valid = listen_addr,
+	  .why = embd_config_listen_why },
 };
 
 static const struct key *find_key(const char *name)

@@ -68,6 +68,9 @@
  *     "handshake_timeout_ms": 5000, a connection that sent no message within it is closed
  *                                   (daemon/server.h: at most 32 such wait at a time, the
  *                                   longest-waiting one closed to make room for a new one)
+ *     "metrics_listen": "",         where the Prometheus endpoint serves GET /metrics
+ *                                   (daemon/metrics.h): "127.0.0.1:9464", "[::1]:9464";
+ *                                   "" = off. A port that cannot be bound stops the start
  *   several nodes (world_size > local_world_size; torch.distributed's env:// names, and the
  *   environment variables MASTER_ADDR, MASTER_PORT, NODE_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE
  *   override these keys and the topology's sizes; see dist/rendezvous.h):
@@ -156,7 +159,15 @@ struct embd_config {
 	enum embd_comm_backend backend;
 	int collective_timeout_ms;
 	int store_timeout_ms;                           /* resolved: never 0 after parsing */
+	char metrics_listen[64];                        /* "" = no metrics endpoint */
 };
+
+/* metrics_listen's form: "address:port" with a numeric IPv4 address or a bracketed IPv6 one
+ * ("127.0.0.1:9464", "[::1]:9464"), port 1..65535. True and *addr (port in network order),
+ * or false; embd_config_listen_why says what is expected. */
+struct sockaddr_storage;
+bool embd_config_listen_addr(const char *text, struct sockaddr_storage *addr);
+extern const char embd_config_listen_why[];
 
 /* Nodes of the cluster: world_size / local_world_size. */
 static inline uint32_t embd_config_nodes(const struct embd_config *c)

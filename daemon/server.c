@@ -342,9 +342,33 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	return 0;
 }
 
+static void fill_ranks(const struct embd_server *sv, struct embd_stats_rank *ranks)
+{
+	for (uint32_t r = 0; r < embd_ranks_count(sv->ranks); r++)
+		ranks[r] = (struct embd_stats_rank){ r, embd_ranks_node(sv->ranks, r),
+						     embd_ranks_memory_bytes(sv->ranks, r) };
+}
+
+static void fill_tables(const struct embd_server *sv, struct embd_stats_table *tables)
+{
+	for (uint32_t t = 0; t < sv->config->tables.count; t++)
+		tables[t] = (struct embd_stats_table){ sv->config->tables.specs[t].name,
+						       embd_step_table_lookups(sv->step, t) };
+}
+
+static uint32_t count_trainers(const struct embd_server *sv)
+{
+	uint32_t n = 0;
+
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		n += sv->clients[i].used && sv->clients[i].index >= 0;
+	return n;
+}
+
 static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_type type)
 {
 	struct embd_stats_rank ranks[embd_ranks_count(sv->ranks)];
+	struct embd_stats_table tables[sv->config->tables.count ? sv->config->tables.count : 1];
 	struct embd_stats_client clients[MAX_CLIENTS];
 	uint32_t n = 0, trainers = 0;
 	char *text = NULL;
@@ -365,11 +389,11 @@ static void reply_text(struct embd_server *sv, struct client *c, enum embd_ctl_t
 			.stalling_ms = embd_server_stalling_ms(sv, k),
 		};
 	}
-	for (uint32_t r = 0; r < embd_ranks_count(sv->ranks); r++)
-		ranks[r] = (struct embd_stats_rank){ r, embd_ranks_node(sv->ranks, r),
-						     embd_ranks_memory_bytes(sv->ranks, r) };
+	fill_ranks(sv, ranks);
+	fill_tables(sv, tables);
 	if (type == EMBD_CTL_STATS_REPLY)
-		rc = embd_stats_json(&sv->stats, ranks, embd_ranks_count(sv->ranks), clients, n, &text);
+		rc = embd_stats_json(&sv->stats, ranks, embd_ranks_count(sv->ranks), tables,
+				     sv->config->tables.count, clients, n, &text);
 	else
 		rc = embd_stats_status_json(&sv->stats, sv->config, embd_server_step(sv),
 					    sv->plan_hash, trainers, &text);
@@ -537,6 +561,41 @@ static void tick(struct embd_server *sv)
 	embd_server_schedule_tick(sv, now);
 }
 
+/* ---- metrics ----------------------------------------------------------------------------- */
+
+/* At most this often the loop publishes its figures for scrapes (daemon/metrics.h); while idle
+ * it wakes at least every TICK_MS and publishes then. */
+#define METRICS_PERIOD_NS 1000000ull
+
+static void metrics_tick(struct embd_server *sv)
+{
+	uint64_t now;
+
+	if (!sv->metrics || (now = embd_now_ns()) - sv->metrics_ns < METRICS_PERIOD_NS)
+		return;
+	struct embd_metrics_snapshot *m = embd_metrics_draft(sv->metrics);
+	const struct embd_stats *st = &sv->stats;
+	m->uptime_s = (double)(now - st->start_ns) / 1e9;
+	m->step = embd_server_step(sv);
+	m->steps = st->steps;
+	m->aborted_steps = st->aborted_steps;
+	m->ids = st->ids;
+	m->bytes_in = st->bytes_in;
+	m->bytes_out = st->bytes_out;
+	m->sent_bytes = st->sent_bytes;
+	m->step_hist = st->step_hist;
+	m->request_hist = st->ipc_hist;
+	memcpy(m->refusals, st->refusals, sizeof(m->refusals));
+	m->clients = count_trainers(sv);
+	fill_tables(sv, m->tables);
+	fill_ranks(sv, m->ranks);
+	embd_server_checkpoint_metrics(sv, m);
+	embd_server_regroup_metrics(sv, m);
+	/* a scrape copying the last one: try again at the next tick */
+	if (embd_metrics_publish(sv->metrics))
+		sv->metrics_ns = now;
+}
+
 /* While busy-polling, sockets and signals are looked at every this many passes: a pass over
  * the rings costs nanoseconds, a look at the io_uring a system call. */
 #define SPIN_EVENT_PASSES 64
@@ -557,6 +616,7 @@ int embd_server_run(struct embd_server *sv)
 			handle_events(sv, 0);
 			embd_server_regroup_tick(sv);
 			tick(sv);
+			metrics_tick(sv);
 		}
 		if (embd_server_poll_rings(sv)) {
 			idle_since = 0;
@@ -567,6 +627,7 @@ int embd_server_run(struct embd_server *sv)
 		if (spin_ns && (passes % SPIN_CLOCK_PASSES ||
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
+		metrics_tick(sv);
 		int tick_ms = sessions_sleep_ms(sv, embd_server_schedule_sleep_ms(sv,
 						embd_server_checkpoint_sleep_ms(sv, TICK_MS)));
 		bool held;
@@ -577,6 +638,7 @@ int embd_server_run(struct embd_server *sv)
 		idle_since = 0;
 		embd_server_regroup_tick(sv);
 		tick(sv);
+		metrics_tick(sv);
 	}
 	return 0;
 }
@@ -651,6 +713,15 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 		snprintf(err, err_len, "cannot watch the control socket");
 		goto out;
 	}
+	if (config->metrics_listen[0]) {
+		const char *names[config->tables.count ? config->tables.count : 1];
+		for (uint32_t t = 0; t < config->tables.count; t++)
+			names[t] = config->tables.specs[t].name;
+		rc = embd_metrics_create(config->metrics_listen, config->tables.count, names,
+					 embd_ranks_count(ranks), &sv->metrics, err, err_len);
+		if (rc)
+			goto out;
+	}
 	*out = sv;
 	return 0;
 out:
@@ -665,6 +736,7 @@ void embd_server_destroy(struct embd_server *sv)
 	for (uint32_t i = 0; i < MAX_CLIENTS; i++)
 		if (sv->clients[i].used)
 			embd_server_drop_client(sv, &sv->clients[i], "service stopping");
+	embd_metrics_destroy(sv->metrics);      /* its thread reads nothing of the server's */
 	embd_server_checkpoint_free(sv);
 	embd_server_regroup_free(sv);
 	embd_evloop_destroy(sv->loop);

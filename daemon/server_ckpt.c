@@ -182,6 +182,25 @@ void embd_server_checkpoint_step_dropped(struct embd_server *sv)
 		sv->ckpt->agreed = false;       /* agreed for a step that did not complete */
 }
 
+void embd_server_checkpoint_metrics(const struct embd_server *sv, struct embd_metrics_snapshot *s)
+{
+	struct embd_ckpt_figures f;
+
+	s->checkpoints = sv->ckpt != NULL;
+	if (!sv->ckpt)
+		return;
+	embd_ckpt_service_figures(sv->ckpt->service, &f);
+	s->ckpt_ok = f.written;
+	s->ckpt_failed = f.failed;
+	s->ckpt_last_step = f.last_step;
+	s->ckpt_last_bytes = f.last_bytes;
+	s->ckpt_write_ms_sum = f.write_ms_sum;
+	s->ckpt_last_write_ms = f.last_write_ms;
+	s->ckpt_last_stall_ms = f.last_stall_ms;
+	s->ckpt_max_stall_ms = f.max_stall_ms;
+	s->ckpt_in_progress = f.in_progress;
+}
+
 int embd_server_checkpoint_status_add(const struct embd_server *sv, char **status)
 {
 	return sv->ckpt ? embd_ckpt_service_status_add(sv->ckpt->service, status) : 0;

@@ -24,6 +24,7 @@
 #include "ipc/control.h"
 #include "ipc/doorbell.h"
 #include "ipc/protocol.h"
+#include "daemon/metrics.h"
 #include "daemon/server.h"
 #include "daemon/stats.h"
 
@@ -93,6 +94,8 @@ struct embd_server {
 	struct embd_log_limit room_log;         /* ... or to make room for a newer one */
 	struct embd_log_limit errors_log;       /* messages refused (protocol, HELLO) */
 	uint64_t handshake_due_ns;              /* the oldest pending one's deadline; 0: none */
+	struct embd_metrics *metrics;   /* NULL without metrics_listen */
+	uint64_t metrics_ns;            /* when the metrics were last published */
 	struct embd_layout *layout;
 	uint8_t *msgbuf;
 	/* the step schedule (server_schedule.c) */
@@ -185,6 +188,8 @@ void embd_server_checkpoint_regrouped(struct embd_server *sv, uint64_t gen);
  * 0 and *step, or an error in err. The pending request it drops is answered either way. */
 int embd_server_checkpoint_restore(struct embd_server *sv, const char *key, uint64_t *step,
 				   char *err, size_t err_len);
+/* The checkpoint figures of the metrics snapshot (nothing without checkpoints). */
+void embd_server_checkpoint_metrics(const struct embd_server *sv, struct embd_metrics_snapshot *s);
 /* Adds the "checkpoints" object to the status JSON text *status. */
 int embd_server_checkpoint_status_add(const struct embd_server *sv, char **status);
 /* The client in slot left: nobody waits there any more. */
@@ -213,6 +218,8 @@ bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
 bool embd_server_regroup_running(const struct embd_server *sv);
 /* Every node completed the steps before step alike (update applied, or none anywhere). */
 void embd_server_regroup_applied(struct embd_server *sv, uint64_t step);
+/* The cluster figures of the metrics snapshot (nothing on one node). */
+void embd_server_regroup_metrics(const struct embd_server *sv, struct embd_metrics_snapshot *s);
 /* Adds the "cluster" object (daemon/stats.h) to the status JSON text *status. */
 int embd_server_regroup_status_add(const struct embd_server *sv, char **status);
 /* How long the loop may sleep (ms): short while forming. */

@@ -325,6 +325,19 @@ bool embd_server_regroup_gate(struct embd_server *sv, struct client *c,
 	return false;
 }
 
+void embd_server_regroup_metrics(const struct embd_server *sv, struct embd_metrics_snapshot *s)
+{
+	const struct embd_server_regroup *r = sv->rg;
+
+	s->cluster = r != NULL;
+	if (!r)
+		return;
+	s->generation = embd_regroup_generation(r->rg);
+	s->applied_step = r->applied;
+	s->node = sv->config->node_rank;
+	s->state = (uint32_t)r->state;
+}
+
 int embd_server_regroup_status_add(const struct embd_server *sv, char **status)
 {
 	static const char *const names[] = { "running", "forming", "lost", "detached" };

@@ -41,7 +41,7 @@ void embd_server_complete(struct embd_server *sv, struct client *c, const struct
 		return;
 	}
 	embd_doorbell_notify(embd_region_cq(c->region), &c->cq_db);
-	embd_stats_request(&sv->stats, embd_now_ns() - popped_ns);
+	embd_stats_request(&sv->stats, embd_now_ns() - popped_ns, result);
 }
 
 uint64_t embd_server_step(const struct embd_server *sv)

@@ -13,6 +13,51 @@
 #include <string.h>
 #include <time.h>
 
+/* 50 us .. 10 s: a CPU step of a small model takes ~100 us, a cluster's step with a slow
+ * peer seconds. */
+const uint64_t embd_stats_bucket_ns[EMBD_STATS_BUCKETS] = {
+	50000, 100000, 250000, 500000, 1000000, 2500000, 5000000, 10000000, 25000000,
+	50000000, 100000000, 250000000, 500000000, 1000000000, 2500000000, 10000000000,
+};
+
+static const struct {
+	int code;
+	const char *name;
+} causes[EMBD_STATS_CAUSES - 1] = {
+	{ EMBD_EINVAL, "EINVAL" }, { EMBD_ENOMEM, "ENOMEM" }, { EMBD_ERANGE, "ERANGE" },
+	{ EMBD_ENOENT, "ENOENT" }, { EMBD_EIO, "EIO" }, { EMBD_EACCES, "EACCES" },
+	{ EMBD_ETIMEDOUT, "ETIMEDOUT" }, { EMBD_EPROTO, "EPROTO" },
+	{ EMBD_ECONNRESET, "ECONNRESET" }, { EMBD_ENOSPC, "ENOSPC" }, { EMBD_EBUSY, "EBUSY" },
+	{ EMBD_EAGAIN, "EAGAIN" }, { EMBD_ECANCELED, "ECANCELED" }, { EMBD_ENOTSUP, "ENOTSUP" },
+	{ EMBD_EPARSE, "EPARSE" }, { EMBD_EMISMATCH, "EMISMATCH" },
+	{ EMBD_EINFEASIBLE, "EINFEASIBLE" }, { EMBD_ECHECKSUM, "ECHECKSUM" },
+	{ EMBD_ERESUMED, "ERESUMED" },
+};
+
+uint32_t embd_stats_cause(int code)
+{
+	for (uint32_t i = 0; i < EMBD_STATS_CAUSES - 1; i++)
+		if (causes[i].code == code)
+			return i;
+	return EMBD_STATS_CAUSES - 1;
+}
+
+const char *embd_stats_cause_name(uint32_t cause)
+{
+	return cause < EMBD_STATS_CAUSES - 1 ? causes[cause].name : "other";
+}
+
+static void hist_add(struct embd_stats_hist *h, uint64_t ns)
+{
+	uint32_t b = 0;
+
+	while (b < EMBD_STATS_BUCKETS && ns > embd_stats_bucket_ns[b])
+		b++;
+	h->count[b]++;
+	h->sum_ns += ns;
+	h->total++;
+}
+
 void embd_stats_init(struct embd_stats *s)
 {
 	memset(s, 0, sizeof(*s));
@@ -28,12 +73,17 @@ void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uin
 	s->ids += c->ids;
 	s->bytes_in += c->input_bytes;
 	s->bytes_out += c->output_bytes;
+	s->sent_bytes += c->sent_bytes;
 	s->step_ns[s->num_step++ % EMBD_STATS_WINDOW] = latency_ns;
+	hist_add(&s->step_hist, latency_ns);
 }
 
-void embd_stats_request(struct embd_stats *s, uint64_t latency_ns)
+void embd_stats_request(struct embd_stats *s, uint64_t latency_ns, int result)
 {
 	s->ipc_ns[s->num_ipc++ % EMBD_STATS_WINDOW] = latency_ns;
+	hist_add(&s->ipc_hist, latency_ns);
+	if (result < 0)
+		s->refusals[embd_stats_cause(result)]++;
 }
 
 static int compare_u64(const void *a, const void *b)
@@ -70,10 +120,11 @@ static int print(cJSON *root, char **out)
 }
 
 int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ranks,
-		    uint32_t num_ranks, const struct embd_stats_client *clients,
+		    uint32_t num_ranks, const struct embd_stats_table *tables,
+		    uint32_t num_tables, const struct embd_stats_client *clients,
 		    uint32_t num_clients, char **out)
 {
-	cJSON *root = cJSON_CreateObject(), *arr;
+	cJSON *root = cJSON_CreateObject(), *arr, *obj;
 	double up = uptime_s(s);
 	double per_s = up > 0 ? 1.0 / up : 0;
 
@@ -92,6 +143,8 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "ids_per_s", (double)s->ids * per_s);
 	cJSON_AddNumberToObject(root, "bytes_in", (double)s->bytes_in);
 	cJSON_AddNumberToObject(root, "bytes_out", (double)s->bytes_out);
+	cJSON_AddNumberToObject(root, "sent_bytes", (double)s->sent_bytes);
+	cJSON_AddNumberToObject(root, "requests", (double)s->ipc_hist.total);
 	cJSON_AddNumberToObject(root, "step_p50_us", percentile_us(s->step_ns, s->num_step, 50));
 	cJSON_AddNumberToObject(root, "step_p99_us", percentile_us(s->step_ns, s->num_step, 99));
 	cJSON_AddNumberToObject(root, "ipc_p50_us", percentile_us(s->ipc_ns, s->num_ipc, 50));
@@ -104,6 +157,17 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 		cJSON_AddNumberToObject(o, "numa_node", ranks[i].numa_node);
 		cJSON_AddNumberToObject(o, "memory_bytes", (double)ranks[i].memory_bytes);
 	}
+	arr = cJSON_AddArrayToObject(root, "tables");
+	for (uint32_t i = 0; arr && i < num_tables; i++) {
+		cJSON *o = cJSON_CreateObject();
+		cJSON_AddItemToArray(arr, o);
+		cJSON_AddStringToObject(o, "name", tables[i].name);
+		cJSON_AddNumberToObject(o, "lookups", (double)tables[i].lookups);
+	}
+	obj = cJSON_AddObjectToObject(root, "refusals");
+	for (uint32_t i = 0; obj && i < EMBD_STATS_CAUSES; i++)
+		if (s->refusals[i])
+			cJSON_AddNumberToObject(obj, embd_stats_cause_name(i), (double)s->refusals[i]);
 	arr = cJSON_AddArrayToObject(root, "clients");
 	for (uint32_t i = 0; arr && i < num_clients; i++) {
 		const struct embd_stats_client *c = &clients[i];

@@ -18,9 +18,15 @@
  *     "lookups": 123, "lookups_per_s": 9.8,   row reads by all ranks
  *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
  *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
+ *     "sent_bytes": 0,              bytes sent to other nodes (forward and backward)
+ *     "requests": 200,              requests completed, every trainer since start
  *     "step_p50_us": 80.1, "step_p99_us": 200.3,   FORWARD s started -> BACKWARD s applied
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
  *     "ranks": [ { "rank": 0, "numa_node": 0, "memory_bytes": 1048576 } ],
+ *     "tables": [ { "name": "user_id", "lookups": 60 } ],  row reads per table by this
+ *                                   node's ranks (engine/step.h: embd_step_table_lookups)
+ *     "refusals": { "EAGAIN": 2 },  requests completed with an error, by code (causes
+ *                                   never seen are left out)
  *     "clients": [ { "index": 0, "pid": 42, "uid": 1000, "sq_used": 0, "sq_entries": 64,
  *                    "cq_used": 1, "cq_entries": 64, "requests": 200, "errors": 0,
  *                    "stalling_ms": 0 } ] }    how long the step has waited for this trainer,
@@ -49,13 +55,37 @@
 
 #define EMBD_STATS_WINDOW 1024
 
+/* Latencies since start in fixed buckets (the Prometheus histograms of daemon/metrics.h):
+ * count[b] holds samples in (bound[b - 1], bound[b]], count[EMBD_STATS_BUCKETS] the rest. */
+#define EMBD_STATS_BUCKETS 16
+extern const uint64_t embd_stats_bucket_ns[EMBD_STATS_BUCKETS];
+
+struct embd_stats_hist {
+	uint64_t count[EMBD_STATS_BUCKETS + 1];
+	uint64_t sum_ns, total;
+};
+
+/* The error codes of include/embd/types.h a request may complete with, as refusal causes. */
+#define EMBD_STATS_CAUSES 20
+/* The cause's index for code (< 0), or EMBD_STATS_CAUSES - 1 ("other") for an unknown one. */
+uint32_t embd_stats_cause(int code);
+/* The cause's name: the code's name without "EMBD_" ("EAGAIN"), or "other". */
+const char *embd_stats_cause_name(uint32_t cause);
+
 struct embd_stats {
 	uint64_t start_ns;              /* CLOCK_MONOTONIC at creation */
 	uint64_t steps, aborted_steps, step_timeouts;
 	uint64_t nonfinite_grads, nonfinite_rows;
-	uint64_t lookups, ids, bytes_in, bytes_out;
+	uint64_t lookups, ids, bytes_in, bytes_out, sent_bytes;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
+	struct embd_stats_hist step_hist, ipc_hist;
+	uint64_t refusals[EMBD_STATS_CAUSES];
+};
+
+struct embd_stats_table {
+	const char *name;
+	uint64_t lookups;
 };
 
 struct embd_stats_rank {
@@ -78,12 +108,13 @@ void embd_stats_init(struct embd_stats *s);
 /* A completed step: its work counters and its latency. */
 void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *counts,
 		     uint64_t latency_ns);
-/* One request's time inside the service. */
-void embd_stats_request(struct embd_stats *s, uint64_t latency_ns);
+/* One request's time inside the service and its result (0 or a negative EMBD_E* code). */
+void embd_stats_request(struct embd_stats *s, uint64_t latency_ns, int result);
 
 /* The STATS JSON above, malloc'ed and NUL-terminated. */
 int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ranks,
-		    uint32_t num_ranks, const struct embd_stats_client *clients,
+		    uint32_t num_ranks, const struct embd_stats_table *tables,
+		    uint32_t num_tables, const struct embd_stats_client *clients,
 		    uint32_t num_clients, char **out);
 
 /* The STATUS JSON above, malloc'ed and NUL-terminated. */

@@ -527,8 +527,10 @@ static int lookup_pass(struct embd_step *s)
 			qsort(io->items.p, io->items.len, sizeof(struct step_item), compare_items);
 		for (uint64_t i = 0; i < io->items.len; i++) {
 			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
-			if (it->forward)
+			if (it->forward) {
 				p->counts.lookups += it->num_ids;
+				s->tables[s->shards[it->shard].table].lookups += it->num_ids;
+			}
 		}
 		rc = make_batches(s, io, false);
 		failed_rank = r;
@@ -733,6 +735,11 @@ void embd_step_counts(const struct embd_step *s, struct embd_step_counts *out)
 	*out = s->train.counts;
 	if (s->dist)
 		step_dist_counts(s, out);
+}
+
+uint64_t embd_step_table_lookups(const struct embd_step *s, uint32_t table)
+{
+	return table < s->num_tables ? s->tables[table].lookups : 0;
 }
 
 int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row, uint32_t col,

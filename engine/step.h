@@ -223,6 +223,9 @@ void embd_step_set_grad_divisor(struct embd_step *step, uint32_t divisor);
 
 /* Counters of the last forward. */
 void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out);
+/* Row reads of table (its index in the tables) by this node's ranks since creation, over every
+ * forward that ran its lookups (steps aborted later included); 0 for an unknown table. */
+uint64_t embd_step_table_lookups(const struct embd_step *step, uint32_t table);
 
 /* For tests and checkpoints: weight (row, col) of table t as fp32, read from whichever shard
  * holds it (data_parallel: replica on rank `replica`); EMBD_ENOENT when none does. */

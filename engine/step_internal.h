@@ -44,6 +44,7 @@ struct step_table {
 	const struct embd_table_spec *spec;
 	enum embd_sharding_type type;
 	uint32_t first_shard, num_shards;       /* into step->shards, in the plan's order */
+	uint64_t lookups;                       /* row reads by this node's ranks, every forward */
 	uint32_t num_replicas;                  /* data_parallel: = num_shards; else 1 */
 	uint32_t num_local;                     /* shards of the table on this node */
 };

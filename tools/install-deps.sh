@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config clang libclang-rt-14-dev
   liburing-dev libnuma-dev libcriterion-dev libgloo-dev libcjson-dev libsystemd-dev
+  libmicrohttpd-dev
   python3 python3-numpy python3-venv python3-dev
   iproute2
   # packages, man pages and the unit: tools/build-packages.sh (dpkg-shlibdeps looks at the

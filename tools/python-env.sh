@@ -15,6 +15,9 @@ deps=(torch==2.14.1 fbgemm-gpu-cpu==1.9.0 tensordict torchmetrics==1.0.3 tqdm py
       numpy pytest setuptools wheel)
 torchrec=torchrec==1.9.2
 want="${deps[*]} $torchrec"
+# Small test-only packages, installed into an existing environment without remaking it:
+# prometheus_client's text parser reads embd's /metrics (tests/python/test_metrics.py).
+extra=(prometheus_client==0.26.0)
 
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.embd-deps" 2>/dev/null)" != "$want" ]; then
   start=$(date +%s)
@@ -23,6 +26,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.embd-deps" 2>/dev/null)" != "
   "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$torchrec" >&2
   echo "$want" > "$venv/.embd-deps"
   echo "python-env: made $venv in $(( $(date +%s) - start )) s" >&2
+fi
+if [ "$(cat "$venv/.embd-extra" 2>/dev/null)" != "${extra[*]}" ]; then
+  "$venv/bin/pip" install -q --disable-pip-version-check "${extra[@]}" >&2
+  echo "${extra[*]}" > "$venv/.embd-extra"
 fi
 
 # The extension links libembdclient from the build folder; rebuilt every time so it matches

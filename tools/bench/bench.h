@@ -50,6 +50,10 @@ const char *bench_embd_path(int argc, char **argv);
 int bench_embd_start(const char *embd_path, const char *config_json, struct bench_embd *out);
 void bench_embd_stop(struct bench_embd *e);
 
+/* A TCP port that was free a moment ago on 127.0.0.1 (gloo's pairs take ephemeral ports
+ * too, so a counter could collide); 0 when none could be had. */
+uint16_t bench_free_port(void);
+
 /* embd-bench ipc (bench_ipc.c) */
 int bench_ipc_run(int argc, char **argv);
 

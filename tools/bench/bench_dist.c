@@ -259,23 +259,6 @@ static int raw_main(const struct dist_run *r, uint32_t node)
 	return rc ? 1 : 0;
 }
 
-/* A TCP port that was free a moment ago on 127.0.0.1 (gloo's pairs take ephemeral ports
- * too, so a counter could collide); 0 when none could be had. */
-static uint16_t free_port(void)
-{
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
-	socklen_t len = sizeof(a);
-	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	uint16_t port = 0;
-
-	if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
-	    !getsockname(fd, (struct sockaddr *)&a, &len))
-		port = ntohs(a.sin_port);
-	if (fd >= 0)
-		close(fd);
-	return port;
-}
-
 /* This process (and the threads it starts: ranks, Gloo) on cores [first, first + count). */
 static int pin_cores(uint32_t first, uint32_t count)
 {
@@ -295,7 +278,7 @@ static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, u
 	double slowest = 0;
 	bool ok = true;
 
-	r->port = free_port();  /* a fresh store per run */
+	r->port = bench_free_port();  /* a fresh store per run */
 	if (!r->port)
 		return 0;
 	for (uint32_t n = 0; n < r->nodes; n++) {

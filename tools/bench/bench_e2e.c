@@ -6,15 +6,24 @@
  * forward and backward, so overhead_ratio = embd steps/s / in-process steps/s shows what the
  * service costs per step. One embd and one set of in-process shards serve every size (its
  * config plans for the largest), so both keep the memory (and huge pages) they got first.
+ * With --scrape-hz HZ embd also serves its Prometheus endpoint (metrics_listen) and a third
+ * mode runs the embd rounds again while a thread of this process GETs /metrics HZ times a
+ * second: scraped_steps_per_s beside steps_per_s shows what scrapes cost the step.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "bench.h"
@@ -49,8 +58,70 @@ struct e2e {
 };
 
 struct split {
-	double steps_per_s, fwd_ms, bwd_ms;
+	double steps_per_s, fwd_ms, bwd_ms, scrapes_per_s;
 };
+
+/* ---- the scraper: GET /metrics at a pace, while on ------------------------------------- */
+
+struct scraper {
+	int port;
+	double hz;
+	pthread_t thread;
+	atomic_bool on, quit;
+	atomic_uint_fast64_t done, failed;
+};
+
+/* One GET /metrics, the answer read to its end: 0, or -1. */
+static int scrape_once(int port)
+{
+	static const char req[] = "GET /metrics HTTP/1.0\r\n\r\n";
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	char buf[16384];
+	ssize_t n, total = 0;
+	bool ok = false;
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+	if (fd < 0)
+		return -1;
+	if (connect(fd, (struct sockaddr *)&a, sizeof(a)) ||
+	    write(fd, req, sizeof(req) - 1) != (ssize_t)sizeof(req) - 1) {
+		close(fd);
+		return -1;
+	}
+	while ((n = read(fd, buf, sizeof(buf))) > 0) {
+		if (!total)
+			ok = n > 12 && !strncmp(buf, "HTTP/1.1 200", 12);
+		total += n;
+	}
+	close(fd);
+	return n == 0 && ok ? 0 : -1;
+}
+
+static void *scraper_main(void *arg)
+{
+	struct scraper *s = arg;
+	const uint64_t period_ns = (uint64_t)(1e9 / s->hz);
+	uint64_t next = bench_now_ns();
+
+	while (!atomic_load(&s->quit)) {
+		uint64_t now = bench_now_ns();
+		if (!atomic_load(&s->on) || now < next) {
+			uint64_t wait = atomic_load(&s->on) ? next - now : 1000000;
+			struct timespec ts = { 0, (long)(wait < 1000000 ? wait : 1000000) };
+			nanosleep(&ts, NULL);
+			if (!atomic_load(&s->on))
+				next = bench_now_ns();
+			continue;
+		}
+		next += period_ns;
+		if (scrape_once(s->port))
+			atomic_fetch_add(&s->failed, 1);
+		else
+			atomic_fetch_add(&s->done, 1);
+	}
+	return NULL;
+}
 
 static uint64_t rng_next(uint64_t *s)
 {
@@ -219,67 +290,97 @@ static const char e2e_config_fmt[] =
 	"  \"topology\": { \"world_size\": 1, \"local_world_size\": 1, \"compute_device\": \"cpu\",\n"
 	"                \"hbm_cap\": \"16G\", \"ddr_cap\": \"16G\", \"batch_size\": %d },\n"
 	"  \"trainers_per_node\": 1, \"seed\": %d, \"threads_per_rank\": %u,\n"
-	"  \"log_level\": \"error\", \"busy_poll_us\": %u }\n";
+	"  \"log_level\": \"error\", \"busy_poll_us\": %u%s }\n";
 
 /* One size on a connected embd and the in-process shards. */
-static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsigned busy_poll_us)
+static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsigned busy_poll_us,
+		    struct scraper *sc)
 {
-	struct split se[E2E_ROUNDS], si[E2E_ROUNDS];
+	struct split se[E2E_ROUNDS], si[E2E_ROUNDS], ss[E2E_ROUNDS] = { { 0 } };
+	const int modes = sc ? 3 : 2;
 	uint64_t k = 0, d0 = 0, d1 = 0;
 	int rc = make_batches(x);
 
 	for (int w = 0; w < 2 && !rc; w++)          /* warm-up */
 		rc = embd_step(x, c, (*step)++, k, &d0, &d1) || inprocess_step(x, k++, &d0, &d1);
 	for (int r = 0; r < E2E_ROUNDS && !rc; r++) {
-		for (int mode = 0; mode < 2 && !rc; mode++) {
+		for (int mode = 0; mode < modes && !rc; mode++) {
 			uint64_t n = 0, fwd = 0, bwd = 0, t0 = bench_now_ns(), el;
+			uint64_t scraped = sc ? atomic_load(&sc->done) : 0;
+			if (mode == 2)
+				atomic_store(&sc->on, true);
 			do {
-				rc = mode == 0 ? embd_step(x, c, (*step)++, k++, &fwd, &bwd)
+				rc = mode != 1 ? embd_step(x, c, (*step)++, k++, &fwd, &bwd)
 					       : inprocess_step(x, k++, &fwd, &bwd);
 				n++;
 				el = bench_now_ns() - t0;
 			} while (!rc && (double)el < x->round_s * 1e9);
+			if (mode == 2)
+				atomic_store(&sc->on, false);
 			struct split sp = { (double)n * 1e9 / (double)el, (double)fwd / 1e6 / (double)n,
-					    (double)bwd / 1e6 / (double)n };
-			if (mode == 0)
-				se[r] = sp;
-			else
-				si[r] = sp;
+					    (double)bwd / 1e6 / (double)n, 0 };
+			if (mode == 2)
+				sp.scrapes_per_s = (double)(atomic_load(&sc->done) - scraped) * 1e9 /
+						   (double)el;
+			*(mode == 0 ? &se[r] : mode == 1 ? &si[r] : &ss[r]) = sp;
 		}
 	}
 	if (rc)
 		return -1;
 	qsort(se, E2E_ROUNDS, sizeof(se[0]), compare_split);
 	qsort(si, E2E_ROUNDS, sizeof(si[0]), compare_split);
+	qsort(ss, E2E_ROUNDS, sizeof(ss[0]), compare_split);
 	const struct split *me = &se[E2E_ROUNDS / 2], *mi = &si[E2E_ROUNDS / 2];
+	const struct split *ms = &ss[E2E_ROUNDS / 2];
+	char scraped[256] = "";
+	if (sc)
+		snprintf(scraped, sizeof(scraped), ",\"scrape_hz\":%.0f,\"scraped_steps_per_s\":%.2f,"
+			 "\"scrapes_per_s\":%.1f,\"scrape_failures\":%llu", sc->hz, ms->steps_per_s,
+			 ms->scrapes_per_s, (unsigned long long)atomic_load(&sc->failed));
 	printf("{\"name\":\"e2e\",\"ids_per_step\":%llu,\"steps_per_s\":%.2f,"
 	       "\"inprocess_steps_per_s\":%.2f,\"overhead_ratio\":%.3f,\"batch_size\":%u,"
 	       "\"tables\":%d,\"dim\":%d,\"pooling_factor\":%u,\"threads\":%u,\"busy_poll_us\":%u,"
-	       "\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"inprocess_fwd_ms\":%.3f,\"inprocess_bwd_ms\":%.3f}\n",
+	       "\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"inprocess_fwd_ms\":%.3f,\"inprocess_bwd_ms\":%.3f%s}\n",
 	       (unsigned long long)x->ids, me->steps_per_s, mi->steps_per_s,
 	       mi->steps_per_s > 0 ? me->steps_per_s / mi->steps_per_s : 0, E2E_BATCH, E2E_TABLES,
 	       E2E_DIM, x->pf, x->threads, busy_poll_us, me->fwd_ms, me->bwd_ms, mi->fwd_ms,
-	       mi->bwd_ms);
+	       mi->bwd_ms, scraped);
 	fflush(stdout);
 	return 0;
 }
 
 /* Sets up embd (planned for max_pf ids per bag) and the in-process shards, runs every size. */
 static int run_all(struct e2e *x, const char *embd, unsigned busy_poll_us, const uint32_t *pfs,
-		   int num_sizes, uint32_t max_pf)
+		   int num_sizes, uint32_t max_pf, double scrape_hz)
 {
-	char config[4096], err[256];
+	char config[4096], err[256], metrics[64] = "";
 	struct bench_embd e = { 0 };
 	struct embd_client *c = NULL;
+	struct scraper sc = { .hz = scrape_hz };
+	bool scraping = false;
 	int rc = -1, fails = 0;
 
+	if (scrape_hz > 0) {
+		if (!(sc.port = bench_free_port()))
+			goto out;
+		snprintf(metrics, sizeof(metrics), ", \"metrics_listen\": \"127.0.0.1:%d\"", sc.port);
+	}
 	snprintf(config, sizeof(config), e2e_config_fmt, E2E_ROWS, E2E_DIM, (double)E2E_LR,
 		 (double)E2E_EPS, max_pf, E2E_ROWS, E2E_DIM, (double)E2E_LR, (double)E2E_EPS, max_pf,
-		 E2E_BATCH, E2E_SEED, x->threads, busy_poll_us);
+		 E2E_BATCH, E2E_SEED, x->threads, busy_poll_us, metrics);
 	if (inprocess_setup(x))
 		goto out;
 	if (bench_embd_start(embd, config, &e))
 		goto out;
+	if (scrape_hz > 0) {
+		if (scrape_once(sc.port)) {
+			fprintf(stderr, "embd-bench e2e: no metrics endpoint on port %d\n", sc.port);
+			goto out;
+		}
+		if (pthread_create(&sc.thread, NULL, scraper_main, &sc))
+			goto out;
+		scraping = true;
+	}
 	rc = embd_connect(e.socket_path, 0, 30000, &c, err, sizeof(err));
 	if (rc) {
 		fprintf(stderr, "embd-bench e2e: connect: %s (%s)\n", embd_strerror(rc), err);
@@ -304,11 +405,15 @@ static int run_all(struct e2e *x, const char *embd, unsigned busy_poll_us, const
 	for (int i = 0; i < num_sizes; i++) {
 		x->pf = pfs[i];
 		x->ids = (uint64_t)E2E_TABLES * E2E_BATCH * pfs[i];
-		if (run_size(x, c, &step, busy_poll_us))
+		if (run_size(x, c, &step, busy_poll_us, scraping ? &sc : NULL))
 			fails++;
 	}
 	rc = fails ? -1 : 0;
 out:
+	if (scraping) {
+		atomic_store(&sc.quit, true);
+		pthread_join(sc.thread, NULL);
+	}
 	embd_close(c);
 	bench_embd_stop(&e);
 	inprocess_teardown(x);
@@ -328,7 +433,7 @@ int bench_e2e_run(int argc, char **argv)
 	long nproc = sysconf(_SC_NPROCESSORS_ONLN);
 	uint32_t threads = nproc > 0 ? (uint32_t)nproc : 1;
 	unsigned busy_poll_us = 50;
-	double seconds = 1.0;
+	double seconds = 1.0, scrape_hz = 0;
 	uint32_t pfs[8], max_pf = 1;
 
 	for (int i = 1; i < argc; i++) {
@@ -343,9 +448,12 @@ int bench_e2e_run(int argc, char **argv)
 			seconds = atof(argv[++i]);
 		} else if (!strcmp(argv[i], "--busy-poll-us") && i + 1 < argc) {
 			busy_poll_us = (unsigned)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--scrape-hz") && i + 1 < argc) {
+			scrape_hz = atof(argv[++i]);
 		} else {
 			fprintf(stderr, "usage: embd-bench e2e [--ids N]... (65536 262144) [--threads T]"
-				" [--seconds S per mode per size (1)] [--busy-poll-us U (50)] [--embd PATH]\n");
+				" [--seconds S per mode per size (1)] [--busy-poll-us U (50)]"
+				" [--scrape-hz HZ (0: no scraped mode)] [--embd PATH]\n");
 			return 2;
 		}
 	}
@@ -359,5 +467,7 @@ int bench_e2e_run(int argc, char **argv)
 			max_pf = pfs[s];
 	}
 	struct e2e x = { .threads = threads, .round_s = seconds / E2E_ROUNDS };
-	return run_all(&x, embd, busy_poll_us, pfs, num_sizes, max_pf) ? 1 : 0;
+	if (scrape_hz < 0 || scrape_hz > 100000)
+		scrape_hz = 0;
+	return run_all(&x, embd, busy_poll_us, pfs, num_sizes, max_pf, scrape_hz) ? 1 : 0;
 }

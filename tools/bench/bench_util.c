@@ -2,7 +2,11 @@
 #include "bench.h"
 
 #include <math.h>
+#include <netinet/in.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -62,4 +66,21 @@ void bench_cpu_model(char *out, size_t len)
 	}
 	if (f)
 		fclose(f);
+}
+
+/* A TCP port that was free a moment ago on 127.0.0.1 (gloo's pairs take ephemeral ports
+ * too, so a counter could collide); 0 when none could be had. */
+uint16_t bench_free_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	socklen_t len = sizeof(a);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	uint16_t port = 0;
+
+	if (fd >= 0 && !bind(fd, (struct sockaddr *)&a, sizeof(a)) &&
+	    !getsockname(fd, (struct sockaddr *)&a, &len))
+		port = ntohs(a.sin_port);
+	if (fd >= 0)
+		close(fd);
+	return port;
 }

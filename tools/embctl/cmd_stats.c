@@ -89,14 +89,22 @@ static void print_human(const cJSON *s)
 
 	printf("uptime %.1f s  steps %.0f (aborted %.0f, timed out %.0f)\n", num(s, "uptime_s"),
 	       num(s, "steps"), num(s, "aborted_steps"), num(s, "step_timeouts"));
-	printf("lookups %.0f (%.1f/s)  ids %.0f (%.1f/s)  bytes in %.0f out %.0f\n",
+	printf("lookups %.0f (%.1f/s)  ids %.0f (%.1f/s)  bytes in %.0f out %.0f sent %.0f\n",
 	       num(s, "lookups"), num(s, "lookups_per_s"), num(s, "ids"), num(s, "ids_per_s"),
-	       num(s, "bytes_in"), num(s, "bytes_out"));
+	       num(s, "bytes_in"), num(s, "bytes_out"), num(s, "sent_bytes"));
 	printf("step p50 %.1f us p99 %.1f us  ipc p50 %.1f us p99 %.1f us\n", num(s, "step_p50_us"),
 	       num(s, "step_p99_us"), num(s, "ipc_p50_us"), num(s, "ipc_p99_us"));
 	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "ranks"))
 		printf("rank %.0f  numa node %.0f  memory %.0f bytes\n", num(it, "rank"),
 		       num(it, "numa_node"), num(it, "memory_bytes"));
+	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "tables")) {
+		const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
+		printf("table %s  lookups %.0f\n", cJSON_IsString(name) ? name->valuestring : "?",
+		       num(it, "lookups"));
+	}
+	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "refusals"))
+		if (cJSON_IsNumber(it))
+			printf("refused %s %.0f\n", it->string, it->valuedouble);
 	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "clients")) {
 		printf("trainer %.0f  pid %.0f uid %.0f  sq %.0f/%.0f cq %.0f/%.0f  requests %.0f "
 		       "errors %.0f", num(it, "index"), num(it, "pid"), num(it, "uid"),

@@ -54,7 +54,8 @@ Test(config, every_key_is_read)
 		"  \"checkpoint_keep\": 0, \"checkpoint_layout\": \"per_node\","
 		"  \"checkpoint_allow_fresh_start\": true,"
 		"  \"handshake_timeout_ms\": 250, \"step_wait_warn_ms\": 0,"
-		"  \"step_wait_abort_ms\": 60000, \"gradient_scaling\": \"sum\" }";
+		"  \"step_wait_abort_ms\": 60000, \"gradient_scaling\": \"sum\","
+		"  \"metrics_listen\": \"[::1]:9464\" }";
 	struct embd_config c;
 	char err[256] = "";
 
@@ -84,6 +85,7 @@ Test(config, every_key_is_read)
 	cr_assert_eq(c.handshake_timeout_ms, 250);
 	cr_assert_eq(c.step_wait_warn_ms, 0);
 	cr_assert_eq(c.step_wait_abort_ms, 60000);
+	cr_assert_str_eq(c.metrics_listen, "[::1]:9464");
 	embd_config_free(&c);
 }
 
@@ -98,6 +100,7 @@ Test(config, defaults_fill_missing_parts)
 	cr_assert_eq(c.trainers_per_node, (uint32_t)c.topology.local_world_size);
 	cr_assert_eq(c.threads_per_rank, 1);
 	cr_assert_eq(c.busy_poll_us, 50);
+	cr_assert_str_eq(c.metrics_listen, "", "the endpoint is off by default");
 	cr_assert_eq(c.checkpoint_keep, 3);
 	cr_assert_eq(c.checkpoint_layout, EMBD_CKPT_SHARED);
 	cr_assert(!c.checkpoint_allow_fresh_start, "a fresh start over damage is opt-in");
@@ -192,6 +195,10 @@ Test(config, errors_name_the_key)
 		{ "{ \"comm_addr\": \"10.0.0.256\" }", "comm_addr" },
 		{ "{ \"comm_addr\": \"10.0.0.1\", \"gloo_ifname\": \"eth0\" }", "comm_addr" },
 		{ "{ \"collective_timeout_ms\": 0 }", "collective_timeout_ms" },
+		{ "{ \"metrics_listen\": \"localhost:9464\" }", "metrics_listen" },
+		{ "{ \"metrics_listen\": \"127.0.0.1\" }", "metrics_listen" },
+		{ "{ \"metrics_listen\": \"127.0.0.1:0\" }", "metrics_listen" },
+		{ "{ \"metrics_listen\": 9464 }", "metrics_listen" },
 		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
 		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" } }", "topology" },
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },

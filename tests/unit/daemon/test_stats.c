@@ -27,9 +27,10 @@ Test(stats, json_fields_and_percentiles)
 	for (uint64_t i = 1; i <= 100; i++) {
 		struct embd_step_counts c = { .ids = 10, .lookups = 20, .input_bytes = 100,
 					      .output_bytes = 200, .nonfinite_grads = i == 7,
-					      .nonfinite_rows = i % 10 == 0 ? 3 : 0 };
+					      .nonfinite_rows = i % 10 == 0 ? 3 : 0,
+					      .sent_bytes = 3 };
 		embd_stats_step(s, &c, i * 1000);
-		embd_stats_request(s, (101 - i) * 10);
+		embd_stats_request(s, (101 - i) * 10, i % 10 == 0 ? EMBD_EAGAIN : 0);
 	}
 	s->aborted_steps = 2;
 	s->step_timeouts = 1;
@@ -37,7 +38,8 @@ Test(stats, json_fields_and_percentiles)
 	struct embd_stats_client clients[1] = { { .index = 1, .pid = 42, .uid = 7, .sq_used = 3,
 		.sq_entries = 64, .cq_used = 1, .cq_entries = 64, .requests = 9, .errors = 2,
 		.stalling_ms = 12000 } };
-	cr_assert_eq(embd_stats_json(s, ranks, 2, clients, 1, &text), 0);
+	struct embd_stats_table tables[2] = { { "user_id", 60 }, { "item_id", 7 } };
+	cr_assert_eq(embd_stats_json(s, ranks, 2, tables, 2, clients, 1, &text), 0);
 	cJSON *root = cJSON_Parse(text);
 	cr_assert_not_null(root, "not JSON: %s", text);
 	cr_assert_eq(num(root, "steps"), 100);
@@ -49,6 +51,14 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "lookups"), 2000);
 	cr_assert_eq(num(root, "bytes_in"), 10000);
 	cr_assert_eq(num(root, "bytes_out"), 20000);
+	cr_assert_eq(num(root, "sent_bytes"), 300);
+	cr_assert_eq(num(root, "requests"), 100);
+	const cJSON *refusals = cJSON_GetObjectItemCaseSensitive(root, "refusals");
+	cr_assert_eq(num(refusals, "EAGAIN"), 10);
+	cr_assert_eq(cJSON_GetArraySize(refusals), 1, "causes never seen are left out: %s", text);
+	const cJSON *t = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "tables"), 1);
+	cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(t, "name")->valuestring, "item_id");
+	cr_assert_eq(num(t, "lookups"), 7);
 	cr_assert_gt(num(root, "ids_per_s"), 0);
 	cr_assert_gt(num(root, "lookups_per_s"), num(root, "ids_per_s"));
 	cr_assert_gt(num(root, "uptime_s"), 0);
@@ -56,6 +66,11 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "step_p99_us"), 99, "got %g", num(root, "step_p99_us"));
 	cr_assert_float_eq(num(root, "ipc_p50_us"), 0.5, 1e-9, "got %g", num(root, "ipc_p50_us"));
 	cr_assert_float_eq(num(root, "ipc_p99_us"), 0.99, 1e-9, "got %g", num(root, "ipc_p99_us"));
+	/* histograms: 1..100 us steps; bounds 50 us and 100 us take 50 and 50 */
+	cr_assert_eq(s->step_hist.count[0], 50);
+	cr_assert_eq(s->step_hist.count[1], 50);
+	cr_assert_eq(s->step_hist.total, 100);
+	cr_assert_eq(s->step_hist.sum_ns, 5050 * 1000);
 	const cJSON *r = cJSON_GetObjectItemCaseSensitive(root, "ranks");
 	cr_assert_eq(cJSON_GetArraySize(r), 2);
 	cr_assert_eq(num(cJSON_GetArrayItem(r, 1), "memory_bytes"), 8192);
@@ -73,6 +88,27 @@ Test(stats, json_fields_and_percentiles)
 	free(s);
 }
 
+Test(stats, refusals_by_cause)
+{
+	struct embd_stats *s = malloc(sizeof(*s));
+
+	embd_stats_init(s);
+	embd_stats_request(s, 10, EMBD_ERESUMED);
+	embd_stats_request(s, 10, EMBD_ECHECKSUM);
+	embd_stats_request(s, 10, -77777);       /* not a code of types.h */
+	embd_stats_request(s, 10, 0);
+	cr_assert_eq(s->refusals[embd_stats_cause(EMBD_ERESUMED)], 1);
+	cr_assert_str_eq(embd_stats_cause_name(embd_stats_cause(EMBD_ECHECKSUM)), "ECHECKSUM");
+	cr_assert_eq(s->refusals[EMBD_STATS_CAUSES - 1], 1);
+	cr_assert_str_eq(embd_stats_cause_name(EMBD_STATS_CAUSES - 1), "other");
+	uint64_t sum = 0;
+	for (uint32_t i = 0; i < EMBD_STATS_CAUSES; i++)
+		sum += s->refusals[i];
+	cr_assert_eq(sum, 3);
+	cr_assert_eq(s->ipc_hist.total, 4);
+	free(s);
+}
+
 Test(stats, window_keeps_the_latest_samples)
 {
 	struct embd_stats *s = malloc(sizeof(*s));
@@ -85,7 +121,7 @@ Test(stats, window_keeps_the_latest_samples)
 		embd_stats_step(s, &zero, 1000000);
 	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
 		embd_stats_step(s, &zero, 2000);
-	cr_assert_eq(embd_stats_json(s, NULL, 0, NULL, 0, &text), 0);
+	cr_assert_eq(embd_stats_json(s, NULL, 0, NULL, 0, NULL, 0, &text), 0);
 	cJSON *root = cJSON_Parse(text);
 	cr_assert_eq(num(root, "step_p99_us"), 2, "got %g", num(root, "step_p99_us"));
 	cr_assert_eq(num(root, "ipc_p50_us"), 0, "no requests: expected 0");
