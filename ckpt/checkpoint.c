@@ -308,6 +308,20 @@ int embd_ckpt_discard(const char *root, uint64_t step, char *err, size_t err_len
 
 /* ---- reading ----------------------------------------------------------------------------- */
 
+/* A file that is not there is damage; one that cannot be opened now (permissions, too many
+ * open files, a stale NFS handle) says nothing about the checkpoint. */
+static int open_error(int e)
+{
+	return e == ENOENT ? EMBD_ENOENT : EMBD_EIO;
+}
+
+/* Whether a check's code means the checkpoint itself is damaged (moved aside, skipped), not
+ * that it could not be read at the moment (left in place, the caller fails or keeps it). */
+static bool is_damage(int rc)
+{
+	return rc == EMBD_ENOENT || rc == EMBD_EPARSE || rc == EMBD_ECHECKSUM;
+}
+
 static int check_file(const char *dir, const struct embd_ckpt_file *f, uint8_t *buf, char *err,
 		      size_t err_len)
 {
@@ -319,7 +333,7 @@ static int check_file(const char *dir, const struct embd_ckpt_file *f, uint8_t *
 	snprintf(path, sizeof(path), "%s/%s", dir, f->name);
 	int fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return snprintf(err, err_len, "%s: %s", path, strerror(errno)), EMBD_ENOENT;
+		return snprintf(err, err_len, "%s: %s", path, strerror(errno)), open_error(errno);
 	if (fstat(fd, &st) || (uint64_t)st.st_size != f->bytes) {
 		rc = EMBD_ECHECKSUM;
 		snprintf(err, err_len, "%s: %lld bytes, the manifest says %" PRIu64, path,
@@ -361,7 +375,7 @@ static int read_manifest(const char *dir, struct embd_ckpt_manifest *m, char *er
 	snprintf(path, sizeof(path), "%s/%s", dir, EMBD_MANIFEST_NAME);
 	fd = open(path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
-		return snprintf(err, err_len, "%s: %s", path, strerror(errno)), EMBD_ENOENT;
+		return snprintf(err, err_len, "%s: %s", path, strerror(errno)), open_error(errno);
 	rc = EMBD_EIO;
 	if (fstat(fd, &st) || st.st_size > (64 << 20) || !(text = malloc((size_t)st.st_size + 1))) {
 		snprintf(err, err_len, "%s: unreadable or over 64 MiB", path);
@@ -425,7 +439,7 @@ static int check_quick(const char *dir, uint64_t step, char *err, size_t err_len
 	for (uint32_t i = 0; i < m.num_files && !rc; i++) {
 		snprintf(path, sizeof(path), "%s/%s", dir, m.files[i].name);
 		if (stat(path, &st)) {
-			rc = EMBD_ENOENT;
+			rc = open_error(errno);
 			snprintf(err, err_len, "%s: %s", m.files[i].name, strerror(errno));
 		} else if ((uint64_t)st.st_size != m.files[i].bytes) {
 			rc = EMBD_ECHECKSUM;
@@ -509,10 +523,16 @@ int embd_ckpt_find(const char *root, uint64_t max_step, embd_ckpt_skip_fn skip, 
 			embd_ckpt_manifest_free(m);
 			r = EMBD_EPARSE;
 		}
-		if (!r)
+		if (!r) {
 			rc = 0;
-		else if (skip)
+		} else if (!is_damage(r)) {
+			/* unreadable now, not damaged: restoring an older one would lose steps */
+			rc = r;
+			snprintf(err, err_len, "%s", inner);
+			break;
+		} else if (skip) {
 			skip(skip_arg, dir_out, inner);
+		}
 	}
 	free(steps);
 	return rc;
@@ -542,7 +562,14 @@ int embd_ckpt_retain(const char *root, uint32_t keep, uint64_t tmp_before, uint6
 	/* newest first: a damaged one is moved aside and holds no slot of the keep */
 	for (uint32_t i = 0; i < n; i++) {
 		embd_ckpt_dir_name(root, steps[i], dir, sizeof(dir));
-		if (check_quick(dir, steps[i], why, sizeof(why))) {
+		if (steps[i] == spare) {        /* the one just written stays, checked or not */
+			valid++;
+			continue;
+		}
+		int q = check_quick(dir, steps[i], why, sizeof(why));
+		if (q && !is_damage(q))
+			continue;       /* unreadable now: neither counted, nor moved, nor removed */
+		if (q) {
 			if (!embd_ckpt_move_damaged(root, dir, aside, sizeof(aside), err, err_len) &&
 			    moved)
 				moved(moved_arg, aside, why);

@@ -444,6 +444,35 @@ Test(checkpoint, retention_counts_only_valid_checkpoints)
 	cr_expect(has_dir("step-20") && !has_dir("step-5"), "the newest valid step stays");
 }
 
+/* A checkpoint that cannot be read now (here its manifest is a directory: read fails with
+ * EISDIR, as EACCES, EMFILE or a stale NFS handle would) is not damage: retention neither
+ * moves nor removes it nor counts it, and a restore fails instead of falling back to an older
+ * checkpoint. */
+Test(checkpoint, unreadable_is_not_damaged)
+{
+	char path[256], dir[4200], err[512];
+	struct skips mv = { 0 };
+	struct embd_ckpt_manifest m;
+
+	write_shards(tw, 1, 10);
+	write_shards(tw, 1, 20);
+	snprintf(path, sizeof(path), "%s/step-20/manifest.json", root);
+	cr_assert_eq(unlink(path), 0);
+	cr_assert_eq(mkdir(path, 0700), 0);
+	int removed = embd_ckpt_retain(root, 1, UINT64_MAX, UINT64_MAX, on_skip, &mv, err,
+				       sizeof(err));
+	cr_expect_eq(removed, 0, "nothing removed: step 10 is the one valid step, got %d", removed);
+	cr_expect_eq(mv.n, 0, "an unreadable checkpoint is not moved aside (%d moved)", mv.n);
+	cr_expect(has_dir("step-20") && has_dir("step-10"));
+	int rc = embd_ckpt_find(root, UINT64_MAX, on_skip, &mv, dir, sizeof(dir), &m, err,
+				sizeof(err));
+	cr_expect_eq(rc, EMBD_EIO, "expected the restore to fail with EMBD_EIO, got %d (%s)", rc,
+		     err);
+	if (!rc)
+		embd_ckpt_manifest_free(&m);
+	cr_expect_eq(mv.n, 0);
+}
+
 /* A write that fails (here the file size limit, as a full disk) leaves no .tmp behind. */
 Test(checkpoint, a_failed_write_removes_its_tmp_at_once)
 {
