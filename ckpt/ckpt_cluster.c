@@ -376,7 +376,7 @@ static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*k
 		return snprintf(err, err_len, "node %u skipped damaged checkpoints (see its log) and "
 				"no step every node holds valid remains; refusing to start from the "
 				"initial weights. Repair or move them away, or set "
-				"checkpoint_allow_fresh_start on every node", damaged), EMBD_ECHECKSUM;
+				"checkpoint_allow_fresh_start on node 0", damaged), EMBD_ECHECKSUM;
 	snprintf(answer, cap, "none");
 	embd_log_notice("restore: node %u holds no valid checkpoint (round %u): every node starts "
 			"from the initial weights", none, r);

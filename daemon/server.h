@@ -25,7 +25,9 @@
  *
  * A request is taken from a client's submission ring only while its completion ring has room
  * for the request's completion besides those the client is owed (ipc/README.md): completions
- * are never dropped, and a client that does not read them is held back, no one else.
+ * are never dropped. A client that does not read them is held back: its requests wait in its
+ * submission ring, so a step that needs its FORWARD or BACKWARD waits too (named after
+ * step_wait_warn_ms, given up after step_wait_abort_ms when that is set).
  *
  * Connections are pending until their first message, then trainers (HELLO welcomed, up to
  * trainers_per_node) or control connections (embctl: any other first message, at most 32;
