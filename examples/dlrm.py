@@ -13,8 +13,8 @@ logistic model over a hidden score of the ids of 8 of the features and 3 dense f
 loss of the true click probabilities) is the best any model can do.
 
 ``--write-config FILE`` writes the embd config of these tables (for N trainers) and exits.
-embd sums the trainers' embedding gradients while TorchRec divides them by the world size by
-default; the torchrec backend turns that division off, so both apply the same update.
+Both backends divide the trainers' embedding gradients by their number (TorchRec's default,
+and embd's gradient_scaling "mean_over_trainers"), so both apply the same update.
 """
 from __future__ import annotations
 
@@ -114,7 +114,6 @@ def build_embd(args: argparse.Namespace) -> Tuple[torch.nn.Module, List[torch.nn
 
 def build_torchrec(args: argparse.Namespace) -> Tuple[torch.nn.Module, List[torch.nn.Parameter]]:
     import torchrec
-    from torchrec.distributed.comm_ops import set_gradient_division
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -123,7 +122,6 @@ def build_torchrec(args: argparse.Namespace) -> Tuple[torch.nn.Module, List[torc
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    set_gradient_division(False)   # embd sums the trainers' gradients
     configs = [EmbeddingBagConfig(name=f"t_cat_{i}", embedding_dim=args.dim,
                                   num_embeddings=rows, feature_names=[f"cat_{i}"])
                for i, rows in enumerate(table_rows(args.scale))]

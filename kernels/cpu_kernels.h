@@ -63,7 +63,9 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
 	uintptr_t end = (uintptr_t)p + bytes;
 
-#ifndef __CUDACC__     /* nvcc (cuda_internal.cuh includes this) knows no GCC pragmas */
+/* nvcc (cuda_internal.cuh includes this) knows no GCC pragmas, and gcc warns that it
+ * ignores the annotation when it does not optimise (the sanitizer build) */
+#if !defined(__CUDACC__) && defined(__OPTIMIZE__)
 #pragma GCC unroll 16
 #endif
 	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES) {

@@ -5,9 +5,10 @@ same batches and gradients from the same initial weights: every pooled output of
 every weight after them within 1e-5, for embd's table_wise, column_wise and row_wise plans.
 
 sgd, adagrad and rowwise_adagrad are compared with TorchRec; adam, which TorchRec's CPU
-backend lacks, with the exact numpy reference of support.Adam. TorchRec divides the
-embedding gradients by the world size by default, embd sums the trainers' gradients, so
-TorchRec runs with set_gradient_division(False) here: both then apply the sum. TorchRec has
+backend lacks, with the exact numpy reference of support.Adam. Both run with their defaults for
+the trainers' gradients: TorchRec divides them by the world size, embd by the trainers of the
+cluster (gradient_scaling "mean_over_trainers"), so the same learning rate means the same
+update. TorchRec has
 no row_wise on CPU, so for embd's row_wise plan TorchRec's tables are table_wise (the result
 of a step does not depend on the plan). Initial weights reach embd through `embctl import`,
 its final weights come back through `embctl checkpoint --wait` and `embctl export`.
@@ -51,7 +52,7 @@ def run_trainers(tmp: Path, svc: Service, torchrec_sharding: str,
     np.savez(tmp / "init.npz", **weights)
     job = {"socket": svc.socket, "tables": [asdict(t) for t in TABLES], "batch_size": B,
            "steps": STEPS, "salt": SALT, "weights": str(tmp / "init.npz"),
-           "torchrec_sharding": torchrec_sharding, "gradient_division": False,
+           "torchrec_sharding": torchrec_sharding, "gradient_division": True,
            "out": str(tmp / "trainer-%d.npz")}
     (tmp / "job.json").write_text(json.dumps(job))
     port = free_port()
@@ -97,7 +98,7 @@ def assemble(saved: List[Dict[str, np.ndarray]], table: TableSpec) -> np.ndarray
 
 def adam_reference(weights: Dict[str, np.ndarray], total_dim: int):
     """The adam table's outputs (step, trainer, B, dim) and final weights, on the global batch
-    (every trainer's bags, gradients summed)."""
+    (every trainer's bags, gradients divided by the trainers and summed)."""
     feats = features_of(TABLES)
     offsets = np.cumsum([0] + [t.dim for _, t in feats])
     t = TABLES[3]
@@ -108,7 +109,7 @@ def adam_reference(weights: Dict[str, np.ndarray], total_dim: int):
         bags = []
         for tr in range(TRAINERS):
             b = make_batch(TABLES, B, step, tr, salt=SALT)
-            g = make_grad(B, total_dim, step, tr, salt=SALT)
+            g = make_grad(B, total_dim, step, tr, salt=SALT) / TRAINERS
             for i, (name, table) in enumerate(feats):
                 if table is t:
                     outs[step, tr] = pool(ref.w, b.lengths[i], b.ids[i], t.pooling)
