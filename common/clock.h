@@ -25,4 +25,19 @@ static inline int64_t embd_now_ms(void)
 	return (int64_t)(embd_now_ns() / 1000000ull);
 }
 
+/* How long a loop about to sleep idle_ms may sleep so that it wakes by due_ns (this clock):
+ * 0 once due_ns passed, rounded up to whole ms before it, idle_ms when due_ns is 0 (none) or
+ * further away. */
+static inline int embd_sleep_ms_until(uint64_t due_ns, int idle_ms)
+{
+	uint64_t now = embd_now_ns();
+
+	if (!due_ns)
+		return idle_ms;
+	if (due_ns <= now)
+		return 0;
+	uint64_t left_ms = (due_ns - now) / 1000000 + 1;
+	return left_ms < (uint64_t)idle_ms ? (int)left_ms : idle_ms;
+}
+
 #endif /* EMBD_COMMON_CLOCK_H */

@@ -121,19 +121,6 @@ static void sweep_pending(struct embd_server *sv, uint64_t now)
 	sv->handshake_due_ns = handshake_due(sv);
 }
 
-/* How long the loop may sleep (ms): until the next handshake deadline at most. */
-static int sessions_sleep_ms(const struct embd_server *sv, int idle_ms)
-{
-	uint64_t now = embd_now_ns();
-
-	if (!sv->handshake_due_ns)
-		return idle_ms;
-	if (sv->handshake_due_ns <= now)
-		return 0;
-	uint64_t left_ms = (sv->handshake_due_ns - now) / 1000000 + 1;
-	return left_ms < (uint64_t)idle_ms ? (int)left_ms : idle_ms;
-}
-
 /* A free slot for a new connection. With MAX_PENDING connections pending, the one pending
  * longest is closed to make room: idle sockets, however many, delay nobody who speaks. */
 static struct client *take_slot(struct embd_server *sv, uint64_t now)
@@ -628,8 +615,10 @@ int embd_server_run(struct embd_server *sv)
 				embd_now_ns() - idle_since < spin_ns))
 			continue;
 		metrics_tick(sv);
-		int tick_ms = sessions_sleep_ms(sv, embd_server_schedule_sleep_ms(sv,
-						embd_server_checkpoint_sleep_ms(sv, TICK_MS)));
+		/* up to the next handshake deadline and the step's wait deadline at most */
+		int tick_ms = embd_server_schedule_sleep_ms(sv,
+						embd_server_checkpoint_sleep_ms(sv, TICK_MS));
+		tick_ms = embd_sleep_ms_until(sv->handshake_due_ns, tick_ms);
 		bool held;
 		int sleep_ms = embd_server_regroup_sleep_ms(sv, tick_ms);
 		if (prepare_sleep(sv, &held))

@@ -624,11 +624,7 @@ int embd_server_schedule_sleep_ms(const struct embd_server *sv, int idle_ms)
 
 	if (!sv->wait_since_ns || !next_ms || sv->stop || !embd_server_regroup_running(sv))
 		return idle_ms;
-	uint64_t due = sv->wait_since_ns + (uint64_t)next_ms * 1000000, now = embd_now_ns();
-	if (due <= now)
-		return 0;
-	uint64_t left_ms = (due - now) / 1000000 + 1;
-	return left_ms < (uint64_t)idle_ms ? (int)left_ms : idle_ms;
+	return embd_sleep_ms_until(sv->wait_since_ns + (uint64_t)next_ms * 1000000, idle_ms);
 }
 
 uint64_t embd_server_stalling_ms(const struct embd_server *sv, const struct client *c)
