@@ -62,38 +62,6 @@ static void cluster_close(struct cluster *cl)
 }
 
 /*
- * env:// over the config (dist/rendezvous.h): MASTER_ADDR, MASTER_PORT, WORLD_SIZE,
- * LOCAL_WORLD_SIZE and NODE_RANK in the environment win over the config's keys.
- */
-static int resolve_env(struct embd_config *c, struct embd_rendezvous *r, char *err,
-		       size_t err_len)
-{
-	struct embd_rendezvous from_config;
-	int rc;
-
-	embd_rendezvous_defaults(&from_config);
-	snprintf(from_config.master_addr, sizeof(from_config.master_addr), "%s", c->master_addr);
-	from_config.master_port = c->master_port;
-	from_config.world_size = c->topology.world_size;
-	from_config.local_world_size = c->topology.local_world_size;
-	from_config.node_rank = (int32_t)c->node_rank;
-	from_config.backend = c->backend;
-	snprintf(from_config.gloo_ifname, sizeof(from_config.gloo_ifname), "%s", c->gloo_ifname);
-	snprintf(from_config.comm_addr, sizeof(from_config.comm_addr), "%s", c->comm_addr);
-	rc = embd_rendezvous_resolve(&from_config, r, err, err_len);
-	if (rc)
-		return rc;
-	embd_rendezvous_apply_topology(r, &c->topology);
-	snprintf(c->master_addr, sizeof(c->master_addr), "%s", r->master_addr);
-	c->master_port = r->master_port;
-	c->node_rank = (uint32_t)r->node_rank;
-	if (embd_config_nodes(c) > 1 && c->trainers_per_node > 64)
-		return snprintf(err, err_len, "trainers_per_node %u: at most 64 on several nodes",
-				c->trainers_per_node), EMBD_EINVAL;
-	return 0;
-}
-
-/*
  * Several nodes: node 0 serves the store, every node connects, collective_plan makes every
  * node agree on node 0's plan (or all refuse, naming the difference), and the comm joins
  * one Gloo participant per node.
@@ -302,7 +270,7 @@ static int plan_node(struct daemon *d)
 	struct embd_config *c = &d->config;
 	struct embd_rendezvous rdv;
 	char err[1024] = "";
-	int rc = resolve_env(c, &rdv, err, sizeof(err));
+	int rc = embd_config_resolve_env(c, &rdv, err, sizeof(err));
 
 	if (rc) {
 		embd_log_error("env://: %s", err);

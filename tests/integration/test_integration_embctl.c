@@ -148,6 +148,26 @@ Test(embctl, plan_config_is_the_plan_embd_makes)
 	cr_expect_str_eq(plan_hash_of_out(), served);
 }
 
+Test(embctl, plan_config_applies_env_like_embd)
+{
+	char config[128];
+
+	/* a cluster's size from torch's env:// variables, as embd would take it */
+	write_config("embd.conf", NULL);
+	snprintf(config, sizeof(config), "%s/embd.conf", dir);
+	cr_assert_eq(run(true, "WORLD_SIZE=6 LOCAL_WORLD_SIZE=3 %s plan --config %s --json",
+			 EMBCTL_BINARY, config), 0, "%s", out);
+	cJSON *plan = cJSON_Parse(out);
+	const cJSON *topo = cJSON_GetObjectItemCaseSensitive(plan, "topology");
+	cr_expect_eq(cJSON_GetObjectItemCaseSensitive(topo, "world_size")->valuedouble, 6, "%s", out);
+	cr_expect_eq(cJSON_GetObjectItemCaseSensitive(topo, "local_world_size")->valuedouble, 3);
+	cJSON_Delete(plan);
+
+	cr_expect_eq(run(true, "WORLD_SIZE=5 LOCAL_WORLD_SIZE=3 %s plan --config %s", EMBCTL_BINARY,
+			 config), 1, "%s", out);
+	cr_expect(strstr(out, "env://") && strstr(out, "WORLD_SIZE 5"), "%s", out);
+}
+
 Test(embctl, plan_config_checks_its_plan_file)
 {
 	char config[128];

@@ -3,8 +3,9 @@
  * per topology field, spelled with dashes: --hbm-cap 16G) or a --topology JSON file, prints
  * the stats table or the plan JSON, and writes the plan with -o. `--check PLAN` validates
  * and re-estimates an existing plan (for example one converted from TorchRec) instead.
- * `--config FILE` plans from a service config through the service's own call
- * (daemon/config_plan.h), so the preview is the plan embd makes from that file.
+ * `--config FILE` plans from a service config through the service's own calls
+ * (daemon/config_plan.h), env:// included, so the preview is the plan embd makes from that
+ * file in this environment.
  */
 #include "embctl.h"
 
@@ -16,6 +17,7 @@
 
 #include "daemon/config.h"
 #include "daemon/config_plan.h"
+#include "dist/rendezvous.h"
 #include "embd/plan.h"
 
 enum { OPT_TABLES = 1000, OPT_TOPOLOGY, OPT_JSON, OPT_CHECK, OPT_GREEDY, OPT_HELP, OPT_CONFIG,
@@ -32,7 +34,8 @@ static void usage(FILE *out)
 		     "  --tables FILE       tables JSON: an array, or {\"tables\": [...]}\n"
 		     "                      (format: include/embd/plan.h)\n"
 		     "  --config FILE       a service config (embd.conf(5)): the plan embd makes\n"
-		     "                      from it (its tables, topology and plan_file); no\n"
+		     "                      from it (its tables, topology and plan_file, with\n"
+		     "                      WORLD_SIZE etc. of env:// applied); no\n"
 		     "                      --tables, --topology or topology flags with it\n"
 		     "  --topology FILE     topology JSON object; flags given after it override it\n"
 		     "  --json              print the plan JSON instead of the stats table\n"
@@ -130,7 +133,10 @@ static int plan_config(const char *path, const char *check_path, bool json, cons
 		fprintf(stderr, "embctl plan: %s\n", err);
 		return 1;
 	}
-	if (check_path) {
+	struct embd_rendezvous env;
+	if ((rc = embd_config_resolve_env(&config, &env, err, sizeof(err)))) {
+		fprintf(stderr, "embctl plan: env://: %s\n", err);
+	} else if (check_path) {
 		status = check_plan(check_path, &config.tables, json);
 	} else if ((rc = embd_config_plan(&config, &plan, err, sizeof(err)))) {
 		fprintf(stderr, "embctl plan: %s: %s\n", embd_strerror(rc), err);
