@@ -370,6 +370,21 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 		handle_forward(sv, c, sqe, popped_ns);
 }
 
+/* The slots of the clients holding a FORWARD, in trainer order (the global batch is node 0's
+ * trainers in order, then node 1's, ...). Returns how many. */
+static uint32_t forward_slots(const struct embd_server *sv, uint32_t *slots)
+{
+	uint32_t n = 0;
+
+	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
+		for (uint32_t i = 0; i < sv->slots_end; i++) {
+			const struct client *c = &sv->clients[i];
+			if (c->used && c->has_fwd && c->index == index)
+				slots[n++] = i;
+		}
+	return n;
+}
+
 /* The forward of step s over the FORWARDs kept; follow: no trainer is connected, so the node
  * joins whichever round the other nodes run (an evaluation changes nothing here). */
 static void run_forward(struct embd_server *sv, bool follow)
@@ -378,18 +393,14 @@ static void run_forward(struct embd_server *sv, bool follow)
 	bool evaluated = false;
 	int rc;
 
-	/* in trainer order: the global batch is node 0's trainers in order, then node 1's, ... */
-	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
-		for (uint32_t i = 0; i < sv->slots_end; i++) {
-			struct client *c = &sv->clients[i];
-			if (!c->used || !c->has_fwd || c->index != index)
-				continue;
-			uint8_t *slab = embd_region_slab(c->region);
-			sv->batches[n] = (struct embd_step_batch){
-				.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
-				.trainer = (uint32_t)index };
-			sv->batch_slot[n++] = i;
-		}
+	n = forward_slots(sv, sv->batch_slot);
+	for (uint32_t k = 0; k < n; k++) {
+		struct client *c = &sv->clients[sv->batch_slot[k]];
+		uint8_t *slab = embd_region_slab(c->region);
+		sv->batches[k] = (struct embd_step_batch){
+			.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+			.trainer = (uint32_t)c->index };
+	}
 	if (sv->prepared && embd_step_prepared(sv->step) && n == sv->num_next &&
 	    !memcmp(sv->batch_slot, sv->next_slot, n * sizeof(sv->batch_slot[0]))) {
 		/* the same trainers as prepared: the engine goes on from their routed batches */
@@ -557,21 +568,18 @@ static void prepare_next(struct embd_server *sv)
 	for (uint32_t i = 0; i < sv->slots_end; i++)
 		if (sv->clients[i].used && sv->clients[i].index >= 0 && !sv->clients[i].has_fwd)
 			return;
-	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
-		for (uint32_t i = 0; i < sv->slots_end; i++) {
-			struct client *c = &sv->clients[i];
-			if (!c->used || !c->has_fwd || c->index != index)
-				continue;
-			uint8_t *slab = embd_region_slab(c->region);
-			if (embd_kjt_view_build(&c->fwd, &c->limits, slab, c->next_lengths,
-						(size_t)c->limits.num_features * c->limits.batch_size + 1,
-						&c->next_kjt, err, sizeof(err)))
-				return;
-			sv->next_batches[n] = (struct embd_step_batch){
-				.kjt = c->next_kjt, .pooled = (float *)(slab + c->fwd.output.offset),
-				.trainer = (uint32_t)index };
-			sv->next_slot[n++] = i;
-		}
+	n = forward_slots(sv, sv->next_slot);
+	for (uint32_t k = 0; k < n; k++) {
+		struct client *c = &sv->clients[sv->next_slot[k]];
+		uint8_t *slab = embd_region_slab(c->region);
+		if (embd_kjt_view_build(&c->fwd, &c->limits, slab, c->next_lengths,
+					(size_t)c->limits.num_features * c->limits.batch_size + 1,
+					&c->next_kjt, err, sizeof(err)))
+			return;
+		sv->next_batches[k] = (struct embd_step_batch){
+			.kjt = c->next_kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+			.trainer = (uint32_t)c->index };
+	}
 	sv->num_next = n;
 	sv->prepared = n && embd_step_prepare(sv->step, sv->next_batches, n) >= 0;
 }

@@ -299,42 +299,6 @@ static int trainer_connect(struct shared *sh, const char *socket, uint32_t local
 	return 0;
 }
 
-/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
- * k % 2; 0 or a negative code (text in sh->err). */
-static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
-{
-	struct embd_client *c;
-	char *err = sh->err[tr];
-	int rc = trainer_connect(sh, socket, local, tr, &c);
-
-	if (rc)
-		return rc;
-	const struct embd_client_layout *l = embd_layout(c);
-	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
-		struct embd_batch b;
-		const uint32_t nb = batch_samples(k, tr);
-		embd_batch_get(c, k % 2, &b);
-		struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = k % 2,
-					    .step = l->resumed_step + k, .batch_size = nb,
-					    .num_values = gen_batch_n(k, tr, nb, b.lengths, b.values) };
-		rc = embd_run(c, &req);
-		if (rc) {
-			snprintf(err, 256, "step %u forward: %s", k, embd_last_error(c));
-			break;
-		}
-		memcpy(sh->pooled[k][tr], b.pooled, (size_t)nb * l->total_dim * sizeof(float));
-		for (uint32_t i = 0; i < nb; i++)
-			for (uint32_t col = 0; col < l->total_dim; col++)
-				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
-		req.op = EMBD_REQUEST_BACKWARD;
-		rc = embd_run(c, &req);
-		if (rc)
-			snprintf(err, 256, "step %u backward: %s", k, embd_last_error(c));
-	}
-	embd_close(c);
-	return rc;
-}
-
 /* Set by a test before its trainers start: they pipeline their steps (engine/step.h,
  * embd_step_prepare), posting FORWARD k + 1 and BACKWARD k, then awaiting both. PIPE_BEFORE:
  * the FORWARD first, so the service holds every trainer's before the backward can run (every
@@ -373,18 +337,13 @@ static int await_completions(struct embd_client *c, uint32_t n, char *err)
 	return 0;
 }
 
-/* trainer_run's steps, pipelined (pipelined_trainers). */
-static int trainer_run_pipelined(struct shared *sh, const char *socket, uint32_t local,
-				 uint32_t tr)
+/* trainer_run's K steps on connected handle c, pipelined (pipelined_trainers). */
+static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr)
 {
-	struct embd_client *c;
-	char *err = sh->err[tr];
-	int rc = trainer_connect(sh, socket, local, tr, &c);
-
-	if (rc)
-		return rc;
 	const struct embd_client_layout *l = embd_layout(c);
-	rc = post_forward(c, tr, 0, l->resumed_step);
+	char *err = sh->err[tr];
+	int rc = post_forward(c, tr, 0, l->resumed_step);
+
 	if (!rc)
 		rc = await_completions(c, 1, err);
 	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
@@ -409,6 +368,46 @@ static int trainer_run_pipelined(struct shared *sh, const char *socket, uint32_t
 		if (!rc)
 			rc = await_completions(c, next ? 2 : 1, err);
 	}
+	return rc;
+}
+
+/* The body of global trainer tr, index `local` of the service at socket: K steps on slot
+ * k % 2; 0 or a negative code (text in sh->err). */
+static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
+{
+	struct embd_client *c;
+	char *err = sh->err[tr];
+	int rc = trainer_connect(sh, socket, local, tr, &c);
+
+	if (rc)
+		return rc;
+	const struct embd_client_layout *l = embd_layout(c);
+	if (pipelined_trainers) {
+		rc = pipelined_steps(sh, c, tr);
+		embd_close(c);
+		return rc;
+	}
+	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
+		struct embd_batch b;
+		const uint32_t nb = batch_samples(k, tr);
+		embd_batch_get(c, k % 2, &b);
+		struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = k % 2,
+					    .step = l->resumed_step + k, .batch_size = nb,
+					    .num_values = gen_batch_n(k, tr, nb, b.lengths, b.values) };
+		rc = embd_run(c, &req);
+		if (rc) {
+			snprintf(err, 256, "step %u forward: %s", k, embd_last_error(c));
+			break;
+		}
+		memcpy(sh->pooled[k][tr], b.pooled, (size_t)nb * l->total_dim * sizeof(float));
+		for (uint32_t i = 0; i < nb; i++)
+			for (uint32_t col = 0; col < l->total_dim; col++)
+				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
+		req.op = EMBD_REQUEST_BACKWARD;
+		rc = embd_run(c, &req);
+		if (rc)
+			snprintf(err, 256, "step %u backward: %s", k, embd_last_error(c));
+	}
 	embd_close(c);
 	return rc;
 }
@@ -431,8 +430,7 @@ static void run_trainers(struct shared *sh, uint32_t n, const char *const *socke
 		if (kids[g] == 0) {
 			if (trainer_setup)
 				trainer_setup(g / per_socket);
-			sh->rc[g] = (pipelined_trainers ? trainer_run_pipelined : trainer_run)(
-				sh, sockets[g / per_socket], g % per_socket, g);
+			sh->rc[g] = trainer_run(sh, sockets[g / per_socket], g % per_socket, g);
 			_exit(0);
 		}
 	}
