@@ -65,6 +65,7 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 		close(c->eventfd);
 	close(c->sock);
 	free(c->lengths);
+	free(c->next_lengths);
 	free(c->eval_lengths);
 	memset(c, 0, sizeof(*c));
 	embd_server_checkpoint_client_gone(sv, slot);
@@ -295,8 +296,9 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	if (rc)
 		return rc;
 	c->lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
+	c->next_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
 	c->eval_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
-	if (!c->lengths || !c->eval_lengths)
+	if (!c->lengths || !c->next_lengths || !c->eval_lengths)
 		return EMBD_ENOMEM;
 	int fds[2] = { embd_region_fd(c->region), -1 };
 	if (embd_evloop_doorbell_mode(sv->loop) == EMBD_DOORBELL_EVENTFD) {
@@ -679,9 +681,10 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	sv->listen_fd = -1;
 	embd_stats_init(&sv->stats);
 	sv->batches = calloc(MAX_CLIENTS, sizeof(*sv->batches));
+	sv->next_batches = calloc(MAX_CLIENTS, sizeof(*sv->next_batches));
 	sv->layout = calloc(1, sizeof(*sv->layout));
 	sv->msgbuf = malloc(EMBD_CTL_MSG_MAX);
-	if (!sv->batches || !sv->layout || !sv->msgbuf)
+	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf)
 		goto out;
 	rc = make_socket_dir(config->socket_path, err, err_len);
 	if (rc)
@@ -734,6 +737,7 @@ void embd_server_destroy(struct embd_server *sv)
 		unlink(sv->config->socket_path);
 	}
 	free(sv->batches);
+	free(sv->next_batches);
 	free(sv->layout);
 	free(sv->msgbuf);
 	free(sv);

@@ -52,6 +52,8 @@ struct client {
 	struct embd_doorbell sq_db, cq_db;
 	struct embd_batch_limits limits;
 	int32_t *lengths;               /* private copy of the posted batch's lengths */
+	int32_t *next_lengths;          /* ... of an early FORWARD being prepared (next_kjt) */
+	struct embd_kjt next_kjt;
 	/* the step in flight, from this trainer's side (server_schedule.c) */
 	bool has_fwd, has_bwd, participant;
 	struct embd_sqe fwd, bwd;
@@ -112,6 +114,11 @@ struct embd_server {
 	struct embd_step_batch *batches;
 	uint32_t batch_slot[MAX_CLIENTS];
 	uint32_t num_batches;
+	/* pipelined steps: step s + 1 routed while step s waits for its backward */
+	bool prepared;
+	struct embd_step_batch *next_batches;
+	uint32_t next_slot[MAX_CLIENTS];
+	uint32_t num_next;
 	/* the parts (NULL when not set) */
 	struct embd_server_ckpt *ckpt;          /* server_ckpt.c: with checkpoint_dir */
 	struct embd_server_regroup *rg;         /* server_regroup.c: on a cluster's node */

@@ -8,6 +8,10 @@
  * takes part, and may hold the thread up to collective_timeout_ms. A phase that waits for
  * trainers is timed from the first request it kept (or, for the backward, from the forward's
  * end): past step_wait_warn_ms it names them, past step_wait_abort_ms it gives up.
+ * Pipelined steps: a trainer may post FORWARD s + 1 before or right after BACKWARD s; once
+ * every trainer of the node did, that forward is routed while step s still waits (or just
+ * before its backward runs), and looked up right after the backward (engine/step.h,
+ * embd_step_prepare: bit-identical to an unpipelined step).
  * Evaluations (EVAL) are no part of the steps: on one node each runs as soon as it is popped;
  * on a cluster the node runs an evaluation round, between steps, once every trainer posted
  * one (or sat it out), and a node with no trainer follows the others' rounds.
@@ -64,6 +68,7 @@ static void wait_from(struct embd_server *sv, uint64_t now_ns)
 
 void embd_server_resume_at(struct embd_server *sv, uint64_t step)
 {
+	sv->prepared = false;
 	sv->s = step;
 	sv->phase = COLLECT;
 	sv->dirty = true;
@@ -83,7 +88,17 @@ static void cancel_step(struct embd_server *sv, int code, const char *why)
 static void handle_sqe(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
 		       uint64_t popped_ns);
 
-/* On to step s + 1: FORWARDs that came early for it are checked now, as if just arrived. */
+/* Whether client slot i's early FORWARD is in the prepared step. */
+static bool in_prepared(const struct embd_server *sv, uint32_t i)
+{
+	for (uint32_t k = 0; sv->prepared && k < sv->num_next; k++)
+		if (sv->next_slot[k] == i)
+			return true;
+	return false;
+}
+
+/* On to step s + 1: FORWARDs that came early for it are checked now, as if just arrived
+ * (those of a prepared step were: their batches become the step's). */
 static void next_step(struct embd_server *sv)
 {
 	sv->s++;
@@ -95,7 +110,16 @@ static void next_step(struct embd_server *sv)
 	}
 	for (uint32_t i = 0; i < sv->slots_end; i++) {
 		struct client *c = &sv->clients[i];
-		if (c->used && c->has_fwd) {
+		if (c->used && c->has_fwd && in_prepared(sv, i)) {
+			int32_t *lengths = c->lengths;
+			c->lengths = c->next_lengths;
+			c->next_lengths = lengths;
+			c->kjt = c->next_kjt;   /* its lengths are now c->lengths */
+			c->sat_out = 0;
+			sv->dirty = true;
+			if (!sv->wait_since_ns)
+				wait_from(sv, embd_now_ns());
+		} else if (c->used && c->has_fwd) {
 			struct embd_sqe sqe = c->fwd;
 			c->has_fwd = false;
 			c->requests--;  /* counted when it first arrived */
@@ -113,6 +137,7 @@ static void abort_step(struct embd_server *sv, int code, const char *why)
 	char msg[256];
 
 	embd_log_warning("step %" PRIu64 " aborted: %s", sv->s, why);
+	sv->prepared = false;           /* the engine's abort drops it too */
 	int rc = embd_step_abort(sv->step, why);
 	if (rc)
 		embd_log_error("step %" PRIu64 ": telling the other nodes of the abort failed: %s",
@@ -133,6 +158,8 @@ static void abort_step(struct embd_server *sv, int code, const char *why)
 
 void embd_server_schedule_leave(struct embd_server *sv, struct client *c, const char *why)
 {
+	if (in_prepared(sv, (uint32_t)(c - sv->clients)))
+		sv->prepared = false;   /* its slot may be taken before the forward runs */
 	if (c->participant && sv->phase == WAIT_BACKWARD) {
 		char what[200];
 		snprintf(what, sizeof(what), "trainer %d on node %u %.150s", c->index,
@@ -147,6 +174,7 @@ void embd_server_drop_step(struct embd_server *sv, const char *why)
 	char msg[EMBD_CQE_MSG_BYTES];
 
 	snprintf(msg, sizeof(msg), "%s", why);
+	sv->prepared = false;
 	if (sv->phase == WAIT_BACKWARD) {
 		embd_step_abort(sv->step, why);         /* refused at once: no collective */
 		sv->stats.aborted_steps++;
@@ -174,8 +202,9 @@ bool embd_server_client_ready(const struct embd_server *sv, struct client *c, bo
 {
 	if (!c->used || !c->region || c->cq_broken)
 		return false;
+	/* a participant may post FORWARD s + 1 after BACKWARD s (pipelined steps) */
 	bool takes = sv->phase == COLLECT || !c->participant ? !c->has_fwd && !c->has_eval :
-							      !c->has_bwd;
+							      !c->has_bwd || !c->has_fwd;
 	if (!takes)
 		return false;
 	/* every request gets one completion: now, or later for one kept (has_fwd, has_bwd,
@@ -208,6 +237,9 @@ static void handle_backward(struct embd_server *sv, struct client *c,
 	else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
 				     "step: this trainer takes no part in that step's backward");
+	else if (c->has_bwd)
+		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,
+				     "step: this trainer's BACKWARD of that step is pending already");
 	else if (sqe->batch_size != c->kjt.batch_size)
 		backward_batch_size_refused(sv, c, sqe, popped_ns);
 	else {
@@ -338,6 +370,21 @@ static void handle_sqe(struct embd_server *sv, struct client *c, const struct em
 		handle_forward(sv, c, sqe, popped_ns);
 }
 
+/* The slots of the clients holding a FORWARD, in trainer order (the global batch is node 0's
+ * trainers in order, then node 1's, ...). Returns how many. */
+static uint32_t forward_slots(const struct embd_server *sv, uint32_t *slots)
+{
+	uint32_t n = 0;
+
+	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
+		for (uint32_t i = 0; i < sv->slots_end; i++) {
+			const struct client *c = &sv->clients[i];
+			if (c->used && c->has_fwd && c->index == index)
+				slots[n++] = i;
+		}
+	return n;
+}
+
 /* The forward of step s over the FORWARDs kept; follow: no trainer is connected, so the node
  * joins whichever round the other nodes run (an evaluation changes nothing here). */
 static void run_forward(struct embd_server *sv, bool follow)
@@ -346,18 +393,23 @@ static void run_forward(struct embd_server *sv, bool follow)
 	bool evaluated = false;
 	int rc;
 
-	/* in trainer order: the global batch is node 0's trainers in order, then node 1's, ... */
-	for (int32_t index = 0; index < (int32_t)sv->config->trainers_per_node; index++)
-		for (uint32_t i = 0; i < sv->slots_end; i++) {
-			struct client *c = &sv->clients[i];
-			if (!c->used || !c->has_fwd || c->index != index)
-				continue;
-			uint8_t *slab = embd_region_slab(c->region);
-			sv->batches[n] = (struct embd_step_batch){
-				.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
-				.trainer = (uint32_t)index };
-			sv->batch_slot[n++] = i;
-		}
+	n = forward_slots(sv, sv->batch_slot);
+	for (uint32_t k = 0; k < n; k++) {
+		struct client *c = &sv->clients[sv->batch_slot[k]];
+		uint8_t *slab = embd_region_slab(c->region);
+		sv->batches[k] = (struct embd_step_batch){
+			.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+			.trainer = (uint32_t)c->index };
+	}
+	if (sv->prepared && embd_step_prepared(sv->step) && n == sv->num_next &&
+	    !memcmp(sv->batch_slot, sv->next_slot, n * sizeof(sv->batch_slot[0]))) {
+		/* the same trainers as prepared: the engine goes on from their routed batches */
+		struct embd_step_batch *b = sv->batches;
+		sv->batches = sv->next_batches;
+		sv->next_batches = b;
+		sv->stats.pipelined_steps++;
+	}
+	sv->prepared = false;
 	sv->step_start_ns = embd_now_ns();
 	sv->num_batches = n;
 	embd_server_checkpoint_forward_begin(sv);
@@ -499,6 +551,51 @@ static void run_backward(struct embd_server *sv)
 	embd_stats_step(&sv->stats, &counts, embd_now_ns() - sv->step_start_ns);
 	warn_nonfinite_rows(sv, &counts);
 	next_step(sv);
+}
+
+/* ---- pipelined steps ---------------------------------------------------------------------- */
+
+/* Routes step s + 1 now when every trainer of the node posted its FORWARD early (engine/step.h,
+ * embd_step_prepare). A batch whose lengths fail their checks leaves the step unprepared: the
+ * FORWARDs are then checked at next_step as ever and that one refused there. */
+static void prepare_next(struct embd_server *sv)
+{
+	char err[EMBD_CQE_MSG_BYTES];
+	uint32_t n = 0;
+
+	if (sv->prepared || sv->phase != WAIT_BACKWARD || !embd_server_regroup_running(sv))
+		return;
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		if (sv->clients[i].used && sv->clients[i].index >= 0 && !sv->clients[i].has_fwd)
+			return;
+	n = forward_slots(sv, sv->next_slot);
+	for (uint32_t k = 0; k < n; k++) {
+		struct client *c = &sv->clients[sv->next_slot[k]];
+		uint8_t *slab = embd_region_slab(c->region);
+		if (embd_kjt_view_build(&c->fwd, &c->limits, slab, c->next_lengths,
+					(size_t)c->limits.num_features * c->limits.batch_size + 1,
+					&c->next_kjt, err, sizeof(err)))
+			return;
+		sv->next_batches[k] = (struct embd_step_batch){
+			.kjt = c->next_kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+			.trainer = (uint32_t)c->index };
+	}
+	sv->num_next = n;
+	sv->prepared = n && embd_step_prepare(sv->step, sv->next_batches, n) >= 0;
+}
+
+/* Before the backward runs: a FORWARD s + 1 posted right after BACKWARD s may still be in a
+ * participant's ring; taken now, the next step can be prepared before the backward. */
+static void take_early_forwards(struct embd_server *sv)
+{
+	for (uint32_t i = 0; i < sv->slots_end; i++) {
+		struct client *c = &sv->clients[i];
+		struct embd_sqe sqe;
+		if (!c->used || c->has_fwd || !embd_server_client_ready(sv, c, NULL) ||
+		    embd_ring_pop(embd_region_sq(c->region), &sqe))
+			continue;       /* a corrupt ring is dropped by the next poll */
+		handle_sqe(sv, c, &sqe, embd_now_ns());
+	}
 }
 
 /* ---- trainers the step waits for ---------------------------------------------------------- */
@@ -705,8 +802,12 @@ static void advance(struct embd_server *sv)
 			run_eval_round(sv);
 		else if (posted || sv->cluster)
 			run_forward(sv, sv->cluster && !trainers);
-	} else if (!waiting) {
-		run_backward(sv);
+	} else {
+		if (!waiting)
+			take_early_forwards(sv);
+		prepare_next(sv);
+		if (!waiting)
+			run_backward(sv);
 	}
 }
 

@@ -15,6 +15,8 @@
  *                                   optimizer state; a huge but finite gradient is applied
  *                                   and can do that: clipping is the trainer's job)
  *     "step_timeouts": 0,           phases given up at step_wait_abort_ms (daemon/config.h)
+ *     "pipelined_steps": 99,        steps routed while the step before waited for its
+ *                                   backward (its trainers posted FORWARD early, pipelined)
  *     "lookups": 123, "lookups_per_s": 9.8,   row reads by all ranks
  *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
  *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
@@ -74,7 +76,7 @@ const char *embd_stats_cause_name(uint32_t cause);
 
 struct embd_stats {
 	uint64_t start_ns;              /* CLOCK_MONOTONIC at creation */
-	uint64_t steps, aborted_steps, step_timeouts;
+	uint64_t steps, aborted_steps, step_timeouts, pipelined_steps;
 	uint64_t nonfinite_grads, nonfinite_rows;
 	uint64_t lookups, ids, bytes_in, bytes_out, sent_bytes;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;

@@ -267,7 +267,7 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 	s->num_tables = tables->count;
 	s->tables = calloc(tables->count ? tables->count : 1, sizeof(*s->tables));
 	s->rank_shards = calloc(s->num_ranks, sizeof(*s->rank_shards));
-	s->pass = &s->train;
+	s->pass = train_pass(s);
 	s->eval.eval = true;
 	if (!s->tables || !s->rank_shards)
 		goto out;
@@ -275,8 +275,8 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 	if (rc)
 		goto out;
 	rc = place_shards(s, tables, plan, err, err_len);
-	if (!rc)
-		rc = pass_alloc(s, &s->train);
+	for (int i = 0; i < 2 && !rc; i++)
+		rc = pass_alloc(s, &s->train[i]);
 	if (!rc)
 		rc = pass_alloc(s, &s->eval);
 	if (!rc && nodes > 1)
@@ -309,7 +309,8 @@ void embd_step_destroy(struct embd_step *s)
 	for (uint32_t i = 0; s->shards && i < s->num_shards; i++)
 		if (s->shards[i].shard)
 			embd_ranks_free_shard(s->ranks, s->shards[i].shard);
-	pass_free(s, &s->train);
+	pass_free(s, &s->train[0]);
+	pass_free(s, &s->train[1]);
 	pass_free(s, &s->eval);
 	for (uint32_t r = 0; s->rank_shards && r < s->num_ranks; r++)
 		free(s->rank_shards[r].shards);
@@ -556,25 +557,14 @@ static int lookup_pass(struct embd_step *s)
 }
 
 /*
- * One forward pass over n batches in s->pass: routing, the input exchange, lookup, the output
- * exchange, assembly. Returns the batches accepted on this node, or an error. A ROUND_FOLLOW
- * pass may leave s->pass switched to the evaluation pass (step_dist_input).
+ * The rest of a forward pass once s->pass is routed (accepted: on this node): the input
+ * exchange, lookup, the output exchange, assembly. Returns accepted, or an error. A
+ * ROUND_FOLLOW pass may leave s->pass switched to the evaluation pass (step_dist_input).
  */
-static int forward_pass(struct embd_step *s, struct embd_step_batch *batches, uint32_t n,
-			enum step_round round)
+static int forward_routed(struct embd_step *s, enum step_round round, uint32_t accepted)
 {
-	struct step_pass *p = s->pass;
-	uint32_t accepted = 0;
-	int rc = 0;
+	int rc;
 
-	step_pass_begin(s, batches, n);
-	if (n > s->max_trainers)
-		return EMBD_EINVAL;
-	for (uint32_t i = 0; i < n; i++)
-		step_route_batch(s, i);
-	/* bad ids are known before the other nodes learn which batches this node accepted */
-	accepted = step_fill_batches(s);
-	p->cluster_accepted = accepted;
 	if (s->dist) {
 		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */
 		rc = step_dist_input(s, round);
@@ -587,20 +577,46 @@ static int forward_pass(struct embd_step *s, struct embd_step_batch *batches, ui
 	return rc ? rc : (int)accepted;
 }
 
+/* One forward pass over n batches in s->pass: routing, then forward_routed. */
+static int forward_pass(struct embd_step *s, struct embd_step_batch *batches, uint32_t n,
+			enum step_round round)
+{
+	int rc = step_route_pass(s, batches, n);
+
+	return rc < 0 ? rc : forward_routed(s, round, (uint32_t)rc);
+}
+
 int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
+	const struct step_pass *next = &s->train[s->cur ^ 1];
+	int rc;
+
 	s->pending = false;
 	s->cluster_ckpt = false;
-	int rc = forward_pass(s, batches, n, ROUND_TRAIN);
-	s->pending = rc >= 0 && s->train.cluster_accepted;
+	if (s->prepared && next->batches == batches && next->num_batches == n) {
+		/* routed while the step before waited for its backward (embd_step_prepare) */
+		s->cur ^= 1;
+		s->pass = train_pass(s);
+		s->prepared = false;
+		rc = forward_routed(s, ROUND_TRAIN, s->pass->accepted);
+	} else {
+		s->prepared = false;
+		rc = forward_pass(s, batches, n, ROUND_TRAIN);
+	}
+	s->pending = rc >= 0 && train_pass(s)->cluster_accepted;
 	return rc;
+}
+
+bool embd_step_prepared(const struct embd_step *s)
+{
+	return s->prepared;
 }
 
 int embd_step_eval(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
 	s->pass = &s->eval;
 	int rc = forward_pass(s, batches, n, ROUND_EVAL);
-	s->pass = &s->train;
+	s->pass = train_pass(s);
 	return rc;
 }
 
@@ -610,16 +626,17 @@ int embd_step_follow(struct embd_step *s, bool *eval)
 	if (s->pending)
 		return EMBD_EINVAL;
 	s->cluster_ckpt = false;
+	s->prepared = false;
 	int rc = forward_pass(s, NULL, 0, ROUND_FOLLOW);
 	*eval = s->pass == &s->eval;
-	s->pass = &s->train;
-	s->pending = !*eval && rc >= 0 && s->train.cluster_accepted;
+	s->pass = train_pass(s);
+	s->pending = !*eval && rc >= 0 && train_pass(s)->cluster_accepted;
 	return rc;
 }
 
 uint32_t embd_step_cluster_accepted(const struct embd_step *s)
 {
-	return s->train.cluster_accepted;
+	return s->train[s->cur].cluster_accepted;
 }
 
 void embd_step_want_checkpoint(struct embd_step *s, bool want)
@@ -726,13 +743,14 @@ int embd_step_abort(struct embd_step *s, const char *why)
 	if (s->dist && s->pending)
 		rc = step_dist_grads(s, EMBD_ECANCELED, why ? why : "aborted");
 	s->pending = false;
+	s->prepared = false;
 	reset_io(s);
 	return rc == EMBD_ECANCELED ? 0 : rc;
 }
 
 void embd_step_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
-	*out = s->train.counts;
+	*out = s->train[s->cur].counts;
 	if (s->dist)
 		step_dist_counts(s, out);
 }

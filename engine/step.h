@@ -142,6 +142,22 @@ const struct embd_step_layout *embd_step_layout(const struct embd_step *step);
  */
 int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 
+/*
+ * Pipelined steps (TorchRec's TrainPipelineSparseDist idea): while a step waits for its
+ * backward, the n batches of the NEXT step may be prepared: checked and routed (their ids
+ * copied into the ranks' input buffers, a bad one refusing its batch: status and err set now)
+ * in a training pass of their own, the pending step's items untouched. The next
+ * embd_step_forward of the same batches array and n then goes on from there (on a cluster:
+ * the exchanges, in the same order as ever; the lookup, after the backward), so the result is
+ * bit-identical to an unpipelined step; a forward of other batches drops the preparation,
+ * as do embd_step_abort and embd_step_comm_set. The batches (kjt, pooled) must stay valid
+ * until that forward. Returns the batches accepted on this node, or EMBD_EINVAL (inside an
+ * evaluation, or n > max_trainers). Caller's thread, no forward or backward running.
+ */
+int embd_step_prepare(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+/* Whether a preparation waits for its forward. */
+bool embd_step_prepared(const struct embd_step *step);
+
 /* Accepted batches of the last forward over the whole cluster (= forward's result on one
  * node). When it is > 0 every node must call backward or abort, even with none of its own. */
 uint32_t embd_step_cluster_accepted(const struct embd_step *step);
@@ -197,7 +213,8 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 
 /*
- * Drops the pending forward without touching any parameter (a trainer died). On a cluster
+ * Drops the pending forward (and a prepared next step) without touching any parameter (a
+ * trainer died). On a cluster
  * this is this node's part of the backward collective with an abort flag and why, so that
  * every node drops the step (their backward returns EMBD_ECANCELED with why); it returns the
  * collective's failure, if any.

@@ -288,6 +288,7 @@ int embd_step_comm_set(struct embd_step *s, struct embd_comm *comm, uint64_t gen
 	if (!d || s->pending || embd_comm_size(comm) != d->nodes ||
 	    embd_comm_rank(comm) != s->node)
 		return EMBD_EINVAL;
+	s->prepared = false;
 	d->comm = comm;
 	d->seq = 0;             /* every node counts the new comm's exchanges from 0 */
 	d->gen = gen;

@@ -13,7 +13,10 @@
  * The buffers of one pass over the trainers' batches form a struct step_pass. A training
  * step's pass keeps its items until its backward; an evaluation (embd_step_eval) runs in a
  * pass of its own, so that it may run while a step waits for its backward and leave it
- * intact. s->pass is the pass running; it is the training pass except inside an evaluation.
+ * intact. There are two training passes: while step s waits for its backward in train[cur],
+ * embd_step_prepare routes step s + 1 into train[cur ^ 1] (pipelined steps), and that step's
+ * forward goes on from there. s->pass is the pass running: train[cur] but inside an
+ * evaluation or a preparation.
  */
 #ifndef EMBD_ENGINE_STEP_INTERNAL_H
 #define EMBD_ENGINE_STEP_INTERNAL_H
@@ -110,6 +113,7 @@ struct step_pass {
 	struct item_ref *refs;                  /* max_trainers * F * max_table_shards */
 	struct embd_step_batch *batches;
 	uint32_t num_batches;
+	uint32_t accepted;                      /* batches accepted by this node's routing */
 	uint32_t cluster_accepted;
 	struct embd_step_counts counts;
 };
@@ -142,8 +146,10 @@ struct embd_step {
 	uint64_t seed;
 	uint32_t grad_divisor;                  /* embd_step_set_grad_divisor; 0, 1: none */
 	struct step_dist *dist;                 /* NULL on one node */
-	struct step_pass train, eval;
-	struct step_pass *pass;                 /* the pass running: &train but in an evaluation */
+	struct step_pass train[2], eval;
+	uint32_t cur;                           /* train[cur]: the last step forwarded */
+	bool prepared;                          /* train[cur ^ 1] holds the next step, routed */
+	struct step_pass *pass;                 /* the pass running (see the top of this file) */
 	/* the step in flight */
 	bool ckpt_want;                         /* this node's HELLO flag (embd_step_want_checkpoint) */
 	bool cluster_ckpt;                      /* some node's HELLO of this step carried it */
@@ -165,7 +171,18 @@ void step_pass_begin(struct embd_step *s, struct embd_step_batch *batches, uint3
 int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
+/* The training pass of the step forwarded last (or being forwarded). */
+static inline struct step_pass *train_pass(struct embd_step *s)
+{
+	return &s->train[s->cur];
+}
+
 /* ---- step_route.c ---- */
+
+/* Starts the running pass over n batches and routes them: every batch checked and its items'
+ * ids copied by the ranks' workers. Returns the batches accepted on this node, or
+ * EMBD_EINVAL for more than max_trainers. */
+int step_route_pass(struct embd_step *s, struct embd_step_batch *batches, uint32_t n);
 
 /* Checks batch i into its private offsets and reserves its items; on a bad value rolls them
  * back and sets the batch's status and err. Event-loop thread. */

@@ -364,3 +364,28 @@ uint32_t step_fill_batches(struct embd_step *s)
 	}
 	return accepted;
 }
+
+int step_route_pass(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	step_pass_begin(s, batches, n);
+	if (n > s->max_trainers)
+		return EMBD_EINVAL;
+	for (uint32_t i = 0; i < n; i++)
+		step_route_batch(s, i);
+	/* bad ids are known before the other nodes learn which batches this node accepted */
+	s->pass->accepted = step_fill_batches(s);
+	s->pass->cluster_accepted = s->pass->accepted;
+	return (int)s->pass->accepted;
+}
+
+int embd_step_prepare(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	if (s->pass != train_pass(s) || n > s->max_trainers)
+		return EMBD_EINVAL;
+	s->prepared = false;
+	s->pass = &s->train[s->cur ^ 1];
+	int rc = step_route_pass(s, batches, n);
+	s->pass = train_pass(s);
+	s->prepared = rc >= 0;
+	return rc;
+}

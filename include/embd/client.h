@@ -84,8 +84,12 @@ struct embd_batch {
 
 /*
  * FORWARD s and BACKWARD s are a training step: every trainer of the node (of the cluster)
- * posts both, and BACKWARD s before FORWARD s + 1 (a FORWARD posted while this trainer's
- * BACKWARD of the step before is due completes at once with EMBD_EINVAL naming that step).
+ * posts both. FORWARD s + 1 (in the other slot) may be posted before BACKWARD s or right
+ * after it (pipelined steps, TorchRec's TrainPipelineSparseDist idea): once every trainer of
+ * the node did, the service routes step s + 1 while step s waits for its backward and looks
+ * it up right after that backward, with exactly the result of posting it later; its
+ * completion follows BACKWARD s's. A second FORWARD while one is pending, or a FORWARD of
+ * step s while its BACKWARD is due, completes at once with EMBD_EINVAL.
  *
  * EVAL is an evaluation (TorchRec's eval mode): the pooled output of the slot's batch from
  * the rows as they are, nothing kept for a backward, no row changed, the training step

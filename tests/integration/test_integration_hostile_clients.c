@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "embd/client.h"
 #include "ipc/control.h"
+#include "tests/integration/ctl_query.h"
 #include "tests/integration/service_fixture.h"
 #include "libclient/client_internal.h"
 
@@ -304,31 +305,6 @@ Test(hostile_clients, second_forward_is_refused_at_once)
 	embd_close(t1);
 }
 
-/* A STATS or STATUS reply, parsed; NULL on failure. */
-static cJSON *ask_json(enum embd_ctl_type request)
-{
-	char text[EMBD_CTL_TEXT_MAX * 16];
-	struct embd_ctl_msg msg;
-	int sock;
-
-	if (embd_ctl_connect(service.socket, &sock, NULL, 0))
-		return NULL;
-	cJSON *root = NULL;
-	if (!embd_ctl_send(sock, request, NULL, 0, NULL, 0, NULL, 0) &&
-	    !embd_ctl_recv(sock, msgbuf, sizeof(msgbuf), 5000, &msg, NULL, 0) &&
-	    msg.type == request + 1 && !embd_ctl_text_decode(&msg, text, sizeof(text), NULL, 0))
-		root = cJSON_Parse(text);
-	close(sock);
-	return root;
-}
-
-static double json_num(const cJSON *o, const char *key)
-{
-	const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-
-	return cJSON_IsNumber(v) ? v->valuedouble : -1;
-}
-
 static uint64_t now_ms(void)
 {
 	struct timespec ts;
@@ -359,26 +335,26 @@ Test(hostile_clients, stalled_trainer_is_named_then_given_up)
 	usleep(800 * 1000);
 	cr_expect(tu_embd_log_has(&service, who), "past step_wait_warn_ms the log (%s) should "
 		  "name %s", service.log, who);
-	cJSON *status = ask_json(EMBD_CTL_STATUS_REQUEST);
+	cJSON *status = ctl_ask_json(service.socket, EMBD_CTL_STATUS_REQUEST);
 	cr_assert_not_null(status, "no status");
 	const cJSON *stalled = cJSON_GetObjectItemCaseSensitive(status, "stalled");
 	const cJSON *trainers = cJSON_GetObjectItemCaseSensitive(stalled, "trainers");
 	cr_expect(cJSON_GetArraySize(trainers) == 1 &&
-		  json_num(cJSON_GetArrayItem(trainers, 0), "index") == 1 &&
-		  json_num(cJSON_GetArrayItem(trainers, 0), "pid") == getpid(),
+		  ctl_json_num(cJSON_GetArrayItem(trainers, 0), "index") == 1 &&
+		  ctl_json_num(cJSON_GetArrayItem(trainers, 0), "pid") == getpid(),
 		  "status should show the step stalled by trainer 1 (pid %d)", (int)getpid());
 	const cJSON *wants = cJSON_GetObjectItemCaseSensitive(stalled, "waiting_for");
 	cr_expect(cJSON_IsString(wants) && !strcmp(wants->valuestring, "FORWARD"),
 		  "stalled.waiting_for: expected FORWARD");
-	cr_expect_geq(json_num(stalled, "waited_ms"), 300);
+	cr_expect_geq(ctl_json_num(stalled, "waited_ms"), 300);
 	cJSON_Delete(status);
-	cJSON *stats = ask_json(EMBD_CTL_STATS_REQUEST);
+	cJSON *stats = ctl_ask_json(service.socket, EMBD_CTL_STATS_REQUEST);
 	cr_assert_not_null(stats, "no stats");
 	const cJSON *c;
 	double stalling[2] = { -1, -1 };
 	cJSON_ArrayForEach(c, cJSON_GetObjectItemCaseSensitive(stats, "clients"))
-		if (json_num(c, "index") == 0 || json_num(c, "index") == 1)
-			stalling[(int)json_num(c, "index")] = json_num(c, "stalling_ms");
+		if (ctl_json_num(c, "index") == 0 || ctl_json_num(c, "index") == 1)
+			stalling[(int)ctl_json_num(c, "index")] = ctl_json_num(c, "stalling_ms");
 	cr_expect(stalling[0] == 0 && stalling[1] >= 300, "stats stalling_ms: expected 0 for "
 		  "trainer 0 and >= 300 for trainer 1, got %g and %g", stalling[0], stalling[1]);
 	cJSON_Delete(stats);
@@ -409,11 +385,11 @@ Test(hostile_clients, stalled_trainer_is_named_then_given_up)
 	cr_expect_eq(rc, EMBD_ETIMEDOUT, "trainer 1's late BACKWARD 0: expected EMBD_ETIMEDOUT, "
 		     "got %d (%s)", rc, embd_last_error(t1));
 	full_step(t0, t1, 1, &ud);
-	stats = ask_json(EMBD_CTL_STATS_REQUEST);
+	stats = ctl_ask_json(service.socket, EMBD_CTL_STATS_REQUEST);
 	cr_assert_not_null(stats);
-	cr_expect_eq(json_num(stats, "step_timeouts"), 2);
-	cr_expect_eq(json_num(stats, "aborted_steps"), 1);
-	cr_expect_eq(json_num(stats, "steps"), 1);
+	cr_expect_eq(ctl_json_num(stats, "step_timeouts"), 2);
+	cr_expect_eq(ctl_json_num(stats, "aborted_steps"), 1);
+	cr_expect_eq(ctl_json_num(stats, "steps"), 1);
 	cJSON_Delete(stats);
 	embd_close(t0);
 	embd_close(t1);

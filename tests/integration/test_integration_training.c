@@ -21,6 +21,7 @@
 
 #include "embd/client.h"
 #include "libclient/client_internal.h"
+#include "tests/integration/ctl_query.h"
 #include "tests/integration/service_fixture.h"
 #include "tests/integration/training_common.h"
 
@@ -104,6 +105,54 @@ Test(training, summed_gradients_equal_the_summing_reference)
 }
 Test(training, short_batches_column_wise_equal_reference) { train_short("column_wise", 3); }
 Test(training, short_batches_data_parallel_equal_reference) { train_short("data_parallel", 2); }
+
+/*
+ * Pipelined steps: trainers that post FORWARD k + 1 before BACKWARD k get every step after the
+ * first routed while the one before waited (stats pipelined_steps), and outputs bit-identical
+ * to the same training unpipelined; so do trainers of which one posts it right after its
+ * BACKWARD (mode PIPE_MIXED: whether those steps are prepared depends on timing).
+ */
+static void pipelined_case(const char *sharding, int mode)
+{
+	static struct shared plain;
+	const char *sockets[1];
+	struct shared *sh = shared_map();
+
+	start(sharding, 2);
+	sockets[0] = service.socket;
+	run_trainers(sh, 2, sockets, 2);
+	memcpy(&plain, sh, sizeof(plain));
+	stop();
+	start(sharding, 2);
+	pipelined_trainers = mode;
+	run_trainers(sh, 2, sockets, 2);
+	pipelined_trainers = PIPE_OFF;
+	check_against_reference(sh, 2, sharding);
+	cr_expect(!memcmp(plain.pooled, sh->pooled, sizeof(plain.pooled)),
+		  "%s: pipelined outputs differ from the unpipelined run's", sharding);
+	cJSON *stats = ctl_ask_json(service.socket, EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats, "no STATS reply");
+	double pipelined = ctl_json_num(stats, "pipelined_steps");
+	if (mode == PIPE_BEFORE)
+		cr_expect_eq(pipelined, K_STEPS - 1, "%s: expected %d pipelined steps, got %g",
+			     sharding, K_STEPS - 1, pipelined);
+	else
+		cr_expect(pipelined >= 0 && pipelined < K_STEPS, "%s: pipelined steps %g", sharding,
+			  pipelined);
+	cr_expect_eq(ctl_json_num(stats, "steps"), K_STEPS);
+	cJSON_Delete(stats);
+	munmap(sh, sizeof(*sh));
+}
+
+Test(training, pipelined_steps_equal_unpipelined_table_wise)
+{
+	pipelined_case("table_wise", PIPE_BEFORE);
+}
+Test(training, pipelined_steps_equal_unpipelined_row_wise) { pipelined_case("row_wise", PIPE_BEFORE); }
+Test(training, pipelined_steps_mixed_order_equal_unpipelined)
+{
+	pipelined_case("column_wise", PIPE_MIXED);
+}
 
 /* ---- a trainer killed mid-step ----------------------------------------------------------- */
 

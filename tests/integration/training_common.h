@@ -299,6 +299,78 @@ static int trainer_connect(struct shared *sh, const char *socket, uint32_t local
 	return 0;
 }
 
+/* Set by a test before its trainers start: they pipeline their steps (engine/step.h,
+ * embd_step_prepare), posting FORWARD k + 1 and BACKWARD k, then awaiting both. PIPE_BEFORE:
+ * the FORWARD first, so the service holds every trainer's before the backward can run (every
+ * step after the first is prepared); PIPE_MIXED: odd trainers post it right after their
+ * BACKWARD (prepared when it arrives before the service starts the backward). */
+enum { PIPE_OFF, PIPE_BEFORE, PIPE_MIXED };
+static int pipelined_trainers;
+
+/* Writes trainer tr's batch of step k into slot k % 2 and posts its FORWARD (user_data k). */
+static int post_forward(struct embd_client *c, uint32_t tr, uint32_t k, uint64_t first_step)
+{
+	struct embd_batch b;
+	const uint32_t nb = batch_samples(k, tr);
+
+	embd_batch_get(c, k % 2, &b);
+	struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .slot = k % 2,
+				    .step = first_step + k, .batch_size = nb, .user_data = k,
+				    .num_values = gen_batch_n(k, tr, nb, b.lengths, b.values) };
+	return embd_submit(c, &req);
+}
+
+/* The completions of n requests: 0, or the first failure (text in err). */
+static int await_completions(struct embd_client *c, uint32_t n, char *err)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		struct embd_completion done;
+		int rc = embd_wait(c, &done, 20000);
+		if (!rc)
+			rc = done.result;
+		if (rc) {
+			snprintf(err, 256, "request %llu: %s", (unsigned long long)done.user_data,
+				 embd_last_error(c));
+			return rc;
+		}
+	}
+	return 0;
+}
+
+/* trainer_run's K steps on connected handle c, pipelined (pipelined_trainers). */
+static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr)
+{
+	const struct embd_client_layout *l = embd_layout(c);
+	char *err = sh->err[tr];
+	int rc = post_forward(c, tr, 0, l->resumed_step);
+
+	if (!rc)
+		rc = await_completions(c, 1, err);
+	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
+		struct embd_batch b;
+		const uint32_t nb = batch_samples(k, tr);
+		embd_batch_get(c, k % 2, &b);
+		memcpy(sh->pooled[k][tr], b.pooled, (size_t)nb * l->total_dim * sizeof(float));
+		for (uint32_t i = 0; i < nb; i++)
+			for (uint32_t col = 0; col < l->total_dim; col++)
+				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
+		const struct embd_request bwd = { .op = EMBD_REQUEST_BACKWARD, .slot = k % 2,
+						  .step = l->resumed_step + k, .batch_size = nb,
+						  .user_data = 1000 + k };
+		const bool next = k + 1 < K_STEPS;
+		const bool first = pipelined_trainers == PIPE_BEFORE || tr % 2 == 0;
+		if (next && first)
+			rc = post_forward(c, tr, k + 1, l->resumed_step);
+		if (!rc)
+			rc = embd_submit(c, &bwd);
+		if (!rc && next && !first)
+			rc = post_forward(c, tr, k + 1, l->resumed_step);
+		if (!rc)
+			rc = await_completions(c, next ? 2 : 1, err);
+	}
+	return rc;
+}
+
 /* The body of global trainer tr, index `local` of the service at socket: K steps on slot
  * k % 2; 0 or a negative code (text in sh->err). */
 static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
@@ -310,6 +382,11 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 	if (rc)
 		return rc;
 	const struct embd_client_layout *l = embd_layout(c);
+	if (pipelined_trainers) {
+		rc = pipelined_steps(sh, c, tr);
+		embd_close(c);
+		return rc;
+	}
 	for (uint32_t k = 0; k < K_STEPS && !rc; k++) {
 		struct embd_batch b;
 		const uint32_t nb = batch_samples(k, tr);

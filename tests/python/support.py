@@ -233,19 +233,21 @@ class Service:
             args += ["--table", name, "-i", str(path)]
         run(args)
 
-    def start(self) -> "Service":
+    def start(self, timeout: float = 20) -> "Service":
+        """Starts embd and waits up to ``timeout`` seconds for its socket (large tables take
+        a while to initialise)."""
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([str(EMBD), "--config", str(self.config_path), "--socket",
                                       self.socket, "--log-level", "info"], stdout=log,
                                      stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + timeout
         while not os.path.exists(self.socket):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"embd exited with {self.proc.returncode} before its socket "
                                    f"appeared:\n{self.log()}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"embd made no socket within 20 s:\n{self.log()}")
+                raise RuntimeError(f"embd made no socket within {timeout} s:\n{self.log()}")
             time.sleep(0.01)
         return self
 

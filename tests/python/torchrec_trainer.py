@@ -34,26 +34,38 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
               "rowwise_adagrad": RowWiseAdagrad}
 
 
-def torchrec_side(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
-                  tables: List[TableSpec], pg: dist.ProcessGroup) -> DistributedModelParallel:
-    """TorchRec's EBC of the tables it can train on CPU, sharded as job["torchrec_sharding"]."""
-    names = {t.name for t in tables}
-    configs = [c for c in ours.embedding_bag_configs() if c.name in names]
-    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
-    for t in tables:
-        opt = {k: v for k, v in t.optimizer.items() if k != "type"}
-        apply_optimizer_in_backward(OPTIMIZERS[t.optimizer["type"]],
-                                    [ebc.embedding_bags[t.name].weight], opt)
-    constraints = {t.name: ParameterConstraints(sharding_types=[job["torchrec_sharding"]],
-                                                compute_kernels=["fused"], min_partition=4)
-                   for t in tables}
+def sharded_ebc(configs: List[torchrec.EmbeddingBagConfig], optimizers: Dict[str, Dict[str, Any]],
+                sharding: str, pg: dist.ProcessGroup, device: str = "cpu",
+                min_partition: int = 4) -> DistributedModelParallel:
+    """TorchRec's EBC of ``configs`` sharded as ``sharding`` over ``pg`` on CPU: the fused
+    compute kernel with each table's optimizer (``optimizers[name]``, the service's optimizer
+    object) applied in backward, as embd fuses it. ``device`` "meta" leaves the unsharded
+    tables unallocated (DMP then initialises only the local shards: large tables)."""
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=torch.device(device))
+    for c in configs:
+        opt = {k: v for k, v in optimizers[c.name].items() if k != "type"}
+        apply_optimizer_in_backward(OPTIMIZERS[optimizers[c.name]["type"]],
+                                    [ebc.embedding_bags[c.name].weight], opt)
+    constraints = {c.name: ParameterConstraints(sharding_types=[sharding],
+                                                compute_kernels=["fused"],
+                                                min_partition=min_partition)
+                   for c in configs}
     topology = Topology(world_size=dist.get_world_size(), compute_device="cpu",
                         local_world_size=dist.get_world_size())
     sharders = [EmbeddingBagCollectionSharder()]
     plan = EmbeddingShardingPlanner(topology=topology, constraints=constraints).collective_plan(
         ebc, sharders, pg)
-    dmp = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
-                                   sharders=sharders)
+    return DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan,
+                                    sharders=sharders)
+
+
+def torchrec_side(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
+                  tables: List[TableSpec], pg: dist.ProcessGroup) -> DistributedModelParallel:
+    """TorchRec's EBC of the tables it can train on CPU, sharded as job["torchrec_sharding"]."""
+    names = {t.name for t in tables}
+    configs = [c for c in ours.embedding_bag_configs() if c.name in names]
+    dmp = sharded_ebc(configs, {t.name: t.optimizer for t in tables}, job["torchrec_sharding"],
+                      pg)
     init = np.load(job["weights"])
     for key, st in dmp.state_dict().items():
         table = key.split(".")[-2]

@@ -19,6 +19,9 @@ struct bench_command {
 /* Monotonic clock in nanoseconds. */
 uint64_t bench_now_ns(void);
 
+/* The next value of a splitmix64 sequence whose state is *s: the benchmarks' ids. */
+uint64_t bench_rng_next(uint64_t *s);
+
 /* Median of n doubles (sorts values in place); 0 when n == 0. */
 double bench_median(double *values, size_t n);
 
@@ -64,5 +67,7 @@ int bench_e2e_run(int argc, char **argv);
 int bench_checkpoint_run(int argc, char **argv);
 /* embd-bench dist (bench_dist.c) */
 int bench_dist_run(int argc, char **argv);
+/* embd-bench train (bench_train.c, with train_bench.py) */
+int bench_train_run(int argc, char **argv);
 
 #endif

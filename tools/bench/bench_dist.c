@@ -75,14 +75,6 @@ struct dist_run {
 	struct dist_shared *sh;
 };
 
-static uint64_t rng_next(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
 /* Store and comm of node `node` (none on one node). */
 static int join(const struct dist_run *r, uint32_t node, const char *prefix,
 		struct embd_store_server **server, struct embd_store **store,
@@ -173,9 +165,9 @@ static int node_main(const struct dist_run *r, uint32_t node)
 	for (uint64_t i = 0; i < nl; i++)
 		lengths[i] = DIST_PF;
 	for (uint64_t i = 0; i < L * nv; i++)
-		values[i] = (int64_t)(rng_next(&seed) % DIST_ROWS);
+		values[i] = (int64_t)(bench_rng_next(&seed) % DIST_ROWS);
 	for (uint64_t i = 0; i < 2 * L * out_floats; i++)
-		bufs[i] = (float)(rng_next(&seed) % 2001) / 1000.0f - 1.0f;
+		bufs[i] = (float)(bench_rng_next(&seed) % 2001) / 1000.0f - 1.0f;
 	uint64_t t0 = 0;
 	for (int k = 0; k < DIST_WARMUP + DIST_STEPS; k++) {
 		if (k == DIST_WARMUP)

@@ -9,6 +9,10 @@
  * With --scrape-hz HZ embd also serves its Prometheus endpoint (metrics_listen) and a third
  * mode runs the embd rounds again while a thread of this process GETs /metrics HZ times a
  * second: scraped_steps_per_s beside steps_per_s shows what scrapes cost the step.
+ * With --dense-us U every step spins U microseconds between its forward's result and its
+ * backward (the trainer's dense model), and --pipeline adds a mode that posts FORWARD s + 1
+ * before that dense work and BACKWARD s after it (pipelined steps, engine/step.h):
+ * pipelined_steps_per_s beside steps_per_s shows what the service hides behind the trainer.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -46,6 +50,8 @@ struct e2e {
 	uint32_t pf;                            /* ids per bag */
 	uint64_t ids;                           /* per step, all features */
 	double round_s;
+	uint32_t dense_us;                      /* the trainer's own work per step */
+	bool pipeline;
 	int32_t *lengths;                       /* [E2E_BATCHES][F * B] */
 	int64_t *values;                        /* [E2E_BATCHES][ids] */
 	float *grad;                            /* [B][total_dim] */
@@ -60,6 +66,15 @@ struct e2e {
 struct split {
 	double steps_per_s, fwd_ms, bwd_ms, scrapes_per_s;
 };
+
+/* The trainer's dense work of one step: a spin of us microseconds. */
+static void dense_work(uint32_t us)
+{
+	const uint64_t end = bench_now_ns() + (uint64_t)us * 1000;
+
+	while (us && bench_now_ns() < end)
+		;
+}
 
 /* ---- the scraper: GET /metrics at a pace, while on ------------------------------------- */
 
@@ -123,14 +138,6 @@ static void *scraper_main(void *arg)
 	return NULL;
 }
 
-static uint64_t rng_next(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
 /* The batches of one size (x->pf ids per bag); replaces those of the last size. */
 static int make_batches(struct e2e *x)
 {
@@ -146,7 +153,7 @@ static int make_batches(struct e2e *x)
 	for (uint64_t i = 0; i < E2E_BATCHES * nl; i++)
 		x->lengths[i] = (int32_t)x->pf;
 	for (uint64_t i = 0; i < E2E_BATCHES * x->ids; i++)
-		x->values[i] = (int64_t)(rng_next(&s) % E2E_ROWS);
+		x->values[i] = (int64_t)(bench_rng_next(&s) % E2E_ROWS);
 	return 0;
 }
 
@@ -232,6 +239,7 @@ static int inprocess_step(struct e2e *x, uint64_t k, uint64_t *fwd_ns, uint64_t 
 		};
 	}
 	int rc = embd_kernels_forward(&x->exec, bb, E2E_TABLES, &kerr);
+	dense_work(x->dense_us);
 	uint64_t t1 = bench_now_ns();
 	for (uint32_t f = 0; f < E2E_TABLES && !rc; f++)
 		rc = embd_kernels_backward(&x->exec, x->shards[f], &bb[f], 1, &kerr);
@@ -258,6 +266,7 @@ static int embd_step(struct e2e *x, struct embd_client *c, uint64_t step, uint64
 		memcpy(b.values, x->values + (k % E2E_BATCHES) * x->ids, x->ids * sizeof(int64_t));
 		rc = embd_forward(c, slot, step, x->ids, 0);
 	}
+	dense_work(x->dense_us);
 	uint64_t t1 = bench_now_ns();
 	if (!rc)
 		rc = embd_backward(c, slot, step, x->ids, 0);
@@ -266,6 +275,66 @@ static int embd_step(struct e2e *x, struct embd_client *c, uint64_t step, uint64
 	if (rc)
 		fprintf(stderr, "embd-bench e2e: step %llu: %s (%s)\n", (unsigned long long)step,
 			embd_strerror(rc), embd_last_error(c));
+	return rc;
+}
+
+/* Writes batch k into step's slot and posts its FORWARD (user_data 0: forward). */
+static int post_forward(struct e2e *x, struct embd_client *c, uint64_t step, uint64_t k)
+{
+	const uint64_t nl = (uint64_t)E2E_TABLES * E2E_BATCH;
+	struct embd_batch b;
+	int rc = embd_batch_get(c, (uint32_t)(step % EMBD_CLIENT_SLOTS), &b);
+
+	if (rc)
+		return rc;
+	memcpy(b.lengths, x->lengths + (k % E2E_BATCHES) * nl, nl * sizeof(int32_t));
+	memcpy(b.values, x->values + (k % E2E_BATCHES) * x->ids, x->ids * sizeof(int64_t));
+	struct embd_request req = { .op = EMBD_REQUEST_FORWARD, .step = step,
+				    .slot = (uint32_t)(step % EMBD_CLIENT_SLOTS),
+				    .num_values = x->ids };
+	return embd_submit(c, &req);
+}
+
+static int await(struct embd_client *c, uint32_t n)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		struct embd_completion done;
+		int rc = embd_wait(c, &done, 60000);
+		if (rc || done.result)
+			return rc ? rc : done.result;
+	}
+	return 0;
+}
+
+/*
+ * One pipelined step: the forward of step (posted by the step before, or now when first) has
+ * its result; FORWARD step + 1 (batch k + 1) is posted before the dense work, BACKWARD step
+ * after it (last: no next forward). fwd_ns: waiting for the first forward; bwd_ns the rest.
+ */
+static int embd_step_pipelined(struct e2e *x, struct embd_client *c, uint64_t step, uint64_t k,
+			       bool first, bool last, uint64_t *fwd_ns, uint64_t *bwd_ns)
+{
+	uint64_t t0 = bench_now_ns();
+	int rc = first ? post_forward(x, c, step, k) : 0;
+
+	if (!rc && first)
+		rc = await(c, 1);
+	uint64_t t1 = bench_now_ns();
+	if (!rc && !last)
+		rc = post_forward(x, c, step + 1, k + 1);
+	dense_work(x->dense_us);
+	struct embd_request req = { .op = EMBD_REQUEST_BACKWARD, .step = step,
+				    .slot = (uint32_t)(step % EMBD_CLIENT_SLOTS),
+				    .num_values = x->ids, .user_data = 1 };
+	if (!rc)
+		rc = embd_submit(c, &req);
+	if (!rc)
+		rc = await(c, last ? 1 : 2);
+	*fwd_ns += t1 - t0;
+	*bwd_ns += bench_now_ns() - t1;
+	if (rc)
+		fprintf(stderr, "embd-bench e2e: pipelined step %llu: %s (%s)\n",
+			(unsigned long long)step, embd_strerror(rc), embd_last_error(c));
 	return rc;
 }
 
@@ -297,24 +366,33 @@ static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsign
 		    struct scraper *sc)
 {
 	struct split se[E2E_ROUNDS], si[E2E_ROUNDS], ss[E2E_ROUNDS] = { { 0 } };
-	const int modes = sc ? 3 : 2;
+	struct split sq[E2E_ROUNDS] = { { 0 } };
 	uint64_t k = 0, d0 = 0, d1 = 0;
 	int rc = make_batches(x);
 
 	for (int w = 0; w < 2 && !rc; w++)          /* warm-up */
 		rc = embd_step(x, c, (*step)++, k, &d0, &d1) || inprocess_step(x, k++, &d0, &d1);
 	for (int r = 0; r < E2E_ROUNDS && !rc; r++) {
-		for (int mode = 0; mode < modes && !rc; mode++) {
-			uint64_t n = 0, fwd = 0, bwd = 0, t0 = bench_now_ns(), el;
+		/* 0 embd, 1 in process, 2 embd scraped, 3 embd pipelined */
+		for (int mode = 0; mode < 4 && !rc; mode++) {
+			uint64_t n = 0, fwd = 0, bwd = 0, t0 = bench_now_ns(), el = 0;
 			uint64_t scraped = sc ? atomic_load(&sc->done) : 0;
+			if ((mode == 2 && !sc) || (mode == 3 && !x->pipeline))
+				continue;
 			if (mode == 2)
 				atomic_store(&sc->on, true);
-			do {
+			/* the last pipelined step posts no next forward: decided before it starts */
+			for (bool last = false; mode == 3 && !rc && !last; n++) {
+				last = n && (double)(bench_now_ns() - t0) >= x->round_s * 1e9;
+				rc = embd_step_pipelined(x, c, (*step)++, k++, !n, last, &fwd, &bwd);
+				el = bench_now_ns() - t0;
+			}
+			while (mode != 3 && !rc && (!n || (double)el < x->round_s * 1e9)) {
 				rc = mode != 1 ? embd_step(x, c, (*step)++, k++, &fwd, &bwd)
 					       : inprocess_step(x, k++, &fwd, &bwd);
 				n++;
 				el = bench_now_ns() - t0;
-			} while (!rc && (double)el < x->round_s * 1e9);
+			}
 			if (mode == 2)
 				atomic_store(&sc->on, false);
 			struct split sp = { (double)n * 1e9 / (double)el, (double)fwd / 1e6 / (double)n,
@@ -322,7 +400,7 @@ static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsign
 			if (mode == 2)
 				sp.scrapes_per_s = (double)(atomic_load(&sc->done) - scraped) * 1e9 /
 						   (double)el;
-			*(mode == 0 ? &se[r] : mode == 1 ? &si[r] : &ss[r]) = sp;
+			*(mode == 0 ? &se[r] : mode == 1 ? &si[r] : mode == 2 ? &ss[r] : &sq[r]) = sp;
 		}
 	}
 	if (rc)
@@ -330,9 +408,13 @@ static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsign
 	qsort(se, E2E_ROUNDS, sizeof(se[0]), compare_split);
 	qsort(si, E2E_ROUNDS, sizeof(si[0]), compare_split);
 	qsort(ss, E2E_ROUNDS, sizeof(ss[0]), compare_split);
+	qsort(sq, E2E_ROUNDS, sizeof(sq[0]), compare_split);
 	const struct split *me = &se[E2E_ROUNDS / 2], *mi = &si[E2E_ROUNDS / 2];
-	const struct split *ms = &ss[E2E_ROUNDS / 2];
-	char scraped[256] = "";
+	const struct split *ms = &ss[E2E_ROUNDS / 2], *mq = &sq[E2E_ROUNDS / 2];
+	char scraped[256] = "", piped[160] = "";
+	if (x->pipeline)
+		snprintf(piped, sizeof(piped), ",\"pipelined_steps_per_s\":%.2f,\"pipeline_gain\":%.3f",
+			 mq->steps_per_s, me->steps_per_s > 0 ? mq->steps_per_s / me->steps_per_s : 0);
 	if (sc)
 		snprintf(scraped, sizeof(scraped), ",\"scrape_hz\":%.0f,\"scraped_steps_per_s\":%.2f,"
 			 "\"scrapes_per_s\":%.1f,\"scrape_failures\":%llu", sc->hz, ms->steps_per_s,
@@ -340,11 +422,12 @@ static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsign
 	printf("{\"name\":\"e2e\",\"ids_per_step\":%llu,\"steps_per_s\":%.2f,"
 	       "\"inprocess_steps_per_s\":%.2f,\"overhead_ratio\":%.3f,\"batch_size\":%u,"
 	       "\"tables\":%d,\"dim\":%d,\"pooling_factor\":%u,\"threads\":%u,\"busy_poll_us\":%u,"
-	       "\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"inprocess_fwd_ms\":%.3f,\"inprocess_bwd_ms\":%.3f%s}\n",
+	       "\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"inprocess_fwd_ms\":%.3f,\"inprocess_bwd_ms\":%.3f,"
+	       "\"dense_us\":%u%s%s}\n",
 	       (unsigned long long)x->ids, me->steps_per_s, mi->steps_per_s,
 	       mi->steps_per_s > 0 ? me->steps_per_s / mi->steps_per_s : 0, E2E_BATCH, E2E_TABLES,
 	       E2E_DIM, x->pf, x->threads, busy_poll_us, me->fwd_ms, me->bwd_ms, mi->fwd_ms,
-	       mi->bwd_ms, scraped);
+	       mi->bwd_ms, x->dense_us, scraped, piped);
 	fflush(stdout);
 	return 0;
 }
@@ -434,7 +517,8 @@ int bench_e2e_run(int argc, char **argv)
 	uint32_t threads = nproc > 0 ? (uint32_t)nproc : 1;
 	unsigned busy_poll_us = 50;
 	double seconds = 1.0, scrape_hz = 0;
-	uint32_t pfs[8], max_pf = 1;
+	uint32_t pfs[8], max_pf = 1, dense_us = 0;
+	bool pipeline = false;
 
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--embd") && i + 1 < argc) {
@@ -450,10 +534,15 @@ int bench_e2e_run(int argc, char **argv)
 			busy_poll_us = (unsigned)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--scrape-hz") && i + 1 < argc) {
 			scrape_hz = atof(argv[++i]);
+		} else if (!strcmp(argv[i], "--dense-us") && i + 1 < argc) {
+			dense_us = (uint32_t)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--pipeline")) {
+			pipeline = true;
 		} else {
 			fprintf(stderr, "usage: embd-bench e2e [--ids N]... (65536 262144) [--threads T]"
 				" [--seconds S per mode per size (1)] [--busy-poll-us U (50)]"
-				" [--scrape-hz HZ (0: no scraped mode)] [--embd PATH]\n");
+				" [--scrape-hz HZ (0: no scraped mode)] [--dense-us U (0)] [--pipeline]"
+				" [--embd PATH]\n");
 			return 2;
 		}
 	}
@@ -466,7 +555,8 @@ int bench_e2e_run(int argc, char **argv)
 		if (pfs[s] > max_pf)
 			max_pf = pfs[s];
 	}
-	struct e2e x = { .threads = threads, .round_s = seconds / E2E_ROUNDS };
+	struct e2e x = { .threads = threads, .round_s = seconds / E2E_ROUNDS, .dense_us = dense_us,
+			 .pipeline = pipeline };
 	if (scrape_hz < 0 || scrape_hz > 100000)
 		scrape_hz = 0;
 	return run_all(&x, embd, busy_poll_us, pfs, num_sizes, max_pf, scrape_hz) ? 1 : 0;

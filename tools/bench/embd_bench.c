@@ -15,6 +15,7 @@ static const struct bench_command commands[] = {
 	{ "checkpoint", "checkpoint write speed and step stall vs the disk's dd speed",
 	  bench_checkpoint_run },
 	{ "dist", "steps/s of every sharding type on 1-3 nodes vs raw gloo alltoallv", bench_dist_run },
+	{ "train", "Python trainers' steps/s through embd vs TorchRec's sharded EBC", bench_train_run },
 	{ NULL, NULL, NULL },
 };
 
