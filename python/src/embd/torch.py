@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
@@ -151,14 +152,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         # (step, slot, num_values, batch_size) of the forward whose backward has not run yet
         self._pending: Optional[Tuple[int, int, int, int]] = None
         self._broken = ""   # why no step can be posted any more, after a failure of ours
-        self._slots = [self._torch_views(s) for s in range(embd.SLOTS)]
+        # Batches travel through numpy: its copies run on this thread, where torch's might
+        # wake its intra-op pool, whose spinning threads take the CPUs the service's step
+        # runs on (a third of a 64K-id step on a 2-core machine).
+        self._slots = [self._client.batch(s) for s in range(embd.SLOTS)]
         self._anchor = torch.empty(0, requires_grad=True)
-
-    def _torch_views(self, slot: int) -> Dict[str, torch.Tensor]:
-        b = self._client.batch(slot)
-        return {"lengths": torch.from_numpy(b.lengths).view(-1),
-                "values": torch.from_numpy(b.values), "weights": torch.from_numpy(b.weights),
-                "pooled": torch.from_numpy(b.pooled), "grad": torch.from_numpy(b.grad)}
 
     # ---- TorchRec's interface ----------------------------------------------------------------
 
@@ -195,10 +193,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         v = self._slots[slot]
         values = features.values()
         n = values.numel()
-        v["lengths"][:len(self._embedding_names) * b].copy_(features.lengths())
-        v["values"][:n].copy_(values)
+        np.copyto(v.lengths.reshape(-1)[:len(self._embedding_names) * b],
+                  features.lengths().detach().numpy())
+        np.copyto(v.values[:n], values.detach().numpy())
         if self._is_weighted:
-            v["weights"][:n].copy_(features.weights())
+            np.copyto(v.weights[:n], features.weights().detach().numpy())
         return n
 
     def _train(self, features: KeyedJaggedTensor, b: int) -> torch.Tensor:
@@ -231,19 +230,19 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
             if not isinstance(e, embd.Error) or e.step is None:
                 self._after_failure(self._next_step, "evaluation", e)
             raise
-        return self._slots[slot]["pooled"][:b].clone()
+        return torch.from_numpy(self._slots[slot].pooled[:b].copy())
 
     def _pooled_copy(self) -> torch.Tensor:
         assert self._pending is not None
         _, slot, _, b = self._pending
-        return self._slots[slot]["pooled"][:b].clone()
+        return torch.from_numpy(self._slots[slot].pooled[:b].copy())
 
     def _post_backward(self, step: int, grad: torch.Tensor) -> None:
         if self._pending is None or self._pending[0] != step:
             raise embd.InvalidArgumentError(
                 f"backward of step {step} ran already (each step's output takes one backward)")
         _, slot, n, b = self._pending
-        self._slots[slot]["grad"][:b].copy_(grad)
+        np.copyto(self._slots[slot].grad[:b], grad.detach().numpy())
         try:
             self._client.backward(slot, step, n, self._is_weighted, self._timeout, b)
         except BaseException as e:
