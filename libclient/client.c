@@ -107,6 +107,7 @@ static int take_layout(struct embd_client *c, const struct embd_layout *w)
 		c->tables[i].num_embeddings = w->tables[i].num_embeddings;
 		c->tables[i].embedding_dim = w->tables[i].embedding_dim;
 		c->tables[i].pooling = (enum embd_pooling)w->tables[i].pooling;
+		c->tables[i].data_type = (enum embd_data_type)w->tables[i].data_type;
 	}
 	for (uint32_t i = 0; i < f->num_features; i++) {
 		memcpy(c->features[i].name, w->features[i].name, EMBD_NAME_MAX);

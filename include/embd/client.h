@@ -41,6 +41,7 @@ struct embd_client_table {
 	int64_t num_embeddings;
 	int32_t embedding_dim;
 	enum embd_pooling pooling;
+	enum embd_data_type data_type;   /* how the service stores the rows */
 };
 
 /* A feature of the KJT, in key order, and its columns in the pooled output. */

@@ -38,11 +38,12 @@ class TableSpec:
     pooling: str                      # "sum" | "mean"
     features: Tuple[str, ...]
     optimizer: Dict[str, Any]         # the service's optimizer object: {"type": ..., "lr": ...}
+    data_type: str = "fp32"           # "fp32" | "fp16"
 
     def config(self, sharding: Optional[str]) -> Dict[str, Any]:
         t: Dict[str, Any] = {"name": self.name, "num_embeddings": self.rows,
                              "embedding_dim": self.dim, "pooling": self.pooling,
-                             "data_type": "fp32", "feature_names": list(self.features),
+                             "data_type": self.data_type, "feature_names": list(self.features),
                              "optimizer": self.optimizer}
         if sharding:
             t["constraints"] = {"sharding_types": [sharding], "min_partition": 4}

@@ -1,8 +1,8 @@
 """embd.torch.EmbeddingBagCollection against the real embd: TorchRec's interface (configs
 from the layout, taken by TorchRec's DLRM as they are, no parameters), KJTs that do not fit
 the layout refused naming the key, training steps numbered from the service's resumed step,
-a weighted collection equal to TorchRec's, an aborted step, a service that goes away, and
-what this service cannot do yet (evaluation lookups, the tables' state_dict) refused."""
+a weighted collection equal to TorchRec's, an aborted step, a service that goes away.
+Evaluation, short batches and state_dict: test_torch_eval_state.py."""
 from __future__ import annotations
 
 import signal
@@ -99,12 +99,16 @@ def test_kjt_keys_that_do_not_fit_are_refused_naming_the_key(one: Service, keys:
 
 def test_kjt_batch_size_values_and_weights_that_do_not_fit_are_refused(one: Service) -> None:
     ebc = embd.torch.EmbeddingBagCollection(one.socket)
-    short = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(9, dtype=torch.long),
-                              lengths=torch.ones(9, dtype=torch.int32))
+    long = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(15, dtype=torch.long),
+                             lengths=torch.ones(15, dtype=torch.int32))
     with pytest.raises(embd.InvalidArgumentError,
-                       match=r"KJT stride \(batch size\) 3 for keys \['f_a', 'f_b', 'f_c'\]: "
-                             r"the service's batch_size is 4"):
-        ebc(short)
+                       match=r"KJT stride \(batch size\) 5 for keys \['f_a', 'f_b', 'f_c'\]: "
+                             r"the service takes 1 to its batch_size 4"):
+        ebc(long)
+    empty = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(0, dtype=torch.long),
+                              lengths=torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(embd.InvalidArgumentError, match=r"KJT stride \(batch size\) 0"):
+        ebc(empty)
     vbe = KeyedJaggedTensor(keys=KEYS, values=torch.zeros(10, dtype=torch.long),
                             lengths=torch.ones(10, dtype=torch.int32),
                             stride_per_key_per_rank=torch.tensor([[4], [4], [2]]))
@@ -148,23 +152,6 @@ def test_each_forward_needs_its_backward_once(one: Service) -> None:
         loss.backward()
     assert ebc.step == 1
     train_step(ebc, 1)
-
-
-def test_evaluation_lookups_and_table_state_are_refused_until_the_service_has_them(
-        one: Service) -> None:
-    ebc = embd.torch.EmbeddingBagCollection(one.socket)
-    ebc.eval()
-    with pytest.raises(embd.NotSupportedError, match="evaluation lookups"):
-        ebc(batch_kjt(0))
-    ebc.train()
-    with torch.no_grad(), pytest.raises(embd.NotSupportedError, match="evaluation lookups"):
-        ebc(batch_kjt(0))
-    with pytest.raises(embd.NotSupportedError, match="live table access"):
-        ebc.state_dict()
-    with pytest.raises(embd.NotSupportedError, match="live table access"):
-        ebc.load_state_dict({"embedding_bags.t_a.weight": torch.zeros(30, 8)})
-    assert ebc.step == 0
-    train_step(ebc, 0)
 
 
 def test_steps_start_at_the_services_resumed_step(tmp_path: Path) -> None:

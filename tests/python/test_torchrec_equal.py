@@ -11,7 +11,9 @@ cluster (gradient_scaling "mean_over_trainers"), so the same learning rate means
 update. TorchRec has
 no row_wise on CPU, so for embd's row_wise plan TorchRec's tables are table_wise (the result
 of a step does not depend on the plan). Initial weights reach embd through `embctl import`,
-its final weights come back through `embctl checkpoint --wait` and `embctl export`.
+or, as a TorchRec user would bring them, as TorchRec's own initial weights through
+load_state_dict; embd's final weights come back through `embctl checkpoint --wait` and
+`embctl export`.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -47,11 +49,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_trainers(tmp: Path, svc: Service, torchrec_sharding: str,
-                 weights: Dict[str, np.ndarray]) -> List[Dict[str, np.ndarray]]:
-    """Runs TRAINERS torchrec_trainer.py processes; returns what each saved."""
-    np.savez(tmp / "init.npz", **weights)
+                 weights: Optional[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
+    """Runs TRAINERS torchrec_trainer.py processes; returns what each saved. Without weights
+    the trainers start from TorchRec's initial weights, loaded into embd by load_state_dict."""
+    if weights is not None:
+        np.savez(tmp / "init.npz", **weights)
     job = {"socket": svc.socket, "tables": [asdict(t) for t in TABLES], "batch_size": B,
            "steps": STEPS, "salt": SALT, "weights": str(tmp / "init.npz"),
+           "init": "import" if weights is not None else "state_dict",
            "torchrec_sharding": torchrec_sharding, "gradient_division": True,
            "out": str(tmp / "trainer-%d.npz")}
     (tmp / "job.json").write_text(json.dumps(job))
@@ -120,7 +125,17 @@ def adam_reference(weights: Dict[str, np.ndarray], total_dim: int):
 
 @pytest.mark.parametrize("sharding", ["table_wise", "column_wise", "row_wise"])
 def test_embd_equals_torchrec_dmp(tmp_path: Path, sharding: str) -> None:
-    weights = initial_weights(TABLES, seed=3)
+    train_and_compare(tmp_path, sharding, initial_weights(TABLES, seed=3))
+
+
+def test_torchrecs_initial_weights_through_load_state_dict(tmp_path: Path) -> None:
+    """embd starts from its own seeded weights; trainer 0 overwrites them with a plain
+    TorchRec collection's through load_state_dict, written into embd's row_wise shards."""
+    train_and_compare(tmp_path, "row_wise", None)
+
+
+def train_and_compare(tmp_path: Path, sharding: str,
+                      weights: Optional[Dict[str, np.ndarray]]) -> None:
     svc = Service(tmp_path, TABLES, B, trainers=TRAINERS, sharding=sharding,
                   weights=weights).start()
     try:
@@ -129,6 +144,11 @@ def test_embd_equals_torchrec_dmp(tmp_path: Path, sharding: str) -> None:
         ours_final = {t.name: svc.weights(t.name, STEPS) for t in TABLES}
     finally:
         svc.stop()
+    if weights is None:
+        weights = {t.name: saved[0][f"init:{t.name}"] for t in TABLES}
+        for d in saved[1:]:
+            for t in TABLES:
+                np.testing.assert_array_equal(d[f"init:{t.name}"], weights[t.name])
     total_dim = saved[0]["ours"].shape[-1]
     adam_out, adam_w, offsets = adam_reference(weights, total_dim)
     for rank, d in enumerate(saved):

@@ -2,8 +2,11 @@
 env:// variables) trains embd.torch's EmbeddingBagCollection (trainer index RANK of the
 service) and, beside it on the same batches and gradients, TorchRec's own sharded
 EmbeddingBagCollection (DistributedModelParallel over gloo, fused optimizers applied in
-backward) from the same initial weights. It saves both outputs of every step and its local
-shards of TorchRec's final weights to an .npz for the test to compare.
+backward) from the same initial weights: the test's (job["weights"], in embd through `embctl
+import`), or with job["init"] == "state_dict" TorchRec's own initial weights (a seeded
+torchrec.EmbeddingBagCollection), which trainer 0 writes into embd with load_state_dict. It
+saves both outputs of every step, the initial weights and its local shards of TorchRec's final
+weights to an .npz for the test to compare.
 
 Usage: torchrec_trainer.py JOB.json  (written by the test: see run_trainers there)
 """
@@ -59,14 +62,29 @@ def sharded_ebc(configs: List[torchrec.EmbeddingBagConfig], optimizers: Dict[str
                                     sharders=sharders)
 
 
+def initial_weights(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
+                    rank: int) -> Dict[str, np.ndarray]:
+    """The weights both sides start from (see the module's doc)."""
+    if job.get("init") != "state_dict":
+        return dict(np.load(job["weights"]))
+    torch.manual_seed(job["salt"])         # the same weights in every trainer
+    theirs = torchrec.EmbeddingBagCollection(tables=ours.embedding_bag_configs(),
+                                             device=torch.device("cpu"))
+    state = theirs.state_dict()
+    if rank == 0:
+        ours.load_state_dict(state)
+    dist.barrier()                          # written before any trainer's first step
+    return {k.split(".")[-2]: v.numpy() for k, v in state.items()}
+
+
 def torchrec_side(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
-                  tables: List[TableSpec], pg: dist.ProcessGroup) -> DistributedModelParallel:
+                  tables: List[TableSpec], pg: dist.ProcessGroup,
+                  init: Dict[str, np.ndarray]) -> DistributedModelParallel:
     """TorchRec's EBC of the tables it can train on CPU, sharded as job["torchrec_sharding"]."""
     names = {t.name for t in tables}
     configs = [c for c in ours.embedding_bag_configs() if c.name in names]
     dmp = sharded_ebc(configs, {t.name: t.optimizer for t in tables}, job["torchrec_sharding"],
                       pg)
-    init = np.load(job["weights"])
     for key, st in dmp.state_dict().items():
         table = key.split(".")[-2]
         for shard in st.local_shards():
@@ -87,7 +105,8 @@ def main() -> int:
     layout_keys = [f for t in tables for f in t.features]
     theirs_tables = [t for t in tables if t.optimizer["type"] in OPTIMIZERS]
     theirs_keys = [f for t in theirs_tables for f in t.features]
-    dmp = torchrec_side(job, ours, theirs_tables, pg)
+    init = initial_weights(job, ours, rank)
+    dmp = torchrec_side(job, ours, theirs_tables, pg, init)
     B, D = job["batch_size"], ours._layout.total_dim
     cols = np.concatenate([np.arange(f.offset, f.offset + f.dim) for f in ours._layout.features
                            if f.name in theirs_keys])
@@ -110,7 +129,8 @@ def main() -> int:
             shards[f"shard:{tag}"] = shard.tensor.detach().numpy().copy()
             shards[f"offsets:{tag}"] = np.array(shard.metadata.shard_offsets)
     np.savez(job["out"] % rank, ours=np.stack(out_ours), theirs=np.stack(out_theirs),
-             theirs_cols=cols, next_step=ours.step, **shards)
+             theirs_cols=cols, next_step=ours.step, **shards,
+             **{f"init:{name}": w for name, w in init.items()})
     ours.close()
     dist.destroy_process_group()
     return 0

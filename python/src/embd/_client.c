@@ -248,8 +248,9 @@ static PyObject *client_layout(PyObject *obj, PyObject *unused)
 		goto fail;
 	for (uint32_t i = 0; i < l->num_tables; i++) {
 		const struct embd_client_table *t = &l->tables[i];
-		PyObject *item = Py_BuildValue("(sLii)", t->name, (long long)t->num_embeddings,
-					       (int)t->embedding_dim, (int)t->pooling);
+		PyObject *item = Py_BuildValue("(sLiii)", t->name, (long long)t->num_embeddings,
+					       (int)t->embedding_dim, (int)t->pooling,
+					       (int)t->data_type);
 		if (!item)
 			goto fail;
 		PyList_SET_ITEM(tables, i, item);
@@ -364,24 +365,29 @@ static int wait_one(ClientObject *self, struct embd_completion *out, int timeout
 	}
 }
 
-/* forward / backward: submit, then wait for that completion (timeout_ms < 0: no limit). */
+/*
+ * forward / backward / eval: submit, then wait for that completion (timeout_ms < 0: no
+ * limit). batch_size 0 is the layout's; an eval's step is ignored.
+ */
 static PyObject *blocking(ClientObject *self, enum embd_request_op op, PyObject *args,
 			  PyObject *kw)
 {
-	static char *names[] = { "slot", "step", "num_values", "weighted", "timeout_ms", NULL };
-	unsigned int slot;
+	static char *names[] = { "slot", "step", "num_values", "weighted", "timeout_ms",
+				 "batch_size", NULL };
+	unsigned int slot, batch_size = 0;
 	unsigned long long step, num_values;
 	int weighted = 0, timeout_ms = -1;
 	struct embd_completion done;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "IKK|pi", names, &slot, &step, &num_values,
-					 &weighted, &timeout_ms))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "IKK|piI", names, &slot, &step, &num_values,
+					 &weighted, &timeout_ms, &batch_size))
 		return NULL;
 	if (usable(self))
 		return NULL;
 	struct embd_request req = { .op = op, .slot = slot, .step = step,
 				    .num_values = num_values, .weighted = weighted,
-				    .user_data = BLOCKING_TAG | ++self->next_user_data };
+				    .user_data = BLOCKING_TAG | ++self->next_user_data,
+				    .batch_size = batch_size };
 	int rc = embd_submit(self->client, &req);
 	if (rc)
 		return raise_client(self, rc);
@@ -410,17 +416,22 @@ static PyObject *client_backward(PyObject *obj, PyObject *args, PyObject *kw)
 	return blocking((ClientObject *)obj, EMBD_REQUEST_BACKWARD, args, kw);
 }
 
+static PyObject *client_eval(PyObject *obj, PyObject *args, PyObject *kw)
+{
+	return blocking((ClientObject *)obj, EMBD_REQUEST_EVAL, args, kw);
+}
+
 static PyObject *client_submit(PyObject *obj, PyObject *args, PyObject *kw)
 {
 	static char *names[] = { "op", "slot", "step", "num_values", "weighted", "user_data",
-				 NULL };
+				 "batch_size", NULL };
 	ClientObject *self = (ClientObject *)obj;
 	int op, weighted = 0;
-	unsigned int slot = 0;
+	unsigned int slot = 0, batch_size = 0;
 	unsigned long long step = 0, num_values = 0, user_data = 0;
 
-	if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IKKpK", names, &op, &slot, &step,
-					 &num_values, &weighted, &user_data))
+	if (!PyArg_ParseTupleAndKeywords(args, kw, "i|IKKpKI", names, &op, &slot, &step,
+					 &num_values, &weighted, &user_data, &batch_size))
 		return NULL;
 	if (usable(self))
 		return NULL;
@@ -428,7 +439,7 @@ static PyObject *client_submit(PyObject *obj, PyObject *args, PyObject *kw)
 		return raise_code(EMBD_EINVAL, "submit: user_data must be below 2**63");
 	struct embd_request req = { .op = (enum embd_request_op)op, .slot = slot, .step = step,
 				    .num_values = num_values, .weighted = weighted,
-				    .user_data = user_data };
+				    .user_data = user_data, .batch_size = batch_size };
 	int rc = embd_submit(self->client, &req);
 	if (rc)
 		return raise_client(self, rc);
@@ -478,16 +489,137 @@ static PyObject *client_wait(PyObject *obj, PyObject *args, PyObject *kw)
 	return rc ? NULL : completion_tuple(self, &done);
 }
 
+/* ---- live table access ------------------------------------------------------------------- */
+
+/* table_info(table, array) -> (num_embeddings, cols, max_rows, applied_step, optimizer_step) */
+static PyObject *client_table_info(PyObject *obj, PyObject *args)
+{
+	ClientObject *self = (ClientObject *)obj;
+	unsigned int table, array;
+	struct embd_table_info info;
+	int rc;
+
+	if (!PyArg_ParseTuple(args, "II", &table, &array))
+		return NULL;
+	if (usable(self))
+		return NULL;
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	rc = embd_table_info(self->client, table, (enum embd_table_array)array, &info);
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	if (rc)
+		return raise_client(self, rc);
+	return Py_BuildValue("(LIIKL)", (long long)info.num_embeddings, info.cols, info.max_rows,
+			     (unsigned long long)info.applied_step, (long long)info.optimizer_step);
+}
+
+/* 0 when view (of what) holds C-contiguous items of itemsize bytes; else -1, error set. */
+static int check_items(const Py_buffer *view, Py_ssize_t itemsize, const char *what)
+{
+	if (view->itemsize == itemsize && view->len % itemsize == 0)
+		return 0;
+	PyErr_Format(PyExc_TypeError, "%s: items of %zd bytes, expected %zd", what,
+		     view->itemsize, itemsize);
+	return -1;
+}
+
+/*
+ * table_read(table, array, out, row_begin, ids) / table_write(table, array, rows, row_begin,
+ * ids): the rows travel through a C-contiguous float32 buffer of n x cols floats, n rows from
+ * row_begin, or the n rows ids (an int64 buffer, or None). libembdclient splits them into
+ * chunks. A read returns the step its rows hold.
+ */
+static PyObject *table_io(ClientObject *self, PyObject *args, int write)
+{
+	unsigned int table, array;
+	long long row_begin;
+	PyObject *data, *ids_obj;
+	Py_buffer rows = { 0 }, ids = { 0 };
+	struct embd_table_info info;
+	uint64_t applied = 0;
+	PyObject *ret = NULL;
+	int rc;
+
+	if (!PyArg_ParseTuple(args, "IIOLO", &table, &array, &data, &row_begin, &ids_obj))
+		return NULL;
+	if (usable(self))
+		return NULL;
+	int flags = PyBUF_C_CONTIGUOUS | (write ? 0 : PyBUF_WRITABLE);
+	if (PyObject_GetBuffer(data, &rows, flags) || check_items(&rows, 4, "rows"))
+		goto out;
+	if (ids_obj != Py_None &&
+	    (PyObject_GetBuffer(ids_obj, &ids, PyBUF_C_CONTIGUOUS) || check_items(&ids, 8, "ids")))
+		goto out;
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	rc = embd_table_info(self->client, table, (enum embd_table_array)array, &info);
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	if (rc) {
+		raise_client(self, rc);
+		goto out;
+	}
+	const uint64_t n = (uint64_t)rows.len / 4 / info.cols;
+	if ((uint64_t)rows.len != n * info.cols * 4 || (ids.obj && (uint64_t)ids.len / 8 != n)) {
+		char msg[200];
+		snprintf(msg, sizeof(msg), "table %u: %zd floats for rows of %u%s%zd ids", table,
+			 rows.len / 4, info.cols, ids.obj ? ", " : "", ids.obj ? ids.len / 8 : 0);
+		raise_code(EMBD_EINVAL, msg);
+		goto out;
+	}
+	const enum embd_table_array a = (enum embd_table_array)array;
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	if (write)
+		rc = ids.obj ? embd_table_write_ids(self->client, table, a, ids.buf, n, rows.buf)
+			     : embd_table_write(self->client, table, a, row_begin, n, rows.buf);
+	else
+		rc = ids.obj ? embd_table_read_ids(self->client, table, a, ids.buf, n, rows.buf,
+						   &applied)
+			     : embd_table_read(self->client, table, a, row_begin, n, rows.buf,
+					       &applied);
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	if (rc)
+		raise_client(self, rc);
+	else
+		ret = PyLong_FromUnsignedLongLong(applied);
+out:
+	if (rows.obj)
+		PyBuffer_Release(&rows);
+	if (ids.obj)
+		PyBuffer_Release(&ids);
+	return ret;
+}
+
+static PyObject *client_table_read(PyObject *obj, PyObject *args)
+{
+	return table_io((ClientObject *)obj, args, 0);
+}
+
+static PyObject *client_table_write(PyObject *obj, PyObject *args)
+{
+	return table_io((ClientObject *)obj, args, 1);
+}
+
 static PyMethodDef client_methods[] = {
 	{ "close", client_close, METH_NOARGS, "Disconnects; refused while slot views live." },
 	{ "layout", client_layout, METH_NOARGS, "The layout from WELCOME, as a dict." },
 	{ "span", client_span, METH_VARARGS, "span(slot, name): one buffer of a batch slot." },
 	{ "forward", (PyCFunction)(void (*)(void))client_forward, METH_VARARGS | METH_KEYWORDS,
-	  "forward(slot, step, num_values, weighted=False, timeout_ms=-1)" },
+	  "forward(slot, step, num_values, weighted=False, timeout_ms=-1, batch_size=0)" },
 	{ "backward", (PyCFunction)(void (*)(void))client_backward, METH_VARARGS | METH_KEYWORDS,
-	  "backward(slot, step, num_values, weighted=False, timeout_ms=-1)" },
+	  "backward(slot, step, num_values, weighted=False, timeout_ms=-1, batch_size=0)" },
+	{ "eval", (PyCFunction)(void (*)(void))client_eval, METH_VARARGS | METH_KEYWORDS,
+	  "eval(slot, step, num_values, weighted=False, timeout_ms=-1, batch_size=0)" },
+	{ "table_info", client_table_info, METH_VARARGS, "table_info(table, array): a tuple." },
+	{ "table_read", client_table_read, METH_VARARGS,
+	  "table_read(table, array, out, row_begin, ids): the step the rows hold." },
+	{ "table_write", client_table_write, METH_VARARGS,
+	  "table_write(table, array, rows, row_begin, ids)" },
 	{ "submit", (PyCFunction)(void (*)(void))client_submit, METH_VARARGS | METH_KEYWORDS,
-	  "submit(op, slot=0, step=0, num_values=0, weighted=False, user_data=0)" },
+	  "submit(op, slot=0, step=0, num_values=0, weighted=False, user_data=0, batch_size=0)" },
 	{ "poll", client_poll, METH_NOARGS, "The oldest completion tuple, or None." },
 	{ "wait", (PyCFunction)(void (*)(void))client_wait, METH_VARARGS | METH_KEYWORDS,
 	  "wait(timeout_ms=-1): the oldest completion tuple." },
@@ -574,6 +706,12 @@ static int add_constants(PyObject *m)
 	    PyModule_AddIntConstant(m, "OP_NOP", EMBD_REQUEST_NOP) ||
 	    PyModule_AddIntConstant(m, "OP_FORWARD", EMBD_REQUEST_FORWARD) ||
 	    PyModule_AddIntConstant(m, "OP_BACKWARD", EMBD_REQUEST_BACKWARD) ||
+	    PyModule_AddIntConstant(m, "OP_EVAL", EMBD_REQUEST_EVAL) ||
+	    PyModule_AddIntConstant(m, "TABLE_WEIGHTS", EMBD_TABLE_WEIGHTS) ||
+	    PyModule_AddIntConstant(m, "TABLE_MOMENTUM1", EMBD_TABLE_MOMENTUM1) ||
+	    PyModule_AddIntConstant(m, "TABLE_MOMENTUM2", EMBD_TABLE_MOMENTUM2) ||
+	    PyModule_AddIntConstant(m, "DTYPE_FP32", EMBD_DTYPE_FP32) ||
+	    PyModule_AddIntConstant(m, "DTYPE_FP16", EMBD_DTYPE_FP16) ||
 	    PyModule_AddIntConstant(m, "POOLING_SUM", EMBD_POOLING_SUM) ||
 	    PyModule_AddIntConstant(m, "POOLING_MEAN", EMBD_POOLING_MEAN))
 		return -1;

@@ -11,13 +11,20 @@ a sharded one under DistributedModelParallel) in a TorchRec model::
 The tables, their optimizers and the sharding are the service's (its config); the module has
 no parameters. Each training forward is one step of the service, numbered by the module from
 the service's resumed step; the step's backward must run before the next forward (the
-service waits for every trainer's gradient before any row changes). The pooled output is
-copied out of the batch slot (slots are reused two steps later); the KJT is copied into it.
+service waits for every trainer's gradient before any row changes). In ``eval()`` mode, or
+under ``torch.no_grad()``, a forward is an evaluation lookup instead: the rows as they are, no
+step, nothing to backward. A KJT may hold fewer samples than the service's batch size (the
+last batch of an epoch): the output has that many rows. The pooled output is copied out of
+the batch slot (slots are reused two steps later); the KJT is copied into it.
+``state_dict()`` / ``load_state_dict()`` read and write the service's rows under TorchRec's
+keys (``embedding_bags.<table>.weight``), so a trained module's state loads into a plain
+``torchrec.EmbeddingBagCollection`` with the same configs, and TorchRec's weights into embd.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
@@ -28,21 +35,25 @@ import embd
 from embd.client import Layout, Pooling
 
 _POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
+_DATA_TYPE = {embd.DataType.FP32: DataType.FP32, embd.DataType.FP16: DataType.FP16}
+# the dtype of TorchRec's weight tensor of a table of that data type
+_TORCH_DTYPE = {embd.DataType.FP32: torch.float32, embd.DataType.FP16: torch.float16}
 
 
 def embedding_bag_configs(layout: Layout) -> List[EmbeddingBagConfig]:
     """TorchRec's configs of the service's tables, in the layout's order (the output's key
     order is TorchRec's: tables in order, each table's features in order)."""
     return [EmbeddingBagConfig(num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                               name=t.name, data_type=DataType.FP32,
+                               name=t.name, data_type=_DATA_TYPE[t.data_type],
                                feature_names=list(t.features), pooling=_POOLING[t.pooling])
             for t in layout.tables]
 
 
-def check_kjt(layout: Layout, features: KeyedJaggedTensor, weighted: bool) -> None:
-    """Raises :class:`embd.InvalidArgumentError` naming the key (or the stride) when
-    ``features`` does not fit the layout: the same keys in the same order, one batch size
-    equal to the service's, weights when the collection is weighted, at most max_values ids."""
+def check_kjt(layout: Layout, features: KeyedJaggedTensor, weighted: bool) -> int:
+    """Returns the KJT's batch size (stride); raises :class:`embd.InvalidArgumentError`
+    naming the key (or the stride) when ``features`` does not fit the layout: the same keys in
+    the same order, one batch size of 1 to the service's, weights when the collection is
+    weighted, at most max_values ids."""
     want = layout.feature_names
     got = list(features.keys())
     if got != want:
@@ -50,11 +61,13 @@ def check_kjt(layout: Layout, features: KeyedJaggedTensor, weighted: bool) -> No
     if features.variable_stride_per_key():
         raise embd.InvalidArgumentError(
             f"KJT has a batch size per key (variable stride), {features.stride_per_key()} for "
-            f"keys {got}: the service takes one batch size, {layout.batch_size}")
-    if features.stride() != layout.batch_size:
+            f"keys {got}: the service takes one batch size per batch, 1 to "
+            f"{layout.batch_size}")
+    stride = features.stride()
+    if not 1 <= stride <= layout.batch_size:
         raise embd.InvalidArgumentError(
-            f"KJT stride (batch size) {features.stride()} for keys {got}: the service's "
-            f"batch_size is {layout.batch_size}")
+            f"KJT stride (batch size) {stride} for keys {got}: the service takes 1 to its "
+            f"batch_size {layout.batch_size} samples per batch")
     n = features.values().numel()
     if n > layout.max_values:
         raise embd.InvalidArgumentError(f"KJT has {n} ids: the service takes at most "
@@ -62,6 +75,7 @@ def check_kjt(layout: Layout, features: KeyedJaggedTensor, weighted: bool) -> No
     if weighted and features.weights_or_none() is None:
         raise embd.InvalidArgumentError("KJT has no weights: this EmbeddingBagCollection is "
                                         "weighted (is_weighted=True)")
+    return stride
 
 
 def _key_mismatch(got: List[str], want: List[str]) -> str:
@@ -110,11 +124,18 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         is_weighted: use the KJT's weights (per-id weights), as TorchRec's ``is_weighted``.
         timeout: seconds a step may wait for the other trainers (None: no limit).
 
-    ``forward(kjt)`` takes a KJT with exactly the layout's keys in its order and its batch
-    size, and returns a ``KeyedTensor`` (keys in TorchRec's order) whose backward posts the
-    gradient. Training mode only: evaluation lookups (``eval()``, ``torch.no_grad()``) are not
-    served yet and raise :class:`embd.NotSupportedError`, as do ``state_dict()`` and
-    ``load_state_dict()`` of the tables (reading rows needs the service's live table access).
+    ``forward(kjt)`` takes a KJT with exactly the layout's keys in its order and 1 to the
+    service's batch size samples, and returns a ``KeyedTensor`` (keys in TorchRec's order, one
+    row per sample). In training mode with gradients enabled it is a training step whose
+    backward posts the gradient; in ``eval()`` mode or under ``torch.no_grad()`` an
+    evaluation lookup that neither advances nor waits for the steps (on a cluster every
+    trainer evaluates at the same point of its steps, as with TorchRec's sharded modules).
+
+    ``state_dict()`` holds each table's weights as ``embedding_bags.<table>.weight`` (float32,
+    float16 for an fp16 table), read from the service; ``load_state_dict()`` writes them (one
+    node only: a cluster refuses writes with :class:`embd.NotSupportedError`). Read between
+    steps, they are exactly the rows the next step reads. The fused optimizer's state is
+    :meth:`optimizer_state_dict` / :meth:`load_optimizer_state_dict`.
     """
 
     def __init__(self, socket_path: Optional[str] = None, index: Optional[int] = None, *,
@@ -128,17 +149,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         self._embedding_names = self._layout.feature_names
         self._lengths_per_embedding = [f.dim for f in self._layout.features]
         self._next_step = self._client.resumed_step
-        # (step, slot, num_values) of the forward whose backward has not run yet
-        self._pending: Optional[Tuple[int, int, int]] = None
+        # (step, slot, num_values, batch_size) of the forward whose backward has not run yet
+        self._pending: Optional[Tuple[int, int, int, int]] = None
         self._broken = ""   # why no step can be posted any more, after a failure of ours
-        self._slots = [self._torch_views(s) for s in range(embd.SLOTS)]
+        # Batches travel through numpy: its copies run on this thread, where torch's might
+        # wake its intra-op pool, whose spinning threads take the CPUs the service's step
+        # runs on (a third of a 64K-id step on a 2-core machine).
+        self._slots = [self._client.batch(s) for s in range(embd.SLOTS)]
         self._anchor = torch.empty(0, requires_grad=True)
-
-    def _torch_views(self, slot: int) -> Dict[str, torch.Tensor]:
-        b = self._client.batch(slot)
-        return {"lengths": torch.from_numpy(b.lengths).view(-1),
-                "values": torch.from_numpy(b.values), "weights": torch.from_numpy(b.weights),
-                "pooled": torch.from_numpy(b.pooled), "grad": torch.from_numpy(b.grad)}
 
     # ---- TorchRec's interface ----------------------------------------------------------------
 
@@ -153,34 +171,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         return torch.device("cpu")
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if not self.training or not torch.is_grad_enabled():
-            raise embd.NotSupportedError(
-                "embd.torch.EmbeddingBagCollection: evaluation lookups (eval() or "
-                "torch.no_grad()) are not served by this embd yet; forward runs training steps "
-                "only, in training mode with gradients enabled")
         if self._broken:
             raise embd.InvalidArgumentError(self._broken)
-        if self._pending is not None:
-            raise embd.InvalidArgumentError(
-                f"forward of step {self._next_step + 1} before the backward of step "
-                f"{self._pending[0]}: every training forward needs its backward "
-                f"(loss.backward()) before the next one, the service waits for it")
-        check_kjt(self._layout, features, self._is_weighted)
-        step = self._next_step
-        slot = step % embd.SLOTS
-        v = self._slots[slot]
-        n = features.values().numel()
-        v["lengths"].copy_(features.lengths())
-        v["values"][:n].copy_(features.values())
-        if self._is_weighted:
-            v["weights"][:n].copy_(features.weights())
-        try:
-            self._client.forward(slot, step, n, self._is_weighted, self._timeout)
-        except BaseException as e:
-            self._after_failure(step, "forward", e)
-            raise
-        self._pending = (step, slot, n)
-        values = _Step.apply(self._anchor, self, step)
+        b = check_kjt(self._layout, features, self._is_weighted)
+        if not self.training or not torch.is_grad_enabled():
+            values = self._evaluate(features, b)
+        else:
+            values = self._train(features, b)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
                            values=values)
 
@@ -191,30 +188,79 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         """The step the next training forward posts."""
         return self._next_step
 
+    def _fill(self, slot: int, features: KeyedJaggedTensor, b: int) -> int:
+        """Copies the KJT of ``b`` samples into batch slot ``slot``; returns its ids."""
+        v = self._slots[slot]
+        values = features.values()
+        n = values.numel()
+        np.copyto(v.lengths.reshape(-1)[:len(self._embedding_names) * b],
+                  features.lengths().detach().numpy())
+        np.copyto(v.values[:n], values.detach().numpy())
+        if self._is_weighted:
+            np.copyto(v.weights[:n], features.weights().detach().numpy())
+        return n
+
+    def _train(self, features: KeyedJaggedTensor, b: int) -> torch.Tensor:
+        if self._pending is not None:
+            raise embd.InvalidArgumentError(
+                f"forward of step {self._next_step + 1} before the backward of step "
+                f"{self._pending[0]}: every training forward needs its backward "
+                f"(loss.backward()) before the next one, the service waits for it")
+        step = self._next_step
+        slot = step % embd.SLOTS
+        n = self._fill(slot, features, b)
+        try:
+            self._client.forward(slot, step, n, self._is_weighted, self._timeout, b)
+        except BaseException as e:
+            self._after_failure(step, "forward", e)
+        self._pending = (step, slot, n, b)
+        out: torch.Tensor = _Step.apply(self._anchor, self, step)
+        return out
+
+    def _evaluate(self, features: KeyedJaggedTensor, b: int) -> torch.Tensor:
+        """An evaluation lookup, in the slot the next training forward will fill (the other
+        one while a step's backward is due: that step's batch is still needed)."""
+        slot = (self._next_step + (self._pending is not None)) % embd.SLOTS
+        n = self._fill(slot, features, b)
+        try:
+            self._client.eval(slot, n, self._is_weighted, self._timeout, b)
+        except embd.ResumedError as e:
+            self._after_failure(self._next_step, "evaluation", e)
+        except BaseException as e:
+            if not isinstance(e, embd.Error) or e.step is None:
+                self._after_failure(self._next_step, "evaluation", e)
+            raise
+        return torch.from_numpy(self._slots[slot].pooled[:b].copy())
+
     def _pooled_copy(self) -> torch.Tensor:
         assert self._pending is not None
-        return self._slots[self._pending[1]]["pooled"].clone()
+        _, slot, _, b = self._pending
+        return torch.from_numpy(self._slots[slot].pooled[:b].copy())
 
     def _post_backward(self, step: int, grad: torch.Tensor) -> None:
         if self._pending is None or self._pending[0] != step:
             raise embd.InvalidArgumentError(
                 f"backward of step {step} ran already (each step's output takes one backward)")
-        _, slot, n = self._pending
-        self._slots[slot]["grad"].copy_(grad)
+        _, slot, n, b = self._pending
+        np.copyto(self._slots[slot].grad[:b], grad.detach().numpy())
         try:
-            self._client.backward(slot, step, n, self._is_weighted, self._timeout)
+            self._client.backward(slot, step, n, self._is_weighted, self._timeout, b)
         except BaseException as e:
             self._after_failure(step, "backward", e)
-            raise
         self._pending = None
         self._next_step = step + 1
 
-    def _after_failure(self, step: int, what: str, e: BaseException) -> None:
-        """Where the step sequence goes on after the request of ``step`` failed with ``e``."""
+    def _after_failure(self, step: int, what: str, e: BaseException) -> NoReturn:
+        """Where the step sequence goes on after the request of ``step`` failed with ``e``;
+        raises ``e`` (a :class:`embd.ResumedError` saying where to resume)."""
         self._pending = None
         if isinstance(e, embd.ResumedError) and e.step is not None:
             self._next_step = e.step
-        elif isinstance(e, embd.TryAgainError):
+            raise embd.ResumedError(
+                f"{e.message}: the cluster re-formed and resumed at step {e.step}; this "
+                f"EmbeddingBagCollection posts step {e.step} next (its .step): feed the batch "
+                f"of step {e.step}", e.code, e.step) from e
+        if isinstance(e, embd.TryAgainError):
             self._next_step = step       # the cluster re-forms: the same step, a little later
         elif isinstance(e, embd.Error) and e.step is not None:
             self._next_step = step + 1   # refused or aborted: the step is over for us
@@ -224,26 +270,78 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
             self._broken = (f"step {step}: its {what} was given up on ({type(e).__name__}: "
                             f"{e}); the service may still run that step: close this "
                             "EmbeddingBagCollection and make a new one")
+        raise e
 
     # ---- tables' state -------------------------------------------------------------------
 
+    def _weight_key(self, prefix: str, table: str) -> str:
+        return f"{prefix}embedding_bags.{table}.weight"
+
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str,
                             keep_vars: bool) -> None:
-        raise embd.NotSupportedError(
-            "embd.torch.EmbeddingBagCollection.state_dict(): reading the tables' rows needs "
-            "live table access in the service, which this embd lacks; use its checkpoints "
-            "(embctl checkpoint / embctl export) for the rows")
+        for t in self._layout.tables:
+            rows = torch.from_numpy(self._client.read_rows(t.name))
+            destination[self._weight_key(prefix, t.name)] = rows.to(_TORCH_DTYPE[t.data_type])
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str,
                               local_metadata: Dict[str, Any], strict: bool,
                               missing_keys: List[str], unexpected_keys: List[str],
                               error_msgs: List[str]) -> None:
-        ours = [k for k in state_dict if k.startswith(prefix + "embedding_bags.")]
-        if ours:
-            raise embd.NotSupportedError(
-                f"embd.torch.EmbeddingBagCollection.load_state_dict(): writing rows ({ours[0]} "
-                "...) needs live table access in the service, which this embd lacks; use "
-                "embctl import before the service starts")
+        # Every shape is checked before any row is written, so a size mismatch changes
+        # nothing. Missing and unexpected keys are PyTorch's business: it is told of them and
+        # raises after the load when strict (torch passes strict=True here whatever the
+        # caller asked), and the tables that are present are written, as any module's.
+        writes = []
+        for t in self._layout.tables:
+            key = self._weight_key(prefix, t.name)
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            w = state_dict[key]
+            shape = tuple(w.shape)
+            if shape != (t.num_embeddings, t.embedding_dim):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{shape}, the service's table '{t.name}' is "
+                                  f"{(t.num_embeddings, t.embedding_dim)}")
+                continue
+            writes.append((t.name, torch.as_tensor(w).detach().to(torch.float32).contiguous()))
+        ours = {self._weight_key(prefix, t.name) for t in self._layout.tables}
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and
+                                   k not in ours)
+        if error_msgs:
+            return
+        for name, w in writes:
+            self._client.write_rows(name, w.numpy())
+
+    def optimizer_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The fused optimizer's state of every table, under the keys of TorchRec's fused
+        optimizer state (``<table>.momentum1``: adagrad's sum of squares, rowwise_adagrad's
+        one value per row, adam's first moment; ``<table>.exp_avg_sq``: adam's second
+        moment). Tables whose optimizer keeps no state (sgd) have no key."""
+        out: Dict[str, torch.Tensor] = {}
+        for t in self._layout.tables:
+            for array, name in ((embd.TableArray.MOMENTUM1, "momentum1"),
+                                (embd.TableArray.MOMENTUM2, "exp_avg_sq")):
+                try:
+                    rows = self._client.read_rows(t.name, array=array)
+                except embd.InvalidArgumentError:
+                    continue        # the table's optimizer keeps no such array
+                out[f"{t.name}.{name}"] = torch.from_numpy(
+                    rows.reshape(-1) if rows.shape[1] == 1 else rows)
+        return out
+
+    def load_optimizer_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Writes the state :meth:`optimizer_state_dict` returns (any subset of its keys)."""
+        arrays = {"momentum1": embd.TableArray.MOMENTUM1,
+                  "exp_avg_sq": embd.TableArray.MOMENTUM2}
+        for key, value in state.items():
+            table, _, name = key.rpartition(".")
+            if name not in arrays:
+                raise embd.InvalidArgumentError(f"optimizer state '{key}': expected "
+                                                f"<table>.momentum1 or <table>.exp_avg_sq")
+            rows = torch.as_tensor(value).detach().to(torch.float32).numpy()
+            self._client.write_rows(table, rows.reshape(rows.shape[0], -1), array=arrays[name])
 
     # ---- lifetime --------------------------------------------------------------------------
 
