@@ -194,6 +194,8 @@ static void write_snapshot(struct embd_ckpt_service *ck)
 
 	m.files = NULL;
 	m.num_files = 0;
+	if (w->rc)
+		return;         /* the boundary's copy from the GPUs failed (snapshot) */
 	m.step = w->step;
 	m.created_unix_ms = 0;
 	embd_ckpt_dir_name(root, w->step, w->dir, sizeof(w->dir));
@@ -268,9 +270,14 @@ static void account_step(struct embd_ckpt_service *ck)
 static void snapshot(struct embd_ckpt_service *ck, uint64_t step, double waited_ms)
 {
 	uint64_t t0 = embd_now_ns();
+	char err[512] = "";
+	/* GPU shards: their host views (what the snapshot copies) as at this boundary */
+	int rc = embd_step_shards_pull(ck->step, err, sizeof(err));
 
 	embd_ckpt_snapshot_begin(ck->snap);
-	ck->w = (struct result){ .seq = ++ck->seq_started, .step = step };
+	ck->w = (struct result){ .seq = ++ck->seq_started, .step = step, .rc = rc };
+	if (rc)
+		snprintf(ck->w.err, sizeof(ck->w.err), "copying the shards from the GPUs: %.500s", err);
 	ck->accounting = true;
 	ck->boundary_ms = waited_ms + (double)(embd_now_ns() - t0) / 1e6;
 	ck->cur_stall_ms = 0;
@@ -589,6 +596,7 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 		if (v.shard)
 			v.shard->step = targets[k++].optimizer_step;
 	}
+	embd_step_shards_changed(ck->step);     /* GPU shards get the rows before the first step */
 	ck->resumed_step = ck->last_step = ck->common_step = *step_out = m.step;
 	embd_log_notice("restored %s: step %" PRIu64 ", %u files, written under plan %016" PRIx64
 			"%s", dir, m.step, m.num_files, m.plan_hash,

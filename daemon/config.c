@@ -429,9 +429,11 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 	if (c->backend == EMBD_COMM_NCCL && t->compute_device != EMBD_DEVICE_CUDA)
 		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': nccl needs compute_device cuda; use gloo", "backend");
-	if (t->compute_device != EMBD_DEVICE_CPU)
+	/* GPU ranks exchange through host memory like CPU ranks: gloo serves both for now */
+	if (c->backend == EMBD_COMM_NCCL)
 		return embd_fail(err, err_len, EMBD_ENOTSUP,
-			    "config key '%s': compute_device must be cpu in this build", "topology");
+			    "config key '%s': nccl inside the service is not built yet; use gloo "
+			    "(GPU nodes exchange through host memory)", "backend");
 	if (c->tables.count == 0)
 		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
 	if (c->step_wait_abort_ms && c->step_wait_abort_ms <= c->step_wait_warn_ms)
@@ -498,6 +500,10 @@ static int read_planner_parts(const cJSON *root, struct embd_config *c, char *er
 	int rc = topology ? embd_plan_topology_parse(topology, &c->topology, err, err_len)
 			  : parse_default_part(false, c, err, err_len);
 
+	c->world_size_given = topology &&
+			      cJSON_GetObjectItemCaseSensitive(topology, "world_size");
+	c->local_world_size_given = topology &&
+				    cJSON_GetObjectItemCaseSensitive(topology, "local_world_size");
 	if (!rc)
 		rc = embd_plan_topology_validate(&c->topology, err, err_len);
 	if (!rc)
@@ -509,6 +515,7 @@ static int read_planner_parts(const cJSON *root, struct embd_config *c, char *er
 /* The defaults that follow from other keys, or from whether a key was given at all. */
 static void resolve_defaults(const cJSON *root, struct embd_config *c)
 {
+	c->trainers_per_node_given = c->trainers_per_node != 0;
 	if (!c->trainers_per_node)
 		c->trainers_per_node = (uint32_t)c->topology.local_world_size;
 	/* an explicit empty list means nobody by uid */
@@ -625,4 +632,26 @@ void embd_config_free(struct embd_config *config)
 	if (!config)
 		return;
 	embd_plan_tables_free(&config->tables);
+}
+
+int embd_config_resolve_devices(struct embd_config *c, uint32_t devices, char *err,
+				size_t err_len)
+{
+	struct embd_topology *t = &c->topology;
+
+	if (t->compute_device != EMBD_DEVICE_CUDA)
+		return 0;
+	if (!c->local_world_size_given && devices) {
+		t->local_world_size = (int32_t)devices;
+		if (!c->world_size_given)
+			t->world_size = (int32_t)devices;
+		if (!c->trainers_per_node_given)
+			c->trainers_per_node = devices;
+	}
+	if ((uint32_t)t->local_world_size > devices)
+		return embd_fail(err, err_len, EMBD_ENOTSUP,
+			    "config key '%s': local_world_size %d asks for more GPUs than the %u "
+			    "this process can use (CUDA_VISIBLE_DEVICES)", "topology",
+			    t->local_world_size, devices);
+	return check(c, err, err_len);
 }

@@ -160,6 +160,8 @@ struct embd_config {
 	int collective_timeout_ms;
 	int store_timeout_ms;                           /* resolved: never 0 after parsing */
 	char metrics_listen[64];                        /* "" = no metrics endpoint */
+	/* whether the config gave them (embd_config_resolve_devices fills the others in) */
+	bool world_size_given, local_world_size_given, trainers_per_node_given;
 };
 
 /* metrics_listen's form: "address:port" with a numeric IPv4 address or a bracketed IPv6 one
@@ -168,6 +170,15 @@ struct embd_config {
 struct sockaddr_storage;
 bool embd_config_listen_addr(const char *text, struct sockaddr_storage *addr);
 extern const char embd_config_listen_why[];
+
+/*
+ * compute_device cuda, once the daemon counted the GPUs it can use (`devices`): a
+ * local_world_size the config did not give becomes that count (and world_size, when not given
+ * either, the same; trainers_per_node's default follows), and a local_world_size above it is
+ * refused naming both numbers. Nothing changes for cpu.
+ */
+int embd_config_resolve_devices(struct embd_config *c, uint32_t devices, char *err,
+				size_t err_len);
 
 /* Nodes of the cluster: world_size / local_world_size. */
 static inline uint32_t embd_config_nodes(const struct embd_config *c)

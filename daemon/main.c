@@ -305,13 +305,41 @@ static int plan_node(struct daemon *d)
 	return 0;
 }
 
-/* The CPU ranks with their shards, and the step engine over them (and the cluster's comm). */
+/*
+ * GPU ranks: the GPUs this process may use, counted before anything is planned (a
+ * local_world_size the config left out becomes their number). Without one, a single line
+ * says so with the driver's reason, and embd exits.
+ */
+static int resolve_devices(struct embd_config *c)
+{
+	char err[512] = "";
+	uint32_t devices = 0;
+	int rc;
+
+	if (c->topology.compute_device == EMBD_DEVICE_CPU)
+		return 0;
+	rc = embd_ranks_device_count(c->topology.compute_device, &devices, err, sizeof(err));
+	if (!rc)
+		rc = embd_config_resolve_devices(c, devices, err, sizeof(err));
+	if (rc)
+		embd_log_error("compute_device %s: %s",
+			       embd_plan_device_name(c->topology.compute_device), err);
+	else
+		embd_log_info("compute_device %s: %u visible, %d ranks, %u trainers",
+			      embd_plan_device_name(c->topology.compute_device), devices,
+			      c->topology.local_world_size, c->trainers_per_node);
+	return rc;
+}
+
+/* The ranks (CPU groups or GPUs) with their shards, and the step engine over them (and the
+ * cluster's comm). */
 static int start_engine(struct daemon *d, char *err, size_t err_len)
 {
 	const struct embd_config *c = &d->config;
 	struct embd_regroup *rg = d->cluster.regroup;
-	int rc = embd_ranks_create((uint32_t)c->topology.local_world_size, c->threads_per_rank,
-				   &d->ranks, err, err_len);
+	int rc = embd_ranks_create_on(c->topology.compute_device,
+				      (uint32_t)c->topology.local_world_size, c->threads_per_rank,
+				      &d->ranks, err, err_len);
 
 	if (rc)
 		return rc;
@@ -403,7 +431,7 @@ int main(int argc, char **argv)
 	if (rc >= 0)
 		return rc;
 	embd_log_init();
-	if (load_config(&a, &d.config))
+	if (load_config(&a, &d.config) || resolve_devices(&d.config))
 		return 1;
 	rc = open_signals(&d.sigfd);
 	if (!rc)

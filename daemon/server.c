@@ -60,6 +60,8 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 	}
 	if (c->region)
 		embd_evloop_remove(sv->loop, TAG(TAG_DOORBELL, slot));
+	if (c->slab_registered)
+		embd_ranks_host_unregister(sv->ranks, embd_region_slab(c->region));
 	embd_region_destroy(c->region);
 	if (c->eventfd >= 0)
 		close(c->eventfd);
@@ -295,6 +297,12 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	rc = embd_region_create(&c->region, &p, name, err, err_len);
 	if (rc)
 		return rc;
+	/* GPU ranks copy ids in and pooled rows out of the slab by DMA, without a bounce */
+	rc = embd_ranks_host_register(sv->ranks, embd_region_slab(c->region),
+				      embd_region_slab_bytes(c->region), err, err_len);
+	if (rc)
+		return rc;
+	c->slab_registered = true;
 	c->lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
 	c->next_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
 	c->eval_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));

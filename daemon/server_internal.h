@@ -48,6 +48,7 @@ struct client {
 	bool spoke;                     /* sent a message: no longer pending */
 	uint64_t accepted_ns;
 	struct embd_region *region;
+	bool slab_registered;           /* with the ranks' devices (DMA straight to the slab) */
 	int eventfd;
 	struct embd_doorbell sq_db, cq_db;
 	struct embd_batch_limits limits;

@@ -1,11 +1,13 @@
 /*
- * The node's CPU ranks (engine/ranks.h). Each rank is a driver thread that sleeps on one
+ * The node's ranks (engine/ranks.h). Each rank is a driver thread that sleeps on one
  * condition variable shared by all ranks; embd_ranks_run bumps a generation number, every
  * driver runs the function once for that generation, and the last one to finish wakes the
  * caller. A step has a handful of such phases, so a condvar round trip per phase is cheap next
- * to the lookups themselves.
+ * to the lookups themselves. The device work of a rank goes through its backend
+ * (engine/backend.h); which side of a shard is newer (device or host view) is kept here.
  */
 #include "engine/ranks.h"
+#include "engine/backend.h"
 
 #include <numa.h>
 #include <pthread.h>
@@ -14,14 +16,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
+
+/* Which copy of a shard's rows is newer; both are equal where the host view is the shard. */
+enum side { SIDE_SAME, SIDE_DEVICE_NEWER, SIDE_HOST_NEWER };
 
 struct rank_alloc {
 	struct rank_alloc *next;
-	struct embd_shard *shard;
+	struct embd_backend_shard b;
 	uint32_t rank;
-	void *mem[3];                   /* weights, momentum1, momentum2 */
-	uint64_t bytes[3];
+	enum side side;
 };
 
 struct rank {
@@ -32,11 +35,15 @@ struct rank {
 	pthread_t thread;
 	bool started;
 	struct embd_workers *workers;
+	struct embd_backend_rank *dev;  /* the backend's, opened on the driver thread */
+	bool dev_open;
 	uint64_t memory_bytes;
 };
 
 struct embd_ranks {
 	uint32_t num_ranks, threads_per_rank;
+	enum embd_compute_device device;
+	const struct embd_backend *backend;
 	bool numa;
 	struct rank *ranks;
 	struct rank_alloc *allocs;
@@ -60,6 +67,10 @@ static void *rank_main(void *p)
 
 	/* the pool pins this thread to cpus[0]: it is worker 0 of every kernel call */
 	int rc = embd_workers_create(rs->threads_per_rank, r->cpus, &r->workers, err, sizeof(err));
+	/* a device context belongs to the thread that drives it (CUDA: its current device) */
+	if (!rc)
+		rc = rs->backend->rank_open(r->index, &r->dev, err, sizeof(err));
+	r->dev_open = !rc;
 	pthread_mutex_lock(&rs->mu);
 	if (rc && !rs->start_rc) {
 		rs->start_rc = rc;
@@ -83,6 +94,8 @@ static void *rank_main(void *p)
 			pthread_cond_broadcast(&rs->done);
 	}
 	pthread_mutex_unlock(&rs->mu);
+	if (r->dev_open)
+		rs->backend->rank_close(r->dev);
 	embd_workers_destroy(r->workers);
 	return NULL;
 }
@@ -119,11 +132,14 @@ static int assign_cpus(struct embd_ranks *rs, char *err, size_t err_len)
 		return EMBD_ENOMEM;
 	for (uint32_t i = 0; i < rs->num_ranks; i++) {
 		struct rank *r = &rs->ranks[i];
-		r->node = (int)((uint64_t)i * (uint64_t)nodes / rs->num_ranks);
+		/* a device attached to a node keeps its rank there; CPU ranks spread in order */
+		int dev_node = rs->backend->numa_node(i);
+		r->node = dev_node >= 0 && dev_node < nodes ? dev_node :
+			  (int)((uint64_t)i * (uint64_t)nodes / rs->num_ranks);
 		/* position of rank i among the ranks of its node */
-		uint32_t first = 0;
-		while ((int)((uint64_t)first * (uint64_t)nodes / rs->num_ranks) != r->node)
-			first++;
+		uint32_t pos = 0;
+		for (uint32_t j = 0; j < i; j++)
+			pos += rs->ranks[j].node == r->node;
 		uint32_t n = node_cpus(rs->numa, r->node, avail, CPU_SETSIZE);
 		if (!n) {
 			free(avail);
@@ -131,23 +147,72 @@ static int assign_cpus(struct embd_ranks *rs, char *err, size_t err_len)
 			return EMBD_EINVAL;
 		}
 		for (uint32_t t = 0; t < rs->threads_per_rank; t++)
-			r->cpus[t] = avail[((i - first) * rs->threads_per_rank + t) % n];
+			r->cpus[t] = avail[(pos * rs->threads_per_rank + t) % n];
 	}
 	free(avail);
 	return 0;
 }
 
+static const struct embd_backend *backend_of(enum embd_compute_device device, char *err,
+					     size_t err_len)
+{
+	if (device == EMBD_DEVICE_CPU)
+		return &embd_backend_cpu;
+	if (device == EMBD_DEVICE_CUDA) {
+#ifdef EMBD_HAVE_CUDA
+		return &embd_backend_cuda;
+#else
+		snprintf(err, err_len, "no CUDA device: this embd was built without CUDA (no nvcc "
+			 "at build time)");
+		return NULL;
+#endif
+	}
+	snprintf(err, err_len, "compute_device %d: unknown", (int)device);
+	return NULL;
+}
+
+int embd_ranks_device_count(enum embd_compute_device device, uint32_t *count, char *err,
+			    size_t err_len)
+{
+	const struct embd_backend *b = backend_of(device, err, err_len);
+
+	*count = 0;
+	return b ? b->count(count, err, err_len) : EMBD_ENOTSUP;
+}
+
 int embd_ranks_create(uint32_t num_ranks, uint32_t threads_per_rank, struct embd_ranks **out,
 		      char *err, size_t err_len)
 {
+	return embd_ranks_create_on(EMBD_DEVICE_CPU, num_ranks, threads_per_rank, out, err,
+				    err_len);
+}
+
+int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
+			 uint32_t threads_per_rank, struct embd_ranks **out, char *err,
+			 size_t err_len)
+{
+	const struct embd_backend *backend = backend_of(device, err, err_len);
 	struct embd_ranks *rs;
+	uint32_t devices = 0;
 	int rc;
 
 	*out = NULL;
+	if (!backend)
+		return EMBD_ENOTSUP;
 	if (!num_ranks || !threads_per_rank) {
 		snprintf(err, err_len, "ranks %u and threads_per_rank %u must be at least 1",
 			 num_ranks, threads_per_rank);
 		return EMBD_EINVAL;
+	}
+	if (device != EMBD_DEVICE_CPU) {
+		if ((rc = backend->count(&devices, err, err_len)))
+			return rc;
+		if (devices < num_ranks) {
+			snprintf(err, err_len, "local_world_size %u asks for %u %s devices, this "
+				 "machine has %u visible", num_ranks, num_ranks, backend->name,
+				 devices);
+			return EMBD_ENOTSUP;
+		}
 	}
 	rs = calloc(1, sizeof(*rs));
 	if (!rs)
@@ -155,6 +220,8 @@ int embd_ranks_create(uint32_t num_ranks, uint32_t threads_per_rank, struct embd
 	pthread_mutex_init(&rs->mu, NULL);
 	pthread_cond_init(&rs->go, NULL);
 	pthread_cond_init(&rs->done, NULL);
+	rs->device = device;
+	rs->backend = backend;
 	rs->num_ranks = num_ranks;
 	rs->threads_per_rank = threads_per_rank;
 	rs->numa = numa_available() >= 0;
@@ -206,6 +273,9 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 {
 	if (!rs)
 		return;
+	/* before the threads close their devices' contexts */
+	while (rs->ranks && rs->allocs)
+		embd_ranks_free_shard(rs, rs->allocs->b.shard);
 	if (rs->ranks) {
 		pthread_mutex_lock(&rs->mu);
 		rs->stop = true;
@@ -217,8 +287,6 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 			free(rs->ranks[i].cpus);
 		}
 	}
-	while (rs->allocs)
-		embd_ranks_free_shard(rs, rs->allocs->shard);
 	free(rs->ranks);
 	pthread_cond_destroy(&rs->go);
 	pthread_cond_destroy(&rs->done);
@@ -229,6 +297,11 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 uint32_t embd_ranks_count(const struct embd_ranks *rs)
 {
 	return rs->num_ranks;
+}
+
+enum embd_compute_device embd_ranks_device(const struct embd_ranks *rs)
+{
+	return rs->device;
 }
 
 int embd_ranks_node(const struct embd_ranks *rs, uint32_t rank)
@@ -254,37 +327,12 @@ void embd_ranks_run(struct embd_ranks *rs, embd_ranks_fn fn, void *arg)
 	pthread_mutex_unlock(&rs->mu);
 }
 
-static void free_mem(bool numa, void *p, uint64_t bytes)
-{
-	if (!p)
-		return;
-	if (numa)
-		numa_free(p, bytes);
-	else
-		free(p);
-}
-
-static void *alloc_mem(bool numa, int node, uint64_t bytes)
-{
-	if (!bytes)
-		return NULL;
-	if (numa) {
-		void *p = numa_alloc_onnode(bytes, node);  /* page aligned (mmap) */
-		/* Random row reads miss the TLB on 4 KiB pages (kernels/shard.c measured 5-10x on
-		 * backward): let transparent huge pages back the 2 MiB-aligned parts. */
-		if (p && bytes >= (2u << 20))
-			madvise(p, bytes, MADV_HUGEPAGE);
-		return p;
-	}
-	uint64_t rounded = (bytes + 63) & ~(uint64_t)63;
-	return aligned_alloc(64, rounded);
-}
-
 int embd_ranks_alloc_shard(struct embd_ranks *rs, uint32_t rank,
-			   const struct embd_shard_desc *desc, struct embd_shard **out, char *err,
-			   size_t err_len)
+			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
+			   struct embd_shard **out, char *err, size_t err_len)
 {
-	struct rank_alloc *a = NULL;
+	struct rank_alloc *a;
+	char inner[192] = "";
 	int rc;
 
 	*out = NULL;
@@ -295,46 +343,147 @@ int embd_ranks_alloc_shard(struct embd_ranks *rs, uint32_t rank,
 	a = calloc(1, sizeof(*a));
 	if (!a)
 		return EMBD_ENOMEM;
-	rc = embd_shard_sizes(desc, &a->bytes[0], &a->bytes[1], &a->bytes[2], err, err_len);
-	if (rc)
-		goto out;
-	rc = EMBD_ENOMEM;
-	for (int i = 0; i < 3; i++) {
-		a->mem[i] = alloc_mem(rs->numa, rs->ranks[rank].node, a->bytes[i]);
-		if (a->bytes[i] && !a->mem[i]) {
-			snprintf(err, err_len, "rank %u: cannot allocate %llu bytes on NUMA node %d",
-				 rank, (unsigned long long)a->bytes[i], rs->ranks[rank].node);
-			goto out;
-		}
+	rc = rs->backend->shard_alloc(rs->ranks[rank].dev, rs->numa, rs->ranks[rank].node, desc,
+				      kernel, &a->b, inner, sizeof(inner));
+	if (rc) {
+		snprintf(err, err_len, "rank %u (%s): %s", rank, rs->backend->name, inner);
+		free(a);
+		return rc;
 	}
-	rc = embd_shard_create_in(desc, a->mem[0], a->mem[1], a->mem[2], &a->shard, err, err_len);
-	if (rc)
-		goto out;
 	a->rank = rank;
 	a->next = rs->allocs;
 	rs->allocs = a;
-	rs->ranks[rank].memory_bytes += a->bytes[0] + a->bytes[1] + a->bytes[2];
-	*out = a->shard;
+	rs->ranks[rank].memory_bytes += a->b.device_bytes;
+	if (a->b.host == a->b.shard || a->b.registered)
+		rs->ranks[rank].memory_bytes += a->b.bytes[0] + a->b.bytes[1] + a->b.bytes[2];
+	*out = a->b.shard;
 	return 0;
-out:
-	for (int i = 0; i < 3; i++)
-		free_mem(rs->numa, a->mem[i], a->bytes[i]);
-	free(a);
-	return rc;
+}
+
+static struct rank_alloc *find(const struct embd_ranks *rs, const struct embd_shard *shard)
+{
+	for (struct rank_alloc *a = rs->allocs; a; a = a->next)
+		if (a->b.shard == shard)
+			return a;
+	return NULL;
 }
 
 void embd_ranks_free_shard(struct embd_ranks *rs, struct embd_shard *shard)
 {
 	for (struct rank_alloc **p = &rs->allocs; *p; p = &(*p)->next) {
 		struct rank_alloc *a = *p;
-		if (a->shard != shard)
+		if (a->b.shard != shard)
 			continue;
 		*p = a->next;
-		embd_shard_destroy(a->shard);
-		for (int i = 0; i < 3; i++)
-			free_mem(rs->numa, a->mem[i], a->bytes[i]);
-		rs->ranks[a->rank].memory_bytes -= a->bytes[0] + a->bytes[1] + a->bytes[2];
+		struct rank *r = &rs->ranks[a->rank];
+		r->memory_bytes -= a->b.device_bytes;
+		if (a->b.host == a->b.shard || a->b.registered)
+			r->memory_bytes -= a->b.bytes[0] + a->b.bytes[1] + a->b.bytes[2];
+		rs->backend->shard_free(r->dev, rs->numa, &a->b);
 		free(a);
 		return;
 	}
+}
+
+struct embd_shard *embd_ranks_shard_host(const struct embd_ranks *rs,
+					 const struct embd_shard *shard)
+{
+	const struct rank_alloc *a = find(rs, shard);
+
+	return a ? a->b.host : NULL;
+}
+
+int embd_ranks_shard_pull(struct embd_ranks *rs, struct embd_shard *shard, char *err,
+			  size_t err_len)
+{
+	struct rank_alloc *a = find(rs, shard);
+	int rc;
+
+	if (!a || a->side != SIDE_DEVICE_NEWER)
+		return 0;
+	rc = rs->backend->pull(rs->ranks[a->rank].dev, &a->b, err, err_len);
+	if (!rc)
+		a->side = SIDE_SAME;
+	return rc;
+}
+
+void embd_ranks_shard_changed(struct embd_ranks *rs, struct embd_shard *shard)
+{
+	struct rank_alloc *a = find(rs, shard);
+
+	if (a && rs->backend->push)
+		a->side = SIDE_HOST_NEWER;
+}
+
+static int push(struct embd_ranks *rs, struct rank_alloc *a, char *err, size_t err_len)
+{
+	if (a->side != SIDE_HOST_NEWER)
+		return 0;
+	int rc = rs->backend->push(rs->ranks[a->rank].dev, &a->b, err, err_len);
+	if (!rc)
+		a->side = SIDE_SAME;
+	return rc;
+}
+
+int embd_ranks_shard_push(struct embd_ranks *rs, struct embd_shard *shard, char *err,
+			  size_t err_len)
+{
+	struct rank_alloc *a = find(rs, shard);
+
+	return a ? push(rs, a, err, err_len) : 0;
+}
+
+/* Before a rank's kernels run: the host views written since hand their rows to the device. */
+static int push_rank(struct embd_ranks *rs, uint32_t rank, struct embd_kernel_err *kerr)
+{
+	for (struct rank_alloc *a = rs->allocs; a; a = a->next) {
+		if (a->rank != rank)
+			continue;
+		int rc = push(rs, a, kerr->msg, sizeof(kerr->msg));
+		if (rc) {
+			kerr->feature = 0;
+			kerr->sample = kerr->id = -1;
+			return rc;
+		}
+	}
+	return 0;
+}
+
+int embd_ranks_forward(struct embd_ranks *rs, uint32_t rank, const struct embd_exec *exec,
+		       const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err)
+{
+	int rc = push_rank(rs, rank, err);
+
+	return rc ? rc : rs->backend->forward(rs->ranks[rank].dev, exec, batches, n, err);
+}
+
+int embd_ranks_backward(struct embd_ranks *rs, uint32_t rank, const struct embd_exec *exec,
+			struct embd_shard *shard, const struct embd_bag_batch *batches, uint32_t n,
+			struct embd_kernel_err *err)
+{
+	struct rank_alloc *a = find(rs, shard);
+	int rc = push_rank(rs, rank, err);
+
+	if (rc)
+		return rc;
+	rc = rs->backend->backward(rs->ranks[rank].dev, exec, shard, batches, n, err);
+	/* even a failed call may have changed rows on a device that reports late */
+	if (a && rs->backend->pull)
+		a->side = SIDE_DEVICE_NEWER;
+	return rc;
+}
+
+int embd_ranks_host_register(struct embd_ranks *rs, void *p, size_t bytes, char *err,
+			     size_t err_len)
+{
+	/* registration is process-wide (every GPU may DMA): rank 0's device does it */
+	if (!rs->backend->host_register || !rs->num_ranks)
+		return 0;
+	return rs->backend->host_register(rs->ranks[0].dev, p, bytes, err, err_len);
+}
+
+void embd_ranks_host_unregister(struct embd_ranks *rs, void *p)
+{
+	if (rs->backend->host_unregister && rs->num_ranks)
+		rs->backend->host_unregister(rs->ranks[0].dev, p);
 }

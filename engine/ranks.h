@@ -1,7 +1,10 @@
 /*
- * engine/ranks.h - the node's CPU ranks: for each rank one driver thread that owns a pinned
- * worker pool (kernels/workers.h) and the memory of the rank's shards, taken from the rank's
- * NUMA node (libnuma) or from plain aligned allocation where NUMA is absent.
+ * engine/ranks.h - the node's ranks: for each rank one driver thread that owns a pinned
+ * worker pool (kernels/workers.h) and the memory of the rank's shards. A rank computes on a
+ * device: the CPU (its shards in host memory on the rank's NUMA node, libnuma, or plain aligned
+ * memory where NUMA is absent) or one GPU (its shards in HBM or, fused_uvm, in pinned host
+ * memory the GPU reads in place; its threads and host buffers on the GPU's NUMA node). The
+ * device work goes through a backend table (engine/backend.h); everything here is shared.
  *
  * The step engine hands every rank the same function at once (embd_ranks_run) and waits for
  * all: ranks work in parallel, each on its own shards, so no two threads ever touch one shard.
@@ -14,9 +17,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "embd/plan.h"
 #include "kernels/embedding.h"
 
 struct embd_ranks;
+
+/*
+ * Devices of kind `device` this process can use (CUDA: the GPUs CUDA_VISIBLE_DEVICES leaves
+ * visible; CPU: the NUMA nodes). When there is none, an error and err in one line saying why:
+ * "no CUDA device: cudaGetDeviceCount: <the driver's reason>", or that this build has no CUDA.
+ */
+int embd_ranks_device_count(enum embd_compute_device device, uint32_t *count, char *err,
+			    size_t err_len);
 
 /*
  * Starts num_ranks driver threads, each with threads_per_rank workers pinned to CPUs of its
@@ -25,13 +37,23 @@ struct embd_ranks;
  */
 int embd_ranks_create(uint32_t num_ranks, uint32_t threads_per_rank, struct embd_ranks **out,
 		      char *err, size_t err_len);
+/*
+ * The same on `device`. CUDA: rank r is visible GPU r (EMBD_ENOTSUP when there are fewer
+ * GPUs than ranks, naming both numbers), each with its own stream, scratch and
+ * error word, its threads on CPUs of the GPU's NUMA node (the PCI device's numa_node).
+ */
+int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
+			 uint32_t threads_per_rank, struct embd_ranks **out, char *err,
+			 size_t err_len);
 /* Joins the threads and frees every shard still allocated. NULL is a no-op. */
 void embd_ranks_destroy(struct embd_ranks *ranks);
 
 uint32_t embd_ranks_count(const struct embd_ranks *ranks);
+enum embd_compute_device embd_ranks_device(const struct embd_ranks *ranks);
 /* The NUMA node of rank (0 where NUMA is absent). */
 int embd_ranks_node(const struct embd_ranks *ranks, uint32_t rank);
-/* Bytes of shard memory (weights and optimizer state) allocated on rank. */
+/* Bytes of shard memory (weights and optimizer state) allocated on rank: host memory on the
+ * CPU, HBM plus fused_uvm host rows on a GPU (not counting the host copies of HBM shards). */
 uint64_t embd_ranks_memory_bytes(const struct embd_ranks *ranks, uint32_t rank);
 
 /* fn(arg, rank, exec) on every rank's driver thread at once; returns when all returned.
@@ -40,12 +62,48 @@ typedef void (*embd_ranks_fn)(void *arg, uint32_t rank, const struct embd_exec *
 void embd_ranks_run(struct embd_ranks *ranks, embd_ranks_fn fn, void *arg);
 
 /*
- * A shard of desc in rank's memory (uninitialised: initialise it from embd_ranks_run so the
- * rank's thread touches it first). Freed by embd_ranks_free_shard or embd_ranks_destroy.
+ * A shard of desc in rank's memory for compute kernel `kernel` (uninitialised: initialise its
+ * host view from embd_ranks_run so the rank's thread touches it first, then mark it changed).
+ * CUDA: fused and dense in HBM, fused_uvm in pinned mapped host memory; fused_uvm_caching is
+ * refused (EMBD_ENOTSUP: not built yet). Freed by embd_ranks_free_shard or embd_ranks_destroy.
  */
 int embd_ranks_alloc_shard(struct embd_ranks *ranks, uint32_t rank,
-			   const struct embd_shard_desc *desc, struct embd_shard **out, char *err,
-			   size_t err_len);
+			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
+			   struct embd_shard **out, char *err, size_t err_len);
 void embd_ranks_free_shard(struct embd_ranks *ranks, struct embd_shard *shard);
+
+/*
+ * The shard's rows in host memory (engine/backend.h: the shard itself on the CPU, a copy of
+ * an HBM shard, the rows of a fused_uvm shard). Between steps it reads as the shard after
+ * embd_ranks_shard_pull; whoever writes it calls embd_ranks_shard_changed, and the device gets
+ * the rows before its next kernel call.
+ */
+struct embd_shard *embd_ranks_shard_host(const struct embd_ranks *ranks,
+					 const struct embd_shard *shard);
+int embd_ranks_shard_pull(struct embd_ranks *ranks, struct embd_shard *shard, char *err,
+			  size_t err_len);
+void embd_ranks_shard_changed(struct embd_ranks *ranks, struct embd_shard *shard);
+/* Hands a changed host view to the device now (errors at once rather than at the next step). */
+int embd_ranks_shard_push(struct embd_ranks *ranks, struct embd_shard *shard, char *err,
+			  size_t err_len);
+
+/*
+ * The kernels of a rank, from inside embd_ranks_run on that rank (exec: the one it was given):
+ * embd_kernels_forward and _backward with the batches' arrays in host memory, on the rank's
+ * device. Returns once the results are in host memory.
+ */
+int embd_ranks_forward(struct embd_ranks *ranks, uint32_t rank, const struct embd_exec *exec,
+		       const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err);
+int embd_ranks_backward(struct embd_ranks *ranks, uint32_t rank, const struct embd_exec *exec,
+			struct embd_shard *shard, const struct embd_bag_batch *batches, uint32_t n,
+			struct embd_kernel_err *err);
+
+/*
+ * Host memory the ranks' devices read and write by DMA (a trainer's slab: ids in, pooled rows
+ * out); a no-op on the CPU. Unregister before unmapping it.
+ */
+int embd_ranks_host_register(struct embd_ranks *ranks, void *p, size_t bytes, char *err,
+			     size_t err_len);
+void embd_ranks_host_unregister(struct embd_ranks *ranks, void *p);
 
 #endif /* EMBD_ENGINE_RANKS_H */

@@ -57,10 +57,30 @@ void vec_free(struct vec *v)
 static void init_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 {
 	struct embd_step *s = arg;
-	const struct rank_shards *rs = &s->rank_shards[rank];
+	struct rank_shards *rs = &s->rank_shards[rank];
 
-	for (uint32_t i = 0; i < rs->num_shards; i++)
-		embd_shard_init_weights(s->shards[rs->shards[i]].shard, s->seed, exec);
+	/* the host view, on this rank's thread (first touch on its node), then the device's */
+	for (uint32_t i = 0; i < rs->num_shards; i++) {
+		const struct step_shard *ss = &s->shards[rs->shards[i]];
+		embd_shard_init_weights(ss->host, s->seed, exec);
+		embd_ranks_shard_changed(s->ranks, ss->shard);
+	}
+	for (uint32_t i = 0; i < rs->num_shards && !rs->init_rc; i++)
+		rs->init_rc = embd_ranks_shard_push(s->ranks, s->shards[rs->shards[i]].shard,
+						    rs->init_err, sizeof(rs->init_err));
+}
+
+/* Initialises every shard on its rank; the first failure in err. */
+static int init_shards(struct embd_step *s, char *err, size_t err_len)
+{
+	embd_ranks_run(s->ranks, init_rank, s);
+	for (uint32_t r = 0; r < s->num_ranks; r++)
+		if (s->rank_shards[r].init_rc) {
+			snprintf(err, err_len, "rank %u: initialising its shards: %s", r,
+				 s->rank_shards[r].init_err);
+			return s->rank_shards[r].init_rc;
+		}
+	return 0;
 }
 
 static int build_layout(struct embd_step *s, const struct embd_tables *tables,
@@ -181,12 +201,14 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			if (ss->node != s->node)
 				continue;       /* another node's memory */
 			char inner[192];
-			rc = embd_ranks_alloc_shard(s->ranks, ss->local, &ss->desc, &ss->shard, inner,
-						    sizeof(inner));
+			rc = embd_ranks_alloc_shard(s->ranks, ss->local, &ss->desc, pt->compute_kernel,
+						    &ss->shard, inner, sizeof(inner));
 			if (rc) {
-				snprintf(err, err_len, "table '%s' shard %u: %s", spec->name, k, inner);
+				snprintf(err, err_len, "table '%s' shard %u (%s): %s", spec->name, k,
+					 embd_plan_kernel_name(pt->compute_kernel), inner);
 				return rc;
 			}
+			ss->host = embd_ranks_shard_host(s->ranks, ss->shard);
 			s->tables[t].num_local++;
 			struct rank_shards *rs = &s->rank_shards[ss->local];
 			rs->shards[rs->num_shards++] = s->tables[t].first_shard + k;
@@ -281,13 +303,14 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 		rc = pass_alloc(s, &s->eval);
 	if (!rc && nodes > 1)
 		rc = step_dist_create(s, cluster, err, err_len);
+	if (!rc)
+		rc = init_shards(s, err, err_len);
 	if (rc)
 		goto out;
-	embd_ranks_run(ranks, init_rank, s);
 	*out = s;
 	return 0;
 out:
-	if (rc == EMBD_ENOMEM)
+	if (rc == EMBD_ENOMEM && err_len && !err[0])
 		snprintf(err, err_len, "out of memory creating the step engine");
 	embd_step_destroy(s);
 	return rc;
@@ -400,7 +423,7 @@ static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 	for (uint64_t i = 0; i < io->items.len; i++)
 		if (VEC_AT(io->items, struct step_item, i)->forward)
 			all[n++] = all[i];
-	io->rc = n ? embd_kernels_forward(exec, all, (uint32_t)n, &io->kerr) : 0;
+	io->rc = n ? embd_ranks_forward(s->ranks, rank, exec, all, (uint32_t)n, &io->kerr) : 0;
 }
 
 static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
@@ -417,11 +440,12 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
 		uint64_t first = i;
 		while (i < io->items.len && VEC_AT(io->items, struct step_item, i)->shard == shard)
 			i++;
+		/* the hook reads the host view: rows a snapshot saw at its boundary (step.h) */
 		if (s->update_hook && i > first)
-			s->update_hook(s->update_hook_arg, s->shards[shard].shard, all + first,
+			s->update_hook(s->update_hook_arg, s->shards[shard].host, all + first,
 				       (uint32_t)(i - first));
-		io->rc = embd_kernels_backward(exec, s->shards[shard].shard, all + first,
-					       (uint32_t)(i - first), &io->kerr);
+		io->rc = embd_ranks_backward(s->ranks, rank, exec, s->shards[shard].shard,
+					     all + first, (uint32_t)(i - first), &io->kerr);
 	}
 }
 
@@ -774,9 +798,12 @@ int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row
 		if (row < d->row_offset || row >= d->row_offset + d->rows || col < d->col_offset ||
 		    col >= d->col_offset + d->cols)
 			continue;
+		char err[192];
+		if (embd_ranks_shard_pull(s->ranks, ss->shard, err, sizeof(err)))
+			return EMBD_EIO;
 		uint64_t i = (uint64_t)(row - d->row_offset) * d->cols + (col - d->col_offset);
-		*out = d->dtype == EMBD_DTYPE_FP16 ? embd_fp16_to_fp32(((uint16_t *)ss->shard->weights)[i])
-						   : ((float *)ss->shard->weights)[i];
+		*out = d->dtype == EMBD_DTYPE_FP16 ? embd_fp16_to_fp32(((uint16_t *)ss->host->weights)[i])
+						   : ((float *)ss->host->weights)[i];
 		return 0;
 	}
 	return EMBD_ENOENT;
@@ -804,7 +831,27 @@ void embd_step_shard_view(const struct embd_step *s, uint32_t i, struct embd_ste
 	const struct step_table *t = &s->tables[ss->table];
 
 	*out = (struct embd_step_shard_view){
-		.table = ss->table, .rank = ss->rank, .shard = ss->shard,
+		.table = ss->table, .rank = ss->rank, .shard = ss->host,
 		.replica = t->num_replicas > 1 && i != t->first_shard,
 	};
+}
+
+int embd_step_shards_pull(struct embd_step *s, char *err, size_t err_len)
+{
+	for (uint32_t i = 0; i < s->num_shards; i++) {
+		const struct step_shard *ss = &s->shards[i];
+		if (!ss->shard)
+			continue;
+		int rc = embd_ranks_shard_pull(s->ranks, ss->shard, err, err_len);
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
+void embd_step_shards_changed(struct embd_step *s)
+{
+	for (uint32_t i = 0; i < s->num_shards; i++)
+		if (s->shards[i].shard)
+			embd_ranks_shard_changed(s->ranks, s->shards[i].shard);
 }

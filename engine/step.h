@@ -307,7 +307,7 @@ struct embd_step_shard_view {
 	uint32_t table;                 /* index into the tables the step was created with */
 	uint32_t rank;
 	bool replica;                   /* a data_parallel copy other than the table's first */
-	struct embd_shard *shard;       /* desc, weights, momentum1/2, step */
+	struct embd_shard *shard;       /* desc, weights, momentum1/2, step: the host view */
 };
 
 /*
@@ -319,6 +319,15 @@ struct embd_step_shard_view {
 typedef void (*embd_step_update_hook)(void *arg, const struct embd_shard *shard,
 				      const struct embd_bag_batch *batches, uint32_t n);
 void embd_step_set_update_hook(struct embd_step *s, embd_step_update_hook hook, void *arg);
+
+/*
+ * The views' shards are host memory (engine/ranks.h's host view): on GPU ranks a copy of an
+ * HBM shard or the rows of a fused_uvm one. Before reading them between steps bring them up to
+ * date (a device -> host copy of each shard a backward changed since; nothing on CPU ranks);
+ * after writing them say so, and the devices get the rows before the next step.
+ */
+int embd_step_shards_pull(struct embd_step *step, char *err, size_t err_len);
+void embd_step_shards_changed(struct embd_step *step);
 
 /* Shards of every table on this node, in plan order. */
 uint32_t embd_step_num_shards(const struct embd_step *step);

@@ -34,7 +34,9 @@
 #define NO_IO UINT32_MAX
 
 struct step_shard {
-	struct embd_shard *shard;               /* NULL when the shard lives on another node */
+	struct embd_shard *shard;               /* NULL when the shard lives on another node;
+						   the kernels' (device memory on a GPU rank) */
+	struct embd_shard *host;                /* its host view (engine/ranks.h), or NULL */
 	struct embd_shard_desc desc;            /* known for every shard of the plan */
 	uint32_t table;
 	uint32_t rank;                          /* global rank */
@@ -102,6 +104,8 @@ struct rank_io {
 struct rank_shards {
 	uint32_t *shards;
 	uint32_t num_shards;
+	int init_rc;                            /* initialising the shards at creation */
+	char init_err[192];
 };
 
 /* One pass over the batches, from routing to assembly (see the top of this file). */

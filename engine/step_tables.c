@@ -168,6 +168,19 @@ static void copy_in(struct embd_shard *sh, enum embd_step_array a, int64_t row, 
 	}
 }
 
+/* The host views of the table's shards on this node brought up to date (engine/step.h). */
+static int pull_table(const struct embd_step *s, const struct step_table *t, char *err,
+		      size_t err_len)
+{
+	for (uint32_t k = 0; k < t->num_shards; k++) {
+		struct embd_shard *sh = s->shards[t->first_shard + k].shard;
+		int rc = sh ? embd_ranks_shard_pull(s->ranks, sh, err, err_len) : 0;
+		if (rc)
+			return rc;
+	}
+	return 0;
+}
+
 /* A request's table, array and rows, checked: 0 with the table and its array's floats per
  * row, or the refusal. */
 static int check_access(const struct embd_step *s, uint32_t table, enum embd_step_array a,
@@ -195,7 +208,7 @@ int embd_step_table_read(const struct embd_step *s, uint32_t table, enum embd_st
 	uint32_t cols;
 	int rc = check_access(s, table, a, rows, &t, &cols, err, err_len);
 
-	if (rc)
+	if (rc || (rc = pull_table(s, t, err, err_len)))
 		return rc;
 	for (uint64_t i = 0; i < rows->n; i++) {
 		int64_t row;
@@ -214,7 +227,7 @@ int embd_step_table_read(const struct embd_step *s, uint32_t table, enum embd_st
 					 s->node);
 				return EMBD_ENOENT;
 			}
-			copy_out(ss->shard, a, row,
+			copy_out(ss->host, a, row,
 				 out + i * cols + piece_offset(s, t, k, row, a));
 			dp_done = t->type == EMBD_SHARD_DATA_PARALLEL;
 		}
@@ -243,10 +256,10 @@ static int before_write(struct embd_step *s, const struct step_table *t,
 	int64_t offsets[2] = { 0, (int64_t)rows->n };
 	for (uint32_t k = 0; k < t->num_shards; k++) {
 		const struct step_shard *ss = &s->shards[t->first_shard + k];
-		struct embd_bag_batch bb = { .shard = ss->shard, .batch_size = 1, .offsets = offsets,
+		struct embd_bag_batch bb = { .shard = ss->host, .batch_size = 1, .offsets = offsets,
 					     .ids = list, .num_ids = rows->n };
-		if (ss->shard)
-			s->update_hook(s->update_hook_arg, ss->shard, &bb, 1);
+		if (ss->host)
+			s->update_hook(s->update_hook_arg, ss->host, &bb, 1);
 	}
 	free(ids);
 	return 0;
@@ -282,17 +295,21 @@ int embd_step_table_write(struct embd_step *s, uint32_t table, enum embd_step_ar
 			}
 		}
 	}
-	if ((rc = before_write(s, t, rows)))
+	/* a GPU shard's host copy must be current before some of its rows change */
+	if ((rc = pull_table(s, t, err, err_len)) || (rc = before_write(s, t, rows)))
 		return rc;
 	for (uint64_t i = 0; i < rows->n; i++) {
 		int64_t row;
 		row_at(t, rows, i, &row, err, err_len);
 		/* every data_parallel replica here gets the row */
 		for (uint32_t k = 0; k < t->num_shards; k++) {
-			struct embd_shard *sh = s->shards[t->first_shard + k].shard;
+			struct embd_shard *sh = s->shards[t->first_shard + k].host;
 			if (sh && holds_row(&sh->desc, row))
 				copy_in(sh, a, row, in + i * cols + piece_offset(s, t, k, row, a));
 		}
 	}
+	for (uint32_t k = 0; k < t->num_shards; k++)
+		if (s->shards[t->first_shard + k].shard)
+			embd_ranks_shard_changed(s->ranks, s->shards[t->first_shard + k].shard);
 	return 0;
 }

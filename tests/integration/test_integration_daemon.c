@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "engine/ranks.h"
 #include "ipc/control.h"
 #include "tests/support/embd_process.h"
 
@@ -134,4 +135,55 @@ Test(daemon, hello_gets_the_layout)
 	close(fd);
 	int st = stop_daemon(&d);
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
+}
+
+/*
+ * compute_device cuda on a machine without a usable GPU (CI's): embd exits non-zero before
+ * listening, with one line that says there is no CUDA device and why, in the driver's words
+ * (or that this build has no CUDA at all).
+ */
+Test(daemon, cuda_without_a_gpu_exits_with_one_line)
+{
+	char path[64], line[1024], why[1024] = "";
+	struct daemon d;
+	int status = -1, lines_about_cuda = 0;
+
+	snprintf(path, sizeof(path), "/tmp/embd-test-cuda-%d.json", (int)getpid());
+	FILE *f = fopen(path, "w");
+	cr_assert_not_null(f);
+	fprintf(f, "{ \"topology\": { \"compute_device\": \"cuda\", \"batch_size\": 8 },\n"
+		   "  \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 100, \"embedding_dim\": 8,"
+		   " \"feature_names\": [\"f\"] } ] }\n");
+	fclose(f);
+	snprintf(d.embd.socket, sizeof(d.embd.socket), "/tmp/embd-test-%d/embd.sock",
+		 (int)getpid());
+	const struct tu_embd_opts o = { .config = path, .stderr_pipe = true };
+	tu_embd_start(&d.embd, &o);
+	d.log = fdopen(d.embd.stderr_fd, "r");
+	cr_assert_not_null(d.log);
+	while (fgets(line, sizeof(line), d.log)) {
+		cr_assert(!strstr(line, "ready"), "embd started on CUDA without a GPU: %s", line);
+		if (strstr(line, "CUDA") || strstr(line, "cuda:")) {
+			lines_about_cuda++;
+			snprintf(why, sizeof(why), "%s", line);
+		}
+	}
+	fclose(d.log);
+	cr_assert(tu_embd_wait(&d.embd, 30000, &status), "embd did not exit");
+	unlink(path);
+	uint32_t gpus;
+	char count_err[256];
+	if (embd_ranks_device_count(EMBD_DEVICE_CUDA, &gpus, count_err, sizeof(count_err)) == 0)
+		cr_skip_test("this machine has %u CUDA devices", gpus);
+	cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 0, "expected a non-zero exit, got %d",
+		  status);
+	cr_assert_eq(lines_about_cuda, 1, "expected one line about CUDA, got %d (last: %s)",
+		     lines_about_cuda, why);
+	cr_assert(strstr(why, "compute_device cuda: no CUDA device: "), "got: %s", why);
+#ifdef EMBD_HAVE_CUDA
+	cr_assert(strstr(why, "cudaGetDeviceCount: ") && strstr(why, "(cuda"),
+		  "expected the driver's reason from cudaGetDeviceCount, got: %s", why);
+#else
+	cr_assert(strstr(why, "built without CUDA"), "got: %s", why);
+#endif
 }

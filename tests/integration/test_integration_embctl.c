@@ -227,3 +227,19 @@ Test(embctl, tables_file_holding_an_object)
 	cr_expect_eq(run(true, "%s plan --tables %s/embd.conf", EMBCTL_BINARY, dir), 1, "%s", out);
 	cr_expect(strstr(out, "'topology'") != NULL, "%s", out);
 }
+
+/* A GPU machine's config plans offline on a machine without one (the GPUs are counted only by
+ * embd at start): fused kernels and HBM on every rank. */
+Test(embctl, plan_config_of_cuda_ranks)
+{
+	char config[128];
+
+	write_file("cuda.conf", "{ \"topology\": { \"world_size\": 8, \"local_world_size\": 8, "
+		   "\"compute_device\": \"cuda\", \"batch_size\": 512 },\n \"tables\": [ { \"name\": "
+		   "\"t\", \"num_embeddings\": 1000000, \"embedding_dim\": 128, \"feature_names\": "
+		   "[\"f\"] } ] }\n");
+	snprintf(config, sizeof(config), "%s/cuda.conf", dir);
+	cr_assert_eq(run(true, "%s plan --config %s", EMBCTL_BINARY, config), 0, "%s", out);
+	cr_expect(strstr(out, "8 per node, cuda") != NULL, "%s", out);
+	cr_expect(strstr(out, "HBM") != NULL, "%s", out);
+}

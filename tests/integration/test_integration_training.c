@@ -37,8 +37,9 @@ static void write_config(const char *sharding, uint32_t trainers)
 	cr_assert_not_null(f, "cannot write %s: %s", config_path, strerror(errno));
 	fprintf(f, "{ ");
 	write_tables(f, sharding);
-	fprintf(f, ", \"topology\": {\"world_size\": 2, \"local_world_size\": 2, "
-		"\"compute_device\": \"cpu\", \"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", "
+	fprintf(f, ", \"topology\": {");
+	write_topology_device(f);
+	fprintf(f, ", \"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", "
 		"\"batch_size\": %d},\n \"trainers_per_node\": %u, \"seed\": %u, "
 		"\"threads_per_rank\": 1, \"busy_poll_us\": 20%s }\n", BATCH, trainers, SEED,
 		extra_json);

@@ -249,6 +249,21 @@ static void check_against_reference(const struct shared *sh, uint32_t trainers, 
 }
 
 /* The "tables" array of a config, every table forced to sharding (NULL: planner's choice). */
+/*
+ * The topology's device: EMBD_TEST_COMPUTE_DEVICE=cuda (tests/gpu/run.sh) leaves the ranks to
+ * the GPU count (world_size and local_world_size unset); else 2 CPU ranks.
+ */
+static inline void write_topology_device(FILE *f)
+{
+	const char *device = getenv("EMBD_TEST_COMPUTE_DEVICE");
+
+	if (device && !strcmp(device, "cuda"))
+		fprintf(f, "\"compute_device\": \"cuda\"");
+	else
+		fprintf(f, "\"world_size\": 2, \"local_world_size\": 2, "
+			"\"compute_device\": \"cpu\"");
+}
+
 static void write_tables(FILE *f, const char *sharding)
 {
 	fprintf(f, "\"tables\": [\n");
@@ -260,9 +275,15 @@ static void write_tables(FILE *f, const char *sharding)
 		for (uint32_t k = 0; k < tt->num_features; k++)
 			fprintf(f, "%s\"%s\"", k ? ", " : "", tt->features[k]);
 		fprintf(f, "], \"optimizer\": %s", tt->opt_json);
+		/* EMBD_TEST_COMPUTE_KERNEL (tests/gpu/run.sh: fused, fused_uvm): every table's
+		 * kernel but data_parallel's, which the planner runs dense only */
+		const char *kernel = getenv("EMBD_TEST_COMPUTE_KERNEL");
+		bool dp = sharding && !strcmp(sharding, "data_parallel");
 		if (sharding)
 			fprintf(f, ", \"constraints\": {\"sharding_types\": [\"%s\"], "
-				"\"min_partition\": 4}", sharding);
+				"\"min_partition\": 4%s%s%s}", sharding,
+				kernel && !dp ? ", \"compute_kernels\": [\"" : "",
+				kernel && !dp ? kernel : "", kernel && !dp ? "\"]" : "");
 		fprintf(f, "}%s\n", t + 1 < NUM_TABLES ? "," : "");
 	}
 	fprintf(f, "]");

@@ -46,8 +46,10 @@ static void exec_embd(struct tu_embd *p, const struct tu_embd_opts *o, int pipe_
 		argv[argc++] = o->log_level;
 	}
 	argv[argc] = NULL;
-	execv(EMBD_BINARY, (char *const *)argv);
-	fprintf(stderr, "exec %s: %s\n", EMBD_BINARY, strerror(errno));
+	/* EMBD_TEST_BINARY: another embd than the build's (tests/gpu/run.sh's bundle) */
+	const char *bin = getenv("EMBD_TEST_BINARY") ? getenv("EMBD_TEST_BINARY") : EMBD_BINARY;
+	execv(bin, (char *const *)argv);
+	fprintf(stderr, "exec %s: %s\n", bin, strerror(errno));
 	_exit(127);
 }
 

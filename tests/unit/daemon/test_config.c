@@ -200,7 +200,8 @@ Test(config, errors_name_the_key)
 		{ "{ \"metrics_listen\": \"127.0.0.1:0\" }", "metrics_listen" },
 		{ "{ \"metrics_listen\": 9464 }", "metrics_listen" },
 		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
-		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" } }", "topology" },
+		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" }, "
+		  "\"backend\": \"nccl\" }", "nccl inside the service is not built yet" },
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
 		{ "{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10 } ] }", "embedding_dim" },
 		{ "{ \"tables\": [] }", "tables" },
@@ -311,4 +312,45 @@ Test(config, load_names_the_path)
 	rc = embd_config_load("/nonexistent/embd.conf", &c, err, sizeof(err));
 	cr_assert_eq(rc, EMBD_ENOENT, "expected EMBD_ENOENT, got %d", rc);
 	cr_assert(strstr(err, "/nonexistent/embd.conf"), "got '%s'", err);
+}
+
+/* GPU ranks: the GPU count fills in what the topology left out; more ranks than GPUs refused. */
+Test(config, cuda_ranks_default_to_the_gpu_count)
+{
+	struct embd_config c;
+	char err[256] = "";
+
+	cr_assert_eq(parse("{ \"topology\": { \"compute_device\": \"cuda\" } }", &c, err,
+			   sizeof(err)), 0, "%s", err);
+	cr_assert(!c.local_world_size_given && !c.world_size_given && !c.trainers_per_node_given);
+	cr_assert_eq(embd_config_resolve_devices(&c, 4, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(c.topology.local_world_size, 4);
+	cr_assert_eq(c.topology.world_size, 4);
+	cr_assert_eq(c.trainers_per_node, 4);
+	embd_config_free(&c);
+
+	/* two nodes of the GPUs each: world_size given, local_world_size from the count */
+	cr_assert_eq(parse("{ \"topology\": { \"world_size\": 8, \"compute_device\": "
+			   "\"cuda\" }, \"trainers_per_node\": 1 }", &c, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_config_resolve_devices(&c, 4, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(c.topology.local_world_size, 4);
+	cr_assert_eq(c.topology.world_size, 8);
+	cr_assert_eq(c.trainers_per_node, 1, "given, so kept");
+	cr_assert_eq(embd_config_nodes(&c), 2);
+	embd_config_free(&c);
+
+	cr_assert_eq(parse("{ \"topology\": { \"world_size\": 8, \"local_world_size\": 8, "
+			   "\"compute_device\": \"cuda\" } }", &c, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(embd_config_resolve_devices(&c, 2, err, sizeof(err)), EMBD_ENOTSUP);
+	cr_assert(strstr(err, "local_world_size 8 asks for more GPUs than the 2"), "got '%s'", err);
+	embd_config_free(&c);
+
+	/* cpu: untouched whatever the count */
+	cr_assert_eq(parse("{ \"topology\": { \"world_size\": 2, \"compute_device\": "
+			   "\"cpu\" } }", &c, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_config_resolve_devices(&c, 0, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(c.topology.local_world_size, 2);
+	embd_config_free(&c);
 }

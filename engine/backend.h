@@ -1,0 +1,89 @@
+/*
+ * engine/backend.h - what one kind of rank device does for the step engine, behind one function
+ * table per device (NCCL's one-transport-one-table): where a shard's rows live, how a rank's
+ * lookups and fused backwards run, and how its rows reach host memory for checkpoints and live
+ * table access. engine/ranks.c owns the threads, the NUMA placement and the bookkeeping and
+ * calls a backend for the device work, so the CPU and the GPU ranks share every line of
+ * orchestration and the CPU tests exercise it.
+ *
+ * Every shard has a HOST VIEW: a struct embd_shard over host memory with the same rows. On the
+ * CPU it is the shard itself; a GPU shard in HBM keeps a host copy that pull and push refresh;
+ * a fused_uvm shard's rows are host memory the GPU reads in place, so its view is those rows.
+ * Private to engine/ (the daemon and the checkpoints go through engine/ranks.h and step.h).
+ */
+#ifndef EMBD_ENGINE_BACKEND_H
+#define EMBD_ENGINE_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "embd/plan.h"
+#include "kernels/embedding.h"
+
+/* A backend's state of one rank (a CPU group; a GPU with its stream, scratch, error word). */
+struct embd_backend_rank;
+
+/* One shard as the backend allocated it. */
+struct embd_backend_shard {
+	struct embd_shard *shard;       /* what the kernels compute on (device pointers on a GPU) */
+	struct embd_shard *host;        /* the host view (the top of this file); may be == shard */
+	enum embd_compute_kernel kernel;
+	void *mem[3];                   /* the host view's weights, momentum1, momentum2 */
+	uint64_t bytes[3];
+	uint64_t device_bytes;          /* memory on the device beyond the host view's (HBM) */
+	bool registered;                /* mem registered with the GPU (pinned, mapped) */
+};
+
+struct embd_backend {
+	const char *name;               /* "cpu", "cuda": the topology's compute_device */
+	/* Devices this process can use (caller's thread); an error says why none, in one line. */
+	int (*count)(uint32_t *count, char *err, size_t err_len);
+	/* The NUMA node the device of rank is attached to; -1 when unknown (caller's thread). */
+	int (*numa_node)(uint32_t rank);
+	/* On the rank's own driver thread, once, before anything else of the rank. */
+	int (*rank_open)(uint32_t rank, struct embd_backend_rank **out, char *err, size_t err_len);
+	void (*rank_close)(struct embd_backend_rank *r);
+	/* A shard of desc for kernel (uninitialised), its host view on NUMA node `node`
+	 * (numa: libnuma works). Any thread while the rank is idle. */
+	int (*shard_alloc)(struct embd_backend_rank *r, bool numa, int node,
+			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
+			   struct embd_backend_shard *out, char *err, size_t err_len);
+	void (*shard_free)(struct embd_backend_rank *r, bool numa, struct embd_backend_shard *s);
+	/* Rows, state and step: device -> host view, host view -> device. NULL where the host
+	 * view is the shard. */
+	int (*pull)(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
+		    size_t err_len);
+	int (*push)(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
+		    size_t err_len);
+	/* embd_kernels_forward / _backward with host arrays (ids, offsets, weights, lengths,
+	 * pooled, pooled_grad: the engine's buffers and the trainers' slabs) on the rank's
+	 * shards; return when the results are in host memory. */
+	int (*forward)(struct embd_backend_rank *r, const struct embd_exec *exec,
+		       const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err);
+	int (*backward)(struct embd_backend_rank *r, const struct embd_exec *exec,
+			struct embd_shard *shard, const struct embd_bag_batch *batches, uint32_t n,
+			struct embd_kernel_err *err);
+	/* Host memory the device may DMA from and to (a trainer's slab); NULL: nothing to do. */
+	int (*host_register)(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
+			     size_t err_len);
+	void (*host_unregister)(struct embd_backend_rank *r, void *p);
+};
+
+extern const struct embd_backend embd_backend_cpu;
+#ifdef EMBD_HAVE_CUDA
+extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c */
+#endif
+
+/* Host memory on NUMA node `node` (page aligned, transparent huge pages from 2 MiB), or 64-byte
+ * aligned plain memory where NUMA is absent; NULL for 0 bytes or when out of memory. */
+void *embd_backend_host_alloc(bool numa, int node, uint64_t bytes);
+void embd_backend_host_free(bool numa, void *p, uint64_t bytes);
+
+/* The host view of desc in host memory on node (out->mem, bytes, host); the CPU backend's
+ * whole shard, a GPU shard's host side. */
+int embd_backend_host_shard(bool numa, int node, const struct embd_shard_desc *desc,
+			    struct embd_backend_shard *out, char *err, size_t err_len);
+void embd_backend_host_shard_free(bool numa, struct embd_backend_shard *s);
+
+#endif /* EMBD_ENGINE_BACKEND_H */

@@ -1,0 +1,415 @@
+/*
+ * The CUDA backend (engine/backend.h): rank r is visible GPU r (the runtime applies
+ * CUDA_VISIBLE_DEVICES), with its own kernels/embedding_cuda.h context (a stream, the device
+ * error word, stream-ordered scratch) and a device buffer the arrays of one kernel call are
+ * copied into. Kept thin: the arithmetic is kernels/'s, the orchestration engine/ranks.c's.
+ *
+ * Shards: fused and dense rows in HBM with a host copy on the GPU's NUMA node (the host view,
+ * refreshed by pull and push); fused_uvm rows in host memory on that node, registered pinned
+ * and mapped so the kernels read and update them in place (the host view is those rows).
+ * The engine's arrays are host memory: ids, offsets and weights go over with one copy each,
+ * pooled rows and gradients with one strided copy straight to and from their place in the
+ * trainer's slab, which the service registers (host_register) so those copies are DMA.
+ */
+#include "engine/backend.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/embedding_cuda.h"
+
+struct embd_backend_rank {
+	int device;
+	struct embd_cuda_ctx *ctx;
+	uint8_t *scratch;               /* device memory for one call's arrays */
+	uint64_t scratch_bytes;
+	struct embd_bag_batch *dev;     /* the call's batches over the scratch */
+	uint32_t dev_cap;
+};
+
+/* A CUDA runtime failure as a kernel error: the call and the runtime's words. */
+static int cuda_fail(struct embd_kernel_err *err, cudaError_t e, const char *what)
+{
+	err->feature = 0;
+	err->sample = -1;
+	err->id = -1;
+	snprintf(err->msg, sizeof(err->msg), "%s: %s", what, cudaGetErrorString(e));
+	return e == cudaErrorMemoryAllocation ? EMBD_ENOMEM : EMBD_EIO;
+}
+
+static int cuda_fail_msg(char *msg, size_t len, cudaError_t e, const char *what)
+{
+	struct embd_kernel_err ke;
+	int rc = cuda_fail(&ke, e, what);
+
+	snprintf(msg, len, "%s", ke.msg);
+	return rc;
+}
+
+static int cuda_count(uint32_t *count, char *err, size_t err_len)
+{
+	int n = 0;
+	cudaError_t e = cudaGetDeviceCount(&n);
+
+	*count = 0;
+	if (e != cudaSuccess) {
+		snprintf(err, err_len, "no CUDA device: cudaGetDeviceCount: %s (%s)",
+			 cudaGetErrorString(e), cudaGetErrorName(e));
+		return EMBD_ENOTSUP;
+	}
+	if (n <= 0) {
+		snprintf(err, err_len, "no CUDA device: cudaGetDeviceCount found none");
+		return EMBD_ENOTSUP;
+	}
+	*count = (uint32_t)n;
+	return 0;
+}
+
+/* /sys/bus/pci/devices/<bus id>/numa_node of the GPU; -1 when unknown. */
+static int cuda_numa_node(uint32_t rank)
+{
+	char bus[32], path[96];
+	int node = -1;
+
+	if (cudaDeviceGetPCIBusId(bus, sizeof(bus), (int)rank) != cudaSuccess)
+		return -1;
+	for (char *c = bus; *c; c++)
+		*c = (char)tolower((unsigned char)*c);     /* sysfs names are lower case */
+	snprintf(path, sizeof(path), "/sys/bus/pci/devices/%s/numa_node", bus);
+	FILE *f = fopen(path, "re");
+	if (!f)
+		return -1;
+	if (fscanf(f, "%d", &node) != 1)
+		node = -1;
+	fclose(f);
+	return node;
+}
+
+static int cuda_rank_open(uint32_t rank, struct embd_backend_rank **out, char *err,
+			  size_t err_len)
+{
+	struct embd_backend_rank *r = calloc(1, sizeof(*r));
+	char inner[192];
+
+	*out = NULL;
+	if (!r)
+		return EMBD_ENOMEM;
+	r->device = (int)rank;
+	int rc = embd_cuda_ctx_create(r->device, NULL, &r->ctx, inner, sizeof(inner));
+	if (rc) {
+		snprintf(err, err_len, "GPU %u: %s", rank, inner);
+		free(r);
+		return rc;
+	}
+	*out = r;
+	return 0;
+}
+
+static void cuda_rank_close(struct embd_backend_rank *r)
+{
+	if (!r)
+		return;
+	cudaSetDevice(r->device);
+	embd_cuda_ctx_destroy(r->ctx);
+	cudaFree(r->scratch);
+	free(r->dev);
+	free(r);
+}
+
+/* fused_uvm: the host view's memory pinned and mapped; the kernels' shard over its device
+ * addresses. */
+static int map_host_rows(struct embd_backend_rank *r, const struct embd_shard_desc *desc,
+			 struct embd_backend_shard *out, char *err, size_t err_len)
+{
+	void *dptr[3] = { NULL, NULL, NULL };
+	cudaError_t e = cudaSuccess;
+	int done = 0;
+
+	cudaSetDevice(r->device);
+	for (; done < 3; done++) {
+		if (!out->mem[done])
+			continue;
+		e = cudaHostRegister(out->mem[done], out->bytes[done],
+				     cudaHostRegisterMapped | cudaHostRegisterPortable);
+		if (e != cudaSuccess)
+			break;
+		e = cudaHostGetDevicePointer(&dptr[done], out->mem[done], 0);
+		if (e != cudaSuccess) {
+			cudaHostUnregister(out->mem[done]);
+			break;
+		}
+	}
+	if (e != cudaSuccess) {
+		for (int j = 0; j < done; j++)
+			if (out->mem[j])
+				cudaHostUnregister(out->mem[j]);
+		return cuda_fail_msg(err, err_len, e, "registering fused_uvm rows (cudaHostRegister; "
+				     "is the locked memory limit, LimitMEMLOCK, high enough?)");
+	}
+	out->registered = true;
+	return embd_shard_create_in(desc, dptr[0], dptr[1], dptr[2], &out->shard, err, err_len);
+}
+
+static void unmap_host_rows(struct embd_backend_shard *s)
+{
+	for (int i = 0; i < 3; i++)
+		if (s->mem[i])
+			cudaHostUnregister(s->mem[i]);
+	s->registered = false;
+}
+
+static int cuda_shard_alloc(struct embd_backend_rank *r, bool numa, int node,
+			    const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
+			    struct embd_backend_shard *out, char *err, size_t err_len)
+{
+	int rc;
+
+	if (kernel == EMBD_KERNEL_FUSED_UVM_CACHING) {
+		snprintf(err, err_len, "fused_uvm_caching (host rows with an HBM cache) is not "
+			 "built yet: constrain the table's compute_kernels to fused or fused_uvm");
+		return EMBD_ENOTSUP;
+	}
+	if ((rc = embd_backend_host_shard(numa, node, desc, out, err, err_len)))
+		return rc;
+	out->kernel = kernel;
+	if (kernel == EMBD_KERNEL_FUSED_UVM) {
+		rc = map_host_rows(r, desc, out, err, err_len);
+		if (rc && out->registered)
+			unmap_host_rows(out);
+	} else {
+		/* fused and dense: HBM (dense: the service still applies the optimizer, docs) */
+		rc = embd_cuda_shard_create(r->ctx, desc, &out->shard, err, err_len);
+		if (!rc)
+			out->device_bytes = out->bytes[0] + out->bytes[1] + out->bytes[2];
+	}
+	if (rc)
+		embd_backend_host_shard_free(numa, out);
+	return rc;
+}
+
+static void cuda_shard_free(struct embd_backend_rank *r, bool numa, struct embd_backend_shard *s)
+{
+	cudaSetDevice(r->device);
+	if (s->kernel == EMBD_KERNEL_FUSED_UVM) {
+		embd_shard_destroy(s->shard);   /* the struct: its rows are the host view's */
+		unmap_host_rows(s);
+	} else {
+		embd_cuda_shard_destroy(s->shard);
+	}
+	s->shard = NULL;
+	embd_backend_host_shard_free(numa, s);
+}
+
+static int cuda_pull(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
+		     size_t err_len)
+{
+	if (s->kernel != EMBD_KERNEL_FUSED_UVM)
+		return embd_cuda_shard_copy(r->ctx, s->host, s->shard, err, err_len);
+	/* the rows are the host view's already: only the work on them must be over */
+	cudaSetDevice(r->device);
+	cudaError_t e = cudaStreamSynchronize(embd_cuda_ctx_stream(r->ctx));
+	if (e != cudaSuccess)
+		return cuda_fail_msg(err, err_len, e, "cudaStreamSynchronize");
+	s->host->step = s->shard->step;
+	return 0;
+}
+
+static int cuda_push(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
+		     size_t err_len)
+{
+	if (s->kernel != EMBD_KERNEL_FUSED_UVM)
+		return embd_cuda_shard_copy(r->ctx, s->shard, s->host, err, err_len);
+	s->shard->step = s->host->step;
+	return 0;
+}
+
+static uint64_t align256(uint64_t bytes)
+{
+	return (bytes + 255) & ~(uint64_t)255;
+}
+
+/* Device bytes of batch b's arrays: offsets, ids, weights, mean lengths, pooled rows. */
+static uint64_t batch_bytes(const struct embd_bag_batch *b)
+{
+	const uint64_t B = b->batch_size, cols = b->shard ? b->shard->desc.cols : 0;
+
+	return align256((B + 1) * 8) + align256(b->num_ids * 8) +
+	       (b->weights ? align256(b->num_ids * 4) : 0) +
+	       (b->mean_lengths ? align256(B * 4) : 0) + align256(B * cols * 4);
+}
+
+static int reserve(struct embd_backend_rank *r, uint64_t bytes, uint32_t n,
+		   struct embd_kernel_err *err)
+{
+	if (n > r->dev_cap) {
+		void *p = realloc(r->dev, n * sizeof(*r->dev));
+		if (!p)
+			return cuda_fail(err, cudaErrorMemoryAllocation, "batches");
+		r->dev = p;
+		r->dev_cap = n;
+	}
+	if (bytes <= r->scratch_bytes)
+		return 0;
+	uint64_t want = bytes + bytes / 2;      /* room to grow without a realloc every step */
+	cudaFree(r->scratch);
+	r->scratch = NULL;
+	r->scratch_bytes = 0;
+	cudaError_t e = cudaMalloc((void **)&r->scratch, want);
+	if (e != cudaSuccess)
+		return cuda_fail(err, e, "scratch (cudaMalloc)");
+	r->scratch_bytes = want;
+	return 0;
+}
+
+/* One host array to its place in the scratch; at moves past it. */
+static cudaError_t put(struct embd_backend_rank *r, uint64_t *at, const void *src,
+		       uint64_t bytes, void **dst)
+{
+	*dst = r->scratch + *at;
+	*at += align256(bytes);
+	if (!bytes)
+		return cudaSuccess;
+	return cudaMemcpyAsync(*dst, src, bytes, cudaMemcpyHostToDevice,
+			       embd_cuda_ctx_stream(r->ctx));
+}
+
+/*
+ * The batches' host arrays copied into the scratch and r->dev describing them there (pooled
+ * rows dense, shard cols wide). grad: the gradients come in (backward); else the pooled rows
+ * get their room (forward).
+ */
+static int stage(struct embd_backend_rank *r, const struct embd_bag_batch *b, uint32_t n,
+		 bool grad, struct embd_kernel_err *err)
+{
+	cudaStream_t stream = embd_cuda_ctx_stream(r->ctx);
+	uint64_t bytes = 0, at = 0;
+	cudaError_t e = cudaSuccess;
+	int rc;
+
+	for (uint32_t i = 0; i < n; i++)
+		bytes += batch_bytes(&b[i]);
+	if ((rc = reserve(r, bytes, n, err)))
+		return rc;
+	for (uint32_t i = 0; i < n && e == cudaSuccess; i++) {
+		const uint64_t B = b[i].batch_size, cols = b[i].shard ? b[i].shard->desc.cols : 0;
+		struct embd_bag_batch *d = &r->dev[i];
+		void *p;
+		*d = b[i];
+		e = put(r, &at, b[i].offsets, (B + 1) * 8, &p);
+		d->offsets = p;
+		if (e == cudaSuccess)
+			e = put(r, &at, b[i].ids, b[i].num_ids * 8, &p);
+		d->ids = p;
+		if (e == cudaSuccess && b[i].weights) {
+			e = put(r, &at, b[i].weights, b[i].num_ids * 4, &p);
+			d->weights = p;
+		}
+		if (e == cudaSuccess && b[i].mean_lengths) {
+			e = put(r, &at, b[i].mean_lengths, B * 4, &p);
+			d->mean_lengths = p;
+		}
+		float *rows = (float *)(r->scratch + at);
+		at += align256(B * cols * 4);
+		d->pooled_stride = cols;
+		d->pooled_col = 0;
+		if (grad) {
+			d->pooled_grad = rows;
+			d->pooled = NULL;
+			if (e == cudaSuccess && B && cols)
+				e = cudaMemcpy2DAsync(rows, cols * 4, b[i].pooled_grad + b[i].pooled_col,
+						      b[i].pooled_stride * 4, cols * 4, B,
+						      cudaMemcpyHostToDevice, stream);
+		} else {
+			d->pooled = rows;
+			d->pooled_grad = NULL;
+		}
+	}
+	return e == cudaSuccess ? 0 : cuda_fail(err, e, "copying a batch to the GPU");
+}
+
+/* After a failure: the stream drained (host arrays may be in flight) and its errors cleared. */
+static int drain(struct embd_backend_rank *r, int rc)
+{
+	struct embd_kernel_err ignored;
+
+	embd_cuda_sync(r->ctx, &ignored);
+	return rc;
+}
+
+static int cuda_forward(struct embd_backend_rank *r, const struct embd_exec *exec,
+			const struct embd_bag_batch *b, uint32_t n, struct embd_kernel_err *err)
+{
+	cudaStream_t stream = embd_cuda_ctx_stream(r->ctx);
+	cudaError_t e = cudaSuccess;
+	int rc;
+
+	(void)exec;
+	cudaSetDevice(r->device);
+	if ((rc = stage(r, b, n, false, err)) || (rc = embd_cuda_forward(r->ctx, r->dev, n, err)))
+		return drain(r, rc);
+	/* each bag's pooled row straight to its columns (of the trainer's slab, or a partial) */
+	for (uint32_t i = 0; i < n && e == cudaSuccess; i++) {
+		const uint64_t B = b[i].batch_size, cols = b[i].shard->desc.cols;
+		if (B && cols)
+			e = cudaMemcpy2DAsync(b[i].pooled + b[i].pooled_col, b[i].pooled_stride * 4,
+					      r->dev[i].pooled, cols * 4, cols * 4, B,
+					      cudaMemcpyDeviceToHost, stream);
+	}
+	if (e != cudaSuccess)
+		return drain(r, cuda_fail(err, e, "copying pooled rows from the GPU"));
+	return embd_cuda_sync(r->ctx, err);
+}
+
+static int cuda_backward(struct embd_backend_rank *r, const struct embd_exec *exec,
+			 struct embd_shard *shard, const struct embd_bag_batch *b, uint32_t n,
+			 struct embd_kernel_err *err)
+{
+	int rc;
+
+	(void)exec;
+	cudaSetDevice(r->device);
+	if ((rc = stage(r, b, n, true, err)) ||
+	    (rc = embd_cuda_backward(r->ctx, shard, r->dev, n, err)))
+		return drain(r, rc);
+	return embd_cuda_sync(r->ctx, err);
+}
+
+static int cuda_host_register(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
+			      size_t err_len)
+{
+	cudaSetDevice(r->device);
+	cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+
+	if (e == cudaErrorHostMemoryAlreadyRegistered) {
+		cudaGetLastError();
+		return 0;
+	}
+	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, "cudaHostRegister");
+}
+
+static void cuda_host_unregister(struct embd_backend_rank *r, void *p)
+{
+	cudaSetDevice(r->device);
+	if (cudaHostUnregister(p) != cudaSuccess)
+		cudaGetLastError();     /* never registered (the register failed): nothing to undo */
+}
+
+const struct embd_backend embd_backend_cuda = {
+	.name = "cuda",
+	.count = cuda_count,
+	.numa_node = cuda_numa_node,
+	.rank_open = cuda_rank_open,
+	.rank_close = cuda_rank_close,
+	.shard_alloc = cuda_shard_alloc,
+	.shard_free = cuda_shard_free,
+	.pull = cuda_pull,
+	.push = cuda_push,
+	.forward = cuda_forward,
+	.backward = cuda_backward,
+	.host_register = cuda_host_register,
+	.host_unregister = cuda_host_unregister,
+};

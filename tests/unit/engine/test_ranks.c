@@ -1,0 +1,157 @@
+/*
+ * tests/unit/engine/test_ranks.c - the ranks over their device backends (engine/ranks.h): the
+ * CPU backend's shards are their own host views and its kernels the CPU's; the host-view
+ * bookkeeping the GPU ranks rely on; and, on a machine without a GPU (CI), the refusal of CUDA
+ * ranks naming why.
+ */
+#include <criterion/criterion.h>
+#include <string.h>
+
+#include "engine/ranks.h"
+#include "kernels/embedding.h"
+
+static const struct embd_shard_desc desc = {
+	.table_id = 3, .num_embeddings = 64, .embedding_dim = 8, .dtype = EMBD_DTYPE_FP32,
+	.row_offset = 16, .rows = 32, .col_offset = 0, .cols = 8,
+	.optimizer = { .type = EMBD_OPT_ADAGRAD, .lr = 0.1f, .eps = 1e-8f },
+};
+
+struct run {
+	struct embd_ranks *ranks;
+	struct embd_shard *shard;
+	struct embd_bag_batch *bb;
+	int rc;
+	struct embd_kernel_err kerr;
+	bool backward;
+};
+
+static void run_kernels(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct run *r = arg;
+
+	if (rank != 0)
+		return;
+	r->rc = r->backward ? embd_ranks_backward(r->ranks, rank, exec, r->shard, r->bb, 1,
+						  &r->kerr)
+			    : embd_ranks_forward(r->ranks, rank, exec, r->bb, 1, &r->kerr);
+}
+
+static void init_rank0(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct run *r = arg;
+
+	if (rank == 0)
+		embd_shard_init_weights(embd_ranks_shard_host(r->ranks, r->shard), 5, exec);
+}
+
+Test(ranks, cpu_shard_is_its_host_view_and_runs_the_cpu_kernels)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_shard *shard, *ref;
+
+	cr_assert_eq(embd_ranks_create_on(EMBD_DEVICE_CPU, 2, 1, &ranks, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_ranks_device(ranks), EMBD_DEVICE_CPU);
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_FUSED, &shard, err,
+					    sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ranks_shard_host(ranks, shard), shard,
+		     "a CPU shard is its own host view");
+	uint64_t wb, m1, m2;
+	cr_assert_eq(embd_shard_sizes(&desc, &wb, &m1, &m2, err, sizeof(err)), 0);
+	cr_assert_eq(embd_ranks_memory_bytes(ranks, 0), wb + m1 + m2, "expected %llu, got %llu",
+		     (unsigned long long)(wb + m1 + m2),
+		     (unsigned long long)embd_ranks_memory_bytes(ranks, 0));
+	cr_assert_eq(embd_ranks_memory_bytes(ranks, 1), 0);
+
+	struct run r = { .ranks = ranks, .shard = shard };
+	embd_ranks_run(ranks, init_rank0, &r);
+	embd_ranks_shard_changed(ranks, shard);         /* nothing to hand over on the CPU */
+	cr_assert_eq(embd_ranks_shard_push(ranks, shard, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_shard_create(&desc, &ref, err, sizeof(err)), 0, "%s", err);
+	embd_shard_init_weights(ref, 5, NULL);
+
+	int64_t offsets[3] = { 0, 2, 3 }, ids[3] = { 16, 40, 47 };
+	float pooled[2][8], expect[2][8], grad[2][8];
+	for (int i = 0; i < 16; i++)
+		grad[i / 8][i % 8] = 0.25f * (float)(i - 7);
+	struct embd_bag_batch bb = {
+		.shard = shard, .batch_size = 2, .offsets = offsets, .ids = ids, .num_ids = 3,
+		.pooling = EMBD_POOLING_SUM, .pooled = &pooled[0][0], .pooled_grad = &grad[0][0],
+		.pooled_stride = 8,
+	};
+	struct embd_bag_batch rb = bb;
+	rb.shard = ref;
+	rb.pooled = &expect[0][0];
+	r.bb = &bb;
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
+	cr_assert_eq(embd_kernels_forward(NULL, &rb, 1, NULL), 0);
+	cr_assert_eq(memcmp(pooled, expect, sizeof(pooled)), 0, "forward differs from the kernel's");
+
+	r.backward = true;
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
+	cr_assert_eq(embd_kernels_backward(NULL, ref, &rb, 1, NULL), 0);
+	cr_assert_eq(embd_ranks_shard_pull(ranks, shard, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(shard->step, 1);
+	cr_assert_eq(memcmp(shard->weights, ref->weights, wb), 0, "backward differs");
+	cr_assert_eq(memcmp(shard->momentum1, ref->momentum1, m1), 0, "adagrad state differs");
+
+	/* an id outside the shard is refused through the rank as by the kernel */
+	ids[1] = 99;
+	r.backward = false;
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, EMBD_ERANGE, "expected EMBD_ERANGE, got %d", r.rc);
+	cr_assert_eq(r.kerr.id, 99);
+
+	char page[4096];
+	cr_assert_eq(embd_ranks_host_register(ranks, page, sizeof(page), err, sizeof(err)), 0,
+		     "registering host memory is a no-op on the CPU: %s", err);
+	embd_ranks_host_unregister(ranks, page);
+	embd_ranks_free_shard(ranks, shard);
+	cr_assert_eq(embd_ranks_memory_bytes(ranks, 0), 0);
+	embd_shard_destroy(ref);
+	embd_ranks_destroy(ranks);
+}
+
+Test(ranks, dense_on_cpu_is_a_host_shard)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_shard *shard;
+
+	/* dense and fused alike: host rows, the optimizer fused into the backward */
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_DENSE, &shard, err,
+					    sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ranks_shard_host(ranks, shard), shard);
+	embd_ranks_destroy(ranks);      /* frees the shard still allocated */
+}
+
+/* This test runs where no GPU is (CI): the refusal must say so and carry the driver's reason. */
+Test(ranks, cuda_without_a_gpu_is_refused_with_the_reason)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks = NULL;
+	uint32_t count = 7;
+
+	int rc = embd_ranks_device_count(EMBD_DEVICE_CUDA, &count, err, sizeof(err));
+	if (rc == 0)
+		cr_skip_test("this machine has %u CUDA devices", count);
+	cr_assert_eq(rc, EMBD_ENOTSUP, "expected EMBD_ENOTSUP, got %d", rc);
+	cr_assert_eq(count, 0);
+	cr_assert(strstr(err, "no CUDA device: ") == err, "got '%s'", err);
+#ifdef EMBD_HAVE_CUDA
+	/* the runtime's own words follow the call that gave them */
+	cr_assert(strstr(err, "cudaGetDeviceCount: ") && strlen(err) > 40, "got '%s'", err);
+#else
+	cr_assert(strstr(err, "built without CUDA"), "got '%s'", err);
+#endif
+	cr_assert(!strchr(err, '\n'), "one line: '%s'", err);
+	char err2[256] = "";
+	cr_assert_eq(embd_ranks_create_on(EMBD_DEVICE_CUDA, 1, 1, &ranks, err2, sizeof(err2)),
+		     EMBD_ENOTSUP);
+	cr_assert_null(ranks);
+	cr_assert_str_eq(err2, err);
+}
