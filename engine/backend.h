@@ -9,6 +9,12 @@
  * Every shard has a HOST VIEW: a struct embd_shard over host memory with the same rows. On the
  * CPU it is the shard itself; a GPU shard in HBM keeps a host copy that pull and push refresh;
  * a fused_uvm shard's rows are host memory the GPU reads in place, so its view is those rows.
+ *
+ * fused_uvm_caching: the rows are host memory as for fused_uvm (shard: the rows as the device
+ * sees them), plus SLOTS, a shard of cache rows in device memory (HBM; host memory on the CPU
+ * backend, which runs the same cache to test it) that the kernels compute on. The backend
+ * only holds and copies those rows: engine/ranks_cache.c keeps the cache (kernels/cache.h),
+ * maps each call's ids to slots and has the backend copy rows in and out.
  * Private to engine/ (the daemon and the checkpoints go through engine/ranks.h and step.h).
  */
 #ifndef EMBD_ENGINE_BACKEND_H
@@ -19,6 +25,7 @@
 #include <stdint.h>
 
 #include "embd/plan.h"
+#include "kernels/cache.h"
 #include "kernels/embedding.h"
 
 /* A backend's state of one rank (a CPU group; a GPU with its stream, scratch, error word). */
@@ -33,6 +40,10 @@ struct embd_backend_shard {
 	uint64_t bytes[3];
 	uint64_t device_bytes;          /* memory on the device beyond the host view's (HBM) */
 	bool registered;                /* mem registered with the GPU (pinned, mapped) */
+	/* fused_uvm_caching: the cache's rows (desc: slot_rows rows from 0, the shard's columns,
+	 * dtype and optimizer); NULL otherwise. Their bytes are in device_bytes. */
+	struct embd_shard *slots;
+	uint64_t slot_rows;
 };
 
 struct embd_backend {
@@ -64,6 +75,16 @@ struct embd_backend {
 	int (*backward)(struct embd_backend_rank *r, const struct embd_exec *exec,
 			struct embd_shard *shard, const struct embd_bag_batch *batches, uint32_t n,
 			struct embd_kernel_err *err);
+	/* fused_uvm_caching (engine/ranks_cache.c), on the rank's thread or while it is idle:
+	 * s->slots replaced by one of `rows` slot rows whose first `keep` rows (and step) are the
+	 * old ones'; s->slot_rows and device_bytes updated. */
+	int (*slots_resize)(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			    uint64_t rows, uint64_t keep, char *err, size_t err_len);
+	/* Copies rows between the host rows and the slots, every write-back (slot -> host row)
+	 * before every fetch (host row -> slot): weights and optimizer state. Returns when done
+	 * (the host rows may be read). */
+	int (*slots_copy)(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			  const struct embd_cache_moves *m, char *err, size_t err_len);
 	/* Host memory the device may DMA from and to (a trainer's slab); NULL: nothing to do. */
 	int (*host_register)(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
 			     size_t err_len);
@@ -85,5 +106,12 @@ void embd_backend_host_free(bool numa, void *p, uint64_t bytes);
 int embd_backend_host_shard(bool numa, int node, const struct embd_shard_desc *desc,
 			    struct embd_backend_shard *out, char *err, size_t err_len);
 void embd_backend_host_shard_free(bool numa, struct embd_backend_shard *s);
+
+/* fused_uvm_caching: the desc of `rows` slot rows of desc's shard (rows from 0, its columns,
+ * dtype and optimizer); the bytes of one row of the host view's array i (0 weights, 1 and 2
+ * the optimizer state; 0 where unused). */
+void embd_backend_slots_desc(const struct embd_shard_desc *desc, uint64_t rows,
+			     struct embd_shard_desc *out);
+uint64_t embd_backend_row_bytes(const struct embd_backend_shard *s, int i);
 
 #endif /* EMBD_ENGINE_BACKEND_H */

@@ -2,13 +2,15 @@
  * The CPU backend (engine/backend.h): a rank is a group of pinned worker threads, a shard is
  * host memory on the rank's NUMA node and is its own host view, and the kernels are
  * kernels/'s CPU ones run on the rank's workers. Also the host memory every backend's host
- * views live in.
+ * views live in. fused_uvm_caching (which the planner assigns on GPUs only) runs here with its
+ * slots in host memory too, so the CPU tests run the cache of engine/ranks_cache.c whole.
  */
 #include "engine/backend.h"
 
 #include <numa.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 
 void embd_backend_host_free(bool numa, void *p, uint64_t bytes)
@@ -102,6 +104,20 @@ static void cpu_rank_close(struct embd_backend_rank *r)
 	(void)r;
 }
 
+void embd_backend_slots_desc(const struct embd_shard_desc *desc, uint64_t rows,
+			     struct embd_shard_desc *out)
+{
+	*out = *desc;
+	out->num_embeddings = (int64_t)rows;
+	out->row_offset = 0;
+	out->rows = (int64_t)rows;
+}
+
+uint64_t embd_backend_row_bytes(const struct embd_backend_shard *s, int i)
+{
+	return s->bytes[i] / (uint64_t)s->host->desc.rows;
+}
+
 static int cpu_shard_alloc(struct embd_backend_rank *r, bool numa, int node,
 			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
 			   struct embd_backend_shard *out, char *err, size_t err_len)
@@ -110,18 +126,115 @@ static int cpu_shard_alloc(struct embd_backend_rank *r, bool numa, int node,
 	/* dense and fused alike: host rows with the optimizer fused into the backward */
 	int rc = embd_backend_host_shard(numa, node, desc, out, err, err_len);
 
-	if (!rc) {
-		out->shard = out->host;
-		out->kernel = kernel;
-	}
+	if (rc)
+		return rc;
+	out->kernel = kernel;
+	out->shard = out->host;
+	if (kernel != EMBD_KERNEL_FUSED_UVM_CACHING)
+		return 0;
+	/* the rows as the "device" sees them: a shard of its own over the host view's memory,
+	 * whose step is the device's (ranks_cache.c hands it over) */
+	rc = embd_shard_create_in(desc, out->mem[0], out->mem[1], out->mem[2], &out->shard, err,
+				  err_len);
+	if (rc)
+		embd_backend_host_shard_free(numa, out);
 	return rc;
+}
+
+static void free_slots(struct embd_backend_shard *s)
+{
+	if (!s->slots)
+		return;
+	void *mem[3] = { s->slots->weights, s->slots->momentum1, s->slots->momentum2 };
+	embd_shard_destroy(s->slots);
+	for (int i = 0; i < 3; i++)
+		free(mem[i]);
+	s->slots = NULL;
+	s->slot_rows = 0;
+	s->device_bytes = 0;
 }
 
 static void cpu_shard_free(struct embd_backend_rank *r, bool numa, struct embd_backend_shard *s)
 {
 	(void)r;
+	if (s->shard != s->host)
+		embd_shard_destroy(s->shard);   /* the struct: its rows are the host view's */
+	free_slots(s);
 	embd_backend_host_shard_free(numa, s);
 	s->shard = NULL;
+}
+
+static int cpu_slots_resize(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			    uint64_t rows, uint64_t keep, char *err, size_t err_len)
+{
+	struct embd_shard_desc desc;
+	void *mem[3] = { NULL, NULL, NULL };
+	struct embd_shard *slots = NULL;
+	uint64_t bytes = 0;
+	int rc = 0;
+
+	(void)r;
+	embd_backend_slots_desc(&s->host->desc, rows, &desc);
+	for (int i = 0; i < 3 && !rc; i++) {
+		uint64_t n = embd_backend_row_bytes(s, i) * rows;
+		if (!n)
+			continue;
+		mem[i] = embd_backend_host_alloc(false, -1, n);
+		bytes += n;
+		if (!mem[i]) {
+			snprintf(err, err_len, "cannot allocate %llu bytes of cache rows",
+				 (unsigned long long)n);
+			rc = EMBD_ENOMEM;
+		} else if (s->slots && keep) {
+			void *old[3] = { s->slots->weights, s->slots->momentum1, s->slots->momentum2 };
+			memcpy(mem[i], old[i], embd_backend_row_bytes(s, i) * keep);
+		}
+	}
+	if (!rc)
+		rc = embd_shard_create_in(&desc, mem[0], mem[1], mem[2], &slots, err, err_len);
+	if (rc) {
+		for (int i = 0; i < 3; i++)
+			free(mem[i]);
+		return rc;
+	}
+	if (s->slots) {
+		slots->step = s->slots->step;
+		slots->nonfinite_rows = s->slots->nonfinite_rows;
+	}
+	free_slots(s);
+	s->slots = slots;
+	s->slot_rows = rows;
+	s->device_bytes = bytes;
+	return 0;
+}
+
+static void copy_rows(struct embd_backend_shard *s, bool to_host, uint64_t n,
+		      const uint64_t *slot, const int64_t *row)
+{
+	uint8_t *host[3] = { s->mem[0], s->mem[1], s->mem[2] };
+	uint8_t *dev[3] = { s->slots->weights, (uint8_t *)s->slots->momentum1,
+			    (uint8_t *)s->slots->momentum2 };
+
+	for (int i = 0; i < 3; i++) {
+		const uint64_t rb = embd_backend_row_bytes(s, i);
+		if (!rb)
+			continue;
+		for (uint64_t k = 0; k < n; k++) {
+			uint8_t *h = host[i] + (uint64_t)row[k] * rb, *d = dev[i] + slot[k] * rb;
+			memcpy(to_host ? h : d, to_host ? d : h, rb);
+		}
+	}
+}
+
+static int cpu_slots_copy(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			  const struct embd_cache_moves *m, char *err, size_t err_len)
+{
+	(void)r;
+	(void)err;
+	(void)err_len;
+	copy_rows(s, true, m->num_writebacks, m->wb_slot, m->wb_row);
+	copy_rows(s, false, m->num_fetches, m->fetch_slot, m->fetch_row);
+	return 0;
 }
 
 static int cpu_forward(struct embd_backend_rank *r, const struct embd_exec *exec,
@@ -149,4 +262,6 @@ const struct embd_backend embd_backend_cpu = {
 	.shard_free = cpu_shard_free,
 	.forward = cpu_forward,
 	.backward = cpu_backward,
+	.slots_resize = cpu_slots_resize,
+	.slots_copy = cpu_slots_copy,
 };

@@ -6,7 +6,9 @@
  *
  * Shards: fused and dense rows in HBM with a host copy on the GPU's NUMA node (the host view,
  * refreshed by pull and push); fused_uvm rows in host memory on that node, registered pinned
- * and mapped so the kernels read and update them in place (the host view is those rows).
+ * and mapped so the kernels read and update them in place (the host view is those rows);
+ * fused_uvm_caching rows as fused_uvm's plus slot rows in HBM that the kernels compute on
+ * (engine/ranks_cache.c keeps the cache; kernels/cuda_cache.cu copies rows in and out).
  * The engine's arrays are host memory: ids, offsets and weights go over with one copy each,
  * pooled rows and gradients with one strided copy straight to and from their place in the
  * trainer's slab, which the service registers (host_register) so those copies are DMA.
@@ -168,15 +170,11 @@ static int cuda_shard_alloc(struct embd_backend_rank *r, bool numa, int node,
 {
 	int rc;
 
-	if (kernel == EMBD_KERNEL_FUSED_UVM_CACHING) {
-		snprintf(err, err_len, "fused_uvm_caching (host rows with an HBM cache) is not "
-			 "built yet: constrain the table's compute_kernels to fused or fused_uvm");
-		return EMBD_ENOTSUP;
-	}
 	if ((rc = embd_backend_host_shard(numa, node, desc, out, err, err_len)))
 		return rc;
 	out->kernel = kernel;
-	if (kernel == EMBD_KERNEL_FUSED_UVM) {
+	if (kernel == EMBD_KERNEL_FUSED_UVM || kernel == EMBD_KERNEL_FUSED_UVM_CACHING) {
+		/* caching: the slots come from slots_resize (engine/ranks_cache.c) */
 		rc = map_host_rows(r, desc, out, err, err_len);
 		if (rc && out->registered)
 			unmap_host_rows(out);
@@ -194,14 +192,90 @@ static int cuda_shard_alloc(struct embd_backend_rank *r, bool numa, int node,
 static void cuda_shard_free(struct embd_backend_rank *r, bool numa, struct embd_backend_shard *s)
 {
 	cudaSetDevice(r->device);
-	if (s->kernel == EMBD_KERNEL_FUSED_UVM) {
+	if (s->kernel == EMBD_KERNEL_FUSED_UVM || s->kernel == EMBD_KERNEL_FUSED_UVM_CACHING) {
 		embd_shard_destroy(s->shard);   /* the struct: its rows are the host view's */
 		unmap_host_rows(s);
+		embd_cuda_shard_destroy(s->slots);
+		s->slots = NULL;
 	} else {
 		embd_cuda_shard_destroy(s->shard);
 	}
 	s->shard = NULL;
 	embd_backend_host_shard_free(numa, s);
+}
+
+static int drain(struct embd_backend_rank *r, int rc);
+
+/* The three arrays of a shard (weights, momentum1, momentum2). */
+static void arrays(const struct embd_shard *s, void *out[3])
+{
+	out[0] = s->weights;
+	out[1] = s->momentum1;
+	out[2] = s->momentum2;
+}
+
+static int cuda_slots_resize(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			     uint64_t rows, uint64_t keep, char *err, size_t err_len)
+{
+	struct embd_shard_desc desc;
+	struct embd_shard *slots = NULL;
+	void *to[3], *from[3];
+	cudaError_t e = cudaSuccess;
+	int rc;
+
+	cudaSetDevice(r->device);
+	embd_backend_slots_desc(&s->host->desc, rows, &desc);
+	if ((rc = embd_cuda_shard_create(r->ctx, &desc, &slots, err, err_len)))
+		return rc;
+	arrays(slots, to);
+	if (s->slots && keep) {
+		arrays(s->slots, from);
+		for (int i = 0; i < 3 && e == cudaSuccess; i++)
+			if (embd_backend_row_bytes(s, i))
+				e = cudaMemcpyAsync(to[i], from[i], embd_backend_row_bytes(s, i) * keep,
+						    cudaMemcpyDeviceToDevice,
+						    embd_cuda_ctx_stream(r->ctx));
+		if (e == cudaSuccess)
+			e = cudaStreamSynchronize(embd_cuda_ctx_stream(r->ctx));
+	}
+	if (e != cudaSuccess) {
+		embd_cuda_shard_destroy(slots);
+		return cuda_fail_msg(err, err_len, e, "growing the cache rows");
+	}
+	if (s->slots) {
+		slots->step = s->slots->step;
+		embd_cuda_shard_destroy(s->slots);
+	}
+	s->slots = slots;
+	s->slot_rows = rows;
+	s->device_bytes = 0;
+	for (int i = 0; i < 3; i++)
+		s->device_bytes += embd_backend_row_bytes(s, i) * rows;
+	return 0;
+}
+
+static int cuda_slots_copy(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			   const struct embd_cache_moves *m, char *err, size_t err_len)
+{
+	struct embd_kernel_err ke;
+	void *host[3], *slots[3];
+	uint64_t row_bytes[3];
+
+	if (!m->num_writebacks && !m->num_fetches)
+		return 0;
+	cudaSetDevice(r->device);
+	arrays(s->shard, host);         /* the mapped rows' device addresses */
+	arrays(s->slots, slots);
+	for (int i = 0; i < 3; i++)
+		row_bytes[i] = embd_backend_row_bytes(s, i);
+	int rc = embd_cuda_cache_copy(r->ctx, m, host, slots, row_bytes, &ke);
+	if (!rc)
+		rc = embd_cuda_sync(r->ctx, &ke);
+	else
+		drain(r, rc);
+	if (rc)
+		snprintf(err, err_len, "%s", ke.msg);
+	return rc;
 }
 
 static int cuda_pull(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
@@ -410,6 +484,8 @@ const struct embd_backend embd_backend_cuda = {
 	.push = cuda_push,
 	.forward = cuda_forward,
 	.backward = cuda_backward,
+	.slots_resize = cuda_slots_resize,
+	.slots_copy = cuda_slots_copy,
 	.host_register = cuda_host_register,
 	.host_unregister = cuda_host_unregister,
 };

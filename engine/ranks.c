@@ -8,6 +8,7 @@
  */
 #include "engine/ranks.h"
 #include "engine/backend.h"
+#include "engine/ranks_internal.h"
 
 #include <numa.h>
 #include <pthread.h>
@@ -16,47 +17,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Which copy of a shard's rows is newer; both are equal where the host view is the shard. */
-enum side { SIDE_SAME, SIDE_DEVICE_NEWER, SIDE_HOST_NEWER };
-
-struct rank_alloc {
-	struct rank_alloc *next;
-	struct embd_backend_shard b;
-	uint32_t rank;
-	enum side side;
-};
-
-struct rank {
-	struct embd_ranks *owner;
-	uint32_t index;
-	int node;
-	int *cpus;                      /* threads_per_rank */
-	pthread_t thread;
-	bool started;
-	struct embd_workers *workers;
-	struct embd_backend_rank *dev;  /* the backend's, opened on the driver thread */
-	bool dev_open;
-	uint64_t memory_bytes;
-};
-
-struct embd_ranks {
-	uint32_t num_ranks, threads_per_rank;
-	enum embd_compute_device device;
-	const struct embd_backend *backend;
-	bool numa;
-	struct rank *ranks;
-	struct rank_alloc *allocs;
-	pthread_mutex_t mu;
-	pthread_cond_t go, done;
-	uint64_t generation;
-	uint32_t pending;
-	bool stop;
-	embd_ranks_fn fn;
-	void *arg;
-	int start_rc;
-	char start_err[256];
-};
 
 static void *rank_main(void *p)
 {
@@ -225,6 +185,10 @@ int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
 	rs->num_ranks = num_ranks;
 	rs->threads_per_rank = threads_per_rank;
 	rs->numa = numa_available() >= 0;
+	/* tests: the CPU runs fused_uvm_caching's cache (host memory as the "device") where the
+	 * plan says fused, which the planner never assigns on the CPU */
+	const char *k = getenv("EMBD_TEST_CPU_KERNEL");
+	rs->cpu_caching = device == EMBD_DEVICE_CPU && k && !strcmp(k, "fused_uvm_caching");
 	rs->ranks = calloc(num_ranks, sizeof(*rs->ranks));
 	rc = EMBD_ENOMEM;
 	if (!rs->ranks)
@@ -285,6 +249,10 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 			if (rs->ranks[i].started)
 				pthread_join(rs->ranks[i].thread, NULL);
 			free(rs->ranks[i].cpus);
+			free(rs->ranks[i].sub);
+			free(rs->ranks[i].rows);
+			free(rs->ranks[i].ids);
+			free(rs->ranks[i].slots);
 		}
 	}
 	free(rs->ranks);
@@ -327,9 +295,20 @@ void embd_ranks_run(struct embd_ranks *rs, embd_ranks_fn fn, void *arg)
 	pthread_mutex_unlock(&rs->mu);
 }
 
+/* Bytes of a's shard the rank's memory counts: device memory, and host rows the device
+ * computes on or caches (not the host copies of HBM shards). */
+static uint64_t counted_bytes(const struct rank_alloc *a)
+{
+	bool host_rows = a->b.host == a->b.shard || a->b.registered ||
+			 a->b.kernel == EMBD_KERNEL_FUSED_UVM_CACHING;
+
+	return a->b.device_bytes +
+	       (host_rows ? a->b.bytes[0] + a->b.bytes[1] + a->b.bytes[2] : 0);
+}
+
 int embd_ranks_alloc_shard(struct embd_ranks *rs, uint32_t rank,
 			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
-			   struct embd_shard **out, char *err, size_t err_len)
+			   double cache_ratio, struct embd_shard **out, char *err, size_t err_len)
 {
 	struct rank_alloc *a;
 	char inner[192] = "";
@@ -340,6 +319,8 @@ int embd_ranks_alloc_shard(struct embd_ranks *rs, uint32_t rank,
 		snprintf(err, err_len, "rank %u: only %u ranks", rank, rs->num_ranks);
 		return EMBD_EINVAL;
 	}
+	if (rs->cpu_caching && kernel == EMBD_KERNEL_FUSED)
+		kernel = EMBD_KERNEL_FUSED_UVM_CACHING;
 	a = calloc(1, sizeof(*a));
 	if (!a)
 		return EMBD_ENOMEM;
@@ -353,9 +334,16 @@ int embd_ranks_alloc_shard(struct embd_ranks *rs, uint32_t rank,
 	a->rank = rank;
 	a->next = rs->allocs;
 	rs->allocs = a;
-	rs->ranks[rank].memory_bytes += a->b.device_bytes;
-	if (a->b.host == a->b.shard || a->b.registered)
-		rs->ranks[rank].memory_bytes += a->b.bytes[0] + a->b.bytes[1] + a->b.bytes[2];
+	rs->ranks[rank].memory_bytes += counted_bytes(a);
+	if (kernel == EMBD_KERNEL_FUSED_UVM_CACHING) {
+		rc = ranks_cache_open(rs, a, cache_ratio, inner, sizeof(inner));
+		if (rc) {
+			embd_ranks_free_shard(rs, a->b.shard);
+			snprintf(err, err_len, "rank %u (%s): %s", rank, rs->backend->name, inner);
+			return rc;
+		}
+		rs->ranks[rank].cached_shards++;
+	}
 	*out = a->b.shard;
 	return 0;
 }
@@ -376,9 +364,10 @@ void embd_ranks_free_shard(struct embd_ranks *rs, struct embd_shard *shard)
 			continue;
 		*p = a->next;
 		struct rank *r = &rs->ranks[a->rank];
-		r->memory_bytes -= a->b.device_bytes;
-		if (a->b.host == a->b.shard || a->b.registered)
-			r->memory_bytes -= a->b.bytes[0] + a->b.bytes[1] + a->b.bytes[2];
+		r->memory_bytes -= counted_bytes(a);
+		if (a->cache)
+			r->cached_shards--;
+		ranks_cache_close(a);
 		rs->backend->shard_free(r->dev, rs->numa, &a->b);
 		free(a);
 		return;
@@ -401,7 +390,10 @@ int embd_ranks_shard_pull(struct embd_ranks *rs, struct embd_shard *shard, char 
 
 	if (!a || a->side != SIDE_DEVICE_NEWER)
 		return 0;
-	rc = rs->backend->pull(rs->ranks[a->rank].dev, &a->b, err, err_len);
+	if (a->cache)
+		rc = ranks_cache_flush(rs, a, err, err_len);
+	else
+		rc = rs->backend->pull(rs->ranks[a->rank].dev, &a->b, err, err_len);
 	if (!rc)
 		a->side = SIDE_SAME;
 	return rc;
@@ -411,7 +403,7 @@ void embd_ranks_shard_changed(struct embd_ranks *rs, struct embd_shard *shard)
 {
 	struct rank_alloc *a = find(rs, shard);
 
-	if (a && rs->backend->push)
+	if (a && (rs->backend->push || a->cache))
 		a->side = SIDE_HOST_NEWER;
 }
 
@@ -419,7 +411,11 @@ static int push(struct embd_ranks *rs, struct rank_alloc *a, char *err, size_t e
 {
 	if (a->side != SIDE_HOST_NEWER)
 		return 0;
-	int rc = rs->backend->push(rs->ranks[a->rank].dev, &a->b, err, err_len);
+	int rc = 0;
+	if (a->cache)
+		ranks_cache_invalidate(a);
+	else
+		rc = rs->backend->push(rs->ranks[a->rank].dev, &a->b, err, err_len);
 	if (!rc)
 		a->side = SIDE_SAME;
 	return rc;
@@ -454,7 +450,11 @@ int embd_ranks_forward(struct embd_ranks *rs, uint32_t rank, const struct embd_e
 {
 	int rc = push_rank(rs, rank, err);
 
-	return rc ? rc : rs->backend->forward(rs->ranks[rank].dev, exec, batches, n, err);
+	if (rc)
+		return rc;
+	if (rs->ranks[rank].cached_shards)
+		return ranks_cache_forward(rs, rank, exec, batches, n, err);
+	return rs->backend->forward(rs->ranks[rank].dev, exec, batches, n, err);
 }
 
 int embd_ranks_backward(struct embd_ranks *rs, uint32_t rank, const struct embd_exec *exec,
@@ -466,11 +466,26 @@ int embd_ranks_backward(struct embd_ranks *rs, uint32_t rank, const struct embd_
 
 	if (rc)
 		return rc;
-	rc = rs->backend->backward(rs->ranks[rank].dev, exec, shard, batches, n, err);
+	if (a && a->cache)
+		rc = ranks_cache_backward(rs, a, exec, batches, n, err);
+	else
+		rc = rs->backend->backward(rs->ranks[rank].dev, exec, shard, batches, n, err);
 	/* even a failed call may have changed rows on a device that reports late */
-	if (a && rs->backend->pull)
+	if (a && (rs->backend->pull || a->cache))
 		a->side = SIDE_DEVICE_NEWER;
 	return rc;
+}
+
+bool embd_ranks_cache_counts(const struct embd_ranks *rs, const struct embd_shard *shard,
+			     uint64_t *hits, uint64_t *misses)
+{
+	const struct rank_alloc *a = find(rs, shard);
+
+	if (!a || !a->cache)
+		return false;
+	*hits += a->cache->hits;
+	*misses += a->cache->misses;
+	return true;
 }
 
 int embd_ranks_host_register(struct embd_ranks *rs, void *p, size_t bytes, char *err,

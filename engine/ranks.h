@@ -14,6 +14,7 @@
 #ifndef EMBD_ENGINE_RANKS_H
 #define EMBD_ENGINE_RANKS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -64,12 +65,23 @@ void embd_ranks_run(struct embd_ranks *ranks, embd_ranks_fn fn, void *arg);
 /*
  * A shard of desc in rank's memory for compute kernel `kernel` (uninitialised: initialise its
  * host view from embd_ranks_run so the rank's thread touches it first, then mark it changed).
- * CUDA: fused and dense in HBM, fused_uvm in pinned mapped host memory; fused_uvm_caching is
- * refused (EMBD_ENOTSUP: not built yet). Freed by embd_ranks_free_shard or embd_ranks_destroy.
+ * CUDA: fused and dense in HBM, fused_uvm in pinned mapped host memory, fused_uvm_caching in
+ * pinned mapped host memory with an HBM cache of about rows * cache_ratio of its rows (the
+ * plan's uvm_caching_ratio; engine/ranks_cache.c); the CPU runs every kernel on host memory
+ * (with EMBD_TEST_CPU_KERNEL=fused_uvm_caching in the environment at embd_ranks_create_on,
+ * fused shards run fused_uvm_caching's cache in host memory: tests). Freed by
+ * embd_ranks_free_shard or embd_ranks_destroy.
  */
 int embd_ranks_alloc_shard(struct embd_ranks *ranks, uint32_t rank,
 			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
-			   struct embd_shard **out, char *err, size_t err_len);
+			   double cache_ratio, struct embd_shard **out, char *err, size_t err_len);
+/*
+ * A fused_uvm_caching shard's lookups since it was allocated, added to *hits and *misses:
+ * distinct rows of each forward call found in its cache or fetched (a backward maps its rows
+ * again and is not counted). false (nothing added) for a shard of another kernel.
+ */
+bool embd_ranks_cache_counts(const struct embd_ranks *ranks, const struct embd_shard *shard,
+			     uint64_t *hits, uint64_t *misses);
 void embd_ranks_free_shard(struct embd_ranks *ranks, struct embd_shard *shard);
 
 /*

@@ -202,6 +202,7 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 				continue;       /* another node's memory */
 			char inner[192];
 			rc = embd_ranks_alloc_shard(s->ranks, ss->local, &ss->desc, pt->compute_kernel,
+						    plan->topology.uvm_caching_ratio,
 						    &ss->shard, inner, sizeof(inner));
 			if (rc) {
 				snprintf(err, err_len, "table '%s' shard %u (%s): %s", spec->name, k,

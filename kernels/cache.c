@@ -87,6 +87,8 @@ void embd_cache_destroy(struct embd_cache *c)
 	free(c->wb_row);
 	free(c->fetch_slot);
 	free(c->fetch_row);
+	free(c->prev_row);
+	free(c->prev_dirty);
 	free(c->uniq);
 	free(c->uniq_slot);
 	free(c->index);
@@ -116,7 +118,9 @@ static int reserve(struct embd_cache *c, uint64_t n)
 		    grow((void **)&c->wb_slot, cap, sizeof(*c->wb_slot)) ||
 		    grow((void **)&c->wb_row, cap, sizeof(*c->wb_row)) ||
 		    grow((void **)&c->fetch_slot, cap, sizeof(*c->fetch_slot)) ||
-		    grow((void **)&c->fetch_row, cap, sizeof(*c->fetch_row)))
+		    grow((void **)&c->fetch_row, cap, sizeof(*c->fetch_row)) ||
+		    grow((void **)&c->prev_row, cap, sizeof(*c->prev_row)) ||
+		    grow((void **)&c->prev_dirty, cap, sizeof(*c->prev_dirty)))
 			return EMBD_ENOMEM;
 		c->uniq_cap = c->mapped_cap = c->overflow_cap = c->plan_cap = cap;
 	}
@@ -222,6 +226,8 @@ int embd_cache_map(struct embd_cache *c, const int64_t *rows, uint64_t n, bool c
 			c->overflow_row[c->overflow++] = c->uniq[k];
 		} else {
 			slot = (uint64_t)i;
+			c->prev_row[c->num_fetch] = c->tag[i];
+			c->prev_dirty[c->num_fetch] = c->dirty[i];
 			if (c->tag[i] >= 0 && c->dirty[i]) {
 				c->wb_slot[c->num_wb] = slot;
 				c->wb_row[c->num_wb++] = c->tag[i];
@@ -236,14 +242,30 @@ int embd_cache_map(struct embd_cache *c, const int64_t *rows, uint64_t n, bool c
 		c->fetch_slot[c->num_fetch] = slot;
 		c->fetch_row[c->num_fetch++] = c->uniq[k];
 	}
-	if (count) {
-		c->hits += hits;
-		c->misses += u - hits;
-	}
+	c->counted_hits = count ? hits : 0;
+	c->counted_misses = count ? u - hits : 0;
+	c->hits += c->counted_hits;
+	c->misses += c->counted_misses;
 	for (uint64_t i = 0; i < n; i++)
 		slot_of[i] = c->uniq_slot[slot_of[i]];
 	plan_out(c, moves);
 	return 0;
+}
+
+void embd_cache_undo(struct embd_cache *c)
+{
+	for (uint64_t k = 0; k < c->num_fetch; k++) {
+		uint64_t slot = c->fetch_slot[k];
+		if (slot >= embd_cache_slots(c))
+			continue;
+		c->tag[slot] = c->prev_row[k];
+		c->dirty[slot] = c->prev_dirty[k];
+		c->call[slot] = 0;
+	}
+	c->hits -= c->counted_hits;
+	c->misses -= c->counted_misses;
+	c->counted_hits = c->counted_misses = 0;
+	c->overflow = c->num_mapped = c->num_wb = c->num_fetch = 0;
 }
 
 void embd_cache_end(struct embd_cache *c, bool wrote, struct embd_cache_moves *moves)

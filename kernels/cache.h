@@ -56,6 +56,9 @@ struct embd_cache {
 	/* the plan and the call's scratch */
 	uint64_t *wb_slot, *fetch_slot;
 	int64_t *wb_row, *fetch_row;
+	int64_t *prev_row;              /* per fetch: what its way held (embd_cache_undo) */
+	bool *prev_dirty;
+	uint64_t counted_hits, counted_misses;
 	uint64_t num_wb, num_fetch, plan_cap;
 	int64_t *uniq;                  /* distinct rows, first seen first */
 	uint64_t *uniq_slot;
@@ -103,6 +106,13 @@ static inline uint64_t embd_cache_slots(const struct embd_cache *c)
  */
 int embd_cache_map(struct embd_cache *c, const int64_t *rows, uint64_t n, bool count,
 		   uint64_t *slot_of, struct embd_cache_moves *moves);
+
+/*
+ * Takes back the last map when its moves could not be made (no room for the slots, a failed
+ * copy): the ways hold the rows and dirty marks they held before, the counts are as before.
+ * Rows a failed copy half moved are not restored: a device that fails a copy is not trusted.
+ */
+void embd_cache_undo(struct embd_cache *c);
 
 /*
  * Ends the call: wrote (its backward applied) marks its cached rows dirty and plans the

@@ -12,6 +12,7 @@ endif()
 add_library(embd_kernels_cuda STATIC
   cuda_backward.cu
   cuda_bucketize.cu
+  cuda_cache.cu
   cuda_ctx.cu
   cuda_forward.cu
 )

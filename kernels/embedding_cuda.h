@@ -28,6 +28,7 @@
 extern "C" {
 #endif
 
+#include "kernels/cache.h"
 #include "kernels/embedding.h"
 #include "kernels/jagged.h"
 
@@ -109,6 +110,17 @@ int embd_cuda_backward(struct embd_cuda_ctx *ctx, struct embd_shard *shard,
  */
 int embd_cuda_bucketize(struct embd_cuda_ctx *ctx, const struct embd_bucketize_args *args,
 			struct embd_kernel_err *err);
+
+/*
+ * fused_uvm_caching's moves (kernels/cache.h, a host plan): for each array i (weights, then
+ * the optimizer's momentum1 and momentum2; row_bytes[i] 0 where unused) every write-back row
+ * slot_rows[i] -> host_rows[i], then every fetch host_rows[i] -> slot_rows[i]. host_rows are
+ * device pointers of pinned mapped host memory, slot_rows device memory. Returns 0 once
+ * enqueued (the plan's arrays may then be reused), EMBD_ENOMEM/EMBD_EIO for a CUDA failure.
+ */
+int embd_cuda_cache_copy(struct embd_cuda_ctx *ctx, const struct embd_cache_moves *m,
+			 void *const host_rows[3], void *const slot_rows[3],
+			 const uint64_t row_bytes[3], struct embd_kernel_err *err);
 
 #ifdef __cplusplus
 }

@@ -53,7 +53,7 @@ Test(ranks, cpu_shard_is_its_host_view_and_runs_the_cpu_kernels)
 	cr_assert_eq(embd_ranks_create_on(EMBD_DEVICE_CPU, 2, 1, &ranks, err, sizeof(err)), 0,
 		     "%s", err);
 	cr_assert_eq(embd_ranks_device(ranks), EMBD_DEVICE_CPU);
-	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_FUSED, &shard, err,
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_FUSED, 0.2, &shard, err,
 					    sizeof(err)), 0, "%s", err);
 	cr_assert_eq(embd_ranks_shard_host(ranks, shard), shard,
 		     "a CPU shard is its own host view");
@@ -123,7 +123,7 @@ Test(ranks, dense_on_cpu_is_a_host_shard)
 
 	/* dense and fused alike: host rows, the optimizer fused into the backward */
 	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
-	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_DENSE, &shard, err,
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_DENSE, 0.2, &shard, err,
 					    sizeof(err)), 0, "%s", err);
 	cr_assert_eq(embd_ranks_shard_host(ranks, shard), shard);
 	embd_ranks_destroy(ranks);      /* frees the shard still allocated */
