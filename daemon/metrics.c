@@ -102,6 +102,18 @@ static void work(FILE *f, const struct embd_metrics_snapshot *s)
 		label_value(f, s->tables[t].name);
 		fprintf(f, "} %" PRIu64 "\n", s->tables[t].lookups);
 	}
+	head(f, "embd_cache_lookups_total", "counter", "fused_uvm_caching tables: distinct rows "
+	     "of each forward found in the HBM cache (hit) or fetched from host memory (miss).");
+	for (uint32_t t = 0; t < s->num_tables; t++) {
+		if (!s->tables[t].cached)
+			continue;
+		for (int miss = 0; miss < 2; miss++) {
+			fputs("embd_cache_lookups_total{table=", f);
+			label_value(f, s->tables[t].name);
+			fprintf(f, ",result=\"%s\"} %" PRIu64 "\n", miss ? "miss" : "hit",
+				miss ? s->tables[t].cache_misses : s->tables[t].cache_hits);
+		}
+	}
 	head(f, "embd_bytes_total", "counter", "Bytes moved: trainer_in (KJTs read), trainer_out "
 	     "(pooled written), peer_out (sent to other nodes).");
 	fprintf(f, "embd_bytes_total{link=\"trainer_in\"} %" PRIu64 "\n", s->bytes_in);

@@ -348,9 +348,13 @@ static void fill_ranks(const struct embd_server *sv, struct embd_stats_rank *ran
 
 static void fill_tables(const struct embd_server *sv, struct embd_stats_table *tables)
 {
-	for (uint32_t t = 0; t < sv->config->tables.count; t++)
-		tables[t] = (struct embd_stats_table){ sv->config->tables.specs[t].name,
-						       embd_step_table_lookups(sv->step, t) };
+	for (uint32_t t = 0; t < sv->config->tables.count; t++) {
+		tables[t] = (struct embd_stats_table){
+			.name = sv->config->tables.specs[t].name,
+			.lookups = embd_step_table_lookups(sv->step, t) };
+		tables[t].cached = embd_step_table_cache(sv->step, t, &tables[t].cache_hits,
+							 &tables[t].cache_misses);
+	}
 }
 
 static uint32_t count_trainers(const struct embd_server *sv)

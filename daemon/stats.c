@@ -164,6 +164,12 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 		cJSON_AddItemToArray(arr, o);
 		cJSON_AddStringToObject(o, "name", tables[i].name);
 		cJSON_AddNumberToObject(o, "lookups", (double)tables[i].lookups);
+		if (!tables[i].cached)
+			continue;
+		uint64_t h = tables[i].cache_hits, m = tables[i].cache_misses;
+		cJSON_AddNumberToObject(o, "cache_hits", (double)h);
+		cJSON_AddNumberToObject(o, "cache_misses", (double)m);
+		cJSON_AddNumberToObject(o, "cache_hit_rate", h + m ? (double)h / (double)(h + m) : 0);
 	}
 	obj = cJSON_AddObjectToObject(root, "refusals");
 	for (uint32_t i = 0; obj && i < EMBD_STATS_CAUSES; i++)

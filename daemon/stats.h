@@ -26,7 +26,11 @@
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
  *     "ranks": [ { "rank": 0, "numa_node": 0, "memory_bytes": 1048576 } ],
  *     "tables": [ { "name": "user_id", "lookups": 60 } ],  row reads per table by this
- *                                   node's ranks (engine/step.h: embd_step_table_lookups)
+ *                                   node's ranks (engine/step.h: embd_step_table_lookups);
+ *                                   a fused_uvm_caching table also has "cache_hits",
+ *                                   "cache_misses" (distinct rows of each forward found in
+ *                                   its HBM cache or fetched from host memory, this node's
+ *                                   shards) and "cache_hit_rate" (0 before any lookup)
  *     "refusals": { "EAGAIN": 2 },  requests completed with an error, by code (causes
  *                                   never seen are left out)
  *     "clients": [ { "index": 0, "pid": 42, "uid": 1000, "sq_used": 0, "sq_entries": 64,
@@ -49,6 +53,7 @@
 #ifndef EMBD_DAEMON_STATS_H
 #define EMBD_DAEMON_STATS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -88,6 +93,8 @@ struct embd_stats {
 struct embd_stats_table {
 	const char *name;
 	uint64_t lookups;
+	bool cached;                    /* fused_uvm_caching: the cache's counts below */
+	uint64_t cache_hits, cache_misses;
 };
 
 struct embd_stats_rank {

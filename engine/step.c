@@ -785,6 +785,23 @@ uint64_t embd_step_table_lookups(const struct embd_step *s, uint32_t table)
 	return table < s->num_tables ? s->tables[table].lookups : 0;
 }
 
+bool embd_step_table_cache(const struct embd_step *s, uint32_t table, uint64_t *hits,
+			   uint64_t *misses)
+{
+	bool cached = false;
+
+	*hits = *misses = 0;
+	if (table >= s->num_tables)
+		return false;
+	const struct step_table *t = &s->tables[table];
+	for (uint32_t k = 0; k < t->num_shards; k++) {
+		const struct step_shard *ss = &s->shards[t->first_shard + k];
+		if (ss->shard && embd_ranks_cache_counts(s->ranks, ss->shard, hits, misses))
+			cached = true;
+	}
+	return cached;
+}
+
 int embd_step_read_weight(const struct embd_step *s, uint32_t table, int64_t row, uint32_t col,
 			  uint32_t replica, float *out)
 {

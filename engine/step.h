@@ -243,6 +243,11 @@ void embd_step_counts(const struct embd_step *step, struct embd_step_counts *out
 /* Row reads of table (its index in the tables) by this node's ranks since creation, over every
  * forward that ran its lookups (steps aborted later included); 0 for an unknown table. */
 uint64_t embd_step_table_lookups(const struct embd_step *step, uint32_t table);
+/* A fused_uvm_caching table's cache lookups on this node's shards (engine/ranks.h,
+ * embd_ranks_cache_counts: distinct rows of each forward call, found or fetched) into *hits
+ * and *misses; false (both 0) for a table of another kernel or none here. */
+bool embd_step_table_cache(const struct embd_step *step, uint32_t table, uint64_t *hits,
+			   uint64_t *misses);
 
 /* For tests and checkpoints: weight (row, col) of table t as fp32, read from whichever shard
  * holds it (data_parallel: replica on rank `replica`); EMBD_ENOENT when none does. */

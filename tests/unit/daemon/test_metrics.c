@@ -32,7 +32,8 @@ static void has(const char *text, const char *line)
 
 Test(metrics, names_types_and_values)
 {
-	struct embd_stats_table tables[2] = { { "user_id", 60 }, { "item_id", 7 } };
+	struct embd_stats_table tables[2] = { { .name = "user_id", .lookups = 60 },
+		{ .name = "item_id", .lookups = 7, .cached = true, .cache_hits = 9, .cache_misses = 3 } };
 	struct embd_stats_rank ranks[2] = { { 0, 0, 4096 }, { 1, 1, 8192 } };
 	struct embd_metrics_snapshot s = {
 		.uptime_s = 2.5, .step = 11, .steps = 10, .aborted_steps = 1, .ids = 500,
@@ -49,6 +50,10 @@ Test(metrics, names_types_and_values)
 	has(text, "\nembd_ids_total 500\n");
 	has(text, "\nembd_lookups_total{table=\"user_id\"} 60\n");
 	has(text, "\nembd_lookups_total{table=\"item_id\"} 7\n");
+	has(text, "# TYPE embd_cache_lookups_total counter\n");
+	has(text, "\nembd_cache_lookups_total{table=\"item_id\",result=\"hit\"} 9\n");
+	has(text, "\nembd_cache_lookups_total{table=\"item_id\",result=\"miss\"} 3\n");
+	cr_assert_null(strstr(text, "embd_cache_lookups_total{table=\"user_id\""), "%s", text);
 	has(text, "\nembd_bytes_total{link=\"trainer_in\"} 100\n");
 	has(text, "\nembd_bytes_total{link=\"trainer_out\"} 200\n");
 	has(text, "\nembd_bytes_total{link=\"peer_out\"} 300\n");
@@ -70,7 +75,7 @@ Test(metrics, names_types_and_values)
 
 Test(metrics, label_values_escaped)
 {
-	struct embd_stats_table tables[1] = { { "a\"b\\c\nd", 3 } };
+	struct embd_stats_table tables[1] = { { .name = "a\"b\\c\nd", .lookups = 3 } };
 	struct embd_metrics_snapshot s = { .num_tables = 1, .tables = tables };
 	char *text = text_of(&s);
 

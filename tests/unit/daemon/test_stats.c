@@ -38,7 +38,8 @@ Test(stats, json_fields_and_percentiles)
 	struct embd_stats_client clients[1] = { { .index = 1, .pid = 42, .uid = 7, .sq_used = 3,
 		.sq_entries = 64, .cq_used = 1, .cq_entries = 64, .requests = 9, .errors = 2,
 		.stalling_ms = 12000 } };
-	struct embd_stats_table tables[2] = { { "user_id", 60 }, { "item_id", 7 } };
+	struct embd_stats_table tables[2] = { { .name = "user_id", .lookups = 60 },
+		{ .name = "item_id", .lookups = 7, .cached = true, .cache_hits = 9, .cache_misses = 3 } };
 	cr_assert_eq(embd_stats_json(s, ranks, 2, tables, 2, clients, 1, &text), 0);
 	cJSON *root = cJSON_Parse(text);
 	cr_assert_not_null(root, "not JSON: %s", text);
@@ -59,6 +60,12 @@ Test(stats, json_fields_and_percentiles)
 	const cJSON *t = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "tables"), 1);
 	cr_assert_str_eq(cJSON_GetObjectItemCaseSensitive(t, "name")->valuestring, "item_id");
 	cr_assert_eq(num(t, "lookups"), 7);
+	/* a fused_uvm_caching table has its cache's counts; the others none */
+	cr_assert_eq(num(t, "cache_hits"), 9);
+	cr_assert_eq(num(t, "cache_misses"), 3);
+	cr_assert_float_eq(num(t, "cache_hit_rate"), 0.75, 1e-12);
+	const cJSON *t0 = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(root, "tables"), 0);
+	cr_assert_null(cJSON_GetObjectItemCaseSensitive(t0, "cache_hits"), "%s", text);
 	cr_assert_gt(num(root, "ids_per_s"), 0);
 	cr_assert_gt(num(root, "lookups_per_s"), num(root, "ids_per_s"));
 	cr_assert_gt(num(root, "uptime_s"), 0);
