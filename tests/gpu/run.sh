@@ -7,7 +7,9 @@
 #        service's Debian packages) and runs them, then the NCCL comm engine's test;
 #     2. with the service bundle (below) at $EMBD_GPU_BUNDLE (default build-gpu-bundle): the
 #        real embd on all GPUs of the machine (compute_device cuda, ranks = the GPU count) with
-#        trainer processes, every sharding type, compute kernels fused and fused_uvm, each equal
+#        trainer processes, every sharding type, compute kernels fused, fused_uvm and
+#        fused_uvm_caching (its HBM cache a few rows of the test tables: evictions, write-backs
+#        and overflowing sets every step), each equal
 #        to the unsharded CPU reference (test_integration_training); and a config asking for
 #        more GPUs than there are refused naming both numbers.
 #   tests/gpu/run.sh --bundle-only  on a machine with the packages (CI, a developer's): builds
@@ -99,7 +101,7 @@ else
 fi
 
 if [ "$rc" -ne 77 ]; then
-	for kernel in fused fused_uvm; do
+	for kernel in fused fused_uvm fused_uvm_caching; do
 		EMBD_TEST_COMPUTE_DEVICE=cuda EMBD_TEST_COMPUTE_KERNEL=$kernel \
 			"$bundle/bin/test_integration_training" -j1 --filter 'training/*equal*reference' \
 			2>&1 | tee "$out/training_$kernel.log"
