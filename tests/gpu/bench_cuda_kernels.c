@@ -7,6 +7,7 @@
  * (and weight) and the offsets, and writes the pooled output; backward reads the ids, offsets
  * and dL/d(pooled) once, and reads and writes each touched row's weights and optimizer state
  * once. gbps = bytes / median time of REPS runs; tables are far larger than the 50 MB L2.
+ * fused_uvm_caching's forward goes beside fused's on the same ids ("ratio_to_fused").
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -182,6 +183,125 @@ static void bench_table(struct grng *r, uint32_t dim, enum embd_data_type dt, co
 	}
 }
 
+/*
+ * fused_uvm_caching's forward against fused's over one D128 fp32 table (kernels/cache.h):
+ * host rows pinned and mapped, a cache of 0.2 of them in HBM, and calls of B 2048 x P 20 ids,
+ * 95% drawn from 32768 hot rows, 5% from the whole table: about 90% of a call's distinct rows
+ * are cached (the line reports the rate the cache counted). One call: the host
+ * maps the ids (engine/ranks_cache.c's prefetch), the GPU copies the misses in
+ * (embd_cuda_cache_copy), the slot ids go over, the forward runs on the cache rows. The same
+ * ids through a fused (HBM) shard are the reference; the hit rate is the cache's own count.
+ */
+struct cache_job {
+	struct embd_cache *cache;
+	struct embd_bag_batch bt;       /* on the slots, ids: the device slot ids */
+	const int64_t *rows;            /* host: the call's local rows */
+	uint64_t *slot_of;
+	int64_t *slot_ids;
+	void *host_rows[3], *slot_rows[3];
+	uint64_t row_bytes[3];
+};
+
+static void cache_run(void *arg)
+{
+	struct cache_job *j = arg;
+	struct embd_cache_moves mv;
+	struct embd_kernel_err e;
+
+	if (embd_cache_map(j->cache, j->rows, j->bt.num_ids, true, j->slot_of, &mv) ||
+	    j->cache->overflow)
+		gpu_die("cache map: no memory, or %llu rows overflowed their set",
+			(unsigned long long)j->cache->overflow);
+	if (embd_cuda_cache_copy(ctx, &mv, j->host_rows, j->slot_rows, j->row_bytes, &e))
+		gpu_die("cache copy: %s", e.msg);
+	for (uint64_t k = 0; k < j->bt.num_ids; k++)
+		j->slot_ids[k] = (int64_t)j->slot_of[k];
+	cudaMemcpyAsync((void *)j->bt.ids, j->slot_ids, j->bt.num_ids * 8, cudaMemcpyHostToDevice,
+			embd_cuda_ctx_stream(ctx));
+	if (embd_cuda_forward(ctx, &j->bt, 1, &e))
+		gpu_die("forward on the cache: %s", e.msg);
+	embd_cache_end(j->cache, false, &mv);
+}
+
+static void bench_caching(struct grng *r, double copy_gbps)
+{
+	const uint32_t dim = 128, B = 2048, P = 20;
+	const uint64_t n = (uint64_t)B * P, row_bytes = dim * 4;
+	const int64_t rows = (int64_t)(TABLE_BYTES / row_bytes);
+	struct embd_shard_desc d = {
+		.table_id = 1, .num_embeddings = rows, .embedding_dim = dim, .dtype = EMBD_DTYPE_FP32,
+		.rows = rows, .cols = dim, .optimizer = { .type = EMBD_OPT_SGD, .lr = 0.01f },
+	};
+	struct cache_job j = { .row_bytes = { row_bytes, 0, 0 } };
+	struct embd_shard *fused, *slots;
+	char msg[256];
+
+	if (embd_cache_create(rows, 0.2, &j.cache, msg, sizeof(msg)))
+		gpu_die("cache: %s", msg);
+	struct embd_shard_desc sd = d;
+	sd.num_embeddings = sd.rows = (int64_t)embd_cache_slots(j.cache);
+	if (embd_cuda_shard_create(ctx, &d, &fused, msg, sizeof(msg)) ||
+	    embd_cuda_shard_create(ctx, &sd, &slots, msg, sizeof(msg)))
+		gpu_die("shard: %s", msg);
+	dev_zero(fused->weights, (uint64_t)rows * row_bytes);
+	void *host = NULL;
+	if (cudaHostAlloc(&host, (uint64_t)rows * row_bytes, cudaHostAllocMapped) != cudaSuccess ||
+	    cudaHostGetDevicePointer(&j.host_rows[0], host, 0) != cudaSuccess)
+		gpu_die("pinned mapped host rows: %s", cudaGetErrorString(cudaGetLastError()));
+	memset(host, 0, (uint64_t)rows * row_bytes);
+	j.slot_rows[0] = slots->weights;
+	int64_t *offsets = malloc((B + 1) * 8), *ids = malloc(n * 8);
+	j.slot_of = malloc(n * 8);
+	j.slot_ids = malloc(n * 8);
+	if (!offsets || !ids || !j.slot_of || !j.slot_ids)
+		gpu_die("out of memory");
+	for (uint32_t b = 0; b <= B; b++)
+		offsets[b] = (int64_t)b * P;
+	const uint64_t hot = 32768;
+	for (uint64_t k = 0; k < n; k++)
+		ids[k] = (int64_t)(grng_below(r, 20) ? grng_below(r, hot) * 7 % (uint64_t)rows
+						     : grng_below(r, (uint64_t)rows));
+	j.rows = ids;
+	float *pooled = dev_alloc((uint64_t)B * dim * 4);
+	struct call_job f = { .shard = fused };
+	f.bt = (struct embd_bag_batch){
+		.shard = fused, .batch_size = B, .offsets = dev_upload(offsets, (B + 1) * 8),
+		.ids = dev_upload(ids, n * 8), .num_ids = n, .pooling = EMBD_POOLING_SUM,
+		.pooled = pooled, .pooled_stride = dim,
+	};
+	j.bt = f.bt;
+	j.bt.shard = slots;
+	j.bt.ids = dev_alloc(n * 8);
+	float fused_ms = time_ms(forward_run, &f);
+	/* warm the hot set in, then count what the timed calls find */
+	cache_run(&j);
+	j.cache->hits = j.cache->misses = 0;
+	float cache_ms = time_ms(cache_run, &j);
+	double hit_rate = (double)j.cache->hits / (double)(j.cache->hits + j.cache->misses);
+	uint64_t bytes = n * 8 + (B + 1) * 8ull + (uint64_t)B * dim * 4 + n * row_bytes;
+	printf("{\"name\":\"forward_fused_uvm_caching\",\"dim\":%u,\"dtype\":\"fp32\","
+	       "\"pooling_factor\":%u,\"batch_size\":%u,\"ids\":%llu,\"cache_rows\":%llu,"
+	       "\"table_bytes\":%llu,\"hit_rate\":%.3f,\"ms\":%.4f,\"gbps\":%.1f,"
+	       "\"fused_ms\":%.4f,\"fused_gbps\":%.1f,\"ratio_to_fused\":%.3f,\"copy_gbps\":%.1f}\n",
+	       dim, P, B, (unsigned long long)n, (unsigned long long)embd_cache_slots(j.cache),
+	       (unsigned long long)((uint64_t)rows * row_bytes), hit_rate, cache_ms,
+	       bytes / (cache_ms * 1e-3) / 1e9, fused_ms, bytes / (fused_ms * 1e-3) / 1e9,
+	       fused_ms / cache_ms, copy_gbps);
+	fflush(stdout);
+	dev_free((void *)f.bt.offsets);
+	dev_free((void *)f.bt.ids);
+	dev_free((void *)j.bt.ids);
+	dev_free(pooled);
+	cudaFreeHost(host);
+	embd_cuda_shard_destroy(fused);
+	embd_cuda_shard_destroy(slots);
+	embd_cache_destroy(j.cache);
+	free(offsets);
+	free(ids);
+	free(j.slot_of);
+	free(j.slot_ids);
+}
+
 int main(void)
 {
 	static const uint32_t fwd_pf[] = { 1, 20, 100 }, bwd_pf[] = { 20 };
@@ -196,6 +316,7 @@ int main(void)
 	bench_table(&r, 128, EMBD_DTYPE_FP32, fwd_pf, 3, false, copy_gbps);
 	bench_table(&r, 128, EMBD_DTYPE_FP16, fwd_pf, 3, false, copy_gbps);
 	bench_table(&r, 128, EMBD_DTYPE_FP32, bwd_pf, 1, true, copy_gbps);
+	bench_caching(&r, copy_gbps);
 	embd_cuda_ctx_destroy(ctx);
 	return 0;
 }
