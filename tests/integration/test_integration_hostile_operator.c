@@ -2,7 +2,8 @@
  * Integration: a hostile but realistic operator and trainer against the real embd and embctl
  * (issue 13). Checkpoints: a directory whose every checkpoint is damaged makes embd refuse to
  * start from the initial weights until checkpoint_allow_fresh_start, and the damaged ones end
- * up in damaged/, never deleted; a second embd (or an embctl import) on a directory a running
+ * up in damaged/, never deleted (and while they are all there and no valid one is left, the
+ * refusal stands); a second embd (or an embctl import) on a directory a running
  * embd owns is refused with its pid. embctl: numbers parsed strictly on every command line,
  * export never writes into the checkpoint it reads, import refuses non-finite arrays and a
  * table given twice and says which checkpoint embd will restore, and `embctl checkpoint`
@@ -176,6 +177,17 @@ Test(hostile_operator, every_checkpoint_damaged_refuses_a_fresh_start)
 	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0);
 	cr_expect(tu_count_entries(dmg, "step-10-") == 1 && tu_count_entries(dmg, "step-20-") == 1,
 		  "both damaged checkpoints must be in damaged/");
+	/* stopped before it wrote a checkpoint: no step-<N> at all, the training is in damaged/,
+	 * and a start without the key still refuses */
+	stop(&services[0]);
+	write_config("");
+	cr_assert(!start(0, &st), "embd must refuse a fresh start while damaged/ holds "
+		  "checkpoints and no valid one is left");
+	cr_expect(tu_embd_log_has(&services[0], "damaged/ holds 2 damaged checkpoints") &&
+		  tu_embd_log_has(&services[0], "checkpoint_allow_fresh_start"), "the log must say "
+		  "what damaged/ holds and name the key (see %s)", services[0].log);
+	write_config(", \"checkpoint_allow_fresh_start\": true");
+	cr_assert(start(0, &st), "allowed again, embd starts (exit 0x%x)", st);
 	/* and its checkpoints count: none of the damaged ones takes a checkpoint_keep slot */
 	char args[256];
 	snprintf(args, sizeof(args), "checkpoint --wait --socket %s", services[0].socket);
