@@ -120,6 +120,9 @@ struct embd_server {
 	struct embd_step_batch *next_batches;
 	uint32_t next_slot[MAX_CLIENTS];
 	uint32_t num_next;
+	float *grads;                   /* the step's gradients, copied out of the trainers' slabs
+					 * (trainers_per_node x batch_size x total_dim) before the
+					 * engine checks and uses them: server_schedule.c */
 	/* the parts (NULL when not set) */
 	struct embd_server_ckpt *ckpt;          /* server_ckpt.c: with checkpoint_dir */
 	struct embd_server_regroup *rg;         /* server_regroup.c: on a cluster's node */

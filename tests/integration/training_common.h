@@ -129,6 +129,7 @@ struct shared {
 	float pooled[K_STEPS][MAX_T][BATCH * MAX_COLS];
 };
 
+__attribute__((unused))         /* the soak test keeps its own log */
 static struct shared *shared_map(void)
 {
 	void *p = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE,
