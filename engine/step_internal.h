@@ -62,8 +62,11 @@ struct step_item {
 	bool forward;                           /* data_parallel: only the trainer's replica */
 	bool weighted;
 	bool copy;                              /* data_parallel: filled by its first replica's */
-	int rc;                                 /* fill: EMBD_ERANGE for bad_id at values[bad_at] */
+	/* fill: EMBD_ERANGE for bad_id at values[bad_at], or EMBD_EINVAL for the non-finite
+	 * bad_weight at weights[bad_at] */
+	int rc;
 	int64_t bad_at, bad_id;
+	float bad_weight;
 	uint64_t offsets_at, ids_at, num_ids;
 	uint64_t lengths_at;                    /* full bag lengths (row-split mean) or NO_INDEX */
 	uint64_t partial_at;                    /* partial sums / remote outputs, or NO_INDEX */

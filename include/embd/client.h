@@ -125,7 +125,8 @@ struct embd_request {
 	uint32_t slot;                   /* batch slot, < EMBD_CLIENT_SLOTS */
 	uint64_t step;                   /* FORWARD, BACKWARD; ignored for EVAL and NOP */
 	uint64_t num_values;             /* ids in the slot's batch (sum of its lengths) */
-	int weighted;                    /* nonzero: the slot's weights are used */
+	int weighted;                    /* nonzero: the slot's weights are used; they must be
+					    finite (EMBD_EINVAL naming weights[j] otherwise) */
 	uint64_t user_data;              /* echoed in the completion */
 	uint32_t batch_size;             /* samples b of the batch, 1..layout batch_size; 0: the
 					    layout's. A BACKWARD names its FORWARD's b */
