@@ -41,7 +41,6 @@ struct embd_client_table {
 	int64_t num_embeddings;
 	int32_t embedding_dim;
 	enum embd_pooling pooling;
-	enum embd_data_type data_type;   /* how the service stores the rows */
 };
 
 /* A feature of the KJT, in key order, and its columns in the pooled output. */
@@ -64,6 +63,10 @@ struct embd_client_layout {
 	uint32_t num_tables, num_features;
 	const struct embd_client_table *tables;      /* num_tables */
 	const struct embd_client_feature *features;  /* num_features, KJT key order */
+	/* num_tables: how the service stores each table's rows. A field of the layout rather
+	 * than of embd_client_table, whose size clients built earlier have compiled in: the
+	 * library allocates the layout, so fields appended here keep the ABI. */
+	const enum embd_data_type *table_data_types;
 };
 
 /*
