@@ -117,6 +117,8 @@ struct embd_server {
 	uint32_t num_batches;
 	/* pipelined steps: step s + 1 routed while step s waits for its backward */
 	bool prepared;
+	uint64_t unpreparable;          /* s + 1 when preparing it failed: not retried every
+					 * loop turn (0: none) */
 	struct embd_step_batch *next_batches;
 	uint32_t next_slot[MAX_CLIENTS];
 	uint32_t num_next;

@@ -69,6 +69,7 @@ static void wait_from(struct embd_server *sv, uint64_t now_ns)
 void embd_server_resume_at(struct embd_server *sv, uint64_t step)
 {
 	sv->prepared = false;
+	sv->unpreparable = 0;
 	sv->s = step;
 	sv->phase = COLLECT;
 	sv->dirty = true;
@@ -588,7 +589,8 @@ static void prepare_next(struct embd_server *sv)
 	char err[EMBD_CQE_MSG_BYTES];
 	uint32_t n = 0;
 
-	if (sv->prepared || sv->phase != WAIT_BACKWARD || !embd_server_regroup_running(sv))
+	if (sv->prepared || sv->phase != WAIT_BACKWARD || sv->unpreparable == sv->s + 1 ||
+	    !embd_server_regroup_running(sv))
 		return;
 	for (uint32_t i = 0; i < sv->slots_end; i++)
 		if (sv->clients[i].used && sv->clients[i].index >= 0 && !sv->clients[i].has_fwd)
@@ -599,14 +601,18 @@ static void prepare_next(struct embd_server *sv)
 		uint8_t *slab = embd_region_slab(c->region);
 		if (embd_kjt_view_build(&c->fwd, &c->limits, slab, c->next_lengths,
 					(size_t)c->limits.num_features * c->limits.batch_size + 1,
-					&c->next_kjt, err, sizeof(err)))
+					&c->next_kjt, err, sizeof(err))) {
+			sv->unpreparable = sv->s + 1;   /* a posted FORWARD does not change */
 			return;
+		}
 		sv->next_batches[k] = (struct embd_step_batch){
 			.kjt = c->next_kjt, .pooled = (float *)(slab + c->fwd.output.offset),
 			.trainer = (uint32_t)c->index };
 	}
 	sv->num_next = n;
 	sv->prepared = n && embd_step_prepare(sv->step, sv->next_batches, n) >= 0;
+	if (!sv->prepared)
+		sv->unpreparable = sv->s + 1;
 }
 
 /* Before the backward runs: a FORWARD s + 1 posted right after BACKWARD s may still be in a
