@@ -1,7 +1,7 @@
 /*
  * dist/comm.h - the collective engine between the embd services of a cluster, behind one
  * small function table with one file per engine (comm_gloo.cc: Gloo over TCP, one Gloo rank per
- * node; comm_nccl.cu: NCCL, one communicator per local GPU spanning every global rank).
+ * node; comm_nccl.c: NCCL, one communicator per local GPU spanning every global rank).
  *
  * Participants are numbered 0..size-1: the nodes. A participant moves its bytes over `lanes`
  * lanes (options.lanes, 1 by default): nccl has one communicator per lane, the node's GPU

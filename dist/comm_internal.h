@@ -1,5 +1,5 @@
 /*
- * dist/comm_internal.h - what one collective engine (comm_gloo.cc, comm_nccl.cu) implements
+ * dist/comm_internal.h - what one collective engine (comm_gloo.cc, comm_nccl.c) implements
  * behind dist/comm.h: one small table of functions. comm.c checks the arguments, keeps the
  * handle's state (rank, size, broken-after-failure) and dispatches; an engine only moves bytes
  * and turns its library's failures into an EMBD_E* code plus a message (embd_comm_fail).
