@@ -436,8 +436,12 @@ int main(int argc, char **argv)
 	if (rc >= 0)
 		return rc;
 	embd_log_init();
-	if (load_config(&a, &d.config) || resolve_devices(&d.config))
+	if (load_config(&a, &d.config))
 		return 1;
+	if (resolve_devices(&d.config)) {
+		embd_config_free(&d.config);
+		return 1;
+	}
 	rc = open_signals(&d.sigfd);
 	if (!rc)
 		rc = plan_node(&d);
