@@ -84,7 +84,8 @@
  *                                   master_addr (dist/rendezvous.h,
  *                                   embd_rendezvous_comm_addr): 127.0.0.1 on one host
  *     "node_rank": 0,               this node (0 .. world_size / local_world_size - 1)
- *     "backend": "gloo",            gloo (CPU, one Gloo rank per node); nccl needs cuda
+ *     "backend": "gloo",            gloo (one Gloo rank per node, host memory); nccl (one
+ *                                   NCCL rank per GPU, device memory) needs cuda
  *     "collective_timeout_ms": 30000,  every collective: a node that does not answer within
  *                                   it fails the step on the others (and breaks the comm,
  *                                   which is re-formed: dist/regroup.h); also the comm
