@@ -128,15 +128,16 @@ out:
 	return rc;
 }
 
-int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, size_t cap,
-			   char *err, size_t err_len)
+/* dir (under root) to <root>/<where>/<its name>-<UTC time>, the new path into moved_to. */
+static int move_aside(const char *root, const char *where, const char *dir, char *moved_to,
+		      size_t cap, char *err, size_t err_len)
 {
 	char aside[EMBD_CKPT_PATH_MAX + 16], stamp[32];
 	const char *name = strrchr(dir, '/') ? strrchr(dir, '/') + 1 : dir;
 	time_t now = time(NULL);
 	struct tm tm;
 
-	snprintf(aside, sizeof(aside), "%s/damaged", root);
+	snprintf(aside, sizeof(aside), "%s/%s", root, where);
 	if (mkdir(aside, 0755) && errno != EEXIST)
 		return snprintf(err, err_len, "%s: mkdir: %s", aside, strerror(errno)), EMBD_EIO;
 	strftime(stamp, sizeof(stamp), "%Y%m%dT%H%M%SZ", gmtime_r(&now, &tm));
@@ -151,6 +152,12 @@ int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, si
 		return 0;
 	}
 	return snprintf(err, err_len, "%s: no free name under %s", dir, aside), EMBD_EIO;
+}
+
+int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, size_t cap,
+			   char *err, size_t err_len)
+{
+	return move_aside(root, EMBD_CKPT_DAMAGED_DIR, dir, moved_to, cap, err, err_len);
 }
 
 /* step-<N> already there: EMBD_EBUSY when it is valid (nothing to write), moved aside when it
@@ -622,4 +629,43 @@ out:
 	free(steps);
 	free(parts);
 	return rc;
+}
+
+int embd_ckpt_set_aside_after(const char *root, uint64_t step, embd_ckpt_skip_fn moved,
+			      void *moved_arg, char *err, size_t err_len)
+{
+	char dir[EMBD_CKPT_PATH_MAX + 64], aside[EMBD_CKPT_PATH_MAX + 128];
+	uint64_t *steps;
+	uint32_t n;
+	int count = 0, rc = list_steps(root, "step-", &steps, &n, err, err_len);
+
+	if (rc)
+		return rc == EMBD_ENOENT ? 0 : rc;
+	/* newest first: a failure leaves the older ones, never a gap below a newer one */
+	for (uint32_t i = 0; i < n && steps[i] > step; i++) {
+		embd_ckpt_dir_name(root, steps[i], dir, sizeof(dir));
+		if ((rc = move_aside(root, EMBD_CKPT_ABANDONED_DIR, dir, aside, sizeof(aside), err,
+				     err_len)))
+			break;
+		count++;
+		if (moved)
+			moved(moved_arg, aside, dir);
+	}
+	free(steps);
+	return rc ? rc : count;
+}
+
+uint32_t embd_ckpt_count_damaged(const char *root)
+{
+	char aside[EMBD_CKPT_PATH_MAX + 16];
+	uint32_t n = 0;
+
+	snprintf(aside, sizeof(aside), "%s/%s", root, EMBD_CKPT_DAMAGED_DIR);
+	DIR *d = opendir(aside);
+	/* step-<N>-<UTC time>[.k], as move_aside names them */
+	for (struct dirent *e; d && (e = readdir(d));)
+		n += !strncmp(e->d_name, "step-", 5) && e->d_name[5] >= '0' && e->d_name[5] <= '9';
+	if (d)
+		closedir(d);
+	return n;
 }

@@ -52,8 +52,9 @@
  * <root>/damaged/step-<N>-<UTC time> (embd_ckpt_move_damaged) with a warning, where the
  * operator may inspect, repair or delete it. Retention counts only checkpoints that pass its
  * check, so damaged ones never hold a checkpoint_keep slot, and it never removes the newest
- * one. A service that finds damaged checkpoints and no valid one refuses to start from the
- * initial weights (ckpt/ckpt_service.h, checkpoint_allow_fresh_start).
+ * one. A service that finds damaged checkpoints (as step-<N>, or in damaged/) and no valid
+ * one refuses to start from the initial weights (ckpt/ckpt_service.h,
+ * checkpoint_allow_fresh_start).
  *
  * Ownership and identity. A checkpoint directory belongs to one service: it takes a lock at
  * start (embd_ckpt_lock_take: flock, held until it exits, released by the kernel when it
@@ -110,10 +111,30 @@ void embd_ckpt_dir_name(const char *root, uint64_t step, char *out, size_t cap);
 /* mkdir -p root (0755). */
 int embd_ckpt_mkdir(const char *root, char *err, size_t err_len);
 
+/* Where checkpoints are moved aside, under root: damaged ones, and the steps above the one a
+ * service resumed from (embd_ckpt_set_aside_after). Neither is ever read or deleted. */
+#define EMBD_CKPT_DAMAGED_DIR "damaged"
+#define EMBD_CKPT_ABANDONED_DIR "abandoned"
+
 /* Moves the damaged checkpoint directory dir (under root) to <root>/damaged/<its name>-<UTC
  * time>, the new path into moved_to (cap bytes). Nothing is deleted. */
 int embd_ckpt_move_damaged(const char *root, const char *dir, char *moved_to, size_t cap,
 			   char *err, size_t err_len);
+
+/*
+ * A service that resumes from step (restored it, or starts afresh at 0) moves every step-<M>
+ * with M > step under root to <root>/abandoned/step-<M>-<UTC time>: they belong to a training
+ * history the service left, and the steps it trains next would otherwise meet them (a write
+ * finds "already written" and keeps the old one; retention counts it). Matters on a per_node
+ * cluster, where the nodes restore the newest step all of them hold valid, so a node may hold
+ * newer ones of its own. moved (may be NULL) gets each new path and the old one. Returns how
+ * many moved, or a negative code (err naming the directory; the ones not moved stay).
+ */
+int embd_ckpt_set_aside_after(const char *root, uint64_t step, embd_ckpt_skip_fn moved,
+			      void *moved_arg, char *err, size_t err_len);
+
+/* How many checkpoints <root>/damaged/ holds (0 when there is no such directory). */
+uint32_t embd_ckpt_count_damaged(const char *root);
 
 /*
  * Takes root's lock (created with root if missing) for the process's lifetime: exclusive for

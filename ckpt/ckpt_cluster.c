@@ -264,15 +264,31 @@ static int refuse_fresh_start(const struct embd_ckpt_skipped *s, const char *wha
 	       EMBD_ECHECKSUM;
 }
 
+/* The same when every damaged checkpoint was moved to damaged/ before (by retention, or by a
+ * start that skipped them) and no step-<N> remains: their training is lost just the same. */
+static int refuse_fresh_start_aside(const char *root, uint32_t aside, char *err, size_t err_len)
+{
+	return snprintf(err, err_len, "%s: no valid checkpoint to restore, and %s/%s/ holds %u "
+			"damaged checkpoint%s; refusing to start from the initial weights. Repair "
+			"one and move it back, or set checkpoint_allow_fresh_start to start afresh",
+			root, root, EMBD_CKPT_DAMAGED_DIR, aside, aside == 1 ? "" : "s"),
+	       EMBD_ECHECKSUM;
+}
+
 int embd_ckpt_find_local(const struct embd_ckpt_cluster *cl, uint64_t bound,
 			 struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,
 			 struct embd_ckpt_manifest *m, char *err, size_t err_len)
 {
 	const char *root = cl->settings->checkpoint_dir;
 	int rc = embd_ckpt_find(root, bound, note_skipped, skipped, dir, dir_cap, m, err, err_len);
+	uint32_t aside;
 
-	if (rc == EMBD_ENOENT && skipped->n && !cl->settings->checkpoint_allow_fresh_start)
+	if (rc != EMBD_ENOENT || cl->settings->checkpoint_allow_fresh_start)
+		return rc;
+	if (skipped->n)
 		return refuse_fresh_start(skipped, root, err, err_len);
+	if (bound == UINT64_MAX && (aside = embd_ckpt_count_damaged(root)))
+		return refuse_fresh_start_aside(root, aside, err, err_len);
 	return rc;
 }
 
@@ -373,10 +389,11 @@ static int decide_round(const struct embd_ckpt_cluster *cl, uint32_t r, char (*k
 	}
 	/* a step damaged on one node only was a cluster checkpoint: do not start afresh over it */
 	if (damaged != UINT32_MAX && !cl->settings->checkpoint_allow_fresh_start)
-		return snprintf(err, err_len, "node %u skipped damaged checkpoints (see its log) and "
-				"no step every node holds valid remains; refusing to start from the "
-				"initial weights. Repair or move them away, or set "
-				"checkpoint_allow_fresh_start on node 0", damaged), EMBD_ECHECKSUM;
+		return snprintf(err, err_len, "node %u holds damaged checkpoints (skipped now, or in "
+				"its damaged/; see its log) and no step every node holds valid "
+				"remains; refusing to start from the initial weights. Repair or move "
+				"them away, or set checkpoint_allow_fresh_start on node 0", damaged),
+		       EMBD_ECHECKSUM;
 	snprintf(answer, cap, "none");
 	embd_log_notice("restore: node %u holds no valid checkpoint (round %u): every node starts "
 			"from the initial weights", none, r);
@@ -392,6 +409,7 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
 	char (*keys)[CKPT_KEY_MAX] = calloc(cl->num_nodes, sizeof(*keys)), key[CKPT_KEY_MAX], value[640], answer[700];
 	uint64_t bound = UINT64_MAX;
 	int rc = keys ? 0 : EMBD_ENOMEM;
+	bool aside = false;     /* no valid step at all, and damaged/ holds checkpoints */
 
 	memset(m, 0, sizeof(*m));
 	for (uint32_t r = 0; !rc; r++) {
@@ -399,11 +417,13 @@ static int find_per_node(const struct embd_ckpt_cluster *cl, const char *base,
 		/* the cluster decides whether damage forbids a fresh start: this node says "none" */
 		int frc = embd_ckpt_find(root, bound, note_skipped, skipped, dir, dir_cap, m, err,
 					 err_len);
+		aside |= r == 0 && frc == EMBD_ENOENT && embd_ckpt_count_damaged(root);
+		const bool damaged = skipped->n || aside;
 		if (frc == 0)
 			snprintf(value, sizeof(value), "%" PRIu64 "%s", m->step,
-				 skipped->n ? " damaged" : "");
+				 damaged ? " damaged" : "");
 		else if (frc == EMBD_ENOENT)
-			snprintf(value, sizeof(value), "none%s", skipped->n ? " damaged" : "");
+			snprintf(value, sizeof(value), "none%s", damaged ? " damaged" : "");
 		else
 			snprintf(value, sizeof(value), "error: %s", err);
 		for (uint32_t k = 0; k < cl->num_nodes; k++)

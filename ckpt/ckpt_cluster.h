@@ -79,9 +79,10 @@ void embd_ckpt_skipped_free(struct embd_ckpt_skipped *s);
 /*
  * This node's newest valid checkpoint with step <= bound in its checkpoint_dir
  * (embd_ckpt_find), noting the damaged ones it skips in skipped. EMBD_ENOENT when there is
- * none; but when it skipped damaged ones and checkpoint_allow_fresh_start is not set,
- * EMBD_ECHECKSUM naming them: starting from the initial weights would silently drop the
- * training they hold.
+ * none; but when checkpoint_allow_fresh_start is not set, EMBD_ECHECKSUM naming them when it
+ * skipped damaged ones, or (bound UINT64_MAX) when there is no valid step at all and
+ * damaged/ holds checkpoints moved there before: starting from the initial weights would
+ * silently drop the training they hold.
  */
 int embd_ckpt_find_local(const struct embd_ckpt_cluster *cl, uint64_t bound,
 			 struct embd_ckpt_skipped *skipped, char *dir, size_t dir_cap,

@@ -528,6 +528,27 @@ static void move_skipped(struct embd_ckpt_service *ck, const struct embd_ckpt_sk
 	}
 }
 
+static void log_abandoned(void *arg, const char *moved_to, const char *dir)
+{
+	embd_log_warning("checkpoint %s is newer than the step resumed from (%" PRIu64 "): moved "
+			 "to %s, so that the steps trained from here never meet it", dir,
+			 *(const uint64_t *)arg, moved_to);
+}
+
+/* Resuming from `step`: this node's newer steps out of the way (embd_ckpt_set_aside_after).
+ * A shared directory is node 0's to tidy. A failure is only logged: the directories stay,
+ * and a write of such a step later keeps the old one (the case this prevents). */
+static void set_aside_after(struct embd_ckpt_service *ck, uint64_t step)
+{
+	char err[512];
+
+	if (ck->base.num_nodes > 1 && !ck->base.node_part && ck->base.node)
+		return;
+	if (embd_ckpt_set_aside_after(ck->settings->checkpoint_dir, step, log_abandoned, &step,
+				      err, sizeof(err)) < 0)
+		embd_log_error("checkpoints newer than step %" PRIu64 " stay in place: %s", step, err);
+}
+
 /* A checkpoint this service may restore (checkpoint.h, identity): one node's part only on
  * that node of a per_node cluster (which checks node, count and plan in ckpt_cluster.c). */
 static int check_identity(const struct embd_ckpt_service *ck, const struct embd_ckpt_manifest *m,
@@ -565,11 +586,8 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 							     sizeof(dir), &m, err, err_len)
 				    : embd_ckpt_find_local(&ck->cl, UINT64_MAX, &skipped, dir,
 							   sizeof(dir), &m, err, err_len);
-	if (rc == EMBD_ENOENT && skipped.n) {
+	if (rc == EMBD_ENOENT)  /* a fresh start was allowed over them (ckpt_cluster.h) */
 		move_skipped(ck, &skipped);
-		embd_log_warning("checkpoint_allow_fresh_start: starting from the initial weights "
-				 "over the damaged checkpoints found (%u)", skipped.n);
-	}
 	if (rc || (rc = check_identity(ck, &m, dir, err, err_len)) ||
 	    (rc = check_tables(ck, &m, dir, index, err, err_len)))
 		goto out;
@@ -598,6 +616,7 @@ static int restore(struct embd_ckpt_service *ck, const char *restore_key, uint64
 	}
 	embd_step_shards_changed(ck->step);     /* GPU shards get the rows before the first step */
 	ck->resumed_step = ck->last_step = ck->common_step = *step_out = m.step;
+	set_aside_after(ck, m.step);
 	embd_log_notice("restored %s: step %" PRIu64 ", %u files, written under plan %016" PRIx64
 			"%s", dir, m.step, m.num_files, m.plan_hash,
 			m.plan_hash == ck->base.plan_hash ? "" : " (resharded to this plan)");
@@ -616,8 +635,16 @@ int embd_ckpt_service_restore(struct embd_ckpt_service *ck, uint64_t *step_out, 
 
 	if (rc != EMBD_ENOENT)
 		return rc;
-	embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
-		      ck->settings->checkpoint_dir);
+	uint32_t aside = embd_ckpt_count_damaged(ck->settings->checkpoint_dir);
+	if (aside)      /* allowed, else the restore refused (ckpt_cluster.h) */
+		embd_log_warning("checkpoint_allow_fresh_start: starting from the initial weights "
+				 "while %s/%s holds %u damaged checkpoint(s)",
+				 ck->settings->checkpoint_dir, EMBD_CKPT_DAMAGED_DIR, aside);
+	else
+		embd_log_info("no checkpoint to restore in %s: starting from the initial weights",
+			      ck->settings->checkpoint_dir);
+	/* a per_node node may hold steps the others lack: this run trains them anew */
+	set_aside_after(ck, 0);
 	return 0;
 }
 

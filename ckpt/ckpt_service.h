@@ -84,10 +84,12 @@ void embd_ckpt_service_destroy(struct embd_ckpt_service *ck);
  * Restores the newest valid checkpoint into the step's shards (before any step ran); on a
  * cluster the one node 0 chose (checkpoint.h). *step_out: its step (0 when there is none,
  * which returns 0 too). Every damaged checkpoint it skips is logged and, once the restore
- * goes ahead, moved to <checkpoint_dir>/damaged/ (checkpoint.h). With damaged ones and no
- * valid one it refuses to start from the initial weights (EMBD_ECHECKSUM naming them, the
- * directories left in place) unless checkpoint_allow_fresh_start is set: silently starting
- * over would drop the training they hold. EMBD_EMISMATCH when the checkpoint is not this
+ * goes ahead, moved to <checkpoint_dir>/damaged/ (checkpoint.h). With damaged ones (or a
+ * damaged/ that holds checkpoints) and no valid one it refuses to start from the initial
+ * weights (EMBD_ECHECKSUM naming them, the directories left in place) unless
+ * checkpoint_allow_fresh_start is set: silently starting over would drop the training they
+ * hold. Once it goes ahead from step N (0: afresh), this node's steps above N are moved to
+ * abandoned/ (embd_ckpt_set_aside_after). EMBD_EMISMATCH when the checkpoint is not this
  * service's (checkpoint.h: its tables differ from the config's, err naming the table; one
  * node's part of a per_node checkpoint on one node or the shared layout; per_node: another
  * node, node count or plan).

@@ -429,11 +429,6 @@ static int check(const struct embd_config *c, char *err, size_t err_len)
 	if (c->backend == EMBD_COMM_NCCL && t->compute_device != EMBD_DEVICE_CUDA)
 		return embd_fail(err, err_len, EMBD_EINVAL,
 			    "config key '%s': nccl needs compute_device cuda; use gloo", "backend");
-	/* GPU ranks exchange through host memory like CPU ranks: gloo serves both for now */
-	if (c->backend == EMBD_COMM_NCCL)
-		return embd_fail(err, err_len, EMBD_ENOTSUP,
-			    "config key '%s': nccl inside the service is not built yet; use gloo "
-			    "(GPU nodes exchange through host memory)", "backend");
 	if (c->tables.count == 0)
 		return embd_fail(err, err_len, EMBD_EINVAL, "config key '%s': no tables", "tables");
 	if (c->step_wait_abort_ms && c->step_wait_abort_ms <= c->step_wait_warn_ms)

@@ -49,10 +49,10 @@
  *     "checkpoint_keep": 3,         checkpoints kept (older ones removed; 0 = keep all);
  *                                   only valid ones count, damaged ones are moved aside
  *     "checkpoint_allow_fresh_start": false,  true: start from the initial weights when
- *                                   checkpoint_dir holds damaged checkpoints and no valid one
- *                                   (moving them to damaged/); false refuses to start then.
- *                                   Meant for one start: the damaged ones are out of the way
- *                                   afterwards
+ *                                   checkpoint_dir holds no valid checkpoint but damaged
+ *                                   ones, as step-<N> or in damaged/ (moving the step-<N>
+ *                                   ones to damaged/); false refuses to start then, at
+ *                                   every start until a valid checkpoint is written
  *   every node of a cluster must have the same checkpoint_layout, every_steps,
  *   every_seconds and keep, checkpoint_dir set on all or none, and the same
  *   gradient_scaling (checked at join)
@@ -84,7 +84,8 @@
  *                                   master_addr (dist/rendezvous.h,
  *                                   embd_rendezvous_comm_addr): 127.0.0.1 on one host
  *     "node_rank": 0,               this node (0 .. world_size / local_world_size - 1)
- *     "backend": "gloo",            gloo (CPU, one Gloo rank per node); nccl needs cuda
+ *     "backend": "gloo",            gloo (one Gloo rank per node, host memory); nccl (one
+ *                                   NCCL rank per GPU, device memory) needs cuda
  *     "collective_timeout_ms": 30000,  every collective: a node that does not answer within
  *                                   it fails the step on the others (and breaks the comm,
  *                                   which is re-formed: dist/regroup.h); also the comm

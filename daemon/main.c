@@ -64,7 +64,8 @@ static void cluster_close(struct cluster *cl)
 /*
  * Several nodes: node 0 serves the store, every node connects, collective_plan makes every
  * node agree on node 0's plan (or all refuse, naming the difference), and the comm joins
- * one Gloo participant per node.
+ * one participant per node with one lane per rank (gloo: slots of one Gloo context; nccl: one
+ * communicator per GPU, docs/cluster.md).
  */
 static int cluster_join(const struct embd_config *c, const struct embd_rendezvous *r,
 			struct cluster *cl, struct embd_plan **plan, char *err, size_t err_len)
@@ -97,6 +98,7 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 	}
 	struct embd_regroup_options ro = {
 		.node = c->node_rank, .nodes = embd_config_nodes(c), .backend = c->backend,
+		.lanes = (uint32_t)c->topology.local_world_size,
 		.collective_timeout_ms = c->collective_timeout_ms,
 		.store_timeout_ms = c->store_timeout_ms,
 	};
@@ -132,11 +134,14 @@ static int cluster_join(const struct embd_config *c, const struct embd_rendezvou
 	}
 	struct embd_comm_options o = {
 		.backend = c->backend, .rank = c->node_rank, .size = embd_config_nodes(c),
-		.timeout_ms = c->collective_timeout_ms, .hostname = addr, .prefix = "embd/gloo/0/",
+		.lanes = ro.lanes, .timeout_ms = c->collective_timeout_ms, .hostname = addr,
+		.prefix = "embd/gloo/0/",
 	};
 	rc = embd_comm_create(&o, cl->store, &cl->comm, inner, sizeof(inner));
 	if (rc)
 		return snprintf(err, err_len, "comm: %s", inner), rc;
+	embd_log_info("comm %s: node %u of %u, %u lanes", embd_comm_backend_name(c->backend),
+		      c->node_rank, embd_config_nodes(c), embd_comm_lanes(cl->comm));
 	rc = embd_regroup_create(&ro, cl->store, cl->comm, &cl->regroup);
 	if (!rc)
 		cl->comm = NULL;
@@ -431,8 +436,12 @@ int main(int argc, char **argv)
 	if (rc >= 0)
 		return rc;
 	embd_log_init();
-	if (load_config(&a, &d.config) || resolve_devices(&d.config))
+	if (load_config(&a, &d.config))
 		return 1;
+	if (resolve_devices(&d.config)) {
+		embd_config_free(&d.config);
+		return 1;
+	}
 	rc = open_signals(&d.sigfd);
 	if (!rc)
 		rc = plan_node(&d);

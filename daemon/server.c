@@ -696,7 +696,10 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	sv->next_batches = calloc(MAX_CLIENTS, sizeof(*sv->next_batches));
 	sv->layout = calloc(1, sizeof(*sv->layout));
 	sv->msgbuf = malloc(EMBD_CTL_MSG_MAX);
-	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf)
+	const struct embd_step_layout *l = embd_step_layout(step);
+	sv->grads = malloc((size_t)config->trainers_per_node * l->batch_size * l->total_dim *
+			   sizeof(float));
+	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf || !sv->grads)
 		goto out;
 	rc = make_socket_dir(config->socket_path, err, err_len);
 	if (rc)
@@ -750,6 +753,7 @@ void embd_server_destroy(struct embd_server *sv)
 	}
 	free(sv->batches);
 	free(sv->next_batches);
+	free(sv->grads);
 	free(sv->layout);
 	free(sv->msgbuf);
 	free(sv);

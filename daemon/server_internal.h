@@ -117,9 +117,14 @@ struct embd_server {
 	uint32_t num_batches;
 	/* pipelined steps: step s + 1 routed while step s waits for its backward */
 	bool prepared;
+	uint64_t unpreparable;          /* s + 1 when preparing it failed: not retried every
+					 * loop turn (0: none) */
 	struct embd_step_batch *next_batches;
 	uint32_t next_slot[MAX_CLIENTS];
 	uint32_t num_next;
+	float *grads;                   /* the step's gradients, copied out of the trainers' slabs
+					 * (trainers_per_node x batch_size x total_dim) before the
+					 * engine checks and uses them: server_schedule.c */
 	/* the parts (NULL when not set) */
 	struct embd_server_ckpt *ckpt;          /* server_ckpt.c: with checkpoint_dir */
 	struct embd_server_regroup *rg;         /* server_regroup.c: on a cluster's node */

@@ -69,6 +69,7 @@ static void wait_from(struct embd_server *sv, uint64_t now_ns)
 void embd_server_resume_at(struct embd_server *sv, uint64_t step)
 {
 	sv->prepared = false;
+	sv->unpreparable = 0;
 	sv->s = step;
 	sv->phase = COLLECT;
 	sv->dirty = true;
@@ -515,14 +516,39 @@ static void warn_nonfinite_rows(struct embd_server *sv, const struct embd_step_c
 			 (long long)c->nonfinite_row, sv->stats.nonfinite_rows);
 }
 
-static void run_backward(struct embd_server *sv)
+/*
+ * The gradients out of the trainers' slabs into sv->grads, where the engine checks that they
+ * are finite and then reads them (engine/step.h). A trainer writes its slab whenever it likes:
+ * read in place, a gradient checked finite could turn NaN before the kernels and the gradient
+ * exchange read it again, and a NaN would reach shared rows on some ranks or nodes after others
+ * applied theirs. The copy the engine checks is the one it uses, and a gradient the trainer
+ * changes during the copy is at worst refused. Checking in the kernels instead could only
+ * stop in the middle of an update. The cost: one memcpy of batch_size x total_dim floats per
+ * trainer and step (docs/benchmarks.md, embd-bench e2e).
+ */
+static void copy_grads(struct embd_server *sv)
 {
+	const uint32_t D = embd_step_layout(sv->step)->total_dim;
+	float *to = sv->grads;
+
 	for (uint32_t k = 0; k < sv->num_batches; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
-		if (!sv->batches[k].status)
-			sv->batches[k].pooled_grad =
-				(const float *)((uint8_t *)embd_region_slab(c->region) + c->bwd.grad.offset);
+		struct embd_step_batch *b = &sv->batches[k];
+		if (b->status)
+			continue;
+		/* batch_size is the forward's: BACKWARD's was checked against it (handle_backward),
+		 * and the span's size against the slab (embd_sqe_validate) */
+		const size_t n = (size_t)b->kjt.batch_size * D;
+		memcpy(to, (const uint8_t *)embd_region_slab(c->region) + c->bwd.grad.offset,
+		       n * sizeof(float));
+		b->pooled_grad = to;
+		to += n;
 	}
+}
+
+static void run_backward(struct embd_server *sv)
+{
+	copy_grads(sv);
 	int rc = embd_step_backward(sv->step, sv->batches, sv->num_batches);
 	for (uint32_t k = 0; k < sv->num_batches; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
@@ -563,7 +589,8 @@ static void prepare_next(struct embd_server *sv)
 	char err[EMBD_CQE_MSG_BYTES];
 	uint32_t n = 0;
 
-	if (sv->prepared || sv->phase != WAIT_BACKWARD || !embd_server_regroup_running(sv))
+	if (sv->prepared || sv->phase != WAIT_BACKWARD || sv->unpreparable == sv->s + 1 ||
+	    !embd_server_regroup_running(sv))
 		return;
 	for (uint32_t i = 0; i < sv->slots_end; i++)
 		if (sv->clients[i].used && sv->clients[i].index >= 0 && !sv->clients[i].has_fwd)
@@ -574,14 +601,18 @@ static void prepare_next(struct embd_server *sv)
 		uint8_t *slab = embd_region_slab(c->region);
 		if (embd_kjt_view_build(&c->fwd, &c->limits, slab, c->next_lengths,
 					(size_t)c->limits.num_features * c->limits.batch_size + 1,
-					&c->next_kjt, err, sizeof(err)))
+					&c->next_kjt, err, sizeof(err))) {
+			sv->unpreparable = sv->s + 1;   /* a posted FORWARD does not change */
 			return;
+		}
 		sv->next_batches[k] = (struct embd_step_batch){
 			.kjt = c->next_kjt, .pooled = (float *)(slab + c->fwd.output.offset),
 			.trainer = (uint32_t)c->index };
 	}
 	sv->num_next = n;
 	sv->prepared = n && embd_step_prepare(sv->step, sv->next_batches, n) >= 0;
+	if (!sv->prepared)
+		sv->unpreparable = sv->s + 1;
 }
 
 /* Before the backward runs: a FORWARD s + 1 posted right after BACKWARD s may still be in a

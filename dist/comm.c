@@ -100,6 +100,11 @@ int embd_comm_create(const struct embd_comm_options *options, struct embd_store 
 			 options->timeout_ms);
 		return EMBD_EINVAL;
 	}
+	if (options->lanes > EMBD_COMM_LANES_MAX) {
+		snprintf(err, err_len, "comm %s: %u lanes (at most %u)", name, options->lanes,
+			 EMBD_COMM_LANES_MAX);
+		return EMBD_EINVAL;
+	}
 	if (!store) {
 		snprintf(err, err_len, "comm %s: no store to rendezvous through", name);
 		return EMBD_EINVAL;
@@ -112,6 +117,7 @@ int embd_comm_create(const struct embd_comm_options *options, struct embd_store 
 	comm->engine = engine;
 	comm->rank = options->rank;
 	comm->size = options->size;
+	comm->lanes = options->lanes ? options->lanes : 1;
 	comm->timeout_ms = options->timeout_ms;
 	rc = engine->create(comm, options, store);
 	if (rc < 0) {
@@ -152,11 +158,65 @@ static int engine_result(struct embd_comm *comm, int rc)
 	return rc;
 }
 
+/* The collectives with one buffer per participant need one lane (comm.h). */
+static int one_lane(struct embd_comm *comm, const char *op)
+{
+	if (comm->lanes == 1)
+		return 0;
+	return embd_comm_fail(comm, EMBD_EINVAL, "%s: the comm has %u lanes (one buffer per lane: "
+			      "use embd_comm_sendrecv)", op, comm->lanes);
+}
+
+/* One direction's transfers: peers and lanes in range, none to self, no (peer, lane) twice
+ * (seen: size * lanes flags, cleared here). */
+static int check_xfers(struct embd_comm *comm, const char *dir, const struct embd_comm_xfer *x,
+		       size_t n, uint8_t *seen)
+{
+	memset(seen, 0, (size_t)comm->size * comm->lanes);
+	if (n && !x)
+		return embd_comm_fail(comm, EMBD_EINVAL, "sendrecv: NULL list of %zu %ss", n, dir);
+	for (size_t i = 0; i < n; i++) {
+		const struct embd_comm_xfer *t = &x[i];
+		if (t->peer >= comm->size || t->peer == comm->rank || t->lane >= comm->lanes)
+			return embd_comm_fail(comm, EMBD_EINVAL, "sendrecv: %s %zu: peer %u lane %u "
+					      "(this is participant %u of %u, %u lanes)", dir, i,
+					      t->peer, t->lane, comm->rank, comm->size, comm->lanes);
+		if (!t->bytes || !t->buf)
+			return embd_comm_fail(comm, EMBD_EINVAL, "sendrecv: %s %zu: %llu bytes at %p",
+					      dir, i, (unsigned long long)t->bytes, t->buf);
+		uint8_t *s = &seen[(size_t)t->peer * comm->lanes + t->lane];
+		if (*s)
+			return embd_comm_fail(comm, EMBD_EINVAL, "sendrecv: two %ss to peer %u on "
+					      "lane %u", dir, t->peer, t->lane);
+		*s = 1;
+	}
+	return 0;
+}
+
+int embd_comm_sendrecv(struct embd_comm *comm, const struct embd_comm_xfer *sends,
+		       size_t num_sends, const struct embd_comm_xfer *recvs, size_t num_recvs)
+{
+	int rc = usable(comm);
+	if (rc < 0)
+		return rc;
+	uint8_t *seen = malloc((size_t)comm->size * comm->lanes);
+	if (!seen)
+		return embd_comm_fail(comm, EMBD_ENOMEM, "sendrecv: out of memory");
+	rc = check_xfers(comm, "send", sends, num_sends, seen);
+	if (!rc)
+		rc = check_xfers(comm, "recv", recvs, num_recvs, seen);
+	free(seen);
+	if (rc < 0 || (!num_sends && !num_recvs))
+		return rc;
+	return engine_result(comm, comm->engine->sendrecv(comm, sends, num_sends, recvs,
+							    num_recvs));
+}
+
 int embd_comm_alltoallv(struct embd_comm *comm, const void *send, const uint64_t *send_bytes,
 			void *recv, const uint64_t *recv_bytes)
 {
 	int rc = usable(comm);
-	if (rc < 0)
+	if (rc < 0 || (rc = one_lane(comm, "alltoallv")) < 0)
 		return rc;
 	uint64_t total_send = 0, total_recv = 0;
 	for (uint32_t p = 0; p < comm->size; p++) {
@@ -181,7 +241,7 @@ static int allreduce(struct embd_comm *comm, void *data, size_t count,
 		     enum embd_comm_dtype dtype)
 {
 	int rc = usable(comm);
-	if (rc < 0 || count == 0)
+	if (rc < 0 || (rc = one_lane(comm, "allreduce")) < 0 || count == 0)
 		return rc;
 	if (!data)
 		return embd_comm_fail(comm, EMBD_EINVAL, "allreduce: NULL buffer for %zu values",
@@ -202,7 +262,7 @@ int embd_comm_allreduce_u64(struct embd_comm *comm, uint64_t *data, size_t count
 int embd_comm_broadcast(struct embd_comm *comm, void *data, size_t bytes, uint32_t root)
 {
 	int rc = usable(comm);
-	if (rc < 0)
+	if (rc < 0 || (rc = one_lane(comm, "broadcast")) < 0)
 		return rc;
 	if (root >= comm->size)
 		return embd_comm_fail(comm, EMBD_EINVAL, "broadcast: root %u of size %u", root,
@@ -231,6 +291,16 @@ uint32_t embd_comm_rank(const struct embd_comm *comm)
 uint32_t embd_comm_size(const struct embd_comm *comm)
 {
 	return comm->size;
+}
+
+uint32_t embd_comm_lanes(const struct embd_comm *comm)
+{
+	return comm->lanes;
+}
+
+bool embd_comm_device_buffers(const struct embd_comm *comm)
+{
+	return comm->engine->device_buffers;
 }
 
 const char *embd_comm_error(const struct embd_comm *comm)

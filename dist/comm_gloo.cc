@@ -31,6 +31,8 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 extern "C" {
 #include "embd/types.h"
@@ -352,9 +354,48 @@ int gloo_barrier(struct embd_comm *comm)
 	});
 }
 
+/* Every lane between two nodes is one slot of the call's tag: all transfers of a call are in
+ * flight at once on the node's one context, each matched by (peer, slot). */
+int gloo_sendrecv(struct embd_comm *comm, const struct embd_comm_xfer *sends, size_t ns,
+		  const struct embd_comm_xfer *recvs, size_t nr)
+{
+	GlooComm *g = impl(comm);
+	return guarded(comm, "sendrecv", [&] {
+		const gloo::Slot slot = gloo::Slot::build(gloo::kAlltoallSlotPrefix, g->tag++);
+		const auto deadline = std::chrono::steady_clock::now() + g->timeout;
+		std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> out, in;
+		for (size_t i = 0; i < ns; i++) {
+			out.push_back(g->context->createUnboundBuffer(sends[i].buf, sends[i].bytes));
+			out.back()->send(static_cast<int>(sends[i].peer),
+					 slot + static_cast<uint8_t>(sends[i].lane));
+		}
+		for (size_t i = 0; i < nr; i++) {
+			in.push_back(g->context->createUnboundBuffer(recvs[i].buf, recvs[i].bytes));
+			in.back()->recv(static_cast<int>(recvs[i].peer),
+					slot + static_cast<uint8_t>(recvs[i].lane));
+		}
+		/* one deadline for the whole call, as the step's collectives have */
+		auto left = [&] {
+			auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+				deadline - std::chrono::steady_clock::now());
+			return ms.count() > 0 ? ms : std::chrono::milliseconds(1);
+		};
+		for (size_t i = 0; i < nr; i++)
+			if (!in[i]->waitRecv(left()))
+				throw gloo::IoException("peer rank " +
+							std::to_string(recvs[i].peer) +
+							": receive aborted");
+		for (size_t i = 0; i < ns; i++)
+			if (!out[i]->waitSend(left()))
+				throw gloo::IoException("peer rank " +
+							std::to_string(sends[i].peer) +
+							": send aborted");
+	});
+}
+
 } // namespace
 
 extern "C" const struct embd_comm_engine embd_comm_gloo_engine = {
 	"gloo", gloo_create, gloo_destroy, gloo_alltoallv, gloo_allreduce, gloo_broadcast,
-	gloo_barrier,
+	gloo_barrier, gloo_sendrecv, false,
 };

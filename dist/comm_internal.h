@@ -1,5 +1,5 @@
 /*
- * dist/comm_internal.h - what one collective engine (comm_gloo.cc, comm_nccl.cu) implements
+ * dist/comm_internal.h - what one collective engine (comm_gloo.cc, comm_nccl.c) implements
  * behind dist/comm.h: one small table of functions. comm.c checks the arguments, keeps the
  * handle's state (rank, size, broken-after-failure) and dispatches; an engine only moves bytes
  * and turns its library's failures into an EMBD_E* code plus a message (embd_comm_fail).
@@ -39,12 +39,17 @@ struct embd_comm_engine {
 			 enum embd_comm_dtype dtype);
 	int (*broadcast)(struct embd_comm *comm, void *data, size_t bytes, uint32_t root);
 	int (*barrier)(struct embd_comm *comm);
+	/* The transfers, checked by comm.c (peers, lanes, no self, no pair twice). */
+	int (*sendrecv)(struct embd_comm *comm, const struct embd_comm_xfer *sends, size_t ns,
+			const struct embd_comm_xfer *recvs, size_t nr);
+	bool device_buffers;            /* buffers in device memory (comm.h) */
 };
 
 struct embd_comm {
 	const struct embd_comm_engine *engine;
 	void *impl;                     /* the engine's state */
 	uint32_t rank, size;
+	uint32_t lanes;                 /* >= 1 */
 	int timeout_ms;
 	int broken;                     /* 0, or the code of the failure that broke the handle */
 	char err[EMBD_COMM_ERR_MAX];

@@ -294,7 +294,7 @@ int embd_regroup_poll(struct embd_regroup *rg, const struct embd_regroup_state *
 		return rc < 0 ? rc : 0;
 	struct embd_comm_options co = {
 		.backend = rg->o.backend, .rank = rg->o.node, .size = rg->o.nodes,
-		.timeout_ms = rg->o.collective_timeout_ms, .hostname = rg->o.hostname, .prefix = NULL,
+		.lanes = rg->o.lanes, .timeout_ms = rg->o.collective_timeout_ms, .hostname = rg->o.hostname, .prefix = NULL,
 	};
 	char gloo[64];
 	snprintf(gloo, sizeof(gloo), "%sgloo/", rg->prefix);

@@ -70,6 +70,7 @@ int embd_regroup_state_parse(const char *text, size_t len, struct embd_regroup_s
 struct embd_regroup_options {
 	uint32_t node, nodes;
 	enum embd_comm_backend backend;
+	uint32_t lanes;                 /* the comm's (dist/comm.h): the node's ranks */
 	int collective_timeout_ms;
 	int store_timeout_ms;
 	char hostname[EMBD_RENDEZVOUS_COMM_ADDR_MAX];   /* this node's gloo address, "" = 127.0.0.1 */

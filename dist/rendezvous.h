@@ -13,7 +13,7 @@
  *   embd_rendezvous_store(&r, timeout, &server, &store)  node 0 serves the store, all connect
  *   embd_collective_plan(store, &r, &tables, &topo, settings, NULL, timeout, &plan, err)
  *                                                       (dist/collective_plan.h)
- *   embd_comm_create({ .rank = node_rank (gloo) or global rank (nccl), ... }, store, ...)
+ *   embd_comm_create({ .rank = node_rank, .lanes = local ranks, ... }, store, ...)
  *   ... run; at exit: comm destroy, store close, then (node 0) server stop
  *
  * Node 0 must keep its store server running while any node still uses the store.

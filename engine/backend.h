@@ -89,6 +89,14 @@ struct embd_backend {
 	int (*host_register)(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
 			     size_t err_len);
 	void (*host_unregister)(struct embd_backend_rank *r, void *p);
+	/* A cluster whose comm moves device memory (dist/comm.h: nccl, lane r = rank r): a
+	 * staging buffer of at least `bytes` on the rank's device, kept and grown by the backend
+	 * until rank_close; and a copy between it and host memory (either direction), complete on
+	 * return. NULL where the comm reads host memory itself (the CPU). Rank's thread. */
+	int (*comm_buffer)(struct embd_backend_rank *r, uint64_t bytes, void **out, char *err,
+			   size_t err_len);
+	int (*comm_copy)(struct embd_backend_rank *r, void *dst, const void *src, uint64_t bytes,
+			 char *err, size_t err_len);
 };
 
 extern const struct embd_backend embd_backend_cpu;

@@ -31,6 +31,8 @@ struct embd_backend_rank {
 	uint64_t scratch_bytes;
 	struct embd_bag_batch *dev;     /* the call's batches over the scratch */
 	uint32_t dev_cap;
+	void *comm_buf;                 /* the cluster exchanges' staging (comm_buffer) */
+	uint64_t comm_bytes;
 };
 
 /* A CUDA runtime failure as a kernel error: the call and the runtime's words. */
@@ -118,6 +120,7 @@ static void cuda_rank_close(struct embd_backend_rank *r)
 	cudaSetDevice(r->device);
 	embd_cuda_ctx_destroy(r->ctx);
 	cudaFree(r->scratch);
+	cudaFree(r->comm_buf);
 	free(r->dev);
 	free(r);
 }
@@ -472,6 +475,35 @@ static void cuda_host_unregister(struct embd_backend_rank *r, void *p)
 		cudaGetLastError();     /* never registered (the register failed): nothing to undo */
 }
 
+/* Grown to a power of two, so a step whose messages grow a little does not reallocate. */
+static int cuda_comm_buffer(struct embd_backend_rank *r, uint64_t bytes, void **out, char *err,
+			    size_t err_len)
+{
+	cudaSetDevice(r->device);
+	if (bytes > r->comm_bytes) {
+		uint64_t want = 1ull << 20;
+		while (want < bytes)
+			want <<= 1;
+		cudaFree(r->comm_buf);
+		r->comm_buf = NULL;
+		r->comm_bytes = 0;
+		cudaError_t e = cudaMalloc(&r->comm_buf, want);
+		if (e != cudaSuccess)
+			return cuda_fail_msg(err, err_len, e, "cudaMalloc (comm staging)");
+		r->comm_bytes = want;
+	}
+	*out = r->comm_buf;
+	return 0;
+}
+
+static int cuda_comm_copy(struct embd_backend_rank *r, void *dst, const void *src,
+			  uint64_t bytes, char *err, size_t err_len)
+{
+	cudaSetDevice(r->device);
+	cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, "cudaMemcpy (comm staging)");
+}
+
 const struct embd_backend embd_backend_cuda = {
 	.name = "cuda",
 	.count = cuda_count,
@@ -488,4 +520,6 @@ const struct embd_backend embd_backend_cuda = {
 	.slots_copy = cuda_slots_copy,
 	.host_register = cuda_host_register,
 	.host_unregister = cuda_host_unregister,
+	.comm_buffer = cuda_comm_buffer,
+	.comm_copy = cuda_comm_copy,
 };

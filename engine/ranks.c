@@ -502,3 +502,26 @@ void embd_ranks_host_unregister(struct embd_ranks *rs, void *p)
 	if (rs->backend->host_unregister && rs->num_ranks)
 		rs->backend->host_unregister(rs->ranks[0].dev, p);
 }
+
+bool embd_ranks_comm_buffers(const struct embd_ranks *rs)
+{
+	return rs->backend->comm_buffer && rs->backend->comm_copy;
+}
+
+int embd_ranks_comm_buffer(struct embd_ranks *rs, uint32_t rank, uint64_t bytes, void **out,
+			   char *err, size_t err_len)
+{
+	if (!embd_ranks_comm_buffers(rs) || rank >= rs->num_ranks)
+		return snprintf(err, err_len, "rank %u (%s): no comm staging", rank,
+				rs->backend->name), EMBD_EINVAL;
+	return rs->backend->comm_buffer(rs->ranks[rank].dev, bytes, out, err, err_len);
+}
+
+int embd_ranks_comm_copy(struct embd_ranks *rs, uint32_t rank, void *dst, const void *src,
+			 uint64_t bytes, char *err, size_t err_len)
+{
+	if (!embd_ranks_comm_buffers(rs) || rank >= rs->num_ranks)
+		return snprintf(err, err_len, "rank %u (%s): no comm staging", rank,
+				rs->backend->name), EMBD_EINVAL;
+	return rs->backend->comm_copy(rs->ranks[rank].dev, dst, src, bytes, err, err_len);
+}

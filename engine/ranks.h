@@ -118,4 +118,17 @@ int embd_ranks_host_register(struct embd_ranks *ranks, void *p, size_t bytes, ch
 			     size_t err_len);
 void embd_ranks_host_unregister(struct embd_ranks *ranks, void *p);
 
+/*
+ * Staging for a cluster comm that moves device memory (dist/comm.h: nccl, whose lane r is
+ * rank r's GPU). embd_ranks_comm_buffers: whether this device can back such a comm (false on
+ * the CPU, whose comm reads host memory). From inside embd_ranks_run on rank: a buffer of at
+ * least `bytes` on the rank's device (valid until the next call), and a copy between it and
+ * host memory, complete on return.
+ */
+bool embd_ranks_comm_buffers(const struct embd_ranks *ranks);
+int embd_ranks_comm_buffer(struct embd_ranks *ranks, uint32_t rank, uint64_t bytes, void **out,
+			   char *err, size_t err_len);
+int embd_ranks_comm_copy(struct embd_ranks *ranks, uint32_t rank, void *dst, const void *src,
+			 uint64_t bytes, char *err, size_t err_len);
+
 #endif /* EMBD_ENGINE_RANKS_H */

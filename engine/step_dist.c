@@ -113,7 +113,7 @@ int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluste
 			 embd_comm_rank(comm), embd_comm_size(comm), s->node, N);
 		return EMBD_EMISMATCH;
 	}
-	return 0;
+	return step_lanes_create(s, comm, &s->lanes, err, err_len);
 }
 
 void step_dist_destroy(struct embd_step *s)
@@ -139,6 +139,8 @@ void step_dist_destroy(struct embd_step *s)
 	free(d->grad_off);
 	free(d);
 	s->dist = NULL;
+	step_lanes_destroy(s->lanes);
+	s->lanes = NULL;
 }
 
 void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out)
@@ -247,11 +249,17 @@ static int exchange(struct embd_step *s, struct vec *recv, enum embd_step_exchan
 	if ((rc = vec_reserve(recv, d->roff[d->nodes], 1)))
 		return step_fail(s, rc, "out of memory for the %s exchange", what);
 	recv->len = d->roff[d->nodes];
-	rc = embd_comm_alltoallv(d->comm, d->send.p, d->sbytes, recv->p, d->rbytes);
+	bool comm_failed;
+	char err[256] = "";
+	rc = step_lanes_exchange(s, d->comm, d->send.p, d->sbytes, recv->p, d->rbytes,
+				 &comm_failed, err, sizeof(err));
 	if (!rc)
 		return 0;
 	d->broken = true;
-	describe_failure(s, rc, what);
+	if (comm_failed)
+		describe_failure(s, rc, what);
+	else
+		snprintf(d->broken_msg, sizeof(d->broken_msg), "%s exchange: %.200s", what, err);
 	embd_log_error("%s", d->broken_msg);
 	return step_fail(s, rc, "%s", d->broken_msg);
 }
@@ -285,9 +293,19 @@ int embd_step_comm_set(struct embd_step *s, struct embd_comm *comm, uint64_t gen
 {
 	struct step_dist *d = s->dist;
 
+	struct step_lanes *lanes;
+	char err[256];
+
 	if (!d || s->pending || embd_comm_size(comm) != d->nodes ||
 	    embd_comm_rank(comm) != s->node)
 		return EMBD_EINVAL;
+	int rc = step_lanes_create(s, comm, &lanes, err, sizeof(err));
+	if (rc) {
+		embd_log_error("%s", err);
+		return rc;
+	}
+	step_lanes_destroy(s->lanes);
+	s->lanes = lanes;
 	s->prepared = false;
 	d->comm = comm;
 	d->seq = 0;             /* every node counts the new comm's exchanges from 0 */

@@ -62,8 +62,11 @@ struct step_item {
 	bool forward;                           /* data_parallel: only the trainer's replica */
 	bool weighted;
 	bool copy;                              /* data_parallel: filled by its first replica's */
-	int rc;                                 /* fill: EMBD_ERANGE for bad_id at values[bad_at] */
+	/* fill: EMBD_ERANGE for bad_id at values[bad_at], or EMBD_EINVAL for the non-finite
+	 * bad_weight at weights[bad_at] */
+	int rc;
 	int64_t bad_at, bad_id;
+	float bad_weight;
 	uint64_t offsets_at, ids_at, num_ids;
 	uint64_t lengths_at;                    /* full bag lengths (row-split mean) or NO_INDEX */
 	uint64_t partial_at;                    /* partial sums / remote outputs, or NO_INDEX */
@@ -130,6 +133,7 @@ enum step_round {
 };
 
 struct step_dist;
+struct step_lanes;
 
 struct embd_step {
 	uint32_t num_tables, num_shards, num_ranks, max_trainers;
@@ -150,6 +154,7 @@ struct embd_step {
 	uint64_t seed;
 	uint32_t grad_divisor;                  /* embd_step_set_grad_divisor; 0, 1: none */
 	struct step_dist *dist;                 /* NULL on one node */
+	struct step_lanes *lanes;               /* the comm's transport (step_lanes.c), or NULL */
 	struct step_pass train[2], eval;
 	uint32_t cur;                           /* train[cur]: the last step forwarded */
 	bool prepared;                          /* train[cur ^ 1] holds the next step, routed */
@@ -194,6 +199,24 @@ void step_route_batch(struct embd_step *s, uint32_t i);
 /* After step_route_batch of every batch: the ranks' workers copy the items' ids, trainers with
  * a bad id are refused; returns the batches accepted on this node. */
 uint32_t step_fill_batches(struct embd_step *s);
+
+/* ---- step_lanes.c ---- */
+/* Lane l's part of a message of bytes split over lanes: [*off, *off + *len). */
+void step_lane_part(uint64_t bytes, uint32_t lanes, uint32_t l, uint64_t *off, uint64_t *len);
+/* The transport for comm's lanes (EMBD_EINVAL naming why when a comm that moves device memory
+ * has more lanes than this node has ranks able to stage, or the ranks are CPUs). */
+int step_lanes_create(struct embd_step *s, struct embd_comm *comm, struct step_lanes **out,
+		      char *err, size_t err_len);
+void step_lanes_destroy(struct step_lanes *ln);
+/*
+ * The all-to-all of node messages over s->lanes: send holds sbytes[p] bytes for each node p in
+ * node order, recv gets rbytes[p] from each (both sizes agree pairwise; this node's own part is
+ * copied). A comm failure sets *comm_failed (embd_comm_error says what); a staging failure
+ * writes err. Either way the comm may now be out of step with the others: break it.
+ */
+int step_lanes_exchange(struct embd_step *s, struct embd_comm *comm, const uint8_t *send,
+			const uint64_t *sbytes, uint8_t *recv, const uint64_t *rbytes,
+			bool *comm_failed, char *err, size_t err_len);
 
 /* ---- step_dist.c ---- */
 

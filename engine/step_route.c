@@ -10,6 +10,7 @@
  * diverge. A bad id refuses its trainer: its items are then dropped from every rank and
  * staging buffer, before the size exchange (step_dist_input) learns what this node accepted.
  */
+#include <math.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -200,6 +201,14 @@ static void fill_item(const struct embd_step *s, struct rank_io *io, struct step
 			if (split && (id < d->row_offset || id >= d->row_offset + d->rows))
 				continue;
 			float w = it->weighted ? ((const volatile float *)kjt->weights)[j] : 0.0f;
+			/* the backward scales the bag's gradient by w into shared rows: a NaN or
+			 * infinite weight would poison them for every trainer */
+			if (!isfinite(w)) {
+				it->rc = EMBD_EINVAL;
+				it->bad_at = j;
+				it->bad_weight = w;
+				return;
+			}
 			for (uint32_t k = 0; k < m; k++) {
 				if (it->weighted)
 					weights[k][n] = w;
@@ -260,7 +269,7 @@ static void fill_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 }
 
 /*
- * After fill_rank: refuses each trainer with a bad id, naming the first bad value of its batch
+ * After fill_rank: refuses each trainer with a bad id or weight, naming the first bad value of its batch
  * (as a serial read would), and drops its items from every io: their buffer room just stays
  * unused this step.
  */
@@ -285,10 +294,16 @@ static void refuse_bad_ids(struct embd_step *s)
 		const struct step_table *t = &s->tables[s->feature_tables[it->feature]];
 		struct embd_step_batch *b = &s->pass->batches[i];
 		b->status = it->rc;
-		snprintf(b->err, sizeof(b->err), "values[%lld]: id %lld of feature '%s' outside table "
-			 "'%s' rows [0, %llu)", (long long)it->bad_at, (long long)it->bad_id,
-			 s->names[it->feature], t->spec->name,
-			 (unsigned long long)t->spec->num_embeddings);
+		if (it->rc == EMBD_EINVAL)
+			snprintf(b->err, sizeof(b->err), "weights[%lld]: %s weight of feature '%s' "
+				 "(table '%s'); per-sample weights must be finite",
+				 (long long)it->bad_at, isnan(it->bad_weight) ? "NaN" : "infinite",
+				 s->names[it->feature], t->spec->name);
+		else
+			snprintf(b->err, sizeof(b->err), "values[%lld]: id %lld of feature '%s' outside "
+				 "table '%s' rows [0, %llu)", (long long)it->bad_at,
+				 (long long)it->bad_id, s->names[it->feature], t->spec->name,
+				 (unsigned long long)t->spec->num_embeddings);
 		any = true;
 	}
 	for (uint32_t r = 0; any && r < s->num_io; r++) {

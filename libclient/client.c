@@ -42,6 +42,7 @@ struct embd_client {
 	struct embd_doorbell sq_db, cq_db;
 	struct embd_client_layout layout;
 	struct embd_client_table *tables;
+	enum embd_data_type *table_data_types;
 	struct embd_client_feature *features;
 	struct slot_spans slots[EMBD_CLIENT_SLOTS];
 	uint64_t next_user_data;
@@ -100,14 +101,16 @@ static int take_layout(struct embd_client *c, const struct embd_layout *w)
 
 	c->tables = calloc(f->num_tables ? f->num_tables : 1, sizeof(*c->tables));
 	c->features = calloc(f->num_features ? f->num_features : 1, sizeof(*c->features));
-	if (!c->tables || !c->features)
+	c->table_data_types = calloc(f->num_tables ? f->num_tables : 1,
+				     sizeof(*c->table_data_types));
+	if (!c->tables || !c->features || !c->table_data_types)
 		return fail(c, EMBD_ENOMEM, "layout: out of memory");
 	for (uint32_t i = 0; i < f->num_tables; i++) {
 		memcpy(c->tables[i].name, w->tables[i].name, EMBD_NAME_MAX);
 		c->tables[i].num_embeddings = w->tables[i].num_embeddings;
 		c->tables[i].embedding_dim = w->tables[i].embedding_dim;
 		c->tables[i].pooling = (enum embd_pooling)w->tables[i].pooling;
-		c->tables[i].data_type = (enum embd_data_type)w->tables[i].data_type;
+		c->table_data_types[i] = (enum embd_data_type)w->tables[i].data_type;
 	}
 	for (uint32_t i = 0; i < f->num_features; i++) {
 		memcpy(c->features[i].name, w->features[i].name, EMBD_NAME_MAX);
@@ -120,6 +123,7 @@ static int take_layout(struct embd_client *c, const struct embd_layout *w)
 		.batch_size = f->batch_size, .total_dim = f->total_dim, .max_values = f->max_values,
 		.resumed_step = f->resumed_step, .num_tables = f->num_tables,
 		.num_features = f->num_features, .tables = c->tables, .features = c->features,
+		.table_data_types = c->table_data_types,
 	};
 	return 0;
 }
@@ -226,6 +230,7 @@ void embd_close(struct embd_client *c)
 	if (c->sock >= 0)
 		close(c->sock);
 	free(c->tables);
+	free(c->table_data_types);
 	free(c->features);
 	free(c->table_buf);
 	free(c);

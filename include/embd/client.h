@@ -41,7 +41,6 @@ struct embd_client_table {
 	int64_t num_embeddings;
 	int32_t embedding_dim;
 	enum embd_pooling pooling;
-	enum embd_data_type data_type;   /* how the service stores the rows */
 };
 
 /* A feature of the KJT, in key order, and its columns in the pooled output. */
@@ -64,6 +63,10 @@ struct embd_client_layout {
 	uint32_t num_tables, num_features;
 	const struct embd_client_table *tables;      /* num_tables */
 	const struct embd_client_feature *features;  /* num_features, KJT key order */
+	/* num_tables: how the service stores each table's rows. A field of the layout rather
+	 * than of embd_client_table, whose size clients built earlier have compiled in: the
+	 * library allocates the layout, so fields appended here keep the ABI. */
+	const enum embd_data_type *table_data_types;
 };
 
 /*
@@ -125,7 +128,8 @@ struct embd_request {
 	uint32_t slot;                   /* batch slot, < EMBD_CLIENT_SLOTS */
 	uint64_t step;                   /* FORWARD, BACKWARD; ignored for EVAL and NOP */
 	uint64_t num_values;             /* ids in the slot's batch (sum of its lengths) */
-	int weighted;                    /* nonzero: the slot's weights are used */
+	int weighted;                    /* nonzero: the slot's weights are used; they must be
+					    finite (EMBD_EINVAL naming weights[j] otherwise) */
 	uint64_t user_data;              /* echoed in the completion */
 	uint32_t batch_size;             /* samples b of the batch, 1..layout batch_size; 0: the
 					    layout's. A BACKWARD names its FORWARD's b */

@@ -3,7 +3,7 @@
 # shared libraries they load, under OUT, so tests/gpu/run.sh runs them on a lent GPU machine
 # that has the CUDA toolkit and driver but none of the Debian packages (liburing, libnuma,
 # Gloo, cJSON, libsystemd, libmicrohttpd, criterion, ...) and no network.
-#   OUT/bin: embd, embctl, embd-demo-trainer, test_integration_training
+#   OUT/bin: embd, embctl, embd-demo-trainer, test_integration_training, test_integration_dist
 #   OUT/lib: every library ldd names for them, but the C library's own (libc, libm, libdl,
 #            libpthread, librt, the loader), the GPU driver's (libcuda, libnvidia-*) and the
 #            CUDA toolkit's (libcudart, libnccl: the GPU machine's own match its driver)
@@ -17,7 +17,7 @@ fi
 build=$1 out=$2
 max_bytes=${EMBD_BUNDLE_MAX_BYTES:-$((64 << 20))}
 programs=(daemon/embd tools/embctl/embctl tools/demo/embd-demo-trainer
-	  tests/integration/test_integration_training)
+	  tests/integration/test_integration_training tests/integration/test_integration_dist)
 
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"

@@ -9,9 +9,13 @@
 #        real embd on all GPUs of the machine (compute_device cuda, ranks = the GPU count) with
 #        trainer processes, every sharding type, compute kernels fused, fused_uvm and
 #        fused_uvm_caching (its HBM cache a few rows of the test tables: evictions, write-backs
-#        and overflowing sets every step), each equal
-#        to the unsharded CPU reference (test_integration_training); and a config asking for
-#        more GPUs than there are refused naming both numbers.
+#        and overflowing sets every step), each equal to the unsharded CPU reference
+#        (test_integration_training); a config asking for
+#        more GPUs than there are refused naming both numbers; and two embd nodes on this
+#        machine with the GPUs split between them (2 each, CUDA_VISIBLE_DEVICES) and backend
+#        nccl (test_integration_dist): every two-node training equal to the reference, and a
+#        node killed mid-step reported naming it (needs 4 GPUs: NCCL refuses two ranks of
+#        one communicator on one GPU; with fewer it says so and is not run).
 #   tests/gpu/run.sh --bundle-only  on a machine with the packages (CI, a developer's): builds
 #        the service in $EMBD_BUILD_DIR (default build) and bundles its programs with their
 #        libraries into $EMBD_GPU_BUNDLE (tests/gpu/bundle.sh, under 64 MiB) to carry along.
@@ -37,7 +41,7 @@ if [ "$bundle_only" = 1 ]; then
 	service=${EMBD_BUILD_DIR:-build}
 	cmake -S . -B "$service" -DEMBD_CUDA=ON -DEMBD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit 1
 	cmake --build "$service" -j"$(nproc)" --target embd embctl embd-demo-trainer \
-		test_integration_training || exit 1
+		test_integration_training test_integration_dist || exit 1
 	exec bash tests/gpu/bundle.sh "$service" "$bundle"
 fi
 
@@ -107,6 +111,19 @@ if [ "$rc" -ne 77 ]; then
 			2>&1 | tee "$out/training_$kernel.log"
 		note "${PIPESTATUS[0]}"
 	done
+fi
+if [ "$rc" -ne 77 ]; then
+	gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+	if [ "$gpus" -ge 4 ]; then
+		for filter in 'dist/two_nodes_*' 'dist/killed_node_*'; do
+			log="$out/nccl_$(echo "$filter" | tr -c 'a-z_\n' '_').log"
+			EMBD_TEST_COMPUTE_DEVICE=cuda EMBD_TEST_BACKEND=nccl \
+				"$bundle/bin/test_integration_dist" -j1 --filter "$filter" 2>&1 | tee "$log"
+			note "${PIPESTATUS[0]}"
+		done
+	else
+		echo "nccl_two_nodes: needs 4 GPUs (2 nodes of 2 ranks), this machine has $gpus: not run"
+	fi
 fi
 echo "run.sh: exit $rc"
 exit "$rc"

@@ -35,7 +35,7 @@ static struct embd_comm *create(struct embd_store *store, uint32_t size, int tim
 {
 	struct embd_comm *comm = NULL;
 	struct embd_comm_options o = { .backend = EMBD_COMM_NCCL, .rank = 0, .size = size,
-				       .timeout_ms = timeout_ms, .cuda_device = 0,
+				       .timeout_ms = timeout_ms,
 				       .prefix = prefix };
 	*rc = embd_comm_create(&o, store, &comm, err, err_len);
 	return comm;

@@ -6,7 +6,9 @@
  * keys, e.g. checkpoints), dist_master_addr, and each node's netns (a network namespace under
  * /run/netns that the node runs in), gloo_ifname (its GLOO_SOCKET_IFNAME) and env (one
  * "NAME=value" in its environment, e.g. a test hook) before start_cluster; stop_cluster
- * resets them.
+ * resets them. tests/gpu/run.sh runs the same tests on GPUs: EMBD_TEST_COMPUTE_DEVICE=cuda
+ * gives each node the GPUs RANKS * n .. RANKS * n + RANKS - 1 (CUDA_VISIBLE_DEVICES) and
+ * EMBD_TEST_BACKEND=nccl the NCCL comm (defaults: cpu, gloo).
  */
 #ifndef EMBD_TESTS_DIST_FIXTURE_H
 #define EMBD_TESTS_DIST_FIXTURE_H
@@ -89,11 +91,30 @@ static void write_table_shards(FILE *f, const char *sharding, uint32_t t, uint32
 	}
 }
 
+static bool dist_on_gpus(void)
+{
+	const char *device = getenv("EMBD_TEST_COMPUTE_DEVICE");
+
+	return device && !strcmp(device, "cuda");
+}
+
+/* The comm of every node: EMBD_TEST_BACKEND (gloo or nccl), gloo by default. */
+static const char *dist_backend(void)
+{
+	const char *backend = getenv("EMBD_TEST_BACKEND");
+
+	if (!backend || !*backend)
+		return "gloo";
+	cr_assert(!strcmp(backend, "gloo") || !strcmp(backend, "nccl"),
+		  "EMBD_TEST_BACKEND=%s: expected gloo or nccl", backend);
+	return backend;
+}
+
 static void topology_json(FILE *f, uint32_t N)
 {
-	fprintf(f, "{\"world_size\": %u, \"local_world_size\": %u, \"compute_device\": \"cpu\", "
+	fprintf(f, "{\"world_size\": %u, \"local_world_size\": %u, \"compute_device\": \"%s\", "
 		"\"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", \"batch_size\": %d}", N * RANKS, RANKS,
-		BATCH);
+		dist_on_gpus() ? "cuda" : "cpu", BATCH);
 }
 
 static void write_plan(const char *path, const char *sharding, uint32_t N)
@@ -138,10 +159,10 @@ static void write_config(uint32_t n, const char *sharding, uint32_t world_nodes,
 		fprintf(f, ", \"plan_file\": \"%s\"", nd->plan);
 	fprintf(f, ",\n \"trainers_per_node\": %u, \"seed\": %u, \"threads_per_rank\": 1, "
 		"\"busy_poll_us\": 20, \"master_addr\": \"%s\", \"master_port\": %u, "
-		"\"node_rank\": %u, \"backend\": \"gloo\", \"collective_timeout_ms\": %d, "
+		"\"node_rank\": %u, \"backend\": \"%s\", \"collective_timeout_ms\": %d, "
 		"\"store_timeout_ms\": %d%s%s }\n", dist_trainers_per_node, SEED, dist_master_addr,
-		port, nd->rank_from_env ? 0 : n, TIMEOUT_MS, dist_store_timeout_ms, dist_extra_json,
-		dist_node_json[n]);
+		port, nd->rank_from_env ? 0 : n, dist_backend(), TIMEOUT_MS, dist_store_timeout_ms,
+		dist_extra_json, dist_node_json[n]);
 	fclose(f);
 }
 
@@ -208,6 +229,15 @@ static void node_child_setup(void *arg)
 		setenv("GLOO_SOCKET_IFNAME", nd->gloo_ifname, 1);
 	if (nd->env[0])
 		putenv(nodes[n].env);
+	if (dist_on_gpus()) {
+		/* the machine's GPUs split between the nodes, RANKS each */
+		char gpus[64];
+		size_t at = 0;
+		for (uint32_t r = 0; r < RANKS; r++)
+			at += (size_t)snprintf(gpus + at, sizeof(gpus) - at, "%s%u", r ? "," : "",
+					       n * RANKS + r);
+		setenv("CUDA_VISIBLE_DEVICES", gpus, 1);
+	}
 	enter_node_netns(n);
 	if (nd->rank_from_env) {
 		char rank[16];

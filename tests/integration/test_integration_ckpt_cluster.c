@@ -9,10 +9,13 @@
  * restores on two nodes under row_wise: every output afterwards equals the one node's own
  * continuation of the same global batch. A node that dies before it reported its files leaves
  * no step directory and no .tmp one, and node 0 names it; with per-node directories a node
- * whose newest step is damaged makes the cluster restore the previous common step. Nodes
+ * whose newest step is damaged makes the cluster restore the previous common step, and a
+ * node's own steps above the restored one are set aside rather than mixed into the cluster
+ * checkpoints trained anew. Nodes
  * with different checkpoint settings refuse to start, naming the key.
  */
 #include "tests/integration/ckpt_cluster_fixture.h"
+#include "tests/support/dir_util.h"
 
 TestSuite(ckpt_cluster, .fini = ckpt_cluster_fini, .timeout = 40);
 
@@ -216,6 +219,63 @@ Test(ckpt_cluster, per_node_damaged_newest_step_restores_the_previous_common_one
 		  log);
 	munmap(sh, sizeof(*sh));
 	munmap(again, sizeof(*again));
+}
+
+/* Waits up to 10 s for step in both nodes' directories. */
+static void wait_for_node_steps(uint64_t step)
+{
+	for (int i = 0; i < 500 && !(node_has_step(0, step) && node_has_step(1, step)); i++)
+		usleep(20000);
+	cr_assert(node_has_step(0, step) && node_has_step(1, step), "expected step-%llu in "
+		  "%s/node0 and node1 within 10 s", (unsigned long long)step, ckpt_root);
+}
+
+/* Per-node directories: node 1 holds a step M that node 0 lacks, so the cluster resumes from
+ * an older step N. The training from N reaches M again, with other batches: node 1 must write
+ * its new step M, not keep the one of the abandoned history ("already written"), or the
+ * cluster checkpoint M mixes node 0's new shards with node 1's old ones. Restored, it must
+ * train on as the reference of the accepted steps alone. */
+Test(ckpt_cluster, per_node_restore_sets_a_nodes_newer_steps_aside, .timeout = 120)
+{
+	const uint32_t T = 2 * RANKS;
+	char path[512];
+
+	use_per_node_checkpoints(K_STEPS);
+	/* steps 1..K with short batches: step K on both nodes */
+	short_batches = true;
+	struct shared *sh = train(2, "row_wise", RANKS);
+	wait_for_node_steps(K_STEPS);
+	kill_nodes();
+	munmap(sh, sizeof(*sh));
+	/* K..2K with full batches: the history that is then abandoned */
+	short_batches = false;
+	sh = train(2, "row_wise", RANKS);
+	expect_resumed(sh, T, K_STEPS, "second run");
+	wait_for_node_steps(2 * K_STEPS);
+	kill_nodes();
+	munmap(sh, sizeof(*sh));
+	snprintf(path, sizeof(path), "rm -rf %s/node0/step-%d", ckpt_root, 2 * K_STEPS);
+	cr_assert(system(path) == 0);
+	/* the cluster resumes from K (the newest step both hold) and trains K..2K with short
+	 * batches again: node 1's old step 2K goes to abandoned/ first */
+	short_batches = true;
+	sh = train(2, "row_wise", RANKS);
+	expect_resumed(sh, T, K_STEPS, "node 0 lacks step 2K");
+	wait_for_node_steps(2 * K_STEPS);
+	char prefix[32];
+	snprintf(path, sizeof(path), "%s/node1/abandoned", ckpt_root);
+	snprintf(prefix, sizeof(prefix), "step-%d-", 2 * K_STEPS);
+	cr_expect_eq(tu_count_entries(path, prefix), 1, "expected node 1's %s<time> of the "
+		     "abandoned history in %s", prefix, path);
+	usleep(300000);         /* the write of step 2K may still be under way on node 0 */
+	kill_nodes();
+	munmap(sh, sizeof(*sh));
+	/* step 2K restored: as two rounds of the short batches, nothing of the full ones */
+	sh = train(2, "row_wise", RANKS);
+	expect_resumed(sh, T, 2 * K_STEPS, "restored step 2K");
+	check_against_reference_after(sh, T, "restored step 2K of per-node directories where "
+				      "node 1 held an abandoned step 2K", 2);
+	munmap(sh, sizeof(*sh));
 }
 
 /* Checkpoint settings must agree at join: both nodes refuse, naming the key. */

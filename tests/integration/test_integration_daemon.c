@@ -140,9 +140,9 @@ Test(daemon, hello_gets_the_layout)
 /*
  * compute_device cuda on a machine without a usable GPU (CI's): embd exits non-zero before
  * listening, with one line that says there is no CUDA device and why, in the driver's words
- * (or that this build has no CUDA at all).
+ * (or that this build has no CUDA at all). keys: more of the config, "" or ", ...".
  */
-Test(daemon, cuda_without_a_gpu_exits_with_one_line)
+static void cuda_without_a_gpu(const char *topology, const char *keys)
 {
 	char path[64], line[1024], why[1024] = "";
 	struct daemon d;
@@ -151,9 +151,9 @@ Test(daemon, cuda_without_a_gpu_exits_with_one_line)
 	snprintf(path, sizeof(path), "/tmp/embd-test-cuda-%d.json", (int)getpid());
 	FILE *f = fopen(path, "w");
 	cr_assert_not_null(f);
-	fprintf(f, "{ \"topology\": { \"compute_device\": \"cuda\", \"batch_size\": 8 },\n"
+	fprintf(f, "{ \"topology\": { \"compute_device\": \"cuda\", \"batch_size\": 8%s },\n"
 		   "  \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 100, \"embedding_dim\": 8,"
-		   " \"feature_names\": [\"f\"] } ] }\n");
+		   " \"feature_names\": [\"f\"] } ]%s }\n", topology, keys);
 	fclose(f);
 	snprintf(d.embd.socket, sizeof(d.embd.socket), "/tmp/embd-test-%d/embd.sock",
 		 (int)getpid());
@@ -163,7 +163,7 @@ Test(daemon, cuda_without_a_gpu_exits_with_one_line)
 	cr_assert_not_null(d.log);
 	while (fgets(line, sizeof(line), d.log)) {
 		cr_assert(!strstr(line, "ready"), "embd started on CUDA without a GPU: %s", line);
-		if (strstr(line, "CUDA") || strstr(line, "cuda:")) {
+		if (strstr(line, "CUDA") || strstr(line, "cuda:") || strstr(line, "nccl")) {
 			lines_about_cuda++;
 			snprintf(why, sizeof(why), "%s", line);
 		}
@@ -186,4 +186,15 @@ Test(daemon, cuda_without_a_gpu_exits_with_one_line)
 #else
 	cr_assert(strstr(why, "built without CUDA"), "got: %s", why);
 #endif
+}
+
+Test(daemon, cuda_without_a_gpu_exits_with_one_line) { cuda_without_a_gpu("", ""); }
+
+/* A GPU node of a cluster over NCCL: the same one line, before any store or comm is tried
+ * (with a GPU, the short store_timeout_ms ends the lonely node 0 quickly). */
+Test(daemon, cuda_nccl_node_without_a_gpu_exits_with_one_line)
+{
+	cuda_without_a_gpu(", \"world_size\": 2, \"local_world_size\": 1",
+			   ", \"backend\": \"nccl\", \"node_rank\": 0, \"master_port\": 1, "
+			   "\"store_timeout_ms\": 1000");
 }

@@ -265,7 +265,8 @@ static void full_step(struct embd_client *t0, struct embd_client *t1, uint64_t s
 
 /*
  * A FORWARD of a step whose forward ran (a trainer that blocks on it would wait for a
- * BACKWARD it never sends), or a second FORWARD while one is pending, is refused at once.
+ * BACKWARD it never sends), or a second FORWARD or BACKWARD while one is pending, is refused
+ * at once.
  */
 Test(hostile_clients, second_forward_is_refused_at_once)
 {
@@ -301,6 +302,18 @@ Test(hostile_clients, second_forward_is_refused_at_once)
 	post(t1, EMBD_REQUEST_FORWARD, 1, 103);
 	cr_expect_eq(completion(t1, 103, 5000), 0, "%s", embd_last_error(t1));
 	cr_expect_eq(completion(t0, 3, 5000), 0, "the kept FORWARD 1: %s", embd_last_error(t0));
+	/* a second BACKWARD of step 1 while the first waits for trainer 1's: refused at once,
+	 * and the first still runs */
+	post(t0, EMBD_REQUEST_BACKWARD, 1, 6);
+	post(t0, EMBD_REQUEST_BACKWARD, 1, 7);
+	rc = completion(t0, 7, 2000);
+	cr_expect_eq(rc, EMBD_EINVAL, "a second BACKWARD 1: expected EMBD_EINVAL at once, got %d",
+		     rc);
+	cr_expect(strstr(embd_last_error(t0), "BACKWARD of that step is pending already") != NULL,
+		  "got '%s'", embd_last_error(t0));
+	post(t1, EMBD_REQUEST_BACKWARD, 1, 104);
+	cr_expect_eq(completion(t1, 104, 5000), 0, "%s", embd_last_error(t1));
+	cr_expect_eq(completion(t0, 6, 5000), 0, "the first BACKWARD 1: %s", embd_last_error(t0));
 	embd_close(t0);
 	embd_close(t1);
 }

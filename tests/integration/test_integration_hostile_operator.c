@@ -2,7 +2,8 @@
  * Integration: a hostile but realistic operator and trainer against the real embd and embctl
  * (issue 13). Checkpoints: a directory whose every checkpoint is damaged makes embd refuse to
  * start from the initial weights until checkpoint_allow_fresh_start, and the damaged ones end
- * up in damaged/, never deleted; a second embd (or an embctl import) on a directory a running
+ * up in damaged/, never deleted (and while they are all there and no valid one is left, the
+ * refusal stands); a second embd (or an embctl import) on a directory a running
  * embd owns is refused with its pid. embctl: numbers parsed strictly on every command line,
  * export never writes into the checkpoint it reads, import refuses non-finite arrays and a
  * table given twice and says which checkpoint embd will restore, and `embctl checkpoint`
@@ -13,7 +14,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -176,6 +179,17 @@ Test(hostile_operator, every_checkpoint_damaged_refuses_a_fresh_start)
 	cr_expect_eq(tu_count_entries(ckdir, "step-"), 0);
 	cr_expect(tu_count_entries(dmg, "step-10-") == 1 && tu_count_entries(dmg, "step-20-") == 1,
 		  "both damaged checkpoints must be in damaged/");
+	/* stopped before it wrote a checkpoint: no step-<N> at all, the training is in damaged/,
+	 * and a start without the key still refuses */
+	stop(&services[0]);
+	write_config("");
+	cr_assert(!start(0, &st), "embd must refuse a fresh start while damaged/ holds "
+		  "checkpoints and no valid one is left");
+	cr_expect(tu_embd_log_has(&services[0], "damaged/ holds 2 damaged checkpoints") &&
+		  tu_embd_log_has(&services[0], "checkpoint_allow_fresh_start"), "the log must say "
+		  "what damaged/ holds and name the key (see %s)", services[0].log);
+	write_config(", \"checkpoint_allow_fresh_start\": true");
+	cr_assert(start(0, &st), "allowed again, embd starts (exit 0x%x)", st);
 	/* and its checkpoints count: none of the damaged ones takes a checkpoint_keep slot */
 	char args[256];
 	snprintf(args, sizeof(args), "checkpoint --wait --socket %s", services[0].socket);
@@ -283,6 +297,78 @@ Test(hostile_operator, a_nan_gradient_is_refused_for_every_trainer)
 	cr_expect(tu_embd_log_has(&services[0], "sent a gradient that is NaN"), "the log says why");
 	embd_close(c[0]);
 	embd_close(c[1]);
+}
+
+/* The hostile trainer's other hand: flips one gradient element between 0.25 and NaN, about
+ * every 100 ns, while the service checks and applies the gradient. */
+struct flipper {
+	volatile float *at;
+	atomic_bool stop;
+};
+
+static void *flip(void *arg)
+{
+	struct flipper *f = arg;
+
+	while (!atomic_load_explicit(&f->stop, memory_order_relaxed))
+		for (int v = 0; v < 2; v++) {
+			*f->at = v ? 0.25f : NAN;
+			for (volatile int spin = 0; spin < 50; spin++)
+				;
+		}
+	*f->at = 0.25f;
+	return NULL;
+}
+
+/* A trainer rewrites its gradient in the slab while the service works on its BACKWARD: a step
+ * is refused or trains on finite values, never a NaN row (the service checks and uses its own
+ * copy, daemon/server_schedule.c). The flips must hit both ways for the test to mean anything:
+ * some steps refused, some applied. */
+Test(hostile_operator, a_gradient_rewritten_during_the_backward_never_reaches_a_row)
+{
+	struct embd_client *c;
+	struct embd_batch b[2];
+	struct flipper f;
+	pthread_t th;
+	char err[256];
+	uint32_t applied = 0, refused = 0, step = 0;
+	int st, rc;
+
+	write_config("");
+	cr_assert(start(0, &st), "embd (exit 0x%x)", st);
+	cr_assert_eq(embd_connect(services[0].socket, 0, 10000, &c, err, sizeof(err)), 0, "%s", err);
+	for (uint32_t slot = 0; slot < 2; slot++) {
+		embd_batch_get(c, slot, &b[slot]);
+		for (uint32_t k = 0; k < B; k++) {
+			b[slot].lengths[k] = 1;
+			b[slot].values[k] = 3 + k;
+		}
+		for (uint32_t k = 0; k < B * DIM; k++)
+			b[slot].grad[k] = 0.25f;
+	}
+	uint64_t until = (uint64_t)time(NULL) + 4;
+	for (; step < 5000 && (applied < 50 || refused < 50) && (uint64_t)time(NULL) < until; step++) {
+		const uint32_t slot = step % 2;
+		cr_assert_eq(rc = embd_forward(c, slot, step, B, 0), 0, "forward %u: %d %s", step, rc,
+			     embd_last_error(c));
+		for (uint32_t k = 0; k < B * DIM; k++)
+			cr_assert(isfinite(b[slot].pooled[k]), "step %u: a row became %g after %u steps "
+				  "applied, %u refused: a non-finite gradient reached it", step,
+				  b[slot].pooled[k], applied, refused);
+		f = (struct flipper){ .at = &b[slot].grad[1 * DIM + 2] };
+		cr_assert_eq(pthread_create(&th, NULL, flip, &f), 0);
+		rc = embd_backward(c, slot, step, B, 0);
+		atomic_store(&f.stop, true);
+		pthread_join(th, NULL);
+		cr_assert(rc == 0 || rc == EMBD_ECANCELED, "backward %u: %d %s", step, rc,
+			  embd_last_error(c));
+		applied += rc == 0;
+		refused += rc == EMBD_ECANCELED;
+	}
+	cr_expect(applied > 0 && refused > 0, "the flips must race the check both ways: %u steps "
+		  "applied, %u refused", applied, refused);
+	cr_log_info("%u steps: %u applied, %u refused", step, applied, refused);
+	embd_close(c);
 }
 
 /* ---- embctl ------------------------------------------------------------------------------- */

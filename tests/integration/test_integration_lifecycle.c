@@ -304,22 +304,6 @@ Test(lifecycle, dead_trainer_with_socket_in_a_child_is_dropped)
 				 * add ~2 MiB to VmRSS (and 30 fds) */
 #define RSS_SLACK_KB 1024       /* allocator noise: measured growth is under 100 KiB */
 
-/* VmRSS of pid in KiB, or -1. */
-static long rss_kb(pid_t pid)
-{
-	char path[64], line[256];
-	long kb = -1;
-
-	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
-	FILE *f = fopen(path, "r");
-	while (f && fgets(line, sizeof(line), f))
-		if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
-			break;
-	if (f)
-		fclose(f);
-	return kb;
-}
-
 /*
  * One round: trainer 1 connects in a child, both trainers run the forward of step s, trainer
  * 1 is killed before its BACKWARD, and trainer 0's BACKWARD is cancelled.
@@ -360,12 +344,12 @@ Test(lifecycle, killed_trainers_leave_no_fds_or_memory)
 	int settled = tu_embd_wait_fds(&service, fds0, FDS_SETTLE_MS);
 	cr_assert_eq(settled, fds0, "embd's open fds after 2 killed trainers: expected %d, got %d",
 		     fds0, settled);
-	long rss0 = rss_kb(service.pid);
+	long rss0 = tu_embd_rss_kb(&service);
 	cr_assert_gt(rss0, 0, "cannot read /proc/%d/status", (int)service.pid);
 	for (int round = 2; round < 2 + LEAK_ROUNDS; round++)
 		kill_round(t0, round);
 	int fds = tu_embd_wait_fds(&service, fds0, FDS_SETTLE_MS);
-	long rss = rss_kb(service.pid);
+	long rss = tu_embd_rss_kb(&service);
 	cr_log_info("after %d killed trainers: %d fds (baseline %d), VmRSS %ld kB (baseline %ld kB)",
 		    LEAK_ROUNDS, fds, fds0, rss, rss0);
 	cr_expect_eq(fds, fds0, "embd's open fds after %d killed trainers: expected %d as before, "

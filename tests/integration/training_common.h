@@ -127,8 +127,11 @@ struct shared {
 	uint64_t resumed_step[MAX_T];   /* the layout's, at connect */
 	char err[MAX_T][256];
 	float pooled[K_STEPS][MAX_T][BATCH * MAX_COLS];
+	uint32_t late_forwards[K_STEPS];        /* PIPE_MIXED: FORWARDs of step k the odd trainers
+						 * posted after their BACKWARD (atomics) */
 };
 
+__attribute__((unused))         /* the soak test keeps its own log */
 static struct shared *shared_map(void)
 {
 	void *p = mmap(NULL, sizeof(struct shared), PROT_READ | PROT_WRITE,
@@ -324,7 +327,9 @@ static int trainer_connect(struct shared *sh, const char *socket, uint32_t local
  * embd_step_prepare), posting FORWARD k + 1 and BACKWARD k, then awaiting both. PIPE_BEFORE:
  * the FORWARD first, so the service holds every trainer's before the backward can run (every
  * step after the first is prepared); PIPE_MIXED: odd trainers post it right after their
- * BACKWARD (prepared when it arrives before the service starts the backward). */
+ * BACKWARD, and the even ones post their BACKWARD only once every odd trainer's FORWARD is
+ * posted, so the last BACKWARD finds every FORWARD of the next step posted (taken early or
+ * still in its ring: either way every step after the first is prepared). */
 enum { PIPE_OFF, PIPE_BEFORE, PIPE_MIXED };
 static int pipelined_trainers;
 
@@ -358,6 +363,20 @@ static int await_completions(struct embd_client *c, uint32_t n, char *err)
 	return 0;
 }
 
+/* PIPE_MIXED: until n odd trainers posted their FORWARD of step k (20 s at most). */
+static int await_late_forwards(struct shared *sh, uint32_t k, uint32_t n, char *err)
+{
+	for (int waited_ms = 0; __atomic_load_n(&sh->late_forwards[k], __ATOMIC_ACQUIRE) < n;
+	     waited_ms++) {
+		if (waited_ms == 20000) {
+			snprintf(err, 256, "step %u: the odd trainers' FORWARDs never came", k);
+			return EMBD_ETIMEDOUT;
+		}
+		usleep(1000);
+	}
+	return 0;
+}
+
 /* trainer_run's K steps on connected handle c, pipelined (pipelined_trainers). */
 static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr)
 {
@@ -382,10 +401,14 @@ static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr
 		const bool first = pipelined_trainers == PIPE_BEFORE || tr % 2 == 0;
 		if (next && first)
 			rc = post_forward(c, tr, k + 1, l->resumed_step);
+		if (!rc && next && pipelined_trainers == PIPE_MIXED && first)
+			rc = await_late_forwards(sh, k + 1, l->trainers_per_node / 2, err);
 		if (!rc)
 			rc = embd_submit(c, &bwd);
-		if (!rc && next && !first)
+		if (!rc && next && !first) {
 			rc = post_forward(c, tr, k + 1, l->resumed_step);
+			__atomic_add_fetch(&sh->late_forwards[k + 1], 1, __ATOMIC_RELEASE);
+		}
 		if (!rc)
 			rc = await_completions(c, next ? 2 : 1, err);
 	}

@@ -149,10 +149,12 @@ preview=$(in_root embctl plan --config /etc/embd/embd.conf --json | plan_hash ||
 # ---- the service, sandboxed as its unit sandboxes it ----------------------------------------
 in_root useradd --no-create-home --groups embd trainer
 in_root useradd --no-create-home stranger
-for d in /run/embd /var/lib/embd; do       # RuntimeDirectory=, StateDirectory=
-  mkdir -p "$root$d"
-  chown "$embd_uid:$embd_gid" "$root$d"
-  chmod 0750 "$root$d"
+unit_mode() { sed -n "s/^$1=//p" "$root/usr/lib/systemd/system/embd.service" | tail -n 1; }
+for d in "/run/embd RuntimeDirectoryMode" "/var/lib/embd StateDirectoryMode"; do
+  set -- $d                                 # the directory as the unit's setting makes it
+  mkdir -p "$root$1"
+  chown "$embd_uid:$embd_gid" "$root$1"
+  chmod "$(unit_mode "$2")" "$root$1"
 done
 start_embd() {
   : >"$work/embd.log"

@@ -190,6 +190,21 @@ int tu_embd_count_fds(const struct tu_embd *p)
 	return n;
 }
 
+long tu_embd_rss_kb(const struct tu_embd *p)
+{
+	char path[64], line[256];
+	long kb = -1;
+
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)p->pid);
+	FILE *f = p->pid > 0 ? fopen(path, "r") : NULL;
+	while (f && fgets(line, sizeof(line), f))
+		if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+			break;
+	if (f)
+		fclose(f);
+	return kb;
+}
+
 int tu_embd_wait_fds(const struct tu_embd *p, int want, int timeout_ms)
 {
 	const int64_t deadline = embd_now_ms() + timeout_ms;

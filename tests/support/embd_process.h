@@ -61,5 +61,7 @@ bool tu_embd_log_has(const struct tu_embd *p, const char *text);
 int tu_embd_count_fds(const struct tu_embd *p);
 /* Polls up to timeout_ms for that count to equal want; returns the last count. */
 int tu_embd_wait_fds(const struct tu_embd *p, int want, int timeout_ms);
+/* embd's resident memory (VmRSS of /proc/PID/status) in KiB, or -1. */
+long tu_embd_rss_kb(const struct tu_embd *p);
 
 #endif /* EMBD_TEST_EMBD_PROCESS_H */

@@ -250,7 +250,7 @@ static PyObject *client_layout(PyObject *obj, PyObject *unused)
 		const struct embd_client_table *t = &l->tables[i];
 		PyObject *item = Py_BuildValue("(sLiii)", t->name, (long long)t->num_embeddings,
 					       (int)t->embedding_dim, (int)t->pooling,
-					       (int)t->data_type);
+					       (int)l->table_data_types[i]);
 		if (!item)
 			goto fail;
 		PyList_SET_ITEM(tables, i, item);

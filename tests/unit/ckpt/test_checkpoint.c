@@ -444,6 +444,35 @@ Test(checkpoint, retention_counts_only_valid_checkpoints)
 	cr_expect(has_dir("step-20") && !has_dir("step-5"), "the newest valid step stays");
 }
 
+/* A service resumes from step 20 while step-30 and step-40 are there (a per_node cluster's
+ * node holds steps another node lacks): they go to abandoned/, never deleted, and step 20 and
+ * older stay. */
+Test(checkpoint, steps_after_the_resumed_one_are_set_aside)
+{
+	char err[512], aside[256];
+	struct skips mv = { 0 };
+
+	for (uint64_t s = 10; s <= 40; s += 10)
+		write_shards(tw, 1, s);
+	int moved = embd_ckpt_set_aside_after(root, 20, on_skip, &mv, err, sizeof(err));
+	cr_expect_eq(moved, 2, "expected steps 30 and 40 moved, got %d (%s)", moved, err);
+	cr_expect(has_dir("step-10") && has_dir("step-20") && !has_dir("step-30") &&
+		  !has_dir("step-40"), "only the steps above 20 move");
+	snprintf(aside, sizeof(aside), "%s/abandoned", root);
+	cr_expect(tu_count_entries(aside, "step-30-") == 1 && tu_count_entries(aside, "step-40-") == 1,
+		  "both must be in abandoned/, not deleted");
+	cr_expect(mv.n == 2 && strstr(mv.dirs[0], "/abandoned/step-40-"),
+		  "reported newest first with its new path: %s", mv.dirs[0]);
+	cr_expect_eq(newest(&mv), 20);
+	cr_expect_eq(embd_ckpt_set_aside_after(root, 20, NULL, NULL, err, sizeof(err)), 0,
+		     "nothing above 20 any more");
+	/* a fresh start (step 0) sets every step but 0 aside */
+	cr_expect_eq(embd_ckpt_set_aside_after(root, 0, NULL, NULL, err, sizeof(err)), 2);
+	cr_expect_eq(count_entries("step-"), 0);
+	cr_expect_eq(tu_count_entries(aside, "step-"), 4);
+	cr_expect_eq(embd_ckpt_count_damaged(root), 0, "abandoned/ holds no damaged ones");
+}
+
 /* A checkpoint that cannot be read now (here its manifest is a directory: read fails with
  * EISDIR, as EACCES, EMFILE or a stale NFS handle would) is not damage: retention neither
  * moves nor removes it nor counts it, and a restore fails instead of falling back to an older

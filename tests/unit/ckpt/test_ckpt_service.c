@@ -267,6 +267,41 @@ Test(checkpoint, service_refuses_a_fresh_start_over_damaged_checkpoints)
 	node_stop(&b);
 }
 
+/* Every damaged checkpoint is in damaged/ already (moved there by retention or an earlier
+ * start) and no step-<N> is left: still no silent fresh start. */
+Test(checkpoint, service_refuses_a_fresh_start_while_damaged_holds_checkpoints)
+{
+	struct node b;
+	char err[1024] = "", dir[128], moved[4200];
+	uint64_t step = 99;
+
+	node_write("tw", 2, 3);
+	damage_step(3);
+	snprintf(dir, sizeof(dir), "%s/step-3", root);
+	cr_assert_eq(embd_ckpt_move_damaged(root, dir, moved, sizeof(moved), err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_ckpt_count_damaged(root), 1);
+	node_start(&b, "tw", 2);
+	int rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_expect_eq(rc, EMBD_ECHECKSUM, "expected a refusal (EMBD_ECHECKSUM), got %d (%s)", rc,
+		     err);
+	cr_expect(strstr(err, "damaged") && strstr(err, "checkpoint_allow_fresh_start"),
+		  "expected the refusal to name damaged/ and the key, got '%s'", err);
+	b.config.checkpoint_allow_fresh_start = true;
+	rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_expect_eq(rc, 0, "allowed: %d %s", rc, err);
+	cr_expect_eq(step, 0);
+	cr_expect_eq(tu_count_damaged(root, "step-3-"), 1, "damaged/ is left as it is");
+	/* once a valid checkpoint exists, damaged/ no longer matters */
+	cr_assert_eq(embd_ckpt_service_final(b.ck, 5), 0);
+	node_stop(&b);
+	node_start(&b, "tw", 2);
+	rc = embd_ckpt_service_restore(b.ck, &step, err, sizeof(err));
+	cr_expect(rc == 0 && step == 5, "expected step 5 restored, got %d step %llu (%s)", rc,
+		  (unsigned long long)step, err);
+	node_stop(&b);
+}
+
 Test(checkpoint, service_moves_newer_damaged_ones_aside_and_keeps_the_valid_one)
 {
 	struct node b;

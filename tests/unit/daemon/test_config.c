@@ -183,7 +183,7 @@ Test(config, errors_name_the_key)
 		{ "{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
 		  "\"compute_device\": \"cpu\" }, \"node_rank\": 2 }", "node_rank" },
 		{ "{ \"backend\": \"mpi\" }", "backend" },
-		{ "{ \"backend\": \"nccl\" }", "backend" },
+		{ "{ \"backend\": \"nccl\" }", "'backend': nccl needs compute_device cuda" },
 		{ "{ \"master_port\": 70000 }", "master_port" },
 		{ "{ \"master_port\": 0 }", "master_port" },
 		{ "{ \"master_addr\": \"\" }", "master_addr" },
@@ -200,8 +200,6 @@ Test(config, errors_name_the_key)
 		{ "{ \"metrics_listen\": \"127.0.0.1:0\" }", "metrics_listen" },
 		{ "{ \"metrics_listen\": 9464 }", "metrics_listen" },
 		{ "{ \"store_timeout_ms\": -1 }", "store_timeout_ms" },
-		{ "{ \"topology\": { \"world_size\": 2, \"compute_device\": \"cuda\" }, "
-		  "\"backend\": \"nccl\" }", "nccl inside the service is not built yet" },
 		{ "{ \"topology\": { \"wrold_size\": 2 } }", "wrold_size" },
 		{ "{ \"tables\": [ { \"name\": \"t\", \"num_embeddings\": 10 } ] }", "embedding_dim" },
 		{ "{ \"tables\": [] }", "tables" },
@@ -262,6 +260,11 @@ Test(config, cluster_keys)
 	rc = parse("{ \"comm_addr\": \"fd00::2\" }", &c, err, sizeof(err));
 	cr_assert_eq(rc, 0, "%s", err);
 	cr_expect_str_eq(c.comm_addr, "fd00::2");
+	embd_config_free(&c);	/* GPU nodes exchange over NCCL (the devices are counted at start, not here) */
+	rc = parse("{ \"topology\": { \"world_size\": 4, \"local_world_size\": 2, "
+		   "\"compute_device\": \"cuda\" }, \"backend\": \"nccl\" }", &c, err, sizeof(err));
+	cr_assert_eq(rc, 0, "cuda with nccl: expected 0, got %d (%s)", rc, err);
+	cr_expect_eq(c.backend, EMBD_COMM_NCCL);
 	embd_config_free(&c);
 }
 

@@ -1,7 +1,8 @@
 /*
  * Tests for dist/comm.h over Gloo: 1, 2 and 3 forked processes on 127.0.0.1 rendezvous
  * through a store served by the test process; alltoallv with uneven and zero sizes checked
- * byte for byte, allreduce f32/u64, broadcast, barrier; and the failures: a peer that exits or
+ * byte for byte, allreduce f32/u64, broadcast, barrier, grouped sendrecv over several lanes
+ * (the step engine's transport) with its argument checks; and the failures: a peer that exits or
  * stalls makes the others fail with EMBD_ETIMEDOUT or EMBD_ECONNRESET within the timeout plus
  * slack, a missing rank fails the rendezvous naming it, a broken handle stays broken.
  */
@@ -26,6 +27,7 @@ struct world {
 	int timeout_ms;
 	int victim;             /* failure tests: the rank that misbehaves */
 	bool stall;             /* ... by sleeping past the timeout instead of exiting */
+	uint32_t lanes;         /* the comm's lanes (0 = 1) */
 };
 
 /* Connects to the store and creates rank's comm; NULL (after printing why) on failure. */
@@ -42,7 +44,8 @@ static struct embd_comm *join(const struct world *w, int rank, struct embd_store
 	snprintf(host, sizeof(host), "127.0.0.%d", rank + 1);
 	struct embd_comm_options o = {
 		.backend = EMBD_COMM_GLOO, .rank = (uint32_t)rank, .size = (uint32_t)w->size,
-		.timeout_ms = w->timeout_ms, .hostname = host, .prefix = "gloo/0/",
+		.lanes = w->lanes, .timeout_ms = w->timeout_ms, .hostname = host,
+		.prefix = "gloo/0/",
 	};
 	int rc = embd_comm_create(&o, *store, &comm, err, sizeof(err));
 	if (rc < 0) {
@@ -208,6 +211,100 @@ Test(comm_gloo, world_of_3)
 	cr_assert_eq(run_world(child_collectives, &w, 25000), 0);
 }
 
+/* ---- sendrecv over lanes ------------------------------------------------------------------ */
+
+/* Bytes rank r sends to p on lane l in round `round` (0: no transfer). */
+static uint64_t lane_bytes(int r, int p, uint32_t l, int round)
+{
+	return bytes_from_to(r, p, round) * (l + 1) % 301;
+}
+
+static int check_sendrecv(struct embd_comm *comm, int rank, int size, int round)
+{
+	const uint32_t L = embd_comm_lanes(comm);
+	struct embd_comm_xfer sends[8 * 4], recvs[8 * 4];
+	size_t ns = 0, nr = 0;
+	for (int p = 0; p < size; p++) {
+		for (uint32_t l = 0; p != rank && l < L; l++) {
+			uint64_t out = lane_bytes(rank, p, l, round), in = lane_bytes(p, rank, l, round);
+			if (out) {
+				uint8_t *b = malloc(out);
+				TU_CHECK(b, "malloc");
+				for (uint64_t k = 0; k < out; k++)
+					b[k] = pattern(rank, p, k + l * 1000);
+				sends[ns++] = (struct embd_comm_xfer){ p, l, b, out };
+			}
+			if (in) {
+				uint8_t *b = malloc(in);
+				TU_CHECK(b, "malloc");
+				memset(b, 0xa5, in);
+				recvs[nr++] = (struct embd_comm_xfer){ p, l, b, in };
+			}
+		}
+	}
+	int rc = embd_comm_sendrecv(comm, sends, ns, recvs, nr);
+	TU_CHECK(rc == 0, "round %d: %d %s", round, rc, embd_comm_error(comm));
+	for (size_t i = 0; i < nr; i++) {
+		const uint8_t *b = recvs[i].buf;
+		for (uint64_t k = 0; k < recvs[i].bytes; k++)
+			TU_CHECK(b[k] == pattern((int)recvs[i].peer, rank, k + recvs[i].lane * 1000),
+				 "round %d: byte %llu from rank %u lane %u is %u", round,
+				 (unsigned long long)k, recvs[i].peer, recvs[i].lane, b[k]);
+		free(recvs[i].buf);
+	}
+	for (size_t i = 0; i < ns; i++)
+		free(sends[i].buf);
+	return 0;
+}
+
+static int child_sendrecv(int rank, void *arg)
+{
+	const struct world *w = arg;
+	struct embd_store *store = NULL;
+	struct embd_comm *comm = join(w, rank, &store);
+	uint8_t byte = 0;
+	uint64_t one = 1;
+	TU_CHECK(comm, "no comm");
+	TU_CHECK(embd_comm_lanes(comm) == w->lanes && !embd_comm_device_buffers(comm),
+		 "lanes %u", embd_comm_lanes(comm));
+	for (int round = 0; round < 8; round++)
+		if (check_sendrecv(comm, rank, w->size, round))
+			return 1;
+	/* argument errors: reported before anything moves, the handle stays usable */
+	uint32_t other = rank ? 0u : 1u;
+	struct embd_comm_xfer bad[2] = { { (uint32_t)rank, 0, &byte, 1 }, { other, 0, &byte, 1 } };
+	TU_CHECK(embd_comm_sendrecv(comm, bad, 1, NULL, 0) == EMBD_EINVAL &&
+		 strstr(embd_comm_error(comm), "peer"), "to self: %s", embd_comm_error(comm));
+	bad[0] = (struct embd_comm_xfer){ other, w->lanes, &byte, 1 };
+	TU_CHECK(embd_comm_sendrecv(comm, NULL, 0, bad, 1) == EMBD_EINVAL &&
+		 strstr(embd_comm_error(comm), "lane"), "lane: %s", embd_comm_error(comm));
+	bad[0] = bad[1];
+	TU_CHECK(embd_comm_sendrecv(comm, bad, 2, NULL, 0) == EMBD_EINVAL &&
+		 strstr(embd_comm_error(comm), "two sends"), "twice: %s", embd_comm_error(comm));
+	bad[0].bytes = 0;
+	TU_CHECK(embd_comm_sendrecv(comm, bad, 1, NULL, 0) == EMBD_EINVAL, "0 bytes");
+	/* one buffer per participant does not fit several lanes */
+	TU_CHECK(embd_comm_alltoallv(comm, &byte, &one, &byte, &one) == EMBD_EINVAL &&
+		 strstr(embd_comm_error(comm), "lanes"), "alltoallv: %s", embd_comm_error(comm));
+	TU_CHECK(embd_comm_sendrecv(comm, NULL, 0, NULL, 0) == 0, "nothing to move");
+	TU_CHECK(embd_comm_barrier(comm) == 0, "%s", embd_comm_error(comm));
+	embd_comm_destroy(comm);
+	embd_store_close(store);
+	return 0;
+}
+
+Test(comm_gloo, sendrecv_two_ranks_three_lanes)
+{
+	struct world w = { .size = 2, .timeout_ms = 5000, .lanes = 3 };
+	cr_assert_eq(run_world(child_sendrecv, &w, 20000), 0);
+}
+
+Test(comm_gloo, sendrecv_three_ranks_two_lanes)
+{
+	struct world w = { .size = 3, .timeout_ms = 5000, .lanes = 2 };
+	cr_assert_eq(run_world(child_sendrecv, &w, 25000), 0);
+}
+
 /* ---- failures -------------------------------------------------------------------------- */
 
 /* Everyone joins; the victim then exits (gone) or sleeps (stalled); the others must fail in
@@ -229,13 +326,22 @@ static int child_lose_a_peer(int rank, void *arg)
 	for (int p = 0; p < w->size; p++)
 		bytes[p] = 1000;
 	uint8_t *send = calloc(1, 8000), *recv = calloc(1, 8000);
+	struct embd_comm_xfer sends[8], recvs[8];
+	size_t n = 0;
+	for (int p = 0; p < w->size; p++)
+		if (p != rank) {
+			sends[n] = (struct embd_comm_xfer){ (uint32_t)p, 0, send + p * 1000, 1000 };
+			recvs[n++] = (struct embd_comm_xfer){ (uint32_t)p, 0, recv + p * 1000, 1000 };
+		}
+	const char *op = w->lanes ? "sendrecv" : "alltoallv";
 	int64_t t0 = embd_now_ms();
-	int rc = embd_comm_alltoallv(comm, send, bytes, recv, bytes);
+	int rc = w->lanes ? embd_comm_sendrecv(comm, sends, n, recvs, n)
+			  : embd_comm_alltoallv(comm, send, bytes, recv, bytes);
 	int64_t took = embd_now_ms() - t0;
 	TU_CHECK(rc == EMBD_ETIMEDOUT || rc == EMBD_ECONNRESET, "got %d (%s): %s", rc,
 		 embd_strerror(rc), embd_comm_error(comm));
 	TU_CHECK(took <= w->timeout_ms + SLACK_MS, "failed after %lld ms", (long long)took);
-	TU_CHECK(strstr(embd_comm_error(comm), "alltoallv"), "message: %s", embd_comm_error(comm));
+	TU_CHECK(strstr(embd_comm_error(comm), op), "message: %s", embd_comm_error(comm));
 	/* where the shim names the peer (Gloo's message holds its listening address), it is
 	 * the right one */
 	char victim[32];
@@ -260,6 +366,18 @@ Test(comm_gloo, peer_exits)
 {
 	struct world w = { .size = 3, .timeout_ms = 2000, .victim = 2 };
 	cr_assert_eq(run_world(child_lose_a_peer, &w, 2000 + 2 * SLACK_MS + 5000), 0);
+}
+
+Test(comm_gloo, peer_exits_during_sendrecv)
+{
+	struct world w = { .size = 3, .timeout_ms = 2000, .victim = 1, .lanes = 2 };
+	cr_assert_eq(run_world(child_lose_a_peer, &w, 2000 + 2 * SLACK_MS + 5000), 0);
+}
+
+Test(comm_gloo, peer_stalls_during_sendrecv)
+{
+	struct world w = { .size = 2, .timeout_ms = 3000, .victim = 1, .stall = true, .lanes = 2 };
+	cr_assert_eq(run_world(child_lose_a_peer, &w, 3000 + 2 * SLACK_MS + 5000), 0);
 }
 
 Test(comm_gloo, peer_stalls)

@@ -311,6 +311,43 @@ Test(step, refused_batch_leaves_others_exact_data_parallel)
 	refused_batch_case(EMBD_SHARD_DATA_PARALLEL);
 }
 
+/* A NaN or infinite per-sample weight would scale the bag's gradient into shared rows: the
+ * batch is refused at routing like a bad id, naming the weight, and the others stay exact. */
+static void nonfinite_weight_case(enum embd_sharding_type type, float bad)
+{
+	static struct fixture fx;
+	static struct trainer trs[3];
+	struct embd_step_batch batches[3];
+
+	setup(&fx, EMBD_OPT_ADAGRAD, type, 2);
+	for (uint32_t i = 0; i < 3; i++)
+		fill_trainer(&fx, &trs[i], 31 + i, true);
+	uint64_t at = (uint64_t)trs[1].batch.kjt.num_values / 2;
+	trs[1].weights[at] = bad;
+	for (uint32_t i = 0; i < 3; i++)
+		batches[i] = trs[i].batch;
+	int rc = embd_step_forward(fx.step, batches, 3);
+	cr_assert_eq(rc, 2, "expected 2 accepted batches, got %d", rc);
+	cr_assert_eq(batches[1].status, EMBD_EINVAL, "got %d: %s", batches[1].status,
+		     batches[1].err);
+	char want[64];
+	snprintf(want, sizeof(want), "weights[%llu]: %s weight", (unsigned long long)at,
+		 isnan(bad) ? "NaN" : "infinite");
+	cr_assert(strstr(batches[1].err, want), "error should name '%s': %s", want, batches[1].err);
+	for (uint32_t i = 0; i < 3; i++)
+		trs[i].batch.status = batches[i].status;
+	check_forward(&fx, trs, 3, type == EMBD_SHARD_ROW_WISE ? RW_TOL : 0.0f, "refused weight");
+	backward_and_check(&fx, trs, batches, 3, type == EMBD_SHARD_DATA_PARALLEL ? 2 : 1,
+			   "refused weight");
+	stop(&fx);
+}
+
+Test(step, nan_weight_refuses_its_batch) { nonfinite_weight_case(EMBD_SHARD_TABLE_WISE, NAN); }
+Test(step, infinite_weight_refuses_its_batch_row_wise)
+{
+	nonfinite_weight_case(EMBD_SHARD_ROW_WISE, -INFINITY);
+}
+
 Test(step, malformed_batches_name_the_field)
 {
 	static struct fixture fx;
