@@ -205,6 +205,25 @@ long tu_embd_rss_kb(const struct tu_embd *p)
 	return kb;
 }
 
+/* What each open fd of embd is, on stderr: a count that did not settle names its extra fd. */
+static void log_fds(const struct tu_embd *p)
+{
+	char dir[64], path[320], target[256];
+
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)p->pid);
+	DIR *d = p->pid > 0 ? opendir(dir) : NULL;
+	for (struct dirent *e; d && (e = readdir(d));) {
+		if (e->d_name[0] == '.')
+			continue;
+		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+		ssize_t len = readlink(path, target, sizeof(target) - 1);
+		target[len > 0 ? len : 0] = '\0';
+		fprintf(stderr, "embd pid %d fd %s -> %s\n", (int)p->pid, e->d_name, target);
+	}
+	if (d)
+		closedir(d);
+}
+
 int tu_embd_wait_fds(const struct tu_embd *p, int want, int timeout_ms)
 {
 	const int64_t deadline = embd_now_ms() + timeout_ms;
@@ -214,5 +233,7 @@ int tu_embd_wait_fds(const struct tu_embd *p, int want, int timeout_ms)
 		usleep(10000);
 		n = tu_embd_count_fds(p);
 	}
+	if (n != want)
+		log_fds(p);
 	return n;
 }
