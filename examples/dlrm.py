@@ -209,6 +209,8 @@ def main() -> int:
               f"{(args.steps - 1) * args.batch_size * dist.get_world_size() / elapsed:.0f} "
               f"samples/s; loss {first:.4f} -> {mean:.4f} (noise floor {floor_mean:.4f})",
               flush=True)
+    # both trainers past their last collective before either tears its process group down
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

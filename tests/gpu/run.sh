@@ -9,8 +9,9 @@
 #        real embd on all GPUs of the machine (compute_device cuda, ranks = the GPU count) with
 #        trainer processes, every sharding type, compute kernels fused, fused_uvm and
 #        fused_uvm_caching (its HBM cache a few rows of the test tables: evictions, write-backs
-#        and overflowing sets every step), each equal to the unsharded CPU reference
-#        (test_integration_training); a config asking for
+#        and overflowing sets every step), each equal to the unsharded CPU reference (all of
+#        test_integration_training: short batches, pipelined steps, a killed trainer, refused
+#        batches, all through the host/device copies of the GPU ranks); a config asking for
 #        more GPUs than there are refused naming both numbers; and two embd nodes on this
 #        machine with the GPUs split between them (2 each, CUDA_VISIBLE_DEVICES) and backend
 #        nccl (test_integration_dist): every two-node training equal to the reference, and a
@@ -107,7 +108,7 @@ fi
 if [ "$rc" -ne 77 ]; then
 	for kernel in fused fused_uvm fused_uvm_caching; do
 		EMBD_TEST_COMPUTE_DEVICE=cuda EMBD_TEST_COMPUTE_KERNEL=$kernel \
-			"$bundle/bin/test_integration_training" -j1 --filter 'training/*equal*reference' \
+			"$bundle/bin/test_integration_training" -j1 \
 			2>&1 | tee "$out/training_$kernel.log"
 		note "${PIPESTATUS[0]}"
 	done

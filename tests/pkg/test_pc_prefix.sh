@@ -17,8 +17,13 @@ pc=$(find "$prefix" -name embdclient.pc)
 export PKG_CONFIG_PATH=$(dirname "$pc")
 libdir=$(pkg-config --variable=libdir embdclient)
 [ -e "$libdir/libembdclient.so" ] || { echo "pkg-config libdir $libdir has no libembdclient.so"; exit 1; }
+# a sanitizer build's library needs its runtime loaded first: the trainer is built the same way
+sanitize=()
+if ldd "$libdir/libembdclient.so" | grep -q libasan; then
+  sanitize=(-fsanitize=address,undefined)
+fi
 # shellcheck disable=SC2046
-cc -std=c11 -Wall -Werror -o "$tmp/client_nop" "$here/client_nop.c" $(pkg-config --cflags --libs embdclient)
+cc "${sanitize[@]}" -std=c11 -Wall -Werror -o "$tmp/client_nop" "$here/client_nop.c" $(pkg-config --cflags --libs embdclient)
 # no service at that path: the installed library runs and reports it (exit 3)
 set +e
 LD_LIBRARY_PATH=$libdir "$tmp/client_nop" "$tmp/no-such.sock" 2>"$tmp/stderr"

@@ -237,26 +237,11 @@ class Service:
     def start(self, timeout: float = 20) -> "Service":
         """Starts embd and waits up to ``timeout`` seconds for its socket (large tables take
         a while to initialise)."""
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([str(EMBD), "--config", str(self.config_path), "--socket",
-                                      self.socket, "--log-level", "info"], stdout=log,
-                                     stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"embd exited with {self.proc.returncode} before its socket "
-                                   f"appeared:\n{self.log()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"embd made no socket within {timeout} s:\n{self.log()}")
-            time.sleep(0.01)
+        self.proc = start_embd(self.config_path, self.socket, self.log_path, timeout)
         return self
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
@@ -266,14 +251,7 @@ class Service:
         """SIGTERM and wait; SIGKILL after ``timeout`` s. Returns the exit status."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        rc = self.proc.returncode
+        rc = stop_embd(self.proc, timeout=timeout)
         self.proc = None
         shutil.rmtree(self._sock_dir, ignore_errors=True)
         return rc
@@ -290,6 +268,152 @@ class Service:
         run([str(EMBCTL), "export", "--table", table, "--step", str(step), "--dir",
              str(self.ckpt_dir), "-o", str(out)])
         return np.load(out)
+
+
+class Cluster:
+    """``nodes`` real ``embd`` processes on 127.0.0.1 forming one cluster over Gloo, ``ranks``
+    CPU ranks and ``trainers`` trainers each, under a plan the test gives: ``placement`` maps
+    a table to the node whose first rank holds all of it (table_wise) or to "row_wise" (its
+    rows in equal blocks over every rank of the cluster, in rank order). ``extra``: more
+    config keys for every node (checkpoints, timeouts)."""
+
+    def __init__(self, tmp: Path, tables: Sequence[TableSpec], batch_size: int,
+                 placement: Dict[str, Any], nodes: int = 2, ranks: int = 1, trainers: int = 1,
+                 extra: Optional[Dict[str, Any]] = None) -> None:
+        self.tmp, self.tables, self.nodes, self.ranks = tmp, list(tables), nodes, ranks
+        self._sock_dir = tempfile.mkdtemp(prefix="embd-pyc-")
+        self.sockets = [os.path.join(self._sock_dir, f"node{n}.sock") for n in range(nodes)]
+        self.procs: List[Optional["subprocess.Popen[bytes]"]] = [None] * nodes
+        world = nodes * ranks
+        topo = {"world_size": world, "local_world_size": ranks, "compute_device": "cpu",
+                "hbm_cap": "1G", "ddr_cap": "1G", "batch_size": batch_size}
+        plan = {"version": 1, "topology": topo,
+                "tables": [self._plan_table(t, placement[t.name]) for t in tables]}
+        (tmp / "plan.json").write_text(json.dumps(plan, indent=1))
+        port = free_port()
+        for n in range(nodes):
+            config: Dict[str, Any] = {
+                "tables": [t.config(None) for t in tables], "topology": topo,
+                "plan_file": str(tmp / "plan.json"), "trainers_per_node": trainers,
+                "seed": 2026, "threads_per_rank": 1, "busy_poll_us": 20,
+                "master_addr": "127.0.0.1", "master_port": port, "node_rank": n,
+                "backend": "gloo", "collective_timeout_ms": 2000, "checkpoint_dir": "",
+            }
+            config.update(extra or {})
+            self.config(n).write_text(json.dumps(config, indent=1))
+
+    def _plan_table(self, t: TableSpec, where: Any) -> Dict[str, Any]:
+        if where == "row_wise":
+            world = self.nodes * self.ranks
+            block = -(-t.rows // world)
+            shards = [{"rank": r, "row_offset": block * r, "rows": min(block, t.rows - block * r),
+                       "col_offset": 0, "cols": t.dim} for r in range(world)]
+        else:
+            shards = [{"rank": int(where) * self.ranks, "row_offset": 0, "rows": t.rows,
+                       "col_offset": 0, "cols": t.dim}]
+        return {"name": t.name, "sharding_type": "row_wise" if where == "row_wise" else
+                "table_wise", "compute_kernel": "fused", "shards": shards}
+
+    def rows_of(self, table: str, node: int) -> Tuple[int, int]:
+        """The rows [begin, end) of a row_wise table that node ``node`` holds."""
+        t = next(t for t in self.tables if t.name == table)
+        block = -(-t.rows // (self.nodes * self.ranks))
+        begin = min(t.rows, block * self.ranks * node)
+        return begin, min(t.rows, begin + block * self.ranks)
+
+    def config(self, n: int) -> Path:
+        return self.tmp / f"node{n}.json"
+
+    def log_path(self, n: int) -> Path:
+        return self.tmp / f"node{n}.log"
+
+    def start_node(self, n: int, wait: bool = True, timeout: float = 30) -> None:
+        """Starts node ``n``; with ``wait``, returns once its socket exists (node 0's socket
+        appears only once the cluster formed, so start the others first without it)."""
+        env = {k: v for k, v in os.environ.items() if k not in (
+            "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+        if os.path.exists(self.sockets[n]):
+            os.unlink(self.sockets[n])
+        if wait:
+            self.procs[n] = start_embd(self.config(n), self.sockets[n], self.log_path(n),
+                                       timeout, env)
+            return
+        with open(self.log_path(n), "wb") as log:
+            self.procs[n] = subprocess.Popen(
+                [str(EMBD), "--config", str(self.config(n)), "--socket", self.sockets[n],
+                 "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def start(self, timeout: float = 30) -> "Cluster":
+        for n in range(1, self.nodes):
+            self.start_node(n, wait=False)
+        self.start_node(0, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for n in range(1, self.nodes):
+            while not os.path.exists(self.sockets[n]):
+                proc = self.procs[n]
+                if (proc is not None and proc.poll() is not None) or \
+                        time.monotonic() > deadline:
+                    raise RuntimeError(f"node {n} made no socket:\n{self.log(n)}")
+                time.sleep(0.01)
+        return self
+
+    def log(self, n: int) -> str:
+        return read_log(self.log_path(n))
+
+    def kill(self, n: int) -> None:
+        proc = self.procs[n]
+        if proc is not None:
+            stop_embd(proc, signal.SIGKILL)
+        self.procs[n] = None
+
+    def stop(self) -> None:
+        for n in range(self.nodes):
+            proc = self.procs[n]
+            if proc is not None:
+                stop_embd(proc)
+            self.procs[n] = None
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+
+def start_embd(config: Path, sock: str, log_path: Path, timeout: float,
+               env: Optional[Dict[str, str]] = None) -> "subprocess.Popen[bytes]":
+    """The real ``embd`` on ``config`` and ``sock`` (its log in ``log_path``), once its socket
+    exists (``timeout`` s at most)."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(EMBD), "--config", str(config), "--socket", sock,
+                                 "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT,
+                                env=env)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(sock):
+        if proc.poll() is not None:
+            raise RuntimeError(f"embd exited with {proc.returncode} before its socket "
+                               f"appeared:\n{read_log(log_path)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"embd made no socket within {timeout} s:\n{read_log(log_path)}")
+        time.sleep(0.01)
+    return proc
+
+
+def read_log(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def stop_embd(proc: "subprocess.Popen[bytes]", sig: int = signal.SIGTERM,
+              timeout: float = 15) -> int:
+    """``sig`` to the process and wait; SIGKILL after ``timeout`` s. Returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def run(args: Sequence[str], timeout: float = 60) -> str:

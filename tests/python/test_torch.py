@@ -255,3 +255,23 @@ def test_a_service_that_goes_away_mid_step_raises_and_does_not_hang(tmp_path: Pa
             ebc(batch_kjt(1))
     finally:
         svc.stop()
+
+
+def test_an_evaluation_given_up_on_leaves_the_backward_saying_why(tmp_path: Path) -> None:
+    svc = Service(tmp_path, TABLES, B, trainers=1).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(svc.socket, index=0, timeout=1)
+        out = ebc(batch_kjt(0))                    # step 0's backward is now due
+        svc.signal(signal.SIGSTOP)                 # the evaluation's wait times out
+        try:
+            ebc.eval()
+            with pytest.raises(embd.TimedOutError):
+                ebc(batch_kjt(1))
+        finally:
+            svc.signal(signal.SIGCONT)
+        ebc.train()
+        with pytest.raises(embd.InvalidArgumentError, match="step 0: its evaluation was given "
+                                                            "up on .TimedOutError"):
+            out.values().sum().backward()
+    finally:
+        svc.stop()

@@ -106,9 +106,13 @@ static int make_workers(struct embd_workers **out)
 	return 0;
 }
 
-/* The limits of one global step over the batches' ids, on one shard per table. */
+/* The limits of one global step over the batches' ids, on one shard per table. The workers
+ * pin this thread to the first CPU (kernels/workers.h): its affinity is put back afterwards,
+ * or the trainers and the service this process starts would inherit one CPU between them. */
 static int measure_limits(const struct train_opts *o, const int64_t *ids, struct limits *out)
 {
+	cpu_set_t affinity;
+	bool restore = sched_getaffinity(0, sizeof(affinity), &affinity) == 0;
 	const uint64_t per = (uint64_t)o->batch * o->ids_per_bag * o->trainers;
 	const uint64_t bags = (uint64_t)o->batch * o->trainers;
 	const enum embd_isa isa = embd_kernels_isa_best();
@@ -179,6 +183,10 @@ static int measure_limits(const struct train_opts *o, const int64_t *ids, struct
 out:
 	embd_shard_destroy(shard);
 	embd_workers_destroy(workers);
+	if (restore && sched_setaffinity(0, sizeof(affinity), &affinity)) {
+		perror("embd-bench train: sched_setaffinity");
+		rc = -1;
+	}
 	free(g);
 	free(rows);
 	free(pooled);

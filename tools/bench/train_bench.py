@@ -10,6 +10,10 @@ A step is the same on both sides: the KJT's pooled embeddings, a fixed dL/d(pool
 backward (the sparse update). Both sides divide the trainers' gradients by their number
 (TorchRec's gradient division, embd's default gradient_scaling), so both train alike.
 
+With ``EMBD_BENCH_PROFILE=DIR`` every trainer writes a cProfile of its embd rounds and of its
+TorchRec rounds (DIR/<sharding>-<side>-trainer<rank>.prof) and trainer 0 the service's
+``embctl stats --json`` after the last round (DIR/<sharding>-embd-stats.json).
+
 Usage (bench_train.c writes JOB.json; the ids file holds BATCHES x TRAINERS batches of int64
 ids, feature-major, every bag the same number of ids):
     train_bench.py JOB.json                 # prints one JSON object per sharding type
@@ -17,6 +21,7 @@ ids, feature-major, every bag the same number of ids):
 """
 from __future__ import annotations
 
+import cProfile
 import json
 import os
 import socket
@@ -99,9 +104,21 @@ def worker(job: Dict[str, Any]) -> int:
     for side in (step_embd, step_torchrec):   # warm-up: first touches, FBGEMM's set-up
         round_s(side, job["warmup"])
     rates: Dict[str, List[float]] = {"embd": [], "torchrec": []}
+    profile = os.environ.get("EMBD_BENCH_PROFILE")
+    profilers = {side: cProfile.Profile() for side in rates} if profile else {}
     for _ in range(job["rounds"]):
-        rates["embd"].append(job["steps"] / round_s(step_embd, job["steps"]))
-        rates["torchrec"].append(job["steps"] / round_s(step_torchrec, job["steps"]))
+        for name, side in (("embd", step_embd), ("torchrec", step_torchrec)):
+            if profilers:
+                profilers[name].enable()
+            rates[name].append(job["steps"] / round_s(side, job["steps"]))
+            if profilers:
+                profilers[name].disable()
+    if profile:
+        for name, prof in profilers.items():
+            prof.dump_stats(f"{profile}/{job['sharding']}-{name}-trainer{rank}.prof")
+        if rank == 0:       # the service's counters after every embd round
+            Path(f"{profile}/{job['sharding']}-embd-stats.json").write_text(support.run(
+                [str(support.EMBCTL), "stats", "--socket", job["socket"], "--json"]))
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(rates))
     ours.close()
@@ -128,7 +145,8 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
     svc = support.Service(tmp, tables, job["batch_size"], trainers=job["trainers"],
                           sharding=sharding, ranks=job["ranks"], extra=extra).start(timeout=600)
     out = tmp / f"rates-{sharding}.json"
-    wjob = dict(job, socket=svc.socket, torchrec_sharding=torchrec_sharding, out=str(out))
+    wjob = dict(job, socket=svc.socket, sharding=sharding, torchrec_sharding=torchrec_sharding,
+                out=str(out))
     (tmp / f"job-{sharding}.json").write_text(json.dumps(wjob))
     port = free_port()
     procs = []
@@ -160,6 +178,7 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
     return {"sharding": sharding, "torchrec_sharding": torchrec_sharding,
             "embd_steps_per_s": round(e, 3), "torchrec_steps_per_s": round(t, 3),
             "vs_torchrec": round(e / t, 3) if t > 0 else 0,
+            "cpus": len(os.sched_getaffinity(0)),      # what the trainers and embd may use
             "embd_rounds": [round(x, 3) for x in rates["embd"]],
             "torchrec_rounds": [round(x, 3) for x in rates["torchrec"]]}
 

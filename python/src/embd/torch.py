@@ -228,7 +228,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
             self._after_failure(self._next_step, "evaluation", e)
         except BaseException as e:
             if not isinstance(e, embd.Error) or e.step is None:
-                self._after_failure(self._next_step, "evaluation", e)
+                # the training step whose backward is due is not the one given up on: keep
+                # it, so its backward says why no request can be posted any more
+                self._after_failure(self._next_step, "evaluation", e, keep_pending=True)
             raise
         return torch.from_numpy(self._slots[slot].pooled[:b].copy())
 
@@ -238,6 +240,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         return torch.from_numpy(self._slots[slot].pooled[:b].copy())
 
     def _post_backward(self, step: int, grad: torch.Tensor) -> None:
+        if self._broken:
+            raise embd.InvalidArgumentError(self._broken)
         if self._pending is None or self._pending[0] != step:
             raise embd.InvalidArgumentError(
                 f"backward of step {step} ran already (each step's output takes one backward)")
@@ -250,10 +254,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         self._pending = None
         self._next_step = step + 1
 
-    def _after_failure(self, step: int, what: str, e: BaseException) -> NoReturn:
+    def _after_failure(self, step: int, what: str, e: BaseException,
+                       keep_pending: bool = False) -> NoReturn:
         """Where the step sequence goes on after the request of ``step`` failed with ``e``;
         raises ``e`` (a :class:`embd.ResumedError` saying where to resume)."""
-        self._pending = None
+        if not keep_pending:
+            self._pending = None
         if isinstance(e, embd.ResumedError) and e.step is not None:
             self._next_step = e.step
             raise embd.ResumedError(
