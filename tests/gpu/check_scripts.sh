@@ -11,7 +11,7 @@ trap 'rm -rf "$tmp"' EXIT
 fail() { echo "check_scripts: $*" >&2; exit 1; }
 
 bash -n tests/gpu/run.sh && bash -n tests/gpu/bundle.sh
-bash tests/gpu/run.sh --help | grep -q -- "--bundle-only" || fail "run.sh --help names no --bundle-only"
+bash tests/gpu/run.sh --help | grep -- "--bundle-only" >/dev/null || fail "run.sh --help names no --bundle-only"
 set +e
 bash tests/gpu/run.sh --bogus 2>/dev/null
 [ $? -eq 2 ] || fail "run.sh --bogus: expected exit 2"

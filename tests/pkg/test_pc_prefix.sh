@@ -19,7 +19,9 @@ libdir=$(pkg-config --variable=libdir embdclient)
 [ -e "$libdir/libembdclient.so" ] || { echo "pkg-config libdir $libdir has no libembdclient.so"; exit 1; }
 # a sanitizer build's library needs its runtime loaded first: the trainer is built the same way
 sanitize=()
-if ldd "$libdir/libembdclient.so" | grep -q libasan; then
+# (ldd's output is read whole: grep -q quits at the first match and, under pipefail, the SIGPIPE
+# ldd may get then would read as a failure)
+if ldd "$libdir/libembdclient.so" | grep libasan >/dev/null; then
   sanitize=(-fsanitize=address,undefined)
 fi
 # shellcheck disable=SC2046
@@ -31,6 +33,6 @@ rc=$?
 set -e
 [ "$rc" = 3 ] || { echo "client_nop exited $rc, want 3 (refused)"; cat "$tmp/stderr"; exit 1; }
 libdir=$(realpath "$libdir")
-LD_LIBRARY_PATH=$libdir ldd "$tmp/client_nop" | grep -q "$libdir/libembdclient.so" ||
+LD_LIBRARY_PATH=$libdir ldd "$tmp/client_nop" | grep "$libdir/libembdclient.so" >/dev/null ||
   { echo "not linked to $libdir"; LD_LIBRARY_PATH=$libdir ldd "$tmp/client_nop"; exit 1; }
 echo "embdclient.pc at $pc: compiled, linked and ran against $libdir"
