@@ -243,9 +243,15 @@ static int load_config(const struct args *a, struct embd_config *c)
 	if (a->has_level)
 		c->log_level = a->level;
 	embd_log_set_level(c->log_level);
-	embd_log_info("embd %s starting: %s, %u tables, %d ranks, %u trainers", EMBD_VERSION,
-		      a->config_path ? a->config_path : "embedded default config", c->tables.count,
-		      c->topology.local_world_size, c->trainers_per_node);
+	/* GPU ranks not given are counted later (resolve_devices logs the count) */
+	if (c->topology.compute_device != EMBD_DEVICE_CPU && !c->local_world_size_given)
+		embd_log_info("embd %s starting: %s, %u tables, one rank per visible %s",
+			      EMBD_VERSION, a->config_path ? a->config_path : "embedded default config",
+			      c->tables.count, embd_plan_device_name(c->topology.compute_device));
+	else
+		embd_log_info("embd %s starting: %s, %u tables, %d ranks, %u trainers", EMBD_VERSION,
+			      a->config_path ? a->config_path : "embedded default config",
+			      c->tables.count, c->topology.local_world_size, c->trainers_per_node);
 	return 0;
 }
 

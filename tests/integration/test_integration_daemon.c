@@ -163,6 +163,11 @@ static void cuda_without_a_gpu(const char *topology, const char *keys)
 	cr_assert_not_null(d.log);
 	while (fgets(line, sizeof(line), d.log)) {
 		cr_assert(!strstr(line, "ready"), "embd started on CUDA without a GPU: %s", line);
+		/* the GPU count is not known yet when embd says it starts: no rank count then */
+		if (strstr(line, "starting") && !strstr(topology, "local_world_size"))
+			cr_expect(strstr(line, "one rank per visible cuda"),
+				  "embd's start line should not count GPU ranks before it has "
+				  "counted the GPUs: %s", line);
 		if (strstr(line, "CUDA") || strstr(line, "cuda:") || strstr(line, "nccl")) {
 			lines_about_cuda++;
 			snprintf(why, sizeof(why), "%s", line);
