@@ -132,6 +132,9 @@ def main() -> int:
              theirs_cols=cols, next_step=ours.step, **shards,
              **{f"init:{name}": w for name, w in init.items()})
     ours.close()
+    # every trainer past its last collective before any tears its process group down: gloo
+    # aborts a process ("terminate called without an active exception") whose peer left first
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

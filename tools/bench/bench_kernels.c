@@ -15,6 +15,7 @@
 #define _GNU_SOURCE
 #endif
 #include <cjson/cJSON.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -58,6 +59,8 @@ struct bench {
 	struct embd_exec exec;
 	enum embd_isa isa;              /* the kernels' (AUTO resolved) */
 	char cpu[128];
+	cpu_set_t start_cpus;           /* this process's CPUs before worker 0 pinned this thread */
+	bool have_start_cpus;
 };
 
 static const uint32_t dims[] = { 32, 64, 128, 256 };
@@ -405,6 +408,7 @@ static void rmw_step(void *arg, uint64_t k)
 /* FBGEMM's results for one config; ns 0 when it did not run. */
 struct theirs {
 	double ns, tbe_ns;
+	int cpus;                       /* the CPUs FBGEMM's process was allowed */
 	char op[160], tbe_op[160], isa[64];
 };
 
@@ -416,6 +420,7 @@ static void parse_theirs(const char *line, struct theirs *th)
 	const cJSON *op = cJSON_GetObjectItemCaseSensitive(j, "op");
 	const cJSON *top = cJSON_GetObjectItemCaseSensitive(j, "tbe_op");
 	const cJSON *isa = cJSON_GetObjectItemCaseSensitive(j, "isa");
+	const cJSON *cpus = cJSON_GetObjectItemCaseSensitive(j, "cpus");
 
 	if (cJSON_IsNumber(v) && v->valuedouble > 0)
 		th->ns = v->valuedouble;
@@ -424,6 +429,7 @@ static void parse_theirs(const char *line, struct theirs *th)
 	snprintf(th->op, sizeof(th->op), "%s", cJSON_IsString(op) ? op->valuestring : "?");
 	snprintf(th->tbe_op, sizeof(th->tbe_op), "%s", cJSON_IsString(top) ? top->valuestring : "?");
 	snprintf(th->isa, sizeof(th->isa), "%s", cJSON_IsString(isa) ? isa->valuestring : "?");
+	th->cpus = cJSON_IsNumber(cpus) ? cpus->valueint : 0;
 	cJSON_Delete(j);
 }
 
@@ -447,7 +453,16 @@ static void fbgemm_time(const struct bench *b, const struct table *t, const char
 		 b->o.python, script ? script : EMBD_BENCH_SCRIPT_DIR "/fbgemm_kernels.py", t->ids_path,
 		 (long long)t->rows, t->dim, t->fp16 ? "fp16" : "fp32", what, b->o.batch, b->o.threads,
 		 mode, optimizer, b->o.runs, b->o.run_ns / 1e9, b->o.cpu_clock ? "cpu" : "wall");
+	/* FBGEMM's threads may use every CPU this benchmark may, not just the one worker 0 (this
+	 * thread) is pinned to: the child inherits this thread's affinity at the fork */
+	cpu_set_t pinned;
+	bool unpin = b->have_start_cpus &&
+		     !pthread_getaffinity_np(pthread_self(), sizeof(pinned), &pinned);
+	if (unpin)
+		pthread_setaffinity_np(pthread_self(), sizeof(b->start_cpus), &b->start_cpus);
 	FILE *f = popen(cmd, "r");
+	if (unpin)
+		pthread_setaffinity_np(pthread_self(), sizeof(pinned), &pinned);
 	if (!f)
 		return;
 	for (int i = 0; i < n && fgets(line, sizeof(line), f); i++)
@@ -479,7 +494,8 @@ static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ou
 		return;
 	double after = median_step_ns(b, fn, arg), ours = 0.5 * (ours_ns + after);
 	printf(",\"ns_per_batch_after_fbgemm\":%.0f,\"fbgemm_ns_per_batch\":%.0f,\"vs_fbgemm\":%.3f,"
-	       "\"fbgemm_op\":\"%s\",\"fbgemm_isa\":\"%s\"", after, th->ns, th->ns / ours, th->op, th->isa);
+	       "\"fbgemm_op\":\"%s\",\"fbgemm_isa\":\"%s\",\"fbgemm_cpus\":%d", after, th->ns, th->ns / ours,
+	       th->op, th->isa, th->cpus);
 	if (th->tbe_ns > 0)
 		printf(",\"tbe_ns_per_batch\":%.0f,\"vs_tbe\":%.3f,\"tbe_op\":\"%s\"", th->tbe_ns,
 		       th->tbe_ns / ours, th->tbe_op);
@@ -737,6 +753,8 @@ static int create_workers(struct bench *b, char *err, size_t len)
 	}
 	if (sched_getaffinity(0, sizeof(set), &set))
 		return embd_workers_create(b->o.threads, NULL, &b->workers, err, len);
+	b->start_cpus = set;
+	b->have_start_cpus = true;
 	int allowed[CPU_SETSIZE], na = 0;
 	for (int c = 0; c < CPU_SETSIZE; c++)
 		if (CPU_ISSET(c, &set))

@@ -122,6 +122,9 @@ def worker(job: Dict[str, Any]) -> int:
     if rank == 0:
         Path(job["out"]).write_text(json.dumps(rates))
     ours.close()
+    # every trainer past its last collective before any tears its process group down: gloo
+    # aborts a process ("terminate called without an active exception") whose peer left first
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
