@@ -17,9 +17,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Free slot rows past the cache: room for overflow rows before the slots must grow. */
-#define OVERFLOW_ROWS 256
-
 static int fail(struct embd_kernel_err *err, int rc, const char *msg)
 {
 	err->feature = 0;
@@ -52,7 +49,9 @@ int ranks_cache_open(struct embd_ranks *rs, struct rank_alloc *a, double ratio, 
 		snprintf(err, err_len, "the %s backend has no cache rows", rs->backend->name);
 		rc = EMBD_ENOTSUP;
 	} else {
-		rc = resize(rs, a, embd_cache_slots(a->cache) + OVERFLOW_ROWS, err, err_len);
+		/* the cache alone, as the plan counts it: a call that overflows its sets grows
+		 * the slots then */
+		rc = resize(rs, a, embd_cache_slots(a->cache), err, err_len);
 	}
 	if (rc) {
 		embd_cache_destroy(a->cache);

@@ -11,6 +11,10 @@
  *    (on cpu the rank's share of host memory, plan.h), so cpu ranks are balanced and capped.
  *  - prefetch_compute is 0: it needs cache statistics, which tables files do not carry (as
  *    TorchRec without CacheParams.stats).
+ *  - optimizer state is what embd's shards hold (kernels/shard.c): fp32 whatever the rows'
+ *    data type, and rowwise_adagrad one float per row of every shard, column shards too.
+ *    TorchRec multiplies the weights' bytes instead (fp16 state for fp16 rows, a 1/D share of
+ *    a row's float for a column shard). Both agree for fp32 rows that are not column-split.
  */
 #include "planner/planner_internal.h"
 
@@ -66,13 +70,17 @@ static double block_penalty(int32_t dim)
 	return dim >= 64 ? HALF_BLOCK_PENALTY : QUARTER_BLOCK_PENALTY;
 }
 
-static double optimizer_multiplier(const struct embd_table_spec *t)
+/* Bytes of optimizer state beside weight_bytes of a shard cols wide with ts-byte rows. */
+static double state_bytes(const struct embd_table_spec *t, double weight_bytes, int32_t cols,
+			  double ts)
 {
+	const double floats = weight_bytes / ts;   /* the weights' elements */
+
 	switch (t->optimizer.type) {
 	case EMBD_OPT_SGD: return 0;
-	case EMBD_OPT_ADAM: return 2;
-	case EMBD_OPT_ROWWISE_ADAGRAD: return 1.0 / t->embedding_dim;
-	default: return 1;
+	case EMBD_OPT_ADAM: return 2 * floats * 4;
+	case EMBD_OPT_ROWWISE_ADAGRAD: return floats / cols * 4;
+	default: return floats * 4;
 	}
 }
 
@@ -181,23 +189,22 @@ int embd_plan_estimate_shard(const struct embd_table_spec *t,
 	double shard_elems = (double)rows * cols;
 	double table_bytes = table_rows * table_dim * ts;
 	bool uvm = kernel == EMBD_KERNEL_FUSED_UVM || kernel == EMBD_KERNEL_FUSED_UVM_CACHING;
-	double opt = optimizer_multiplier(t);
 	uint64_t weights_hbm = 0, weights_ddr = 0;
 	double share = type == EMBD_SHARD_DATA_PARALLEL ? 1.0 :
 		       shard_elems / (table_rows * table_dim);
 	if (uvm) {
 		double ddr = ceil(table_bytes * share);
-		weights_ddr = (uint64_t)(ddr + ceil(ddr * opt));
+		weights_ddr = (uint64_t)(ddr + ceil(state_bytes(t, ddr, cols, ts)));
 		if (kernel == EMBD_KERNEL_FUSED_UVM_CACHING) {
 			double clf = topo->uvm_caching_ratio;
 			/* Python's round() of the cached bytes; ties cannot occur for clf 0.2 */
 			double cached = ceil(nearbyint(table_bytes * clf) * share);
-			weights_hbm = (uint64_t)(cached + ceil(cached * opt) +
+			weights_hbm = (uint64_t)(cached + ceil(state_bytes(t, cached, cols, ts)) +
 						 ceil((double)rows * (4 + clf * 16)));
 		}
 	} else {
 		double w = ceil(table_bytes * share);
-		weights_hbm = (uint64_t)(w + ceil(w * opt));
+		weights_hbm = (uint64_t)(w + ceil(state_bytes(t, w, cols, ts)));
 	}
 
 	double in_size = 0, out_size = 0;
