@@ -102,6 +102,9 @@ struct embd_backend {
 };
 
 extern const struct embd_backend embd_backend_cpu;
+/* The CPU with fused and dense rows kept apart from their host views, as in a GPU's HBM:
+ * tests (engine/backend_cpu_device.c, EMBD_TEST_CPU_KERNEL=device_copy). */
+extern const struct embd_backend embd_backend_cpu_device;
 #ifdef EMBD_HAVE_CUDA
 extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c */
 #endif
