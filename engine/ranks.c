@@ -410,6 +410,15 @@ void embd_ranks_shard_changed(struct embd_ranks *rs, struct embd_shard *shard)
 		a->side = SIDE_HOST_NEWER;
 }
 
+int64_t embd_ranks_shard_step(const struct embd_ranks *rs, const struct embd_shard *shard)
+{
+	const struct rank_alloc *a = find(rs, shard);
+
+	if (!a)
+		return 0;
+	return a->side == SIDE_HOST_NEWER ? a->b.host->step : a->b.shard->step;
+}
+
 static int push(struct embd_ranks *rs, struct rank_alloc *a, char *err, size_t err_len)
 {
 	if (a->side != SIDE_HOST_NEWER)

@@ -100,6 +100,12 @@ void embd_ranks_shard_changed(struct embd_ranks *ranks, struct embd_shard *shard
 /* Hands a changed host view to the device now (errors at once rather than at the next step). */
 int embd_ranks_shard_push(struct embd_ranks *ranks, struct embd_shard *shard, char *err,
 			  size_t err_len);
+/*
+ * The optimizer steps the shard has applied (adam's t) without a copy: the host view's after
+ * it was written and not yet handed over (a restore), the device's otherwise (steps not yet
+ * pulled). Between steps; 0 for a shard the ranks do not hold.
+ */
+int64_t embd_ranks_shard_step(const struct embd_ranks *ranks, const struct embd_shard *shard);
 
 /*
  * The kernels of a rank, from inside embd_ranks_run on that rank (exec: the one it was given):

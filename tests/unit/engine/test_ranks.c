@@ -196,6 +196,7 @@ Test(ranks, device_copy_keeps_the_rows_apart_until_pulled_and_pushed)
 	cr_assert(!readable(shard->weights, 4), "the rows must be unreadable again after a call");
 	cr_assert_eq(host->step, 0, "the host view is not pulled yet");
 	cr_assert_eq(memcmp(host->weights, init->weights, wb), 0, "the host view is not pulled yet");
+	cr_assert_eq(embd_ranks_shard_step(ranks, shard), 1, "the device applied one step");
 	cr_assert_eq(embd_ranks_shard_pull(ranks, shard, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(host->step, 1);
 	cr_assert_eq(memcmp(host->weights, ref->weights, wb), 0, "pulled rows differ");
@@ -206,12 +207,14 @@ Test(ranks, device_copy_keeps_the_rows_apart_until_pulled_and_pushed)
 	((float *)ref->weights)[3] = 42.0f;
 	host->step = 9;
 	embd_ranks_shard_changed(ranks, shard);
+	cr_assert_eq(embd_ranks_shard_step(ranks, shard), 9, "the written host view is newer");
 	r.backward = false;
 	embd_ranks_run(ranks, run_kernels, &r);
 	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
 	cr_assert_eq(embd_kernels_forward(NULL, &b.rb, 1, NULL), 0);
 	cr_assert_eq(memcmp(b.pooled, b.expect, sizeof(b.pooled)), 0,
 		     "forward after the write differs");
+	cr_assert_eq(embd_ranks_shard_step(ranks, shard), 9);
 
 	embd_ranks_free_shard(ranks, shard);
 	cr_assert_eq(embd_ranks_memory_bytes(ranks, 0), 0);
