@@ -33,7 +33,9 @@ struct embd_backend_rank;
 
 /* One shard as the backend allocated it. */
 struct embd_backend_shard {
-	struct embd_shard *shard;       /* what the kernels compute on (device pointers on a GPU) */
+	/* what the kernels compute on (device pointers on a GPU); the struct itself is host
+	 * memory, so its step and non-finite counts are the device's, readable at any time */
+	struct embd_shard *shard;
 	struct embd_shard *host;        /* the host view (the top of this file); may be == shard */
 	enum embd_compute_kernel kernel;
 	void *mem[3];                   /* the host view's weights, momentum1, momentum2 */
@@ -100,6 +102,9 @@ struct embd_backend {
 };
 
 extern const struct embd_backend embd_backend_cpu;
+/* The CPU with fused and dense rows kept apart from their host views, as in a GPU's HBM:
+ * tests (engine/backend_cpu_device.c, EMBD_TEST_CPU_KERNEL=device_copy). */
+extern const struct embd_backend embd_backend_cpu_device;
 #ifdef EMBD_HAVE_CUDA
 extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c */
 #endif

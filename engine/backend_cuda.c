@@ -247,6 +247,8 @@ static int cuda_slots_resize(struct embd_backend_rank *r, struct embd_backend_sh
 	}
 	if (s->slots) {
 		slots->step = s->slots->step;
+		slots->nonfinite_rows = s->slots->nonfinite_rows;
+		slots->nonfinite_row = s->slots->nonfinite_row;
 		embd_cuda_shard_destroy(s->slots);
 	}
 	s->slots = slots;

@@ -181,13 +181,16 @@ int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
 	pthread_cond_init(&rs->go, NULL);
 	pthread_cond_init(&rs->done, NULL);
 	rs->device = device;
+	/* tests: the CPU keeps fused and dense rows apart from their host views, as a GPU */
+	const char *k = getenv("EMBD_TEST_CPU_KERNEL");
+	if (device == EMBD_DEVICE_CPU && k && !strcmp(k, "device_copy"))
+		backend = &embd_backend_cpu_device;
 	rs->backend = backend;
 	rs->num_ranks = num_ranks;
 	rs->threads_per_rank = threads_per_rank;
 	rs->numa = numa_available() >= 0;
 	/* tests: the CPU runs fused_uvm_caching's cache (host memory as the "device") where the
 	 * plan says fused, which the planner never assigns on the CPU */
-	const char *k = getenv("EMBD_TEST_CPU_KERNEL");
 	rs->cpu_caching = device == EMBD_DEVICE_CPU && k && !strcmp(k, "fused_uvm_caching");
 	rs->ranks = calloc(num_ranks, sizeof(*rs->ranks));
 	rc = EMBD_ENOMEM;
@@ -405,6 +408,15 @@ void embd_ranks_shard_changed(struct embd_ranks *rs, struct embd_shard *shard)
 
 	if (a && (rs->backend->push || a->cache))
 		a->side = SIDE_HOST_NEWER;
+}
+
+int64_t embd_ranks_shard_step(const struct embd_ranks *rs, const struct embd_shard *shard)
+{
+	const struct rank_alloc *a = find(rs, shard);
+
+	if (!a)
+		return 0;
+	return a->side == SIDE_HOST_NEWER ? a->b.host->step : a->b.shard->step;
 }
 
 static int push(struct embd_ranks *rs, struct rank_alloc *a, char *err, size_t err_len)

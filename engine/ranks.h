@@ -67,10 +67,12 @@ void embd_ranks_run(struct embd_ranks *ranks, embd_ranks_fn fn, void *arg);
  * host view from embd_ranks_run so the rank's thread touches it first, then mark it changed).
  * CUDA: fused and dense in HBM, fused_uvm in pinned mapped host memory, fused_uvm_caching in
  * pinned mapped host memory with an HBM cache of about rows * cache_ratio of its rows (the
- * plan's uvm_caching_ratio; engine/ranks_cache.c); the CPU runs every kernel on host memory
- * (with EMBD_TEST_CPU_KERNEL=fused_uvm_caching in the environment at embd_ranks_create_on,
- * fused shards run fused_uvm_caching's cache in host memory: tests). Freed by
- * embd_ranks_free_shard or embd_ranks_destroy.
+ * plan's uvm_caching_ratio; engine/ranks_cache.c); the CPU runs every kernel on host memory.
+ * Tests make the CPU ranks run the GPU's ways with EMBD_TEST_CPU_KERNEL in the environment at
+ * embd_ranks_create_on: fused_uvm_caching (fused shards run fused_uvm_caching's cache in host
+ * memory), device_copy (fused and dense rows in host memory apart from the host view, copied
+ * by pull and push as an HBM shard's, and unreadable outside kernel calls and copies:
+ * engine/backend_cpu_device.c). Freed by embd_ranks_free_shard or embd_ranks_destroy.
  */
 int embd_ranks_alloc_shard(struct embd_ranks *ranks, uint32_t rank,
 			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
@@ -98,6 +100,12 @@ void embd_ranks_shard_changed(struct embd_ranks *ranks, struct embd_shard *shard
 /* Hands a changed host view to the device now (errors at once rather than at the next step). */
 int embd_ranks_shard_push(struct embd_ranks *ranks, struct embd_shard *shard, char *err,
 			  size_t err_len);
+/*
+ * The optimizer steps the shard has applied (adam's t) without a copy: the host view's after
+ * it was written and not yet handed over (a restore), the device's otherwise (steps not yet
+ * pulled). Between steps; 0 for a shard the ranks do not hold.
+ */
+int64_t embd_ranks_shard_step(const struct embd_ranks *ranks, const struct embd_shard *shard);
 
 /*
  * The kernels of a rank, from inside embd_ranks_run on that rank (exec: the one it was given):

@@ -208,7 +208,7 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
  * A huge but finite gradient is applied: clipping is the trainer's job. A row the update
  * leaves NaN or infinite (weights or optimizer state, e.g. adagrad's sum of squares
  * overflowing from gradients near 1e19) is kept, but counted and named in counts
- * (nonfinite_rows: the CPU kernels check every row they update; the CUDA kernels do not).
+ * (nonfinite_rows: the CPU and the CUDA kernels check every row they update).
  */
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 

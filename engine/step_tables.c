@@ -72,9 +72,12 @@ int embd_step_table_info(const struct embd_step *s, uint32_t table, enum embd_st
 	const struct step_table *t = &s->tables[table];
 	*out = (struct embd_step_table_info){ .num_embeddings = t->spec->num_embeddings,
 					      .cols = table_floats(s, t, a) };
+	/* the shards' own count, from whichever side is newer (a GPU's, or a restored host
+	 * view's): every shard of a table applies every step, so any one of them says it */
 	for (uint32_t k = 0; k < t->num_shards; k++)
 		if (s->shards[t->first_shard + k].shard) {
-			out->optimizer_step = s->shards[t->first_shard + k].shard->step;
+			out->optimizer_step = embd_ranks_shard_step(s->ranks,
+								    s->shards[t->first_shard + k].shard);
 			break;
 		}
 	return 0;

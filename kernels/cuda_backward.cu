@@ -9,7 +9,9 @@
  *               of a row stay in batch order, the order the CPU sums them in
  *   4. runs     run-length encode the sorted rows; a prefix sum gives each run's start
  *   5. update   G lanes per unique row sum its occurrences' dL/d(pooled) with pool_row.h and
- *               apply optim_row.h to the row once (a persistent grid over the runs)
+ *               apply optim_row.h to the row once (a persistent grid over the runs); a row
+ *               left NaN or infinite (weights as stored, or state) is counted, and the lowest
+ *               such row kept, in the call's record (cuda_internal.cuh), as the CPU does
  * Bit for bit the CPU's result, except rowwise_adagrad's sum of squares: a tree over lanes.
  */
 #include "kernels/cuda_internal.cuh"
@@ -81,7 +83,20 @@ struct update_args {
 	bool fp16;
 	bool vec;                       /* w, m1, m2 rows may be accessed 4 elements at a time */
 	struct embd_optim_params p;
+	/* the call's non-finite record: rows counted, the lowest shard-local row */
+	unsigned long long *nonfinite_rows, *nonfinite_first;
 };
+
+/* Whether any of this lane's 4 columns (those below cols) of x is NaN or infinite. */
+static __device__ __forceinline__ bool nonfinite4(const float x[4], uint32_t c, uint32_t cols)
+{
+	bool bad = false;
+
+#pragma unroll
+	for (int j = 0; j < 4; j++)
+		bad |= c + j < cols && embd_cuda_nonfinite(x[j]);
+	return bad;
+}
 
 /* g[0..3] = this lane's columns of the row's gradient: its cnt occurrences v, in order. */
 template <int G>
@@ -123,23 +138,35 @@ static __device__ __forceinline__ void row_grad(const uint64_t *v, uint32_t cnt,
 	}
 }
 
-/* This lane's 4 weights of a row of the shard back from fp32 (rounded for fp16). */
-static __device__ __forceinline__ void weights_store(const struct update_args &a, uint64_t row, uint32_t c,
+/*
+ * This lane's 4 weights of a row of the shard back from fp32 (rounded for fp16), and whether
+ * any is NaN or infinite as stored: an fp32 weight above fp16's range is infinite as fp16.
+ */
+static __device__ __forceinline__ bool weights_store(const struct update_args &a, uint64_t row, uint32_t c,
 						     const float w[4])
 {
-	if (a.fp16)
-		embd_cuda_store4((uint16_t *)a.w + row * a.cols + c, a.vec, c, a.cols, w);
-	else
+	if (!a.fp16) {
 		embd_cuda_store4((float *)a.w + row * a.cols + c, a.vec, c, a.cols, w);
+		return nonfinite4(w, c, a.cols);
+	}
+	bool bad = false;
+	embd_cuda_store4((uint16_t *)a.w + row * a.cols + c, a.vec, c, a.cols, w);
+#pragma unroll
+	for (int j = 0; j < 4; j++)
+		bad |= c + j < a.cols && embd_cuda_nonfinite_fp16(embd_fp32_to_fp16(w[j]));
+	return bad;
 }
 
+/* The update of one row by its group; whether this lane's part of the row (weights, state)
+ * came out NaN or infinite. */
 template <int G>
-static __device__ void update_row(const struct update_args &a, uint64_t row, const uint64_t *v,
+static __device__ bool update_row(const struct update_args &a, uint64_t row, const uint64_t *v,
 				  uint32_t cnt, const float *const *bag_dy, unsigned mask, uint32_t lane)
 {
 	const uint32_t cols = a.cols;
 	const struct embd_optim_params *p = &a.p;
 	float g[4], w[4];
+	bool bad = false;
 
 	if (p->type == EMBD_OPT_ROWWISE_ADAGRAD) {
 		/* part 1 over the whole row (optim_row.h), then part 2; one chunk keeps g */
@@ -159,8 +186,10 @@ static __device__ void update_row(const struct update_args &a, uint64_t row, con
 		for (int o = G / 2; o > 0; o /= 2)
 			sum_sq += __shfl_xor_sync(mask, sum_sq, o, G);
 		float mult = 0.0f;
-		if (lane == 0) /* one lane reads and writes the row's state */
+		if (lane == 0) { /* one lane reads and writes the row's state */
 			mult = embd_optim_rowwise_mult(p, &a.m1[row], sum_sq, cols);
+			bad = embd_cuda_nonfinite(a.m1[row]);
+		}
 		mult = __shfl_sync(mask, mult, 0, G);
 		for (uint32_t c0 = 0; c0 < cols; c0 += 4 * G) {
 			uint32_t c = c0 + 4 * lane;
@@ -170,9 +199,9 @@ static __device__ void update_row(const struct update_args &a, uint64_t row, con
 #pragma unroll
 			for (int j = 0; j < 4; j++)
 				w[j] = embd_optim_rowwise_elem(p, w[j], g[j], mult);
-			weights_store(a, row, c, w);
+			bad |= weights_store(a, row, c, w);
 		}
-		return;
+		return bad;
 	}
 	for (uint32_t c0 = 0; c0 < cols; c0 += 4 * G) {
 		uint32_t c = c0 + 4 * lane;
@@ -189,12 +218,17 @@ static __device__ void update_row(const struct update_args &a, uint64_t row, con
 #pragma unroll
 		for (int j = 0; j < 4; j++)
 			w[j] = embd_optim_elem(p, w[j], g[j], &m1[j], &m2[j]);
-		weights_store(a, row, c, w);
-		if (m1p)
+		bad |= weights_store(a, row, c, w);
+		if (m1p) {
 			embd_cuda_store4(m1p, a.vec, c, cols, m1);
-		if (m2p)
+			bad |= nonfinite4(m1, c, cols);
+		}
+		if (m2p) {
 			embd_cuda_store4(m2p, a.vec, c, cols, m2);
+			bad |= nonfinite4(m2, c, cols);
+		}
 	}
+	return bad;
 }
 
 template <int G, typename K>
@@ -212,8 +246,14 @@ update_kernel(const K *rows, const uint32_t *run_start, const uint32_t *run_len,
 
 	for (uint64_t r = ((uint64_t)blockIdx.x * EMBD_CUDA_BLOCK + threadIdx.x) / G; r < runs; r += groups) {
 		uint64_t row = rows[r];
-		if (row < a.num_rows) /* else the run of unwritten slots */
-			update_row<G>(a, row, vals + run_start[r], run_len[r], bag_dy, mask, lane);
+		if (row >= a.num_rows) /* the run of unwritten slots */
+			continue;
+		bool bad = update_row<G>(a, row, vals + run_start[r], run_len[r], bag_dy, mask, lane);
+		/* the whole group's row: once, by lane 0 (the group takes the same rows together) */
+		if (__any_sync(mask, bad) && lane == 0) {
+			atomicAdd(a.nonfinite_rows, 1ull);
+			atomicMin(a.nonfinite_first, (unsigned long long)row);
+		}
 	}
 }
 
@@ -335,14 +375,8 @@ int embd_cuda_backward(struct embd_cuda_ctx *ctx, struct embd_shard *shard,
 		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0, "no shard");
 	d = &shard->desc;
 	cudaSetDevice(ctx->device);
-	if (ctx->num_bwd == ctx->cap_bwd) {
-		size_t cap = ctx->cap_bwd ? 2 * ctx->cap_bwd : 16;
-		void *p = realloc(ctx->bwd, cap * sizeof(*ctx->bwd));
-		if (!p)
-			return embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory");
-		ctx->bwd = (struct embd_cuda_bwd_call *)p;
-		ctx->cap_bwd = cap;
-	}
+	if ((rc = embd_cuda_bwd_reserve(ctx, err)))
+		return rc;
 	rc = embd_cuda_bags_prepare(ctx, batches, n, shard, &descs, &bags, &ids, err);
 	if (rc)
 		return rc;
@@ -361,6 +395,8 @@ int embd_cuda_backward(struct embd_cuda_ctx *ctx, struct embd_shard *shard,
 	a.fp16 = d->dtype == EMBD_DTYPE_FP16;
 	a.vec = d->cols % 4 == 0 && embd_cuda_aligned16(a.w) && embd_cuda_aligned16(a.m1) && embd_cuda_aligned16(a.m2);
 	a.p = embd_optim_params_make(&d->optimizer, shard->step + 1);
+	a.nonfinite_rows = ctx->nonfinite.rows + ctx->num_bwd;
+	a.nonfinite_first = ctx->nonfinite.first + ctx->num_bwd;
 	uint32_t call = ctx->calls++;
 	if (bags) {
 		if ((uint64_t)d->rows <= UINT32_MAX) /* all ones stays above every row */

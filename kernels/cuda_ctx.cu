@@ -1,8 +1,9 @@
 /*
  * The CUDA kernels' host side: contexts (a stream, its fault word, a memory pool), device
  * shards, the batch descriptors of forward and backward, the latch that turns a fault key into
- * an error record, and embd_cuda_sync(), which reports it and rolls back the steps of the
- * backward calls that were stopped. See cuda_internal.cuh for the fault protocol.
+ * an error record, and embd_cuda_sync(), which reports it, rolls back the steps of the
+ * backward calls that were stopped and adds the rows each backward left non-finite to its
+ * shard. See cuda_internal.cuh for the fault protocol and the non-finite records.
  */
 #include "kernels/cuda_internal.cuh"
 
@@ -105,6 +106,8 @@ void embd_cuda_ctx_destroy(struct embd_cuda_ctx *ctx)
 	if (ctx->stream)
 		cudaStreamSynchronize(ctx->stream);
 	cudaFree(ctx->fault);
+	cudaFree(ctx->nonfinite.rows);
+	free(ctx->nonfinite.host);
 	if (ctx->pool)
 		cudaMemPoolDestroy(ctx->pool);
 	if (ctx->owns_stream)
@@ -183,8 +186,91 @@ static void fault_message(const struct embd_cuda_fault *f, struct embd_kernel_er
 	}
 }
 
+int embd_cuda_bwd_reserve(struct embd_cuda_ctx *ctx, struct embd_kernel_err *err)
+{
+	struct embd_cuda_nonfinite *nf = &ctx->nonfinite;
+	unsigned long long *dev = NULL;
+	const char *what = "cudaMalloc (non-finite row records)";
+	cudaError_t e;
+
+	if (ctx->num_bwd < ctx->cap_bwd)
+		return 0;
+	size_t cap = ctx->cap_bwd ? 2 * ctx->cap_bwd : 16;
+	void *p = realloc(ctx->bwd, cap * sizeof(*ctx->bwd));
+	if (!p)
+		return embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory");
+	ctx->bwd = (struct embd_cuda_bwd_call *)p;
+	p = realloc(nf->host, 2 * cap * sizeof(*nf->host));
+	if (!p)
+		return embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory");
+	nf->host = (unsigned long long *)p;
+	e = cudaMalloc((void **)&dev, 2 * cap * sizeof(*dev));
+	if (e == cudaSuccess) {
+		what = "clearing the non-finite row records";
+		e = cudaMemsetAsync(dev, 0, cap * sizeof(*dev), ctx->stream);
+	}
+	if (e == cudaSuccess)
+		e = cudaMemsetAsync(dev + cap, 0xff, cap * sizeof(*dev), ctx->stream);
+	/* the calls enqueued so far may still be adding to the old records: copied after them */
+	if (e == cudaSuccess && nf->cap) {
+		what = "copying the non-finite row records";
+		e = cudaMemcpyAsync(dev, nf->rows, nf->cap * sizeof(*dev), cudaMemcpyDeviceToDevice,
+				    ctx->stream);
+		if (e == cudaSuccess)
+			e = cudaMemcpyAsync(dev + cap, nf->first, nf->cap * sizeof(*dev),
+					    cudaMemcpyDeviceToDevice, ctx->stream);
+	}
+	if (e == cudaSuccess) {
+		what = "waiting for the non-finite row records";
+		e = cudaStreamSynchronize(ctx->stream);
+	}
+	if (e != cudaSuccess) {
+		cudaFree(dev);
+		return embd_cuda_fail(err, e, what);
+	}
+	cudaFree(nf->rows);
+	nf->rows = dev;
+	nf->first = dev + cap;
+	nf->cap = cap;
+	ctx->cap_bwd = cap;
+	return 0;
+}
+
+/*
+ * The non-finite records of the backward calls since the last sync, copied to the host: added
+ * to their shards as embd_kernels_backward adds them. A call stopped by a fault updated no row,
+ * so its record is empty.
+ */
+static void nonfinite_apply(struct embd_cuda_ctx *ctx)
+{
+	const struct embd_cuda_nonfinite *nf = &ctx->nonfinite;
+	const size_t n = ctx->num_bwd;
+
+	for (size_t i = 0; i < n; i++) {
+		struct embd_shard *sh = ctx->bwd[i].shard;
+		if (!nf->host[i])
+			continue;
+		sh->nonfinite_rows += nf->host[i];
+		sh->nonfinite_row = sh->desc.row_offset + (int64_t)nf->host[n + i];
+	}
+}
+
+/* The records of the calls since the last sync cleared for the next calls (stream ordered). */
+static cudaError_t nonfinite_clear(struct embd_cuda_ctx *ctx)
+{
+	struct embd_cuda_nonfinite *nf = &ctx->nonfinite;
+	const size_t n = ctx->num_bwd;
+	cudaError_t e = cudaMemsetAsync(nf->rows, 0, n * sizeof(*nf->rows), ctx->stream);
+
+	if (e == cudaSuccess)
+		e = cudaMemsetAsync(nf->first, 0xff, n * sizeof(*nf->first), ctx->stream);
+	return e;
+}
+
 int embd_cuda_sync(struct embd_cuda_ctx *ctx, struct embd_kernel_err *err)
 {
+	struct embd_cuda_nonfinite *nf = &ctx->nonfinite;
+	const size_t n = ctx->num_bwd;
 	struct embd_cuda_fault f;
 	struct embd_kernel_err ke;
 	cudaError_t e;
@@ -194,8 +280,21 @@ int embd_cuda_sync(struct embd_cuda_ctx *ctx, struct embd_kernel_err *err)
 	e = cudaStreamSynchronize(ctx->stream);
 	if (e == cudaSuccess)
 		e = cudaMemcpyAsync(&f, ctx->fault, sizeof(f), cudaMemcpyDeviceToHost, ctx->stream);
+	if (e == cudaSuccess && n)
+		e = cudaMemcpyAsync(nf->host, nf->rows, n * sizeof(*nf->host), cudaMemcpyDeviceToHost,
+				    ctx->stream);
+	if (e == cudaSuccess && n)
+		e = cudaMemcpyAsync(nf->host + n, nf->first, n * sizeof(*nf->host),
+				    cudaMemcpyDeviceToHost, ctx->stream);
 	if (e == cudaSuccess)
 		e = cudaStreamSynchronize(ctx->stream);
+	if (e == cudaSuccess && n)
+		nonfinite_apply(ctx);
+	if (n) {
+		/* cleared even when the copy failed: the next calls must not count these rows */
+		cudaError_t ce = nonfinite_clear(ctx);
+		e = e == cudaSuccess ? ce : e;
+	}
 	if (e != cudaSuccess) {
 		rc = embd_cuda_fail(err ? err : &ke, e, "waiting for the GPU");
 		goto out;

@@ -59,6 +59,19 @@ struct embd_cuda_bwd_call {
 	uint32_t call;
 };
 
+/*
+ * The rows each backward call since the last sync left non-finite, as the CPU kernels count
+ * them (kernels/embedding.h): call i's update kernel adds to rows[i] and lowers first[i] (a
+ * shard-local row; all ones when none). Device memory, grown with the calls' records; the
+ * sync adds them to the calls' shards and clears them.
+ */
+struct embd_cuda_nonfinite {
+	unsigned long long *rows;       /* device: cap of them, then cap firsts */
+	unsigned long long *first;      /* device: rows + cap */
+	unsigned long long *host;       /* 2 * cap, the sync's copy */
+	size_t cap;
+};
+
 struct embd_cuda_ctx {
 	int device;
 	int num_sms;
@@ -69,6 +82,7 @@ struct embd_cuda_ctx {
 	uint32_t calls;                 /* calls enqueued since the last sync */
 	struct embd_cuda_bwd_call *bwd; /* num_bwd of cap_bwd used */
 	size_t num_bwd, cap_bwd;
+	struct embd_cuda_nonfinite nonfinite;   /* one record per entry of bwd */
 };
 
 /* One embd_bag_batch as the kernels read it, with its place among the call's bags and ids. */
@@ -145,11 +159,28 @@ static inline void *embd_cuda_carve_take(struct embd_cuda_carve *c, uint64_t byt
 int embd_cuda_carve_alloc(struct embd_cuda_ctx *ctx, struct embd_cuda_carve *c,
 			  struct embd_kernel_err *err);
 
+/*
+ * Room for the record of backward call ctx->num_bwd (bwd and nonfinite grown together); the
+ * nonfinite records of the calls so far are kept, stream ordered after the calls writing them.
+ */
+int embd_cuda_bwd_reserve(struct embd_cuda_ctx *ctx, struct embd_kernel_err *err);
+
 /* ---- device helpers ----------------------------------------------------------------------- */
 
 static __device__ __forceinline__ void embd_cuda_fault_note(struct embd_cuda_fault *f, uint64_t key)
 {
 	atomicMin(&f->key, (unsigned long long)key);
+}
+
+/* NaN or infinity: an exponent of all ones (kernels/finite.h's test, on the device). */
+static __device__ __forceinline__ bool embd_cuda_nonfinite(float x)
+{
+	return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+static __device__ __forceinline__ bool embd_cuda_nonfinite_fp16(uint16_t h)
+{
+	return (h & 0x7c00u) == 0x7c00u;
 }
 
 /* The batch that global bag g belongs to: the last i with bag_base <= g. */

@@ -108,9 +108,10 @@ struct embd_shard {
 	float *momentum1;
 	float *momentum2;
 	int64_t step;                   /* optimizer steps applied; adam's t of the last one */
-	/* rows a backward left NaN or infinite (weights or state), over all steps, and the
-	 * global row of the last backward's first one (lowest row): the CPU kernels check every
-	 * row they update (kernels/finite.h); the CUDA kernels do not */
+	/* rows a backward left NaN or infinite (weights as stored, or state), over all steps,
+	 * and the global row of the last backward's first one (lowest row): the CPU kernels
+	 * check every row they update (kernels/finite.h), the CUDA kernels likewise (added at
+	 * embd_cuda_sync) */
 	uint64_t nonfinite_rows;
 	int64_t nonfinite_row;
 	bool owns_memory;

@@ -57,7 +57,8 @@ cudaStream_t embd_cuda_ctx_stream(const struct embd_cuda_ctx *ctx);
  * table) with feature, sample and id in err as embd_kernels_forward() reports them; EMBD_EIO
  * or EMBD_ENOMEM for a CUDA failure (its message in err). After an id or offset error, the
  * failing call and every later call did nothing (forward outputs are unspecified) and the
- * shards' step counts are as if none of those backward calls had been made. The context is
+ * shards' step counts are as if none of those backward calls had been made. The backward
+ * calls' non-finite rows are added to their shards (embd_cuda_backward). The context is
  * usable again afterwards.
  */
 int embd_cuda_sync(struct embd_cuda_ctx *ctx, struct embd_kernel_err *err);
@@ -95,8 +96,10 @@ int embd_cuda_forward(struct embd_cuda_ctx *ctx, const struct embd_bag_batch *ba
  * One fused backward + optimizer step on a device shard, as embd_kernels_backward(): ids are
  * sorted by row on the device, each row's gradient is summed in batch order and the row is
  * updated once. shard->step is incremented when the call is enqueued (embd_cuda_sync() undoes
- * it if the call failed on the device). At most 2^31 - 1 ids per call. Returns as
- * embd_cuda_forward().
+ * it if the call failed on the device); the rows the update left NaN or infinite are counted
+ * on the device and added to shard->nonfinite_rows (and the lowest one to nonfinite_row) by
+ * embd_cuda_sync(), as embd_kernels_backward() adds them. At most 2^31 - 1 ids per call.
+ * Returns as embd_cuda_forward().
  */
 int embd_cuda_backward(struct embd_cuda_ctx *ctx, struct embd_shard *shard,
 		       const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err);

@@ -2,7 +2,8 @@
  * tests/gpu/test_cuda_kernels.c - every CUDA kernel against the CPU kernels (embd_kernels) on
  * the same random data: forward (sum, mean, per-id weights, fp32/fp16, row and column shard
  * offsets, empty bags, several widths), fused backward + optimizer for all four optimizers with
- * duplicate ids over several steps, block bucketize, and the errors of bad ids, offsets and
+ * duplicate ids over several steps, the rows a backward leaves NaN or infinite (counted and
+ * named as the CPU kernels do), block bucketize, and the errors of bad ids, offsets and
  * lengths. Plain C, no Criterion: it must run where a GPU is, and exit 77 where none is.
  *
  * Tolerances: the GPU runs the same per-row arithmetic with contraction off, so forward,
@@ -152,6 +153,73 @@ static void test_backward(struct grng *r)
 	backward_case(r, EMBD_OPT_ADAM, EMBD_DTYPE_FP16, 64, 0, 0.01f, 2, 16384, 127);
 }
 
+/*
+ * Rows an update leaves NaN or infinite are counted, and the lowest named, as the CPU kernels
+ * count them (engine/step.h's nonfinite_rows): every other bag's gradient is 1e30, so adagrad's
+ * sum of squares overflows in fp32 (its weights stay finite) and sgd's fp16 weights overflow
+ * only as stored (w - 5e28 is finite in fp32). 20 calls on the two shards before one sync, so
+ * the per-call records grow past their first 16 while calls are in flight; then calls with
+ * ordinary gradients, which count again the rows whose state stays infinite.
+ */
+static void test_nonfinite_rows(struct grng *r)
+{
+	struct twin t[2];
+	struct side_batch s[2];
+	struct side_matrix dy;
+	struct embd_kernel_err ce, ge;
+	struct embd_shard_desc d[2] = {
+		shard_desc(4, 3000, 32, EMBD_DTYPE_FP32, 1000, 1500, 0, 32, EMBD_OPT_ADAGRAD),
+		shard_desc(5, 800, 24, EMBD_DTYPE_FP16, 0, 800, 0, 24, EMBD_OPT_SGD),
+	};
+	const uint64_t stride = 64;
+	const uint32_t B = 50, calls = 20;
+	char label[96];
+
+	for (int k = 0; k < 2; k++)
+		twin_create(&t[k], &d[k], 41 + (uint64_t)k);
+	side_make(&s[0], r, &t[0], 0, B, 6, UINT64_MAX, false, EMBD_POOLING_SUM, false, stride, 0);
+	side_make(&s[1], r, &t[1], 1, B, 6, UINT64_MAX, false, EMBD_POOLING_MEAN, false, stride, 32);
+	for (int round = 0; round < 2; round++) {
+		matrix_make(&dy, r, (uint64_t)B * stride);
+		for (uint32_t b = 0; round == 0 && b < B; b += 2)
+			for (uint64_t c = 0; c < stride; c++)
+				dy.cpu[b * stride + c] = 1e30f;
+		dev_copy_in(dy.gpu, dy.cpu, dy.n * sizeof(float));
+		struct embd_bag_batch cb[2] = { s[0].cpu, s[1].cpu }, gb[2] = { s[0].gpu, s[1].gpu };
+		cb[0].pooled_grad = cb[1].pooled_grad = dy.cpu;
+		gb[0].pooled_grad = gb[1].pooled_grad = dy.gpu;
+		int crc = 0, grc = 0;
+		uint32_t n = round == 0 ? calls : 2;
+		for (uint32_t i = 0; i < n && !crc; i++)
+			crc = embd_kernels_backward(NULL, t[i % 2].cpu, &cb[i % 2], 1, &ce);
+		for (uint32_t i = 0; i < n && !grc; i++)
+			grc = embd_cuda_backward(ctx, t[i % 2].gpu, &gb[i % 2], 1, &ge);
+		if (!grc)
+			grc = embd_cuda_sync(ctx, &ge);
+		snprintf(label, sizeof(label), "non-finite rows, %s gradients",
+			 round == 0 ? "1e30" : "ordinary");
+		cmp_err(label, crc, NULL, grc, &ge);
+		for (int k = 0; k < 2; k++) {
+			const struct embd_shard *c = t[k].cpu, *g = t[k].gpu;
+			checks++;
+			if (round == 0 && !c->nonfinite_rows)
+				FAIL("%s, %s: the CPU kernels should have left rows non-finite, counted none",
+				     label, opt_name(d[k].optimizer.type));
+			else if (c->nonfinite_rows != g->nonfinite_rows || c->nonfinite_row != g->nonfinite_row)
+				FAIL("%s, %s: expected %llu rows, the lowest of the last call %lld, got %llu "
+				     "and %lld", label, opt_name(d[k].optimizer.type),
+				     (unsigned long long)c->nonfinite_rows, (long long)c->nonfinite_row,
+				     (unsigned long long)g->nonfinite_rows, (long long)g->nonfinite_row);
+			twin_compare(&t[k], true, label);
+		}
+		matrix_free(&dy);
+	}
+	for (int k = 0; k < 2; k++) {
+		side_free(&s[k]);
+		twin_destroy(&t[k]);
+	}
+}
+
 /* The first bag at or after b that holds an id (B when none). */
 static uint32_t nonempty_from(const struct gbags *g, uint32_t b)
 {
@@ -280,6 +348,7 @@ int main(void)
 	printf("forward: %d checks, %d failures\n", checks, failures);
 	test_backward(&r);
 	printf("forward+backward: %d checks, %d failures\n", checks, failures);
+	test_nonfinite_rows(&r);
 	test_bucketize(&r);
 	test_errors(&r);
 	embd_cuda_ctx_destroy(ctx);

@@ -148,6 +148,7 @@ static void node_fill(struct node *n)
 		}
 		v.shard->step = 11;
 	}
+	embd_step_shards_changed(n->step);      /* host views written: the devices get them */
 }
 
 /* A node sharded as kind on num_ranks writes its filled shards as checkpoint `step`. */

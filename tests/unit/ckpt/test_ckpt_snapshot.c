@@ -141,14 +141,16 @@ struct saved {
 static void save_state(struct fixture *fx, struct saved *out)
 {
 	uint32_t n = embd_step_num_shards(fx->step), k = 0;
+	char err[256];
 
+	/* the host views as the shards are now (rows kept apart on a GPU: step.h) */
+	cr_assert_eq(embd_step_shards_pull(fx->step, err, sizeof(err)), 0, "%s", err);
 	for (uint32_t i = 0; i < n; i++) {
 		struct embd_step_shard_view v;
 		embd_step_shard_view(fx->step, i, &v);
 		if (v.replica || !v.shard)
 			continue;
 		uint64_t bytes[3];
-		char err[128];
 		cr_assert_eq(embd_shard_sizes(&v.shard->desc, &bytes[0], &bytes[1], &bytes[2], err,
 					      sizeof(err)), 0);
 		const void *src[3] = { v.shard->weights, v.shard->momentum1, v.shard->momentum2 };

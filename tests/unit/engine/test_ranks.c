@@ -1,11 +1,15 @@
 /*
  * tests/unit/engine/test_ranks.c - the ranks over their device backends (engine/ranks.h): the
  * CPU backend's shards are their own host views and its kernels the CPU's; the host-view
- * bookkeeping the GPU ranks rely on; and, on a machine without a GPU (CI), the refusal of CUDA
- * ranks naming why.
+ * bookkeeping the GPU ranks rely on, run by the tests' CPU device with rows apart from their
+ * host views (device_copy); and, on a machine without a GPU (CI), the refusal of CUDA ranks
+ * naming why.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine/ranks.h"
 #include "kernels/embedding.h"
@@ -44,6 +48,29 @@ static void init_rank0(void *arg, uint32_t rank, const struct embd_exec *exec)
 		embd_shard_init_weights(embd_ranks_shard_host(r->ranks, r->shard), 5, exec);
 }
 
+/* Two bags over the shard (ids 16, 40 | 47) with a gradient: bb on the rank's shard, rb the
+ * same on a reference shard, pooling into expect. */
+struct bags {
+	int64_t offsets[3], ids[3];
+	float pooled[2][8], expect[2][8], grad[2][8];
+	struct embd_bag_batch bb, rb;
+};
+
+static void bags_init(struct bags *b, struct embd_shard *shard, struct embd_shard *ref)
+{
+	*b = (struct bags){ .offsets = { 0, 2, 3 }, .ids = { 16, 40, 47 } };
+	for (int i = 0; i < 16; i++)
+		b->grad[i / 8][i % 8] = 0.25f * (float)(i - 7);
+	b->bb = (struct embd_bag_batch){
+		.shard = shard, .batch_size = 2, .offsets = b->offsets, .ids = b->ids, .num_ids = 3,
+		.pooling = EMBD_POOLING_SUM, .pooled = &b->pooled[0][0],
+		.pooled_grad = &b->grad[0][0], .pooled_stride = 8,
+	};
+	b->rb = b->bb;
+	b->rb.shard = ref;
+	b->rb.pooled = &b->expect[0][0];
+}
+
 Test(ranks, cpu_shard_is_its_host_view_and_runs_the_cpu_kernels)
 {
 	char err[256] = "";
@@ -71,35 +98,26 @@ Test(ranks, cpu_shard_is_its_host_view_and_runs_the_cpu_kernels)
 	cr_assert_eq(embd_shard_create(&desc, &ref, err, sizeof(err)), 0, "%s", err);
 	embd_shard_init_weights(ref, 5, NULL);
 
-	int64_t offsets[3] = { 0, 2, 3 }, ids[3] = { 16, 40, 47 };
-	float pooled[2][8], expect[2][8], grad[2][8];
-	for (int i = 0; i < 16; i++)
-		grad[i / 8][i % 8] = 0.25f * (float)(i - 7);
-	struct embd_bag_batch bb = {
-		.shard = shard, .batch_size = 2, .offsets = offsets, .ids = ids, .num_ids = 3,
-		.pooling = EMBD_POOLING_SUM, .pooled = &pooled[0][0], .pooled_grad = &grad[0][0],
-		.pooled_stride = 8,
-	};
-	struct embd_bag_batch rb = bb;
-	rb.shard = ref;
-	rb.pooled = &expect[0][0];
-	r.bb = &bb;
+	static struct bags b;
+	bags_init(&b, shard, ref);
+	r.bb = &b.bb;
 	embd_ranks_run(ranks, run_kernels, &r);
 	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
-	cr_assert_eq(embd_kernels_forward(NULL, &rb, 1, NULL), 0);
-	cr_assert_eq(memcmp(pooled, expect, sizeof(pooled)), 0, "forward differs from the kernel's");
+	cr_assert_eq(embd_kernels_forward(NULL, &b.rb, 1, NULL), 0);
+	cr_assert_eq(memcmp(b.pooled, b.expect, sizeof(b.pooled)), 0,
+		     "forward differs from the kernel's");
 
 	r.backward = true;
 	embd_ranks_run(ranks, run_kernels, &r);
 	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
-	cr_assert_eq(embd_kernels_backward(NULL, ref, &rb, 1, NULL), 0);
+	cr_assert_eq(embd_kernels_backward(NULL, ref, &b.rb, 1, NULL), 0);
 	cr_assert_eq(embd_ranks_shard_pull(ranks, shard, err, sizeof(err)), 0, "%s", err);
 	cr_assert_eq(shard->step, 1);
 	cr_assert_eq(memcmp(shard->weights, ref->weights, wb), 0, "backward differs");
 	cr_assert_eq(memcmp(shard->momentum1, ref->momentum1, m1), 0, "adagrad state differs");
 
 	/* an id outside the shard is refused through the rank as by the kernel */
-	ids[1] = 99;
+	b.ids[1] = 99;
 	r.backward = false;
 	embd_ranks_run(ranks, run_kernels, &r);
 	cr_assert_eq(r.rc, EMBD_ERANGE, "expected EMBD_ERANGE, got %d", r.rc);
@@ -112,6 +130,96 @@ Test(ranks, cpu_shard_is_its_host_view_and_runs_the_cpu_kernels)
 	embd_ranks_free_shard(ranks, shard);
 	cr_assert_eq(embd_ranks_memory_bytes(ranks, 0), 0);
 	embd_shard_destroy(ref);
+	embd_ranks_destroy(ranks);
+}
+
+/* Whether the process may read bytes at p: a pipe's write reads them in the kernel, which
+ * answers EFAULT for memory mapped PROT_NONE instead of raising a signal. */
+static bool readable(const void *p, size_t bytes)
+{
+	int fds[2];
+
+	cr_assert_eq(pipe(fds), 0);
+	ssize_t n = write(fds[1], p, bytes);
+	int e = errno;
+	close(fds[0]);
+	close(fds[1]);
+	cr_assert(n == (ssize_t)bytes || (n < 0 && e == EFAULT), "write: %zd, errno %d", n, e);
+	return n == (ssize_t)bytes;
+}
+
+/*
+ * The CPU device the tests run GPU ranks' bookkeeping on (EMBD_TEST_CPU_KERNEL=device_copy):
+ * a fused shard's rows apart from its host view, unreadable outside the rank's kernel calls;
+ * push hands the host view over, the kernels change only the device rows (and the device's
+ * step), pull brings them back; a write of the host view reaches the next kernel call.
+ */
+Test(ranks, device_copy_keeps_the_rows_apart_until_pulled_and_pushed)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_shard *shard, *ref, *init;
+
+	setenv("EMBD_TEST_CPU_KERNEL", "device_copy", 1);
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	unsetenv("EMBD_TEST_CPU_KERNEL");
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_FUSED, 0.2, &shard, err,
+					    sizeof(err)), 0, "%s", err);
+	struct embd_shard *host = embd_ranks_shard_host(ranks, shard);
+	cr_assert(host && host != shard && host->weights != shard->weights &&
+		  host->momentum1 != shard->momentum1, "the rows must be apart from the host view");
+	uint64_t wb, m1, m2;
+	cr_assert_eq(embd_shard_sizes(&desc, &wb, &m1, &m2, err, sizeof(err)), 0);
+	cr_assert_eq(embd_ranks_memory_bytes(ranks, 0), wb + m1 + m2,
+		     "the device rows count, their host copy does not: expected %llu, got %llu",
+		     (unsigned long long)(wb + m1 + m2),
+		     (unsigned long long)embd_ranks_memory_bytes(ranks, 0));
+	cr_assert(!readable(shard->weights, 4) && !readable(shard->momentum1, 4),
+		  "device rows must not be readable outside kernel calls and copies");
+
+	struct run r = { .ranks = ranks, .shard = shard };
+	embd_ranks_run(ranks, init_rank0, &r);
+	embd_ranks_shard_changed(ranks, shard);
+	cr_assert_eq(embd_ranks_shard_push(ranks, shard, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_shard_create(&desc, &ref, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_shard_create(&desc, &init, err, sizeof(err)), 0, "%s", err);
+	embd_shard_init_weights(ref, 5, NULL);
+	embd_shard_init_weights(init, 5, NULL);
+
+	static struct bags b;
+	bags_init(&b, shard, ref);
+	r.bb = &b.bb;
+	r.backward = true;
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
+	cr_assert_eq(embd_kernels_backward(NULL, ref, &b.rb, 1, NULL), 0);
+	cr_assert(!readable(shard->weights, 4), "the rows must be unreadable again after a call");
+	cr_assert_eq(host->step, 0, "the host view is not pulled yet");
+	cr_assert_eq(memcmp(host->weights, init->weights, wb), 0, "the host view is not pulled yet");
+	cr_assert_eq(embd_ranks_shard_step(ranks, shard), 1, "the device applied one step");
+	cr_assert_eq(embd_ranks_shard_pull(ranks, shard, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(host->step, 1);
+	cr_assert_eq(memcmp(host->weights, ref->weights, wb), 0, "pulled rows differ");
+	cr_assert_eq(memcmp(host->momentum1, ref->momentum1, m1), 0, "pulled adagrad state differs");
+
+	/* a write of the host view (a restore, a live write) is what the next call reads */
+	((float *)host->weights)[3] = 42.0f;
+	((float *)ref->weights)[3] = 42.0f;
+	host->step = 9;
+	embd_ranks_shard_changed(ranks, shard);
+	cr_assert_eq(embd_ranks_shard_step(ranks, shard), 9, "the written host view is newer");
+	r.backward = false;
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
+	cr_assert_eq(embd_kernels_forward(NULL, &b.rb, 1, NULL), 0);
+	cr_assert_eq(memcmp(b.pooled, b.expect, sizeof(b.pooled)), 0,
+		     "forward after the write differs");
+	cr_assert_eq(embd_ranks_shard_step(ranks, shard), 9);
+
+	embd_ranks_free_shard(ranks, shard);
+	cr_assert_eq(embd_ranks_memory_bytes(ranks, 0), 0);
+	embd_shard_destroy(ref);
+	embd_shard_destroy(init);
 	embd_ranks_destroy(ranks);
 }
 

@@ -224,3 +224,83 @@ Test(step_tables, writes_go_through_the_update_hook_and_refusals_change_nothing)
 	check_weights(&fx, 1, 0.0f, "after the refusals");
 	stop(&fx);
 }
+
+/*
+ * The optimizer step a table reports (embd_step_table_info: a trainer's state_dict carries it
+ * as adam's t) is its shards' whatever side of them is newer: after steps the device applied
+ * and nobody pulled, after a restore that wrote the host views and nothing pushed yet; and
+ * the step after that restore trains with it. On the CPU's own shards, and with the CPU
+ * running the GPU's ways (engine/ranks.h's EMBD_TEST_CPU_KERNEL): fused_uvm_caching's cache,
+ * and rows apart from their host views (device_copy).
+ */
+static void optimizer_step_case(const char *cpu_kernel)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	struct embd_step_batch batches[2];
+	struct embd_step_table_info info;
+	const char *mode = cpu_kernel ? cpu_kernel : "cpu";
+	char err[256];
+
+	/* read by embd_ranks_create_on only, so the other tests keep their environment */
+	char *was = getenv("EMBD_TEST_CPU_KERNEL") ? strdup(getenv("EMBD_TEST_CPU_KERNEL")) : NULL;
+	if (cpu_kernel)
+		setenv("EMBD_TEST_CPU_KERNEL", cpu_kernel, 1);
+	else
+		unsetenv("EMBD_TEST_CPU_KERNEL");
+	setup(&fx, EMBD_OPT_ADAM, EMBD_SHARD_ROW_WISE, 2);
+	if (was)
+		setenv("EMBD_TEST_CPU_KERNEL", was, 1);
+	else
+		unsetenv("EMBD_TEST_CPU_KERNEL");
+	free(was);
+
+	/* steps and nothing that pulls: the reference trains alongside, unread */
+	for (uint32_t step = 0; step < 3; step++) {
+		fill_all(&fx, trs, batches, 2, 70 + step);
+		cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+		cr_assert_eq(embd_step_backward(fx.step, batches, 2), 0, "%s", batches[0].err);
+		for (uint32_t i = 0; i < 2; i++)
+			trs[i].batch.status = batches[i].status;
+		ref_backward(&fx, trs, 2);
+	}
+	for (uint32_t t = 0; t < NTAB; t++) {
+		cr_assert_eq(embd_step_table_info(fx.step, t, EMBD_STEP_WEIGHTS, &info), 0);
+		cr_expect_eq(info.optimizer_step, 3, "%s: table %u after 3 steps not pulled: expected "
+			     "optimizer_step 3, got %lld", mode, t, (long long)info.optimizer_step);
+	}
+
+	/* a restore of step 57 as ckpt_service.c does one: the host views written, then marked */
+	cr_assert_eq(embd_step_shards_pull(fx.step, err, sizeof(err)), 0, "%s", err);
+	for (uint32_t i = 0; i < embd_step_num_shards(fx.step); i++) {
+		struct embd_step_shard_view v;
+		embd_step_shard_view(fx.step, i, &v);
+		if (v.shard)
+			v.shard->step = 57;
+	}
+	embd_step_shards_changed(fx.step);
+	for (uint32_t t = 0; t < NTAB; t++) {
+		cr_assert_eq(embd_step_table_info(fx.step, t, EMBD_STEP_MOMENTUM2, &info), 0);
+		cr_expect_eq(info.optimizer_step, 57, "%s: table %u after a restore of step 57: "
+			     "expected optimizer_step 57, got %lld", mode, t,
+			     (long long)info.optimizer_step);
+		for (uint32_t k = 0; k < fx.num_refs[t]; k++)
+			fx.ref[t][k]->step = 57;
+	}
+
+	/* adam's t of the next update is 58 where the kernels run too */
+	fill_all(&fx, trs, batches, 2, 80);
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+	backward_and_check(&fx, trs, batches, 2, 1, mode);
+	for (uint32_t t = 0; t < NTAB; t++) {
+		cr_assert_eq(embd_step_table_info(fx.step, t, EMBD_STEP_WEIGHTS, &info), 0);
+		cr_expect_eq(info.optimizer_step, 58, "%s: table %u a step after the restore: "
+			     "expected optimizer_step 58, got %lld", mode, t,
+			     (long long)info.optimizer_step);
+	}
+	stop(&fx);
+}
+
+Test(step_tables, optimizer_step_of_cpu_shards) { optimizer_step_case(NULL); }
+Test(step_tables, optimizer_step_through_the_cache) { optimizer_step_case("fused_uvm_caching"); }
+Test(step_tables, optimizer_step_of_device_rows) { optimizer_step_case("device_copy"); }

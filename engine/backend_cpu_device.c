@@ -1,0 +1,315 @@
+/*
+ * The CPU backend with a device of its own, for tests (EMBD_TEST_CPU_KERNEL=device_copy,
+ * engine/ranks.h): fused and dense shards are kept as the CUDA backend keeps them in HBM, the
+ * rows the kernels compute on in an allocation of their own apart from the host view, with
+ * pull and push copying rows, state and step between the two. So the CPU tests run what GPU
+ * ranks run between the two copies: the ranks' bookkeeping of which side is newer
+ * (engine/ranks.c), and every pull and push of initialisation, checkpoints, restores, live
+ * table access and the copy-before-write hook.
+ *
+ * Outside the rank's kernel calls and the copies the "device" rows are mapped PROT_NONE: host
+ * code that reads a shard's rows instead of its host view faults at once, as it would read
+ * garbage (or fault) on a GPU. Everything else (kernels, fused_uvm_caching's slots) is the CPU
+ * backend's, called through its table.
+ */
+#include "engine/backend.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* One shard's device rows: its three arrays, each a mapping of its own. */
+struct device_rows {
+	struct embd_shard *shard;       /* over the mappings */
+	void *mem[3];
+	uint64_t map_bytes[3];          /* page-rounded; 0 where the array is unused */
+};
+
+/* A rank's device: the device rows of its shards. Handed out as struct embd_backend_rank. */
+struct device {
+	struct device_rows **rows;
+	uint32_t num, cap;
+};
+
+static struct device *device_of(struct embd_backend_rank *r)
+{
+	return (struct device *)r;
+}
+
+static int set_access(struct device_rows *d, bool on)
+{
+	for (int i = 0; i < 3; i++)
+		if (d->map_bytes[i] &&
+		    mprotect(d->mem[i], d->map_bytes[i], on ? PROT_READ | PROT_WRITE : PROT_NONE))
+			return EMBD_EIO;
+	return 0;
+}
+
+/* Every device row of the rank readable (a kernel call on its thread), or none again. */
+static int rank_access(struct device *dev, bool on)
+{
+	int rc = 0;
+
+	for (uint32_t i = 0; i < dev->num && !rc; i++)
+		rc = set_access(dev->rows[i], on);
+	return rc;
+}
+
+/* s's device rows; NULL for a shard whose rows are its host view's (fused_uvm_caching). */
+static struct device_rows *rows_of(const struct device *dev, const struct embd_backend_shard *s)
+{
+	for (uint32_t i = 0; i < dev->num; i++)
+		if (dev->rows[i]->shard == s->shard)
+			return dev->rows[i];
+	return NULL;
+}
+
+static int dev_count(uint32_t *count, char *err, size_t err_len)
+{
+	return embd_backend_cpu.count(count, err, err_len);
+}
+
+static int dev_numa_node(uint32_t rank)
+{
+	return embd_backend_cpu.numa_node(rank);
+}
+
+static int dev_rank_open(uint32_t rank, struct embd_backend_rank **out, char *err,
+			 size_t err_len)
+{
+	(void)rank;
+	struct device *dev = calloc(1, sizeof(*dev));
+
+	if (!dev) {
+		snprintf(err, err_len, "out of memory");
+		return EMBD_ENOMEM;
+	}
+	*out = (struct embd_backend_rank *)dev;
+	return 0;
+}
+
+static void dev_rank_close(struct embd_backend_rank *r)
+{
+	struct device *dev = device_of(r);
+
+	if (!dev)
+		return;
+	free(dev->rows);
+	free(dev);
+}
+
+static void rows_free(struct device_rows *d)
+{
+	if (!d)
+		return;
+	embd_shard_destroy(d->shard);
+	for (int i = 0; i < 3; i++)
+		if (d->map_bytes[i])
+			munmap(d->mem[i], d->map_bytes[i]);
+	free(d);
+}
+
+/* Device rows for s's host view, zeroed (a GPU shard's state starts zeroed), not accessible. */
+static int rows_alloc(const struct embd_backend_shard *s, struct device_rows **out, char *err,
+		      size_t err_len)
+{
+	const uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+	struct device_rows *d = calloc(1, sizeof(*d));
+	int rc = 0;
+
+	*out = NULL;
+	if (!d)
+		return EMBD_ENOMEM;
+	for (int i = 0; i < 3 && !rc; i++) {
+		if (!s->bytes[i])
+			continue;
+		uint64_t n = (s->bytes[i] + page - 1) / page * page;
+		void *p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+		if (p == MAP_FAILED) {
+			snprintf(err, err_len, "cannot map %llu bytes of device rows",
+				 (unsigned long long)n);
+			rc = EMBD_ENOMEM;
+			break;
+		}
+		d->mem[i] = p;
+		d->map_bytes[i] = n;
+	}
+	if (!rc)
+		rc = embd_shard_create_in(&s->host->desc, d->mem[0], d->mem[1], d->mem[2], &d->shard,
+					  err, err_len);
+	if (rc) {
+		rows_free(d);
+		return rc;
+	}
+	*out = d;
+	return 0;
+}
+
+static int dev_shard_alloc(struct embd_backend_rank *r, bool numa, int node,
+			   const struct embd_shard_desc *desc, enum embd_compute_kernel kernel,
+			   struct embd_backend_shard *out, char *err, size_t err_len)
+{
+	struct device *dev = device_of(r);
+	struct device_rows *d = NULL;
+	int rc = embd_backend_cpu.shard_alloc(NULL, numa, node, desc, kernel, out, err, err_len);
+
+	if (rc || (kernel != EMBD_KERNEL_FUSED && kernel != EMBD_KERNEL_DENSE))
+		return rc;
+	if (dev->num == dev->cap) {
+		uint32_t cap = dev->cap ? 2 * dev->cap : 8;
+		void *p = realloc(dev->rows, cap * sizeof(*dev->rows));
+		if (!p) {
+			rc = EMBD_ENOMEM;
+			snprintf(err, err_len, "out of memory");
+			goto fail;
+		}
+		dev->rows = p;
+		dev->cap = cap;
+	}
+	if ((rc = rows_alloc(out, &d, err, err_len)))
+		goto fail;
+	dev->rows[dev->num++] = d;
+	out->shard = d->shard;
+	out->device_bytes = out->bytes[0] + out->bytes[1] + out->bytes[2];
+	return 0;
+fail:
+	embd_backend_cpu.shard_free(NULL, numa, out);
+	return rc;
+}
+
+static void dev_shard_free(struct embd_backend_rank *r, bool numa, struct embd_backend_shard *s)
+{
+	struct device *dev = device_of(r);
+	struct device_rows *d = rows_of(dev, s);
+
+	if (d) {
+		for (uint32_t i = 0; i < dev->num; i++)
+			if (dev->rows[i] == d)
+				dev->rows[i] = dev->rows[--dev->num];
+		rows_free(d);
+		s->shard = s->host;     /* the CPU backend frees the host view */
+	}
+	embd_backend_cpu.shard_free(NULL, numa, s);
+}
+
+/* Rows and state from one shard to another of the same layout (s->bytes of each array). */
+static void copy_arrays(const struct embd_backend_shard *s, struct embd_shard *to,
+			const struct embd_shard *from)
+{
+	void *dst[3] = { to->weights, to->momentum1, to->momentum2 };
+	const void *src[3] = { from->weights, from->momentum1, from->momentum2 };
+
+	for (int i = 0; i < 3; i++)
+		if (s->bytes[i])
+			memcpy(dst[i], src[i], s->bytes[i]);
+}
+
+static int copy(struct device *dev, struct embd_backend_shard *s, bool to_host, char *err,
+		size_t err_len)
+{
+	struct device_rows *d = rows_of(dev, s);
+	struct embd_shard *host = s->host, *shard = s->shard;
+
+	if (!d) {       /* rows the kernels share with the host view: only the step to copy */
+		if (to_host)
+			host->step = shard->step;
+		else
+			shard->step = host->step;
+		return 0;
+	}
+	if (set_access(d, true)) {
+		snprintf(err, err_len, "mprotect of the device rows failed");
+		return EMBD_EIO;
+	}
+	if (to_host) {
+		copy_arrays(s, host, shard);
+		host->step = shard->step;
+	} else {
+		copy_arrays(s, shard, host);
+		shard->step = host->step;
+	}
+	if (set_access(d, false)) {
+		snprintf(err, err_len, "mprotect of the device rows failed");
+		return EMBD_EIO;
+	}
+	return 0;
+}
+
+static int dev_pull(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
+		    size_t err_len)
+{
+	return copy(device_of(r), s, true, err, err_len);
+}
+
+static int dev_push(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
+		    size_t err_len)
+{
+	return copy(device_of(r), s, false, err, err_len);
+}
+
+static int kernel_fail(struct embd_kernel_err *err)
+{
+	err->feature = 0;
+	err->sample = err->id = -1;
+	snprintf(err->msg, sizeof(err->msg), "mprotect of the device rows failed");
+	return EMBD_EIO;
+}
+
+static int dev_forward(struct embd_backend_rank *r, const struct embd_exec *exec,
+		       const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err)
+{
+	struct device *dev = device_of(r);
+
+	if (rank_access(dev, true))
+		return kernel_fail(err);
+	int rc = embd_backend_cpu.forward(NULL, exec, batches, n, err);
+	if (rank_access(dev, false) && !rc)
+		rc = kernel_fail(err);
+	return rc;
+}
+
+static int dev_backward(struct embd_backend_rank *r, const struct embd_exec *exec,
+			struct embd_shard *shard, const struct embd_bag_batch *batches, uint32_t n,
+			struct embd_kernel_err *err)
+{
+	struct device *dev = device_of(r);
+
+	if (rank_access(dev, true))
+		return kernel_fail(err);
+	int rc = embd_backend_cpu.backward(NULL, exec, shard, batches, n, err);
+	if (rank_access(dev, false) && !rc)
+		rc = kernel_fail(err);
+	return rc;
+}
+
+static int dev_slots_resize(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			    uint64_t rows, uint64_t keep, char *err, size_t err_len)
+{
+	(void)r;
+	return embd_backend_cpu.slots_resize(NULL, s, rows, keep, err, err_len);
+}
+
+static int dev_slots_copy(struct embd_backend_rank *r, struct embd_backend_shard *s,
+			  const struct embd_cache_moves *m, char *err, size_t err_len)
+{
+	(void)r;
+	return embd_backend_cpu.slots_copy(NULL, s, m, err, err_len);
+}
+
+const struct embd_backend embd_backend_cpu_device = {
+	.name = "cpu",
+	.count = dev_count,
+	.numa_node = dev_numa_node,
+	.rank_open = dev_rank_open,
+	.rank_close = dev_rank_close,
+	.shard_alloc = dev_shard_alloc,
+	.shard_free = dev_shard_free,
+	.pull = dev_pull,
+	.push = dev_push,
+	.forward = dev_forward,
+	.backward = dev_backward,
+	.slots_resize = dev_slots_resize,
+	.slots_copy = dev_slots_copy,
+};
