@@ -389,6 +389,8 @@ static int start_server(struct daemon *d, char *err, size_t err_len)
 	if (!rc && d->cluster.regroup)
 		rc = embd_server_set_regroup(d->server, d->cluster.regroup, d->cluster.rejoining,
 					     d->resumed_step, err, err_len);
+	if (!rc)
+		rc = embd_server_listen(d->server, err, err_len);
 	return rc;
 }
 

@@ -701,23 +701,13 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 			   sizeof(float));
 	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf || !sv->grads)
 		goto out;
-	rc = make_socket_dir(config->socket_path, err, err_len);
-	if (rc)
-		goto out;
-	rc = embd_ctl_listen(config->socket_path, 128,
-			     embd_config_socket_mode(config, geteuid(), getegid()), &sv->listen_fd,
-			     err, err_len);
-	if (rc)
-		goto out;
 	/* a trainer's socket, pidfd and doorbell; the listener, the signalfd, the writer */
 	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 3 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
 		goto out;
-	rc = embd_evloop_add_fd(sv->loop, sv->listen_fd, TAG(TAG_LISTEN, 0));
-	if (!rc)
-		rc = embd_evloop_add_fd(sv->loop, sigfd, TAG(TAG_SIGNAL, 0));
+	rc = embd_evloop_add_fd(sv->loop, sigfd, TAG(TAG_SIGNAL, 0));
 	if (rc) {
-		snprintf(err, err_len, "cannot watch the control socket");
+		snprintf(err, err_len, "cannot watch the signalfd");
 		goto out;
 	}
 	if (config->metrics_listen[0]) {
@@ -734,6 +724,25 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 out:
 	embd_server_destroy(sv);
 	return rc;
+}
+
+int embd_server_listen(struct embd_server *sv, char *err, size_t err_len)
+{
+	const struct embd_config *config = sv->config;
+	int rc = make_socket_dir(config->socket_path, err, err_len);
+
+	if (rc)
+		return rc;
+	rc = embd_ctl_listen(config->socket_path, 128,
+			     embd_config_socket_mode(config, geteuid(), getegid()), &sv->listen_fd,
+			     err, err_len);
+	if (rc)
+		return rc;
+	if (embd_evloop_add_fd(sv->loop, sv->listen_fd, TAG(TAG_LISTEN, 0))) {
+		snprintf(err, err_len, "cannot watch the control socket");
+		return EMBD_EIO;
+	}
+	return 0;
 }
 
 void embd_server_destroy(struct embd_server *sv)

@@ -60,13 +60,19 @@
 struct embd_server;
 
 /*
- * Listens on config->socket_path (creating its directory), watching the signalfd sigfd
- * (SIGTERM / SIGINT, already blocked by the caller) for the request to stop. The server keeps
- * pointers to config, step and ranks; they must outlive it.
+ * The server of config->socket_path, watching the signalfd sigfd (SIGTERM / SIGINT, already
+ * blocked by the caller) for the request to stop. The server keeps pointers to config, step
+ * and ranks; they must outlive it. It listens once embd_server_listen is called.
  */
 int embd_server_create(const struct embd_config *config, struct embd_step *step,
 		       struct embd_ranks *ranks, uint64_t plan_hash, int sigfd,
 		       struct embd_server **out, char *err, size_t err_len);
+/*
+ * Creates config->socket_path (and its directory) and listens on it. Call it when everything
+ * else is set up: a socket that exists means a service whose descriptors, threads and
+ * checkpoint state are all in place (tests count its fds from then).
+ */
+int embd_server_listen(struct embd_server *server, char *err, size_t err_len);
 
 /* Runs until the signalfd fires: 0, or EMBD_EIO when the event loop failed. */
 int embd_server_run(struct embd_server *server);
