@@ -7,7 +7,8 @@
  * sockets, the signalfd, and a one-second tick). A client with a request that must wait for a
  * later phase is not polled at all until then: its ring keeps the rest of its requests.
  * Here: the loop, the sessions (accept, the pending / control / trainer kinds and their limits,
- * HELLO and its region, stats and status) and lifetime.
+ * HELLO and its region, stats and status) and lifetime; server_tables.c and server_device.c
+ * answer a client's table and device-output requests.
  */
 #include "common/clock.h"
 #include "daemon/server.h"
@@ -62,6 +63,7 @@ void embd_server_drop_client(struct embd_server *sv, struct client *c, const cha
 		embd_evloop_remove(sv->loop, TAG(TAG_DOORBELL, slot));
 	if (c->slab_registered)
 		embd_ranks_host_unregister(sv->ranks, embd_region_slab(c->region));
+	embd_server_device_free(sv, c);
 	embd_region_destroy(c->region);
 	if (c->eventfd >= 0)
 		close(c->eventfd);
@@ -423,6 +425,15 @@ int embd_server_status_replace(char **status, cJSON *root)
 	return 0;
 }
 
+/* A table or device-output request: 0 once answered (refusals included). */
+static int answer_request(struct embd_server *sv, struct client *c, const struct embd_ctl_msg *msg,
+			  char *err, size_t err_len)
+{
+	if (msg->type == EMBD_CTL_DEVICE_REQUEST)
+		return embd_server_device_request(sv, c, msg, err, err_len);
+	return embd_server_table_request(sv, c, msg, err, err_len);
+}
+
 static void socket_event(struct embd_server *sv, struct client *c)
 {
 	struct embd_ctl_msg msg;
@@ -460,7 +471,9 @@ static void socket_event(struct embd_server *sv, struct client *c)
 		break;
 	case EMBD_CTL_TABLE_READ:
 	case EMBD_CTL_TABLE_WRITE:
-		if (embd_server_table_request(sv, c, &msg, err, sizeof(err))) {
+	case EMBD_CTL_DEVICE_REQUEST:
+		/* answered, a refusal too; only an answer that cannot be sent drops the client */
+		if (answer_request(sv, c, &msg, err, sizeof(err))) {
 			embd_ctl_msg_close_fds(&msg);
 			embd_server_drop_client(sv, c, err);
 			return;

@@ -6,6 +6,7 @@
  *   server_ckpt.c      checkpoints: embctl requests, --wait answers, SIGTERM's final one
  *   server_regroup.c   re-forming a cluster after a failure
  *   server_tables.c    live table access (TABLE_READ, TABLE_WRITE)
+ *   server_device.c    device outputs (DEVICE_REQUEST): outputs and gradients on a GPU
  * struct embd_server holds the loop, the sessions and the schedule; the checkpoint and regroup
  * parts keep their state in their own structs, defined in their own files and reached only
  * through the functions below (each of which does nothing, or answers for a plain node, when
@@ -70,6 +71,11 @@ struct client {
 	uint64_t eval_popped_ns;
 	struct embd_kjt eval_kjt;
 	int32_t *eval_lengths;          /* private copy of the evaluation batch's lengths */
+	/* device outputs (server_device.c): its outputs and gradients in memory of its GPU, and
+	 * the host rows the engine writes its EMBD_SQE_DEVICE outputs into first */
+	bool has_device, staging_registered;
+	struct embd_export device;
+	float *staging;                 /* batch_size x total_dim floats */
 	uint64_t requests, errors;
 };
 
@@ -216,6 +222,26 @@ void embd_server_checkpoint_free(struct embd_server *sv);
  * gone), with err. */
 int embd_server_table_request(struct embd_server *sv, struct client *c,
 			      const struct embd_ctl_msg *msg, char *err, size_t err_len);
+
+/* ---- server_device.c ---- */
+
+/* A DEVICE_REQUEST from client c: answered with DEVICE_OUTPUTS and the memory's fd, or an
+ * ERROR that says why not (the client stays, on its slab). Returns only a failure to send the
+ * answer (the client is gone), with err. */
+int embd_server_device_request(struct embd_server *sv, struct client *c,
+			       const struct embd_ctl_msg *msg, char *err, size_t err_len);
+/* Where the engine writes the pooled rows of c's FORWARD or EVAL sqe: its slab span, or with
+ * EMBD_SQE_DEVICE the staging rows, which embd_server_output_done then copies to the span of
+ * its device buffers (0, or an error with err; nothing to do for a slab span). */
+float *embd_server_output(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe);
+int embd_server_output_done(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			    char *err, size_t err_len);
+/* The gradient of c's BACKWARD sqe into `to` (grad.bytes): out of its slab, or of its device
+ * buffers with EMBD_SQE_DEVICE (0, or an error with err). */
+int embd_server_grad_copy(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			  float *to, char *err, size_t err_len);
+/* Frees c's device outputs and staging rows, if any (it leaves). */
+void embd_server_device_free(struct embd_server *sv, struct client *c);
 
 /* ---- server_regroup.c ---- */
 

@@ -301,16 +301,27 @@ static void handle_forward(struct embd_server *sv, struct client *c,
 		wait_from(sv, embd_now_ns());
 }
 
+/* c's EVAL completes with st (err: the batch's message); a lookup that succeeded first goes to
+ * its device buffers (EMBD_SQE_DEVICE), and one that cannot completes with EMBD_EIO. */
+static void complete_eval(struct embd_server *sv, struct client *c, int st, const char *err)
+{
+	char why[EMBD_CQE_MSG_BYTES];
+
+	if (!st && embd_server_output_done(sv, c, &c->eval, why, sizeof(why))) {
+		st = EMBD_EIO;
+		err = why;
+	}
+	embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? err : NULL);
+}
+
 /* One node: the evaluation of c's batch, now and alone. */
 static void run_eval_now(struct embd_server *sv, struct client *c)
 {
-	uint8_t *slab = embd_region_slab(c->region);
 	struct embd_step_batch b = { .kjt = c->eval_kjt,
-				     .pooled = (float *)(slab + c->eval.output.offset) };
+				     .pooled = embd_server_output(sv, c, &c->eval) };
 	int rc = embd_step_eval(sv->step, &b, 1);
-	int st = rc < 0 ? rc : b.status;
 
-	embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? b.err : NULL);
+	complete_eval(sv, c, rc < 0 ? rc : b.status, b.err);
 }
 
 static void handle_eval(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
@@ -397,9 +408,8 @@ static void run_forward(struct embd_server *sv, bool follow)
 	n = forward_slots(sv, sv->batch_slot);
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
-		uint8_t *slab = embd_region_slab(c->region);
 		sv->batches[k] = (struct embd_step_batch){
-			.kjt = c->kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+			.kjt = c->kjt, .pooled = embd_server_output(sv, c, &c->fwd),
 			.trainer = (uint32_t)c->index };
 	}
 	if (sv->prepared && embd_step_prepared(sv->step) && n == sv->num_next &&
@@ -425,11 +435,19 @@ static void run_forward(struct embd_server *sv, bool follow)
 				       embd_strerror(rc));
 		return;
 	}
+	char lost[256] = "";    /* why an output could not reach its trainer's GPU */
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		int st = rc < 0 ? rc : sv->batches[k].status;
-		embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, st,
-				     st ? sv->batches[k].err : NULL);
+		const char *msg = sv->batches[k].err;
+		char why[EMBD_CQE_MSG_BYTES];
+		if (!st && embd_server_output_done(sv, c, &c->fwd, why, sizeof(why))) {
+			st = EMBD_EIO;
+			msg = why;
+			snprintf(lost, sizeof(lost), "trainer %d's pooled output did not reach its "
+				 "GPU: %s", c->index, why);
+		}
+		embd_server_complete(sv, c, &c->fwd, c->fwd_popped_ns, st, st ? msg : NULL);
 		c->has_fwd = false;
 		c->participant = st == 0;
 	}
@@ -439,6 +457,9 @@ static void run_forward(struct embd_server *sv, bool follow)
 	if (rc >= 0 && embd_step_cluster_accepted(sv->step)) {
 		sv->phase = WAIT_BACKWARD;
 		wait_from(sv, embd_now_ns());
+		/* that trainer is out of the step, as one that left: nobody's update runs */
+		if (lost[0])
+			abort_step(sv, EMBD_ECANCELED, lost);
 		return;
 	}
 	if (rc >= 0)    /* the cluster ran it, with no update anywhere */
@@ -466,16 +487,14 @@ static void run_eval_round(struct embd_server *sv)
 			c->eval_sat_out = false;
 			if (!c->has_eval)
 				continue;
-			uint8_t *slab = embd_region_slab(c->region);
 			batches[n] = (struct embd_step_batch){
-				.kjt = c->eval_kjt, .pooled = (float *)(slab + c->eval.output.offset) };
+				.kjt = c->eval_kjt, .pooled = embd_server_output(sv, c, &c->eval) };
 			slot[n++] = i;
 		}
 	int rc = embd_step_eval(sv->step, batches, n);
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[slot[k]];
-		int st = rc < 0 ? rc : batches[k].status;
-		embd_server_complete(sv, c, &c->eval, c->eval_popped_ns, st, st ? batches[k].err : NULL);
+		complete_eval(sv, c, rc < 0 ? rc : batches[k].status, batches[k].err);
 		c->has_eval = false;
 	}
 	if (rc < 0)
@@ -517,38 +536,48 @@ static void warn_nonfinite_rows(struct embd_server *sv, const struct embd_step_c
 }
 
 /*
- * The gradients out of the trainers' slabs into sv->grads, where the engine checks that they
- * are finite and then reads them (engine/step.h). A trainer writes its slab whenever it likes:
- * read in place, a gradient checked finite could turn NaN before the kernels and the gradient
- * exchange read it again, and a NaN would reach shared rows on some ranks or nodes after others
- * applied theirs. The copy the engine checks is the one it uses, and a gradient the trainer
- * changes during the copy is at worst refused. Checking in the kernels instead could only
- * stop in the middle of an update. The cost: one memcpy of batch_size x total_dim floats per
- * trainer and step (docs/benchmarks.md, embd-bench e2e).
+ * The gradients out of the trainers' slabs (or device outputs) into sv->grads, where the engine
+ * checks that they are finite and then reads them (engine/step.h). A trainer writes its slab
+ * whenever it likes: read in place, a gradient checked finite could turn NaN before the
+ * kernels and the gradient exchange read it again, and a NaN would reach shared rows on some
+ * ranks or nodes after others applied theirs. The copy the engine checks is the one it uses,
+ * and a gradient the trainer changes during the copy is at worst refused. Checking in the
+ * kernels instead could only stop in the middle of an update. The cost: one memcpy of
+ * batch_size x total_dim floats per trainer and step (docs/benchmarks.md, embd-bench e2e). A
+ * trainer with device outputs (server_device.c) hands its gradient in on its GPU: the same
+ * one copy, device to host.
  */
-static void copy_grads(struct embd_server *sv)
+static int copy_grads(struct embd_server *sv, char *why, size_t why_len)
 {
-	const uint32_t D = embd_step_layout(sv->step)->total_dim;
 	float *to = sv->grads;
 
 	for (uint32_t k = 0; k < sv->num_batches; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		struct embd_step_batch *b = &sv->batches[k];
+		char err[EMBD_CQE_MSG_BYTES];
 		if (b->status)
 			continue;
-		/* batch_size is the forward's: BACKWARD's was checked against it (handle_backward),
-		 * and the span's size against the slab (embd_sqe_validate) */
-		const size_t n = (size_t)b->kjt.batch_size * D;
-		memcpy(to, (const uint8_t *)embd_region_slab(c->region) + c->bwd.grad.offset,
-		       n * sizeof(float));
+		/* grad.bytes are the forward's batch_size x total_dim floats: BACKWARD's batch_size
+		 * was checked against the forward's (handle_backward), the span against it
+		 * (embd_sqe_validate); from the slab, or from the trainer's GPU */
+		if (embd_server_grad_copy(sv, c, &c->bwd, to, err, sizeof(err)))
+			return snprintf(why, why_len, "trainer %d's gradient did not come from its "
+					"GPU: %s", c->index, err), EMBD_EIO;
 		b->pooled_grad = to;
-		to += n;
+		to += c->bwd.grad.bytes / sizeof(float);
 	}
+	return 0;
 }
 
 static void run_backward(struct embd_server *sv)
 {
-	copy_grads(sv);
+	char why[256];
+
+	if (copy_grads(sv, why, sizeof(why))) {
+		/* no update without every gradient: the step is dropped as for a trainer that left */
+		abort_step(sv, EMBD_ECANCELED, why);
+		return;
+	}
 	int rc = embd_step_backward(sv->step, sv->batches, sv->num_batches);
 	for (uint32_t k = 0; k < sv->num_batches; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
@@ -598,15 +627,15 @@ static void prepare_next(struct embd_server *sv)
 	n = forward_slots(sv, sv->next_slot);
 	for (uint32_t k = 0; k < n; k++) {
 		struct client *c = &sv->clients[sv->next_slot[k]];
-		uint8_t *slab = embd_region_slab(c->region);
-		if (embd_kjt_view_build(&c->fwd, &c->limits, slab, c->next_lengths,
+		if (embd_kjt_view_build(&c->fwd, &c->limits, embd_region_slab(c->region),
+					c->next_lengths,
 					(size_t)c->limits.num_features * c->limits.batch_size + 1,
 					&c->next_kjt, err, sizeof(err))) {
 			sv->unpreparable = sv->s + 1;   /* a posted FORWARD does not change */
 			return;
 		}
 		sv->next_batches[k] = (struct embd_step_batch){
-			.kjt = c->next_kjt, .pooled = (float *)(slab + c->fwd.output.offset),
+			.kjt = c->next_kjt, .pooled = embd_server_output(sv, c, &c->fwd),
 			.trainer = (uint32_t)c->index };
 	}
 	sv->num_next = n;

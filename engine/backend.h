@@ -25,6 +25,7 @@
 #include <stdint.h>
 
 #include "embd/plan.h"
+#include "engine/ranks.h"
 #include "kernels/cache.h"
 #include "kernels/embedding.h"
 
@@ -99,6 +100,13 @@ struct embd_backend {
 			   size_t err_len);
 	int (*comm_copy)(struct embd_backend_rank *r, void *dst, const void *src, uint64_t bytes,
 			 char *err, size_t err_len);
+	/* Device outputs (engine/ranks.h, embd_ranks_export_*): any thread while the ranks are
+	 * idle. export_alloc refuses where the device has no memory to export. */
+	int (*export_alloc)(const uint8_t uuid[16], uint64_t bytes, struct embd_export *out,
+			    char *err, size_t err_len);
+	int (*export_copy)(const struct embd_export *x, uint64_t offset, void *host,
+			   uint64_t bytes, bool to_device, char *err, size_t err_len);
+	void (*export_free)(struct embd_export *x);
 };
 
 extern const struct embd_backend embd_backend_cpu;

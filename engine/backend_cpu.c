@@ -4,14 +4,18 @@
  * kernels/'s CPU ones run on the rank's workers. Also the host memory every backend's host
  * views live in. fused_uvm_caching (which the planner assigns on GPUs only) runs here with its
  * slots in host memory too, so the CPU tests run the cache of engine/ranks_cache.c whole.
+ * Device outputs are refused (no GPU memory), but for the tests' host-memory double.
  */
 #include "engine/backend.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <numa.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 void embd_backend_host_free(bool numa, void *p, uint64_t bytes)
 {
@@ -252,6 +256,70 @@ static int cpu_backward(struct embd_backend_rank *r, const struct embd_exec *exe
 	return embd_kernels_backward(exec, shard, batches, n, err);
 }
 
+/*
+ * Device outputs: a CPU rank has no GPU memory to export. With EMBD_TEST_CPU_DEVICE_OUTPUTS=1
+ * in the environment (tests) a sealed memfd of host memory stands in for it, exported as
+ * EMBD_EXPORT_HOST (the wire says so: a trainer maps it with mmap, never as CUDA memory), so
+ * the CPU tests run the messages, the fd, the server's copies and the lifetime of the path
+ * whole, everything but the device calls of engine/export_cuda.c and the trainer's import.
+ */
+static bool host_exports(void)
+{
+	const char *k = getenv("EMBD_TEST_CPU_DEVICE_OUTPUTS");
+
+	return k && !strcmp(k, "1");
+}
+
+static void cpu_export_free(struct embd_export *x)
+{
+	if (x->state)
+		munmap(x->state, x->bytes);
+	if (x->fd >= 0)
+		close(x->fd);
+	*x = (struct embd_export){ .fd = -1 };
+}
+
+static int cpu_export_alloc(const uint8_t uuid[16], uint64_t bytes, struct embd_export *out,
+			    char *err, size_t err_len)
+{
+	(void)uuid;     /* the double has one "GPU": whichever the trainer names */
+	*out = (struct embd_export){ .memory = EMBD_EXPORT_HOST, .fd = -1 };
+	if (!host_exports()) {
+		snprintf(err, err_len, "the ranks compute on the CPU (compute_device cpu): there is "
+			 "no GPU memory to export; pooled outputs and gradients stay in the slab");
+		return EMBD_ENOTSUP;
+	}
+	out->bytes = (bytes + 4095) & ~(uint64_t)4095;
+	out->fd = memfd_create("embd-device-outputs", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+	if (out->fd < 0 || ftruncate(out->fd, (off_t)out->bytes) != 0)
+		goto fail;
+	void *map = mmap(NULL, out->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, out->fd, 0);
+	if (map == MAP_FAILED)
+		goto fail;
+	out->state = map;
+	/* the trainer maps it too: sealed, so neither side can shrink it into a SIGBUS */
+	if (fcntl(out->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
+		goto fail;
+	return 0;
+fail:;
+	const int e = errno;
+	snprintf(err, err_len, "host memory for device outputs (%llu bytes): %s",
+		 (unsigned long long)out->bytes, strerror(e));
+	cpu_export_free(out);
+	return e == ENOMEM ? EMBD_ENOMEM : EMBD_EIO;
+}
+
+static int cpu_export_copy(const struct embd_export *x, uint64_t offset, void *host,
+			   uint64_t bytes, bool to_device, char *err, size_t err_len)
+{
+	uint8_t *at = (uint8_t *)x->state + offset;
+
+	(void)err;
+	(void)err_len;
+	memcpy(to_device ? at : host, to_device ? host : at, bytes);
+	return 0;
+}
+
 const struct embd_backend embd_backend_cpu = {
 	.name = "cpu",
 	.count = cpu_count,
@@ -264,4 +332,7 @@ const struct embd_backend embd_backend_cpu = {
 	.backward = cpu_backward,
 	.slots_resize = cpu_slots_resize,
 	.slots_copy = cpu_slots_copy,
+	.export_alloc = cpu_export_alloc,
+	.export_copy = cpu_export_copy,
+	.export_free = cpu_export_free,
 };

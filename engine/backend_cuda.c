@@ -12,6 +12,9 @@
  * The engine's arrays are host memory: ids, offsets and weights go over with one copy each,
  * pooled rows and gradients with one strided copy straight to and from their place in the
  * trainer's slab, which the service registers (host_register) so those copies are DMA.
+ * Device outputs (export_*): a cuMemCreate allocation on the GPU a trainer names, exported as
+ * a POSIX fd, through the driver's VMM API (common/cuda_driver.h: dlopen, so embd still starts
+ * without a driver for CPU ranks).
  */
 #include "engine/backend.h"
 
@@ -20,8 +23,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <unistd.h>
+
 #include <cuda_runtime_api.h>
 
+#include "common/cuda_driver.h"
 #include "kernels/embedding_cuda.h"
 
 struct embd_backend_rank {
@@ -506,6 +512,196 @@ static int cuda_comm_copy(struct embd_backend_rank *r, void *dst, const void *sr
 	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, "cudaMemcpy (comm staging)");
 }
 
+/* ---- device outputs ------------------------------------------------------------------------ */
+
+/* An export's state: the allocation, this process's mapping of it, and a stream for copies. */
+struct cuda_export {
+	const struct embd_cuda_driver *drv;
+	int ordinal;                    /* the GPU in this process's numbering */
+	embd_cu_mem_handle handle;
+	bool created, mapped;
+	embd_cu_ptr va;                 /* 0: no address range reserved */
+	cudaStream_t stream;
+};
+
+static int driver_fail(const struct embd_cuda_driver *d, embd_cu_result e, const char *what,
+		       char *err, size_t err_len)
+{
+	char text[160];
+
+	snprintf(err, err_len, "%s: %s", what, embd_cuda_driver_strerror(d, e, text, sizeof(text)));
+	return e == EMBD_CU_ERROR_OUT_OF_MEMORY ? EMBD_ENOMEM : EMBD_EIO;
+}
+
+/* The GPU with uuid among those this process sees: its ordinal and device, or EMBD_ENOENT
+ * naming every GPU it does see. */
+static int find_gpu(const struct embd_cuda_driver *d, const uint8_t uuid[16], int *ordinal,
+		    embd_cu_device *dev, char *err, size_t err_len)
+{
+	char want[EMBD_CUDA_UUID_TEXT], seen[720] = "";     /* 8 GPUs, about 60 bytes each */
+	size_t at = 0;
+	embd_cu_result e;
+	int n = 0;
+
+	if ((e = d->cuInit(0)) || (e = d->cuDeviceGetCount(&n)))
+		return driver_fail(d, e, "cuDeviceGetCount", err, err_len);
+	for (int i = 0; i < n; i++) {
+		char text[EMBD_CUDA_UUID_TEXT], bus[32] = "?";
+		uint8_t u[16];
+		if ((e = d->cuDeviceGet(dev, i)) || (e = d->cuDeviceGetUuid_v2(u, *dev)))
+			return driver_fail(d, e, "cuDeviceGetUuid_v2", err, err_len);
+		if (!memcmp(u, uuid, sizeof(u))) {
+			*ordinal = i;
+			return 0;
+		}
+		d->cuDeviceGetPCIBusId(bus, (int)sizeof(bus), *dev);
+		if (at < sizeof(seen))
+			at += (size_t)snprintf(seen + at, sizeof(seen) - at, "%s%d %s (%s)",
+					       i ? ", " : "", i, embd_cuda_uuid_text(u, text), bus);
+	}
+	snprintf(err, err_len, "no GPU %s among the %d this service sees (its "
+		 "CUDA_VISIBLE_DEVICES): %s", embd_cuda_uuid_text(uuid, want), n, n ? seen : "none");
+	return EMBD_ENOENT;
+}
+
+static void cuda_export_free(struct embd_export *out)
+{
+	struct cuda_export *x = out->state;
+
+	if (x) {
+		if (x->stream) {
+			cudaSetDevice(x->ordinal);
+			cudaStreamSynchronize(x->stream);
+			cudaStreamDestroy(x->stream);
+		}
+		if (x->mapped)
+			x->drv->cuMemUnmap(x->va, out->bytes);
+		if (x->va)
+			x->drv->cuMemAddressFree(x->va, out->bytes);
+		if (x->created)
+			x->drv->cuMemRelease(x->handle);   /* the trainer's import keeps its own */
+		free(x);
+	}
+	if (out->fd >= 0)
+		close(out->fd);
+	*out = (struct embd_export){ .fd = -1 };
+}
+
+/* Whether the driver can export memory of dev as a POSIX fd; EMBD_ENOTSUP saying why not. */
+static int check_exportable(const struct embd_cuda_driver *d, embd_cu_device dev,
+			    const uint8_t uuid[16], char *err, size_t err_len)
+{
+	char text[EMBD_CUDA_UUID_TEXT];
+	int vmm = 0, posix_fd = 0;
+	embd_cu_result e;
+
+	if ((e = d->cuDeviceGetAttribute(&vmm, EMBD_CU_ATTR_VMM_SUPPORTED, dev)) ||
+	    (e = d->cuDeviceGetAttribute(&posix_fd, EMBD_CU_ATTR_POSIX_FD_SUPPORTED, dev)))
+		return driver_fail(d, e, "cuDeviceGetAttribute", err, err_len);
+	if (!vmm || !posix_fd)
+		return snprintf(err, err_len, "GPU %s: the driver %s", embd_cuda_uuid_text(uuid, text),
+				!vmm ? "has no virtual memory management on it "
+				       "(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
+				     : "cannot export its memory as a POSIX file descriptor "
+				       "(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)"),
+		       EMBD_ENOTSUP;
+	return 0;
+}
+
+static int cuda_export_alloc(const uint8_t uuid[16], uint64_t bytes, struct embd_export *out,
+			     char *err, size_t err_len)
+{
+	const struct embd_cuda_driver *d;
+	struct cuda_export *x;
+	embd_cu_device dev = 0;
+	size_t granularity = 0;
+	embd_cu_result e = 0;
+	const char *what = "";
+	int rc, fd = -1;
+
+	*out = (struct embd_export){ .memory = EMBD_EXPORT_CUDA, .fd = -1 };
+	if ((rc = embd_cuda_driver(&d, err, err_len)))
+		return rc;
+	if (!(x = calloc(1, sizeof(*x))))
+		return snprintf(err, err_len, "out of memory"), EMBD_ENOMEM;
+	x->drv = d;
+	out->state = x;
+	if ((rc = find_gpu(d, uuid, &x->ordinal, &dev, err, err_len)) ||
+	    (rc = check_exportable(d, dev, uuid, err, err_len)))
+		goto out;
+	/* this thread's current device: the copies run here, and the driver finds its context */
+	cudaError_t ce = cudaSetDevice(x->ordinal);
+	if (ce == cudaSuccess)
+		ce = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking);
+	if (ce != cudaSuccess) {
+		rc = cuda_fail_msg(err, err_len, ce, "cudaStreamCreateWithFlags (device outputs)");
+		goto out;
+	}
+	const struct embd_cu_alloc_prop prop = {
+		.type = EMBD_CU_MEM_ALLOCATION_PINNED,
+		.requested_handle_types = EMBD_CU_MEM_HANDLE_POSIX_FD,
+		.location = { EMBD_CU_MEM_LOCATION_DEVICE, dev },
+	};
+	const struct embd_cu_access_desc access = { { EMBD_CU_MEM_LOCATION_DEVICE, dev },
+						    EMBD_CU_MEM_ACCESS_READWRITE };
+	what = "cuMemGetAllocationGranularity";
+	if ((e = d->cuMemGetAllocationGranularity(&granularity, &prop,
+						  EMBD_CU_GRANULARITY_RECOMMENDED)))
+		goto driver;
+	out->bytes = (bytes + granularity - 1) / granularity * granularity;
+	what = "cuMemCreate";
+	if ((e = d->cuMemCreate(&x->handle, out->bytes, &prop, 0)))
+		goto driver;
+	x->created = true;
+	what = "cuMemExportToShareableHandle";
+	if ((e = d->cuMemExportToShareableHandle(&fd, x->handle, EMBD_CU_MEM_HANDLE_POSIX_FD, 0)))
+		goto driver;
+	out->fd = fd;
+	what = "cuMemAddressReserve";
+	if ((e = d->cuMemAddressReserve(&x->va, out->bytes, 0, 0, 0)))
+		goto driver;
+	what = "cuMemMap";
+	if ((e = d->cuMemMap(x->va, out->bytes, 0, x->handle, 0)))
+		goto driver;
+	x->mapped = true;
+	what = "cuMemSetAccess";
+	if ((e = d->cuMemSetAccess(x->va, out->bytes, &access, 1)))
+		goto driver;
+	/* fresh memory may hold what an earlier owner left in it: the trainer sees zeros */
+	ce = cudaMemsetAsync((void *)(uintptr_t)x->va, 0, out->bytes, x->stream);
+	if (ce == cudaSuccess)
+		ce = cudaStreamSynchronize(x->stream);
+	if (ce != cudaSuccess) {
+		rc = cuda_fail_msg(err, err_len, ce, "clearing device outputs");
+		goto out;
+	}
+	return 0;
+driver:
+	rc = driver_fail(d, e, what, err, err_len);
+out:
+	cuda_export_free(out);
+	return rc;
+}
+
+static int cuda_export_copy(const struct embd_export *out, uint64_t offset, void *host,
+			    uint64_t bytes, bool to_device, char *err, size_t err_len)
+{
+	const struct cuda_export *x = out->state;
+	void *dev = (void *)(uintptr_t)(x->va + offset);
+	cudaError_t e = cudaSetDevice(x->ordinal);
+
+	if (e == cudaSuccess)
+		e = cudaMemcpyAsync(to_device ? dev : host, to_device ? host : dev, bytes,
+				    to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost,
+				    x->stream);
+	/* complete, not only enqueued: the trainer reads it once the request completes */
+	if (e == cudaSuccess)
+		e = cudaStreamSynchronize(x->stream);
+	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, to_device ?
+						    "copying pooled rows to a trainer's GPU" :
+						    "copying a gradient from a trainer's GPU");
+}
+
 const struct embd_backend embd_backend_cuda = {
 	.name = "cuda",
 	.count = cuda_count,
@@ -524,4 +720,7 @@ const struct embd_backend embd_backend_cuda = {
 	.host_unregister = cuda_host_unregister,
 	.comm_buffer = cuda_comm_buffer,
 	.comm_copy = cuda_comm_copy,
+	.export_alloc = cuda_export_alloc,
+	.export_copy = cuda_export_copy,
+	.export_free = cuda_export_free,
 };

@@ -515,6 +515,32 @@ void embd_ranks_host_unregister(struct embd_ranks *rs, void *p)
 		rs->backend->host_unregister(rs->ranks[0].dev, p);
 }
 
+int embd_ranks_export_alloc(struct embd_ranks *rs, const uint8_t uuid[16], uint64_t bytes,
+			    struct embd_export *out, char *err, size_t err_len)
+{
+	*out = (struct embd_export){ .fd = -1 };
+	if (!rs->backend->export_alloc)
+		return snprintf(err, err_len, "the %s ranks have no memory to export",
+				rs->backend->name), EMBD_ENOTSUP;
+	return rs->backend->export_alloc(uuid, bytes, out, err, err_len);
+}
+
+int embd_ranks_export_copy(struct embd_ranks *rs, const struct embd_export *x, uint64_t offset,
+			   void *host, uint64_t bytes, bool to_device, char *err, size_t err_len)
+{
+	if (offset > x->bytes || bytes > x->bytes - offset)
+		return snprintf(err, err_len, "[%llu, +%llu) is outside the %llu exported bytes",
+				(unsigned long long)offset, (unsigned long long)bytes,
+				(unsigned long long)x->bytes), EMBD_ERANGE;
+	return rs->backend->export_copy(x, offset, host, bytes, to_device, err, err_len);
+}
+
+void embd_ranks_export_free(struct embd_ranks *rs, struct embd_export *x)
+{
+	if (x->state || x->fd >= 0)
+		rs->backend->export_free(x);
+}
+
 bool embd_ranks_comm_buffers(const struct embd_ranks *rs)
 {
 	return rs->backend->comm_buffer && rs->backend->comm_copy;

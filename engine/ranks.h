@@ -127,6 +127,44 @@ int embd_ranks_host_register(struct embd_ranks *ranks, void *p, size_t bytes, ch
 void embd_ranks_host_unregister(struct embd_ranks *ranks, void *p);
 
 /*
+ * Device outputs (ipc/README.md "Device outputs"): memory a trainer maps, for its pooled
+ * outputs and gradients, on the GPU with UUID uuid. The step engine keeps computing into host
+ * memory; the server copies a trainer's rows in (export_copy to_device) after each forward
+ * and its gradients out before each backward, so all of the orchestration is the same code
+ * for every device. CUDA: a cuMemCreate allocation on that GPU (any GPU this process sees, a
+ * rank's or not), exported as a POSIX fd. CPU ranks refuse (EMBD_ENOTSUP: no GPU memory),
+ * unless EMBD_TEST_CPU_DEVICE_OUTPUTS=1 is in the environment (tests: a sealed memfd of host
+ * memory stands for the GPU's, so the CPU tests run every step of the path but the device
+ * calls). Refusals: EMBD_ENOTSUP (CPU ranks; a driver without the VMM API or POSIX fd
+ * handles), EMBD_ENOENT (no such GPU here), EMBD_ENOMEM, EMBD_EIO, with err in one line.
+ * Caller's thread while the ranks are idle (the server's loop).
+ */
+enum embd_export_memory {
+	EMBD_EXPORT_CUDA = 1,           /* fd: a CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR handle */
+	EMBD_EXPORT_HOST = 2,           /* fd: a sealed memfd (the CPU's test double) */
+};
+
+struct embd_export {
+	enum embd_export_memory memory;
+	uint64_t bytes;                 /* of the allocation, >= the bytes asked for: what the
+					 * trainer maps */
+	int fd;                         /* the shareable handle: the caller sends it and closes it
+					 * (-1 then); embd_ranks_export_free closes it otherwise */
+	void *state;                    /* the backend's */
+};
+
+int embd_ranks_export_alloc(struct embd_ranks *ranks, const uint8_t uuid[16], uint64_t bytes,
+			    struct embd_export *out, char *err, size_t err_len);
+/* Copies bytes between host memory and [offset, offset + bytes) of the export, either
+ * direction; complete on return (the trainer may read what was copied in). */
+int embd_ranks_export_copy(struct embd_ranks *ranks, const struct embd_export *x,
+			   uint64_t offset, void *host, uint64_t bytes, bool to_device, char *err,
+			   size_t err_len);
+/* Frees the service's side (the trainer's mapping keeps its own reference) and leaves *x as
+ * a failed alloc does (fd -1, state NULL): freeing that again is a no-op. */
+void embd_ranks_export_free(struct embd_ranks *ranks, struct embd_export *x);
+
+/*
  * Staging for a cluster comm that moves device memory (dist/comm.h: nccl, whose lane r is
  * rank r's GPU). embd_ranks_comm_buffers: whether this device can back such a comm (false on
  * the CPU, whose comm reads host memory). From inside embd_ranks_run on rank: a buffer of at

@@ -277,6 +277,12 @@ static int payload_rule(uint16_t type, uint32_t *want, bool *exact)
 	case EMBD_CTL_TABLE_DONE:
 		*want = sizeof(struct embd_ctl_table_reply);
 		return 0;
+	case EMBD_CTL_DEVICE_REQUEST:
+		*want = sizeof(struct embd_ctl_device_request);
+		return 0;
+	case EMBD_CTL_DEVICE_OUTPUTS:
+		*want = sizeof(struct embd_ctl_device_outputs);
+		return 0;
 	case EMBD_CTL_STATS_REPLY:
 	case EMBD_CTL_STATUS_REPLY:
 	case EMBD_CTL_CHECKPOINT_REPLY:
@@ -415,7 +421,7 @@ int embd_ctl_recv(int sock, void *buf, size_t buf_bytes, int timeout_ms, struct 
 	rc = embd_ctl_parse(buf, (size_t)n, msg, err, err_len);
 	if (rc)
 		goto out;
-	if (got.nfds && msg->type != EMBD_CTL_WELCOME) {
+	if (got.nfds && msg->type != EMBD_CTL_WELCOME && msg->type != EMBD_CTL_DEVICE_OUTPUTS) {
 		rc = embd_fail(err, err_len, EMBD_EPROTO, "recv: type %u may not carry fds",
 			      (unsigned)msg->type);
 		goto out;

@@ -4,9 +4,10 @@
  *
  * The one idea: everything that arrives is untrusted bytes. embd_ctl_parse checks the header
  * and the payload length of each type; the per-type decoders copy fields into private structs
- * and check every count, index and string, naming the field in the error. Only WELCOME may
- * carry file descriptors (the region memfd, optionally an eventfd); any other passed fd is
- * closed and refused. Wire format and message sequence: ipc/README.md.
+ * and check every count, index and string, naming the field in the error. Only WELCOME (the
+ * region memfd, optionally an eventfd) and DEVICE_OUTPUTS (the device memory's fd) may carry
+ * file descriptors; any other passed fd is closed and refused. Wire format and message
+ * sequence: ipc/README.md.
  */
 #ifndef EMBD_IPC_CONTROL_H
 #define EMBD_IPC_CONTROL_H
@@ -39,6 +40,9 @@ enum embd_ctl_type {
 	EMBD_CTL_TABLE_DATA = 11,       /* service -> client: struct embd_ctl_table_reply, rows */
 	EMBD_CTL_TABLE_WRITE = 12,      /* client -> service: the request, ids, rows */
 	EMBD_CTL_TABLE_DONE = 13,       /* service -> client: struct embd_ctl_table_reply */
+	EMBD_CTL_DEVICE_REQUEST = 14,   /* trainer -> service: struct embd_ctl_device_request */
+	EMBD_CTL_DEVICE_OUTPUTS = 15,   /* service -> trainer: struct embd_ctl_device_outputs;
+					 * fd: the memory */
 };
 
 /* Wire header of every message (host byte order: both ends are on one machine). */
@@ -107,6 +111,45 @@ static inline uint32_t embd_ctl_table_max_rows(uint32_t cols)
 {
 	return EMBD_CTL_TABLE_BYTES_MAX / (8u + 4u * cols);
 }
+
+/*
+ * Device outputs (ipc/README.md "Device outputs"): a trainer asks, any time after WELCOME and
+ * once per connection, for its pooled outputs and gradients in memory of its GPU, named by
+ * the GPU's UUID (the same in every process, whatever CUDA_VISIBLE_DEVICES renumbers). The
+ * service answers DEVICE_OUTPUTS with one fd and the buffers' offsets in it, or an ERROR that
+ * says why not (the connection stays, the slab's buffers keep working). Requests that use the
+ * buffers carry EMBD_SQE_DEVICE (protocol.h).
+ */
+#define EMBD_CTL_DEVICE_SLOTS 2         /* a pooled and a grad buffer per batch slot */
+#define EMBD_CTL_DEVICE_ALIGN 256u      /* buffers start on multiples of it */
+#define EMBD_CTL_DEVICE_BYTES_MAX (UINT64_C(1) << 40)
+
+struct embd_ctl_device_request {
+	uint8_t uuid[16];               /* the GPU: cuDeviceGetUuid_v2 of the trainer's device */
+	uint32_t flags;                 /* zero (none defined) */
+	uint32_t reserved;              /* zero */
+};
+_Static_assert(sizeof(struct embd_ctl_device_request) == 24, "no padding on the wire");
+
+/* What DEVICE_OUTPUTS' fd is. */
+enum embd_ctl_memory {
+	EMBD_CTL_MEMORY_CUDA = 1,       /* a CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR handle of a
+					 * cuMemCreate allocation on the GPU asked for */
+	EMBD_CTL_MEMORY_HOST = 2,       /* a sealed memfd of host memory: CPU ranks' test double
+					 * (EMBD_TEST_CPU_DEVICE_OUTPUTS), never otherwise */
+};
+
+struct embd_ctl_device_outputs {
+	uint8_t uuid[16];               /* the request's GPU */
+	uint32_t memory;                /* enum embd_ctl_memory */
+	uint32_t num_slots;             /* EMBD_CTL_DEVICE_SLOTS */
+	uint64_t bytes;                 /* of the allocation: the importer maps [0, bytes) */
+	uint64_t buffer_bytes;          /* of each buffer: the layout's batch_size x total_dim
+					 * floats at least */
+	uint64_t pooled[EMBD_CTL_DEVICE_SLOTS];     /* offsets of slot s's buffers */
+	uint64_t grad[EMBD_CTL_DEVICE_SLOTS];
+};
+_Static_assert(sizeof(struct embd_ctl_device_outputs) == 72, "no padding on the wire");
 
 /* One table as a client sees it. */
 struct embd_layout_table {
@@ -292,6 +335,18 @@ int embd_ctl_table_reply_encode(enum embd_ctl_type type, const struct embd_ctl_t
  * the payload (NULL for DONE). EMBD_EPROTO naming the field. */
 int embd_ctl_table_reply_decode(const struct embd_ctl_msg *msg, struct embd_ctl_table_reply *out,
 				const float **rows, char *err, size_t err_len);
+
+/* DEVICE_REQUEST: decode checks flags and reserved (EMBD_EPROTO naming the field). */
+int embd_ctl_device_request_decode(const struct embd_ctl_msg *msg,
+				   struct embd_ctl_device_request *out, char *err, size_t err_len);
+/*
+ * DEVICE_OUTPUTS: decode checks the memory kind, the slot count, bytes within
+ * EMBD_CTL_DEVICE_BYTES_MAX, and that every buffer is EMBD_CTL_DEVICE_ALIGN-aligned, inside
+ * [0, bytes) and apart from the others; with fds (msg->nfds != 0), exactly one. EMBD_EPROTO
+ * naming the field.
+ */
+int embd_ctl_device_outputs_decode(const struct embd_ctl_msg *msg,
+				   struct embd_ctl_device_outputs *out, char *err, size_t err_len);
 
 /* Closes the fds a message carries and clears msg->nfds (for refused messages). */
 void embd_ctl_msg_close_fds(struct embd_ctl_msg *msg);

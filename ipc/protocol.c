@@ -31,8 +31,10 @@ static int check_absent(const struct embd_slab_span *span, const char *name, con
 	return 0;
 }
 
-static int check_span(const struct embd_slab_span *span, const char *name, uint64_t want_bytes,
-		      uint64_t align, uint64_t slab_bytes, char *err, size_t err_len)
+/* space: "slab" or "device buffers", whichever the span's offsets count in */
+static int check_span_in(const struct embd_slab_span *span, const char *name,
+			 uint64_t want_bytes, uint64_t align, const char *space, uint64_t space_bytes,
+			 char *err, size_t err_len)
 {
 	if (span->bytes != want_bytes)
 		return embd_fail(err, err_len, EMBD_EINVAL,
@@ -42,11 +44,32 @@ static int check_span(const struct embd_slab_span *span, const char *name, uint6
 		return embd_fail(err, err_len, EMBD_EINVAL,
 				"sqe.%s.offset: %" PRIu64 " is not %" PRIu64 "-byte aligned",
 				name, span->offset, align);
-	if (span->offset > slab_bytes || span->bytes > slab_bytes - span->offset)
+	if (span->offset > space_bytes || span->bytes > space_bytes - span->offset)
 		return embd_fail(err, err_len, EMBD_ERANGE,
-				"sqe.%s: [%" PRIu64 ", +%" PRIu64 ") lies outside the slab of %" PRIu64
-				" bytes", name, span->offset, span->bytes, slab_bytes);
+				"sqe.%s: [%" PRIu64 ", +%" PRIu64 ") lies outside the %s of %" PRIu64
+				" bytes", name, span->offset, span->bytes, space, space_bytes);
 	return 0;
+}
+
+static int check_span(const struct embd_slab_span *span, const char *name, uint64_t want_bytes,
+		      uint64_t align, uint64_t slab_bytes, char *err, size_t err_len)
+{
+	return check_span_in(span, name, want_bytes, align, "slab", slab_bytes, err, err_len);
+}
+
+/* output or grad: in the slab, or with EMBD_SQE_DEVICE in the trainer's device buffers */
+static int check_result_span(const struct embd_sqe *sqe, const struct embd_slab_span *span,
+			     const char *name, uint64_t want_bytes,
+			     const struct embd_batch_limits *lim, char *err, size_t err_len)
+{
+	if (!(sqe->flags & EMBD_SQE_DEVICE))
+		return check_span(span, name, want_bytes, sizeof(float), lim->slab_bytes, err,
+				  err_len);
+	if (!lim->device_bytes)
+		return embd_fail(err, err_len, EMBD_EINVAL, "sqe.flags: DEVICE, but this trainer has "
+				 "no device outputs (ask with DEVICE_REQUEST first)");
+	return check_span_in(span, name, want_bytes, sizeof(float), "device buffers",
+			     lim->device_bytes, err, err_len);
 }
 
 static bool spans_overlap(const struct embd_slab_span *a, const struct embd_slab_span *b)
@@ -100,11 +123,11 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 		rc = check_absent(&sqe->grad, "grad", op, err, err_len);
 		if (rc)
 			return rc;
-		rc = check_span(&sqe->output, "output", pooled_bytes, sizeof(float), slab, err, err_len);
+		rc = check_result_span(sqe, &sqe->output, "output", pooled_bytes, lim, err, err_len);
 		if (rc)
 			return rc;
 		/* the service writes output while it may still read the inputs */
-		for (int i = 0; i < 3; i++)
+		for (int i = 0; i < 3 && !(sqe->flags & EMBD_SQE_DEVICE); i++)
 			if (spans_overlap(&sqe->output, inputs[i]))
 				return embd_fail(err, err_len, EMBD_EINVAL,
 						"sqe.output: overlaps sqe.%s", input_names[i]);
@@ -113,7 +136,7 @@ static int check_batch(const struct embd_sqe *sqe, const struct embd_batch_limit
 	rc = check_absent(&sqe->output, "output", "for BACKWARD", err, err_len);
 	if (rc)
 		return rc;
-	return check_span(&sqe->grad, "grad", pooled_bytes, sizeof(float), slab, err, err_len);
+	return check_result_span(sqe, &sqe->grad, "grad", pooled_bytes, lim, err, err_len);
 }
 
 int embd_sqe_validate(const struct embd_sqe *sqe, const struct embd_batch_limits *lim,

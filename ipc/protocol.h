@@ -24,9 +24,13 @@ enum embd_op {
 };
 
 #define EMBD_SQE_WEIGHTED (1u << 0)     /* the batch carries per-id weights */
-#define EMBD_SQE_FLAGS_ALL EMBD_SQE_WEIGHTED
+#define EMBD_SQE_DEVICE (1u << 1)       /* output (FORWARD, EVAL) or grad (BACKWARD) is a span of
+					 * the trainer's device buffers (control.h's
+					 * DEVICE_OUTPUTS), not of the slab */
+#define EMBD_SQE_FLAGS_ALL (EMBD_SQE_WEIGHTED | EMBD_SQE_DEVICE)
 
-/* A byte range of the slab: [offset, offset + bytes). bytes == 0 means "absent". */
+/* A byte range of the slab (or, for output and grad under EMBD_SQE_DEVICE, of the device
+ * buffers): [offset, offset + bytes). bytes == 0 means "absent". */
 struct embd_slab_span {
 	uint64_t offset;
 	uint64_t bytes;
@@ -78,13 +82,16 @@ struct embd_batch_limits {
 	uint32_t batch_size;            /* B: the most samples of one batch */
 	uint32_t total_dim;             /* columns of the pooled output */
 	uint64_t max_values;            /* cap on num_values per batch */
+	uint64_t device_bytes;          /* of the trainer's device buffers; 0: it has none, and
+					 * EMBD_SQE_DEVICE is refused */
 };
 
 /*
  * Checks a private copy of an SQE: opcode, flags, reserved words, batch size (1 .. B), value
  * count, and for each span its size (exact, from the limits and the SQE's batch size),
- * alignment and bounds within the slab
- * (overflow-safe), and that the output span does not overlap an input span.
+ * alignment and bounds within the slab, or for output and grad with EMBD_SQE_DEVICE within
+ * lim->device_bytes (overflow-safe), and that an output span in the slab does not overlap an
+ * input span.
  * Returns 0, or EMBD_EINVAL (bad opcode, flags, reserved, batch size, span size or alignment),
  * EMBD_ERANGE (span outside the slab or num_values over the cap) with a message naming the
  * field in err (may be NULL).

@@ -6,7 +6,8 @@
  * slots (lengths, values, weights, pooled, grad, each 64-byte aligned), so a request is just
  * a slot number turned into an SQE of slab spans; the service checks every span anyway.
  * Waiting is bounded spinning, then a futex sleep on the CQ doorbell in 100 ms slices so a
- * dead service is noticed (socket hangup) instead of sleeping forever.
+ * dead service is noticed (socket hangup) instead of sleeping forever. Device outputs
+ * (libclient/device.h) only swap the slots' pooled and grad spans for spans of the GPU buffers.
  */
 #include "embd/client.h"
 
@@ -22,6 +23,7 @@
 #include "ipc/protocol.h"
 #include "ipc/region.h"
 #include "libclient/client_internal.h"
+#include "libclient/device.h"
 
 /* Looks at the completion ring before sleeping: ~0.1 ms with pause on x86, far more than
  * any IPC round trip, far less than a step. Spinning longer (20000 was ~1 ms) only takes the
@@ -46,7 +48,12 @@ struct embd_client {
 	struct embd_client_feature *features;
 	struct slot_spans slots[EMBD_CLIENT_SLOTS];
 	uint64_t next_user_data;
-	uint8_t *table_buf;             /* one control message, for table access (lazily) */
+	uint8_t *table_buf;             /* one control message, for table access and device
+					 * outputs (lazily) */
+	/* device outputs: non-NULL once granted; then every batch's pooled and grad are there */
+	struct client_device *device;
+	struct embd_device_outputs device_out;
+	struct embd_ctl_device_outputs device_spans;    /* the service's offsets */
 	char last_error[EMBD_CTL_TEXT_MAX + 64];
 };
 
@@ -224,6 +231,7 @@ void embd_close(struct embd_client *c)
 {
 	if (!c)
 		return;
+	client_device_unmap(c->device);
 	embd_region_destroy(c->region);
 	if (c->eventfd >= 0)
 		close(c->eventfd);
@@ -256,8 +264,8 @@ int embd_batch_get(struct embd_client *c, uint32_t slot, struct embd_batch *out)
 		.lengths = (int32_t *)(slab + s->lengths.offset),
 		.values = (int64_t *)(slab + s->values.offset),
 		.weights = (float *)(slab + s->weights.offset),
-		.pooled = (float *)(slab + s->pooled.offset),
-		.grad = (float *)(slab + s->grad.offset),
+		.pooled = c->device ? c->device_out.pooled[slot] : (float *)(slab + s->pooled.offset),
+		.grad = c->device ? c->device_out.grad[slot] : (float *)(slab + s->grad.offset),
 	};
 	return 0;
 }
@@ -314,14 +322,20 @@ int embd_client_sqe_build(struct embd_client *c, const struct embd_request *req,
 						(uint64_t)l->num_features * b * sizeof(int32_t) };
 	sqe->values = (struct embd_slab_span){ s->values.offset, req->num_values * sizeof(int64_t) };
 	if (req->weighted) {
-		sqe->flags = EMBD_SQE_WEIGHTED;
+		sqe->flags |= EMBD_SQE_WEIGHTED;
 		sqe->weights = (struct embd_slab_span){ s->weights.offset,
 							req->num_values * sizeof(float) };
 	}
+	/* the slot's pooled and grad: in the slab, or at the service's offsets on the GPU */
+	const bool device = c->device != NULL;
+	if (device)
+		sqe->flags |= EMBD_SQE_DEVICE;
 	if (req->op == EMBD_REQUEST_FORWARD || req->op == EMBD_REQUEST_EVAL)
-		sqe->output = (struct embd_slab_span){ s->pooled.offset, out_bytes };
+		sqe->output = (struct embd_slab_span){
+			device ? c->device_spans.pooled[req->slot] : s->pooled.offset, out_bytes };
 	else
-		sqe->grad = (struct embd_slab_span){ s->grad.offset, out_bytes };
+		sqe->grad = (struct embd_slab_span){
+			device ? c->device_spans.grad[req->slot] : s->grad.offset, out_bytes };
 	return 0;
 }
 
@@ -433,6 +447,95 @@ int embd_eval(struct embd_client *c, uint32_t slot, uint32_t batch_size, uint64_
 	return embd_run(c, &req);
 }
 
+/*
+ * One request on the control socket (payload may lie in c->table_buf: it is sent before the
+ * answer overwrites it) and its answer into c->table_buf; the service's ERROR comes back as its
+ * code, its text after `what`.
+ */
+static int control_call(struct embd_client *c, enum embd_ctl_type type, const void *payload,
+			uint32_t len, const char *what, struct embd_ctl_msg *msg)
+{
+	char *e = c->last_error;
+	const size_t el = sizeof(c->last_error);
+	int rc, code;
+
+	if (!c->table_buf && !(c->table_buf = malloc(EMBD_CTL_MSG_MAX)))
+		return fail(c, EMBD_ENOMEM, "%s: out of memory", what);
+	if ((rc = embd_ctl_send(c->sock, type, payload, len, NULL, 0, e, el)) ||
+	    (rc = embd_ctl_recv(c->sock, c->table_buf, EMBD_CTL_MSG_MAX, -1, msg, e, el)))
+		return rc;
+	if (msg->type != EMBD_CTL_ERROR)
+		return 0;
+	char text[EMBD_CTL_TEXT_MAX + 1];
+	rc = embd_ctl_error_decode(msg, &code, text, sizeof(text), e, el);
+	return rc ? rc : fail(c, code < 0 ? code : EMBD_EPROTO, "%s: %s", what, text);
+}
+
+/* ---- device outputs ------------------------------------------------------------------------ */
+
+int embd_client_device_outputs_uuid(struct embd_client *c, const uint8_t uuid[16],
+				    int cuda_device, struct embd_device_outputs *out)
+{
+	const struct embd_client_layout *l = &c->layout;
+	const uint64_t rows = (uint64_t)l->batch_size * l->total_dim * sizeof(float);
+	struct embd_ctl_device_request req = { .flags = 0 };
+	struct embd_ctl_device_outputs *rep = &c->device_spans;
+	struct embd_ctl_msg msg = { .nfds = 0 };
+	uint8_t *base;
+	int rc;
+
+	if (c->device)
+		return fail(c, EMBD_EBUSY, "device outputs: this handle has them already");
+	memcpy(req.uuid, uuid, sizeof(req.uuid));
+	if ((rc = control_call(c, EMBD_CTL_DEVICE_REQUEST, &req, sizeof(req), "the service refused",
+			       &msg)))
+		goto out;
+	rc = fail(c, EMBD_EPROTO, "device outputs: message type %u with %u fds answers the request",
+		  msg.type, msg.nfds);
+	if (msg.type != EMBD_CTL_DEVICE_OUTPUTS || msg.nfds != 1)
+		goto out;
+	if ((rc = embd_ctl_device_outputs_decode(&msg, rep, c->last_error, sizeof(c->last_error))))
+		goto out;
+	rc = fail(c, EMBD_EPROTO, "device outputs: buffers of %llu bytes, the layout's need %llu",
+		  (unsigned long long)rep->buffer_bytes, (unsigned long long)rows);
+	if (rep->buffer_bytes < rows)
+		goto out;
+	rc = fail(c, EMBD_EPROTO, "device outputs: the answer is for another GPU than asked");
+	if (memcmp(rep->uuid, uuid, sizeof(rep->uuid)))
+		goto out;
+	rc = client_device_map(rep, msg.fds[0], cuda_device, &c->device, &base, c->last_error,
+			       sizeof(c->last_error));
+	msg.fds[0] = -1;        /* taken, whatever happened */
+	msg.nfds = 0;
+	if (rc)
+		goto out;
+	c->device_out = (struct embd_device_outputs){
+		.cuda_device = cuda_device, .on_device = rep->memory == EMBD_CTL_MEMORY_CUDA,
+		.buffer_bytes = rep->buffer_bytes };
+	for (uint32_t s = 0; s < EMBD_CLIENT_SLOTS; s++) {
+		c->device_out.pooled[s] = (float *)(void *)(base + rep->pooled[s]);
+		c->device_out.grad[s] = (float *)(void *)(base + rep->grad[s]);
+	}
+	*out = c->device_out;
+	c->last_error[0] = 0;
+out:
+	embd_ctl_msg_close_fds(&msg);
+	return rc;
+}
+
+int embd_device_outputs(struct embd_client *c, int cuda_device, struct embd_device_outputs *out)
+{
+	uint8_t uuid[16];
+	char why[sizeof(c->last_error) - 32];
+	int rc;
+
+	if (c->device)
+		return fail(c, EMBD_EBUSY, "device outputs: this handle has them already");
+	if ((rc = client_device_uuid(cuda_device, uuid, why, sizeof(why))))
+		return fail(c, rc, "device outputs: %s", why);
+	return embd_client_device_outputs_uuid(c, uuid, cuda_device, out);
+}
+
 /* ---- live table access --------------------------------------------------------------------- */
 
 /*
@@ -443,31 +546,24 @@ static int table_call(struct embd_client *c, enum embd_ctl_type type,
 		      const struct embd_ctl_table_request *req, const int64_t *ids,
 		      const float *rows, struct embd_ctl_table_reply *rep, float *out)
 {
-	char *e = c->last_error;
-	const size_t el = sizeof(c->last_error);
 	struct embd_ctl_msg msg;
 	const float *got;
+	char what[32];
 	uint32_t len;
-	int rc, code;
+	int rc;
 
 	if (!c->table_buf && !(c->table_buf = malloc(EMBD_CTL_MSG_MAX)))
 		return fail(c, EMBD_ENOMEM, "table: out of memory");
 	if (embd_ctl_table_request_encode(req, ids, rows, c->table_buf, EMBD_CTL_MSG_MAX, &len))
 		return fail(c, EMBD_EINVAL, "table: %u rows do not fit one message", req->num_rows);
-	if ((rc = embd_ctl_send(c->sock, type, c->table_buf, len, NULL, 0, e, el)))
+	snprintf(what, sizeof(what), "table %u", req->table);
+	if ((rc = control_call(c, type, c->table_buf, len, what, &msg)))
 		return rc;
-	if ((rc = embd_ctl_recv(c->sock, c->table_buf, EMBD_CTL_MSG_MAX, -1, &msg, e, el)))
-		return rc;
-	if (msg.type == EMBD_CTL_ERROR) {
-		char text[EMBD_CTL_TEXT_MAX + 1];
-		rc = embd_ctl_error_decode(&msg, &code, text, sizeof(text), e, el);
-		return rc ? rc : fail(c, code < 0 ? code : EMBD_EPROTO, "table %u: %s", req->table,
-				      text);
-	}
 	if (msg.type != (type == EMBD_CTL_TABLE_READ ? EMBD_CTL_TABLE_DATA : EMBD_CTL_TABLE_DONE))
 		return fail(c, EMBD_EPROTO, "table: message type %u answers a table request",
 			    msg.type);
-	if ((rc = embd_ctl_table_reply_decode(&msg, rep, &got, e, el)))
+	if ((rc = embd_ctl_table_reply_decode(&msg, rep, &got, c->last_error,
+					       sizeof(c->last_error))))
 		return rc;
 	if (rep->table != req->table || rep->array != req->array ||
 	    rep->num_rows != req->num_rows || !rep->cols || rep->max_rows > EMBD_CTL_TABLE_BYTES_MAX)

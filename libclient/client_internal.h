@@ -19,4 +19,10 @@ int embd_client_push_sqe(struct embd_client *client, const struct embd_sqe *sqe)
 /* Bytes of the region's data slab. */
 uint64_t embd_client_slab_bytes(const struct embd_client *client);
 
+/* embd_device_outputs for the GPU with uuid, which this process need not see (no driver is
+ * asked which GPU cuda_device is): what the service answers, a refusal or memory of either
+ * kind, is taken as embd_device_outputs takes it. Tests on CPU ranks. */
+int embd_client_device_outputs_uuid(struct embd_client *client, const uint8_t uuid[16],
+				    int cuda_device, struct embd_device_outputs *out);
+
 #endif /* EMBD_LIBCLIENT_CLIENT_PRIV_H */

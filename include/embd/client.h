@@ -76,7 +76,8 @@ struct embd_client_layout {
  * feature f in sample i) and the first num_values entries of values (and weights for a
  * weighted batch); forward writes the first b rows of pooled; the trainer writes the first
  * b rows of grad before backward. No padding to batch_size is needed. The pointers stay
- * valid until embd_close.
+ * valid until embd_close. With device outputs (embd_device_outputs) pooled and grad are the
+ * slot's buffers on the GPU: device pointers.
  */
 struct embd_batch {
 	int32_t *lengths;                /* room for num_features * batch_size */
@@ -280,6 +281,51 @@ EMBD_CLIENT_API int embd_table_write(struct embd_client *client, uint32_t table,
 EMBD_CLIENT_API int embd_table_write_ids(struct embd_client *client, uint32_t table,
 					 enum embd_table_array array, const int64_t *ids,
 					 uint64_t num_ids, const float *rows);
+
+/* ---- device outputs ----------------------------------------------------------------------
+ *
+ * A trainer on a GPU may have the pooled outputs and gradients of its batch slots in memory of
+ * that GPU instead of the shared slab: the service computes as ever, copies each forward's
+ * pooled rows into the trainer's GPU memory before the FORWARD (or EVAL) completes and copies
+ * each gradient out of it when the step's backward runs, so the trainer hands its framework
+ * device pointers and never copies embeddings through host memory itself. The ids (lengths,
+ * values, weights) stay in the slab.
+ *
+ * embd_device_outputs asks once per handle, any time after embd_connect (between requests of
+ * the handle). On success every later FORWARD, EVAL and BACKWARD of the handle uses them:
+ * embd_batch_get's pooled and grad then point into them too, and they are CUDA device pointers
+ * (read and write them with CUDA, never on the host). A forward's rows are complete on the
+ * device when its completion arrives; the trainer's writes of a gradient must be complete
+ * (its stream synchronized) before it posts the BACKWARD. On failure nothing changes: the
+ * handle goes on with the slab's buffers, and embd_last_error says why.
+ *
+ * cuda_device is a CUDA device ordinal of this process (after its CUDA_VISIBLE_DEVICES); the
+ * library names the GPU to the service by its UUID, which is the same in every process
+ * whatever either's CUDA_VISIBLE_DEVICES renumbers, so the service allocates on that GPU
+ * whether it numbers it alike or not. The memory is a cuMemCreate allocation of the service,
+ * passed as a file descriptor over the control socket and mapped here with the CUDA driver's
+ * virtual memory management API. libembdclient does not link CUDA: it loads libcuda.so.1 when
+ * this is called.
+ *
+ * Returns 0, or: EMBD_ENOTSUP (no CUDA driver in this process, or one older than CUDA 11.4's;
+ * the service's ranks are CPU ranks; its driver cannot export that GPU's memory), EMBD_ENOENT
+ * (no such device here, or the service does not see that GPU: it names those it sees),
+ * EMBD_EBUSY (this handle has them already), EMBD_ENOMEM, EMBD_EIO (a driver call failed,
+ * named), EMBD_EPROTO. A failure after the service allocated (an import refused by the
+ * driver) leaves that allocation to the service until embd_close.
+ */
+struct embd_device_outputs {
+	int cuda_device;                 /* the ordinal asked for */
+	int on_device;                   /* 1: CUDA memory of that GPU; 0: host memory, from a
+					    service whose CPU ranks run its test double
+					    (EMBD_TEST_CPU_DEVICE_OUTPUTS, docs/testing.md) */
+	uint64_t buffer_bytes;           /* of each buffer: batch_size x total_dim floats or more */
+	float *pooled[EMBD_CLIENT_SLOTS];    /* slot s's pooled output, float[b][total_dim] */
+	float *grad[EMBD_CLIENT_SLOTS];      /* slot s's dL/d(pooled), float[b][total_dim] */
+};
+
+EMBD_CLIENT_API int embd_device_outputs(struct embd_client *client, int cuda_device,
+					struct embd_device_outputs *out);
 
 /* The text of the handle's last failure ("" when none). Valid until the next call. */
 EMBD_CLIENT_API const char *embd_last_error(const struct embd_client *client);

@@ -1,6 +1,8 @@
 /*
  * Fuzz target for control messages: bytes = one packet, parsed and then decoded as its type;
- * every id and row a table message's decoder hands out is read, so an overrun shows.
+ * every id and row a table message's decoder hands out is read, so an overrun shows, and every
+ * buffer a DEVICE_OUTPUTS decoder accepts must lie inside its allocation, aligned, apart from
+ * the others (the trainer adds those offsets to a base it mapped): a breach traps.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -10,14 +12,14 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-/* Reads n int64 ids and m floats (the decoders' arrays). */
+/* Reads n int64 ids and m floats (the decoders' arrays); unsigned: fuzzed ids wrap freely. */
 static void touch(const int64_t *ids, uint64_t n, const float *rows, uint64_t m)
 {
-	volatile int64_t sum = 0;
+	volatile uint64_t sum = 0;
 	volatile float fsum = 0;
 
 	for (uint64_t i = 0; ids && i < n; i++)
-		sum += ids[i];
+		sum += (uint64_t)ids[i];
 	for (uint64_t i = 0; rows && i < m; i++)
 		fsum += rows[i];
 	(void)sum;
@@ -40,12 +42,34 @@ static void table_messages(const struct embd_ctl_msg *msg)
 	}
 }
 
+/* What embd_ctl_device_outputs_decode promises of an accepted reply (control.h). */
+static void check_device_outputs(const struct embd_ctl_msg *msg)
+{
+	struct embd_ctl_device_outputs o;
+	uint64_t at[2 * EMBD_CTL_DEVICE_SLOTS];
+	char err[128];
+
+	if (embd_ctl_device_outputs_decode(msg, &o, err, sizeof(err)))
+		return;
+	memcpy(at, o.pooled, sizeof(o.pooled));
+	memcpy(at + EMBD_CTL_DEVICE_SLOTS, o.grad, sizeof(o.grad));
+	for (int i = 0; i < 2 * EMBD_CTL_DEVICE_SLOTS; i++) {
+		if (at[i] % EMBD_CTL_DEVICE_ALIGN || o.buffer_bytes > o.bytes ||
+		    at[i] > o.bytes - o.buffer_bytes)
+			__builtin_trap();
+		for (int j = 0; j < i; j++)
+			if (at[i] < at[j] + o.buffer_bytes && at[j] < at[i] + o.buffer_bytes)
+				__builtin_trap();
+	}
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
 	static struct embd_layout layout;
 	struct embd_ctl_hello hello;
 	struct embd_ctl_msg msg;
 	struct embd_ctl_checkpoint ckpt;
+	struct embd_ctl_device_request device;
 	char err[128], text[256];
 	int code;
 
@@ -81,6 +105,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	case EMBD_CTL_TABLE_DATA:
 	case EMBD_CTL_TABLE_DONE:
 		table_messages(&msg);
+		break;
+	case EMBD_CTL_DEVICE_REQUEST:
+		embd_ctl_device_request_decode(&msg, &device, err, sizeof(err));
+		break;
+	case EMBD_CTL_DEVICE_OUTPUTS:
+		check_device_outputs(&msg);
 		break;
 	default:
 		break;

@@ -3,7 +3,8 @@
 # shared libraries they load, under OUT, so tests/gpu/run.sh runs them on a lent GPU machine
 # that has the CUDA toolkit and driver but none of the Debian packages (liburing, libnuma,
 # Gloo, cJSON, libsystemd, libmicrohttpd, criterion, ...) and no network.
-#   OUT/bin: embd, embctl, embd-demo-trainer, test_integration_training, test_integration_dist
+#   OUT/bin: embd, embctl, embd-demo-trainer, test_integration_training, test_integration_dist,
+#            and test_device_outputs where BUILD has CUDA (it links the CUDA runtime)
 #   OUT/lib: every library ldd names for them, but the C library's own (libc, libm, libdl,
 #            libpthread, librt, the loader), the GPU driver's (libcuda, libnvidia-*) and the
 #            CUDA toolkit's (libcudart, libnccl: the GPU machine's own match its driver)
@@ -19,6 +20,9 @@ max_bytes=${EMBD_BUNDLE_MAX_BYTES:-$((64 << 20))}
 programs=(daemon/embd tools/embctl/embctl tools/demo/embd-demo-trainer
 	  tests/integration/test_integration_training tests/integration/test_integration_dist)
 
+# built only where CUDA is
+optional=(tests/test_device_outputs)
+
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 for p in "${programs[@]}"; do
@@ -27,6 +31,12 @@ for p in "${programs[@]}"; do
 		exit 1
 	fi
 	cp "$build/$p" "$out/bin/"
+done
+for p in "${optional[@]}"; do
+	if [ -x "$build/$p" ]; then
+		cp "$build/$p" "$out/bin/"
+		programs+=("$p")
+	fi
 done
 
 # one "name path" line per library; "not found" fails unless it is one the GPU machine brings

@@ -16,7 +16,11 @@
 #        machine with the GPUs split between them (2 each, CUDA_VISIBLE_DEVICES) and backend
 #        nccl (test_integration_dist): every two-node training equal to the reference, and a
 #        node killed mid-step reported naming it (needs 4 GPUs: NCCL refuses two ranks of
-#        one communicator on one GPU; with fewer it says so and is not run).
+#        one communicator on one GPU; with fewer it says so and is not run); and device
+#        outputs (test_device_outputs): trainers with their pooled outputs and gradients in
+#        CUDA memory of their GPU (cuMemCreate, exported as a POSIX fd) train as through the
+#        slab, bit for bit, an unknown GPU is refused, crashed trainers leave no fd and no
+#        GPU memory in embd.
 #   tests/gpu/run.sh --bundle-only  on a machine with the packages (CI, a developer's): builds
 #        the service in $EMBD_BUILD_DIR (default build) and bundles its programs with their
 #        libraries into $EMBD_GPU_BUNDLE (tests/gpu/bundle.sh, under 64 MiB) to carry along.
@@ -42,7 +46,7 @@ if [ "$bundle_only" = 1 ]; then
 	service=${EMBD_BUILD_DIR:-build}
 	cmake -S . -B "$service" -DEMBD_CUDA=ON -DEMBD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit 1
 	cmake --build "$service" -j"$(nproc)" --target embd embctl embd-demo-trainer \
-		test_integration_training test_integration_dist || exit 1
+		test_integration_training test_integration_dist test_device_outputs || exit 1
 	exec bash tests/gpu/bundle.sh "$service" "$bundle"
 fi
 
@@ -112,6 +116,14 @@ if [ "$rc" -ne 77 ]; then
 			2>&1 | tee "$out/training_$kernel.log"
 		note "${PIPESTATUS[0]}"
 	done
+fi
+if [ "$rc" -ne 77 ]; then
+	if [ -x "$bundle/bin/test_device_outputs" ]; then
+		"$bundle/bin/test_device_outputs" -j1 2>&1 | tee "$out/device_outputs.log"
+		note "${PIPESTATUS[0]}"
+	else
+		echo "device_outputs: not in the bundle (built without CUDA): not run"
+	fi
 fi
 if [ "$rc" -ne 77 ]; then
 	gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')

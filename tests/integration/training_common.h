@@ -377,6 +377,31 @@ static int await_late_forwards(struct shared *sh, uint32_t k, uint32_t n, char *
 	return 0;
 }
 
+/* Set by a test whose trainers' pooled and grad are device memory (device outputs on a GPU):
+ * copies bytes between host memory and them, complete on return (the service reads a
+ * gradient once its BACKWARD is posted). NULL: memcpy. 0 or a code (text in err). */
+static int (*trainer_copy)(void *dst, const void *src, size_t bytes, char *err);
+
+/* Step k's pooled rows of trainer tr (nb samples) out of b into sh, its gradient into b. */
+static int take_output_give_grad(struct shared *sh, struct embd_client *c,
+				 const struct embd_batch *b, uint32_t k, uint32_t tr, uint32_t nb)
+{
+	const uint32_t D = embd_layout(c)->total_dim;
+	const size_t bytes = (size_t)nb * D * sizeof(float);
+	float grad[BATCH * MAX_COLS];
+
+	for (uint32_t i = 0; i < nb; i++)
+		for (uint32_t col = 0; col < D; col++)
+			grad[i * D + col] = gen_grad(k, tr, i, col);
+	if (!trainer_copy) {
+		memcpy(sh->pooled[k][tr], b->pooled, bytes);
+		memcpy(b->grad, grad, bytes);
+		return 0;
+	}
+	int rc = trainer_copy(sh->pooled[k][tr], b->pooled, bytes, sh->err[tr]);
+	return rc ? rc : trainer_copy(b->grad, grad, bytes, sh->err[tr]);
+}
+
 /* trainer_run's K steps on connected handle c, pipelined (pipelined_trainers). */
 static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr)
 {
@@ -390,16 +415,13 @@ static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr
 		struct embd_batch b;
 		const uint32_t nb = batch_samples(k, tr);
 		embd_batch_get(c, k % 2, &b);
-		memcpy(sh->pooled[k][tr], b.pooled, (size_t)nb * l->total_dim * sizeof(float));
-		for (uint32_t i = 0; i < nb; i++)
-			for (uint32_t col = 0; col < l->total_dim; col++)
-				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
+		rc = take_output_give_grad(sh, c, &b, k, tr, nb);
 		const struct embd_request bwd = { .op = EMBD_REQUEST_BACKWARD, .slot = k % 2,
 						  .step = l->resumed_step + k, .batch_size = nb,
 						  .user_data = 1000 + k };
 		const bool next = k + 1 < K_STEPS;
 		const bool first = pipelined_trainers == PIPE_BEFORE || tr % 2 == 0;
-		if (next && first)
+		if (!rc && next && first)
 			rc = post_forward(c, tr, k + 1, l->resumed_step);
 		if (!rc && next && pipelined_trainers == PIPE_MIXED && first)
 			rc = await_late_forwards(sh, k + 1, l->trainers_per_node / 2, err);
@@ -415,6 +437,12 @@ static int pipelined_steps(struct shared *sh, struct embd_client *c, uint32_t tr
 	return rc;
 }
 
+/* Set by a test before its trainers start: runs in each trainer once it connected, before
+ * its first step (e.g. to ask for device outputs: the steps then go through them, as
+ * embd_batch_get hands out their pointers). 0, or a code that ends the trainer (text in
+ * sh->err[tr]). */
+static int (*trainer_connected)(struct shared *sh, struct embd_client *c, uint32_t tr);
+
 /* The body of global trainer tr, index `local` of the service at socket: K steps on slot
  * k % 2; 0 or a negative code (text in sh->err). */
 static int trainer_run(struct shared *sh, const char *socket, uint32_t local, uint32_t tr)
@@ -423,6 +451,8 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 	char *err = sh->err[tr];
 	int rc = trainer_connect(sh, socket, local, tr, &c);
 
+	if (!rc && trainer_connected && (rc = trainer_connected(sh, c, tr)))
+		embd_close(c);
 	if (rc)
 		return rc;
 	const struct embd_client_layout *l = embd_layout(c);
@@ -443,10 +473,8 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 			snprintf(err, 256, "step %u forward: %s", k, embd_last_error(c));
 			break;
 		}
-		memcpy(sh->pooled[k][tr], b.pooled, (size_t)nb * l->total_dim * sizeof(float));
-		for (uint32_t i = 0; i < nb; i++)
-			for (uint32_t col = 0; col < l->total_dim; col++)
-				b.grad[i * l->total_dim + col] = gen_grad(k, tr, i, col);
+		if ((rc = take_output_give_grad(sh, c, &b, k, tr, nb)))
+			break;
 		req.op = EMBD_REQUEST_BACKWARD;
 		rc = embd_run(c, &req);
 		if (rc)

@@ -107,6 +107,29 @@ def test_views_are_zero_copy_and_close_waits_for_them(one: Service) -> None:
         c.forward(0, 0, 0)
 
 
+def test_device_outputs_refused_leave_the_slab(one: Service) -> None:
+    """Device outputs from CPU ranks, or in a process without the CUDA driver, are refused
+    (NotSupportedError saying why); the client goes on with numpy views of its slab."""
+    w = initial_weights(TABLES, 5)
+    with embd.Client(one.socket) as c:
+        before = c.batch(0)
+        with pytest.raises(embd.NotSupportedError) as e:
+            c.device_outputs(0)
+        assert e.value.code == embd.codes["EMBD_ENOTSUP"]
+        assert "device outputs" in e.value.message
+        assert ("no CUDA driver" in e.value.message
+                or "the ranks compute on the CPU" in e.value.message), e.value.message
+        assert c.device is None
+        b = c.batch(0)
+        assert b is before and isinstance(b.pooled, np.ndarray)
+        nb = make_batch(TABLES, B, 0, 0, salt=3)
+        c.forward(0, 0, b.write(nb.lengths, nb.values))
+        f = c.layout.features[2]
+        want = pool(w["t_mean"], nb.lengths[2], nb.ids[2], "mean")
+        np.testing.assert_allclose(b.pooled[:, f.offset:f.offset + f.dim], want, atol=1e-6)
+        del b, before
+
+
 def test_submit_poll_wait(one: Service) -> None:
     with embd.Client(one.socket) as c:
         assert c.poll() is None

@@ -6,7 +6,10 @@
  * The one idea: a slot's buffers live in the region libembdclient maps, so no view of them may
  * outlive the mapping. Every Span holds a reference to its Client and counts its live buffer
  * exports there; close() refuses while one is alive, and otherwise the mapping goes only with
- * the last reference. Blocking calls release the GIL and wait in slices, so Ctrl-C and other
+ * the last reference. With device outputs in CUDA memory (device_outputs) a slot's pooled and
+ * grad Spans are device memory: no buffer protocol, but __cuda_array_interface__ (torch,
+ * CuPy and Numba view them without a copy), and since a consumer such as torch keeps the Span
+ * itself alive, not a buffer export, such a Span counts as an export for as long as it lives. Blocking calls release the GIL and wait in slices, so Ctrl-C and other
  * threads get through; a busy flag, read and written only under the GIL, keeps a second
  * thread off a handle whose call runs without it (the C API asks callers to serialise).
  */
@@ -30,6 +33,7 @@ typedef struct {
 	struct embd_client *client;    /* NULL once closed */
 	Py_ssize_t exports;            /* live buffer exports of this client's spans */
 	int busy;                      /* a call on this handle runs without the GIL */
+	int device_memory;             /* pooled and grad are CUDA memory (device_outputs) */
 	uint64_t next_user_data;       /* of blocking calls, below BLOCKING_TAG */
 	uint64_t abandoned_through;    /* blocking requests up to this tag were given up on */
 } ClientObject;
@@ -38,6 +42,7 @@ typedef struct {
 	PyObject_HEAD
 	ClientObject *owner;
 	char *buf;
+	int device;                    /* CUDA memory: __cuda_array_interface__, no buffer */
 	char format[2];
 	int ndim;
 	Py_ssize_t itemsize;
@@ -111,6 +116,11 @@ static int span_getbuffer(PyObject *obj, Py_buffer *view, int flags)
 		raise_code(EMBD_EINVAL, "client: closed, its batch slots are gone");
 		return -1;
 	}
+	if (s->device) {
+		PyErr_SetString(PyExc_BufferError, "span: CUDA device memory (device outputs): view "
+				"it with torch.as_tensor(span, device='cuda'), not on the host");
+		return -1;
+	}
 	Py_ssize_t n = 1;
 	for (int i = 0; i < s->ndim; i++)
 		n *= s->shape[i];
@@ -138,9 +148,38 @@ static void span_releasebuffer(PyObject *obj, Py_buffer *view)
 
 static void span_dealloc(PyObject *obj)
 {
-	Py_XDECREF(((SpanObject *)obj)->owner);
+	SpanObject *s = (SpanObject *)obj;
+
+	if (s->device && s->owner)
+		s->owner->exports--;
+	Py_XDECREF(s->owner);
 	Py_TYPE(obj)->tp_free(obj);
 }
+
+/* The CUDA Array Interface (version 3) of a device span: shape, float32, its device pointer,
+ * no stream (the memory is complete once the request that wrote it completed). */
+static PyObject *span_cuda_array_interface(PyObject *obj, void *closure)
+{
+	SpanObject *s = (SpanObject *)obj;
+
+	(void)closure;
+	if (!s->device) {
+		PyErr_SetString(PyExc_AttributeError, "span: host memory has no "
+				"__cuda_array_interface__ (numpy.asarray views it)");
+		return NULL;
+	}
+	if (!s->owner->client)
+		return raise_code(EMBD_EINVAL, "client: closed, its device outputs are gone");
+	return Py_BuildValue("{s:(nn),s:s,s:(Ki),s:O,s:i,s:O}", "shape", s->shape[0], s->shape[1],
+			     "typestr", "<f4", "data", (unsigned long long)(uintptr_t)s->buf, 0,
+			     "strides", Py_None, "version", 3, "stream", Py_None);
+}
+
+static PyGetSetDef span_getset[] = {
+	{ "__cuda_array_interface__", span_cuda_array_interface, NULL,
+	  "Device memory for torch / CuPy / Numba (device outputs in CUDA memory only).", NULL },
+	{ NULL, NULL, NULL, NULL, NULL },
+};
 
 static PyBufferProcs span_as_buffer = {
 	.bf_getbuffer = span_getbuffer,
@@ -153,12 +192,14 @@ static PyTypeObject SpanType = {
 	.tp_basicsize = sizeof(SpanObject),
 	.tp_dealloc = span_dealloc,
 	.tp_as_buffer = &span_as_buffer,
+	.tp_getset = span_getset,
 	.tp_flags = Py_TPFLAGS_DEFAULT,
-	.tp_doc = "One buffer of a batch slot, for numpy.asarray (no copy).",
+	.tp_doc = "One buffer of a batch slot, for numpy.asarray, or for torch.as_tensor when "
+		  "it is CUDA memory (no copy either way).",
 };
 
 static PyObject *span_new(ClientObject *owner, void *buf, char format, Py_ssize_t itemsize,
-			  Py_ssize_t rows, Py_ssize_t cols)
+			  Py_ssize_t rows, Py_ssize_t cols, int device)
 {
 	SpanObject *s = PyObject_New(SpanObject, &SpanType);
 
@@ -167,6 +208,8 @@ static PyObject *span_new(ClientObject *owner, void *buf, char format, Py_ssize_
 	Py_INCREF(owner);
 	s->owner = owner;
 	s->buf = buf;
+	s->device = device;
+	owner->exports += device;
 	s->format[0] = format;
 	s->format[1] = 0;
 	s->itemsize = itemsize;
@@ -216,9 +259,10 @@ static PyObject *client_close(PyObject *obj, PyObject *unused)
 	if (self->busy)
 		return raise_code(EMBD_EBUSY, "close: a call on this client runs in another thread");
 	if (self->exports) {
-		char msg[160];
-		snprintf(msg, sizeof(msg), "close: %zd numpy view(s) of the batch slots are still "
-			 "alive; drop them first", self->exports);
+		char msg[200];
+		snprintf(msg, sizeof(msg), "close: %zd numpy view(s) of the batch slots (or spans of "
+			 "device outputs, which tensors over them keep) are still alive; drop them "
+			 "first", self->exports);
 		return raise_code(EMBD_EBUSY, msg);
 	}
 	embd_close(self->client);
@@ -310,15 +354,15 @@ static PyObject *client_span(PyObject *obj, PyObject *args)
 	Py_ssize_t B = l->batch_size, F = l->num_features, D = l->total_dim;
 	Py_ssize_t V = (Py_ssize_t)l->max_values;
 	if (!strcmp(name, "lengths"))
-		return span_new(self, b.lengths, 'i', sizeof(int32_t), F, B);
+		return span_new(self, b.lengths, 'i', sizeof(int32_t), F, B, 0);
 	if (!strcmp(name, "values"))
-		return span_new(self, b.values, 'q', sizeof(int64_t), V, -1);
+		return span_new(self, b.values, 'q', sizeof(int64_t), V, -1, 0);
 	if (!strcmp(name, "weights"))
-		return span_new(self, b.weights, 'f', sizeof(float), V, -1);
+		return span_new(self, b.weights, 'f', sizeof(float), V, -1, 0);
 	if (!strcmp(name, "pooled"))
-		return span_new(self, b.pooled, 'f', sizeof(float), B, D);
+		return span_new(self, b.pooled, 'f', sizeof(float), B, D, self->device_memory);
 	if (!strcmp(name, "grad"))
-		return span_new(self, b.grad, 'f', sizeof(float), B, D);
+		return span_new(self, b.grad, 'f', sizeof(float), B, D, self->device_memory);
 	PyErr_Format(PyExc_ValueError, "span: %s is not lengths, values, weights, pooled or grad",
 		     name);
 	return NULL;
@@ -593,6 +637,27 @@ out:
 	return ret;
 }
 
+/* device_outputs(cuda_device): (on_device, buffer_bytes); from then on span() hands out the
+ * device buffers as pooled and grad. */
+static PyObject *client_device_outputs(PyObject *obj, PyObject *args)
+{
+	ClientObject *self = (ClientObject *)obj;
+	struct embd_device_outputs out;
+	int cuda_device, rc;
+
+	if (!PyArg_ParseTuple(args, "i", &cuda_device) || usable(self))
+		return NULL;
+	self->busy = 1;
+	Py_BEGIN_ALLOW_THREADS
+	rc = embd_device_outputs(self->client, cuda_device, &out);
+	Py_END_ALLOW_THREADS
+	self->busy = 0;
+	if (rc)
+		return raise_client(self, rc);
+	self->device_memory = out.on_device;
+	return Py_BuildValue("(iK)", out.on_device, (unsigned long long)out.buffer_bytes);
+}
+
 static PyObject *client_table_read(PyObject *obj, PyObject *args)
 {
 	return table_io((ClientObject *)obj, args, 0);
@@ -620,6 +685,8 @@ static PyMethodDef client_methods[] = {
 	  "table_write(table, array, rows, row_begin, ids)" },
 	{ "submit", (PyCFunction)(void (*)(void))client_submit, METH_VARARGS | METH_KEYWORDS,
 	  "submit(op, slot=0, step=0, num_values=0, weighted=False, user_data=0, batch_size=0)" },
+	{ "device_outputs", client_device_outputs, METH_VARARGS,
+	  "device_outputs(cuda_device): (on_device, buffer_bytes)" },
 	{ "poll", client_poll, METH_NOARGS, "The oldest completion tuple, or None." },
 	{ "wait", (PyCFunction)(void (*)(void))client_wait, METH_VARARGS | METH_KEYWORDS,
 	  "wait(timeout_ms=-1): the oldest completion tuple." },

@@ -14,6 +14,10 @@ A batch may hold fewer samples than the layout's ``batch_size`` (the last batch 
 batch up without training (no step, no backward, no row changed), and :meth:`Client.read_rows`
 / :meth:`Client.write_rows` read and write a table's rows between steps.
 
+A trainer on a GPU may ask for its slots' ``pooled`` and ``grad`` in memory of its GPU
+(:meth:`Client.device_outputs`): they are then torch tensors on that device, and the service
+copies the outputs there and the gradients from there.
+
 Every failure raises an :class:`embd.Error` subclass with the ``EMBD_E*`` code and the message
 (see :mod:`embd.errors`). One client must not be used by two threads at once
 (:class:`embd.BusyError`).
@@ -137,15 +141,17 @@ class Batch:
     ``lengths.sum()`` are posted; ``pooled[b]`` the output row of sample b (written by forward),
     ``grad`` its gradient (read by backward). A batch of ``n < B`` samples (:attr:`batch_size`,
     set by :meth:`write`) uses the first ``F * n`` entries of the flat ``lengths`` (stride
-    ``n``: see :meth:`lengths_of`) and the first ``n`` rows of ``pooled`` and ``grad``.
+    ``n``: see :meth:`lengths_of`) and the first ``n`` rows of ``pooled`` and ``grad``. With
+    device outputs in CUDA memory (:meth:`Client.device_outputs`) ``pooled`` and ``grad`` are
+    float32 torch tensors on that GPU, over the same memory the service writes and reads.
     """
 
     slot: int
     lengths: npt.NDArray[np.int32]
     values: npt.NDArray[np.int64]
     weights: npt.NDArray[np.float32]
-    pooled: npt.NDArray[np.float32]
-    grad: npt.NDArray[np.float32]
+    pooled: Any                 #: numpy float32 (B, total_dim), or a torch.Tensor on the GPU
+    grad: Any
     #: samples of the batch in the slot: the layout's until :meth:`write` says otherwise;
     #: requests on this slot post this many unless given a batch_size
     batch_size: int = 0
@@ -254,6 +260,8 @@ class Client:
         self._c = _client.Client(self.socket_path, want, _timeout_ms(timeout))
         self.layout: Layout = _layout(self._c.layout())
         self._batches: Dict[int, Batch] = {}
+        #: the CUDA device whose memory holds pooled and grad (device_outputs), or None
+        self.device: Optional[int] = None
 
     # ---- the layout ------------------------------------------------------------------------
 
@@ -271,10 +279,34 @@ class Client:
         b = self._batches.get(slot)
         if b is None:
             spans = {n: np.asarray(self._c.span(slot, n))
-                     for n in ("lengths", "values", "weights", "pooled", "grad")}
+                     for n in ("lengths", "values", "weights")}
+            for n in ("pooled", "grad"):
+                span = self._c.span(slot, n)
+                spans[n] = np.asarray(span) if self.device is None else \
+                    _device_tensor(span, self.device)
             b = Batch(slot=slot, **spans)
             self._batches[slot] = b
         return b
+
+    def device_outputs(self, device: int = 0) -> None:
+        """Puts both slots' ``pooled`` and ``grad`` in memory of this process's CUDA device
+        ``device`` (``embd_device_outputs``, include/embd/client.h): the service allocates
+        them on that GPU (found by its UUID, so the service's ``CUDA_VISIBLE_DEVICES`` may
+        number it otherwise), copies every forward's rows there before the forward returns
+        and every gradient from there when the step's backward runs. From then on
+        :meth:`batch` hands them out as torch tensors on that device (no copy; Batch objects
+        taken before keep their numpy views of the slab, which no request uses any more), and
+        :meth:`backward` first waits for the device's work, so a gradient written by a kernel
+        is complete before the service reads it. Once per client. Raises
+        :class:`embd.NotSupportedError` (no CUDA driver here; the service's ranks are CPU
+        ranks; its driver cannot export the GPU's memory), :class:`embd.NotFoundError` (no
+        such device here, or one the service does not see: the message names those it
+        sees), :class:`embd.BusyError` (asked before); after a failure the client goes on
+        with the slab's buffers."""
+        on_device, _ = self._c.device_outputs(int(device))
+        self._batches.clear()
+        # the CPU ranks' test double hands out host memory: numpy views as before
+        self.device = int(device) if on_device else None
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -298,8 +330,16 @@ class Client:
         """Posts ``grad`` of the batch in ``slot`` for step ``step`` (the same batch as its
         forward, ``batch_size`` as there) and waits until the service applied every
         trainer's gradient."""
+        self._device_idle()
         self._c.backward(slot, step, num_values, weighted, _timeout_ms(timeout),
                          self._batch_size(slot, batch_size))
+
+    def _device_idle(self) -> None:
+        """With device outputs: the device's work done, so a gradient written there is in
+        its memory before the service copies it (client.h's rule)."""
+        if self.device is not None:
+            import torch
+            torch.cuda.synchronize(self.device)
 
     def eval(self, slot: int, num_values: int, weighted: bool = False,
              timeout: Optional[float] = None, batch_size: Optional[int] = None) -> None:
@@ -324,6 +364,8 @@ class Client:
         """Posts a request without waiting; its :class:`Completion` comes from :meth:`poll` or
         :meth:`wait` with the same ``user_data`` (below 2**63). Do not mix with
         :meth:`forward` / :meth:`backward` while requests are in flight."""
+        if op == Op.BACKWARD:
+            self._device_idle()
         self._c.submit(int(op), slot, step, num_values, weighted, user_data,
                        self._batch_size(slot, batch_size) if op != Op.NOP else 0)
 
@@ -442,6 +484,13 @@ class Client:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"index {self.layout.index}"
         return f"embd.Client({self.socket_path!r}, {state})"
+
+
+def _device_tensor(span: Any, device: int) -> Any:
+    """A torch tensor over a span of CUDA memory (its __cuda_array_interface__): no copy, and
+    the tensor keeps the span, so the client's close() refuses while it lives."""
+    import torch
+    return torch.as_tensor(span, device=f"cuda:{device}")
 
 
 def _layout(d: Dict[str, Any]) -> Layout:

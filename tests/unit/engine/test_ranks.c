@@ -3,12 +3,16 @@
  * CPU backend's shards are their own host views and its kernels the CPU's; the host-view
  * bookkeeping the GPU ranks rely on, run by the tests' CPU device with rows apart from their
  * host views (device_copy); and, on a machine without a GPU (CI), the refusal of CUDA ranks
- * naming why.
+ * naming why. Device outputs: CPU ranks refuse them, or with the tests' knob export a sealed
+ * memfd that the copies reach.
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "engine/ranks.h"
@@ -262,4 +266,80 @@ Test(ranks, cuda_without_a_gpu_is_refused_with_the_reason)
 		     EMBD_ENOTSUP);
 	cr_assert_null(ranks);
 	cr_assert_str_eq(err2, err);
+}
+
+/* Open fds of this process. */
+static int count_fds(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	int n = 0;
+
+	cr_assert_not_null(d);
+	while (readdir(d))
+		n++;
+	closedir(d);
+	return n;
+}
+
+static const uint8_t some_gpu[16] = { 0x8e, 0x6f };
+
+Test(ranks, cpu_ranks_refuse_device_outputs_naming_why)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_export x;
+
+	unsetenv("EMBD_TEST_CPU_DEVICE_OUTPUTS");
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	const int fds = count_fds();
+	cr_expect_eq(embd_ranks_export_alloc(ranks, some_gpu, 4096, &x, err, sizeof(err)),
+		     EMBD_ENOTSUP);
+	cr_expect(strstr(err, "the ranks compute on the CPU (compute_device cpu)"), "got \"%s\"",
+		  err);
+	cr_expect_eq(x.fd, -1);
+	cr_expect_null(x.state);
+	embd_ranks_export_free(ranks, &x);      /* a refused one: nothing to free */
+	cr_expect_eq(count_fds(), fds, "a refusal leaves no fd behind");
+	embd_ranks_destroy(ranks);
+}
+
+/* The tests' double: host memory in a sealed memfd, whole pages, the copies in both directions
+ * reaching what a second mapping of the fd (the trainer's) sees; freed without an fd left. */
+Test(ranks, cpu_ranks_export_host_memory_under_the_test_knob)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_export x;
+	float rows[6] = { 1, 2, 3, 4, 5, 6 }, back[6] = { 0 };
+
+	setenv("EMBD_TEST_CPU_DEVICE_OUTPUTS", "1", 1);
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	const int fds = count_fds();
+	cr_assert_eq(embd_ranks_export_alloc(ranks, some_gpu, 5000, &x, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_expect_eq(x.memory, EMBD_EXPORT_HOST);
+	cr_expect_eq(x.bytes, 8192u, "expected whole pages, got %llu bytes",
+		     (unsigned long long)x.bytes);
+	int seals = fcntl(x.fd, F_GET_SEALS);
+	cr_expect(seals >= 0 && (seals & F_SEAL_SHRINK) && (seals & F_SEAL_GROW),
+		  "expected a memfd sealed against resizing, got seals 0x%x", seals);
+	float *trainer = mmap(NULL, x.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, x.fd, 0);
+	cr_assert(trainer != MAP_FAILED);
+	cr_assert_eq(embd_ranks_export_copy(ranks, &x, 4096, rows, sizeof(rows), true, err,
+					    sizeof(err)), 0, "%s", err);
+	cr_expect_eq(trainer[1024 + 5], 6.0f, "the trainer sees what was copied in");
+	trainer[2048 - 1] = -7.5f;
+	cr_assert_eq(embd_ranks_export_copy(ranks, &x, 8192 - 4, back, 4, false, err, sizeof(err)),
+		     0, "%s", err);
+	cr_expect_eq(back[0], -7.5f, "a copy out reads what the trainer wrote");
+	cr_expect_eq(embd_ranks_export_copy(ranks, &x, 8192 - 4, back, 8, false, err, sizeof(err)),
+		     EMBD_ERANGE);
+	cr_expect(strstr(err, "[8188, +8) is outside the 8192 exported bytes"), "got \"%s\"", err);
+	munmap(trainer, x.bytes);
+	embd_ranks_export_free(ranks, &x);
+	cr_expect_eq(x.fd, -1);
+	embd_ranks_export_free(ranks, &x);      /* twice: a no-op */
+	cr_expect_eq(count_fds(), fds, "freed, the export leaves no fd behind");
+	unsetenv("EMBD_TEST_CPU_DEVICE_OUTPUTS");
+	embd_ranks_destroy(ranks);
 }

@@ -328,3 +328,132 @@ Test(control, table_requests_refused_naming_the_field)
 			  cases[i].word, err);
 	}
 }
+
+/* ---- device outputs ------------------------------------------------------------------------ */
+
+static const struct embd_ctl_device_outputs good_outputs = {
+	.uuid = { 0x8e, 0x6f, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14 },
+	.memory = EMBD_CTL_MEMORY_CUDA, .num_slots = EMBD_CTL_DEVICE_SLOTS, .bytes = 2u << 20,
+	.buffer_bytes = 1000, .pooled = { 0, 2048 }, .grad = { 1024, 3072 },
+};
+
+/* The request and the reply over a socketpair, the reply with its fd: what came is what went,
+ * and the fd is the one sent (a memfd standing for the CUDA handle). */
+Test(control, device_request_and_outputs_round_trip_with_the_fd)
+{
+	struct embd_ctl_device_request req = { .uuid = { 1, 2, 3 } }, got_req;
+	struct embd_ctl_device_outputs got;
+	struct embd_ctl_msg msg;
+	char err[256] = "";
+	struct stat st;
+	int sv[2], memfd = memfd_create("device-outputs", MFD_CLOEXEC);
+
+	pair(sv);
+	cr_assert_eq(ftruncate(memfd, 8192), 0);
+	cr_assert_eq(embd_ctl_send(sv[0], EMBD_CTL_DEVICE_REQUEST, &req, sizeof(req), NULL, 0, err,
+				   sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(sv[1], buf, sizeof(buf), 1000, &msg, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(embd_ctl_device_request_decode(&msg, &got_req, err, sizeof(err)), 0, "%s", err);
+	cr_expect(!memcmp(&got_req, &req, sizeof(req)), "the request changed on the way");
+
+	cr_assert_eq(embd_ctl_send(sv[1], EMBD_CTL_DEVICE_OUTPUTS, &good_outputs,
+				   sizeof(good_outputs), &memfd, 1, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_recv(sv[0], buf, sizeof(buf), 1000, &msg, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_assert_eq(msg.nfds, 1u, "expected the memory's fd, got %u fds", msg.nfds);
+	cr_assert_eq(embd_ctl_device_outputs_decode(&msg, &got, err, sizeof(err)), 0, "%s", err);
+	cr_expect(!memcmp(&got, &good_outputs, sizeof(got)), "the reply changed on the way");
+	cr_assert_eq(fstat(msg.fds[0], &st), 0);
+	cr_expect_eq(st.st_size, 8192, "expected the memfd sent, got an fd of %lld bytes",
+		     (long long)st.st_size);
+	embd_ctl_msg_close_fds(&msg);
+
+	/* the request carries no fd: one sent with it is refused and closed */
+	cr_assert_eq(embd_ctl_send(sv[0], EMBD_CTL_DEVICE_REQUEST, &req, sizeof(req), &memfd, 1, err,
+				   sizeof(err)), 0);
+	cr_assert_eq(embd_ctl_recv(sv[1], buf, sizeof(buf), 1000, &msg, err, sizeof(err)),
+		     EMBD_EPROTO);
+	cr_expect(strstr(err, "type 14 may not carry fds"), "got \"%s\"", err);
+	/* a reply with two fds is refused by its decoder */
+	int two[2] = { memfd, memfd };
+	cr_assert_eq(embd_ctl_send(sv[1], EMBD_CTL_DEVICE_OUTPUTS, &good_outputs,
+				   sizeof(good_outputs), two, 2, err, sizeof(err)), 0);
+	cr_assert_eq(embd_ctl_recv(sv[0], buf, sizeof(buf), 1000, &msg, err, sizeof(err)), 0, "%s",
+		     err);
+	cr_expect_eq(embd_ctl_device_outputs_decode(&msg, &got, err, sizeof(err)), EMBD_EPROTO);
+	cr_expect(strstr(err, "2 fds attached"), "got \"%s\"", err);
+	embd_ctl_msg_close_fds(&msg);
+	close(memfd);
+	close(sv[0]);
+	close(sv[1]);
+}
+
+/* A payload of type `type` parsed from bytes: what a decoder sees of a peer's packet. */
+static void parse_payload(enum embd_ctl_type type, const void *payload, uint32_t len,
+			  struct embd_ctl_msg *msg)
+{
+	static _Alignas(8) uint8_t packet[256];
+	struct embd_ctl_header h = { EMBD_CTL_MAGIC, EMBD_CTL_VERSION, (uint16_t)type, len, 0 };
+	char err[256] = "";
+
+	memcpy(packet, &h, sizeof(h));
+	memcpy(packet + sizeof(h), payload, len);
+	cr_assert_eq(embd_ctl_parse(packet, sizeof(h) + len, msg, err, sizeof(err)), 0, "%s", err);
+}
+
+Test(control, device_messages_refused_naming_the_field)
+{
+	struct embd_ctl_device_request req = { .flags = 1 };
+	struct embd_ctl_device_outputs o;
+	struct embd_ctl_msg msg;
+	char err[256] = "";
+
+	parse_payload(EMBD_CTL_DEVICE_REQUEST, &req, sizeof(req), &msg);
+	cr_expect_eq(embd_ctl_device_request_decode(&msg, &req, err, sizeof(err)), EMBD_EPROTO);
+	cr_expect(strstr(err, "device_request.flags"), "got \"%s\"", err);
+	req = (struct embd_ctl_device_request){ .reserved = 9 };
+	parse_payload(EMBD_CTL_DEVICE_REQUEST, &req, sizeof(req), &msg);
+	cr_expect_eq(embd_ctl_device_request_decode(&msg, &req, err, sizeof(err)), EMBD_EPROTO);
+	cr_expect(strstr(err, "device_request.reserved"), "got \"%s\"", err);
+
+	/* each broken field of the reply, named */
+	const struct { uint64_t *field; uint64_t value; const char *word; } offsets[] = {
+		{ &o.pooled[1], 2050, "device_outputs.pooled[1]: offset 2050 is not 256-byte aligned" },
+		{ &o.grad[0], (2u << 20) - 768, "device_outputs.grad[0]: [2096384, +1000) lies outside" },
+		{ &o.grad[1], UINT64_MAX - 255, "device_outputs.grad[1]: [18446744073709551360" },
+		{ &o.grad[1], 1024, "device_outputs.grad[1]: overlaps device_outputs.grad[0]" },
+		{ &o.pooled[1], 256, "device_outputs.pooled[1]: overlaps device_outputs.pooled[0]" },
+		{ &o.bytes, 0, "device_outputs.bytes: 0" },
+		{ &o.bytes, (1ull << 40) + 1, "device_outputs.bytes" },
+		{ &o.buffer_bytes, 0, "device_outputs.buffer_bytes: 0" },
+		{ &o.buffer_bytes, (2u << 20) + 1, "device_outputs.buffer_bytes" },
+	};
+	for (size_t i = 0; i < sizeof(offsets) / sizeof(offsets[0]); i++) {
+		o = good_outputs;
+		*offsets[i].field = offsets[i].value;
+		parse_payload(EMBD_CTL_DEVICE_OUTPUTS, &o, sizeof(o), &msg);
+		err[0] = 0;
+		cr_expect_eq(embd_ctl_device_outputs_decode(&msg, &o, err, sizeof(err)), EMBD_EPROTO,
+			     "case %zu: accepted", i);
+		cr_expect(strstr(err, offsets[i].word), "case %zu: expected '%s' in '%s'", i,
+			  offsets[i].word, err);
+	}
+	o = good_outputs;
+	o.memory = 3;
+	parse_payload(EMBD_CTL_DEVICE_OUTPUTS, &o, sizeof(o), &msg);
+	cr_expect_eq(embd_ctl_device_outputs_decode(&msg, &o, err, sizeof(err)), EMBD_EPROTO);
+	cr_expect(strstr(err, "device_outputs.memory: unknown kind 3"), "got \"%s\"", err);
+	o = good_outputs;
+	o.num_slots = 3;
+	parse_payload(EMBD_CTL_DEVICE_OUTPUTS, &o, sizeof(o), &msg);
+	cr_expect_eq(embd_ctl_device_outputs_decode(&msg, &o, err, sizeof(err)), EMBD_EPROTO);
+	cr_expect(strstr(err, "device_outputs.num_slots: 3"), "got \"%s\"", err);
+	/* a payload of the wrong size never reaches the decoder */
+	struct embd_ctl_header h = { EMBD_CTL_MAGIC, EMBD_CTL_VERSION, EMBD_CTL_DEVICE_OUTPUTS, 8, 0 };
+	uint8_t short_packet[sizeof(h) + 8] = { 0 };
+	memcpy(short_packet, &h, sizeof(h));
+	cr_expect_eq(embd_ctl_parse(short_packet, sizeof(short_packet), &msg, err, sizeof(err)),
+		     EMBD_EPROTO);
+	cr_expect(strstr(err, "type 15 needs 72 payload bytes, got 8"), "got \"%s\"", err);
+}

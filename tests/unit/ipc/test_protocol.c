@@ -148,3 +148,52 @@ Test(protocol, short_batch_has_its_own_sizes)
 	s.output = (struct embd_slab_span){ 0, 0 };
 	cr_assert_eq(embd_sqe_validate(&s, &lim, err, sizeof(err)), 0, "%s", err);
 }
+
+/* EMBD_SQE_DEVICE: output and grad are spans of the trainer's device buffers, checked against
+ * their size and never against the slab's inputs; without device buffers the flag is refused. */
+Test(protocol, device_spans_are_checked_against_the_device_buffers)
+{
+	struct embd_batch_limits dev = lim;
+	struct embd_sqe s = good_forward();
+	char err[256] = "";
+
+	dev.device_bytes = 2 * B * DIM * 4;
+	s.flags = EMBD_SQE_DEVICE;
+	expect_bad(s, EMBD_EINVAL, "sqe.flags: DEVICE, but this trainer has no device outputs");
+	/* offset 1024 lies outside buffers of 96 bytes, though inside the slab */
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), EMBD_ERANGE);
+	cr_expect(strstr(err, "sqe.output: [1024, +48) lies outside the device buffers of 96 bytes"),
+		  "got \"%s\"", err);
+	/* offset 0 is the lengths' offset in the slab: another memory, no overlap */
+	s.output.offset = 0;
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), 0, "%s", err);
+	s.output.offset = B * DIM * 4;
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), 0, "%s", err);
+	s.output.offset = 2;
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "sqe.output.offset: 2 is not 4-byte aligned"), "got \"%s\"", err);
+	/* BACKWARD's grad alike; EVAL's output alike */
+	s.output = (struct embd_slab_span){ 0, 0 };
+	s.opcode = EMBD_OP_BACKWARD;
+	s.grad = (struct embd_slab_span){ B * DIM * 4, B * DIM * 4 };
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), 0, "%s", err);
+	s.grad.offset = B * DIM * 4 + 4;
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), EMBD_ERANGE);
+	cr_expect(strstr(err, "sqe.grad: [52, +48) lies outside the device buffers"), "got \"%s\"",
+		  err);
+	s = good_forward();
+	s.opcode = EMBD_OP_EVAL;
+	s.step = 0;
+	s.flags = EMBD_SQE_DEVICE | EMBD_SQE_WEIGHTED;
+	s.weights = (struct embd_slab_span){ 128, 6 * 4 };
+	s.output.offset = 48;
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), 0, "%s", err);
+	/* the inputs stay in the slab, checked as ever */
+	s.weights.offset = 4094;
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "sqe.weights.offset"), "got \"%s\"", err);
+	/* a NOP has no flags */
+	s = (struct embd_sqe){ .opcode = EMBD_OP_NOP, .flags = EMBD_SQE_DEVICE };
+	cr_expect_eq(embd_sqe_validate(&s, &dev, err, sizeof(err)), EMBD_EINVAL);
+	cr_expect(strstr(err, "sqe.flags: must be 0 for NOP"), "got \"%s\"", err);
+}

@@ -28,6 +28,9 @@ Test(abi, structs_clients_allocate_or_index_keep_their_layout)
 	EXPECT_OFFSET(embd_request, batch_size, 40);
 	EXPECT_SIZE(embd_completion, 24);
 	EXPECT_SIZE(embd_table_info, 32);
+	EXPECT_SIZE(embd_device_outputs, 48);
+	EXPECT_OFFSET(embd_device_outputs, pooled, 16);
+	EXPECT_OFFSET(embd_device_outputs, grad, 32);
 }
 
 Test(abi, the_layout_only_grows_at_its_end)
