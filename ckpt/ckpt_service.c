@@ -387,16 +387,31 @@ static void count_skipped(struct embd_ckpt_service *ck, uint64_t step)
 			passed - 1, ck->last_step, ck->skipped);
 }
 
+/* checkpoint_every_steps falls at the boundary of step. A cluster takes only the steps every
+ * node knows: multiples of every_steps (not this node's own history: a node that missed a
+ * boundary while the cluster re-formed would be due at another step than the others). */
+static bool every_steps_due(const struct embd_ckpt_service *ck, uint64_t step)
+{
+	const uint32_t every = ck->settings->checkpoint_every_steps;
+
+	return every && (ck->base.num_nodes > 1 ? step % every == 0
+						 : step >= ck->last_step + every);
+}
+
+bool embd_ckpt_service_due(const struct embd_ckpt_service *ck, uint64_t step)
+{
+	const bool cluster = ck->base.num_nodes > 1;
+
+	if (every_steps_due(ck, step) || (cluster && ck->agreed))
+		return true;    /* after the running write, if one runs */
+	return !cluster && !ck->running && (ck->requested || timer_due(ck, step));
+}
+
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step)
 {
-	const struct embd_ckpt_settings *c = ck->settings;
 	const bool cluster = ck->base.num_nodes > 1;
-	/* a cluster takes only the steps every node knows: multiples of every_steps (not this
-	 * node's own history: a node that missed a boundary while the cluster re-formed would be
-	 * due at another step than the others), and the agreed ones */
-	bool every = c->checkpoint_every_steps &&
-		     (cluster ? step % c->checkpoint_every_steps == 0
-			      : step >= ck->last_step + c->checkpoint_every_steps);
+	/* every_steps, and on a cluster the agreed ones (a cluster takes no other) */
+	bool every = every_steps_due(ck, step);
 	bool must = every || (cluster && ck->agreed);
 	double waited_ms = 0;
 

@@ -130,6 +130,10 @@ uint64_t embd_ckpt_service_request(struct embd_ckpt_service *ck);
  * a cluster call it only at the boundary of a step the cluster ran together while running
  * (daemon/server_ckpt.c, embd_server_checkpoint_boundary): every node must poll the same steps. */
 bool embd_ckpt_service_poll(struct embd_ckpt_service *ck, uint64_t step);
+/* Whether _poll at the boundary of `step` would start a checkpoint, as things stand: every
+ * _steps or an agreed one (after the running write, if one runs), or on one node with no
+ * write running a request or the timer. Changes nothing. */
+bool embd_ckpt_service_due(const struct embd_ckpt_service *ck, uint64_t step);
 
 /* A cluster's agreement: _wanted, this node's HELLO flag for the step about to run (a
  * request, node 0's timer, or SIGTERM); _agreed, some node flagged the step that just ran, so

@@ -144,11 +144,19 @@ int embd_server_checkpoint_sleep_ms(const struct embd_server *sv, int idle_ms)
 	return sv->ckpt && sv->ckpt->stopping ? STOP_TICK_MS : idle_ms;
 }
 
-void embd_server_checkpoint_forward_begin(struct embd_server *sv)
+void embd_server_checkpoint_forward_begin(struct embd_server *sv, uint64_t step)
 {
 	if (sv->cluster && sv->ckpt)
 		embd_step_want_checkpoint(sv->step, embd_ckpt_service_wanted(sv->ckpt->service,
-									  embd_server_step(sv)));
+									  step));
+}
+
+bool embd_server_checkpoint_quiet_boundary(const struct embd_server *sv)
+{
+	const struct embd_server_ckpt *k = sv->ckpt;
+
+	return !k || (!k->agreed && !k->stopping &&
+		      !embd_ckpt_service_due(k->service, embd_server_step(sv) + 1));
 }
 
 void embd_server_checkpoint_forward_end(struct embd_server *sv, int rc)

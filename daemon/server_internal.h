@@ -112,6 +112,7 @@ struct embd_server {
 	enum phase phase;
 	bool first_step_done;
 	uint64_t step_start_ns;
+	uint64_t applied_ns;            /* when the last backward's update was applied */
 	uint64_t canceled_step;         /* step + 1 of the last aborted or dropped step */
 	int canceled_code;              /* what a late BACKWARD of it is told: code and why */
 	char canceled_why[EMBD_CQE_MSG_BYTES];
@@ -128,6 +129,8 @@ struct embd_server {
 	struct embd_step_batch *next_batches;
 	uint32_t next_slot[MAX_CLIENTS];
 	uint32_t num_next;
+	uint64_t next_start_ns;         /* when its HELLO went out, in the backward before
+					 * (embd_step_backward_overlapped) */
 	float *grads;                   /* the step's gradients, copied out of the trainers' slabs
 					 * (trainers_per_node x batch_size x total_dim) before the
 					 * engine checks and uses them: server_schedule.c */
@@ -192,13 +195,16 @@ bool embd_server_checkpoint_drain_over(const struct embd_server *sv);
 int embd_server_checkpoint_sleep_ms(const struct embd_server *sv, int idle_ms);
 /* A background checkpoint write ended (its fd fired in the loop). */
 void embd_server_checkpoint_done(struct embd_server *sv);
-/* Around the forward of step s: a cluster's first exchange carries the checkpoint wanted after
- * s; forward_end (rc: the forward's) notes whether the cluster agreed on it. */
-void embd_server_checkpoint_forward_begin(struct embd_server *sv);
+/* Around the forward of step: a cluster's first exchange carries the checkpoint wanted after
+ * it; forward_end (rc: the forward's) notes whether the cluster agreed on it. */
+void embd_server_checkpoint_forward_begin(struct embd_server *sv, uint64_t step);
 void embd_server_checkpoint_forward_end(struct embd_server *sv, int rc);
 /* The boundary before the step being collected: takes the checkpoint due there (on a cluster
  * only while it runs). True when that was the final one (SIGTERM): stop. */
 bool embd_server_checkpoint_boundary(struct embd_server *sv);
+/* Whether the boundary after the step in flight takes no checkpoint and does not stop the
+ * server (SIGTERM's final checkpoint), as far as is known now. */
+bool embd_server_checkpoint_quiet_boundary(const struct embd_server *sv);
 /* The step in flight was dropped: a checkpoint agreed for it is not taken. */
 void embd_server_checkpoint_step_dropped(struct embd_server *sv);
 /* A re-formed cluster's generation gen: the checkpoints' store handle follows it. */

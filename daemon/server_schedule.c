@@ -10,8 +10,9 @@
  * end): past step_wait_warn_ms it names them, past step_wait_abort_ms it gives up.
  * Pipelined steps: a trainer may post FORWARD s + 1 before or right after BACKWARD s; once
  * every trainer of the node did, that forward is routed while step s still waits (or just
- * before its backward runs), and looked up right after the backward (engine/step.h,
- * embd_step_prepare: bit-identical to an unpipelined step).
+ * before its backward runs), on a cluster its ids are exchanged while step s's update is
+ * applied (overlap_next), and it is looked up right after the backward (engine/step.h,
+ * embd_step_prepare, embd_step_backward_overlapped: bit-identical to an unpipelined step).
  * Evaluations (EVAL) are no part of the steps: on one node each runs as soon as it is popped;
  * on a cluster the node runs an evaluation round, between steps, once every trainer posted
  * one (or sat it out), and a node with no trainer follows the others' rounds.
@@ -412,6 +413,7 @@ static void run_forward(struct embd_server *sv, bool follow)
 			.kjt = c->kjt, .pooled = embd_server_output(sv, c, &c->fwd),
 			.trainer = (uint32_t)c->index };
 	}
+	sv->step_start_ns = embd_now_ns();
 	if (sv->prepared && embd_step_prepared(sv->step) && n == sv->num_next &&
 	    !memcmp(sv->batch_slot, sv->next_slot, n * sizeof(sv->batch_slot[0]))) {
 		/* the same trainers as prepared: the engine goes on from their routed batches */
@@ -421,9 +423,14 @@ static void run_forward(struct embd_server *sv, bool follow)
 		sv->stats.pipelined_steps++;
 	}
 	sv->prepared = false;
-	sv->step_start_ns = embd_now_ns();
 	sv->num_batches = n;
-	embd_server_checkpoint_forward_begin(sv);
+	if (embd_step_exchanged(sv->step)) {
+		/* its HELLO (with the checkpoint flag) went out in the backward before */
+		sv->step_start_ns = sv->next_start_ns;
+		sv->stats.overlapped_steps++;
+	} else {
+		embd_server_checkpoint_forward_begin(sv, sv->s);
+	}
 	if (follow)
 		rc = embd_step_follow(sv->step, &evaluated);
 	else
@@ -569,16 +576,33 @@ static int copy_grads(struct embd_server *sv, char *why, size_t why_len)
 	return 0;
 }
 
-static void run_backward(struct embd_server *sv)
+/*
+ * Whether step s's backward may run step s + 1's input exchange while the ranks apply
+ * (engine/step.h, embd_step_backward_overlapped). Every trainer of the node is in the prepared
+ * step, so its forward runs right after the backward: no loop pass comes between the exchange
+ * and the rest of the step, in which a trainer could join, leave or evaluate. And the boundary
+ * between the two takes no checkpoint: the next step's HELLO asks for the checkpoint wanted
+ * after it, which a checkpoint at this boundary could have satisfied, and SIGTERM's final
+ * checkpoint stops the server there, before the next step.
+ */
+static bool overlap_next(const struct embd_server *sv)
 {
-	char why[256];
+	if (!sv->cluster || !sv->prepared || !embd_step_prepared(sv->step) ||
+	    !embd_server_checkpoint_quiet_boundary(sv))
+		return false;
+	for (uint32_t i = 0; i < sv->slots_end; i++)
+		if (sv->clients[i].used && sv->clients[i].index >= 0 && !in_prepared(sv, i))
+			return false;
+	return true;
+}
 
-	if (copy_grads(sv, why, sizeof(why))) {
-		/* no update without every gradient: the step is dropped as for a trainer that left */
-		abort_step(sv, EMBD_ECANCELED, why);
-		return;
-	}
-	int rc = embd_step_backward(sv->step, sv->batches, sv->num_batches);
+/* The backward's completions, as soon as the update is applied (engine/step.h: with the next
+ * step's input exchange overlapped, that may still run: no engine call here). */
+static void backward_applied(void *arg, int rc)
+{
+	struct embd_server *sv = arg;
+
+	sv->applied_ns = embd_now_ns();
 	for (uint32_t k = 0; k < sv->num_batches; k++) {
 		struct client *c = &sv->clients[sv->batch_slot[k]];
 		if (!c->participant)
@@ -586,6 +610,27 @@ static void run_backward(struct embd_server *sv)
 		embd_server_complete(sv, c, &c->bwd, c->bwd_popped_ns, rc,
 				     rc ? sv->batches[k].err : NULL);
 		c->has_bwd = c->participant = false;
+	}
+}
+
+static void run_backward(struct embd_server *sv)
+{
+	char why[256];
+	int rc;
+
+	if (copy_grads(sv, why, sizeof(why))) {
+		/* no update without every gradient: the step is dropped as for a trainer that left */
+		abort_step(sv, EMBD_ECANCELED, why);
+		return;
+	}
+	if (overlap_next(sv)) {
+		embd_server_checkpoint_forward_begin(sv, sv->s + 1);
+		sv->next_start_ns = embd_now_ns();
+		rc = embd_step_backward_overlapped(sv->step, sv->batches, sv->num_batches,
+						   backward_applied, sv);
+	} else {
+		rc = embd_step_backward(sv->step, sv->batches, sv->num_batches);
+		backward_applied(sv, rc);
 	}
 	if (rc == 0 || rc == EMBD_ECANCELED)   /* or dropped alike (a participant left) */
 		embd_server_regroup_applied(sv, sv->s + 1);
@@ -603,9 +648,12 @@ static void run_backward(struct embd_server *sv)
 	}
 	struct embd_step_counts counts;
 	embd_step_counts(sv->step, &counts);
-	embd_stats_step(&sv->stats, &counts, embd_now_ns() - sv->step_start_ns);
+	embd_stats_step(&sv->stats, &counts, sv->applied_ns - sv->step_start_ns);
 	warn_nonfinite_rows(sv, &counts);
 	next_step(sv);
+	/* the other nodes are in step s + 1's lookup already */
+	if (embd_step_exchanged(sv->step))
+		run_forward(sv, false);
 }
 
 /* ---- pipelined steps ---------------------------------------------------------------------- */

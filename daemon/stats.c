@@ -138,6 +138,7 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "nonfinite_rows", (double)s->nonfinite_rows);
 	cJSON_AddNumberToObject(root, "step_timeouts", (double)s->step_timeouts);
 	cJSON_AddNumberToObject(root, "pipelined_steps", (double)s->pipelined_steps);
+	cJSON_AddNumberToObject(root, "overlapped_steps", (double)s->overlapped_steps);
 	cJSON_AddNumberToObject(root, "lookups", (double)s->lookups);
 	cJSON_AddNumberToObject(root, "lookups_per_s", (double)s->lookups * per_s);
 	cJSON_AddNumberToObject(root, "ids", (double)s->ids);

@@ -17,6 +17,9 @@
  *     "step_timeouts": 0,           phases given up at step_wait_abort_ms (daemon/config.h)
  *     "pipelined_steps": 99,        steps routed while the step before waited for its
  *                                   backward (its trainers posted FORWARD early, pipelined)
+ *     "overlapped_steps": 99,       ... of them, on a cluster, whose input exchange ran while
+ *                                   the step before was applied (engine/step.h,
+ *                                   embd_step_backward_overlapped)
  *     "lookups": 123, "lookups_per_s": 9.8,   row reads by all ranks
  *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
  *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
@@ -81,7 +84,7 @@ const char *embd_stats_cause_name(uint32_t cause);
 
 struct embd_stats {
 	uint64_t start_ns;              /* CLOCK_MONOTONIC at creation */
-	uint64_t steps, aborted_steps, step_timeouts, pipelined_steps;
+	uint64_t steps, aborted_steps, step_timeouts, pipelined_steps, overlapped_steps;
 	uint64_t nonfinite_grads, nonfinite_rows;
 	uint64_t lookups, ids, bytes_in, bytes_out, sent_bytes;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;

@@ -427,10 +427,12 @@ static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 	io->rc = n ? embd_ranks_forward(s->ranks, rank, exec, all, (uint32_t)n, &io->kerr) : 0;
 }
 
+/* The backward of train[cur], never s->pass: the loop thread may run the next step's input
+ * exchange in the other training pass meanwhile (embd_step_backward_overlapped). */
 static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 {
 	struct embd_step *s = arg;
-	struct rank_io *io = &s->pass->io[rank];
+	struct rank_io *io = &train_pass(s)->io[rank];
 	struct embd_bag_batch *all = io->batches.p;
 	uint64_t i = 0;
 
@@ -518,23 +520,29 @@ void step_pass_begin(struct embd_step *s, struct embd_step_batch *batches, uint3
 	reset_io(s);
 }
 
-int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
+/* step_fail of pass p, which need not be the running one. */
+static int fail_pass(struct embd_step *s, struct step_pass *p, int rc, const char *msg)
 {
-	struct step_pass *p = s->pass;
-	char msg[sizeof(p->batches[0].err)];
-	va_list ap;
-
-	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
-	va_end(ap);
 	for (uint32_t i = 0; i < p->num_batches; i++)
 		if (!p->batches[i].status) {
 			p->batches[i].status = rc;
 			snprintf(p->batches[i].err, sizeof(p->batches[i].err), "%s", msg);
 		}
-	if (!p->eval)
+	/* only the step forwarded last may be pending (not a preparation of the next) */
+	if (p == train_pass(s))
 		s->pending = false;
 	return rc;
+}
+
+int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
+{
+	char msg[sizeof(s->pass->batches[0].err)];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	return fail_pass(s, s->pass, rc, msg);
 }
 
 /* Lookup and assembly of the running pass once its items are in (the exchanges included). */
@@ -581,25 +589,48 @@ static int lookup_pass(struct embd_step *s)
 	return 0;
 }
 
+/* The rest of a forward pass once its ids are in (the input exchange done): lookup, the
+ * output exchange, assembly. Returns accepted, or an error. */
+static int forward_exchanged(struct embd_step *s, uint32_t accepted)
+{
+	if (!s->pass->cluster_accepted)
+		return 0;
+	int rc = lookup_pass(s);
+	return rc ? rc : (int)accepted;
+}
+
 /*
  * The rest of a forward pass once s->pass is routed (accepted: on this node): the input
- * exchange, lookup, the output exchange, assembly. Returns accepted, or an error. A
- * ROUND_FOLLOW pass may leave s->pass switched to the evaluation pass (step_dist_input).
+ * exchange, then forward_exchanged. A ROUND_FOLLOW pass may leave s->pass switched to the
+ * evaluation pass (step_dist_input).
  */
 static int forward_routed(struct embd_step *s, enum step_round round, uint32_t accepted)
 {
-	int rc;
-
 	if (s->dist) {
 		/* the other nodes' ids for this node's ranks arrive; everyone learns the count */
-		rc = step_dist_input(s, round);
+		int rc = step_dist_input(s, round);
 		if (rc)
 			return rc;
 	}
-	if (!s->pass->cluster_accepted)
-		return 0;
-	rc = lookup_pass(s);
-	return rc ? rc : (int)accepted;
+	return forward_exchanged(s, accepted);
+}
+
+/*
+ * The prepared step's input exchange ran (embd_step_backward_overlapped), so the other nodes
+ * go on to its lookup and output exchange; when anything but its forward comes instead, this
+ * node's collectives are out of line with theirs from here on: the comm is broken (every node
+ * fails its next exchange and the cluster re-forms).
+ */
+static void drop_exchanged(struct embd_step *s, const char *instead)
+{
+	char why[192];
+
+	if (!s->exchanged)
+		return;
+	s->exchanged = false;
+	snprintf(why, sizeof(why), "node %u dropped a step after its input exchange: %s", s->node,
+		 instead);
+	embd_step_comm_break(s, why);
 }
 
 /* One forward pass over n batches in s->pass: routing, then forward_routed. */
@@ -614,19 +645,26 @@ static int forward_pass(struct embd_step *s, struct embd_step_batch *batches, ui
 int embd_step_forward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
 	const struct step_pass *next = &s->train[s->cur ^ 1];
+	const bool same = s->prepared && next->batches == batches && next->num_batches == n;
 	int rc;
 
 	s->pending = false;
-	s->cluster_ckpt = false;
-	if (s->prepared && next->batches == batches && next->num_batches == n) {
+	if (!same) {
+		drop_exchanged(s, "a forward of other batches came");
+		s->cluster_ckpt = s->prepared = false;
+		rc = forward_pass(s, batches, n, ROUND_TRAIN);
+	} else if (s->exchanged) {
+		/* its ids came while the step before was applied; its HELLO set cluster_ckpt */
+		s->cur ^= 1;
+		s->pass = train_pass(s);
+		s->prepared = s->exchanged = false;
+		rc = s->exchange_rc < 0 ? s->exchange_rc : forward_exchanged(s, s->pass->accepted);
+	} else {
 		/* routed while the step before waited for its backward (embd_step_prepare) */
 		s->cur ^= 1;
 		s->pass = train_pass(s);
-		s->prepared = false;
+		s->cluster_ckpt = s->prepared = false;
 		rc = forward_routed(s, ROUND_TRAIN, s->pass->accepted);
-	} else {
-		s->prepared = false;
-		rc = forward_pass(s, batches, n, ROUND_TRAIN);
 	}
 	s->pending = rc >= 0 && train_pass(s)->cluster_accepted;
 	return rc;
@@ -637,8 +675,14 @@ bool embd_step_prepared(const struct embd_step *s)
 	return s->prepared;
 }
 
+bool embd_step_exchanged(const struct embd_step *s)
+{
+	return s->exchanged;
+}
+
 int embd_step_eval(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
+	drop_exchanged(s, "an evaluation came");
 	s->pass = &s->eval;
 	int rc = forward_pass(s, batches, n, ROUND_EVAL);
 	s->pass = train_pass(s);
@@ -650,6 +694,7 @@ int embd_step_follow(struct embd_step *s, bool *eval)
 	*eval = false;
 	if (s->pending)
 		return EMBD_EINVAL;
+	drop_exchanged(s, "a round without batches came");
 	s->cluster_ckpt = false;
 	s->prepared = false;
 	int rc = forward_pass(s, NULL, 0, ROUND_FOLLOW);
@@ -702,20 +747,55 @@ static uint32_t check_grads_finite(struct embd_step *s, char *why, size_t why_le
 /* Rows the last backward's updates left non-finite, from the shards' counters (step.h). */
 static void count_nonfinite_rows(struct embd_step *s)
 {
+	struct embd_step_counts *c = &train_pass(s)->counts;
+
 	for (uint32_t i = 0; i < s->num_shards; i++) {
 		struct step_shard *ss = &s->shards[i];
 		if (!ss->shard || ss->shard->nonfinite_rows == ss->nonfinite_seen)
 			continue;
-		if (!s->pass->counts.nonfinite_rows) {
-			s->pass->counts.nonfinite_table = ss->table;
-			s->pass->counts.nonfinite_row = ss->shard->nonfinite_row;
+		if (!c->nonfinite_rows) {
+			c->nonfinite_table = ss->table;
+			c->nonfinite_row = ss->shard->nonfinite_row;
 		}
-		s->pass->counts.nonfinite_rows += ss->shard->nonfinite_rows - ss->nonfinite_seen;
+		c->nonfinite_rows += ss->shard->nonfinite_rows - ss->nonfinite_seen;
 		ss->nonfinite_seen = ss->shard->nonfinite_rows;
 	}
 }
 
-int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+/*
+ * The fused optimizer of the step in backward (train[cur]) on every rank, once its gradients
+ * are in. With overlap the comm thread runs the prepared step's input exchange meanwhile
+ * (step_overlap.c; *exchanging says whether it started): from then on until it is waited for
+ * this thread touches neither s->pass nor the other training pass.
+ */
+static int apply(struct embd_step *s, bool overlap, bool *exchanging)
+{
+	struct step_pass *p = train_pass(s);
+	uint32_t failed_rank = 0;
+	char msg[sizeof(p->batches[0].err)];
+	int rc = 0;
+
+	for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+		if ((rc = make_batches(s, &p->io[r], true)))
+			failed_rank = r;
+	if (!rc) {
+		*exchanging = overlap && step_overlap_start(s);
+		embd_ranks_run(s->ranks, backward_rank, s);
+		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+			if ((rc = p->io[r].rc))
+				failed_rank = r;
+		count_nonfinite_rows(s);
+	}
+	if (!rc)
+		return 0;
+	snprintf(msg, sizeof(msg), "backward on rank %u of node %u: %.150s", failed_rank, s->node,
+		 rc == EMBD_ENOMEM ? "out of memory" : p->io[failed_rank].kerr.msg);
+	return fail_pass(s, p, rc, msg);
+}
+
+/* The backward up to the apply: the gradients checked and, on a cluster, exchanged. 0 when
+ * the update is to be applied. */
+static int gradients_in(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
 	char why[192] = "";
 	int rc = 0;
@@ -734,31 +814,41 @@ int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uin
 		rc = EMBD_ECANCELED;
 	else if (rc)
 		snprintf(why, sizeof(why), "a trainer's pooled_grad is missing");
-	if (s->dist) {
-		/* a refused gradient here aborts the step everywhere rather than half of it */
-		rc = step_dist_grads(s, rc, why);
-		if (rc)
-			return rc;
-	} else if (rc == EMBD_ECANCELED) {
+	if (s->dist)    /* a refused gradient here aborts the step everywhere, not half of it */
+		return step_dist_grads(s, rc, why);
+	if (rc == EMBD_ECANCELED)
 		return step_fail(s, rc, "step aborted: %s", why);
-	} else if (rc) {
-		return rc;
-	}
-	uint32_t failed_rank = 0;
-	for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
-		if ((rc = make_batches(s, &s->pass->io[r], true)))
-			failed_rank = r;
-	if (!rc) {
-		embd_ranks_run(s->ranks, backward_rank, s);
-		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
-			if ((rc = s->pass->io[r].rc))
-				failed_rank = r;
-		count_nonfinite_rows(s);
-	}
-	if (rc)
-		return step_fail(s, rc, "backward on rank %u of node %u: %.150s", failed_rank, s->node,
-				 rc == EMBD_ENOMEM ? "out of memory" : s->pass->io[failed_rank].kerr.msg);
-	return 0;
+	return rc;
+}
+
+static int backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n,
+		    bool overlap, embd_step_applied_fn applied, void *arg)
+{
+	bool exchanging = false;
+	int rc = gradients_in(s, batches, n);
+
+	/* the exchange needs the comm to itself: a comm staged through the ranks' devices
+	 * (nccl) copies on the rank threads, which the apply holds */
+	overlap = overlap && s->prepared && !s->exchanged && s->lanes &&
+		  !step_lanes_staged(s->lanes);
+	if (!rc)
+		rc = apply(s, overlap, &exchanging);
+	if (applied)
+		applied(arg, rc);
+	if (exchanging)
+		step_overlap_wait(s);
+	return rc;
+}
+
+int embd_step_backward(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
+{
+	return backward(s, batches, n, false, NULL, NULL);
+}
+
+int embd_step_backward_overlapped(struct embd_step *s, struct embd_step_batch *batches,
+				  uint32_t n, embd_step_applied_fn applied, void *arg)
+{
+	return backward(s, batches, n, true, applied, arg);
 }
 
 int embd_step_abort(struct embd_step *s, const char *why)
@@ -767,6 +857,7 @@ int embd_step_abort(struct embd_step *s, const char *why)
 
 	if (s->dist && s->pending)
 		rc = step_dist_grads(s, EMBD_ECANCELED, why ? why : "aborted");
+	drop_exchanged(s, "an abort came");
 	s->pending = false;
 	s->prepared = false;
 	reset_io(s);

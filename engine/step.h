@@ -150,9 +150,11 @@ int embd_step_forward(struct embd_step *step, struct embd_step_batch *batches, u
  * embd_step_forward of the same batches array and n then goes on from there (on a cluster:
  * the exchanges, in the same order as ever; the lookup, after the backward), so the result is
  * bit-identical to an unpipelined step; a forward of other batches drops the preparation,
- * as do embd_step_abort and embd_step_comm_set. The batches (kjt, pooled) must stay valid
+ * as do embd_step_abort and embd_step_comm_set (once embd_step_backward_overlapped ran its
+ * input exchange, dropping it breaks the comm). The batches (kjt, pooled) must stay valid
  * until that forward. Returns the batches accepted on this node, or EMBD_EINVAL (inside an
- * evaluation, or n > max_trainers). Caller's thread, no forward or backward running.
+ * evaluation, n > max_trainers, or a preparation already exchanged). Caller's thread, no
+ * forward or backward running.
  */
 int embd_step_prepare(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 /* Whether a preparation waits for its forward. */
@@ -211,6 +213,27 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
  * (nonfinite_rows: the CPU and the CUDA kernels check every row they update).
  */
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
+
+/*
+ * Backward as embd_step_backward, and on a cluster whose comm moves host memory (gloo), when a
+ * preparation waits (embd_step_prepare): once the gradient exchange succeeded, the ranks apply
+ * the update while the engine's comm thread runs the prepared step's input exchange (HELLO,
+ * INPUT), so that its communication hides behind the optimizer. The collectives keep their
+ * order (gradients of step s, then step s + 1's sizes and ids), so the other nodes need not
+ * pipeline. applied (may be NULL) is called once on this thread with backward's result as soon
+ * as the update is applied (or the backward failed), while that exchange may still run: it may
+ * hand out the backward's completions (the batches' status and err are set) but must not call
+ * the engine. Returns backward's result once the exchange is done too; embd_step_exchanged then
+ * says whether it ran, and if it did the next call must be embd_step_forward of the prepared
+ * batches, which goes on with the lookup and returns the exchange's outcome (anything else
+ * breaks the comm: the other nodes are in that step's output exchange). Otherwise (one node,
+ * nccl, no preparation, the step aborted or failed) it is embd_step_backward.
+ */
+typedef void (*embd_step_applied_fn)(void *arg, int rc);
+int embd_step_backward_overlapped(struct embd_step *step, struct embd_step_batch *batches,
+				  uint32_t n, embd_step_applied_fn applied, void *arg);
+/* Whether the prepared step's input exchange ran in the last backward (above). */
+bool embd_step_exchanged(const struct embd_step *step);
 
 /*
  * Drops the pending forward (and a prepared next step) without touching any parameter (a

@@ -41,8 +41,10 @@ struct wire_rx {
 	uint64_t grad_at;                       /* bytes into the peer's GRADS block */
 };
 
-/* What one pass (the training step's, or an evaluation's: step_internal.h) keeps of its
- * exchanges; the training pass's received items live in `in` until its backward. */
+/* What one pass (a training step's, or an evaluation's: step_internal.h) keeps of its
+ * exchanges; a training pass's received items live in `in` until its backward. Each training
+ * pass has its own, so the next step's ids may arrive while the ranks apply the step before
+ * (embd_step_backward_overlapped), whose backward reads its own pass's. */
 struct dist_pass {
 	struct vec in, out;                     /* bytes */
 	struct vec rx;                          /* struct wire_rx */
@@ -63,14 +65,15 @@ struct step_dist {
 	uint64_t *sbytes, *rbytes, *roff;       /* per peer, of the exchange at hand */
 	struct vec send, grad;                  /* bytes; grad lives until backward */
 	uint64_t *grad_off;                     /* per peer: its block in grad */
-	struct dist_pass passes[2];             /* [0] the training step's, [1] an evaluation's */
+	struct dist_pass passes[3];             /* train[0]'s, train[1]'s, the evaluation's */
 	bool broken;
 	char broken_msg[256];
 };
 
+/* The running pass's. */
 static struct dist_pass *dpass(const struct embd_step *s)
 {
-	return &s->dist->passes[s->pass->eval];
+	return &s->dist->passes[s->pass->eval ? 2 : s->pass - s->train];
 }
 
 int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluster, char *err,
@@ -93,7 +96,7 @@ int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluste
 	d->grad_off = calloc(N + 1, sizeof(uint64_t));
 	if (!d->sbytes || !d->rbytes || !d->roff || !d->grad_off)
 		return EMBD_ENOMEM;
-	for (int i = 0; i < 2; i++) {
+	for (int i = 0; i < 3; i++) {
 		struct dist_pass *x = &d->passes[i];
 		x->rx_first = calloc(N + 1, sizeof(uint64_t));
 		x->out_expect = calloc(N, sizeof(uint64_t));
@@ -122,9 +125,10 @@ void step_dist_destroy(struct embd_step *s)
 
 	if (!d)
 		return;
+	step_overlap_destroy(s);
 	vec_free(&d->send);
 	vec_free(&d->grad);
-	for (int i = 0; i < 2; i++) {
+	for (int i = 0; i < 3; i++) {
 		struct dist_pass *x = &d->passes[i];
 		vec_free(&x->in);
 		vec_free(&x->out);
@@ -143,9 +147,14 @@ void step_dist_destroy(struct embd_step *s)
 	s->lanes = NULL;
 }
 
+int step_dist_timeout_ms(const struct embd_step *s)
+{
+	return s->dist->timeout_ms;
+}
+
 void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out)
 {
-	const struct dist_pass *x = &s->dist->passes[0];
+	const struct dist_pass *x = &s->dist->passes[s->cur];
 
 	out->sent_bytes = 0;
 	for (int e = 0; e < EMBD_STEP_EXCHANGES; e++) {
@@ -306,7 +315,7 @@ int embd_step_comm_set(struct embd_step *s, struct embd_comm *comm, uint64_t gen
 	}
 	step_lanes_destroy(s->lanes);
 	s->lanes = lanes;
-	s->prepared = false;
+	s->prepared = s->exchanged = false;
 	d->comm = comm;
 	d->seq = 0;             /* every node counts the new comm's exchanges from 0 */
 	d->gen = gen;
@@ -681,7 +690,7 @@ int step_dist_output(struct embd_step *s, int status, const char *why)
 int step_dist_grads(struct embd_step *s, int status, const char *why)
 {
 	struct step_dist *d = s->dist;
-	const struct dist_pass *x = &d->passes[0];     /* only a training step has a backward */
+	const struct dist_pass *x = &d->passes[s->cur];        /* train[cur]'s: in backward */
 	const uint32_t N = d->nodes, D = s->layout.total_dim;
 	const size_t H = sizeof(struct wire_head);
 	struct wire_head heads[N];
@@ -727,7 +736,7 @@ int step_dist_grads(struct embd_step *s, int status, const char *why)
 const float *step_dist_grad_of(const struct embd_step *s, const struct step_item *it)
 {
 	const struct step_dist *d = s->dist;
-	const struct wire_rx *r = VEC_AT(d->passes[0].rx, struct wire_rx, it->rx);
+	const struct wire_rx *r = VEC_AT(d->passes[s->cur].rx, struct wire_rx, it->rx);
 
 	return (const float *)((const uint8_t *)d->grad.p + d->grad_off[it->peer] + r->grad_at);
 }

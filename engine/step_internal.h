@@ -15,8 +15,11 @@
  * pass of its own, so that it may run while a step waits for its backward and leave it
  * intact. There are two training passes: while step s waits for its backward in train[cur],
  * embd_step_prepare routes step s + 1 into train[cur ^ 1] (pipelined steps), and that step's
- * forward goes on from there. s->pass is the pass running: train[cur] but inside an
- * evaluation or a preparation.
+ * forward goes on from there. On a cluster embd_step_backward_overlapped also runs step
+ * s + 1's input exchange (HELLO, INPUT) into train[cur ^ 1] while the ranks apply step s from
+ * train[cur]: the apply reads only train[cur] (and the gradient buffer), the exchange only
+ * train[cur ^ 1], each with its own exchange buffers (step_dist.c). s->pass is the pass
+ * running: train[cur] but inside an evaluation, a preparation or that exchange.
  */
 #ifndef EMBD_ENGINE_STEP_INTERNAL_H
 #define EMBD_ENGINE_STEP_INTERNAL_H
@@ -134,6 +137,7 @@ enum step_round {
 
 struct step_dist;
 struct step_lanes;
+struct step_overlap;
 
 struct embd_step {
 	uint32_t num_tables, num_shards, num_ranks, max_trainers;
@@ -155,9 +159,13 @@ struct embd_step {
 	uint32_t grad_divisor;                  /* embd_step_set_grad_divisor; 0, 1: none */
 	struct step_dist *dist;                 /* NULL on one node */
 	struct step_lanes *lanes;               /* the comm's transport (step_lanes.c), or NULL */
+	struct step_overlap *overlap;           /* the comm thread (step_overlap.c), or NULL */
 	struct step_pass train[2], eval;
 	uint32_t cur;                           /* train[cur]: the last step forwarded */
 	bool prepared;                          /* train[cur ^ 1] holds the next step, routed */
+	bool exchanged;                         /* ... and its input exchange ran (the other
+						   nodes are in its lookup): its forward is due */
+	int exchange_rc;                        /* what that exchange returned */
 	struct step_pass *pass;                 /* the pass running (see the top of this file) */
 	/* the step in flight */
 	bool ckpt_want;                         /* this node's HELLO flag (embd_step_want_checkpoint) */
@@ -208,6 +216,8 @@ void step_lane_part(uint64_t bytes, uint32_t lanes, uint32_t l, uint64_t *off, u
 int step_lanes_create(struct embd_step *s, struct embd_comm *comm, struct step_lanes **out,
 		      char *err, size_t err_len);
 void step_lanes_destroy(struct step_lanes *ln);
+/* Whether the transfers are staged through the ranks' devices (on the rank threads). */
+bool step_lanes_staged(const struct step_lanes *ln);
 /*
  * The all-to-all of node messages over s->lanes: send holds sbytes[p] bytes for each node p in
  * node order, recv gets rbytes[p] from each (both sizes agree pairwise; this node's own part is
@@ -217,6 +227,15 @@ void step_lanes_destroy(struct step_lanes *ln);
 int step_lanes_exchange(struct embd_step *s, struct embd_comm *comm, const uint8_t *send,
 			const uint64_t *sbytes, uint8_t *recv, const uint64_t *rbytes,
 			bool *comm_failed, char *err, size_t err_len);
+
+/* ---- step_overlap.c ---- */
+/* The prepared step's input exchange (into train[cur ^ 1], exchange_rc, exchanged set) starts
+ * on the comm thread; false when there is no thread (nothing started). */
+bool step_overlap_start(struct embd_step *s);
+/* Until the exchange started is done; logs what it waits for past the comm's timeouts. */
+void step_overlap_wait(struct embd_step *s);
+/* Stops the thread (none running an exchange). */
+void step_overlap_destroy(struct embd_step *s);
 
 /* ---- step_dist.c ---- */
 
@@ -234,6 +253,8 @@ int step_dist_output(struct embd_step *s, int status, const char *why);
 int step_dist_grads(struct embd_step *s, int status, const char *why);
 /* Where the gradient of a received item lies. */
 const float *step_dist_grad_of(const struct embd_step *s, const struct step_item *it);
+/* The comm's collective timeout (for messages). */
+int step_dist_timeout_ms(const struct embd_step *s);
 /* sent_bytes and exchange_bytes of the last step. */
 void step_dist_counts(const struct embd_step *s, struct embd_step_counts *out);
 

@@ -90,6 +90,11 @@ void step_lanes_destroy(struct step_lanes *ln)
 	free(ln);
 }
 
+bool step_lanes_staged(const struct step_lanes *ln)
+{
+	return ln->staged;
+}
+
 /* One part per lane of the message of bytes at host, as sends to (or recvs from) peer; every
  * send is added before the first recv. */
 static void add_parts(struct step_lanes *ln, bool send, uint32_t peer, uint8_t *host,

@@ -395,7 +395,7 @@ int step_route_pass(struct embd_step *s, struct embd_step_batch *batches, uint32
 
 int embd_step_prepare(struct embd_step *s, struct embd_step_batch *batches, uint32_t n)
 {
-	if (s->pass != train_pass(s) || n > s->max_trainers)
+	if (s->exchanged || s->pass != train_pass(s) || n > s->max_trainers)
 		return EMBD_EINVAL;
 	s->prepared = false;
 	s->pass = &s->train[s->cur ^ 1];

@@ -91,8 +91,9 @@ struct embd_batch {
  * FORWARD s and BACKWARD s are a training step: every trainer of the node (of the cluster)
  * posts both. FORWARD s + 1 (in the other slot) may be posted before BACKWARD s or right
  * after it (pipelined steps, TorchRec's TrainPipelineSparseDist idea): once every trainer of
- * the node did, the service routes step s + 1 while step s waits for its backward and looks
- * it up right after that backward, with exactly the result of posting it later; its
+ * the node did, the service routes step s + 1 while step s waits for its backward (on a
+ * cluster it also exchanges its ids with the other nodes while step s's update is applied)
+ * and looks it up right after that backward, with exactly the result of posting it later; its
  * completion follows BACKWARD s's. A second FORWARD while one is pending, or a FORWARD of
  * step s while its BACKWARD is due, completes at once with EMBD_EINVAL.
  *

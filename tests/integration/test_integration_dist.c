@@ -64,22 +64,30 @@ Test(dist, two_nodes_short_batches_column_wise) { train_short(2, "column_wise");
 Test(dist, two_nodes_short_batches_table_row_wise) { train_short(2, "table_row_wise"); }
 Test(dist, three_nodes_short_batches_data_parallel) { train_short(3, "data_parallel"); }
 
-/* Pipelined steps on a cluster: every node routes step k + 1 while step k waits for its
- * backward (stats pipelined_steps on each), and the outputs are bit-identical to the same
- * training unpipelined. */
-static void pipelined_cluster(const char *sharding)
+/*
+ * Pipelined steps on a cluster: a pipelining node routes step k + 1 while step k waits for its
+ * backward and exchanges its ids while step k's update is applied (stats pipelined_steps and
+ * overlapped_steps; nccl's lanes stage through the rank threads, so it overlaps nothing), and
+ * the outputs equal the unsharded reference and, bit for bit, the same training unpipelined.
+ * Only the trainers from global trainer `from` on pipeline: RANKS leaves node 0 unpipelined,
+ * which must not matter to either node.
+ */
+static void pipelined_cluster(const char *sharding, uint32_t from)
 {
 	static struct shared plain;
 	const char *sockets[MAX_NODES];
 	struct shared *sh = shared_map();
+	const double overlaps = strcmp(dist_backend(), "gloo") ? 0 : K_STEPS - 1;
 
 	for (int pipelined = 0; pipelined < 2; pipelined++) {
 		start_cluster(2, sharding);
 		for (uint32_t n = 0; n < 2; n++)
 			sockets[n] = nodes[n].embd.socket;
 		pipelined_trainers = pipelined ? PIPE_BEFORE : PIPE_OFF;
+		pipelined_from_trainer = from;
 		run_trainers(sh, 2 * RANKS, sockets, RANKS);
 		pipelined_trainers = PIPE_OFF;
+		pipelined_from_trainer = 0;
 		if (pipelined)
 			break;
 		memcpy(&plain, sh, sizeof(plain));
@@ -89,18 +97,32 @@ static void pipelined_cluster(const char *sharding)
 	cr_expect(!memcmp(plain.pooled, sh->pooled, sizeof(plain.pooled)),
 		  "%s: pipelined outputs differ from the unpipelined run's", sharding);
 	for (uint32_t n = 0; n < 2; n++) {
+		const bool piped = n * RANKS >= from;
 		cJSON *stats = ctl_ask_json(nodes[n].embd.socket, EMBD_CTL_STATS_REQUEST);
 		cr_assert_not_null(stats, "node %u: no STATS reply", n);
-		cr_expect_eq(ctl_json_num(stats, "pipelined_steps"), K_STEPS - 1,
-			     "node %u: expected %d pipelined steps, got %g", n, K_STEPS - 1,
-			     ctl_json_num(stats, "pipelined_steps"));
+		cr_expect_eq(ctl_json_num(stats, "pipelined_steps"), piped ? K_STEPS - 1 : 0,
+			     "%s, node %u: expected %d pipelined steps, got %g", sharding, n,
+			     piped ? K_STEPS - 1 : 0, ctl_json_num(stats, "pipelined_steps"));
+		cr_expect_eq(ctl_json_num(stats, "overlapped_steps"), piped ? overlaps : 0,
+			     "%s, node %u: expected %g steps whose id exchange overlapped the update "
+			     "before, got %g", sharding, n, piped ? overlaps : 0,
+			     ctl_json_num(stats, "overlapped_steps"));
 		cJSON_Delete(stats);
 	}
 	munmap(sh, sizeof(*sh));
 }
 
-Test(dist, two_nodes_pipelined_row_wise) { pipelined_cluster("row_wise"); }
-Test(dist, two_nodes_pipelined_column_wise) { pipelined_cluster("column_wise"); }
+Test(dist, two_nodes_pipelined_table_wise) { pipelined_cluster("table_wise", 0); }
+Test(dist, two_nodes_pipelined_row_wise) { pipelined_cluster("row_wise", 0); }
+Test(dist, two_nodes_pipelined_column_wise) { pipelined_cluster("column_wise", 0); }
+Test(dist, two_nodes_pipelined_table_row_wise) { pipelined_cluster("table_row_wise", 0); }
+Test(dist, two_nodes_pipelined_table_column_wise) { pipelined_cluster("table_column_wise", 0); }
+Test(dist, two_nodes_pipelined_data_parallel) { pipelined_cluster("data_parallel", 0); }
+Test(dist, two_nodes_only_node_1_pipelines_row_wise) { pipelined_cluster("row_wise", RANKS); }
+Test(dist, two_nodes_only_node_1_pipelines_data_parallel)
+{
+	pipelined_cluster("data_parallel", RANKS);
+}
 
 /* env:// wins: nodes 1 and 2 have node_rank 0 in their configs and NODE_RANK in the env. */
 Test(dist, node_rank_from_the_environment)
@@ -166,37 +188,58 @@ static void kill_trainer(struct kill_report *rep, uint32_t g, int ready_fd)
 	_exit(0);
 }
 
-/* Node 1 dies (SIGKILL) or stalls (SIGSTOP) while node 0's trainers are in the backward of a
- * step: node 0's trainers get an error naming node 1 within the timeout, later steps
- * EMBD_EAGAIN while node 0 waits for node 1 to re-form the cluster, and node 0 keeps running. */
-static void peer_failure(int sig)
+/* bytes shared with the trainer processes forked next, zeroed. */
+static void *shared_reports(size_t bytes)
+{
+	void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+
+	cr_assert(p != MAP_FAILED);
+	memset(p, 0, bytes);
+	return p;
+}
+
+/* Forks every trainer g of two nodes as a process running trainer(reports, g, ready_fd) (it
+ * _exits), then waits until `ready` of them wrote their byte to ready_fd (having done `what`),
+ * 10 s at most. */
+static void fork_trainers(pid_t *kids, void (*trainer)(void *, uint32_t, int), void *reports,
+			  uint32_t ready, const char *what)
 {
 	int pipefd[2];
-	pid_t kids[2 * RANKS];
 
-	start_cluster(2, "row_wise");
-	struct kill_report *rep = mmap(NULL, sizeof(*rep) * 2 * RANKS, PROT_READ | PROT_WRITE,
-				       MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-	cr_assert(rep != MAP_FAILED);
-	memset(rep, 0, sizeof(*rep) * 2 * RANKS);
 	cr_assert_eq(pipe(pipefd), 0);
 	for (uint32_t g = 0; g < 2 * RANKS; g++) {
 		kids[g] = tu_fork_child();
 		if (kids[g] == 0) {
 			close(pipefd[0]);
-			kill_trainer(&rep[g], g, pipefd[1]);
+			trainer(reports, g, pipefd[1]);
 		}
 	}
 	close(pipefd[1]);
-	/* every trainer through step 0 and the forward of step 1 */
-	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+	for (uint32_t g = 0; g < ready; g++) {
 		struct pollfd pfd = { .fd = pipefd[0], .events = POLLIN };
 		char ok;
-		cr_assert_eq(poll(&pfd, 1, 10000), 1, "trainers did not finish step 0 and the "
-			     "forward of step 1 within 10 s (%u of 4 did)", g);
+		cr_assert_eq(poll(&pfd, 1, 10000), 1, "trainers did not finish %s within 10 s (%u "
+			     "of %u did)", what, g, ready);
 		cr_assert_eq(read(pipefd[0], &ok, 1), 1);
 	}
 	close(pipefd[0]);
+}
+
+static void kill_trainer_main(void *reports, uint32_t g, int ready_fd)
+{
+	kill_trainer(&((struct kill_report *)reports)[g], g, ready_fd);
+}
+
+/* Node 1 dies (SIGKILL) or stalls (SIGSTOP) while node 0's trainers are in the backward of a
+ * step: node 0's trainers get an error naming node 1 within the timeout, later steps
+ * EMBD_EAGAIN while node 0 waits for node 1 to re-form the cluster, and node 0 keeps running. */
+static void peer_failure(int sig)
+{
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "row_wise");
+	struct kill_report *rep = shared_reports(sizeof(*rep) * 2 * RANKS);
+	fork_trainers(kids, kill_trainer_main, rep, 2 * RANKS, "step 0 and the forward of step 1");
 	for (uint32_t g = 0; g < 2 * RANKS; g++)
 		cr_assert(rep[g].step0_rc == 0 && rep[g].fwd1_rc == 0, "trainer %u: step 0 %d, "
 			  "forward of step 1 %d: expected 0 and 0", g, rep[g].step0_rc, rep[g].fwd1_rc);
@@ -232,6 +275,218 @@ static void peer_failure(int sig)
 
 Test(dist, killed_node_fails_the_step_on_the_others) { peer_failure(SIGKILL); }
 Test(dist, stalled_node_fails_the_step_on_the_others_within_the_timeout) { peer_failure(SIGSTOP); }
+
+/* ---- pipelined steps and failures ------------------------------------------------------ */
+
+/* Posts trainer g's BACKWARD of step k (slot k % 2, user_data 1000 + k), its gradient written. */
+static int post_backward(struct embd_client *c, uint32_t g, uint32_t k, uint64_t first_step)
+{
+	const uint32_t D = embd_layout(c)->total_dim;
+	struct embd_batch b;
+
+	embd_batch_get(c, k % 2, &b);
+	for (uint32_t i = 0; i < BATCH * D; i++)
+		b.grad[i] = gen_grad(k, g, i / D, i % D);
+	const struct embd_request req = { .op = EMBD_REQUEST_BACKWARD, .slot = k % 2,
+					  .step = first_step + k, .batch_size = BATCH,
+					  .user_data = 1000 + k };
+	return embd_submit(c, &req);
+}
+
+/* What each trainer of the overlap failure test reports. */
+struct overlap_report {
+	int fwd0_rc, bwd0_rc, fwd1_rc, step2_rc;
+	int64_t bwd0_at_ms, fwd1_at_ms;         /* when their completions came (embd_now_ms) */
+	char err1[256], err2[256];
+};
+
+/* Trainer g: node 1's step 0 unpipelined, then "ready", and they never post step 1; node 0's
+ * forward of step 0, then FORWARD 1 and BACKWARD 0 (so node 0 exchanges step 1's ids while it
+ * applies step 0), both completions, then step 2. */
+static void overlap_trainer(void *reports, uint32_t g, int ready_fd)
+{
+	struct overlap_report *rep = &((struct overlap_report *)reports)[g];
+	struct embd_client *c;
+	struct embd_completion done;
+	char err[256], ok = 'y';
+	uint64_t n;
+
+	if (embd_connect(nodes[g / RANKS].embd.socket, (int)(g % RANKS), 10000, &c, err,
+			 sizeof(err)))
+		_exit(2);
+	const uint64_t s = embd_layout(c)->resumed_step;
+	if (g / RANKS == 1) {
+		rep->fwd0_rc = forward_backward(c, g, 0, s, true, &n);
+		if (write(ready_fd, &ok, 1) != 1)
+			_exit(3);
+		pause();
+	}
+	rep->fwd0_rc = post_forward(c, g, 0, s);
+	if (!rep->fwd0_rc)
+		rep->fwd0_rc = embd_wait(c, &done, 10000);
+	if (!rep->fwd0_rc)
+		rep->fwd0_rc = done.result;
+	if (rep->fwd0_rc || post_forward(c, g, 1, s) || post_backward(c, g, 0, s))
+		_exit(4);
+	rep->bwd0_rc = rep->fwd1_rc = 1;        /* "no completion" */
+	for (int i = 0; i < 2; i++) {
+		if (embd_wait(c, &done, 20000))
+			break;
+		if (done.user_data == 1000) {
+			rep->bwd0_rc = done.result;
+			rep->bwd0_at_ms = embd_now_ms();
+		} else {
+			rep->fwd1_rc = done.result;
+			rep->fwd1_at_ms = embd_now_ms();
+			snprintf(rep->err1, sizeof(rep->err1), "%s", embd_last_error(c));
+		}
+	}
+	rep->step2_rc = forward_backward(c, g, 2, s + 2, false, &n);
+	snprintf(rep->err2, sizeof(rep->err2), "%s", embd_last_error(c));
+	embd_close(c);
+	_exit(0);
+}
+
+/* Node 1 dies while node 0 exchanges step 1's ids during step 0's update (node 0's trainers
+ * pipeline, node 1's do not and hold back step 1): node 0's trainers got their BACKWARD of
+ * step 0 applied before the failure, their FORWARD of step 1 fails naming node 1 within the
+ * timeout, and step 2 is EMBD_EAGAIN while node 0 waits for node 1 to re-form the cluster. */
+Test(dist, killed_node_during_an_overlapped_id_exchange)
+{
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "row_wise");
+	struct overlap_report *rep = shared_reports(sizeof(*rep) * 2 * RANKS);
+	fork_trainers(kids, overlap_trainer, rep, RANKS, "node 1's step 0");
+	/* step 0's gradients are exchanged; node 0 now waits for node 1 in step 1's HELLO */
+	usleep(300000);
+	const int64_t killed_at_ms = embd_now_ms();
+	stop_node(1, SIGKILL);
+	for (uint32_t g = 0; g < RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "trainer %u: status 0x%x", g, st);
+	}
+	for (uint32_t g = 0; g < RANKS; g++) {
+		const struct overlap_report *r = &rep[g];
+		cr_expect_eq(r->fwd0_rc, 0, "trainer %u: forward of step 0: %d", g, r->fwd0_rc);
+		cr_expect_eq(r->bwd0_rc, 0, "trainer %u: backward of step 0: expected 0, got %d", g,
+			     r->bwd0_rc);
+		cr_expect_lt(r->bwd0_at_ms, killed_at_ms, "trainer %u: the backward of step 0 was "
+			     "completed %lld ms after node 1 was killed: held behind step 1's exchange",
+			     g, (long long)(r->bwd0_at_ms - killed_at_ms));
+		cr_expect_lt(r->fwd1_rc, 0, "trainer %u: forward of step 1 with node 1 killed: "
+			     "expected an error, got %d", g, r->fwd1_rc);
+		cr_expect(strstr(r->err1, "node 1") != NULL, "trainer %u: expected the error to name "
+			  "node 1, got '%s'", g, r->err1);
+		cr_expect_leq(r->fwd1_at_ms - killed_at_ms, TIMEOUT_MS + 1500, "trainer %u: the "
+			      "error came %lld ms after the kill, expected within "
+			      "collective_timeout_ms %d (+1.5 s)", g,
+			      (long long)(r->fwd1_at_ms - killed_at_ms), TIMEOUT_MS);
+		cr_expect_eq(r->step2_rc, EMBD_EAGAIN, "trainer %u: step 2 after the failure: "
+			     "expected EMBD_EAGAIN (the cluster re-forms), got %d (%s)", g,
+			     r->step2_rc, r->err2);
+		cr_expect(strstr(r->err2, "re-forming") && strstr(r->err2, "node 1"), "trainer %u: "
+			  "step 2's refusal should say the cluster re-forms, naming node 1, got "
+			  "'%s'", g, r->err2);
+	}
+	cr_expect_eq(kill(nodes[0].embd.pid, 0), 0, "node 0 should survive its peer's failure");
+	cJSON *stats = ctl_ask_json(nodes[0].embd.socket, EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats, "node 0: no STATS reply");
+	const double overlaps = strcmp(dist_backend(), "gloo") ? 0 : 1;
+	cr_expect_eq(ctl_json_num(stats, "overlapped_steps"), overlaps, "node 0: expected %g "
+		     "overlapped step(s) (step 1's, which failed), got %g", overlaps,
+		     ctl_json_num(stats, "overlapped_steps"));
+	cJSON_Delete(stats);
+	munmap(rep, sizeof(*rep) * 2 * RANKS);
+}
+
+/* Trainer g of the abort test: step 0's forward, then FORWARD 1 (slot 1); the victim then
+ * leaves once every other trainer posted its BACKWARD 0 too (posted counts them), the others
+ * wait for BACKWARD 0 (aborted), FORWARD 1 and run BACKWARD 1. 0, or 1 + why on stderr. */
+static int abort_pipelined_trainer(uint32_t g, uint32_t victim, uint32_t *posted)
+{
+	struct embd_client *c;
+	struct embd_completion done;
+	char err[256];
+	uint64_t n;
+	int fails = 0;
+
+	if (embd_connect(nodes[g / RANKS].embd.socket, (int)(g % RANKS), 10000, &c, err,
+			 sizeof(err)))
+		return fprintf(stderr, "trainer %u: %s\n", g, err), 1;
+	const uint64_t s = embd_layout(c)->resumed_step;
+	int rc = forward_backward(c, g, 0, s, false, &n);
+	if (!rc)
+		rc = post_forward(c, g, 1, s);
+	if (!rc && g != victim)
+		rc = post_backward(c, g, 0, s);
+	if (rc)
+		return fprintf(stderr, "trainer %u: step 0: %d (%s)\n", g, rc, embd_last_error(c)), 1;
+	if (g == victim) {
+		for (int ms = 0; __atomic_load_n(posted, __ATOMIC_ACQUIRE) < 2 * RANKS - 1 &&
+				 ms < 10000; ms++)
+			usleep(1000);
+		usleep(200000);         /* their BACKWARDs are taken */
+		_exit(0);               /* hangs up inside step 0: it is aborted everywhere */
+	}
+	__atomic_add_fetch(posted, 1, __ATOMIC_RELEASE);
+	for (int i = 0; i < 2; i++) {
+		if ((rc = embd_wait(c, &done, 20000)))
+			return fprintf(stderr, "trainer %u: wait: %d\n", g, rc), 1;
+		bool backward = done.user_data == 1000;
+		int want = backward ? EMBD_ECANCELED : 0;
+		if (done.result != want || (backward && !strstr(embd_last_error(c), "trainer 1")))
+			fails += fprintf(stderr, "trainer %u: %s: expected %d%s, got %d (%s)\n", g,
+					 backward ? "backward of the aborted step 0" : "forward of step 1",
+					 want, backward ? " naming trainer 1" : "", done.result,
+					 embd_last_error(c)) > 0;
+	}
+	if ((rc = post_backward(c, g, 1, s)) == 0 && (rc = embd_wait(c, &done, 20000)) == 0)
+		rc = done.result;
+	if (rc)
+		fails += fprintf(stderr, "trainer %u: backward of step 1: %d (%s)\n", g, rc,
+				 embd_last_error(c)) > 0;
+	embd_close(c);
+	return fails != 0;
+}
+
+/* A trainer of node 0 hangs up inside step 0 while every trainer pipelines: the step is
+ * aborted on both nodes (the others' BACKWARD: EMBD_ECANCELED naming it), no node overlaps
+ * step 1's exchange with an update that never came, node 1's prepared step 1 runs (node 0's
+ * preparation, which held the victim's batch, is dropped) and the cluster trains on. */
+Test(dist, a_trainer_lost_mid_step_drops_the_overlap)
+{
+	const uint32_t victim = 1;     /* node 0's trainer 1 */
+	pid_t kids[2 * RANKS];
+
+	start_cluster(2, "table_wise");
+	uint32_t *posted = shared_reports(sizeof(*posted));
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		kids[g] = tu_fork_child();
+		if (kids[g] == 0)
+			_exit(abort_pipelined_trainer(g, victim, posted));
+	}
+	for (uint32_t g = 0; g < 2 * RANKS; g++) {
+		int st;
+		waitpid(kids[g], &st, 0);
+		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "trainer %u: expected exit 0, got "
+			  "status 0x%x (its stderr says why)", g, st);
+	}
+	for (uint32_t n = 0; n < 2; n++) {
+		cJSON *stats = ctl_ask_json(nodes[n].embd.socket, EMBD_CTL_STATS_REQUEST);
+		cr_assert_not_null(stats, "node %u: no STATS reply", n);
+		cr_expect_eq(ctl_json_num(stats, "aborted_steps"), 1, "node %u: aborted_steps %g",
+			     n, ctl_json_num(stats, "aborted_steps"));
+		cr_expect_eq(ctl_json_num(stats, "pipelined_steps"), n == 1, "node %u: expected %d "
+			     "pipelined step(s), got %g", n, n == 1,
+			     ctl_json_num(stats, "pipelined_steps"));
+		cr_expect_eq(ctl_json_num(stats, "overlapped_steps"), 0, "node %u: %g overlapped "
+			     "steps after an aborted update", n, ctl_json_num(stats, "overlapped_steps"));
+		cJSON_Delete(stats);
+	}
+	munmap(posted, sizeof(*posted));
+}
 
 /* ---- one bad batch ----------------------------------------------------------------------- */
 

@@ -332,6 +332,9 @@ static int trainer_connect(struct shared *sh, const char *socket, uint32_t local
  * still in its ring: either way every step after the first is prepared). */
 enum { PIPE_OFF, PIPE_BEFORE, PIPE_MIXED };
 static int pipelined_trainers;
+/* ... for the global trainers from this one on; those before it step unpipelined (a cluster
+ * whose first nodes do not pipeline). */
+static uint32_t pipelined_from_trainer;
 
 /* Writes trainer tr's batch of step k into slot k % 2 and posts its FORWARD (user_data k). */
 static int post_forward(struct embd_client *c, uint32_t tr, uint32_t k, uint64_t first_step)
@@ -456,7 +459,7 @@ static int trainer_run(struct shared *sh, const char *socket, uint32_t local, ui
 	if (rc)
 		return rc;
 	const struct embd_client_layout *l = embd_layout(c);
-	if (pipelined_trainers) {
+	if (pipelined_trainers && tr >= pipelined_from_trainer) {
 		rc = pipelined_steps(sh, c, tr);
 		embd_close(c);
 		return rc;

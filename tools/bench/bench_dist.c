@@ -9,7 +9,7 @@
  * cost is what `embd-bench e2e` measures). The raw reference is N more processes that call
  * embd_comm_alltoallv directly, four times per step, each node sending to each peer the
  * bytes the engine's exchange of that kind sent (sizes, ids, outputs, gradients; per node,
- * split evenly over its peers). Three alternating rounds of each, medians.
+ * split evenly over its peers). Three alternating rounds of each (--rounds R), medians.
  * ratio_to_raw = steps_per_s / raw_alltoallv_steps_per_s: the
  * share of a step that is the collectives themselves (1 = the engine adds nothing).
  *
@@ -22,7 +22,12 @@
  *
  * --cores-per-node K gives node n's processes (its ranks, Gloo's threads) the cores
  * [n*K, (n+1)*K) and the one-node run the cluster's N*K cores, as separate machines would have
- * them; --max-nodes N (1-3) stops at N nodes.
+ * them; --max-nodes N (1-3) stops at N nodes. --pipeline makes every other block of
+ * DIST_BLOCK timed steps of the engine's runs pipelined (engine/step.h): step s + 1 prepared
+ * before step s's backward, which exchanges its ids while the ranks apply step s
+ * (embd_step_backward_overlapped); steps_per_s is then the plain blocks' rate and
+ * pipelined_steps_per_s the pipelined blocks' of the same runs, pipeline_gain the median of
+ * the runs' ratios. --steps N times N steps a run.
  */
 #include <errno.h>
 #include <sched.h>
@@ -55,12 +60,17 @@
 #define DIST_DIM 64
 #define DIST_PF 8                       /* ids per bag */
 #define DIST_WARMUP 3
-#define DIST_STEPS 20
+#define DIST_STEPS 20                   /* timed steps per run by default; --steps N */
 #define DIST_TIMEOUT_MS 30000
-#define DIST_ROUNDS 3
+#define DIST_ROUNDS 3                   /* by default; --rounds R, at most DIST_MAX_ROUNDS */
+#define DIST_MAX_ROUNDS 15
+#define DIST_BLOCK 5                    /* --pipeline: timed steps alternate plain, pipelined */
 
+/* What a node process reports: seconds and steps of its timed steps, [0] plain, [1] pipelined
+ * (the engine's steps with --pipeline). */
 struct dist_shared {
-	double seconds[DIST_MAX_NODES];
+	double seconds[DIST_MAX_NODES][2];
+	int steps[DIST_MAX_NODES][2];
 	uint64_t xbytes[DIST_MAX_NODES][EMBD_STEP_EXCHANGES];
 	char err[DIST_MAX_NODES][256];
 };
@@ -71,6 +81,8 @@ struct dist_run {
 	uint32_t local;                         /* ranks and trainers per node */
 	uint32_t cores_per_node;                /* 0: every process may run on every core */
 	uint32_t cores_this_run;                /* of one process of this run (one-node: all) */
+	bool pipelined;                         /* blocks of the engine's steps pipelined */
+	int steps;                              /* timed steps per run */
 	uint16_t port;
 	struct dist_shared *sh;
 };
@@ -114,7 +126,7 @@ static int node_main(const struct dist_run *r, uint32_t node)
 	struct embd_comm *comm = NULL;
 	struct embd_ranks *ranks = NULL;
 	struct embd_step *step = NULL;
-	struct embd_step_batch batches[DIST_MAX_L];
+	struct embd_step_batch batches[2][DIST_MAX_L];     /* step s's and step s + 1's */
 	const uint32_t L = r->local;
 	char *err = r->sh->err[node];
 	int32_t *lengths = NULL;
@@ -168,26 +180,47 @@ static int node_main(const struct dist_run *r, uint32_t node)
 		values[i] = (int64_t)(bench_rng_next(&seed) % DIST_ROWS);
 	for (uint64_t i = 0; i < 2 * L * out_floats; i++)
 		bufs[i] = (float)(bench_rng_next(&seed) % 2001) / 1000.0f - 1.0f;
-	uint64_t t0 = 0;
-	for (int k = 0; k < DIST_WARMUP + DIST_STEPS; k++) {
-		if (k == DIST_WARMUP)
-			t0 = bench_now_ns();
+	for (int j = 0; j < 2; j++)
 		for (uint32_t i = 0; i < L; i++)
-			batches[i] = (struct embd_step_batch){
+			batches[j][i] = (struct embd_step_batch){
 				.kjt = { .num_features = DIST_TABLES, .batch_size = DIST_B,
 					 .lengths = lengths, .values = values + i * nv, .num_values = nv },
 				.pooled = bufs + 2 * i * out_floats,
 				.pooled_grad = bufs + (2 * i + 1) * out_floats,
 			};
-		rc = embd_step_forward(step, batches, L);
-		if (rc >= 0)
-			rc = embd_step_backward(step, batches, L);
-		if (rc < 0) {
-			snprintf(err, 256, "step %d: %s", k, batches[0].err);
-			goto out;
+	/* step k's backward, then step k + 1's forward: the timed steps are whole steps either
+	 * way, and pipelined, step k + 1 is prepared before step k's backward. With --pipeline
+	 * blocks of plain and pipelined steps alternate in one run, so both see the same load. */
+	uint64_t ns[2] = { 0, 0 };
+	int done[2] = { 0, 0 };
+	rc = embd_step_forward(step, batches[0], L);
+	for (int k = 0; rc >= 0 && k < DIST_WARMUP + r->steps; k++) {
+		struct embd_step_batch *cur = batches[k % 2], *next = batches[(k + 1) % 2];
+		const bool timed = k >= DIST_WARMUP;
+		const int piped = r->pipelined && timed && (k - DIST_WARMUP) / DIST_BLOCK % 2;
+		const uint64_t t0 = bench_now_ns();
+		for (uint32_t i = 0; i < L; i++)
+			next[i].status = 0;
+		if (piped) {
+			rc = embd_step_prepare(step, next, L);
+			if (rc >= 0)
+				rc = embd_step_backward_overlapped(step, cur, L, NULL, NULL);
+		} else {
+			rc = embd_step_backward(step, cur, L);
 		}
+		if (rc >= 0)
+			rc = embd_step_forward(step, next, L);
+		if (rc < 0)
+			snprintf(err, 256, "step %d: %s", k, cur[0].err[0] ? cur[0].err : next[0].err);
+		ns[piped] += timed ? bench_now_ns() - t0 : 0;
+		done[piped] += timed;
 	}
-	r->sh->seconds[node] = (double)(bench_now_ns() - t0) / 1e9;
+	if (rc < 0)
+		goto out;
+	for (int m = 0; m < 2; m++) {
+		r->sh->seconds[node][m] = (double)ns[m] / 1e9;
+		r->sh->steps[node][m] = done[m];
+	}
 	struct embd_step_counts counts;
 	embd_step_counts(step, &counts);
 	memcpy(r->sh->xbytes[node], counts.exchange_bytes, sizeof(counts.exchange_bytes));
@@ -234,15 +267,17 @@ static int raw_main(const struct dist_run *r, uint32_t node)
 	if (!rc && (!send || !recv))
 		rc = EMBD_ENOMEM;
 	uint64_t t0 = 0;
-	for (int k = 0; !rc && k < DIST_WARMUP + DIST_STEPS; k++) {
+	for (int k = 0; !rc && k < DIST_WARMUP + r->steps; k++) {
 		if (k == DIST_WARMUP)
 			t0 = bench_now_ns();
 		for (int e = 0; !rc && e < EMBD_STEP_EXCHANGES; e++)
 			if ((rc = embd_comm_alltoallv(comm, send, sb[e], recv, rb[e])))
 				snprintf(err, 256, "alltoallv: %s", embd_comm_error(comm));
 	}
-	if (!rc)
-		r->sh->seconds[node] = (double)(bench_now_ns() - t0) / 1e9;
+	if (!rc) {
+		r->sh->seconds[node][0] = (double)(bench_now_ns() - t0) / 1e9;
+		r->sh->steps[node][0] = r->steps;
+	}
 	free(send);
 	free(recv);
 	embd_comm_destroy(comm);
@@ -262,19 +297,21 @@ static int pin_cores(uint32_t first, uint32_t count)
 	return sched_setaffinity(0, sizeof(set), &set);
 }
 
-/* Runs fn on every node as a process; steps/s of the slowest, or 0 on failure. */
+/* Runs fn on every node as a process; steps/s of the slowest, or 0 on failure; *piped (may
+ * be NULL): the same of its pipelined steps. */
 static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, uint32_t),
-			const char *what)
+			const char *what, double *piped)
 {
 	pid_t pids[DIST_MAX_NODES];
-	double slowest = 0;
+	double slowest[2] = { 0, 0 };
 	bool ok = true;
 
 	r->port = bench_free_port();  /* a fresh store per run */
 	if (!r->port)
 		return 0;
+	memset(r->sh->seconds, 0, sizeof(r->sh->seconds));
+	memset(r->sh->steps, 0, sizeof(r->sh->steps));
 	for (uint32_t n = 0; n < r->nodes; n++) {
-		r->sh->seconds[n] = 0;
 		r->sh->err[n][0] = 0;
 		pids[n] = fork();
 		if (pids[n] == 0) {
@@ -295,28 +332,44 @@ static double run_nodes(struct dist_run *r, int (*fn)(const struct dist_run *, u
 				embd_plan_sharding_name(r->type), r->nodes, n, r->sh->err[n]);
 			ok = false;
 		}
-		if (r->sh->seconds[n] > slowest)
-			slowest = r->sh->seconds[n];
+		for (int m = 0; m < 2; m++)
+			if (r->sh->seconds[n][m] > slowest[m])
+				slowest[m] = r->sh->seconds[n][m];
 	}
-	return ok && slowest > 0 ? DIST_STEPS / slowest : 0;
+	if (piped)
+		*piped = ok && slowest[1] > 0 ? r->sh->steps[0][1] / slowest[1] : 0;
+	return ok && slowest[0] > 0 ? r->sh->steps[0][0] / slowest[0] : 0;
 }
 
 int bench_dist_run(int argc, char **argv)
 {
 	double step_ms[EMBD_SHARD_COUNT][DIST_MAX_NODES + 1] = { { 0 } };
-	struct dist_run r = { .port = 0 };
+	struct dist_run r = { .steps = DIST_STEPS };
 	uint32_t max_nodes = DIST_MAX_NODES;
+	bool pipeline = false;
+	int rounds = DIST_ROUNDS;
 
 	for (int i = 1; i < argc; i++) {      /* argv[0] is "dist" */
 		if (!strcmp(argv[i], "--cores-per-node") && i + 1 < argc) {
 			r.cores_per_node = (uint32_t)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--max-nodes") && i + 1 < argc) {
 			max_nodes = (uint32_t)atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--pipeline")) {
+			pipeline = true;
+		} else if (!strcmp(argv[i], "--rounds") && i + 1 < argc) {
+			rounds = atoi(argv[++i]);
+		} else if (!strcmp(argv[i], "--steps") && i + 1 < argc) {
+			r.steps = atoi(argv[++i]);
 		} else {
 			fprintf(stderr, "embd-bench dist: unknown argument %s (--cores-per-node K, "
-				"--max-nodes N)\n", argv[i]);
+				"--max-nodes N, --pipeline, --rounds R, --steps N)\n", argv[i]);
 			return 2;
 		}
+	}
+	if (rounds < 1 || rounds > DIST_MAX_ROUNDS || r.steps < 1) {
+		fprintf(stderr, "embd-bench dist: --rounds %d (1 to %d), --steps %d (1 or more)\n",
+			rounds, DIST_MAX_ROUNDS, r.steps);
+		return 2;
 	}
 	if (max_nodes < 1 || max_nodes > DIST_MAX_NODES) {
 		fprintf(stderr, "embd-bench dist: --max-nodes %u: 1 to %d\n", max_nodes,
@@ -338,34 +391,43 @@ int bench_dist_run(int argc, char **argv)
 			r.type = (enum embd_sharding_type)t;
 			/* engine and raw rounds alternate, medians reported: the load of a shared
 			 * machine drifts over a run */
-			double eng[DIST_ROUNDS], rawr[DIST_ROUNDS], one[DIST_ROUNDS];
+			double eng[DIST_MAX_ROUNDS], piped[DIST_MAX_ROUNDS], rawr[DIST_MAX_ROUNDS];
+			double one[DIST_MAX_ROUNDS], gain[DIST_MAX_ROUNDS];
 			uint64_t bytes = 0;
-			for (int k = 0; k < DIST_ROUNDS; k++) {
-				memset(r.sh->xbytes, 0, sizeof(r.sh->xbytes));
+			for (int k = 0; k < rounds; k++) {
 				r.nodes = n;
 				r.local = DIST_L;
 				r.cores_this_run = r.cores_per_node;
-				eng[k] = run_nodes(&r, node_main, "engine");
+				r.pipelined = pipeline;
+				memset(r.sh->xbytes, 0, sizeof(r.sh->xbytes));
+				eng[k] = run_nodes(&r, node_main, "engine", &piped[k]);
+				gain[k] = eng[k] > 0 ? piped[k] / eng[k] : 0;
+				r.pipelined = false;
 				bytes = 0;
 				for (uint32_t m = 0; m < n; m++)
 					for (int e = 0; e < EMBD_STEP_EXCHANGES; e++)
 						bytes += r.sh->xbytes[m][e];
-				rawr[k] = n > 1 && eng[k] > 0 ? run_nodes(&r, raw_main, "raw") : 0;
+				rawr[k] = n > 1 && eng[k] > 0 ? run_nodes(&r, raw_main, "raw", NULL) : 0;
 				/* the cluster's whole work on one node process: its compute alone */
 				r.nodes = 1;
 				r.local = n * DIST_L;
 				r.cores_this_run = n * r.cores_per_node;        /* the cluster's cores */
-				one[k] = n > 1 ? run_nodes(&r, node_main, "one-node") : 0;
+				one[k] = n > 1 ? run_nodes(&r, node_main, "one-node", NULL) : 0;
 			}
-			double sps = bench_median(eng, DIST_ROUNDS);
-			double raw = bench_median(rawr, DIST_ROUNDS);
-			double alone = bench_median(one, DIST_ROUNDS);
+			double sps = bench_median(eng, (size_t)rounds);
+			double psps = bench_median(piped, (size_t)rounds);
+			double pgain = bench_median(gain, (size_t)rounds);
+			double raw = bench_median(rawr, (size_t)rounds);
+			double alone = bench_median(one, (size_t)rounds);
 			step_ms[t][n] = sps > 0 ? 1000.0 / sps : 0;
 			printf("{\"name\":\"dist\",\"sharding_type\":\"%s\",\"nodes\":%u,"
 			       "\"trainers\":%u,\"batch_per_trainer\":%d,\"cores_per_node\":%u,"
 			       "\"steps_per_s\":%.2f,\"bytes_per_step\":%llu,",
 			       embd_plan_sharding_name(r.type), n, n * DIST_L, DIST_B, r.cores_per_node,
 			       sps, (unsigned long long)bytes);
+			if (pipeline)
+				printf("\"pipelined_steps_per_s\":%.2f,\"pipeline_gain\":%.3f,", psps,
+				       pgain);
 			if (raw > 0 && alone > 0) {
 				/* compute and collectives one after the other, nothing overlapped */
 				double serial = 1.0 / (1.0 / raw + 1.0 / alone);

@@ -394,6 +394,8 @@ Test(checkpoint, service_triggers_and_retention)
 	node_start(&n, "tw", 1);
 	n.config.checkpoint_every_steps = 3;
 	n.config.checkpoint_keep = 2;
+	cr_expect(!embd_ckpt_service_due(n.ck, 2) && embd_ckpt_service_due(n.ck, 3),
+		  "due says every_steps: not at step 2, at step 3");
 	embd_ckpt_service_poll(n.ck, 1);
 	embd_ckpt_service_poll(n.ck, 2);
 	cr_expect_eq(embd_ckpt_service_reap(n.ck), 0, "nothing is due before step 3");
@@ -419,7 +421,9 @@ Test(checkpoint, service_triggers_and_retention)
 	embd_ckpt_service_poll(n.ck, 10);
 	cr_expect_eq(embd_ckpt_service_reap(n.ck), 4, "no new step, no new checkpoint");
 	/* a request for a step already on disk completes at once, successfully */
+	cr_expect(!embd_ckpt_service_due(n.ck, 10), "nothing due at step 10 before the request");
 	uint64_t seq = embd_ckpt_service_request(n.ck);
+	cr_expect(embd_ckpt_service_due(n.ck, 10), "one node: a request is due at once");
 	embd_ckpt_service_poll(n.ck, 10);
 	wait_written(&n, seq);
 	cr_assert_eq(embd_ckpt_service_result_json(n.ck, &json), 0);
@@ -473,11 +477,16 @@ Test(checkpoint, cluster_every_steps_are_its_multiples, .init = cluster_setup,
 	n.config.checkpoint_every_steps = 5;
 	int rc = embd_ckpt_service_create(&n.config, n.step, &n.plan, &n.ck, err, sizeof(err));
 	cr_assert_eq(rc, 0, "ckpt_service_create on a cluster: %d %s", rc, err);
+	embd_ckpt_service_request(n.ck);
+	cr_expect(!embd_ckpt_service_due(n.ck, 3), "a cluster's request is not due until agreed");
 	embd_ckpt_service_agreed(n.ck);
+	cr_expect(embd_ckpt_service_due(n.ck, 3), "an agreed checkpoint is due");
 	cr_expect(embd_ckpt_service_poll(n.ck, 3), "an agreed checkpoint at step 3");
+	cr_expect(embd_ckpt_service_due(n.ck, 5), "step 5 is due while step 3's write runs");
 	wait_written(&n, 1);
 	cr_expect(embd_ckpt_service_poll(n.ck, 5), "step 5: due (a multiple of 5)");
 	wait_written(&n, 2);
+	cr_expect(!embd_ckpt_service_due(n.ck, 8), "step 8: due says not due");
 	cr_expect(!embd_ckpt_service_poll(n.ck, 8), "step 8: not due (5 after step 3)");
 	cr_expect(embd_ckpt_service_poll(n.ck, 10), "step 10: due");
 	wait_written(&n, 3);
