@@ -27,6 +27,7 @@ typedef unsigned long long embd_cu_mem_handle;  /* CUmemGenericAllocationHandle 
 
 #define EMBD_CU_ERROR_INVALID_DEVICE 101        /* CUDA_ERROR_INVALID_DEVICE */
 #define EMBD_CU_ERROR_OUT_OF_MEMORY 2           /* CUDA_ERROR_OUT_OF_MEMORY */
+#define EMBD_CU_ERROR_NO_DEVICE 100             /* CUDA_ERROR_NO_DEVICE */
 #define EMBD_CU_MEM_HANDLE_POSIX_FD 1           /* CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
 #define EMBD_CU_MEM_ALLOCATION_PINNED 1         /* CU_MEM_ALLOCATION_TYPE_PINNED */
 #define EMBD_CU_MEM_LOCATION_DEVICE 1           /* CU_MEM_LOCATION_TYPE_DEVICE */

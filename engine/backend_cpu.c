@@ -261,7 +261,7 @@ static int cpu_backward(struct embd_backend_rank *r, const struct embd_exec *exe
  * in the environment (tests) a sealed memfd of host memory stands in for it, exported as
  * EMBD_EXPORT_HOST (the wire says so: a trainer maps it with mmap, never as CUDA memory), so
  * the CPU tests run the messages, the fd, the server's copies and the lifetime of the path
- * whole, everything but the device calls of engine/export_cuda.c and the trainer's import.
+ * whole, everything but the device calls of engine/backend_cuda.c and the trainer's import.
  */
 static bool host_exports(void)
 {

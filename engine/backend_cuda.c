@@ -530,7 +530,9 @@ static int driver_fail(const struct embd_cuda_driver *d, embd_cu_result e, const
 	char text[160];
 
 	snprintf(err, err_len, "%s: %s", what, embd_cuda_driver_strerror(d, e, text, sizeof(text)));
-	return e == EMBD_CU_ERROR_OUT_OF_MEMORY ? EMBD_ENOMEM : EMBD_EIO;
+	/* no GPU to export from is the service's "cannot", not an I/O failure (ipc/README.md) */
+	return e == EMBD_CU_ERROR_OUT_OF_MEMORY ? EMBD_ENOMEM :
+	       e == EMBD_CU_ERROR_NO_DEVICE ? EMBD_ENOTSUP : EMBD_EIO;
 }
 
 /* The GPU with uuid among those this process sees: its ordinal and device, or EMBD_ENOENT
@@ -543,7 +545,9 @@ static int find_gpu(const struct embd_cuda_driver *d, const uint8_t uuid[16], in
 	embd_cu_result e;
 	int n = 0;
 
-	if ((e = d->cuInit(0)) || (e = d->cuDeviceGetCount(&n)))
+	if ((e = d->cuInit(0)))
+		return driver_fail(d, e, "cuInit", err, err_len);
+	if ((e = d->cuDeviceGetCount(&n)))
 		return driver_fail(d, e, "cuDeviceGetCount", err, err_len);
 	for (int i = 0; i < n; i++) {
 		char text[EMBD_CUDA_UUID_TEXT], bus[32] = "?";

@@ -17,6 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Overflow slots added past those a call needs, at least, when the room past the cache grows. */
+#define OVERFLOW_SPARE 64
+
 static int fail(struct embd_kernel_err *err, int rc, const char *msg)
 {
 	err->feature = 0;
@@ -137,8 +140,12 @@ static int map_batches(struct embd_ranks *rs, struct rank_alloc *a, struct embd_
 	if ((rc = embd_cache_map(a->cache, r->rows + *at, k, count, r->slots + *at, &mv)))
 		return fail(err, rc, "no memory for the cache's plan");
 	uint64_t need = embd_cache_slots(a->cache) + a->cache->overflow;
+	/* room for half as many overflow rows again (64 at least), not a share of the cache:
+	 * a cache of the plan's size grows by what calls overflow, not by a quarter of itself */
+	uint64_t more = a->cache->overflow / 2 > OVERFLOW_SPARE ? a->cache->overflow / 2
+								 : OVERFLOW_SPARE;
 	if (need > a->b.slot_rows)
-		rc = resize(rs, a, need + need / 4, err->msg, sizeof(err->msg));
+		rc = resize(rs, a, need + more, err->msg, sizeof(err->msg));
 	if (!rc)
 		rc = rs->backend->slots_copy(r->dev, &a->b, &mv, err->msg, sizeof(err->msg));
 	if (rc) {

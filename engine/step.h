@@ -210,7 +210,8 @@ bool embd_step_cluster_checkpoint(const struct embd_step *step);
  * A huge but finite gradient is applied: clipping is the trainer's job. A row the update
  * leaves NaN or infinite (weights or optimizer state, e.g. adagrad's sum of squares
  * overflowing from gradients near 1e19) is kept, but counted and named in counts
- * (nonfinite_rows: the CPU and the CUDA kernels check every row they update).
+ * (nonfinite_rows: the CPU and the CUDA kernels check every row they update; the CUDA check
+ * has not run on a GPU yet).
  */
 int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, uint32_t n);
 
@@ -226,8 +227,10 @@ int embd_step_backward(struct embd_step *step, struct embd_step_batch *batches, 
  * the engine. Returns backward's result once the exchange is done too; embd_step_exchanged then
  * says whether it ran, and if it did the next call must be embd_step_forward of the prepared
  * batches, which goes on with the lookup and returns the exchange's outcome (anything else
- * breaks the comm: the other nodes are in that step's output exchange). Otherwise (one node,
- * nccl, no preparation, the step aborted or failed) it is embd_step_backward.
+ * breaks the comm: the other nodes are in that step's output exchange). The exchange starts
+ * before the update, so it may have run even when the backward then failed: check
+ * embd_step_exchanged after every result. Without the overlap (one node, nccl, no
+ * preparation, the step aborted before the update) it is embd_step_backward.
  */
 typedef void (*embd_step_applied_fn)(void *arg, int rc);
 int embd_step_backward_overlapped(struct embd_step *step, struct embd_step_batch *batches,

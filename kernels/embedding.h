@@ -111,7 +111,8 @@ struct embd_shard {
 	/* rows a backward left NaN or infinite (weights as stored, or state), over all steps,
 	 * and the global row of the last backward's first one (lowest row): the CPU kernels
 	 * check every row they update (kernels/finite.h), the CUDA kernels likewise (added at
-	 * embd_cuda_sync) */
+	 * embd_cuda_sync; not yet run on a GPU). A fused_uvm_caching shard names the row of
+	 * its lowest cache slot, not always the lowest row */
 	uint64_t nonfinite_rows;
 	int64_t nonfinite_row;
 	bool owns_memory;

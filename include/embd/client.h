@@ -285,6 +285,8 @@ EMBD_CLIENT_API int embd_table_write_ids(struct embd_client *client, uint32_t ta
 
 /* ---- device outputs ----------------------------------------------------------------------
  *
+ * (Not yet run on a GPU: the protocol, refusals and lifetime are tested on CPU ranks through a
+ * host-memory double; the driver calls on both sides have only been compiled.)
  * A trainer on a GPU may have the pooled outputs and gradients of its batch slots in memory of
  * that GPU instead of the shared slab: the service computes as ever, copies each forward's
  * pooled rows into the trainer's GPU memory before the FORWARD (or EVAL) completes and copies

@@ -178,7 +178,7 @@ def main():
     forced = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS")
     isa = "fbgemm %s, aten %s" % (forced.lower() if forced else "auto",
                                   torch.backends.cpu.get_cpu_capability().lower())
-    # the CPUs FBGEMM's threads may run on, on every line: embd-bench checks it got them all
+    # the CPUs FBGEMM's threads may run on, on every line (embd-bench prints it as fbgemm_cpus)
     cpus = len(os.sched_getaffinity(0))
     outs = [{"isa": isa, "cpus": cpus} for _ in configs]
     if a.mode == "forward":

@@ -36,6 +36,7 @@ SAME_OFFSET(struct embd_cu_access_desc, flags, CUmemAccessDesc, flags);
 
 _Static_assert(EMBD_CU_ERROR_INVALID_DEVICE == CUDA_ERROR_INVALID_DEVICE, "error code");
 _Static_assert(EMBD_CU_ERROR_OUT_OF_MEMORY == CUDA_ERROR_OUT_OF_MEMORY, "error code");
+_Static_assert(EMBD_CU_ERROR_NO_DEVICE == CUDA_ERROR_NO_DEVICE, "error code");
 _Static_assert(EMBD_CU_MEM_HANDLE_POSIX_FD == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "handle");
 _Static_assert(EMBD_CU_MEM_ALLOCATION_PINNED == CU_MEM_ALLOCATION_TYPE_PINNED, "allocation");
 _Static_assert(EMBD_CU_MEM_LOCATION_DEVICE == CU_MEM_LOCATION_TYPE_DEVICE, "location");

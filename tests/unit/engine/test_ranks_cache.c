@@ -200,6 +200,58 @@ Test(ranks_cache, equals_the_plain_kernels_through_evictions_and_overflow)
 	embd_ranks_destroy(ranks);
 }
 
+/* A call that overflows one set of a large cache by a row grows the room past the cache by
+ * about what it overflowed, not by a share of the cache (which on a GPU the plan's HBM budget
+ * may not have). */
+Test(ranks_cache, an_overflowing_call_grows_by_its_overflow)
+{
+	const struct embd_shard_desc big = {
+		.table_id = 1, .num_embeddings = 100000, .embedding_dim = COLS,
+		.dtype = EMBD_DTYPE_FP32, .rows = 100000, .cols = COLS,
+		.optimizer = { .type = EMBD_OPT_SGD, .lr = 0.1f },
+	};
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_shard *shard;
+	struct embd_cache *geometry;
+
+	cr_assert_eq(embd_ranks_create_on(EMBD_DEVICE_CPU, 1, 1, &ranks, err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &big, EMBD_KERNEL_FUSED_UVM_CACHING, 0.2,
+					    &shard, err, sizeof(err)), 0, "%s", err);
+	struct call c = { .ranks = ranks, .shard = shard };
+	embd_ranks_run(ranks, init_host, &c);
+	embd_ranks_shard_changed(ranks, shard);
+	const uint64_t before = embd_ranks_memory_bytes(ranks, 0);
+
+	/* ways + 1 distinct rows of set 0, in one bag of one call */
+	cr_assert_eq(embd_cache_create(big.rows, 0.2, &geometry, err, sizeof(err)), 0, "%s", err);
+	const uint32_t n = geometry->ways + 1;
+	int64_t ids[64], offsets[B + 1] = { 0 };
+	uint32_t k = 0;
+	for (int64_t row = 0; row < big.rows && k < n; row++)
+		if (embd_cache_set(geometry, row) == 0)
+			ids[k++] = row;
+	embd_cache_destroy(geometry);
+	cr_assert_eq(k, n, "set 0 has %u rows, wanted %u", k, n);
+	for (int s = 1; s <= B; s++)
+		offsets[s] = n;
+	float pooled[B][COLS];
+	struct embd_bag_batch bb = {
+		.shard = shard, .batch_size = B, .offsets = offsets, .ids = ids, .num_ids = n,
+		.pooling = EMBD_POOLING_SUM, .pooled = &pooled[0][0], .pooled_stride = COLS,
+	};
+	c.bb = &bb;
+	c.n = 1;
+	embd_ranks_run(ranks, on_rank0, &c);
+	cr_assert_eq(c.rc, 0, "%s", c.kerr.msg);
+	const uint64_t row_bytes = COLS * 4, grown = embd_ranks_memory_bytes(ranks, 0) - before;
+	cr_expect(grown <= (1 + 64) * row_bytes, "one overflow row grew the rank's memory by %llu "
+		  "bytes (%llu rows)", (unsigned long long)grown,
+		  (unsigned long long)(grown / row_bytes));
+	embd_ranks_destroy(ranks);
+}
+
 Test(ranks_cache, other_kernels_have_no_cache)
 {
 	char err[256] = "";
