@@ -110,7 +110,7 @@ struct embd_shard {
 	int64_t step;                   /* optimizer steps applied; adam's t of the last one */
 	/* rows a backward left NaN or infinite (weights or state), over all steps, and the
 	 * global row of the last backward's first one (lowest row): the CPU kernels check every
-	 * row they update (kernels/finite.h); the CUDA kernels do not */
+	 * row they update as they write it (kernels/optim_row.h); the CUDA kernels do not */
 	uint64_t nonfinite_rows;
 	int64_t nonfinite_row;
 	bool owns_memory;
