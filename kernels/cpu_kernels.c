@@ -325,7 +325,7 @@ static size_t apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ 
 		.m1_bytes = m1_per_row * 4, .m2_bytes = m2_per_row * 4, .grad_bytes = (uint64_t)cols * 4,
 		.bag_grad = bag_grad,
 	};
-	size_t dist = embd_prefetch_rows(p.row_bytes + p.m1_bytes + p.m2_bytes);
+	size_t dist = embd_backward_prefetch_rows(p.row_bytes + p.m1_bytes + p.m2_bytes);
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 
 	for (; ahead < dist && ahead < total; ahead++)

@@ -16,15 +16,15 @@
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, state rows prefetched for writing
- *   beside the weights, embd_prefetch_rows() rows ahead; and before a row is written, the
- *   gradient row (D fp32) of the bag of each of its occurrences read, which any exact update
- *   must do: a row's gradient is the sum of its occurrences' bag gradients. In row order these
- *   reads land at random in the batch's gradient (L2 and L3 hits, as many as there are ids);
- *   the one order that would read them in sequence, rows by their first occurrence, puts the
- *   rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03: sgd 2.88
- *   against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not prefetched:
- *   prefetching them as the kernel does made this loop 5-10% slower. It leaves out the kernel's reading of ids, the
- *   grouping of occurrences and all arithmetic.
+ *   beside the weights, embd_backward_prefetch_rows() rows ahead; and before a row is written,
+ *   the gradient row (D fp32) of the bag of each of its occurrences read, which any exact
+ *   update must do: a row's gradient is the sum of its occurrences' bag gradients. In row
+ *   order these reads land at random in the batch's gradient (L2 and L3 hits, as many as there
+ *   are ids); the one order that would read them in sequence, rows by their first occurrence,
+ *   puts the rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
+ *   sgd 2.88 against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not
+ *   prefetched: prefetching them as the kernel does made this loop 5-10% slower. It leaves out
+ *   the kernel's reading of ids, the grouping of occurrences and all arithmetic.
  * Stored values are unchanged (an opaque zero is added), so the limits run on the kernels' own
  * shards: same pages, same huge-page backing, same placement.
  */
@@ -280,7 +280,8 @@ rmw_256(uint8_t *p, __m256i z, const uint32_t nvec)
 	RMW_BODY(__m256i, 32, LOAD256, _mm256_add_epi32, STORE256)
 }
 
-static inline __attribute__((always_inline)) void rmw_128(uint8_t *p, __m128i z, const uint32_t nvec)
+static inline __attribute__((always_inline)) void rmw_128(uint8_t *p, __m128i z,
+							  const uint32_t nvec)
 {
 	RMW_BODY(__m128i, 16, LOAD128, _mm_add_epi32, STORE128)
 }
@@ -348,7 +349,7 @@ static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 	(void)w, (void)nw;
 	for (int a = 0; a < r->num_arrays; a++)
 		bytes += r->row_bytes[a];
-	uint32_t dist = embd_prefetch_rows(bytes);
+	uint32_t dist = embd_backward_prefetch_rows(bytes);
 	for (;;) {
 		uint64_t lo = atomic_fetch_add_explicit(&r->next, RMW_CHUNK_ROWS, memory_order_relaxed);
 		if (lo >= r->n)
