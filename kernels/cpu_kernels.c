@@ -307,27 +307,32 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
 	embd_prefetch_bytes(p->bag_grad[o->bag], p->grad_bytes, 0);
 }
 
-static size_t apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
-			 const struct embd_occ *next, size_t next_n, size_t prefetched, float *g,
-			 uint64_t *bad, uint64_t *bad_row)
+/*
+ * apply_rows for one optimizer and one dtype, and for a row width that is a constant where the
+ * caller passes one: the compiler then unrolls the row loops whole and keeps the optimizer's
+ * switch out of the loop.
+ */
+static inline __attribute__((always_inline)) size_t
+apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+	      const struct embd_occ *next, size_t next_n, size_t prefetched, float *g, uint64_t *bad,
+	      uint64_t *bad_row, const uint32_t cols, const enum embd_optimizer_type type,
+	      const bool fp16)
 {
 	const struct embd_shard *sh = ctx->shard;
-	const struct embd_shard_desc *d = &sh->desc;
-	const struct embd_optim_params params = ctx->params;
+	struct embd_optim_params params = ctx->params;
 	const float *const *bag_grad = ctx->bag_grad;
-	uint32_t cols = d->cols;
-	bool fp16 = d->dtype == EMBD_DTYPE_FP16;
-	uint64_t m1_per_row = embd_optim_state_floats(d->optimizer.type, cols, 0);
-	uint64_t m2_per_row = embd_optim_state_floats(d->optimizer.type, cols, 1);
+	const uint64_t m1_per_row = embd_optim_state_floats(type, cols, 0);
+	const uint64_t m2_per_row = embd_optim_state_floats(type, cols, 1);
 	struct occ_prefetch p = {
 		.weights = sh->weights, .m1 = (const uint8_t *)sh->momentum1,
-		.m2 = (const uint8_t *)sh->momentum2, .row_bytes = (uint64_t)cols * embd_dtype_bytes(d->dtype),
+		.m2 = (const uint8_t *)sh->momentum2, .row_bytes = (uint64_t)cols * (fp16 ? 2 : 4),
 		.m1_bytes = m1_per_row * 4, .m2_bytes = m2_per_row * 4, .grad_bytes = (uint64_t)cols * 4,
 		.bag_grad = bag_grad,
 	};
 	size_t dist = embd_backward_prefetch_rows(p.row_bytes + p.m1_bytes + p.m2_bytes);
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 
+	params.type = type;
 	for (; ahead < dist && ahead < total; ahead++)
 		prefetch_occ(&p, ahead < n ? &occ[ahead] : &next[ahead - n]);
 	for (size_t i = 0; i < n;) {
@@ -352,6 +357,45 @@ static size_t apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ 
 		}
 	}
 	return ahead > n ? ahead - n : 0;
+}
+
+#define APPLY_CASE(COLS, TYPE, FP16)                                                             \
+	case TYPE:                                                                                \
+		return apply_rows_as(ctx, occ, n, next, next_n, prefetched, g, bad, bad_row, COLS, \
+				     TYPE, FP16);
+#define APPLY_AS(COLS, FP16)                                                                      \
+	switch (type) {                                                                           \
+	APPLY_CASE(COLS, EMBD_OPT_SGD, FP16)                                                      \
+	APPLY_CASE(COLS, EMBD_OPT_ADAGRAD, FP16)                                                  \
+	APPLY_CASE(COLS, EMBD_OPT_ROWWISE_ADAGRAD, FP16)                                          \
+	APPLY_CASE(COLS, EMBD_OPT_ADAM, FP16)                                                     \
+	}
+
+/*
+ * fp32 rows of 32, 64, 128 and 256 columns get a loop of their own per optimizer (fully
+ * unrolled rows: D 128 applied 5-8% faster for every optimizer, 2026-12-03); other widths and
+ * fp16 rows one per optimizer. flatten inlines the row functions into each, so that the
+ * constants reach them.
+ */
+static __attribute__((flatten)) size_t
+apply_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+	   const struct embd_occ *next, size_t next_n, size_t prefetched, float *g, uint64_t *bad,
+	   uint64_t *bad_row)
+{
+	const struct embd_shard_desc *d = &ctx->shard->desc;
+	enum embd_optimizer_type type = d->optimizer.type;
+
+	if (d->dtype == EMBD_DTYPE_FP32) {
+		switch (d->cols) {
+		case 32: APPLY_AS(32, false) break;
+		case 64: APPLY_AS(64, false) break;
+		case 128: APPLY_AS(128, false) break;
+		case 256: APPLY_AS(256, false) break;
+		}
+		APPLY_AS(d->cols, false)
+	}
+	APPLY_AS(d->cols, true)
+	return 0;
 }
 
 const struct embd_cpu_kernels VARIANT_TABLE = {

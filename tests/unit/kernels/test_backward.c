@@ -186,6 +186,21 @@ Test(kernels_backward, every_optimizer_equals_reference, .timeout = 120)
 					(uint32_t)trng_below(&r, 30), 30, 3);
 }
 
+/* The row widths the CPU kernels compile a loop of their own for (cpu_kernels.c apply_rows:
+ * fp32 D 32, 64, 128 and 256), every optimizer, next to a width that takes the general loop
+ * and to fp16 rows of the same widths. */
+Test(kernels_backward, every_compiled_width_equals_reference, .timeout = 120)
+{
+	static const uint32_t dims[] = { 32, 64, 128, 256, 48 };
+	struct trng r = { 41 };
+
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+		for (int i = 0; i < 5; i++)
+			for (int fp16 = 0; fp16 < 2; fp16++)
+				check_unsharded(&r, type, fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32, 400,
+						dims[i], 24, 8, 30, 2);
+}
+
 Test(kernels_backward, heavy_duplicates_and_many_ids, .timeout = 120)
 {
 	struct trng r = { 32 };
