@@ -6,8 +6,9 @@
  *   2. workers  (split by bags) check every id, write its occurrence {row, bag, coef} and count
  *               occurrences by the top bits of the row
  *   3. workers  (same split) scatter the occurrences stably into those buckets
- *   4. workers  (grab buckets) sort a bucket by the remaining bits (stable LSD radix), then
- *               sum each row's run and apply the optimizer to the row once
+ *   4. workers  (grab chunks of buckets) sort each bucket by the remaining bits (stable: LSD
+ *               radix, or insertion when small), then sum each row's run and apply the
+ *               optimizer to the row once
  * Buckets hold disjoint rows, so workers never write the same row; every sort is stable, so a
  * row's gradient is summed in batch order whatever the number of workers. Nothing is written
  * to the shard before phases 1-2 have checked every offset and id. Each row updated is
@@ -25,6 +26,8 @@
 #define OCC_PER_BUCKET_LOG2 6           /* aim for >= 64 occurrences per bucket */
 #define RADIX_BITS_MAX 8
 #define INSERTION_SORT_MAX 32
+#define OCC_PER_CHUNK 512               /* a worker takes about this many occurrences at a time */
+#define CHUNKS_PER_WORKER_MIN 8         /* ... but leaves enough chunks to even out the workers */
 
 struct bwd_job {
 	const struct embd_cpu_kernels *k;
@@ -41,6 +44,7 @@ struct bwd_job {
 	struct embd_occ *bucketed;      /* num_occ, grouped by bucket */
 	uint32_t shift;                 /* bucket = row >> shift */
 	uint32_t num_buckets;
+	uint32_t chunk_buckets;         /* buckets a worker takes at a time */
 	uint64_t *hist;                 /* nw x num_buckets: counts, then scatter positions */
 	uint64_t *bucket_start;         /* num_buckets + 1 */
 	uint64_t *occ_range;            /* nw x 2: the occurrences each worker wrote */
@@ -119,11 +123,12 @@ static void scatter_worker(void *arg, uint32_t w, uint32_t nw)
 	}
 }
 
-/* Stable sort of a[0, n) by row, whose bits at and above `bits` are all equal; tmp is n long.
- * Returns whichever of a and tmp holds the result. */
-static struct embd_occ *sort_bucket(struct embd_occ *a, struct embd_occ *tmp, uint64_t n,
-				    uint32_t bits)
+/* Stable sort of a[0, n) by row, whose bits at and above `bits` are all equal, in place; tmp
+ * is n long. */
+static void sort_bucket(struct embd_occ *a, struct embd_occ *tmp, uint64_t n, uint32_t bits)
 {
+	struct embd_occ *in = a;
+
 	if (n <= INSERTION_SORT_MAX) {
 		for (uint64_t i = 1; i < n; i++) {
 			struct embd_occ x = a[i];
@@ -132,7 +137,7 @@ static struct embd_occ *sort_bucket(struct embd_occ *a, struct embd_occ *tmp, ui
 				a[j] = a[j - 1];
 			a[j] = x;
 		}
-		return a;
+		return;
 	}
 	uint32_t passes = (bits + RADIX_BITS_MAX - 1) / RADIX_BITS_MAX;
 	for (uint32_t p = 0, lo = 0; p < passes; p++) {
@@ -153,31 +158,37 @@ static struct embd_occ *sort_bucket(struct embd_occ *a, struct embd_occ *tmp, ui
 		tmp = t;
 		lo += width;
 	}
-	return a;
-}
-
-/* The next non-empty bucket for this worker, sorted into *sorted (*n occurrences); false when
- * none is left. */
-static bool next_bucket(struct bwd_job *job, struct embd_occ **sorted, uint64_t *n)
-{
-	for (;;) {
-		uint64_t bucket = atomic_fetch_add_explicit(&job->next_bucket, 1, memory_order_relaxed);
-		if (bucket >= job->num_buckets)
-			return false;
-		uint64_t s = job->bucket_start[bucket];
-		*n = job->bucket_start[bucket + 1] - s;
-		if (!*n)
-			continue;
-		/* occ is free by now: the same index range serves as the radix sort's other half */
-		*sorted = sort_bucket(job->bucketed + s, job->occ + s, *n, job->shift);
-		return true;
-	}
+	if (a != in)
+		memcpy(in, a, n * sizeof(*a));
 }
 
 /*
- * Each worker sorts the bucket it takes next before applying the one it holds, so that the
- * rows of the next bucket's head are prefetched while this one's tail is applied: buckets are
- * small, and a bucket's first rows waiting on DRAM one by one were a large part of the phase.
+ * The next chunk of buckets for this worker, each bucket sorted in place: *sorted holds *n
+ * occurrences sorted by row (buckets are ascending ranges of rows). False when none is left.
+ */
+static bool next_chunk(struct bwd_job *job, struct embd_occ **sorted, uint64_t *n)
+{
+	uint64_t b0 = atomic_fetch_add_explicit(&job->next_bucket, job->chunk_buckets,
+						memory_order_relaxed);
+	if (b0 >= job->num_buckets)
+		return false;
+	uint64_t b1 = job->num_buckets - b0 < job->chunk_buckets ? job->num_buckets
+								  : b0 + job->chunk_buckets;
+	for (uint64_t b = b0; b < b1; b++) {
+		uint64_t s = job->bucket_start[b];
+		/* occ is free by now: the same index range serves as the radix sort's other half */
+		sort_bucket(job->bucketed + s, job->occ + s, job->bucket_start[b + 1] - s, job->shift);
+	}
+	*sorted = job->bucketed + job->bucket_start[b0];
+	*n = job->bucket_start[b1] - job->bucket_start[b0];
+	return true;
+}
+
+/*
+ * Workers take chunks of buckets (a few hundred occurrences: one counter update each, and one
+ * prefetch stream through the chunk's rows). Each sorts the chunk it takes next before applying
+ * the one it holds, so that the rows of the next chunk's head are prefetched while this one's
+ * tail is applied, not waited on one by one.
  */
 static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
@@ -192,9 +203,9 @@ static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 	bad[0] = 0;
 	bad[1] = UINT64_MAX;
 	t0 = job->phase_ns ? embd_now_ns() : 0;
-	bool more = next_bucket(job, &cur, &n);
+	bool more = next_chunk(job, &cur, &n);
 	for (; more; cur = next, n = next_n) {
-		more = next_bucket(job, &next, &next_n);
+		more = next_chunk(job, &next, &next_n);
 		t1 = job->phase_ns ? embd_now_ns() : 0;
 		prefetched = job->k->apply_rows(&job->ctx, cur, n, more ? next : NULL, more ? next_n : 0,
 						prefetched, scratch, &bad[0], &bad[1]);
@@ -311,6 +322,10 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 	top = top < TOP_BITS_MAX ? top : TOP_BITS_MAX;
 	job.shift = row_bits - top;
 	job.num_buckets = 1u << top;
+	uint64_t chunk = num_occ ? ((uint64_t)job.num_buckets * OCC_PER_CHUNK) / num_occ : 1;
+	uint64_t chunk_max = job.num_buckets / ((uint64_t)CHUNKS_PER_WORKER_MIN * job.nw);
+	chunk = chunk < chunk_max ? chunk : chunk_max;
+	job.chunk_buckets = chunk ? (uint32_t)chunk : 1;
 
 	rc = bwd_alloc(&job, shard, n, num_bags, num_occ, times != NULL, &bases, &offsets);
 	if (rc) {

@@ -21,13 +21,29 @@
 #define EMBD_CACHE_LINE_BYTES 64
 
 /*
- * How many rows ahead the kernels prefetch when each row brings row_bytes of memory (weights,
- * and for the backward its state too). The benchmark's limits use the same distance.
+ * How many rows ahead the forward prefetches rows of row_bytes. The benchmark's gather limit
+ * uses the same distance.
  */
 static inline uint32_t embd_prefetch_rows(uint64_t row_bytes)
 {
 	(void)row_bytes;
 	return EMBD_PREFETCH_IDS;
+}
+
+/*
+ * How many rows ahead the backward prefetches when each row brings row_bytes of weights and
+ * state: about as many lines in flight as the forward's distance over rows of 512 bytes (96),
+ * so 12 rows for sgd at D 128 but 6 for adagrad and 4 for adam, at least 2. Prefetching adam's
+ * rows 12 ahead (288 lines wanted, far more than the core's fill buffers) applied them ~8%
+ * slower and adagrad's ~6% (2026-12-03, D 128, the same batches in one process), and its
+ * read-modify-write limit was no faster. The benchmark's limit uses the same distance.
+ */
+static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes)
+{
+	uint64_t lines = (row_bytes + EMBD_CACHE_LINE_BYTES - 1) / EMBD_CACHE_LINE_BYTES;
+	uint64_t rows = EMBD_PREFETCH_IDS * (512 / EMBD_CACHE_LINE_BYTES) / (lines ? lines : 1);
+
+	return rows < 2 ? 2 : rows > EMBD_PREFETCH_IDS ? EMBD_PREFETCH_IDS : (uint32_t)rows;
 }
 
 /*

@@ -49,6 +49,16 @@ static inline EMBD_HOST_DEVICE float embd_bits_f32(uint32_t u)
 #endif
 }
 
+/*
+ * Non-zero when x is NaN or infinite: an exponent of all ones, (bits & 0x7f800000) +
+ * 0x00800000 carries into bit 31 exactly then. Integer AND, ADD and OR with no branch, so
+ * that a loop ORing it over an array vectorizes (kernels/finite.h, kernels/optim_row.h).
+ */
+static inline EMBD_HOST_DEVICE uint32_t embd_nonfinite_bit(float x)
+{
+	return ((embd_f32_bits(x) & 0x7f800000u) + 0x00800000u) & 0x80000000u;
+}
+
 /* Exact: every binary16 value is a binary32 value. A NaN stays a NaN (quieted). */
 static inline EMBD_HOST_DEVICE float embd_fp16_to_fp32(uint16_t h)
 {

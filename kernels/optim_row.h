@@ -154,52 +154,72 @@ static inline EMBD_HOST_DEVICE float embd_optim_rowwise_elem(const struct embd_o
 /*
  * One step on one fp32 row: w[cols], its combined gradient g[cols], and its state (m1: cols
  * floats for adagrad and adam, one float for rowwise_adagrad, unused for sgd; m2: adam's v).
+ * Returns non-zero when it left a weight or a state value NaN or infinite (checked in the
+ * same loop as it is written, rather than read again afterwards).
  * The parameters are copied to a local and the optimizer is chosen outside the loops, so that
  * compilers can keep them in registers and vectorize each loop (same arithmetic per element).
  */
-static inline EMBD_HOST_DEVICE void embd_optim_row_fp32(const struct embd_optim_params *params,
-							float *EMBD_RESTRICT w,
-							const float *EMBD_RESTRICT g,
-							float *EMBD_RESTRICT m1,
-							float *EMBD_RESTRICT m2, uint32_t cols)
+static inline EMBD_HOST_DEVICE uint32_t embd_optim_row_fp32(const struct embd_optim_params *params,
+							    float *EMBD_RESTRICT w,
+							    const float *EMBD_RESTRICT g,
+							    float *EMBD_RESTRICT m1,
+							    float *EMBD_RESTRICT m2, uint32_t cols)
 {
 	const struct embd_optim_params p = *params;
+	uint32_t bad = 0;
 
 	switch (p.type) {
 	case EMBD_OPT_SGD:
-		for (uint32_t c = 0; c < cols; c++)
+		for (uint32_t c = 0; c < cols; c++) {
 			w[c] = embd_optim_elem(&p, w[c], g[c], 0, 0);
+			bad |= embd_nonfinite_bit(w[c]);
+		}
 		break;
 	case EMBD_OPT_ADAGRAD:
-		for (uint32_t c = 0; c < cols; c++)
+		for (uint32_t c = 0; c < cols; c++) {
 			w[c] = embd_optim_elem(&p, w[c], g[c], &m1[c], 0);
+			bad |= embd_nonfinite_bit(w[c]) | embd_nonfinite_bit(m1[c]);
+		}
 		break;
 	case EMBD_OPT_ROWWISE_ADAGRAD: {
 		float mult = embd_optim_rowwise_mult(&p, m1, embd_optim_sum_sq(&p, w, g, cols), cols);
-		for (uint32_t c = 0; c < cols; c++)
+		bad = embd_nonfinite_bit(*m1);
+		for (uint32_t c = 0; c < cols; c++) {
 			w[c] = embd_optim_rowwise_elem(&p, w[c], g[c], mult);
+			bad |= embd_nonfinite_bit(w[c]);
+		}
 		break;
 	}
 	case EMBD_OPT_ADAM:
-		for (uint32_t c = 0; c < cols; c++)
+		for (uint32_t c = 0; c < cols; c++) {
 			w[c] = embd_optim_elem(&p, w[c], g[c], &m1[c], &m2[c]);
+			bad |= embd_nonfinite_bit(w[c]) | embd_nonfinite_bit(m1[c]) |
+			       embd_nonfinite_bit(m2[c]);
+		}
 		break;
 	}
+	return bad;
 }
 
 /*
  * The same for an fp16 row: widened to fp32 into tmp[cols] (caller's scratch), updated there
- * with the fp32 arithmetic, and rounded back to nearest even.
+ * with the fp32 arithmetic, and rounded back to nearest even. Weights are checked as stored
+ * too: a finite fp32 value can round to an fp16 infinity.
  */
-static inline EMBD_HOST_DEVICE void embd_optim_row_fp16(const struct embd_optim_params *params,
-							uint16_t *w, const float *g, float *m1, float *m2,
-							float *tmp, uint32_t cols)
+static inline EMBD_HOST_DEVICE uint32_t embd_optim_row_fp16(const struct embd_optim_params *params,
+							    uint16_t *w, const float *g, float *m1,
+							    float *m2, float *tmp, uint32_t cols)
 {
+	uint32_t bad;
+
 	for (uint32_t c = 0; c < cols; c++)
 		tmp[c] = embd_fp16_to_fp32(w[c]);
-	embd_optim_row_fp32(params, tmp, g, m1, m2, cols);
-	for (uint32_t c = 0; c < cols; c++)
+	bad = embd_optim_row_fp32(params, tmp, g, m1, m2, cols);
+	for (uint32_t c = 0; c < cols; c++) {
 		w[c] = embd_fp32_to_fp16(tmp[c]);
+		bad |= (w[c] & 0x7c00u) == 0x7c00u;
+	}
+	return bad;
 }
 
 #endif /* EMBD_KERNELS_OPTIM_ROW_H */

@@ -81,6 +81,16 @@ static inline EMBD_HOST_DEVICE float embd_grad_coef(float weight, float scale)
 	return weight * scale;
 }
 
+/* grad_row[c] = coef * dy[c] + 0: a row's first occurrence, as embd_grad_accum_row on a zeroed
+ * row gives it (the same fmaf, so -0 products become +0 alike), without zeroing the row first. */
+static inline EMBD_HOST_DEVICE void embd_grad_first_row(float *EMBD_RESTRICT grad_row,
+							const float *EMBD_RESTRICT dy, float coef,
+							uint32_t cols)
+{
+	for (uint32_t c = 0; c < cols; c++)
+		grad_row[c] = fmaf(coef, dy[c], 0.0f);
+}
+
 /* grad_row[c] += coef * dy[c]: adds one occurrence's share of dL/d(pooled) to a row's gradient. */
 static inline EMBD_HOST_DEVICE void embd_grad_accum_row(float *EMBD_RESTRICT grad_row,
 							const float *EMBD_RESTRICT dy, float coef,

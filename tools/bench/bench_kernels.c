@@ -354,37 +354,45 @@ static void gather_step(void *arg, uint64_t k)
 	bench_gather_run(ga->b->workers, &ga->g);
 }
 
-/* The distinct rows of each batch, ascending: what an exact update writes. */
+/* What an exact update of each batch touches: its distinct rows, ascending, and each one's
+ * occurrences' bags (bench_rmw_rows_make), batch k's at rows + start[k], first + start[k] + k
+ * and bags + k * per_batch. */
 struct unique_rows {
-	uint64_t *rows;
+	uint64_t *rows, *first;
+	uint32_t *bags;
 	uint64_t *start;                /* nb + 1 */
-	uint64_t nb;
+	uint64_t nb, per_batch;
 };
 
-static int compare_u64(const void *a, const void *b)
+static void unique_rows_free(struct unique_rows *u)
 {
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return (x > y) - (x < y);
+	free(u->rows);
+	free(u->first);
+	free(u->bags);
+	free(u->start);
 }
 
 static int unique_rows_make(const struct table *t, uint64_t per_batch, struct unique_rows *u)
 {
+	uint64_t *scratch = malloc(2 * per_batch * sizeof(*scratch));
+
 	u->nb = t->num_ids / per_batch;
+	u->per_batch = per_batch;
 	u->rows = malloc(t->num_ids * sizeof(*u->rows));
+	u->first = malloc((t->num_ids + u->nb) * sizeof(*u->first));
+	u->bags = malloc(t->num_ids * sizeof(*u->bags));
 	u->start = malloc((u->nb + 1) * sizeof(*u->start));
-	if (!u->rows || !u->start)
+	if (!scratch || !u->rows || !u->first || !u->bags || !u->start) {
+		free(scratch);
 		return 1;
-	u->start[0] = 0;
-	for (uint64_t k = 0; k < u->nb; k++) {
-		uint64_t *r = u->rows + u->start[k], n = 0;
-		for (uint64_t i = 0; i < per_batch; i++)
-			r[i] = (uint64_t)t->ids[k * per_batch + i];
-		qsort(r, per_batch, sizeof(*r), compare_u64);
-		for (uint64_t i = 0; i < per_batch; i++)
-			if (!n || r[n - 1] != r[i])
-				r[n++] = r[i];
-		u->start[k + 1] = u->start[k] + n;
 	}
+	u->start[0] = 0;
+	for (uint64_t k = 0; k < u->nb; k++)
+		u->start[k + 1] = u->start[k] +
+				  bench_rmw_rows_make(t->ids + k * per_batch, per_batch, BACKWARD_P, scratch,
+						      u->rows + u->start[k], u->first + u->start[k] + k,
+						      u->bags + k * per_batch);
+	free(scratch);
 	return 0;
 }
 
@@ -397,9 +405,12 @@ struct rmw_arg {
 static void rmw_step(void *arg, uint64_t k)
 {
 	struct rmw_arg *ra = arg;
-	uint64_t i = k % ra->u->nb;
-	ra->r.rows = ra->u->rows + ra->u->start[i];
-	ra->r.n = ra->u->start[i + 1] - ra->u->start[i];
+	const struct unique_rows *u = ra->u;
+	uint64_t i = k % u->nb;
+	ra->r.rows = u->rows + u->start[i];
+	ra->r.first = u->first + u->start[i] + i;
+	ra->r.bags = u->bags + i * u->per_batch;
+	ra->r.n = u->start[i + 1] - u->start[i];
 	bench_rmw_run(ra->b->workers, &ra->r);
 }
 
@@ -614,7 +625,7 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 	struct kernel_arg a = *proto;
 	a.shard = os;
 	struct rmw_arg ra = { b, u, { .isa = b->isa, .grad = (const uint8_t *)a.grad,
-				      .grad_bytes = (uint64_t)b->o.batch * t->dim * 4 } };
+				      .grad_row_bytes = (uint64_t)t->dim * 4 } };
 	uint64_t state_row = (m1b + m2b) / (uint64_t)t->rows;
 	void *arrays[3] = { os->weights, os->momentum1, os->momentum2 };
 	uint64_t sizes[3] = { wb, m1b, m2b };
@@ -677,8 +688,7 @@ static int bench_backward(struct bench *b, const struct table *t, int64_t *offse
 		set_offsets(offsets, b->o.batch, BACKWARD_P);
 		rc = bench_backward_opt(b, t, opt, &u, &proto);
 	}
-	free(u.rows);
-	free(u.start);
+	unique_rows_free(&u);
 	return rc;
 }
 

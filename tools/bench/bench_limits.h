@@ -39,21 +39,31 @@ void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
 /*
  * The backward limit: every row of rows[0, n) (distinct, ascending) read and written back
  * unchanged in each array (the weights and each optimizer state array), with the kernels'
- * prefetch distance and vector width for isa, and grad_bytes of grad read once.
+ * prefetch distance and vector width for isa, after the gradient rows of the row's
+ * occurrences (bags[first[k], first[k + 1]) for row k) are read.
  */
 struct bench_rmw {
 	uint8_t *arrays[3];
-	uint64_t row_bytes[3];          /* per row of each array; a multiple of 16, or 4 */
+	uint64_t row_bytes[3];          /* per row of each array; a multiple of 4 */
 	int num_arrays;
-	const uint8_t *grad;            /* the batch's dL/d(pooled); grad_bytes a multiple of 8 */
-	uint64_t grad_bytes;
-	uint64_t sink[BENCH_LIMIT_MAX_WORKERS];
+	const uint8_t *grad;            /* the batch's dL/d(pooled): one row per bag */
+	uint64_t grad_row_bytes;        /* a multiple of 4 */
 	enum embd_isa isa;
-	const uint64_t *rows;           /* this batch's */
+	const uint64_t *rows;           /* this batch's distinct rows, ascending */
+	const uint64_t *first;          /* n + 1 */
+	const uint32_t *bags;           /* each occurrence's bag, grouped by row */
 	uint64_t n;
 	atomic_uint_fast64_t next;
 	volatile uint32_t zero;         /* 0, unknown to the compiler: the stores stay */
 };
+
+/*
+ * The rows, first and bags of bench_rmw for the n ids of a batch of bags of ids_per_bag ids
+ * each (in order); rows and bags hold n, first n + 1, scratch 2n. Returns the number of
+ * distinct rows.
+ */
+uint64_t bench_rmw_rows_make(const int64_t *ids, uint64_t n, uint64_t ids_per_bag,
+			     uint64_t *scratch, uint64_t *rows, uint64_t *first, uint32_t *bags);
 
 /* One batch (r->rows, r->n) of the read-modify-write limit. */
 void bench_rmw_run(struct embd_workers *workers, struct bench_rmw *r);

@@ -9,7 +9,8 @@
  * The limit of a step is the memory traffic it cannot avoid, timed with the limits of
  * `embd-bench kernels` (bench_limits.c) on this machine's pinned workers over the same ids:
  * per table, the gather of every id's row of the global batch (all trainers) with the pooled
- * rows stored, then the read-modify-write of its distinct rows with the gradient read once.
+ * rows stored, then the read-modify-write of its distinct rows after each one's occurrences'
+ * gradient rows are read.
  * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic).
  */
 #ifndef _GNU_SOURCE
@@ -59,30 +60,21 @@ static int64_t *make_ids(const struct train_opts *o, uint64_t *count)
 	return ids;
 }
 
-static int compare_u64(const void *a, const void *b)
-{
-	uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-	return (x > y) - (x < y);
-}
-
-/* The global batch k of feature f (every trainer's bags, in trainer order) into g, and its
- * distinct rows, ascending, into rows: returns how many. */
-static uint64_t global_batch(const struct train_opts *o, const int64_t *ids, uint32_t k,
-			     uint32_t f, int64_t *g, uint64_t *rows)
+/* The global batch k of feature f (every trainer's bags, in trainer order) into g, and what
+ * its update touches into r (bench_rmw_rows_make; scratch 2 x its ids). */
+static void global_batch(const struct train_opts *o, const int64_t *ids, uint32_t k, uint32_t f,
+			 int64_t *g, uint64_t *scratch, struct bench_rmw *r, uint64_t *rows,
+			 uint64_t *first, uint32_t *bags)
 {
 	const uint64_t per = (uint64_t)o->batch * o->ids_per_bag;
-	uint64_t n = 0;
 
 	for (uint32_t t = 0; t < o->trainers; t++)
 		memcpy(g + t * per, ids + (((uint64_t)k * o->trainers + t) * o->tables + f) * per,
 		       per * sizeof(*g));
-	for (uint64_t i = 0; i < per * o->trainers; i++)
-		rows[i] = (uint64_t)g[i];
-	qsort(rows, per * o->trainers, sizeof(*rows), compare_u64);
-	for (uint64_t i = 0; i < per * o->trainers; i++)
-		if (!n || rows[n - 1] != rows[i])
-			rows[n++] = rows[i];
-	return n;
+	r->n = bench_rmw_rows_make(g, per * o->trainers, o->ids_per_bag, scratch, rows, first, bags);
+	r->rows = rows;
+	r->first = first;
+	r->bags = bags;
 }
 
 /* The workers: one per allowed CPU, pinned in order (as the kernels' benchmark pins them). */
@@ -119,7 +111,9 @@ static int measure_limits(const struct train_opts *o, const int64_t *ids, struct
 	struct embd_workers *workers = NULL;
 	struct embd_shard *shard = NULL;
 	int64_t *g = malloc(per * sizeof(*g));
-	uint64_t *rows = malloc(per * sizeof(*rows));
+	uint64_t *rows = malloc(per * sizeof(*rows)), *first = malloc((per + 1) * sizeof(*first));
+	uint64_t *scratch = malloc(2 * per * sizeof(*scratch));
+	uint32_t *occ_bags = malloc(per * sizeof(*occ_bags));
 	float *pooled = malloc(bags * o->dim * sizeof(float));
 	float *grad = calloc(bags * o->dim, sizeof(float));
 	enum { REPS = 5 };
@@ -127,7 +121,8 @@ static int measure_limits(const struct train_opts *o, const int64_t *ids, struct
 	char err[256];
 	int rc = -1;
 
-	if (!g || !rows || !pooled || !grad || make_workers(&workers))
+	if (!g || !rows || !first || !scratch || !occ_bags || !pooled || !grad ||
+	    make_workers(&workers))
 		goto out;
 	/* one table's shard serves every table: each is far larger than the caches, so a
 	 * table's rows are as cold as they would be in its own */
@@ -150,14 +145,13 @@ static int measure_limits(const struct train_opts *o, const int64_t *ids, struct
 	};
 	struct bench_rmw rm = {
 		.arrays = { shard->weights }, .row_bytes = { (uint64_t)o->dim * 4 }, .num_arrays = 1,
-		.grad = (const uint8_t *)grad, .grad_bytes = bags * o->dim * 4, .isa = isa,
-		.rows = rows,
+		.grad = (const uint8_t *)grad, .grad_row_bytes = (uint64_t)o->dim * 4, .isa = isa,
 	};
 	for (int r = 0; r < REPS + 1; r++) {    /* the first round warms up */
 		uint64_t gns = 0, rns = 0;
 		uint32_t k = (uint32_t)(r % TRAIN_BATCHES);
 		for (uint32_t f = 0; f < o->tables; f++) {
-			rm.n = global_batch(o, ids, k, f, g, rows);
+			global_batch(o, ids, k, f, g, scratch, &rm, rows, first, occ_bags);
 			uint64_t t0 = bench_now_ns();
 			bench_gather_run(workers, &ga);
 			uint64_t t1 = bench_now_ns();
@@ -166,7 +160,7 @@ static int measure_limits(const struct train_opts *o, const int64_t *ids, struct
 			rns += bench_now_ns() - t1;
 			if (r == 1)
 				bytes += (double)per * o->dim * 4 + (double)bags * o->dim * 4 +
-					 2.0 * (double)rm.n * o->dim * 4 + (double)rm.grad_bytes;
+					 2.0 * (double)rm.n * o->dim * 4 + (double)bags * o->dim * 4;
 		}
 		if (r) {
 			gather[r - 1] = (double)gns / 1e6;
@@ -189,6 +183,9 @@ out:
 	}
 	free(g);
 	free(rows);
+	free(first);
+	free(scratch);
+	free(occ_bags);
 	free(pooled);
 	free(grad);
 	return rc;

@@ -14,6 +14,7 @@
 #include "kernels/device.h"
 #include "kernels/finite.h"
 #include "kernels/jagged.h"
+#include "kernels/optim_row.h"
 #include "tests/unit/kernels/kernel_test_util.h"
 
 static struct embd_optimizer_spec opt_spec(enum embd_optimizer_type type, float wd)
@@ -183,6 +184,21 @@ Test(kernels_backward, every_optimizer_equals_reference, .timeout = 120)
 			check_unsharded(&r, type, trng_below(&r, 2), 1 + (int64_t)trng_below(&r, 2000),
 					dims[trng_below(&r, 8)], 1 + (uint32_t)trng_below(&r, 60),
 					(uint32_t)trng_below(&r, 30), 30, 3);
+}
+
+/* The row widths the CPU kernels compile a loop of their own for (cpu_kernels.c apply_rows:
+ * fp32 D 32, 64, 128 and 256), every optimizer, next to a width that takes the general loop
+ * and to fp16 rows of the same widths. */
+Test(kernels_backward, every_compiled_width_equals_reference, .timeout = 120)
+{
+	static const uint32_t dims[] = { 32, 64, 128, 256, 48 };
+	struct trng r = { 41 };
+
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+		for (int i = 0; i < 5; i++)
+			for (int fp16 = 0; fp16 < 2; fp16++)
+				check_unsharded(&r, type, fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32, 400,
+						dims[i], 24, 8, 30, 2);
 }
 
 Test(kernels_backward, heavy_duplicates_and_many_ids, .timeout = 120)
@@ -548,10 +564,91 @@ Test(kernels_backward, rows_left_nonfinite_are_counted)
 	embd_ref_table_destroy(ref);
 }
 
+/* Whether row r of shard s holds a NaN or an infinity, in its weights as stored or its state. */
+static bool shard_row_nonfinite(const struct embd_shard *s, int64_t r)
+{
+	const struct embd_shard_desc *d = &s->desc;
+	uint64_t cols = d->cols, m1 = embd_optim_state_floats(d->optimizer.type, d->cols, 0);
+	uint64_t m2 = embd_optim_state_floats(d->optimizer.type, d->cols, 1);
+
+	for (uint64_t c = 0; c < cols; c++) {
+		uint64_t i = (uint64_t)r * cols + c;
+		if (d->dtype == EMBD_DTYPE_FP16 ? (((uint16_t *)s->weights)[i] & 0x7c00u) == 0x7c00u
+						: !isfinite(((float *)s->weights)[i]))
+			return true;
+	}
+	for (uint64_t c = 0; c < m1; c++)
+		if (!isfinite(s->momentum1[(uint64_t)r * m1 + c]))
+			return true;
+	for (uint64_t c = 0; c < m2; c++)
+		if (!isfinite(s->momentum2[(uint64_t)r * m2 + c]))
+			return true;
+	return false;
+}
+
+/*
+ * Every optimizer, fp32 and fp16 rows, every instruction set, 1 and 3 workers: gradients from
+ * ordinary to 3e38 leave some rows NaN or infinite in the weights (an fp16 weight overflows
+ * from a gradient of 1e6, a fp32 one when a row's occurrences sum past the largest float) or
+ * the state (squares of 3e19 overflow); the count and the lowest row are exactly the rows
+ * that now hold one, and the rows themselves still equal the reference.
+ */
+Test(kernels_backward, every_optimizer_counts_the_rows_it_leaves_nonfinite, .timeout = 120)
+{
+	static const float palette[] = { 0.5f, -0.25f, 1e6f, -3e19f, 3e38f };
+	struct trng r = { 77 };
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	struct embd_workers *three;
+	char msg[160];
+
+	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+		for (int fp16 = 0; fp16 < 2; fp16++)
+			for (int i = 0; i < nisa * 2; i++) {
+				enum embd_data_type dt = fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32;
+				struct embd_optimizer_spec o = opt_spec((enum embd_optimizer_type)type, 0.0f);
+				struct embd_ref_table *ref = embd_ref_table_create(3, 200, 20, dt, &o, 5);
+				struct embd_shard *s = tshard(ref, 5, 0, 200, 0, 20);
+				struct embd_exec ex = { .workers = i % 2 ? three : NULL, .isa = isas[i / 2] };
+				struct tbags t;
+				tbags_random(&t, &r, 64, 6, 10, 200, 20, false);
+				float *g = malloc(64 * 20 * sizeof(float));
+				for (int k = 0; k < 64 * 20; k++)
+					g[k] = trng_below(&r, 8) ? palette[trng_below(&r, 2)]
+								 : palette[trng_below(&r, 5)];
+				struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, 20, 0);
+				struct embd_ref_bags rb = { 64, t.lengths, t.ids, NULL, EMBD_POOLING_SUM, g, 0 };
+				cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0);
+				cr_assert_eq(embd_ref_backward(ref, &rb, 1), 0);
+				uint64_t want = 0;
+				int64_t lowest = -1;
+				for (int64_t row = 0; row < 200; row++)
+					if (shard_row_nonfinite(s, row)) {
+						want++;
+						lowest = lowest < 0 ? row : lowest;
+					}
+				snprintf(msg, sizeof(msg), "opt %d %s %s workers %d", type, fp16 ? "fp16" : "fp32",
+					 embd_kernels_isa_name(isas[i / 2]), i % 2 ? 3 : 1);
+				cr_expect(want > 0 && want < 200, "%s: the gradients should leave some rows "
+					  "non-finite, not all: %llu", msg, (unsigned long long)want);
+				cr_expect_eq(s->nonfinite_rows, want, "%s: counted %llu rows, %llu hold one", msg,
+					     (unsigned long long)s->nonfinite_rows, (unsigned long long)want);
+				if (want)
+					cr_expect_eq(s->nonfinite_row, lowest, "%s: lowest %lld, named %lld", msg,
+						     (long long)lowest, (long long)s->nonfinite_row);
+				expect_shard_equals_ref(msg, s, ref);
+				tbags_free(&t);
+				free(g);
+				embd_shard_destroy(s);
+				embd_ref_table_destroy(ref);
+			}
+	embd_workers_destroy(three);
+}
+
 Test(kernels_backward, first_nonfinite_finds_every_position)
 {
 	float x[83];
-	uint16_t h[20];
 
 	for (int i = 0; i < 83; i++)
 		x[i] = i % 2 ? 3.4e38f : -1e-42f;       /* the largest finite, a denormal */
@@ -563,9 +660,4 @@ Test(kernels_backward, first_nonfinite_finds_every_position)
 		cr_expect_eq(embd_first_nonfinite(x, (uint64_t)at), (uint64_t)at, "before %d", at);
 		x[at] = keep;
 	}
-	for (int i = 0; i < 20; i++)
-		h[i] = 0x7bff;                          /* the largest finite half */
-	cr_expect_eq(embd_first_nonfinite_fp16(h, 20), 20);
-	h[13] = 0xfc00;                                 /* -inf */
-	cr_expect_eq(embd_first_nonfinite_fp16(h, 20), 13);
 }

@@ -1,0 +1,83 @@
+/*
+ * The backward limit of embd-bench (tools/bench/bench_limits.c) walks what an exact update
+ * touches: the rows and occurrences bench_rmw_rows_make groups must be the batch's, and the
+ * walk must leave the arrays it rewrites unchanged on every instruction set.
+ */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/embedding.h"
+#include "kernels/workers.h"
+#include "tools/bench/bench_limits.h"
+
+/* Bags of 3 ids: rows ascending, each row's occurrences' bags in batch order. */
+Test(bench_limits, rows_group_occurrences_in_batch_order)
+{
+	const int64_t ids[12] = { 7, 2, 7, 5, 2, 9, 7, 0, 5, 5, 5, 1 };
+	uint64_t scratch[24], rows[12], first[13];
+	uint32_t bags[12];
+	const uint64_t want_rows[6] = { 0, 1, 2, 5, 7, 9 };
+	const uint64_t want_first[7] = { 0, 1, 2, 4, 8, 11, 12 };
+	/* 0: bag 2; 1: bag 3; 2: bags 0, 1; 5: 1, 2, 3, 3; 7: 0, 0, 2; 9: 1 */
+	const uint32_t want_bags[12] = { 2, 3, 0, 1, 1, 2, 3, 3, 0, 0, 2, 1 };
+
+	uint64_t n = bench_rmw_rows_make(ids, 12, 3, scratch, rows, first, bags);
+	cr_assert_eq(n, 6, "distinct rows: got %llu", (unsigned long long)n);
+	for (int k = 0; k < 6; k++)
+		cr_expect_eq(rows[k], want_rows[k], "row %d: got %llu", k, (unsigned long long)rows[k]);
+	for (int k = 0; k < 7; k++)
+		cr_expect_eq(first[k], want_first[k], "first[%d]: got %llu", k,
+			     (unsigned long long)first[k]);
+	for (int j = 0; j < 12; j++)
+		cr_expect_eq(bags[j], want_bags[j], "occurrence %d: bag %u", j, bags[j]);
+}
+
+/* Weights, a per-column state and a per-row state of rows that are no whole number of vectors
+ * (24 floats): nothing changed, with 1 and 2 workers and every isa this CPU runs. */
+Test(bench_limits, rmw_leaves_every_array_unchanged)
+{
+	enum { ROWS = 4096, D = 24, BAGS = 64, P = 5 };
+	enum embd_isa isas[3] = { EMBD_ISA_SCALAR, EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
+	float *w = malloc(ROWS * D * 4), *m1 = malloc(ROWS * D * 4), *m2 = malloc(ROWS * 4);
+	float *w0 = malloc(ROWS * D * 4), *m10 = malloc(ROWS * D * 4), *m20 = malloc(ROWS * 4);
+	float *grad = malloc(BAGS * D * 4);
+	int64_t ids[BAGS * P];
+	uint64_t scratch[2 * BAGS * P], rows[BAGS * P], first[BAGS * P + 1];
+	uint32_t bags[BAGS * P];
+	struct embd_workers *two;
+	char err[128];
+
+	cr_assert(w && m1 && m2 && w0 && m10 && m20 && grad);
+	cr_assert_eq(embd_workers_create(2, NULL, &two, err, sizeof(err)), 0, "%s", err);
+	for (int i = 0; i < ROWS * D; i++)
+		w[i] = m1[i] = (float)i * 0.5f - 7.0f;
+	for (int i = 0; i < ROWS; i++)
+		m2[i] = (float)i;
+	for (int i = 0; i < BAGS * D; i++)
+		grad[i] = (float)(i % 13) - 6.0f;
+	for (int i = 0; i < BAGS * P; i++)
+		ids[i] = (int64_t)((i * 2654435761u) % (i % 4 ? ROWS : 16)); /* some duplicates */
+	memcpy(w0, w, ROWS * D * 4);
+	memcpy(m10, m1, ROWS * D * 4);
+	memcpy(m20, m2, ROWS * 4);
+	uint64_t n = bench_rmw_rows_make(ids, BAGS * P, P, scratch, rows, first, bags);
+	for (int i = 0; i < 3; i++) {
+		if (!embd_kernels_isa_supported(isas[i]))
+			continue;
+		for (int nw = 1; nw <= 2; nw++) {
+			struct bench_rmw r = {
+				.arrays = { (uint8_t *)w, (uint8_t *)m1, (uint8_t *)m2 },
+				.row_bytes = { D * 4, D * 4, 4 }, .num_arrays = 3,
+				.grad = (const uint8_t *)grad, .grad_row_bytes = D * 4, .isa = isas[i],
+				.rows = rows, .first = first, .bags = bags, .n = n,
+			};
+			bench_rmw_run(nw == 2 ? two : NULL, &r);
+			cr_expect(!memcmp(w, w0, ROWS * D * 4) && !memcmp(m1, m10, ROWS * D * 4) &&
+				  !memcmp(m2, m20, ROWS * 4), "%s, %d workers: an array changed",
+				  embd_kernels_isa_name(isas[i]), nw);
+		}
+	}
+	embd_workers_destroy(two);
+	free(w), free(m1), free(m2), free(w0), free(m10), free(m20), free(grad);
+}
