@@ -54,6 +54,10 @@ while read -r name arrow path _; do
 	cp -L "$path" "$out/lib/$name"
 done < <(ldd "$out"/bin/* | grep -v ':$' | awk '{print $1, $2, $3}' | sort -u)
 [ "$missing" = 0 ] || exit 1
+# debug info is no use on the GPU machine and doubles a sanitizer build's bundle
+if command -v strip >/dev/null; then
+	strip --strip-debug "$out"/bin/* "$out"/lib/* 2>/dev/null || true
+fi
 
 bytes=$(du -sb "$out" | cut -f1)
 echo "bundle: $out: ${#programs[@]} programs, $(ls "$out/lib" | wc -l) libraries, $bytes bytes"
