@@ -94,6 +94,16 @@ const char *embd_cuda_driver_strerror(const struct embd_cuda_driver *d, embd_cu_
 	return buf;
 }
 
+int embd_cuda_driver_fail(const struct embd_cuda_driver *d, embd_cu_result e, const char *what,
+			  char *err, size_t err_len)
+{
+	char text[160];
+
+	snprintf(err, err_len, "%s: %s", what, embd_cuda_driver_strerror(d, e, text, sizeof(text)));
+	return e == EMBD_CU_ERROR_OUT_OF_MEMORY ? EMBD_ENOMEM :
+	       e == EMBD_CU_ERROR_NO_DEVICE ? EMBD_ENOTSUP : EMBD_EIO;
+}
+
 const char *embd_cuda_uuid_text(const uint8_t uuid[16], char buf[EMBD_CUDA_UUID_TEXT])
 {
 	char *p = buf + snprintf(buf, EMBD_CUDA_UUID_TEXT, "GPU-");

@@ -119,6 +119,11 @@ int embd_cuda_driver(const struct embd_cuda_driver **out, char *err, size_t err_
 /* "CUDA_ERROR_OUT_OF_MEMORY (out of memory)": the driver's name and text of e, into buf. */
 const char *embd_cuda_driver_strerror(const struct embd_cuda_driver *d, embd_cu_result e,
 				      char *buf, size_t len);
+/* "what: <the driver's name and text of e>" into err; returns EMBD_ENOMEM for out of memory,
+ * EMBD_ENOTSUP for no device (no GPU to use is a "cannot", not an I/O failure), else
+ * EMBD_EIO. */
+int embd_cuda_driver_fail(const struct embd_cuda_driver *d, embd_cu_result e, const char *what,
+			  char *err, size_t err_len);
 
 /* A GPU's UUID as nvidia-smi and CUDA_VISIBLE_DEVICES write it: "GPU-" and 36 characters
  * (8-4-4-4-12 hex digits). buf holds EMBD_CUDA_UUID_TEXT bytes. */

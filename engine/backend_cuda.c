@@ -524,16 +524,6 @@ struct cuda_export {
 	cudaStream_t stream;
 };
 
-static int driver_fail(const struct embd_cuda_driver *d, embd_cu_result e, const char *what,
-		       char *err, size_t err_len)
-{
-	char text[160];
-
-	snprintf(err, err_len, "%s: %s", what, embd_cuda_driver_strerror(d, e, text, sizeof(text)));
-	/* no GPU to export from is the service's "cannot", not an I/O failure (ipc/README.md) */
-	return e == EMBD_CU_ERROR_OUT_OF_MEMORY ? EMBD_ENOMEM :
-	       e == EMBD_CU_ERROR_NO_DEVICE ? EMBD_ENOTSUP : EMBD_EIO;
-}
 
 /* The GPU with uuid among those this process sees: its ordinal and device, or EMBD_ENOENT
  * naming every GPU it does see. */
@@ -546,14 +536,14 @@ static int find_gpu(const struct embd_cuda_driver *d, const uint8_t uuid[16], in
 	int n = 0;
 
 	if ((e = d->cuInit(0)))
-		return driver_fail(d, e, "cuInit", err, err_len);
+		return embd_cuda_driver_fail(d, e, "cuInit", err, err_len);
 	if ((e = d->cuDeviceGetCount(&n)))
-		return driver_fail(d, e, "cuDeviceGetCount", err, err_len);
+		return embd_cuda_driver_fail(d, e, "cuDeviceGetCount", err, err_len);
 	for (int i = 0; i < n; i++) {
 		char text[EMBD_CUDA_UUID_TEXT], bus[32] = "?";
 		uint8_t u[16];
 		if ((e = d->cuDeviceGet(dev, i)) || (e = d->cuDeviceGetUuid_v2(u, *dev)))
-			return driver_fail(d, e, "cuDeviceGetUuid_v2", err, err_len);
+			return embd_cuda_driver_fail(d, e, "cuDeviceGetUuid_v2", err, err_len);
 		if (!memcmp(u, uuid, sizeof(u))) {
 			*ordinal = i;
 			return 0;
@@ -601,7 +591,7 @@ static int check_exportable(const struct embd_cuda_driver *d, embd_cu_device dev
 
 	if ((e = d->cuDeviceGetAttribute(&vmm, EMBD_CU_ATTR_VMM_SUPPORTED, dev)) ||
 	    (e = d->cuDeviceGetAttribute(&posix_fd, EMBD_CU_ATTR_POSIX_FD_SUPPORTED, dev)))
-		return driver_fail(d, e, "cuDeviceGetAttribute", err, err_len);
+		return embd_cuda_driver_fail(d, e, "cuDeviceGetAttribute", err, err_len);
 	if (!vmm || !posix_fd)
 		return snprintf(err, err_len, "GPU %s: the driver %s", embd_cuda_uuid_text(uuid, text),
 				!vmm ? "has no virtual memory management on it "
@@ -681,7 +671,7 @@ static int cuda_export_alloc(const uint8_t uuid[16], uint64_t bytes, struct embd
 	}
 	return 0;
 driver:
-	rc = driver_fail(d, e, what, err, err_len);
+	rc = embd_cuda_driver_fail(d, e, what, err, err_len);
 out:
 	cuda_export_free(out);
 	return rc;

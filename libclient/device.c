@@ -33,14 +33,6 @@ struct client_device {
 	void *host;                             /* the host double's mapping */
 };
 
-static int driver_fail(const struct embd_cuda_driver *d, embd_cu_result e, const char *what,
-		       char *err, size_t err_len)
-{
-	char text[160];
-
-	return embd_fail(err, err_len, e == EMBD_CU_ERROR_OUT_OF_MEMORY ? EMBD_ENOMEM : EMBD_EIO,
-			 "%s: %s", what, embd_cuda_driver_strerror(d, e, text, sizeof(text)));
-}
 
 int client_device_uuid(int ordinal, uint8_t uuid[16], char *err, size_t err_len)
 {
@@ -62,7 +54,7 @@ int client_device_uuid(int ordinal, uint8_t uuid[16], char *err, size_t err_len)
 				 embd_cuda_driver_strerror(d, e, text, sizeof(text)), n);
 	}
 	if ((e = d->cuDeviceGetUuid_v2(uuid, dev)))
-		return driver_fail(d, e, "cuDeviceGetUuid_v2", err, err_len);
+		return embd_cuda_driver_fail(d, e, "cuDeviceGetUuid_v2", err, err_len);
 	return 0;
 }
 
@@ -136,7 +128,7 @@ static int map_cuda(struct client_device *d, int fd, int ordinal, char *err, siz
 	if (!e)
 		return 0;
 fail:
-	return driver_fail(drv, e, what, err, err_len);
+	return embd_cuda_driver_fail(drv, e, what, err, err_len);
 }
 
 int client_device_map(const struct embd_ctl_device_outputs *rep, int fd, int ordinal,
