@@ -244,14 +244,16 @@ static int load_config(const struct args *a, struct embd_config *c)
 		c->log_level = a->level;
 	embd_log_set_level(c->log_level);
 	/* GPU ranks not given are counted later (resolve_devices logs the count) */
+	char ranks[64];
 	if (c->topology.compute_device != EMBD_DEVICE_CPU && !c->local_world_size_given)
-		embd_log_info("embd %s starting: %s, %u tables, one rank per visible %s",
-			      EMBD_VERSION, a->config_path ? a->config_path : "embedded default config",
-			      c->tables.count, embd_plan_device_name(c->topology.compute_device));
+		snprintf(ranks, sizeof(ranks), "one rank per visible %s",
+			 embd_plan_device_name(c->topology.compute_device));
 	else
-		embd_log_info("embd %s starting: %s, %u tables, %d ranks, %u trainers", EMBD_VERSION,
-			      a->config_path ? a->config_path : "embedded default config",
-			      c->tables.count, c->topology.local_world_size, c->trainers_per_node);
+		snprintf(ranks, sizeof(ranks), "%d ranks, %u trainers",
+			 c->topology.local_world_size, c->trainers_per_node);
+	embd_log_info("embd %s starting: %s, %u tables, %s", EMBD_VERSION,
+		      a->config_path ? a->config_path : "embedded default config", c->tables.count,
+		      ranks);
 	return 0;
 }
 
