@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -175,19 +176,34 @@ bool tu_embd_log_has(const struct tu_embd *p, const char *text)
 	return found;
 }
 
-int tu_embd_count_fds(const struct tu_embd *p)
+/* embd's open fds counted, each also named on stderr when log is set; -1 when unreadable. */
+static int scan_fds(const struct tu_embd *p, bool log)
 {
-	char path[64];
+	char dir[64], path[320], target[256];
 	int n = 0;
 
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)p->pid);
-	DIR *d = p->pid > 0 ? opendir(path) : NULL;
+	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)p->pid);
+	DIR *d = p->pid > 0 ? opendir(dir) : NULL;
 	if (!d)
 		return -1;
-	for (struct dirent *e; (e = readdir(d));)
-		n += e->d_name[0] != '.';
+	for (struct dirent *e; (e = readdir(d));) {
+		if (e->d_name[0] == '.')
+			continue;
+		n++;
+		if (!log)
+			continue;
+		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
+		ssize_t len = readlink(path, target, sizeof(target) - 1);
+		target[len > 0 ? len : 0] = '\0';
+		fprintf(stderr, "embd pid %d fd %s -> %s\n", (int)p->pid, e->d_name, target);
+	}
 	closedir(d);
 	return n;
+}
+
+int tu_embd_count_fds(const struct tu_embd *p)
+{
+	return scan_fds(p, false);
 }
 
 long tu_embd_rss_kb(const struct tu_embd *p)
@@ -205,25 +221,6 @@ long tu_embd_rss_kb(const struct tu_embd *p)
 	return kb;
 }
 
-/* What each open fd of embd is, on stderr: a count that did not settle names its extra fd. */
-static void log_fds(const struct tu_embd *p)
-{
-	char dir[64], path[320], target[256];
-
-	snprintf(dir, sizeof(dir), "/proc/%d/fd", (int)p->pid);
-	DIR *d = p->pid > 0 ? opendir(dir) : NULL;
-	for (struct dirent *e; d && (e = readdir(d));) {
-		if (e->d_name[0] == '.')
-			continue;
-		snprintf(path, sizeof(path), "%s/%s", dir, e->d_name);
-		ssize_t len = readlink(path, target, sizeof(target) - 1);
-		target[len > 0 ? len : 0] = '\0';
-		fprintf(stderr, "embd pid %d fd %s -> %s\n", (int)p->pid, e->d_name, target);
-	}
-	if (d)
-		closedir(d);
-}
-
 int tu_embd_wait_fds(const struct tu_embd *p, int want, int timeout_ms)
 {
 	const int64_t deadline = embd_now_ms() + timeout_ms;
@@ -234,6 +231,6 @@ int tu_embd_wait_fds(const struct tu_embd *p, int want, int timeout_ms)
 		n = tu_embd_count_fds(p);
 	}
 	if (n != want)
-		log_fds(p);
+		scan_fds(p, true);      /* a count that did not settle names its fds */
 	return n;
 }
