@@ -147,14 +147,18 @@ int embd_server_output_done(struct embd_server *sv, struct client *c, const stru
 				      sqe->output.bytes, true, err, err_len);
 }
 
-int embd_server_grad_copy(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
-			  float *to, char *err, size_t err_len)
+int embd_server_grad_in(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			float *to, struct embd_step_batch *b, char *err, size_t err_len)
 {
+	b->grad_copy = to;
 	if (!(sqe->flags & EMBD_SQE_DEVICE)) {
-		memcpy(to, (const uint8_t *)embd_region_slab(c->region) + sqe->grad.offset,
-		       sqe->grad.bytes);
+		b->pooled_grad = NULL;
+		b->grad_from = (const float *)((const uint8_t *)embd_region_slab(c->region) +
+					       sqe->grad.offset);
 		return 0;
 	}
+	b->pooled_grad = to;
+	b->grad_from = NULL;
 	return embd_ranks_export_copy(sv->ranks, &c->device, sqe->grad.offset, to, sqe->grad.bytes,
 				      false, err, err_len);
 }

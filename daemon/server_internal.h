@@ -242,10 +242,12 @@ int embd_server_device_request(struct embd_server *sv, struct client *c,
 float *embd_server_output(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe);
 int embd_server_output_done(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
 			    char *err, size_t err_len);
-/* The gradient of c's BACKWARD sqe into `to` (grad.bytes): out of its slab, or of its device
- * buffers with EMBD_SQE_DEVICE (0, or an error with err). */
-int embd_server_grad_copy(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
-			  float *to, char *err, size_t err_len);
+/* The gradient of c's BACKWARD sqe for b, `to` (grad.bytes) its private copy: a slab span
+ * is left for the engine to copy into `to` as it checks it (b->grad_from, engine/step.h); with
+ * EMBD_SQE_DEVICE it is copied from the device buffers into `to` here (0, or an error with
+ * err). */
+int embd_server_grad_in(struct embd_server *sv, struct client *c, const struct embd_sqe *sqe,
+			float *to, struct embd_step_batch *b, char *err, size_t err_len);
 /* Frees c's device outputs and staging rows, if any (it leaves). */
 void embd_server_device_free(struct embd_server *sv, struct client *c);
 

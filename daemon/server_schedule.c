@@ -549,10 +549,11 @@ static void warn_nonfinite_rows(struct embd_server *sv, const struct embd_step_c
  * kernels and the gradient exchange read it again, and a NaN would reach shared rows on some
  * ranks or nodes after others applied theirs. The copy the engine checks is the one it uses,
  * and a gradient the trainer changes during the copy is at worst refused. Checking in the
- * kernels instead could only stop in the middle of an update. The cost: one memcpy of
- * batch_size x total_dim floats per trainer and step (docs/benchmarks.md, embd-bench e2e). A
- * trainer with device outputs (server_device.c) hands its gradient in on its GPU: the same
- * one copy, device to host.
+ * kernels instead could only stop in the middle of an update. The cost: one copy of
+ * batch_size x total_dim floats per trainer and step, which the engine makes as it checks
+ * (engine/step.h, grad_from), split over the ranks' threads. A trainer with device outputs
+ * (server_device.c) hands its gradient in on its GPU: one copy, device to host, here; the
+ * engine then checks it in place.
  */
 static int copy_grads(struct embd_server *sv, char *why, size_t why_len)
 {
@@ -567,10 +568,9 @@ static int copy_grads(struct embd_server *sv, char *why, size_t why_len)
 		/* grad.bytes are the forward's batch_size x total_dim floats: BACKWARD's batch_size
 		 * was checked against the forward's (handle_backward), the span against it
 		 * (embd_sqe_validate); from the slab, or from the trainer's GPU */
-		if (embd_server_grad_copy(sv, c, &c->bwd, to, err, sizeof(err)))
+		if (embd_server_grad_in(sv, c, &c->bwd, to, b, err, sizeof(err)))
 			return snprintf(why, why_len, "trainer %d's gradient did not come from its "
 					"GPU: %s", c->index, err), EMBD_EIO;
-		b->pooled_grad = to;
 		to += c->bwd.grad.bytes / sizeof(float);
 	}
 	return 0;

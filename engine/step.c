@@ -10,6 +10,7 @@
 #include "engine/step_internal.h"
 
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -719,18 +720,92 @@ bool embd_step_cluster_checkpoint(const struct embd_step *s)
 	return s->cluster_ckpt;
 }
 
-/* The accepted gradients that are not finite (step.h): why names the first one's trainer,
- * sample, column and feature. Returns how many batches hold one. */
+/* One run of the gradients' copy and check over the ranks (check_grads_finite). */
+struct grad_check {
+	struct embd_step *s;
+	atomic_uint *nonfinite;         /* per batch: some slice saw a NaN or an infinity */
+	uint32_t rank;                  /* the rank whose workers run grad_check_worker */
+};
+
+/* Gradient i's elements: b samples (its batch's, fewer than B for a short batch) x total_dim. */
+static uint64_t grad_elems(const struct embd_step *s, const struct embd_step_batch *b)
+{
+	return (uint64_t)b->kjt.batch_size * s->layout.total_dim;
+}
+
+/* Part `part` of `parts` of [from, to), cut at multiples of EMBD_FINITE_BLOCK (so every part
+ * but the last vectorizes whole). */
+static void grad_part(uint64_t *from, uint64_t *to, uint32_t part, uint32_t parts)
+{
+	const uint64_t blocks = (*to - *from) / EMBD_FINITE_BLOCK, end = *to;
+
+	*to = part + 1 == parts ? end : *from + blocks * (part + 1) / parts * EMBD_FINITE_BLOCK;
+	*from += blocks * part / parts * EMBD_FINITE_BLOCK;
+}
+
+/* Worker w of the rank's part of every accepted gradient: copied and checked, or checked. */
+static void grad_check_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	const struct grad_check *g = arg;
+	const struct step_pass *p = g->s->pass;
+
+	for (uint32_t i = 0; i < p->num_batches; i++) {
+		const struct embd_step_batch *b = &p->batches[i];
+		uint64_t from = 0, to = grad_elems(g->s, b);
+		if (b->status)
+			continue;
+		grad_part(&from, &to, g->rank, g->s->num_ranks);
+		grad_part(&from, &to, w, nw);
+		bool bad = b->grad_from ?
+			embd_copy_nonfinite(b->grad_copy + from, b->grad_from + from, to - from) :
+			embd_first_nonfinite(b->pooled_grad + from, to - from) != to - from;
+		if (bad)
+			atomic_store_explicit(&g->nonfinite[i], 1, memory_order_relaxed);
+	}
+}
+
+static void grad_check_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct grad_check g = *(const struct grad_check *)arg;
+
+	g.rank = rank;
+	embd_workers_run(exec->workers, grad_check_worker, &g);
+}
+
+/*
+ * The accepted gradients that are not finite (step.h): why names the first one's trainer,
+ * sample, column and feature. Returns how many batches hold one. The copy out of grad_from
+ * and the check run split over every rank and each rank's workers: on one node they are the
+ * only work between the trainers' BACKWARDs and the update, and on the loop thread alone they
+ * would leave the other CPUs idle (embd-bench train's 2 trainers: 8 MiB a step). Only a
+ * gradient that holds a NaN or an infinity is searched again, for the first.
+ */
 static uint32_t check_grads_finite(struct embd_step *s, char *why, size_t why_len)
 {
 	const struct embd_step_layout *l = &s->layout;
+	struct step_pass *p = s->pass;
+	atomic_uint *nonfinite = calloc(p->num_batches ? p->num_batches : 1, sizeof(*nonfinite));
 	uint32_t bad = 0;
 
-	for (uint32_t i = 0; i < s->pass->num_batches; i++) {
-		const struct embd_step_batch *b = &s->pass->batches[i];
-		/* the gradient has the rows of its batch: b of them */
-		const uint64_t n = (uint64_t)b->kjt.batch_size * l->total_dim;
-		uint64_t k = b->status ? n : embd_first_nonfinite(b->pooled_grad, n);
+	for (uint32_t i = 0; i < p->num_batches; i++) {
+		struct embd_step_batch *b = &p->batches[i];
+		if (b->status || !b->grad_from)
+			continue;
+		if (!nonfinite)         /* out of memory: on this thread, the copy then its check */
+			memcpy(b->grad_copy, b->grad_from, grad_elems(s, b) * sizeof(float));
+		b->pooled_grad = b->grad_copy;
+	}
+	if (nonfinite) {
+		struct grad_check g = { .s = s, .nonfinite = nonfinite };
+		for (uint32_t i = 0; i < p->num_batches; i++)
+			atomic_init(&nonfinite[i], 0);
+		embd_ranks_run(s->ranks, grad_check_rank, &g);
+	}
+	for (uint32_t i = 0; i < p->num_batches; i++) {
+		const struct embd_step_batch *b = &p->batches[i];
+		const uint64_t n = grad_elems(s, b);
+		uint64_t k = b->status || (nonfinite && !atomic_load(&nonfinite[i])) ? n :
+			     embd_first_nonfinite(b->pooled_grad, n);
 		if (k == n || bad++)
 			continue;
 		uint32_t col = (uint32_t)(k % l->total_dim), f = 0;
@@ -741,6 +816,7 @@ static uint32_t check_grads_finite(struct embd_step *s, char *why, size_t why_le
 			 b->pooled_grad[k] != b->pooled_grad[k] ? "NaN" : "infinite",
 			 (uint32_t)(k / l->total_dim), col, l->feature_names[f]);
 	}
+	free(nonfinite);
 	return bad;
 }
 
@@ -804,7 +880,8 @@ static int gradients_in(struct embd_step *s, struct embd_step_batch *batches, ui
 		return EMBD_EINVAL;
 	s->pending = false;
 	for (uint32_t i = 0; i < n; i++)
-		if (!batches[i].status && !batches[i].pooled_grad) {
+		if (!batches[i].status && !batches[i].pooled_grad &&
+		    !(batches[i].grad_from && batches[i].grad_copy)) {
 			snprintf(batches[i].err, sizeof(batches[i].err), "pooled_grad: missing");
 			rc = EMBD_EINVAL;
 		}

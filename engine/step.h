@@ -56,13 +56,19 @@ struct embd_step_layout {
 /*
  * One trainer's part of a step. kjt: its batch (keys may be NULL; when given they must be the
  * layout's names in order). pooled: its output float[B][total_dim], written by forward.
- * pooled_grad: dL/d(pooled), same shape, read by backward. status and err are outputs:
- * forward sets them per trainer (0, or why this trainer's batch was refused).
+ * pooled_grad: dL/d(pooled), same shape, read by backward. grad_from (or NULL): memory the
+ * caller does not trust to hold still (a trainer's slab, written whenever the trainer likes);
+ * backward first copies it into grad_copy (B x total_dim floats of the caller's) and sets
+ * pooled_grad to grad_copy, on every rank's threads at once, checking each value as it lies
+ * in the copy: what is checked is what is used. status and err are outputs: forward sets them
+ * per trainer (0, or why this trainer's batch was refused).
  */
 struct embd_step_batch {
 	struct embd_kjt kjt;
 	float *pooled;
 	const float *pooled_grad;
+	const float *grad_from;
+	float *grad_copy;
 	uint32_t trainer;               /* its trainer's index on this node: named in errors */
 	int status;
 	char err[224];
@@ -196,13 +202,14 @@ void embd_step_want_checkpoint(struct embd_step *step, bool want);
 bool embd_step_cluster_checkpoint(const struct embd_step *step);
 
 /*
- * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad
- * set for every accepted batch). Applies the fused optimizer to every shard once, with the
- * gradients of all trainers summed (each divided by the grad divisor when one is set).
- * EMBD_EINVAL when no forward is pending.
+ * Backward of the step last forwarded: batches is the same array as forward's (pooled_grad,
+ * or grad_from and grad_copy, set for every accepted batch). Applies the fused optimizer to
+ * every shard once, with the gradients of all trainers summed (each divided by the grad
+ * divisor when one is set). EMBD_EINVAL when no forward is pending.
  *
- * Every accepted gradient is checked first (kernels/finite.h): one with a NaN or infinite
- * element refuses the whole step as an abort does, before any row changes anywhere (one
+ * Every accepted gradient is checked first (kernels/finite.h; split over the ranks' threads,
+ * copied as it is checked where grad_from is set): one with a NaN or infinite element
+ * refuses the whole step as an abort does, before any row changes anywhere (one
  * trainer's NaN would reach every row it touches, for every trainer and every later
  * checkpoint): EMBD_ECANCELED, every batch's err naming the trainer, sample, column and
  * feature; on a cluster through the gradient exchange's abort flag, so every node refuses the

@@ -140,10 +140,10 @@ static inline bool row_split_plan(const struct fixture *fx)
 	return type == EMBD_SHARD_ROW_WISE || type == EMBD_SHARD_TABLE_ROW_WISE;
 }
 
-static inline void start(struct fixture *fx, uint32_t num_ranks)
+static inline void start_threads(struct fixture *fx, uint32_t num_ranks, uint32_t threads)
 {
 	char err[256] = "";
-	int rc = embd_ranks_create(num_ranks, 1, &fx->ranks, err, sizeof(err));
+	int rc = embd_ranks_create(num_ranks, threads, &fx->ranks, err, sizeof(err));
 	cr_assert_eq(rc, 0, "embd_ranks_create: %d %s", rc, err);
 	rc = embd_step_create(&fx->tables, &fx->plan, fx->ranks, SEED, MAX_T, &fx->step, err,
 			      sizeof(err));
@@ -170,6 +170,11 @@ static inline void start(struct fixture *fx, uint32_t num_ranks)
 			fx->ref_cols[t][k] = cols;
 		}
 	}
+}
+
+static inline void start(struct fixture *fx, uint32_t num_ranks)
+{
+	start_threads(fx, num_ranks, 1);
 }
 
 static inline void setup(struct fixture *fx, enum embd_optimizer_type opt,

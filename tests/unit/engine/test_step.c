@@ -213,6 +213,63 @@ Test(step, nonfinite_gradient_refuses_the_step)
 	stop(&fx);
 }
 
+/*
+ * A gradient in memory the caller does not own (grad_from: a trainer's slab) is copied into
+ * grad_copy as it is checked, over every rank's workers, and the update reads the copy: the
+ * step trains as the reference on it, every element of the copy is the source's (b rows,
+ * none past them), and a NaN or infinity anywhere in a part (the first element, the last of a
+ * short batch of 3 x 40, not a multiple of the parts' blocks) refuses the step naming it.
+ */
+Test(step, gradient_from_shared_memory_is_copied_as_checked)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	static float copies[2][B * 40];
+	struct embd_step_batch batches[2];
+	const uint32_t rows[2] = { 3, B };
+	struct { uint32_t trainer, at; float bad; } cases[3] = {
+		{ 0, 0, NAN }, { 0, 3 * 40 - 1, INFINITY }, { 1, B * 40 - 1, NAN } };
+
+	make_tables(&fx, EMBD_OPT_ADAGRAD);
+	make_plan(&fx, EMBD_SHARD_COLUMN_WISE, 2);
+	start_threads(&fx, 2, 2);
+	for (uint32_t c = 0; c <= 3; c++) {
+		for (uint32_t i = 0; i < 2; i++) {
+			fill_trainer_n(&fx, &trs[i], 70 + c * 2 + i, i == 1, rows[i]);
+			for (uint32_t k = 0; k < B * 40; k++)
+				copies[i][k] = -7.0f;
+			batches[i] = trs[i].batch;
+			batches[i].trainer = i;
+			batches[i].pooled_grad = NULL;
+			batches[i].grad_from = trs[i].grad;
+			batches[i].grad_copy = copies[i];
+		}
+		cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[0].err);
+		if (c == 3) {   /* every part finite: the step trains on the copies */
+			backward_and_check(&fx, trs, batches, 2, 1, "a gradient from shared memory");
+			for (uint32_t i = 0; i < 2; i++) {
+				cr_expect_eq(batches[i].pooled_grad, copies[i]);
+				cr_expect_arr_eq(copies[i], trs[i].grad, rows[i] * 40 * sizeof(float));
+				for (uint32_t k = rows[i] * 40; k < B * 40; k++)
+					cr_assert_eq(copies[i][k], -7.0f, "trainer %u element %u past "
+						     "its rows copied", i, k);
+			}
+			break;
+		}
+		trs[cases[c].trainer].grad[cases[c].at] = cases[c].bad;
+		int rc = embd_step_backward(fx.step, batches, 2);
+		cr_expect_eq(rc, EMBD_ECANCELED, "case %u: expected EMBD_ECANCELED, got %d", c, rc);
+		char want[96];
+		snprintf(want, sizeof(want), "trainer %u of node 0 sent a gradient that is %s at "
+			 "sample %u, column %u", cases[c].trainer, c == 1 ? "infinite" : "NaN",
+			 cases[c].at / 40, cases[c].at % 40);
+		cr_expect(strstr(batches[0].err, want), "case %u: expected '%s' in '%s'", c, want,
+			  batches[0].err);
+		check_weights(&fx, 1, 0.0f, "after a refused gradient from shared memory");
+	}
+	stop(&fx);
+}
+
 /* A short batch's gradient is its b rows: whatever lies past them in the buffer (here NaN) is
  * neither checked nor applied. */
 Test(step, short_batch_gradient_is_its_own_rows)
