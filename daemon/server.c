@@ -597,6 +597,8 @@ static void metrics_tick(struct embd_server *sv)
 	m->bytes_in = st->bytes_in;
 	m->bytes_out = st->bytes_out;
 	m->sent_bytes = st->sent_bytes;
+	m->partial_device_bytes = st->partial_device_bytes;
+	m->partial_host_bytes = st->partial_host_bytes;
 	m->step_hist = st->step_hist;
 	m->request_hist = st->ipc_hist;
 	memcpy(m->refusals, st->refusals, sizeof(m->refusals));

@@ -100,6 +100,25 @@ struct embd_backend {
 			   size_t err_len);
 	int (*comm_copy)(struct embd_backend_rank *r, void *dst, const void *src, uint64_t bytes,
 			 char *err, size_t err_len);
+	/*
+	 * Row-split tables' partial sums, summed on the ranks' devices (engine/ranks.h,
+	 * embd_ranks_partial_*), on the rank's thread. partial_buffer: at least `bytes` of the
+	 * rank's device memory, kept and grown until rank_close (its contents are not kept when
+	 * it grows); forward may write pooled rows into it. copy_peer: bytes of `from`'s device
+	 * memory (written before the embd_ranks_run this call is in) to dst on r's; *direct says
+	 * whether they went device to device (peer access, NVLink; the CPU's memcpy) or were
+	 * staged through host memory (a pair of GPUs without peer access). add: dst[i] += src[i]
+	 * for n floats of r's memory. rows_out: rows x cols floats at src (dense) to host rows
+	 * `stride` floats apart. Each complete on return.
+	 */
+	int (*partial_buffer)(struct embd_backend_rank *r, uint64_t bytes, void **out, char *err,
+			      size_t err_len);
+	int (*copy_peer)(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
+			 const void *src, uint64_t bytes, bool *direct, char *err, size_t err_len);
+	int (*add)(struct embd_backend_rank *r, float *dst, const float *src, uint64_t n,
+		   char *err, size_t err_len);
+	int (*rows_out)(struct embd_backend_rank *r, float *host, uint64_t stride, const float *src,
+			uint64_t rows, uint64_t cols, char *err, size_t err_len);
 	/* Device outputs (engine/ranks.h, embd_ranks_export_*): any thread while the ranks are
 	 * idle. export_alloc refuses where the device has no memory to export. */
 	int (*export_alloc)(const uint8_t uuid[16], uint64_t bytes, struct embd_export *out,

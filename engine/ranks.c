@@ -563,3 +563,42 @@ int embd_ranks_comm_copy(struct embd_ranks *rs, uint32_t rank, void *dst, const 
 				rs->backend->name), EMBD_EINVAL;
 	return rs->backend->comm_copy(rs->ranks[rank].dev, dst, src, bytes, err, err_len);
 }
+
+int embd_ranks_partial_buffer(struct embd_ranks *rs, uint32_t rank, uint64_t bytes,
+			      void **out, char *err, size_t err_len)
+{
+	return rs->backend->partial_buffer(rs->ranks[rank].dev, bytes, out, err, err_len);
+}
+
+int embd_ranks_partial_copy(struct embd_ranks *rs, uint32_t rank, void *dst, uint32_t from,
+			    const void *src, uint64_t bytes, char *err, size_t err_len)
+{
+	bool direct = false;
+	int rc = rs->backend->copy_peer(rs->ranks[rank].dev, dst, rs->ranks[from].dev, src, bytes,
+					&direct, err, err_len);
+
+	if (!rc)
+		__atomic_fetch_add(&rs->peer_bytes[direct ? 0 : 1], bytes, __ATOMIC_RELAXED);
+	return rc;
+}
+
+int embd_ranks_partial_add(struct embd_ranks *rs, uint32_t rank, float *dst, const float *src,
+			   uint64_t n, char *err, size_t err_len)
+{
+	return rs->backend->add(rs->ranks[rank].dev, dst, src, n, err, err_len);
+}
+
+int embd_ranks_partial_out(struct embd_ranks *rs, uint32_t rank, float *host, uint64_t stride,
+			   const float *src, uint64_t rows, uint64_t cols, char *err,
+			   size_t err_len)
+{
+	return rs->backend->rows_out(rs->ranks[rank].dev, host, stride, src, rows, cols, err,
+				     err_len);
+}
+
+void embd_ranks_partial_counts(const struct embd_ranks *rs, uint64_t *device_bytes,
+			       uint64_t *host_bytes)
+{
+	*device_bytes = __atomic_load_n(&rs->peer_bytes[0], __ATOMIC_RELAXED);
+	*host_bytes = __atomic_load_n(&rs->peer_bytes[1], __ATOMIC_RELAXED);
+}

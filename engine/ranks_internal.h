@@ -58,6 +58,7 @@ struct embd_ranks {
 	embd_ranks_fn fn;
 	void *arg;
 	bool cpu_caching;               /* EMBD_TEST_CPU_KERNEL=fused_uvm_caching: tests */
+	uint64_t peer_bytes[2];         /* embd_ranks_partial_copy: device, host (atomic) */
 	int start_rc;
 	char start_err[256];
 };
