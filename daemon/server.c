@@ -716,6 +716,13 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 			   sizeof(float));
 	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf || !sv->grads)
 		goto out;
+	/* the gradients the engine checks and uses: the ranks' devices read them by DMA */
+	rc = embd_ranks_host_register(ranks, sv->grads, (size_t)config->trainers_per_node *
+				      l->batch_size * l->total_dim * sizeof(float), err, err_len);
+	if (rc)
+		goto out;
+	sv->grads_registered = true;
+	rc = EMBD_ENOMEM;
 	/* a trainer's socket, pidfd and doorbell; the listener, the signalfd, the writer */
 	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 3 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
@@ -777,6 +784,8 @@ void embd_server_destroy(struct embd_server *sv)
 	}
 	free(sv->batches);
 	free(sv->next_batches);
+	if (sv->grads_registered)
+		embd_ranks_host_unregister(sv->ranks, sv->grads);
 	free(sv->grads);
 	free(sv->layout);
 	free(sv->msgbuf);

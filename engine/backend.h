@@ -88,7 +88,9 @@ struct embd_backend {
 	 * (the host rows may be read). */
 	int (*slots_copy)(struct embd_backend_rank *r, struct embd_backend_shard *s,
 			  const struct embd_cache_moves *m, char *err, size_t err_len);
-	/* Host memory the device may DMA from and to (a trainer's slab); NULL: nothing to do. */
+	/* Host memory the device may DMA from and to: a trainer's slab, the engine's ids and
+	 * partials, the server's gradients (engine/ranks.h). The CPU's record it (a registry
+	 * the device_copy double checks every kernel call's arrays against). */
 	int (*host_register)(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
 			     size_t err_len);
 	void (*host_unregister)(struct embd_backend_rank *r, void *p);
@@ -135,6 +137,12 @@ extern const struct embd_backend embd_backend_cpu_device;
 #ifdef EMBD_HAVE_CUDA
 extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c */
 #endif
+
+/* The CPU backends' record of host_register: whether [p, p + bytes) lies in one registered
+ * range; and the bytes of kernel arrays the device_copy double found outside every one (a GPU
+ * would have had them staged by the driver, not DMA'd: tests check it stays 0). */
+bool embd_backend_host_registered(const void *p, uint64_t bytes);
+uint64_t embd_backend_unregistered_bytes(void);
 
 /* Host memory on NUMA node `node` (page aligned, transparent huge pages from 2 MiB), or 64-byte
  * aligned plain memory where NUMA is absent; NULL for 0 bytes or when out of memory. */

@@ -11,11 +11,79 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <numa.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+/* host_register's ranges, every CPU ranks of the process together (tests create several). */
+struct host_range {
+	const uint8_t *p;
+	uint64_t bytes;
+};
+
+static struct {
+	pthread_mutex_t mu;
+	struct host_range *ranges;
+	uint32_t num, cap;
+} registry = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+static int cpu_host_register(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
+			     size_t err_len)
+{
+	int rc = 0;
+
+	(void)r;
+	pthread_mutex_lock(&registry.mu);
+	if (registry.num == registry.cap) {
+		uint32_t cap = registry.cap ? 2 * registry.cap : 64;
+		void *q = realloc(registry.ranges, cap * sizeof(*registry.ranges));
+		if (q) {
+			registry.ranges = q;
+			registry.cap = cap;
+		}
+	}
+	if (registry.num < registry.cap)
+		registry.ranges[registry.num++] = (struct host_range){ p, bytes };
+	else
+		rc = EMBD_ENOMEM;
+	pthread_mutex_unlock(&registry.mu);
+	if (rc)
+		snprintf(err, err_len, "out of memory registering host memory");
+	return rc;
+}
+
+static void cpu_host_unregister(struct embd_backend_rank *r, void *p)
+{
+	(void)r;
+	pthread_mutex_lock(&registry.mu);
+	for (uint32_t i = 0; i < registry.num; i++)
+		if (registry.ranges[i].p == p) {
+			registry.ranges[i] = registry.ranges[--registry.num];
+			break;
+		}
+	if (!registry.num) {
+		free(registry.ranges);
+		registry.ranges = NULL;
+		registry.cap = 0;
+	}
+	pthread_mutex_unlock(&registry.mu);
+}
+
+bool embd_backend_host_registered(const void *p, uint64_t bytes)
+{
+	const uint8_t *b = p;
+	bool found = false;
+
+	pthread_mutex_lock(&registry.mu);
+	for (uint32_t i = 0; i < registry.num && !found; i++)
+		found = b >= registry.ranges[i].p &&
+			b + bytes <= registry.ranges[i].p + registry.ranges[i].bytes;
+	pthread_mutex_unlock(&registry.mu);
+	return found;
+}
 
 void embd_backend_host_free(bool numa, void *p, uint64_t bytes)
 {
@@ -407,6 +475,8 @@ const struct embd_backend embd_backend_cpu = {
 	.copy_peer = cpu_copy_peer,
 	.add = cpu_add,
 	.rows_out = cpu_rows_out,
+	.host_register = cpu_host_register,
+	.host_unregister = cpu_host_unregister,
 	.export_alloc = cpu_export_alloc,
 	.export_copy = cpu_export_copy,
 	.export_free = cpu_export_free,

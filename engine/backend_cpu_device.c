@@ -16,12 +16,15 @@
  */
 #include "engine/backend.h"
 
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "common/log.h"
 
 /* One shard's device rows: its three arrays, each a mapping of its own. */
 struct device_rows {
@@ -276,6 +279,50 @@ static int dev_push(struct embd_backend_rank *r, struct embd_backend_shard *s, c
 	return copy(device_of(r), s, false, err, err_len);
 }
 
+static uint64_t unregistered_bytes;     /* atomic */
+
+uint64_t embd_backend_unregistered_bytes(void)
+{
+	return __atomic_load_n(&unregistered_bytes, __ATOMIC_RELAXED);
+}
+
+/* One host array a GPU would copy by DMA: registered (host_register), or counted and named in
+ * the log once. The rank's partial sums are its device memory. */
+static void check_dma(const struct device *dev, const void *p, uint64_t bytes,
+		      const char *what, uint32_t batch)
+{
+	static bool logged;
+	const uint8_t *b = p, *partials = dev->partials;
+
+	if (!p || !bytes || (b >= partials && b < partials + dev->partial_bytes) ||
+	    embd_backend_host_registered(p, bytes))
+		return;
+	__atomic_fetch_add(&unregistered_bytes, bytes, __ATOMIC_RELAXED);
+	if (!__atomic_exchange_n(&logged, true, __ATOMIC_RELAXED))
+		embd_log(EMBD_LOG_ERROR, "device_copy: batch %u's %s (%" PRIu64 " bytes) is not "
+			 "registered for DMA", batch, what, bytes);
+}
+
+/* Every host array of the call's batches, as a GPU rank copies them (engine/backend_cuda.c). */
+static void check_batches(const struct device *dev, const struct embd_bag_batch *b, uint32_t n,
+			  bool backward)
+{
+	for (uint32_t i = 0; i < n; i++) {
+		const uint64_t B = b[i].batch_size, cols = b[i].shard ? b[i].shard->desc.cols : 0;
+		const uint64_t rows = B && cols ? ((B - 1) * b[i].pooled_stride + cols) * 4 : 0;
+		check_dma(dev, b[i].offsets, (B + 1) * 8, "offsets", i);
+		check_dma(dev, b[i].ids, b[i].num_ids * 8, "ids", i);
+		check_dma(dev, b[i].weights, b[i].num_ids * 4, "weights", i);
+		check_dma(dev, b[i].mean_lengths, B * 4, "mean lengths", i);
+		if (backward)
+			check_dma(dev, b[i].pooled_grad ? b[i].pooled_grad + b[i].pooled_col : NULL,
+				  rows, "gradient", i);
+		else
+			check_dma(dev, b[i].pooled ? b[i].pooled + b[i].pooled_col : NULL, rows,
+				  "pooled rows", i);
+	}
+}
+
 static int kernel_fail(struct embd_kernel_err *err)
 {
 	err->feature = 0;
@@ -289,6 +336,7 @@ static int dev_forward(struct embd_backend_rank *r, const struct embd_exec *exec
 {
 	struct device *dev = device_of(r);
 
+	check_batches(dev, batches, n, false);
 	if (rank_access(dev, true))
 		return kernel_fail(err);
 	int rc = embd_backend_cpu.forward(NULL, exec, batches, n, err);
@@ -303,6 +351,7 @@ static int dev_backward(struct embd_backend_rank *r, const struct embd_exec *exe
 {
 	struct device *dev = device_of(r);
 
+	check_batches(dev, batches, n, true);
 	if (rank_access(dev, true))
 		return kernel_fail(err);
 	int rc = embd_backend_cpu.backward(NULL, exec, shard, batches, n, err);
@@ -397,6 +446,19 @@ static int dev_rows_out(struct embd_backend_rank *r, float *host, uint64_t strid
 	return rc;
 }
 
+static int dev_host_register(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
+			     size_t err_len)
+{
+	(void)r;
+	return embd_backend_cpu.host_register(NULL, p, bytes, err, err_len);
+}
+
+static void dev_host_unregister(struct embd_backend_rank *r, void *p)
+{
+	(void)r;
+	embd_backend_cpu.host_unregister(NULL, p);
+}
+
 const struct embd_backend embd_backend_cpu_device = {
 	.name = "cpu",
 	.count = dev_count,
@@ -415,4 +477,6 @@ const struct embd_backend embd_backend_cpu_device = {
 	.copy_peer = dev_copy_peer,
 	.add = dev_add,
 	.rows_out = dev_rows_out,
+	.host_register = dev_host_register,
+	.host_unregister = dev_host_unregister,
 };

@@ -243,6 +243,8 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 	/* before the threads close their devices' contexts */
 	while (rs->ranks && rs->allocs)
 		embd_ranks_free_shard(rs, rs->allocs->b.shard);
+	for (uint32_t i = 0; rs->ranks && i < rs->num_ranks; i++)
+		ranks_cache_free_ids(&rs->ranks[i]);
 	if (rs->ranks) {
 		pthread_mutex_lock(&rs->mu);
 		rs->stop = true;
@@ -254,7 +256,6 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 			free(rs->ranks[i].cpus);
 			free(rs->ranks[i].sub);
 			free(rs->ranks[i].rows);
-			free(rs->ranks[i].ids);
 			free(rs->ranks[i].slots);
 		}
 	}

@@ -18,6 +18,32 @@
 #include "kernels/device.h"
 #include "kernels/finite.h"
 
+#define DMA_ALIGN 4096u         /* a page: no two registered arrays share one */
+
+/* v's memory moved to a registered allocation of cap elements (a vec with dma). */
+static int dma_grow(struct vec *v, uint64_t cap, size_t elem)
+{
+	const uint64_t bytes = (cap * elem + DMA_ALIGN - 1) / DMA_ALIGN * DMA_ALIGN;
+	char err[192];
+	void *p = aligned_alloc(DMA_ALIGN, bytes);
+
+	if (!p)
+		return EMBD_ENOMEM;
+	int rc = embd_ranks_host_register(v->dma, p, bytes, err, sizeof(err));
+	if (rc) {
+		free(p);
+		return rc;
+	}
+	if (v->p) {
+		memcpy(p, v->p, v->len * elem);
+		embd_ranks_host_unregister(v->dma, v->p);
+		free(v->p);
+	}
+	v->p = p;
+	v->cap = cap;
+	return 0;
+}
+
 int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 {
 	/* allocated even for 0 elements, so that every item's pointers are valid */
@@ -26,6 +52,8 @@ int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 	uint64_t cap = v->cap ? v->cap : 256;
 	while (cap < v->len + extra)
 		cap *= 2;
+	if (v->dma)
+		return dma_grow(v, cap, elem);
 	void *p = realloc(v->p, cap * elem);
 	if (!p)
 		return EMBD_ENOMEM;
@@ -47,8 +75,10 @@ int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
 
 void vec_free(struct vec *v)
 {
+	if (v->dma && v->p)
+		embd_ranks_host_unregister(v->dma, v->p);
 	free(v->p);
-	*v = (struct vec){ 0 };
+	*v = (struct vec){ .dma = v->dma };
 }
 
 
@@ -246,6 +276,12 @@ static int pass_alloc(struct embd_step *s, struct step_pass *p)
 			      (s->max_table_shards ? s->max_table_shards : 1);
 
 	p->io = calloc(s->num_io, sizeof(*p->io));
+	/* what the local ranks' devices read (ids) and write (partials) */
+	for (uint32_t r = 0; p->io && r < s->num_ranks; r++) {
+		struct rank_io *io = &p->io[r];
+		io->offsets.dma = io->ids.dma = io->weights.dma = io->lengths.dma = s->ranks;
+		io->partial.dma = s->ranks;
+	}
 	p->scratch_offsets = calloc((uint64_t)s->max_trainers * (F * B + 1), sizeof(int64_t));
 	p->sources = calloc(refs, sizeof(*p->sources));
 	p->refs = calloc(refs, sizeof(*p->refs));

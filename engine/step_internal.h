@@ -90,10 +90,14 @@ struct item_ref {
 	uint64_t at;
 };
 
-/* A growable array of elements of one type; len/cap in elements. */
+/* A growable array of elements of one type; len/cap in elements. With dma set (before its
+ * first element) its memory is page-aligned and registered with those ranks while allocated
+ * (embd_ranks_host_register): arrays the ranks' devices copy by DMA (ids, partials, received
+ * items and gradients), never staged by the driver. */
 struct vec {
 	void *p;
 	uint64_t len, cap;
+	struct embd_ranks *dma;
 };
 
 #define VEC_AT(v, type, i) (&((type *)(v).p)[i])
