@@ -712,13 +712,14 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	sv->layout = calloc(1, sizeof(*sv->layout));
 	sv->msgbuf = malloc(EMBD_CTL_MSG_MAX);
 	const struct embd_step_layout *l = embd_step_layout(step);
-	sv->grads = malloc((size_t)config->trainers_per_node * l->batch_size * l->total_dim *
-			   sizeof(float));
+	/* the gradients the engine checks and uses: the ranks' devices read them by DMA, from
+	 * pages of their own (registered) */
+	const size_t grad_bytes = ((size_t)config->trainers_per_node * l->batch_size *
+				   l->total_dim * sizeof(float) + 4095) & ~(size_t)4095;
+	sv->grads = aligned_alloc(4096, grad_bytes);
 	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf || !sv->grads)
 		goto out;
-	/* the gradients the engine checks and uses: the ranks' devices read them by DMA */
-	rc = embd_ranks_host_register(ranks, sv->grads, (size_t)config->trainers_per_node *
-				      l->batch_size * l->total_dim * sizeof(float), err, err_len);
+	rc = embd_ranks_host_register(ranks, sv->grads, grad_bytes, err, err_len);
 	if (rc)
 		goto out;
 	sv->grads_registered = true;
