@@ -115,6 +115,10 @@ struct embd_backend {
 	 */
 	int (*partial_buffer)(struct embd_backend_rank *r, uint64_t bytes, void **out, char *err,
 			      size_t err_len);
+	/* Once per ordered pair of ranks, at embd_ranks_create on r's thread: r's device made able
+	 * to read `from`'s memory for copy_peer where the pair allows it (GPUs: peer access; a
+	 * pair without it is logged once, and its copies staged). NULL: nothing to open. */
+	void (*peer_open)(struct embd_backend_rank *r, struct embd_backend_rank *from);
 	int (*copy_peer)(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
 			 const void *src, uint64_t bytes, bool *direct, char *err, size_t err_len);
 	int (*add)(struct embd_backend_rank *r, float *dst, const float *src, uint64_t n,

@@ -33,6 +33,8 @@ struct device_rows {
 	uint64_t map_bytes[3];          /* page-rounded; 0 where the array is unused */
 };
 
+#define DEVICE_MAX_PEERS 64
+
 /* A rank's device: the device rows of its shards, and its partial sums' buffer (a mapping,
  * readable while `partial_users` calls use it: another rank's copy_peer reads it from that
  * rank's thread). Handed out as struct embd_backend_rank. */
@@ -42,6 +44,10 @@ struct device {
 	void *partials;
 	uint64_t partial_bytes;         /* page-rounded; 0: none mapped */
 	uint32_t partial_users;         /* under partials_mu */
+	/* the ranks peer_open made this one able to read (copy_peer refuses any other, as a GPU
+	 * without peer access would stage) */
+	const struct device *peers[DEVICE_MAX_PEERS];
+	uint32_t num_peers;
 };
 
 /* Serialises the partial buffers' protection: ranks' threads open each other's. */
@@ -403,10 +409,27 @@ static int access_fail(char *err, size_t err_len)
 	return EMBD_EIO;
 }
 
+static void dev_peer_open(struct embd_backend_rank *r, struct embd_backend_rank *from)
+{
+	struct device *dev = device_of(r);
+
+	if (dev->num_peers < DEVICE_MAX_PEERS)
+		dev->peers[dev->num_peers++] = device_of(from);
+}
+
 static int dev_copy_peer(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
 			 const void *src, uint64_t bytes, bool *direct, char *err, size_t err_len)
 {
 	struct device *to = device_of(r), *peer = device_of(from);
+	bool opened = false;
+
+	for (uint32_t i = 0; i < to->num_peers; i++)
+		opened |= to->peers[i] == peer;
+	if (!opened) {
+		snprintf(err, err_len, "copy from a rank whose memory this one was never opened to "
+			 "(peer_open at the ranks' start)");
+		return EMBD_EIO;
+	}
 
 	if (partials_access(to, true))
 		return access_fail(err, err_len);
@@ -474,6 +497,7 @@ const struct embd_backend embd_backend_cpu_device = {
 	.slots_resize = dev_slots_resize,
 	.slots_copy = dev_slots_copy,
 	.partial_buffer = dev_partial_buffer,
+	.peer_open = dev_peer_open,
 	.copy_peer = dev_copy_peer,
 	.add = dev_add,
 	.rows_out = dev_rows_out,

@@ -557,8 +557,8 @@ static int cuda_partial_buffer(struct embd_backend_rank *r, uint64_t bytes, void
 }
 
 /*
- * Peer access from r's GPU to GPU `from`, enabled the first time the pair exchanges (the rank's
- * own thread, whose current device is r's): true when it is. A pair the driver cannot connect
+ * Peer access from r's GPU to GPU `from`, enabled once (peer_open at the ranks' start; the
+ * rank's own thread, whose current device is r's): true when it is. A pair the driver cannot connect
  * (cudaDeviceCanAccessPeer 0: no NVLink or P2P over PCIe between them) is logged once and
  * staged through host memory from then on.
  */
@@ -585,6 +585,12 @@ static bool peer_enabled(struct embd_backend_rank *r, int from)
 	}
 	r->peer[from] = e == cudaSuccess && can ? PEER_ENABLED : PEER_NONE;
 	return r->peer[from] == PEER_ENABLED;
+}
+
+static void cuda_peer_open(struct embd_backend_rank *r, struct embd_backend_rank *from)
+{
+	cudaSetDevice(r->device);
+	peer_enabled(r, from->device);
 }
 
 static int cuda_copy_peer(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
@@ -846,6 +852,7 @@ const struct embd_backend embd_backend_cuda = {
 	.comm_buffer = cuda_comm_buffer,
 	.comm_copy = cuda_comm_copy,
 	.partial_buffer = cuda_partial_buffer,
+	.peer_open = cuda_peer_open,
 	.copy_peer = cuda_copy_peer,
 	.add = cuda_add,
 	.rows_out = cuda_rows_out,

@@ -147,6 +147,17 @@ int embd_ranks_create(uint32_t num_ranks, uint32_t threads_per_rank, struct embd
 				    err_len);
 }
 
+/* Every rank's device made able to read every other's (backend peer_open), on its thread. */
+static void open_peers(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_ranks *rs = arg;
+
+	(void)exec;
+	for (uint32_t j = 0; j < rs->num_ranks; j++)
+		if (j != rank)
+			rs->backend->peer_open(rs->ranks[rank].dev, rs->ranks[j].dev);
+}
+
 int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
 			 uint32_t threads_per_rank, struct embd_ranks **out, char *err,
 			 size_t err_len)
@@ -227,6 +238,8 @@ int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
 	pthread_mutex_unlock(&rs->mu);
 	if (rc)
 		snprintf(err, err_len, "%s", rs->start_err);
+	else if (backend->peer_open && num_ranks > 1)
+		embd_ranks_run(rs, open_peers, rs);
 out:
 	if (rc) {
 		embd_ranks_destroy(rs);

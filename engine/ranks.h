@@ -182,9 +182,10 @@ int embd_ranks_comm_copy(struct embd_ranks *ranks, uint32_t rank, void *dst, con
  * host memory (engine/step.c). From inside embd_ranks_run on rank: embd_ranks_partial_buffer,
  * a buffer of at least `bytes` on the rank's device (valid until the next call; a forward's
  * batch may pool into it); then, in a later embd_ranks_run, embd_ranks_partial_copy brings
- * bytes of rank `from`'s buffer into the rank's own (GPUs: peer access, enabled once per pair;
- * staged through host memory only where the pair has none, logged once), embd_ranks_partial_add
- * adds, embd_ranks_partial_out copies rows x cols floats to host rows `stride` floats apart.
+ * bytes of rank `from`'s buffer into the rank's own (GPUs: peer access, enabled for every
+ * pair when the ranks start; staged through host memory only where the pair has none, logged
+ * then), embd_ranks_partial_add adds, embd_ranks_partial_out copies rows x cols floats to host
+ * rows `stride` floats apart.
  * Each complete on return. The bytes each copy moved are added to the ranks' counts.
  */
 int embd_ranks_partial_buffer(struct embd_ranks *ranks, uint32_t rank, uint64_t bytes,

@@ -283,7 +283,9 @@ Test(ranks, device_copy_counts_kernel_arrays_not_registered_for_dma)
  * Partial sums between ranks (engine/ranks.h, embd_ranks_partial_*) on the device_copy double:
  * each rank pools the same bags on its own shard into its partial buffer; rank 1 copies rank
  * 0's into its own, adds, and copies the sum out strided: twice the reference's rows. The copy
- * is counted device to device, and the buffers are unreadable outside the ranks' calls.
+ * is counted device to device, and the buffers are unreadable outside the ranks' calls. The
+ * double refuses a copy between ranks that embd_ranks_create did not open to each other
+ * (backend peer_open, as the CUDA backend enables peer access for every pair at the start).
  */
 struct partials_run {
 	struct embd_ranks *ranks;
