@@ -115,10 +115,15 @@ static void work(FILE *f, const struct embd_metrics_snapshot *s)
 		}
 	}
 	head(f, "embd_bytes_total", "counter", "Bytes moved: trainer_in (KJTs read), trainer_out "
-	     "(pooled written), peer_out (sent to other nodes).");
+	     "(pooled written), peer_out (sent to other nodes), rank_device and rank_host "
+	     "(row-split partial sums between this node's ranks, device to device or through "
+	     "host memory).");
 	fprintf(f, "embd_bytes_total{link=\"trainer_in\"} %" PRIu64 "\n", s->bytes_in);
 	fprintf(f, "embd_bytes_total{link=\"trainer_out\"} %" PRIu64 "\n", s->bytes_out);
 	fprintf(f, "embd_bytes_total{link=\"peer_out\"} %" PRIu64 "\n", s->sent_bytes);
+	fprintf(f, "embd_bytes_total{link=\"rank_device\"} %" PRIu64 "\n",
+		s->partial_device_bytes);
+	fprintf(f, "embd_bytes_total{link=\"rank_host\"} %" PRIu64 "\n", s->partial_host_bytes);
 	head(f, "embd_rank_memory_bytes", "gauge", "Memory of each local rank's shards.");
 	for (uint32_t r = 0; r < s->num_ranks; r++)
 		fprintf(f, "embd_rank_memory_bytes{rank=\"%u\",numa_node=\"%d\"} %" PRIu64 "\n",

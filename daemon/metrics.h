@@ -49,6 +49,7 @@ struct embd_metrics_snapshot {
 	double uptime_s;
 	uint64_t step;
 	uint64_t steps, aborted_steps, ids, bytes_in, bytes_out, sent_bytes;
+	uint64_t partial_device_bytes, partial_host_bytes;
 	struct embd_stats_hist step_hist, request_hist;
 	uint64_t refusals[EMBD_STATS_CAUSES];
 	uint32_t clients;

@@ -597,6 +597,8 @@ static void metrics_tick(struct embd_server *sv)
 	m->bytes_in = st->bytes_in;
 	m->bytes_out = st->bytes_out;
 	m->sent_bytes = st->sent_bytes;
+	m->partial_device_bytes = st->partial_device_bytes;
+	m->partial_host_bytes = st->partial_host_bytes;
 	m->step_hist = st->step_hist;
 	m->request_hist = st->ipc_hist;
 	memcpy(m->refusals, st->refusals, sizeof(m->refusals));
@@ -710,10 +712,18 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	sv->layout = calloc(1, sizeof(*sv->layout));
 	sv->msgbuf = malloc(EMBD_CTL_MSG_MAX);
 	const struct embd_step_layout *l = embd_step_layout(step);
-	sv->grads = malloc((size_t)config->trainers_per_node * l->batch_size * l->total_dim *
-			   sizeof(float));
+	/* the gradients the engine checks and uses: the ranks' devices read them by DMA, from
+	 * pages of their own (registered) */
+	const size_t grad_bytes = ((size_t)config->trainers_per_node * l->batch_size *
+				   l->total_dim * sizeof(float) + 4095) & ~(size_t)4095;
+	sv->grads = aligned_alloc(4096, grad_bytes);
 	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf || !sv->grads)
 		goto out;
+	rc = embd_ranks_host_register(ranks, sv->grads, grad_bytes, err, err_len);
+	if (rc)
+		goto out;
+	sv->grads_registered = true;
+	rc = EMBD_ENOMEM;
 	/* a trainer's socket, pidfd and doorbell; the listener, the signalfd, the writer */
 	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 3 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
@@ -775,6 +785,8 @@ void embd_server_destroy(struct embd_server *sv)
 	}
 	free(sv->batches);
 	free(sv->next_batches);
+	if (sv->grads_registered)
+		embd_ranks_host_unregister(sv->ranks, sv->grads);
 	free(sv->grads);
 	free(sv->layout);
 	free(sv->msgbuf);

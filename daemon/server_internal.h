@@ -134,6 +134,7 @@ struct embd_server {
 	float *grads;                   /* the step's gradients, copied out of the trainers' slabs
 					 * (trainers_per_node x batch_size x total_dim) before the
 					 * engine checks and uses them: server_schedule.c */
+	bool grads_registered;          /* with the ranks (embd_ranks_host_register) */
 	/* the parts (NULL when not set) */
 	struct embd_server_ckpt *ckpt;          /* server_ckpt.c: with checkpoint_dir */
 	struct embd_server_regroup *rg;         /* server_regroup.c: on a cluster's node */

@@ -74,6 +74,8 @@ void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uin
 	s->bytes_in += c->input_bytes;
 	s->bytes_out += c->output_bytes;
 	s->sent_bytes += c->sent_bytes;
+	s->partial_device_bytes += c->partial_device_bytes;
+	s->partial_host_bytes += c->partial_host_bytes;
 	s->step_ns[s->num_step++ % EMBD_STATS_WINDOW] = latency_ns;
 	hist_add(&s->step_hist, latency_ns);
 }
@@ -146,6 +148,8 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "bytes_in", (double)s->bytes_in);
 	cJSON_AddNumberToObject(root, "bytes_out", (double)s->bytes_out);
 	cJSON_AddNumberToObject(root, "sent_bytes", (double)s->sent_bytes);
+	cJSON_AddNumberToObject(root, "partial_device_bytes", (double)s->partial_device_bytes);
+	cJSON_AddNumberToObject(root, "partial_host_bytes", (double)s->partial_host_bytes);
 	cJSON_AddNumberToObject(root, "requests", (double)s->ipc_hist.total);
 	cJSON_AddNumberToObject(root, "step_p50_us", percentile_us(s->step_ns, s->num_step, 50));
 	cJSON_AddNumberToObject(root, "step_p99_us", percentile_us(s->step_ns, s->num_step, 99));

@@ -24,6 +24,10 @@
  *     "ids": 120, "ids_per_s": 9.6,           ids in the accepted batches
  *     "bytes_in": 4096, "bytes_out": 8192,    KJT bytes read / pooled bytes written
  *     "sent_bytes": 0,              bytes sent to other nodes (forward and backward)
+ *     "partial_device_bytes": 0, "partial_host_bytes": 0,   row-split partial sums moved
+ *                                   between this node's ranks device to device (GPU peer
+ *                                   access) or through host memory (a GPU pair without peer
+ *                                   access; a table with shards on other nodes): engine/step.h
  *     "requests": 200,              requests completed, every trainer since start
  *     "step_p50_us": 80.1, "step_p99_us": 200.3,   FORWARD s started -> BACKWARD s applied
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
@@ -87,6 +91,7 @@ struct embd_stats {
 	uint64_t steps, aborted_steps, step_timeouts, pipelined_steps, overlapped_steps;
 	uint64_t nonfinite_grads, nonfinite_rows;
 	uint64_t lookups, ids, bytes_in, bytes_out, sent_bytes;
+	uint64_t partial_device_bytes, partial_host_bytes;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
 	struct embd_stats_hist step_hist, ipc_hist;

@@ -88,7 +88,9 @@ struct embd_backend {
 	 * (the host rows may be read). */
 	int (*slots_copy)(struct embd_backend_rank *r, struct embd_backend_shard *s,
 			  const struct embd_cache_moves *m, char *err, size_t err_len);
-	/* Host memory the device may DMA from and to (a trainer's slab); NULL: nothing to do. */
+	/* Host memory the device may DMA from and to: a trainer's slab, the engine's ids and
+	 * partials, the server's gradients (engine/ranks.h). The CPU's record it (a registry
+	 * the device_copy double checks every kernel call's arrays against). */
 	int (*host_register)(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
 			     size_t err_len);
 	void (*host_unregister)(struct embd_backend_rank *r, void *p);
@@ -100,6 +102,29 @@ struct embd_backend {
 			   size_t err_len);
 	int (*comm_copy)(struct embd_backend_rank *r, void *dst, const void *src, uint64_t bytes,
 			 char *err, size_t err_len);
+	/*
+	 * Row-split tables' partial sums, summed on the ranks' devices (engine/ranks.h,
+	 * embd_ranks_partial_*), on the rank's thread. partial_buffer: at least `bytes` of the
+	 * rank's device memory, kept and grown until rank_close (its contents are not kept when
+	 * it grows); forward may write pooled rows into it. copy_peer: bytes of `from`'s device
+	 * memory (written before the embd_ranks_run this call is in) to dst on r's; *direct says
+	 * whether they went device to device (peer access, NVLink; the CPU's memcpy) or were
+	 * staged through host memory (a pair of GPUs without peer access). add: dst[i] += src[i]
+	 * for n floats of r's memory. rows_out: rows x cols floats at src (dense) to host rows
+	 * `stride` floats apart. Each complete on return.
+	 */
+	int (*partial_buffer)(struct embd_backend_rank *r, uint64_t bytes, void **out, char *err,
+			      size_t err_len);
+	/* Once per ordered pair of ranks, at embd_ranks_create on r's thread: r's device made able
+	 * to read `from`'s memory for copy_peer where the pair allows it (GPUs: peer access; a
+	 * pair without it is logged once, and its copies staged). NULL: nothing to open. */
+	void (*peer_open)(struct embd_backend_rank *r, struct embd_backend_rank *from);
+	int (*copy_peer)(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
+			 const void *src, uint64_t bytes, bool *direct, char *err, size_t err_len);
+	int (*add)(struct embd_backend_rank *r, float *dst, const float *src, uint64_t n,
+		   char *err, size_t err_len);
+	int (*rows_out)(struct embd_backend_rank *r, float *host, uint64_t stride, const float *src,
+			uint64_t rows, uint64_t cols, char *err, size_t err_len);
 	/* Device outputs (engine/ranks.h, embd_ranks_export_*): any thread while the ranks are
 	 * idle. export_alloc refuses where the device has no memory to export. */
 	int (*export_alloc)(const uint8_t uuid[16], uint64_t bytes, struct embd_export *out,
@@ -116,6 +141,12 @@ extern const struct embd_backend embd_backend_cpu_device;
 #ifdef EMBD_HAVE_CUDA
 extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c */
 #endif
+
+/* The CPU backends' record of host_register: whether [p, p + bytes) lies in one registered
+ * range; and the bytes of kernel arrays the device_copy double found outside every one (a GPU
+ * would have had them staged by the driver, not DMA'd: tests check it stays 0). */
+bool embd_backend_host_registered(const void *p, uint64_t bytes);
+uint64_t embd_backend_unregistered_bytes(void);
 
 /* Host memory on NUMA node `node` (page aligned, transparent huge pages from 2 MiB), or 64-byte
  * aligned plain memory where NUMA is absent; NULL for 0 bytes or when out of memory. */

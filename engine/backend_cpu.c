@@ -11,11 +11,79 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <numa.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+/* host_register's ranges, every CPU ranks of the process together (tests create several). */
+struct host_range {
+	const uint8_t *p;
+	uint64_t bytes;
+};
+
+static struct {
+	pthread_mutex_t mu;
+	struct host_range *ranges;
+	uint32_t num, cap;
+} registry = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+static int cpu_host_register(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
+			     size_t err_len)
+{
+	int rc = 0;
+
+	(void)r;
+	pthread_mutex_lock(&registry.mu);
+	if (registry.num == registry.cap) {
+		uint32_t cap = registry.cap ? 2 * registry.cap : 64;
+		void *q = realloc(registry.ranges, cap * sizeof(*registry.ranges));
+		if (q) {
+			registry.ranges = q;
+			registry.cap = cap;
+		}
+	}
+	if (registry.num < registry.cap)
+		registry.ranges[registry.num++] = (struct host_range){ p, bytes };
+	else
+		rc = EMBD_ENOMEM;
+	pthread_mutex_unlock(&registry.mu);
+	if (rc)
+		snprintf(err, err_len, "out of memory registering host memory");
+	return rc;
+}
+
+static void cpu_host_unregister(struct embd_backend_rank *r, void *p)
+{
+	(void)r;
+	pthread_mutex_lock(&registry.mu);
+	for (uint32_t i = 0; i < registry.num; i++)
+		if (registry.ranges[i].p == p) {
+			registry.ranges[i] = registry.ranges[--registry.num];
+			break;
+		}
+	if (!registry.num) {
+		free(registry.ranges);
+		registry.ranges = NULL;
+		registry.cap = 0;
+	}
+	pthread_mutex_unlock(&registry.mu);
+}
+
+bool embd_backend_host_registered(const void *p, uint64_t bytes)
+{
+	const uint8_t *b = p;
+	bool found = false;
+
+	pthread_mutex_lock(&registry.mu);
+	for (uint32_t i = 0; i < registry.num && !found; i++)
+		found = b >= registry.ranges[i].p &&
+			b + bytes <= registry.ranges[i].p + registry.ranges[i].bytes;
+	pthread_mutex_unlock(&registry.mu);
+	return found;
+}
 
 void embd_backend_host_free(bool numa, void *p, uint64_t bytes)
 {
@@ -93,19 +161,90 @@ static int cpu_numa_node(uint32_t rank)
 	return -1;
 }
 
+/* A CPU rank's state beyond its threads: the buffer of its partial sums. Handed out as struct
+ * embd_backend_rank. */
+struct cpu_rank {
+	float *partials;
+	uint64_t partial_bytes;
+};
+
 static int cpu_rank_open(uint32_t rank, struct embd_backend_rank **out, char *err,
 			 size_t err_len)
 {
+	struct cpu_rank *r = calloc(1, sizeof(*r));
+
 	(void)rank;
-	(void)err;
-	(void)err_len;
-	*out = NULL;    /* a CPU rank has no state beyond its threads */
+	*out = (struct embd_backend_rank *)r;
+	if (!r)
+		return snprintf(err, err_len, "out of memory"), EMBD_ENOMEM;
 	return 0;
 }
 
 static void cpu_rank_close(struct embd_backend_rank *r)
 {
+	struct cpu_rank *c = (struct cpu_rank *)r;
+
+	if (!c)
+		return;
+	free(c->partials);
+	free(c);
+}
+
+/* Grown to a power of two, so a step whose batches grow a little does not reallocate. */
+static int cpu_partial_buffer(struct embd_backend_rank *r, uint64_t bytes, void **out,
+			      char *err, size_t err_len)
+{
+	struct cpu_rank *c = (struct cpu_rank *)r;
+
+	if (bytes > c->partial_bytes) {
+		uint64_t want = 1ull << 16;
+		while (want < bytes)
+			want <<= 1;
+		free(c->partials);
+		c->partial_bytes = 0;
+		if (!(c->partials = aligned_alloc(64, want)))
+			return snprintf(err, err_len, "cannot allocate %llu bytes of partial sums",
+					(unsigned long long)want), EMBD_ENOMEM;
+		c->partial_bytes = want;
+	}
+	*out = c->partials;
+	return 0;
+}
+
+/* Every rank's memory is the host's: a copy between two ranks is one memcpy, device to device
+ * as far as the CPU has devices. */
+static int cpu_copy_peer(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
+			 const void *src, uint64_t bytes, bool *direct, char *err, size_t err_len)
+{
 	(void)r;
+	(void)from;
+	(void)err;
+	(void)err_len;
+	memcpy(dst, src, bytes);
+	*direct = true;
+	return 0;
+}
+
+static int cpu_add(struct embd_backend_rank *r, float *dst, const float *src, uint64_t n,
+		   char *err, size_t err_len)
+{
+	(void)r;
+	(void)err;
+	(void)err_len;
+	for (uint64_t i = 0; i < n; i++)
+		dst[i] += src[i];
+	return 0;
+}
+
+static int cpu_rows_out(struct embd_backend_rank *r, float *host, uint64_t stride,
+			const float *src, uint64_t rows, uint64_t cols, char *err, size_t err_len)
+{
+	(void)r;
+	(void)err;
+	(void)err_len;
+	for (uint64_t i = 0; i < rows; i++)
+		memcpy(host + i * stride, src + i * cols, cols * sizeof(float));
+	return 0;
 }
 
 void embd_backend_slots_desc(const struct embd_shard_desc *desc, uint64_t rows,
@@ -332,6 +471,12 @@ const struct embd_backend embd_backend_cpu = {
 	.backward = cpu_backward,
 	.slots_resize = cpu_slots_resize,
 	.slots_copy = cpu_slots_copy,
+	.partial_buffer = cpu_partial_buffer,
+	.copy_peer = cpu_copy_peer,
+	.add = cpu_add,
+	.rows_out = cpu_rows_out,
+	.host_register = cpu_host_register,
+	.host_unregister = cpu_host_unregister,
 	.export_alloc = cpu_export_alloc,
 	.export_copy = cpu_export_copy,
 	.export_free = cpu_export_free,

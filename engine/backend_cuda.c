@@ -28,7 +28,13 @@
 #include <cuda_runtime_api.h>
 
 #include "common/cuda_driver.h"
+#include "common/log.h"
 #include "kernels/embedding_cuda.h"
+
+/* GPUs one rank tracks peer access to (CUDA_VISIBLE_DEVICES numbering); beyond it, staged. */
+#define EMBD_CUDA_MAX_PEERS 64
+
+enum { PEER_UNKNOWN, PEER_ENABLED, PEER_NONE };
 
 struct embd_backend_rank {
 	int device;
@@ -39,6 +45,12 @@ struct embd_backend_rank {
 	uint32_t dev_cap;
 	void *comm_buf;                 /* the cluster exchanges' staging (comm_buffer) */
 	uint64_t comm_bytes;
+	void *partials;                 /* row-split partial sums (partial_buffer) */
+	uint64_t partial_bytes;
+	void *bounce;                   /* host staging of copy_peer without peer access */
+	uint64_t bounce_bytes;
+	/* peer access from this GPU to GPU d: unknown, enabled, or impossible (logged once) */
+	uint8_t peer[EMBD_CUDA_MAX_PEERS];
 };
 
 /* A CUDA runtime failure as a kernel error: the call and the runtime's words. */
@@ -127,6 +139,8 @@ static void cuda_rank_close(struct embd_backend_rank *r)
 	embd_cuda_ctx_destroy(r->ctx);
 	cudaFree(r->scratch);
 	cudaFree(r->comm_buf);
+	cudaFree(r->partials);
+	cudaFreeHost(r->bounce);
 	free(r->dev);
 	free(r);
 }
@@ -223,6 +237,19 @@ static void arrays(const struct embd_shard *s, void *out[3])
 	out[2] = s->momentum2;
 }
 
+/* After a call enqueued with rc: synchronised (0) or drained (a failure), its error in err. */
+static int finish(struct embd_backend_rank *r, int rc, struct embd_kernel_err *ke, char *err,
+		  size_t err_len)
+{
+	if (!rc)
+		rc = embd_cuda_sync(r->ctx, ke);
+	else
+		drain(r, rc);
+	if (rc)
+		snprintf(err, err_len, "%s", ke->msg);
+	return rc;
+}
+
 static int cuda_slots_resize(struct embd_backend_rank *r, struct embd_backend_shard *s,
 			     uint64_t rows, uint64_t keep, char *err, size_t err_len)
 {
@@ -279,14 +306,8 @@ static int cuda_slots_copy(struct embd_backend_rank *r, struct embd_backend_shar
 	arrays(s->slots, slots);
 	for (int i = 0; i < 3; i++)
 		row_bytes[i] = embd_backend_row_bytes(s, i);
-	int rc = embd_cuda_cache_copy(r->ctx, m, host, slots, row_bytes, &ke);
-	if (!rc)
-		rc = embd_cuda_sync(r->ctx, &ke);
-	else
-		drain(r, rc);
-	if (rc)
-		snprintf(err, err_len, "%s", ke.msg);
-	return rc;
+	return finish(r, embd_cuda_cache_copy(r->ctx, m, host, slots, row_bytes, &ke), &ke, err,
+		      err_len);
 }
 
 static int cuda_pull(struct embd_backend_rank *r, struct embd_backend_shard *s, char *err,
@@ -440,9 +461,10 @@ static int cuda_forward(struct embd_backend_rank *r, const struct embd_exec *exe
 	for (uint32_t i = 0; i < n && e == cudaSuccess; i++) {
 		const uint64_t B = b[i].batch_size, cols = b[i].shard->desc.cols;
 		if (B && cols)
+			/* Default: the host slab, or this GPU's partial sums (partial_buffer) */
 			e = cudaMemcpy2DAsync(b[i].pooled + b[i].pooled_col, b[i].pooled_stride * 4,
 					      r->dev[i].pooled, cols * 4, cols * 4, B,
-					      cudaMemcpyDeviceToHost, stream);
+					      cudaMemcpyDefault, stream);
 	}
 	if (e != cudaSuccess)
 		return drain(r, cuda_fail(err, e, "copying pooled rows from the GPU"));
@@ -483,25 +505,35 @@ static void cuda_host_unregister(struct embd_backend_rank *r, void *p)
 		cudaGetLastError();     /* never registered (the register failed): nothing to undo */
 }
 
-/* Grown to a power of two, so a step whose messages grow a little does not reallocate. */
+/* *buf of at least `bytes` of r's device memory, grown to a power of two (from 1 MiB) so that
+ * a step whose messages or batches grow a little does not reallocate; contents not kept. */
+static int grow_device(struct embd_backend_rank *r, void **buf, uint64_t *have, uint64_t bytes,
+		       const char *what, char *err, size_t err_len)
+{
+	cudaSetDevice(r->device);
+	if (bytes <= *have)
+		return 0;
+	uint64_t want = 1ull << 20;
+	while (want < bytes)
+		want <<= 1;
+	cudaFree(*buf);
+	*buf = NULL;
+	*have = 0;
+	cudaError_t e = cudaMalloc(buf, want);
+	if (e != cudaSuccess)
+		return cuda_fail_msg(err, err_len, e, what);
+	*have = want;
+	return 0;
+}
+
 static int cuda_comm_buffer(struct embd_backend_rank *r, uint64_t bytes, void **out, char *err,
 			    size_t err_len)
 {
-	cudaSetDevice(r->device);
-	if (bytes > r->comm_bytes) {
-		uint64_t want = 1ull << 20;
-		while (want < bytes)
-			want <<= 1;
-		cudaFree(r->comm_buf);
-		r->comm_buf = NULL;
-		r->comm_bytes = 0;
-		cudaError_t e = cudaMalloc(&r->comm_buf, want);
-		if (e != cudaSuccess)
-			return cuda_fail_msg(err, err_len, e, "cudaMalloc (comm staging)");
-		r->comm_bytes = want;
-	}
+	int rc = grow_device(r, &r->comm_buf, &r->comm_bytes, bytes, "cudaMalloc (comm staging)",
+			     err, err_len);
+
 	*out = r->comm_buf;
-	return 0;
+	return rc;
 }
 
 static int cuda_comm_copy(struct embd_backend_rank *r, void *dst, const void *src,
@@ -510,6 +542,111 @@ static int cuda_comm_copy(struct embd_backend_rank *r, void *dst, const void *sr
 	cudaSetDevice(r->device);
 	cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
 	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, "cudaMemcpy (comm staging)");
+}
+
+/* ---- partial sums between the GPUs of the node ---------------------------------------------- */
+
+static int cuda_partial_buffer(struct embd_backend_rank *r, uint64_t bytes, void **out,
+			       char *err, size_t err_len)
+{
+	int rc = grow_device(r, &r->partials, &r->partial_bytes, bytes, "cudaMalloc (partial sums)",
+			     err, err_len);
+
+	*out = r->partials;
+	return rc;
+}
+
+/*
+ * Peer access from r's GPU to GPU `from`, enabled once (peer_open at the ranks' start; the
+ * rank's own thread, whose current device is r's): true when it is. A pair the driver cannot connect
+ * (cudaDeviceCanAccessPeer 0: no NVLink or P2P over PCIe between them) is logged once and
+ * staged through host memory from then on.
+ */
+static bool peer_enabled(struct embd_backend_rank *r, int from)
+{
+	if (from == r->device)
+		return true;
+	if (from < 0 || from >= EMBD_CUDA_MAX_PEERS)
+		return false;
+	if (r->peer[from] != PEER_UNKNOWN)
+		return r->peer[from] == PEER_ENABLED;
+	int can = 0;
+	cudaError_t e = cudaDeviceCanAccessPeer(&can, r->device, from);
+	if (e == cudaSuccess && can) {
+		e = cudaDeviceEnablePeerAccess(from, 0);
+		if (e == cudaErrorPeerAccessAlreadyEnabled)
+			e = cudaSuccess;
+	}
+	if (e != cudaSuccess || !can) {
+		cudaGetLastError();
+		embd_log(EMBD_LOG_WARNING, "GPU %d cannot read GPU %d's memory (%s): row-split partial "
+			 "sums between them are staged through host memory", r->device, from,
+			 e != cudaSuccess ? cudaGetErrorString(e) : "cudaDeviceCanAccessPeer: no");
+	}
+	r->peer[from] = e == cudaSuccess && can ? PEER_ENABLED : PEER_NONE;
+	return r->peer[from] == PEER_ENABLED;
+}
+
+static void cuda_peer_open(struct embd_backend_rank *r, struct embd_backend_rank *from)
+{
+	cudaSetDevice(r->device);
+	peer_enabled(r, from->device);
+}
+
+static int cuda_copy_peer(struct embd_backend_rank *r, void *dst, struct embd_backend_rank *from,
+			  const void *src, uint64_t bytes, bool *direct, char *err, size_t err_len)
+{
+	cudaStream_t stream = embd_cuda_ctx_stream(r->ctx);
+	cudaError_t e;
+
+	cudaSetDevice(r->device);
+	*direct = peer_enabled(r, from->device);
+	if (*direct) {
+		e = cudaMemcpyPeerAsync(dst, r->device, src, from->device, bytes, stream);
+	} else {
+		if (bytes > r->bounce_bytes) {
+			cudaFreeHost(r->bounce);
+			r->bounce = NULL;
+			r->bounce_bytes = 0;
+			if ((e = cudaMallocHost(&r->bounce, bytes)) != cudaSuccess)
+				return cuda_fail_msg(err, err_len, e, "cudaMallocHost (partial sums)");
+			r->bounce_bytes = bytes;
+		}
+		/* the source GPU's work is over (an earlier embd_ranks_run): a plain copy reads it */
+		e = cudaMemcpy(r->bounce, src, bytes, cudaMemcpyDefault);
+		if (e == cudaSuccess)
+			e = cudaMemcpyAsync(dst, r->bounce, bytes, cudaMemcpyHostToDevice, stream);
+	}
+	if (e == cudaSuccess)
+		e = cudaStreamSynchronize(stream);
+	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, *direct ?
+						    "cudaMemcpyPeerAsync (partial sums)" :
+						    "copying partial sums through host memory");
+}
+
+static int cuda_add(struct embd_backend_rank *r, float *dst, const float *src, uint64_t n,
+		    char *err, size_t err_len)
+{
+	struct embd_kernel_err ke;
+
+	cudaSetDevice(r->device);
+	return finish(r, embd_cuda_add(r->ctx, dst, src, n, &ke), &ke, err, err_len);
+}
+
+static int cuda_rows_out(struct embd_backend_rank *r, float *host, uint64_t stride,
+			 const float *src, uint64_t rows, uint64_t cols, char *err, size_t err_len)
+{
+	cudaStream_t stream = embd_cuda_ctx_stream(r->ctx);
+	cudaError_t e = cudaSuccess;
+
+	cudaSetDevice(r->device);
+	if (rows && cols)
+		e = cudaMemcpy2DAsync(host, stride * 4, src, cols * 4, cols * 4, rows,
+				      cudaMemcpyDeviceToHost, stream);
+	if (e == cudaSuccess)
+		e = cudaStreamSynchronize(stream);
+	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, "copying summed rows from "
+						    "the GPU");
 }
 
 /* ---- device outputs ------------------------------------------------------------------------ */
@@ -714,6 +851,11 @@ const struct embd_backend embd_backend_cuda = {
 	.host_unregister = cuda_host_unregister,
 	.comm_buffer = cuda_comm_buffer,
 	.comm_copy = cuda_comm_copy,
+	.partial_buffer = cuda_partial_buffer,
+	.peer_open = cuda_peer_open,
+	.copy_peer = cuda_copy_peer,
+	.add = cuda_add,
+	.rows_out = cuda_rows_out,
 	.export_alloc = cuda_export_alloc,
 	.export_copy = cuda_export_copy,
 	.export_free = cuda_export_free,

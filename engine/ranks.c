@@ -147,6 +147,17 @@ int embd_ranks_create(uint32_t num_ranks, uint32_t threads_per_rank, struct embd
 				    err_len);
 }
 
+/* Every rank's device made able to read every other's (backend peer_open), on its thread. */
+static void open_peers(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_ranks *rs = arg;
+
+	(void)exec;
+	for (uint32_t j = 0; j < rs->num_ranks; j++)
+		if (j != rank)
+			rs->backend->peer_open(rs->ranks[rank].dev, rs->ranks[j].dev);
+}
+
 int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
 			 uint32_t threads_per_rank, struct embd_ranks **out, char *err,
 			 size_t err_len)
@@ -227,6 +238,8 @@ int embd_ranks_create_on(enum embd_compute_device device, uint32_t num_ranks,
 	pthread_mutex_unlock(&rs->mu);
 	if (rc)
 		snprintf(err, err_len, "%s", rs->start_err);
+	else if (backend->peer_open && num_ranks > 1)
+		embd_ranks_run(rs, open_peers, rs);
 out:
 	if (rc) {
 		embd_ranks_destroy(rs);
@@ -243,6 +256,8 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 	/* before the threads close their devices' contexts */
 	while (rs->ranks && rs->allocs)
 		embd_ranks_free_shard(rs, rs->allocs->b.shard);
+	for (uint32_t i = 0; rs->ranks && i < rs->num_ranks; i++)
+		ranks_cache_free_ids(&rs->ranks[i]);
 	if (rs->ranks) {
 		pthread_mutex_lock(&rs->mu);
 		rs->stop = true;
@@ -254,7 +269,6 @@ void embd_ranks_destroy(struct embd_ranks *rs)
 			free(rs->ranks[i].cpus);
 			free(rs->ranks[i].sub);
 			free(rs->ranks[i].rows);
-			free(rs->ranks[i].ids);
 			free(rs->ranks[i].slots);
 		}
 	}
@@ -562,4 +576,43 @@ int embd_ranks_comm_copy(struct embd_ranks *rs, uint32_t rank, void *dst, const 
 		return snprintf(err, err_len, "rank %u (%s): no comm staging", rank,
 				rs->backend->name), EMBD_EINVAL;
 	return rs->backend->comm_copy(rs->ranks[rank].dev, dst, src, bytes, err, err_len);
+}
+
+int embd_ranks_partial_buffer(struct embd_ranks *rs, uint32_t rank, uint64_t bytes,
+			      void **out, char *err, size_t err_len)
+{
+	return rs->backend->partial_buffer(rs->ranks[rank].dev, bytes, out, err, err_len);
+}
+
+int embd_ranks_partial_copy(struct embd_ranks *rs, uint32_t rank, void *dst, uint32_t from,
+			    const void *src, uint64_t bytes, char *err, size_t err_len)
+{
+	bool direct = false;
+	int rc = rs->backend->copy_peer(rs->ranks[rank].dev, dst, rs->ranks[from].dev, src, bytes,
+					&direct, err, err_len);
+
+	if (!rc)
+		__atomic_fetch_add(&rs->peer_bytes[direct ? 0 : 1], bytes, __ATOMIC_RELAXED);
+	return rc;
+}
+
+int embd_ranks_partial_add(struct embd_ranks *rs, uint32_t rank, float *dst, const float *src,
+			   uint64_t n, char *err, size_t err_len)
+{
+	return rs->backend->add(rs->ranks[rank].dev, dst, src, n, err, err_len);
+}
+
+int embd_ranks_partial_out(struct embd_ranks *rs, uint32_t rank, float *host, uint64_t stride,
+			   const float *src, uint64_t rows, uint64_t cols, char *err,
+			   size_t err_len)
+{
+	return rs->backend->rows_out(rs->ranks[rank].dev, host, stride, src, rows, cols, err,
+				     err_len);
+}
+
+void embd_ranks_partial_counts(const struct embd_ranks *rs, uint64_t *device_bytes,
+			       uint64_t *host_bytes)
+{
+	*device_bytes = __atomic_load_n(&rs->peer_bytes[0], __ATOMIC_RELAXED);
+	*host_bytes = __atomic_load_n(&rs->peer_bytes[1], __ATOMIC_RELAXED);
 }

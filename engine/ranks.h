@@ -177,4 +177,29 @@ int embd_ranks_comm_buffer(struct embd_ranks *ranks, uint32_t rank, uint64_t byt
 int embd_ranks_comm_copy(struct embd_ranks *ranks, uint32_t rank, void *dst, const void *src,
 			 uint64_t bytes, char *err, size_t err_len);
 
+/*
+ * Row-split tables' partial sums, kept on the ranks' devices and summed there, never through
+ * host memory (engine/step.c). From inside embd_ranks_run on rank: embd_ranks_partial_buffer,
+ * a buffer of at least `bytes` on the rank's device (valid until the next call; a forward's
+ * batch may pool into it); then, in a later embd_ranks_run, embd_ranks_partial_copy brings
+ * bytes of rank `from`'s buffer into the rank's own (GPUs: peer access, enabled for every
+ * pair when the ranks start; staged through host memory only where the pair has none, logged
+ * then), embd_ranks_partial_add adds, embd_ranks_partial_out copies rows x cols floats to host
+ * rows `stride` floats apart.
+ * Each complete on return. The bytes each copy moved are added to the ranks' counts.
+ */
+int embd_ranks_partial_buffer(struct embd_ranks *ranks, uint32_t rank, uint64_t bytes,
+			      void **out, char *err, size_t err_len);
+int embd_ranks_partial_copy(struct embd_ranks *ranks, uint32_t rank, void *dst, uint32_t from,
+			    const void *src, uint64_t bytes, char *err, size_t err_len);
+int embd_ranks_partial_add(struct embd_ranks *ranks, uint32_t rank, float *dst,
+			   const float *src, uint64_t n, char *err, size_t err_len);
+int embd_ranks_partial_out(struct embd_ranks *ranks, uint32_t rank, float *host,
+			   uint64_t stride, const float *src, uint64_t rows, uint64_t cols,
+			   char *err, size_t err_len);
+/* Bytes embd_ranks_partial_copy moved since the ranks started: device to device (peer access;
+ * the CPU's memcpy), and staged through host memory. */
+void embd_ranks_partial_counts(const struct embd_ranks *ranks, uint64_t *device_bytes,
+			       uint64_t *host_bytes);
+
 #endif /* EMBD_ENGINE_RANKS_H */

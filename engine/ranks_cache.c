@@ -69,6 +69,14 @@ void ranks_cache_close(struct rank_alloc *a)
 	a->cache = NULL;
 }
 
+void ranks_cache_free_ids(struct rank *r)
+{
+	if (r->ids)
+		embd_ranks_host_unregister(r->owner, r->ids);
+	free(r->ids);
+	r->ids = NULL;
+}
+
 /* Room in the rank's scratch for n batches and ids ids. */
 static int scratch(struct rank *r, uint32_t n, uint64_t ids)
 {
@@ -84,9 +92,19 @@ static int scratch(struct rank *r, uint32_t n, uint64_t ids)
 		void *a = realloc(r->rows, cap * sizeof(*r->rows));
 		if (a)
 			r->rows = a;
-		void *b = realloc(r->ids, cap * sizeof(*r->ids));
-		if (b)
+		/* the slot ids the device reads by DMA: registered, apart from other pages (their
+		 * contents are written after this call) */
+		const uint64_t bytes = (cap * sizeof(*r->ids) + 4095) & ~(uint64_t)4095;
+		char err[160];
+		void *b = aligned_alloc(4096, bytes);
+		if (b && embd_ranks_host_register(r->owner, b, bytes, err, sizeof(err))) {
+			free(b);
+			b = NULL;
+		}
+		if (b) {
+			ranks_cache_free_ids(r);
 			r->ids = b;
+		}
 		void *c = realloc(r->slots, cap * sizeof(*r->slots));
 		if (c)
 			r->slots = c;

@@ -58,6 +58,7 @@ struct embd_ranks {
 	embd_ranks_fn fn;
 	void *arg;
 	bool cpu_caching;               /* EMBD_TEST_CPU_KERNEL=fused_uvm_caching: tests */
+	uint64_t peer_bytes[2];         /* embd_ranks_partial_copy: device, host (atomic) */
 	int start_rc;
 	char start_err[256];
 };
@@ -68,6 +69,8 @@ struct embd_ranks {
 int ranks_cache_open(struct embd_ranks *rs, struct rank_alloc *a, double ratio, char *err,
 		     size_t err_len);
 void ranks_cache_close(struct rank_alloc *a);
+/* The rank's slot ids freed (registered with the ranks: while the ranks run). */
+void ranks_cache_free_ids(struct rank *r);
 /* The backend's forward with the batches on rank's cached shards mapped to their slots. */
 int ranks_cache_forward(struct embd_ranks *rs, uint32_t rank, const struct embd_exec *exec,
 			const struct embd_bag_batch *batches, uint32_t n,

@@ -19,6 +19,32 @@
 #include "kernels/device.h"
 #include "kernels/finite.h"
 
+#define DMA_ALIGN 4096u         /* a page: no two registered arrays share one */
+
+/* v's memory moved to a registered allocation of cap elements (a vec with dma). */
+static int dma_grow(struct vec *v, uint64_t cap, size_t elem)
+{
+	const uint64_t bytes = (cap * elem + DMA_ALIGN - 1) / DMA_ALIGN * DMA_ALIGN;
+	char err[192];
+	void *p = aligned_alloc(DMA_ALIGN, bytes);
+
+	if (!p)
+		return EMBD_ENOMEM;
+	int rc = embd_ranks_host_register(v->dma, p, bytes, err, sizeof(err));
+	if (rc) {
+		free(p);
+		return rc;
+	}
+	if (v->p) {
+		memcpy(p, v->p, v->len * elem);
+		embd_ranks_host_unregister(v->dma, v->p);
+		free(v->p);
+	}
+	v->p = p;
+	v->cap = cap;
+	return 0;
+}
+
 int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 {
 	/* allocated even for 0 elements, so that every item's pointers are valid */
@@ -27,6 +53,8 @@ int vec_reserve(struct vec *v, uint64_t extra, size_t elem)
 	uint64_t cap = v->cap ? v->cap : 256;
 	while (cap < v->len + extra)
 		cap *= 2;
+	if (v->dma)
+		return dma_grow(v, cap, elem);
 	void *p = realloc(v->p, cap * elem);
 	if (!p)
 		return EMBD_ENOMEM;
@@ -48,8 +76,10 @@ int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
 
 void vec_free(struct vec *v)
 {
+	if (v->dma && v->p)
+		embd_ranks_host_unregister(v->dma, v->p);
 	free(v->p);
-	*v = (struct vec){ 0 };
+	*v = (struct vec){ .dma = v->dma };
 }
 
 
@@ -215,6 +245,20 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			struct rank_shards *rs = &s->rank_shards[ss->local];
 			rs->shards[rs->num_shards++] = s->tables[t].first_shard + k;
 		}
+		struct step_table *st = &s->tables[t];
+		st->device_sum = row_split(st->type) && st->num_local == st->num_shards;
+		for (uint32_t k = 1; k < st->num_shards; k++) {
+			const struct embd_shard_desc *a = &s->shards[st->first_shard].desc;
+			const struct embd_shard_desc *b = &s->shards[st->first_shard + k].desc;
+			if (a->col_offset != b->col_offset || a->cols != b->cols)
+				st->device_sum = false;
+		}
+		if (st->device_sum) {
+			uint64_t n = (uint64_t)s->layout.batch_size *
+				     s->shards[st->first_shard].desc.cols;
+			if (n > s->max_sum_floats)
+				s->max_sum_floats = n;
+		}
 		if (s->tables[t].type == EMBD_SHARD_DATA_PARALLEL && !s->tables[t].num_local) {
 			snprintf(err, err_len, "table '%s': data_parallel without a replica on node %u",
 				 spec->name, s->node);
@@ -233,10 +277,18 @@ static int pass_alloc(struct embd_step *s, struct step_pass *p)
 			      (s->max_table_shards ? s->max_table_shards : 1);
 
 	p->io = calloc(s->num_io, sizeof(*p->io));
+	/* what the local ranks' devices read (ids) and write (partials) */
+	for (uint32_t r = 0; p->io && r < s->num_ranks; r++) {
+		struct rank_io *io = &p->io[r];
+		io->offsets.dma = io->ids.dma = io->weights.dma = io->lengths.dma = s->ranks;
+		io->partial.dma = s->ranks;
+	}
 	p->scratch_offsets = calloc((uint64_t)s->max_trainers * (F * B + 1), sizeof(int64_t));
 	p->sources = calloc(refs, sizeof(*p->sources));
 	p->refs = calloc(refs, sizeof(*p->refs));
-	return p->io && p->scratch_offsets && p->sources && p->refs ? 0 : EMBD_ENOMEM;
+	p->source_ranks = calloc(refs, sizeof(*p->source_ranks));
+	return p->io && p->scratch_offsets && p->sources && p->refs && p->source_ranks ? 0 :
+	       EMBD_ENOMEM;
 }
 
 static void pass_free(struct embd_step *s, struct step_pass *p)
@@ -252,6 +304,7 @@ static void pass_free(struct embd_step *s, struct step_pass *p)
 	free(p->scratch_offsets);
 	free(p->sources);
 	free(p->refs);
+	free(p->source_ranks);
 }
 
 int embd_step_create_cluster(const struct embd_tables *tables, const struct embd_plan *plan,
@@ -291,9 +344,10 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 	s->num_tables = tables->count;
 	s->tables = calloc(tables->count ? tables->count : 1, sizeof(*s->tables));
 	s->rank_shards = calloc(s->num_ranks, sizeof(*s->rank_shards));
+	s->partials = calloc(s->num_ranks, sizeof(*s->partials));
 	s->pass = train_pass(s);
 	s->eval.eval = true;
-	if (!s->tables || !s->rank_shards)
+	if (!s->tables || !s->rank_shards || !s->partials)
 		goto out;
 	rc = build_layout(s, tables, plan->topology.batch_size);
 	if (rc)
@@ -340,6 +394,7 @@ void embd_step_destroy(struct embd_step *s)
 	for (uint32_t r = 0; s->rank_shards && r < s->num_ranks; r++)
 		free(s->rank_shards[r].shards);
 	free(s->rank_shards);
+	free(s->partials);
 	free(s->shards);
 	free(s->tables);
 	free(s->names);
@@ -414,6 +469,41 @@ static int make_batches(struct embd_step *s, struct rank_io *io, bool grad)
 
 /* ---- lookup, assembly, backward ---------------------------------------------------------- */
 
+/* Whether the item's partial sum is summed on the ranks' devices (reduce_rank). */
+static bool device_summed(const struct embd_step *s, const struct step_item *it)
+{
+	return it->peer == NO_PEER && it->batch != NO_BATCH && it->partial_at != NO_INDEX &&
+	       s->tables[s->shards[it->shard].table].device_sum;
+}
+
+/* The rank's device_sum items pool into its partial buffer, laid out as io->partial with
+ * room for one peer's partial after it (reduce_rank). */
+static int partials_on_device(struct embd_step *s, uint32_t rank, struct rank_io *io)
+{
+	struct embd_bag_batch *all = io->batches.p;
+	bool any = false;
+	void *buf;
+	int rc;
+
+	s->partials[rank] = NULL;
+	for (uint64_t i = 0; i < io->items.len && !any; i++)
+		any = device_summed(s, VEC_AT(io->items, struct step_item, i));
+	if (!any)
+		return 0;
+	rc = embd_ranks_partial_buffer(s->ranks, rank,
+				       (io->partial.len + s->max_sum_floats) * sizeof(float), &buf,
+				       io->kerr.msg, sizeof(io->kerr.msg));
+	if (rc)
+		return rc;
+	s->partials[rank] = buf;
+	for (uint64_t i = 0; i < io->items.len; i++) {
+		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+		if (device_summed(s, it))
+			all[i].pooled = (float *)buf + it->partial_at;
+	}
+	return 0;
+}
+
 static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 {
 	struct embd_step *s = arg;
@@ -421,11 +511,68 @@ static void lookup_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
 	struct embd_bag_batch *all = io->batches.p;
 	uint64_t n = 0;
 
+	if ((io->rc = partials_on_device(s, rank, io)))
+		return;
 	/* forward items first: data_parallel's other replicas only train */
 	for (uint64_t i = 0; i < io->items.len; i++)
 		if (VEC_AT(io->items, struct step_item, i)->forward)
 			all[n++] = all[i];
 	io->rc = n ? embd_ranks_forward(s->ranks, rank, exec, all, (uint32_t)n, &io->kerr) : 0;
+}
+
+/*
+ * The outputs of device_sum tables, on the rank holding the first shard with a partial for
+ * them: the other shards' partials added in shard order (copied from their ranks' devices
+ * first), as assemble adds them, then the sum to the trainer's columns. The sources
+ * (lookup_pass) point into the ranks' partial buffers. Every rank reads the others' partials
+ * and writes only the sums it owns.
+ */
+static void reduce_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_step *s = arg;
+	struct step_pass *p = s->pass;
+	struct rank_io *io = &p->io[rank];
+	const uint32_t F = s->layout.num_features, M = s->max_table_shards;
+	char *err = io->kerr.msg;
+	const size_t err_len = sizeof(io->kerr.msg);
+
+	(void)exec;
+	io->rc = 0;
+	for (uint64_t i = 0; i < io->items.len && !io->rc; i++) {
+		const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+		if (!device_summed(s, it) || p->batches[it->batch].status)
+			continue;
+		const struct step_table *t = &s->tables[s->shards[it->shard].table];
+		const uint64_t at = ((uint64_t)it->batch * F + it->feature) * M;
+		const float **src = &p->sources[at];
+		const uint32_t *from = &p->source_ranks[at];
+		uint32_t first = 0;
+		while (first < t->num_shards && !src[first])
+			first++;
+		if (first != it->shard - t->first_shard)
+			continue;       /* another shard's rank sums it */
+		const struct embd_shard_desc *d = &s->shards[it->shard].desc;
+		const uint64_t n = (uint64_t)it->bsize * d->cols;
+		float *sum = (float *)src[first];
+		float *recv = (float *)s->partials[rank] + io->partial.len;
+		for (uint32_t k = first + 1; k < t->num_shards && !io->rc; k++) {
+			const float *add = src[k];
+			if (!add)
+				continue;
+			if (from[k] != rank) {
+				io->rc = embd_ranks_partial_copy(s->ranks, rank, recv, from[k], add,
+								 n * sizeof(float), err, err_len);
+				add = recv;
+			}
+			if (!io->rc)
+				io->rc = embd_ranks_partial_add(s->ranks, rank, sum, add, n, err, err_len);
+		}
+		if (!io->rc)
+			io->rc = embd_ranks_partial_out(s->ranks, rank, p->batches[it->batch].pooled +
+							s->offsets[it->feature] + d->col_offset,
+							s->layout.total_dim, sum, it->bsize, d->cols,
+							err, err_len);
+	}
 }
 
 /* The backward of train[cur], never s->pass: the loop thread may run the next step's input
@@ -464,17 +611,6 @@ static void assemble(struct embd_step *s)
 	const uint32_t D = s->layout.total_dim, F = s->layout.num_features;
 	const uint32_t M = s->max_table_shards;
 
-	for (uint32_t r = 0; r < s->num_ranks; r++) {
-		struct rank_io *io = &s->pass->io[r];
-		for (uint64_t i = 0; i < io->items.len; i++) {
-			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
-			if (it->partial_at == NO_INDEX || it->batch == NO_BATCH)
-				continue;
-			const struct step_table *t = &s->tables[s->shards[it->shard].table];
-			s->pass->sources[((uint64_t)it->batch * F + it->feature) * M + it->shard -
-				   t->first_shard] = VEC_AT(io->partial, float, it->partial_at);
-		}
-	}
 	for (uint32_t i = 0; i < s->pass->num_batches; i++) {
 		if (s->pass->batches[i].status)
 			continue;
@@ -483,6 +619,8 @@ static void assemble(struct embd_step *s)
 			const struct step_table *t = &s->tables[s->feature_tables[f]];
 			const bool split = row_split(t->type);
 			float *out = s->pass->batches[i].pooled + s->offsets[f];
+			if (t->device_sum)
+				continue;       /* summed on the ranks (reduce_rank) */
 			if (split)
 				for (uint32_t b = 0; b < B; b++)
 					memset(&out[(uint64_t)b * D], 0, sizeof(float) * s->dims[f]);
@@ -546,6 +684,40 @@ int step_fail(struct embd_step *s, int rc, const char *fmt, ...)
 	return fail_pass(s, s->pass, rc, msg);
 }
 
+/* Where the local ranks' partials lie for assemble and reduce_rank: s->pass->sources (device
+ * memory for device_sum tables, with the rank in source_ranks); counts the partial bytes
+ * summed on the host. Returns whether any output is summed on the ranks. */
+static bool find_sources(struct embd_step *s)
+{
+	const uint32_t F = s->layout.num_features, M = s->max_table_shards;
+	struct step_pass *p = s->pass;
+	bool device = false;
+
+	for (uint32_t r = 0; r < s->num_ranks; r++) {
+		struct rank_io *io = &p->io[r];
+		for (uint64_t i = 0; i < io->items.len; i++) {
+			const struct step_item *it = VEC_AT(io->items, struct step_item, i);
+			if (it->partial_at == NO_INDEX || it->batch == NO_BATCH)
+				continue;
+			const struct step_table *t = &s->tables[s->shards[it->shard].table];
+			const uint64_t at = ((uint64_t)it->batch * F + it->feature) * M + it->shard -
+					    t->first_shard;
+			if (device_summed(s, it)) {
+				p->sources[at] = (const float *)s->partials[r] + it->partial_at;
+				p->source_ranks[at] = r;
+				device = true;
+				continue;
+			}
+			p->sources[at] = VEC_AT(io->partial, float, it->partial_at);
+			if (row_split(t->type))
+				p->counts.partial_host_bytes += (uint64_t)it->bsize *
+								 s->shards[it->shard].desc.cols *
+								 sizeof(float);
+		}
+	}
+	return device;
+}
+
 /* Lookup and assembly of the running pass once its items are in (the exchanges included). */
 static int lookup_pass(struct embd_step *s)
 {
@@ -572,6 +744,17 @@ static int lookup_pass(struct embd_step *s)
 	}
 	if (!rc) {
 		embd_ranks_run(s->ranks, lookup_rank, s);
+		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
+			if ((rc = p->io[r].rc))
+				failed_rank = r;
+	}
+	if (!rc && find_sources(s)) {
+		uint64_t device0, host0, device1, host1;
+		embd_ranks_partial_counts(s->ranks, &device0, &host0);
+		embd_ranks_run(s->ranks, reduce_rank, s);
+		embd_ranks_partial_counts(s->ranks, &device1, &host1);
+		p->counts.partial_device_bytes += device1 - device0;
+		p->counts.partial_host_bytes += host1 - host0;
 		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
 			if ((rc = p->io[r].rc))
 				failed_rank = r;

@@ -102,6 +102,10 @@ struct embd_step_counts {
 	uint64_t output_bytes;          /* pooled floats written to trainers */
 	uint64_t sent_bytes;            /* bytes sent to other nodes (forward and backward) */
 	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* sent_bytes by exchange */
+	/* row-split partial sums moved between this node's ranks for its trainers' outputs:
+	 * device to device (peer access; the CPU's memcpy), or through host memory (a GPU pair
+	 * without peer access, or a table with shards on other nodes, summed on the host) */
+	uint64_t partial_device_bytes, partial_host_bytes;
 	/* of the last backward (embd_step_backward): */
 	uint32_t nonfinite_grads;       /* this node's batches refused for a non-finite gradient */
 	uint64_t nonfinite_rows;        /* rows the update left NaN or infinite, this node's */

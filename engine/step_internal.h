@@ -55,6 +55,9 @@ struct step_table {
 	uint64_t lookups;                       /* row reads by this node's ranks, every forward */
 	uint32_t num_replicas;                  /* data_parallel: = num_shards; else 1 */
 	uint32_t num_local;                     /* shards of the table on this node */
+	/* row-split with every shard on this node, all over the same columns: the local
+	 * trainers' partial sums are summed on the ranks' devices (step.c, reduce_rank) */
+	bool device_sum;
 };
 
 struct step_item {
@@ -87,10 +90,14 @@ struct item_ref {
 	uint64_t at;
 };
 
-/* A growable array of elements of one type; len/cap in elements. */
+/* A growable array of elements of one type; len/cap in elements. With dma set (before its
+ * first element) its memory is page-aligned and registered with those ranks while allocated
+ * (embd_ranks_host_register): arrays the ranks' devices copy by DMA (ids, partials, received
+ * items and gradients), never staged by the driver. */
 struct vec {
 	void *p;
 	uint64_t len, cap;
+	struct embd_ranks *dma;
 };
 
 #define VEC_AT(v, type, i) (&((type *)(v).p)[i])
@@ -120,6 +127,7 @@ struct step_pass {
 	struct rank_io *io;                     /* num_io */
 	int64_t *scratch_offsets;               /* max_trainers x (F * B + 1): private offsets */
 	const float **sources;                  /* max_trainers * F * max_table_shards */
+	uint32_t *source_ranks;                 /* the local rank of each device_sum source */
 	struct item_ref *refs;                  /* max_trainers * F * max_table_shards */
 	struct embd_step_batch *batches;
 	uint32_t num_batches;
@@ -152,6 +160,8 @@ struct embd_step {
 	struct step_wire_shard *wire_shards;
 	struct embd_ranks *ranks;
 	struct rank_shards *rank_shards;        /* num_ranks */
+	void **partials;                        /* num_ranks: device_sum partials of the lookup */
+	uint64_t max_sum_floats;                /* one device_sum partial at most (B x cols) */
 	struct embd_step_layout layout;
 	char (*names)[EMBD_NAME_MAX];
 	uint32_t *dims, *offsets, *feature_tables;

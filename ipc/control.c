@@ -312,7 +312,10 @@ int embd_ctl_parse(const void *bytes, size_t len, struct embd_ctl_msg *msg, char
 	if (hdr.magic != EMBD_CTL_MAGIC)
 		return embd_fail(err, err_len, EMBD_EPROTO, "header.magic: expected 0x%08x, got 0x%08x",
 				EMBD_CTL_MAGIC, hdr.magic);
-	if (hdr.version != EMBD_CTL_VERSION)
+	/* HELLO and ERROR of another version are read (their layout never changes): HELLO's
+	 * decoder then names both versions, and a refusal of ours reaches a newer client */
+	if (hdr.version != EMBD_CTL_VERSION && hdr.type != EMBD_CTL_HELLO &&
+	    hdr.type != EMBD_CTL_ERROR)
 		return embd_fail(err, err_len, EMBD_EPROTO, "header.version: expected %u, got %u",
 				EMBD_CTL_VERSION, (unsigned)hdr.version);
 	if (hdr.reserved != 0)

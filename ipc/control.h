@@ -19,7 +19,10 @@
 #include "embd/types.h"
 
 #define EMBD_CTL_MAGIC 0x4c43424du      /* "MBCL" little-endian */
-#define EMBD_CTL_VERSION 1u
+/* The protocol's one version (ipc/README.md "Versions"): 2 added DEVICE_REQUEST and
+ * DEVICE_OUTPUTS. HELLO and ERROR keep their layout in every version, so that each side can
+ * tell the other which version it speaks. */
+#define EMBD_CTL_VERSION 2u
 #define EMBD_CTL_MSG_MAX (256u * 1024u) /* bytes of one packet, header included */
 #define EMBD_CTL_FDS_MAX 2              /* fds one message may carry */
 #define EMBD_CTL_TEXT_MAX 1024u         /* bytes of an ERROR message, NUL excluded */

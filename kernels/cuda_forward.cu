@@ -119,3 +119,27 @@ int embd_cuda_forward(struct embd_cuda_ctx *ctx, const struct embd_bag_batch *ba
 	embd_cuda_scratch_free(ctx, descs);
 	return rc;
 }
+
+__global__ void add_kernel(float *dst, const float *src, uint64_t n,
+			   const struct embd_cuda_fault *fault)
+{
+	if (fault->code)
+		return;         /* the context stopped at an earlier fault: nothing moves */
+	for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+	     i += (uint64_t)gridDim.x * blockDim.x)
+		dst[i] += src[i];
+}
+
+int embd_cuda_add(struct embd_cuda_ctx *ctx, float *dst, const float *src, uint64_t n,
+		  struct embd_kernel_err *err)
+{
+	if (!n)
+		return 0;
+	cudaSetDevice(ctx->device);
+	uint64_t blocks = (n + EMBD_CUDA_BLOCK - 1) / EMBD_CUDA_BLOCK;
+	const uint64_t max_blocks = (uint64_t)ctx->num_sms * 8;
+	blocks = blocks > max_blocks ? max_blocks : blocks;
+	add_kernel<<<(unsigned)blocks, EMBD_CUDA_BLOCK, 0, ctx->stream>>>(dst, src, n, ctx->fault);
+	cudaError_t e = cudaGetLastError();
+	return e == cudaSuccess ? 0 : embd_cuda_fail(err, e, "launching the add kernel");
+}

@@ -125,6 +125,13 @@ int embd_cuda_cache_copy(struct embd_cuda_ctx *ctx, const struct embd_cache_move
 			 void *const host_rows[3], void *const slot_rows[3],
 			 const uint64_t row_bytes[3], struct embd_kernel_err *err);
 
+/*
+ * dst[i] += src[i] for n floats of device memory on the context's GPU (row-split tables'
+ * partial sums, engine/backend_cuda.c). Returns 0 once enqueued, EMBD_EIO for a CUDA failure.
+ */
+int embd_cuda_add(struct embd_cuda_ctx *ctx, float *dst, const float *src, uint64_t n,
+		  struct embd_kernel_err *err);
+
 #ifdef __cplusplus
 }
 #endif

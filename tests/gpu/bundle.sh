@@ -4,7 +4,9 @@
 # that has the CUDA toolkit and driver but none of the Debian packages (liburing, libnuma,
 # Gloo, cJSON, libsystemd, libmicrohttpd, criterion, ...) and no network.
 #   OUT/bin: embd, embctl, embd-demo-trainer, test_integration_training, test_integration_dist,
-#            and test_device_outputs where BUILD has CUDA (it links the CUDA runtime)
+#            test_device_outputs where BUILD has CUDA (it links the CUDA runtime), and
+#            embd-bench unless BUILD is a sanitizer build (its figures would mean nothing, and
+#            it would take the bundle over the limit)
 #   OUT/lib: every library ldd names for them, but the C library's own (libc, libm, libdl,
 #            libpthread, librt, the loader), the GPU driver's (libcuda, libnvidia-*) and the
 #            CUDA toolkit's (libcudart, libnccl: the GPU machine's own match its driver)
@@ -19,6 +21,7 @@ build=$1 out=$2
 max_bytes=${EMBD_BUNDLE_MAX_BYTES:-$((64 << 20))}
 programs=(daemon/embd tools/embctl/embctl tools/demo/embd-demo-trainer
 	  tests/integration/test_integration_training tests/integration/test_integration_dist)
+benchmarks=(tools/bench/embd-bench)
 
 # built only where CUDA is
 optional=(tests/test_device_outputs)
@@ -31,6 +34,18 @@ for p in "${programs[@]}"; do
 		exit 1
 	fi
 	cp "$build/$p" "$out/bin/"
+done
+for p in "${benchmarks[@]}"; do
+	if [ ! -x "$build/$p" ]; then
+		echo "bundle: $build/$p is not built" >&2
+		exit 1
+	fi
+	if ldd "$build/$p" | grep -Eq 'lib(a|ub|t)san\.so'; then
+		echo "bundle: $p left out: a sanitizer build"
+		continue
+	fi
+	cp "$build/$p" "$out/bin/"
+	programs+=("$p")
 done
 for p in "${optional[@]}"; do
 	if [ -x "$build/$p" ]; then

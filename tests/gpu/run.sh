@@ -20,7 +20,10 @@
 #        outputs (test_device_outputs): trainers with their pooled outputs and gradients in
 #        CUDA memory of their GPU (cuMemCreate, exported as a POSIX fd) train as through the
 #        slab, bit for bit, an unknown GPU is refused, crashed trainers leave no fd and no
-#        GPU memory in embd.
+#        GPU memory in embd; and end to end on one GPU (embd-bench e2e --device cuda): embd's
+#        training steps/s against the same CUDA kernels called in process through the ranks,
+#        overhead_ratio in e2e_cuda.jsonl (the target: >= 0.9), judged in the log (a bundle
+#        of a sanitizer build has no embd-bench: not run).
 #   tests/gpu/run.sh --bundle-only  on a machine with the packages (CI, a developer's): builds
 #        the service in $EMBD_BUILD_DIR (default build) and bundles its programs with their
 #        libraries into $EMBD_GPU_BUNDLE (tests/gpu/bundle.sh, under 64 MiB) to carry along.
@@ -45,7 +48,7 @@ out=${OUT:-$build}
 if [ "$bundle_only" = 1 ]; then
 	service=${EMBD_BUILD_DIR:-build}
 	cmake -S . -B "$service" -DEMBD_CUDA=ON -DEMBD_WERROR=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo || exit 1
-	cmake --build "$service" -j"$(nproc)" --target embd embctl embd-demo-trainer \
+	cmake --build "$service" -j"$(nproc)" --target embd embctl embd-demo-trainer embd-bench \
 		test_integration_training test_integration_dist test_device_outputs || exit 1
 	exec bash tests/gpu/bundle.sh "$service" "$bundle"
 fi
@@ -123,6 +126,23 @@ if [ "$rc" -ne 77 ]; then
 		note "${PIPESTATUS[0]}"
 	else
 		echo "device_outputs: not in the bundle (built without CUDA): not run"
+	fi
+fi
+if [ "$rc" -ne 77 ]; then
+	# one GPU (the config's one rank): the service against the same kernels in process
+	if [ ! -x "$bundle/bin/embd-bench" ]; then
+		echo "e2e_cuda: no embd-bench in the bundle (a sanitizer build): not run"
+	elif ! "$bundle/bin/embd-bench" e2e --device cuda --seconds 3 --embd "$bundle/bin/embd" \
+		>"$out/e2e_cuda.jsonl" 2>"$out/e2e_cuda.log"; then
+		cat "$out/e2e_cuda.jsonl"
+		echo "e2e_cuda: failed: $(tail -n 1 "$out/e2e_cuda.log")"
+		note 1
+	else
+		cat "$out/e2e_cuda.jsonl"
+		for ratio in $(grep -o '"overhead_ratio":[0-9.]*' "$out/e2e_cuda.jsonl" | cut -d: -f2); do
+			verdict=$(awk -v r="$ratio" 'BEGIN { print (r >= 0.9 ? "met" : "MISSED") }')
+			echo "e2e_cuda: overhead_ratio $ratio, target >= 0.9: $verdict"
+		done
 	fi
 fi
 if [ "$rc" -ne 77 ]; then

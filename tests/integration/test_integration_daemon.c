@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -96,6 +97,36 @@ Test(daemon, ready_status_stats_sigterm)
 	int st = stop_daemon(&d);
 	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
 	cr_assert_neq(access(d.embd.socket, F_OK), 0, "the socket file should be gone");
+}
+
+/* A client of protocol version 1 (before the device messages): the service reads its HELLO
+ * and refuses it with ERROR EMBD_EMISMATCH naming both versions (ipc/README.md "Versions"). */
+Test(daemon, hello_of_another_version_is_refused_naming_both)
+{
+	static uint8_t buf[EMBD_CTL_MSG_MAX];
+	uint8_t packet[sizeof(struct embd_ctl_header) + sizeof(struct embd_ctl_hello)];
+	struct embd_ctl_header h = { EMBD_CTL_MAGIC, 1, EMBD_CTL_HELLO,
+				     sizeof(struct embd_ctl_hello), 0 };
+	struct embd_ctl_hello hello = { .protocol_version = 1, .wanted_rank = -1, .pid = getpid() };
+	struct embd_ctl_msg msg;
+	struct daemon d;
+	char err[256] = "", text[512] = "";
+	int fd, code = 0;
+
+	start_daemon(&d);
+	cr_assert_eq(embd_ctl_connect(d.embd.socket, &fd, err, sizeof(err)), 0, "%s", err);
+	memcpy(packet, &h, sizeof(h));
+	embd_ctl_hello_encode(&hello, packet + sizeof(h));
+	cr_assert_eq(send(fd, packet, sizeof(packet), 0), (ssize_t)sizeof(packet));
+	cr_assert_eq(embd_ctl_recv(fd, buf, sizeof(buf), 5000, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(msg.type, EMBD_CTL_ERROR, "expected ERROR, got type %u", msg.type);
+	cr_assert_eq(embd_ctl_error_decode(&msg, &code, text, sizeof(text), err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(code, EMBD_EMISMATCH, "code %d: %s", code, text);
+	cr_assert(strstr(text, "service speaks 2, client 1"), "got \"%s\"", text);
+	close(fd);
+	int st = stop_daemon(&d);
+	cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "expected exit 0 on SIGTERM, got %d", st);
 }
 
 Test(daemon, hello_gets_the_layout)

@@ -78,6 +78,42 @@ static void train_and_check(const char *sharding, uint32_t trainers)
 	munmap(sh, sizeof(*sh));
 }
 
+/*
+ * Row-split partial sums go from rank to rank device to device (engine/step.c, reduce_rank:
+ * GPU peer access; on the CPU, and in the device_copy run whose partials are unreadable to
+ * host code, the backend's copies), never summed in host memory: stats count the bytes of
+ * each path. A table_wise run has no partial sums at all. The device_copy run also finds
+ * every host array its kernels read or write registered for DMA.
+ */
+static void partials_case(const char *sharding, bool split)
+{
+	train_and_check(sharding, 2);
+	cJSON *stats = ctl_ask_json(service.socket, EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats, "no STATS reply");
+	const double device = ctl_json_num(stats, "partial_device_bytes");
+	const double host = ctl_json_num(stats, "partial_host_bytes");
+	cJSON_Delete(stats);
+	cr_expect_eq(host, 0, "%s: %g bytes of partial sums went through host memory", sharding,
+		     host);
+	/* under device_copy every array a kernel call copies must be registered for DMA (the
+	 * double logs the first one that is not): ids, partials, the server's gradients */
+	static char log[1 << 16];
+	FILE *f = fopen(service.log, "r");
+	cr_assert_not_null(f, "cannot read %s", service.log);
+	log[fread(log, 1, sizeof(log) - 1, f)] = 0;
+	fclose(f);
+	cr_expect_null(strstr(log, "not registered for DMA"), "%s: %s", sharding, log);
+	if (split)
+		cr_expect_gt(device, 0, "%s: no partial sum went from rank to rank", sharding);
+	else
+		cr_expect_eq(device, 0, "%s: %g bytes of partial sums without a row split",
+			     sharding, device);
+}
+
+Test(training, row_wise_partials_go_rank_to_rank) { partials_case("row_wise", true); }
+Test(training, table_row_wise_partials_go_rank_to_rank) { partials_case("table_row_wise", true); }
+Test(training, table_wise_has_no_partials) { partials_case("table_wise", false); }
+
 Test(training, table_wise_equals_reference) { train_and_check("table_wise", 2); }
 Test(training, row_wise_equals_reference) { train_and_check("row_wise", 2); }
 Test(training, column_wise_equals_reference) { train_and_check("column_wise", 2); }

@@ -13,6 +13,13 @@
  * backward (the trainer's dense model), and --pipeline adds a mode that posts FORWARD s + 1
  * before that dense work and BACKWARD s after it (pipelined steps, engine/step.h):
  * pipelined_steps_per_s beside steps_per_s shows what the service hides behind the trainer.
+ * With --device cpu|cuda embd's ranks compute on that device (compute_device; one rank) and the
+ * in-process side calls the same kernels through the ranks of that device in this process
+ * (engine/ranks.h: on a GPU the CUDA backend's copies and kernels, its host arrays registered as
+ * the service registers the trainer's slab): overhead_ratio is then what the service costs
+ * over the device's own kernels (issue 16's target on one GPU: >= 0.9). Without a CUDA device
+ * --device cuda exits 77 with one line saying why. Without --device the in-process side calls
+ * the CPU kernels directly. --rows N sizes both tables (default 1000000).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -32,12 +39,14 @@
 
 #include "bench.h"
 #include "embd/client.h"
+#include "embd/plan.h"
+#include "engine/ranks.h"
 #include "kernels/embedding.h"
 #include "kernels/workers.h"
 
 #define E2E_TABLES 2                    /* table_wise tables, one feature each */
 #define E2E_DIM 64
-#define E2E_ROWS 1000000
+#define E2E_ROWS 1000000                /* default --rows */
 #define E2E_BATCH 2048                  /* B */
 #define E2E_BATCHES 4                   /* distinct batches, cycled */
 #define E2E_ROUNDS 3
@@ -61,6 +70,15 @@ struct e2e {
 	struct embd_shard *shards[E2E_TABLES];
 	int64_t *offsets;                       /* [F][B + 1] */
 	float *pooled;
+	int64_t rows;                           /* of each table */
+	/* --device: the in-process side through ranks of that device (ranks_call) */
+	bool on_ranks;
+	enum embd_compute_device device;
+	struct embd_ranks *ranks;
+	struct embd_bag_batch bb[E2E_TABLES];
+	bool backward;
+	int rc;
+	struct embd_kernel_err kerr;
 };
 
 struct split {
@@ -138,13 +156,23 @@ static void *scraper_main(void *arg)
 	return NULL;
 }
 
+/* A host array the in-process ranks' device copies (registered by ranks_setup), released. */
+static void unregister(struct e2e *x, void *p)
+{
+	if (x->ranks && p)
+		embd_ranks_host_unregister(x->ranks, p);
+}
+
 /* The batches of one size (x->pf ids per bag); replaces those of the last size. */
 static int make_batches(struct e2e *x)
 {
 	const uint64_t nl = (uint64_t)E2E_TABLES * E2E_BATCH;
 	uint64_t s = 42;
 
+	char err[256];
+
 	free(x->lengths);
+	unregister(x, x->values);
 	free(x->values);
 	x->lengths = malloc(E2E_BATCHES * nl * sizeof(int32_t));
 	x->values = malloc(E2E_BATCHES * x->ids * sizeof(int64_t));
@@ -153,7 +181,14 @@ static int make_batches(struct e2e *x)
 	for (uint64_t i = 0; i < E2E_BATCHES * nl; i++)
 		x->lengths[i] = (int32_t)x->pf;
 	for (uint64_t i = 0; i < E2E_BATCHES * x->ids; i++)
-		x->values[i] = (int64_t)(bench_rng_next(&s) % E2E_ROWS);
+		x->values[i] = (int64_t)(bench_rng_next(&s) % (uint64_t)x->rows);
+	if (x->ranks && embd_ranks_host_register(x->ranks, x->values, E2E_BATCHES * x->ids *
+						 sizeof(int64_t), err, sizeof(err))) {
+		fprintf(stderr, "embd-bench e2e: registering the ids: %s\n", err);
+		free(x->values);
+		x->values = NULL;
+		return -1;
+	}
 	return 0;
 }
 
@@ -171,6 +206,59 @@ static void allowed_cpus(int *cpus, uint32_t n)
 		cpus[i] = k ? cpus[i % k] : (int)i;
 }
 
+/* On the in-process rank's thread: the forward of x->bb, or one backward per shard. */
+static void ranks_call(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct e2e *x = arg;
+
+	x->rc = 0;
+	if (!x->backward)
+		x->rc = embd_ranks_forward(x->ranks, rank, exec, x->bb, E2E_TABLES, &x->kerr);
+	for (uint32_t f = 0; x->backward && f < E2E_TABLES && !x->rc; f++)
+		x->rc = embd_ranks_backward(x->ranks, rank, exec, x->shards[f], &x->bb[f], 1,
+					    &x->kerr);
+}
+
+static void ranks_init(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct e2e *x = arg;
+
+	(void)rank;
+	for (uint32_t t = 0; t < E2E_TABLES; t++)
+		embd_shard_init_weights(embd_ranks_shard_host(x->ranks, x->shards[t]), E2E_SEED,
+					exec);
+}
+
+/* --device: one rank of the device with the shards, initialised as embd initialises them,
+ * and the host arrays its device copies registered. */
+static int ranks_setup(struct e2e *x, const struct embd_shard_desc *descs)
+{
+	char err[256];
+	const uint64_t rows_bytes = (uint64_t)E2E_BATCH * E2E_TABLES * E2E_DIM * sizeof(float);
+	int rc = embd_ranks_create_on(x->device, 1, x->threads, &x->ranks, err, sizeof(err));
+
+	for (uint32_t t = 0; t < E2E_TABLES && !rc; t++)
+		rc = embd_ranks_alloc_shard(x->ranks, 0, &descs[t], EMBD_KERNEL_FUSED, 0,
+					    &x->shards[t], err, sizeof(err));
+	if (!rc)
+		embd_ranks_run(x->ranks, ranks_init, x);
+	for (uint32_t t = 0; t < E2E_TABLES && !rc; t++) {
+		embd_ranks_shard_changed(x->ranks, x->shards[t]);
+		rc = embd_ranks_shard_push(x->ranks, x->shards[t], err, sizeof(err));
+	}
+	if (!rc)
+		rc = embd_ranks_host_register(x->ranks, x->grad, rows_bytes, err, sizeof(err));
+	if (!rc)
+		rc = embd_ranks_host_register(x->ranks, x->pooled, rows_bytes, err, sizeof(err));
+	if (!rc)
+		rc = embd_ranks_host_register(x->ranks, x->offsets, (uint64_t)E2E_TABLES *
+					      (E2E_BATCH + 1) * sizeof(int64_t), err, sizeof(err));
+	if (rc)
+		fprintf(stderr, "embd-bench e2e: in-process %s rank: %s\n",
+			embd_plan_device_name(x->device), err);
+	return rc ? -1 : 0;
+}
+
 static int inprocess_setup(struct e2e *x)
 {
 	char err[256];
@@ -183,6 +271,16 @@ static int inprocess_setup(struct e2e *x)
 		return -1;
 	for (uint64_t i = 0; i < (uint64_t)E2E_BATCH * E2E_TABLES * E2E_DIM; i++)
 		x->grad[i] = 0.01f * (float)((i % 7) + 1);
+	struct embd_shard_desc descs[E2E_TABLES];
+	for (uint32_t t = 0; t < E2E_TABLES; t++)
+		descs[t] = (struct embd_shard_desc){
+			.table_id = t, .num_embeddings = x->rows, .embedding_dim = E2E_DIM,
+			.dtype = EMBD_DTYPE_FP32, .row_offset = 0, .rows = x->rows,
+			.col_offset = 0, .cols = E2E_DIM,
+			.optimizer = { .type = EMBD_OPT_ROWWISE_ADAGRAD, .lr = E2E_LR, .eps = E2E_EPS },
+		};
+	if (x->on_ranks)
+		return ranks_setup(x, descs);
 	allowed_cpus(cpus, x->threads);
 	if (embd_workers_create(x->threads, cpus, &x->workers, err, sizeof(err))) {
 		fprintf(stderr, "embd-bench e2e: workers: %s\n", err);
@@ -190,13 +288,7 @@ static int inprocess_setup(struct e2e *x)
 	}
 	x->exec = (struct embd_exec){ .workers = x->workers, .isa = EMBD_ISA_AUTO };
 	for (uint32_t t = 0; t < E2E_TABLES; t++) {
-		struct embd_shard_desc d = {
-			.table_id = t, .num_embeddings = E2E_ROWS, .embedding_dim = E2E_DIM,
-			.dtype = EMBD_DTYPE_FP32, .row_offset = 0, .rows = E2E_ROWS,
-			.col_offset = 0, .cols = E2E_DIM,
-			.optimizer = { .type = EMBD_OPT_ROWWISE_ADAGRAD, .lr = E2E_LR, .eps = E2E_EPS },
-		};
-		if (embd_shard_create(&d, &x->shards[t], err, sizeof(err))) {
+		if (embd_shard_create(&descs[t], &x->shards[t], err, sizeof(err))) {
 			fprintf(stderr, "embd-bench e2e: shard: %s\n", err);
 			return -1;
 		}
@@ -207,9 +299,39 @@ static int inprocess_setup(struct e2e *x)
 
 static void inprocess_teardown(struct e2e *x)
 {
+	if (x->ranks) {
+		unregister(x, x->values);
+		unregister(x, x->grad);
+		unregister(x, x->pooled);
+		unregister(x, x->offsets);
+		embd_ranks_destroy(x->ranks);   /* and its shards */
+		x->ranks = NULL;
+		return;
+	}
 	for (uint32_t t = 0; t < E2E_TABLES; t++)
 		embd_shard_destroy(x->shards[t]);
 	embd_workers_destroy(x->workers);
+}
+
+/* The forward (or the backward) of bb in process: on the ranks (--device), or the CPU
+ * kernels on this process's workers. */
+static int inprocess_call(struct e2e *x, struct embd_bag_batch *bb, bool backward,
+			  struct embd_kernel_err *kerr)
+{
+	int rc = 0;
+
+	if (x->ranks) {
+		memcpy(x->bb, bb, sizeof(x->bb));
+		x->backward = backward;
+		embd_ranks_run(x->ranks, ranks_call, x);
+		*kerr = x->kerr;
+		return x->rc;
+	}
+	if (!backward)
+		return embd_kernels_forward(&x->exec, bb, E2E_TABLES, kerr);
+	for (uint32_t f = 0; f < E2E_TABLES && !rc; f++)
+		rc = embd_kernels_backward(&x->exec, x->shards[f], &bb[f], 1, kerr);
+	return rc;
 }
 
 /* One in-process step on batch k: offsets from the lengths (as the service does), forward,
@@ -238,11 +360,11 @@ static int inprocess_step(struct e2e *x, uint64_t k, uint64_t *fwd_ns, uint64_t 
 			.pooled_stride = E2E_TABLES * E2E_DIM, .pooled_col = f * E2E_DIM,
 		};
 	}
-	int rc = embd_kernels_forward(&x->exec, bb, E2E_TABLES, &kerr);
+	int rc = inprocess_call(x, bb, false, &kerr);
 	dense_work(x->dense_us);
 	uint64_t t1 = bench_now_ns();
-	for (uint32_t f = 0; f < E2E_TABLES && !rc; f++)
-		rc = embd_kernels_backward(&x->exec, x->shards[f], &bb[f], 1, &kerr);
+	if (!rc)
+		rc = inprocess_call(x, bb, true, &kerr);
 	*fwd_ns += t1 - t0;
 	*bwd_ns += bench_now_ns() - t1;
 	if (rc)
@@ -356,7 +478,7 @@ static const char e2e_config_fmt[] =
 	"      \"optimizer\": { \"type\": \"rowwise_adagrad\", \"lr\": %g, \"eps\": %g },\n"
 	"      \"constraints\": { \"sharding_types\": [\"table_wise\"], \"compute_kernels\": [\"fused\"],\n"
 	"                       \"pooling_factors\": [%u] } } ],\n"
-	"  \"topology\": { \"world_size\": 1, \"local_world_size\": 1, \"compute_device\": \"cpu\",\n"
+	"  \"topology\": { \"world_size\": 1, \"local_world_size\": 1, \"compute_device\": \"%s\",\n"
 	"                \"hbm_cap\": \"16G\", \"ddr_cap\": \"16G\", \"batch_size\": %d },\n"
 	"  \"trainers_per_node\": 1, \"seed\": %d, \"threads_per_rank\": %u,\n"
 	"  \"log_level\": \"error\", \"busy_poll_us\": %u%s }\n";
@@ -423,11 +545,12 @@ static int run_size(struct e2e *x, struct embd_client *c, uint64_t *step, unsign
 	       "\"inprocess_steps_per_s\":%.2f,\"overhead_ratio\":%.3f,\"batch_size\":%u,"
 	       "\"tables\":%d,\"dim\":%d,\"pooling_factor\":%u,\"threads\":%u,\"busy_poll_us\":%u,"
 	       "\"fwd_ms\":%.3f,\"bwd_ms\":%.3f,\"inprocess_fwd_ms\":%.3f,\"inprocess_bwd_ms\":%.3f,"
-	       "\"dense_us\":%u%s%s}\n",
+	       "\"dense_us\":%u,\"device\":\"%s\",\"rows\":%lld,\"reference\":\"%s\"%s%s}\n",
 	       (unsigned long long)x->ids, me->steps_per_s, mi->steps_per_s,
 	       mi->steps_per_s > 0 ? me->steps_per_s / mi->steps_per_s : 0, E2E_BATCH, E2E_TABLES,
 	       E2E_DIM, x->pf, x->threads, busy_poll_us, me->fwd_ms, me->bwd_ms, mi->fwd_ms,
-	       mi->bwd_ms, x->dense_us, scraped, piped);
+	       mi->bwd_ms, x->dense_us, embd_plan_device_name(x->device), (long long)x->rows,
+	       x->on_ranks ? "ranks" : "kernels", scraped, piped);
 	fflush(stdout);
 	return 0;
 }
@@ -448,9 +571,10 @@ static int run_all(struct e2e *x, const char *embd, unsigned busy_poll_us, const
 			goto out;
 		snprintf(metrics, sizeof(metrics), ", \"metrics_listen\": \"127.0.0.1:%d\"", sc.port);
 	}
-	snprintf(config, sizeof(config), e2e_config_fmt, E2E_ROWS, E2E_DIM, (double)E2E_LR,
-		 (double)E2E_EPS, max_pf, E2E_ROWS, E2E_DIM, (double)E2E_LR, (double)E2E_EPS, max_pf,
-		 E2E_BATCH, E2E_SEED, x->threads, busy_poll_us, metrics);
+	snprintf(config, sizeof(config), e2e_config_fmt, (int)x->rows, E2E_DIM, (double)E2E_LR,
+		 (double)E2E_EPS, max_pf, (int)x->rows, E2E_DIM, (double)E2E_LR, (double)E2E_EPS,
+		 max_pf, embd_plan_device_name(x->device), E2E_BATCH, E2E_SEED, x->threads,
+		 busy_poll_us, metrics);
 	if (inprocess_setup(x))
 		goto out;
 	if (bench_embd_start(embd, config, &e))
@@ -518,7 +642,9 @@ int bench_e2e_run(int argc, char **argv)
 	unsigned busy_poll_us = 50;
 	double seconds = 1.0, scrape_hz = 0;
 	uint32_t pfs[8], max_pf = 1, dense_us = 0;
-	bool pipeline = false;
+	bool pipeline = false, on_ranks = false;
+	enum embd_compute_device device = EMBD_DEVICE_CPU;
+	long long rows = E2E_ROWS;
 
 	for (int i = 1; i < argc; i++) {
 		if (!strcmp(argv[i], "--embd") && i + 1 < argc) {
@@ -538,16 +664,31 @@ int bench_e2e_run(int argc, char **argv)
 			dense_us = (uint32_t)atoi(argv[++i]);
 		} else if (!strcmp(argv[i], "--pipeline")) {
 			pipeline = true;
+		} else if (!strcmp(argv[i], "--device") && i + 1 < argc &&
+			   (!strcmp(argv[i + 1], "cpu") || !strcmp(argv[i + 1], "cuda"))) {
+			device = !strcmp(argv[++i], "cuda") ? EMBD_DEVICE_CUDA : EMBD_DEVICE_CPU;
+			on_ranks = true;
+		} else if (!strcmp(argv[i], "--rows") && i + 1 < argc && atoll(argv[i + 1]) > 0 &&
+			   atoll(argv[i + 1]) <= (1ll << 30)) {
+			rows = atoll(argv[++i]);
 		} else {
 			fprintf(stderr, "usage: embd-bench e2e [--ids N]... (65536 262144) [--threads T]"
 				" [--seconds S per mode per size (1)] [--busy-poll-us U (50)]"
 				" [--scrape-hz HZ (0: no scraped mode)] [--dense-us U (0)] [--pipeline]"
-				" [--embd PATH]\n");
+				" [--device cpu|cuda] [--rows N (1000000)] [--embd PATH]\n");
 			return 2;
 		}
 	}
 	if (threads < 1 || threads > 256)
 		threads = 1;
+	if (device == EMBD_DEVICE_CUDA) {
+		char err[256];
+		uint32_t gpus = 0;
+		if (embd_ranks_device_count(device, &gpus, err, sizeof(err))) {
+			fprintf(stderr, "embd-bench e2e: --device cuda: %s\n", err);
+			return 77;
+		}
+	}
 	for (int s = 0; s < num_sizes; s++) {
 		uint64_t per = (uint64_t)E2E_TABLES * E2E_BATCH;
 		uint64_t pf = (sizes[s] + per - 1) / per;
@@ -556,7 +697,7 @@ int bench_e2e_run(int argc, char **argv)
 			max_pf = pfs[s];
 	}
 	struct e2e x = { .threads = threads, .round_s = seconds / E2E_ROUNDS, .dense_us = dense_us,
-			 .pipeline = pipeline };
+			 .pipeline = pipeline, .rows = rows, .on_ranks = on_ranks, .device = device };
 	if (scrape_hz < 0 || scrape_hz > 100000)
 		scrape_hz = 0;
 	return run_all(&x, embd, busy_poll_us, pfs, num_sizes, max_pf, scrape_hz) ? 1 : 0;

@@ -37,7 +37,8 @@ Test(metrics, names_types_and_values)
 	struct embd_stats_rank ranks[2] = { { 0, 0, 4096 }, { 1, 1, 8192 } };
 	struct embd_metrics_snapshot s = {
 		.uptime_s = 2.5, .step = 11, .steps = 10, .aborted_steps = 1, .ids = 500,
-		.bytes_in = 100, .bytes_out = 200, .sent_bytes = 300, .clients = 2,
+		.bytes_in = 100, .bytes_out = 200, .sent_bytes = 300,
+		.partial_device_bytes = 400, .partial_host_bytes = 7, .clients = 2,
 		.num_tables = 2, .tables = tables, .num_ranks = 2, .ranks = ranks };
 	s.refusals[embd_stats_cause(EMBD_EAGAIN)] = 4;
 	char *text = text_of(&s);
@@ -57,6 +58,8 @@ Test(metrics, names_types_and_values)
 	has(text, "\nembd_bytes_total{link=\"trainer_in\"} 100\n");
 	has(text, "\nembd_bytes_total{link=\"trainer_out\"} 200\n");
 	has(text, "\nembd_bytes_total{link=\"peer_out\"} 300\n");
+	has(text, "\nembd_bytes_total{link=\"rank_device\"} 400\n");
+	has(text, "\nembd_bytes_total{link=\"rank_host\"} 7\n");
 	has(text, "\nembd_rank_memory_bytes{rank=\"1\",numa_node=\"1\"} 8192\n");
 	has(text, "\nembd_clients_connected 2\n");
 	has(text, "\nembd_refusals_total{cause=\"EAGAIN\"} 4\n");

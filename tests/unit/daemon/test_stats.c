@@ -28,7 +28,8 @@ Test(stats, json_fields_and_percentiles)
 		struct embd_step_counts c = { .ids = 10, .lookups = 20, .input_bytes = 100,
 					      .output_bytes = 200, .nonfinite_grads = i == 7,
 					      .nonfinite_rows = i % 10 == 0 ? 3 : 0,
-					      .sent_bytes = 3 };
+					      .sent_bytes = 3, .partial_device_bytes = 5,
+					      .partial_host_bytes = 1 };
 		embd_stats_step(s, &c, i * 1000);
 		embd_stats_request(s, (101 - i) * 10, i % 10 == 0 ? EMBD_EAGAIN : 0);
 	}
@@ -53,6 +54,8 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "bytes_in"), 10000);
 	cr_assert_eq(num(root, "bytes_out"), 20000);
 	cr_assert_eq(num(root, "sent_bytes"), 300);
+	cr_assert_eq(num(root, "partial_device_bytes"), 500);
+	cr_assert_eq(num(root, "partial_host_bytes"), 100);
 	cr_assert_eq(num(root, "requests"), 100);
 	const cJSON *refusals = cJSON_GetObjectItemCaseSensitive(root, "refusals");
 	cr_assert_eq(num(refusals, "EAGAIN"), 10);

@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "engine/backend.h"
 #include "engine/ranks.h"
 #include "kernels/embedding.h"
 
@@ -225,6 +226,168 @@ Test(ranks, device_copy_keeps_the_rows_apart_until_pulled_and_pushed)
 	embd_shard_destroy(ref);
 	embd_shard_destroy(init);
 	embd_ranks_destroy(ranks);
+}
+
+/*
+ * The device_copy double checks every host array of a kernel call the way a GPU rank copies it
+ * (engine/backend_cuda.c): registered with the ranks (embd_ranks_host_register, the CPU's
+ * record of it), or counted as a copy the driver would have staged. Unregistered, the bags'
+ * offsets, ids and gradient are counted; registered, nothing is, and unregistered again they
+ * are counted again.
+ */
+Test(ranks, device_copy_counts_kernel_arrays_not_registered_for_dma)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_shard *shard, *ref;
+	static struct bags b;
+
+	setenv("EMBD_TEST_CPU_KERNEL", "device_copy", 1);
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	unsetenv("EMBD_TEST_CPU_KERNEL");
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &desc, EMBD_KERNEL_FUSED, 0.2, &shard, err,
+					    sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_shard_create(&desc, &ref, err, sizeof(err)), 0, "%s", err);
+	bags_init(&b, shard, ref);
+	struct run r = { .ranks = ranks, .shard = shard, .bb = &b.bb, .backward = true };
+	/* offsets (3 x 8), ids (3 x 8), the gradient (2 x 8 floats) */
+	const uint64_t arrays = 24 + 24 + 64;
+
+	uint64_t before = embd_backend_unregistered_bytes();
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
+	cr_assert_eq(embd_backend_unregistered_bytes() - before, arrays,
+		     "unregistered arrays: expected %llu bytes counted, got %llu",
+		     (unsigned long long)arrays,
+		     (unsigned long long)(embd_backend_unregistered_bytes() - before));
+
+	cr_assert_eq(embd_ranks_host_register(ranks, &b, sizeof(b), err, sizeof(err)), 0, "%s",
+		     err);
+	before = embd_backend_unregistered_bytes();
+	embd_ranks_run(ranks, run_kernels, &r);
+	r.backward = false;
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_eq(r.rc, 0, "%s", r.kerr.msg);
+	cr_assert_eq(embd_backend_unregistered_bytes(), before, "registered arrays were counted");
+
+	embd_ranks_host_unregister(ranks, &b);
+	embd_ranks_run(ranks, run_kernels, &r);
+	cr_assert_gt(embd_backend_unregistered_bytes(), before, "unregistered again: not counted");
+
+	embd_ranks_free_shard(ranks, shard);
+	embd_shard_destroy(ref);
+	embd_ranks_destroy(ranks);
+}
+
+/*
+ * Partial sums between ranks (engine/ranks.h, embd_ranks_partial_*) on the device_copy double:
+ * each rank pools the same bags on its own shard into its partial buffer; rank 1 copies rank
+ * 0's into its own, adds, and copies the sum out strided: twice the reference's rows. The copy
+ * is counted device to device, and the buffers are unreadable outside the ranks' calls. The
+ * double refuses a copy between ranks that embd_ranks_create did not open to each other
+ * (backend peer_open, as the CUDA backend enables peer access for every pair at the start).
+ */
+struct partials_run {
+	struct embd_ranks *ranks;
+	struct embd_shard *shard[2];
+	struct embd_bag_batch bb[2];
+	float *buf[2];
+	float out[2][10];
+	int rc[2];
+	struct embd_kernel_err kerr[2];
+};
+
+static void partial_init(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct partials_run *p = arg;
+
+	embd_shard_init_weights(embd_ranks_shard_host(p->ranks, p->shard[rank]), 5, exec);
+}
+
+static void partial_lookup(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct partials_run *p = arg;
+	void *buf;
+
+	p->rc[rank] = embd_ranks_partial_buffer(p->ranks, rank, 64 * sizeof(float), &buf,
+						p->kerr[rank].msg, sizeof(p->kerr[rank].msg));
+	p->buf[rank] = buf;
+	p->bb[rank].pooled = buf;
+	if (!p->rc[rank])
+		p->rc[rank] = embd_ranks_forward(p->ranks, rank, exec, &p->bb[rank], 1,
+						 &p->kerr[rank]);
+}
+
+static void partial_sum(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct partials_run *p = arg;
+	char *err = p->kerr[1].msg;
+	const size_t len = sizeof(p->kerr[1].msg);
+
+	(void)exec;
+	if (rank != 1)
+		return;
+	p->rc[1] = embd_ranks_partial_copy(p->ranks, 1, p->buf[1] + 32, 0, p->buf[0],
+					   16 * sizeof(float), err, len);
+	if (!p->rc[1])
+		p->rc[1] = embd_ranks_partial_add(p->ranks, 1, p->buf[1], p->buf[1] + 32, 16, err,
+						  len);
+	if (!p->rc[1])
+		p->rc[1] = embd_ranks_partial_out(p->ranks, 1, &p->out[0][1], 10, p->buf[1], 2, 8,
+						  err, len);
+}
+
+Test(ranks, partial_sums_move_rank_to_rank_on_the_device_double)
+{
+	char err[256] = "";
+	static struct partials_run p;
+	static struct bags b;
+	struct embd_shard *ref;
+	uint64_t device, host;
+
+	setenv("EMBD_TEST_CPU_KERNEL", "device_copy", 1);
+	cr_assert_eq(embd_ranks_create(2, 1, &p.ranks, err, sizeof(err)), 0, "%s", err);
+	unsetenv("EMBD_TEST_CPU_KERNEL");
+	for (uint32_t r = 0; r < 2; r++)
+		cr_assert_eq(embd_ranks_alloc_shard(p.ranks, r, &desc, EMBD_KERNEL_FUSED, 0.2,
+						    &p.shard[r], err, sizeof(err)), 0, "%s", err);
+	embd_ranks_run(p.ranks, partial_init, &p);
+	for (uint32_t r = 0; r < 2; r++) {
+		embd_ranks_shard_changed(p.ranks, p.shard[r]);
+		cr_assert_eq(embd_ranks_shard_push(p.ranks, p.shard[r], err, sizeof(err)), 0, "%s",
+			     err);
+	}
+	cr_assert_eq(embd_shard_create(&desc, &ref, err, sizeof(err)), 0, "%s", err);
+	embd_shard_init_weights(ref, 5, NULL);
+	bags_init(&b, p.shard[0], ref);
+	cr_assert_eq(embd_kernels_forward(NULL, &b.rb, 1, NULL), 0);
+	p.bb[0] = p.bb[1] = b.bb;
+	p.bb[1].shard = p.shard[1];
+
+	embd_ranks_run(p.ranks, partial_lookup, &p);
+	cr_assert(!p.rc[0] && !p.rc[1], "%s %s", p.kerr[0].msg, p.kerr[1].msg);
+	cr_assert(p.buf[0] && p.buf[1] && p.buf[0] != p.buf[1]);
+	cr_assert(!readable(p.buf[0], 4) && !readable(p.buf[1], 4),
+		  "partial sums must not be readable outside the ranks' calls");
+	embd_ranks_partial_counts(p.ranks, &device, &host);
+	cr_assert_eq(device + host, 0);
+	embd_ranks_run(p.ranks, partial_sum, &p);
+	cr_assert_eq(p.rc[1], 0, "%s", p.kerr[1].msg);
+	embd_ranks_partial_counts(p.ranks, &device, &host);
+	cr_assert_eq(device, 16 * sizeof(float), "device to device: %llu bytes",
+		     (unsigned long long)device);
+	cr_assert_eq(host, 0);
+	cr_assert(!readable(p.buf[1], 4), "partial sums must be unreadable again after the calls");
+	for (int i = 0; i < 2; i++) {
+		cr_assert(p.out[i][0] == 0.0f && p.out[i][9] == 0.0f, "row %d: written outside", i);
+		for (int c = 0; c < 8; c++)
+			cr_assert_eq(p.out[i][1 + c], 2.0f * b.expect[i][c], "row %d col %d: %g, "
+				     "expected %g", i, c, p.out[i][1 + c], 2.0f * b.expect[i][c]);
+	}
+	for (uint32_t r = 0; r < 2; r++)
+		embd_ranks_free_shard(p.ranks, p.shard[r]);
+	embd_shard_destroy(ref);
+	embd_ranks_destroy(p.ranks);
 }
 
 Test(ranks, dense_on_cpu_is_a_host_shard)

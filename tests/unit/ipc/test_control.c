@@ -457,3 +457,47 @@ Test(control, device_messages_refused_naming_the_field)
 		     EMBD_EPROTO);
 	cr_expect(strstr(err, "type 15 needs 72 payload bytes, got 8"), "got \"%s\"", err);
 }
+
+/*
+ * Versions (ipc/README.md): version 2 added the device messages. A HELLO or an ERROR of
+ * another version is read, so that the HELLO's decoder names both versions and a refusal
+ * reaches a client of another version; every other message of another version is refused.
+ */
+Test(control, other_versions_meet_at_hello_and_error_only)
+{
+	static uint8_t packet[64];
+	struct embd_ctl_header h = { EMBD_CTL_MAGIC, 1, EMBD_CTL_HELLO, 16, 0 };
+	struct embd_ctl_hello hello = { 1, -1, 42, 0 }, got;
+	struct embd_ctl_msg msg;
+	char err[256] = "", text[64];
+	int code;
+
+	cr_assert_eq(EMBD_CTL_VERSION, 2u, "the device messages came with version 2");
+	memcpy(packet, &h, sizeof(h));
+	embd_ctl_hello_encode(&hello, packet + sizeof(h));
+	cr_assert_eq(embd_ctl_parse(packet, sizeof(h) + 16, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_hello_decode(&msg, &got, err, sizeof(err)), EMBD_EMISMATCH);
+	cr_assert(strstr(err, "service speaks 2, client 1"), "got \"%s\"", err);
+
+	h = (struct embd_ctl_header){ EMBD_CTL_MAGIC, 3, EMBD_CTL_ERROR, 4 + 5, 0 };
+	const int32_t refused = EMBD_EMISMATCH;
+	memcpy(packet, &h, sizeof(h));
+	memcpy(packet + sizeof(h), &refused, 4);
+	memcpy(packet + sizeof(h) + 4, "older", 5);
+	cr_assert_eq(embd_ctl_parse(packet, sizeof(h) + 9, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_error_decode(&msg, &code, text, sizeof(text), err, sizeof(err)), 0,
+		     "%s", err);
+	cr_assert_eq(code, EMBD_EMISMATCH);
+	cr_assert_str_eq(text, "older");
+
+	const enum embd_ctl_type others[] = { EMBD_CTL_STATS_REQUEST, EMBD_CTL_DEVICE_REQUEST };
+	for (size_t i = 0; i < sizeof(others) / sizeof(others[0]); i++) {
+		const uint32_t len = others[i] == EMBD_CTL_DEVICE_REQUEST ? 24 : 0;
+		h = (struct embd_ctl_header){ EMBD_CTL_MAGIC, 1, (uint16_t)others[i], len, 0 };
+		memset(packet, 0, sizeof(packet));
+		memcpy(packet, &h, sizeof(h));
+		cr_assert_eq(embd_ctl_parse(packet, sizeof(h) + len, &msg, err, sizeof(err)),
+			     EMBD_EPROTO, "type %d of version 1 was read", others[i]);
+		cr_assert(strstr(err, "header.version: expected 2, got 1"), "got \"%s\"", err);
+	}
+}
