@@ -91,10 +91,10 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
 
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16)
+	   float *out, const int nvec, const int fp16, const int whole)
 {
 	__m512 acc[CHUNK_VECS];
-	__mmask16 tail = (n % VEC_FLOATS) ? (__mmask16)((1u << (n % VEC_FLOATS)) - 1) : 0xffff;
+	__mmask16 tail = !whole && (n % VEC_FLOATS) ? (__mmask16)((1u << (n % VEC_FLOATS)) - 1) : 0xffff;
 	uint64_t elem_bytes = fp16 ? 2 : 4;
 
 	for (int v = 0; v < nvec; v++)
@@ -139,10 +139,10 @@ static inline __attribute__((always_inline)) __m256 load8(const uint8_t *p, uint
 
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16)
+	   float *out, const int nvec, const int fp16, const int whole)
 {
 	__m256 acc[CHUNK_VECS];
-	uint32_t tail = n - (uint32_t)(nvec - 1) * VEC_FLOATS;
+	uint32_t tail = whole ? VEC_FLOATS : n - (uint32_t)(nvec - 1) * VEC_FLOATS;
 	uint64_t elem_bytes = fp16 ? 2 : 4;
 
 	for (int v = 0; v < nvec; v++)
@@ -173,10 +173,20 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 #endif
 
 #ifdef VEC_FLOATS
+/*
+ * Passes of whole vectors (every width that is a multiple of 8 or 16) get a loop without the
+ * tail's load: the AVX2 fp16 tail goes through a buffer on the stack, and with that path in
+ * the loop gcc kept all eight accumulators on the stack too (a load and a store per vector
+ * per id).
+ */
 #define CHUNK_CASE(N)                                                             \
 	case N:                                                                   \
-		bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1)         \
-			   : pool_chunk(c, s, e, c0, n, scale, out, N, 0);        \
+		if (n == N * VEC_FLOATS)                                          \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1); \
+		else                                                              \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 0) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 0); \
 		break;
 
 _Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 64),

@@ -6,7 +6,8 @@
  * weighted) is held against the gather limit and every optimizer's backward (fp32, D 128, P 20)
  * against the read-modify-write limit (bench_limits.c says what they are): runs of the kernel
  * and of its limit alternate on the same pinned workers and batches, and ratio_to_limit is the
- * median over runs of limit time / kernel time. copy_limit (a parallel memcpy) is context.
+ * median over runs of limit time / kernel time (with --repeat N, the median of N such medians,
+ * beside their min and max). copy_limit (a parallel memcpy) is context.
  * FBGEMM runs in tools/bench/fbgemm_kernels.py under $EMBD_BENCH_PYTHON (default python3),
  * with FBGEMM and ATen held to AVX2 when the kernels are; when torch does not import, its
  * fields are left out. Every line names the CPU model and the kernels' isa.
@@ -32,6 +33,7 @@
 #include "kernels/workers.h"
 
 #define MAX_RUNS 64
+#define MAX_REPEATS 100
 #define POOL_IDS_MIN (4u << 20)        /* ids per table: their rows far exceed any cache */
 #define BACKWARD_DIM 128
 #define BACKWARD_P 20
@@ -45,6 +47,7 @@ struct opts {
 	uint64_t table_bytes;
 	uint32_t batch;
 	int runs;
+	int repeats;                    /* --repeat: paired measurements per line */
 	double run_ns;
 	enum embd_isa isa;
 	bool fbgemm;
@@ -139,14 +142,18 @@ struct paired {
 	double ns, ref_ns;              /* medians */
 	double ratio;                   /* median over runs of ref time / fn time */
 	double ref_spread;              /* (slowest - fastest) / median run of ref */
+	/* over --repeat measurements (each as above); ns, ref_ns, ratio and ref_spread are then
+	 * their medians */
+	double ratio_min, ratio_max;
+	double ref_repeat_spread;       /* (slowest - fastest) / median of the repeats' ref_ns */
 };
 
 /*
  * Runs of fn and of its reference ref alternate after a warm-up run of each, so that both see
  * the same machine (other processes come and go on a shared host).
  */
-static struct paired paired_step_ns(const struct bench *b, step_fn fn, void *arg, step_fn ref,
-				    void *ref_arg)
+static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, step_fn ref,
+				 void *ref_arg)
 {
 	double a[MAX_RUNS], r[MAX_RUNS], q[MAX_RUNS], lo = 0, hi = 0;
 	uint64_t k = 0, kr = 0;
@@ -165,7 +172,68 @@ static struct paired paired_step_ns(const struct bench *b, step_fn fn, void *arg
 	p.ref_ns = bench_median(r, (size_t)b->o.runs);
 	p.ratio = bench_median(q, (size_t)b->o.runs);
 	p.ref_spread = (hi - lo) / p.ref_ns;
+	p.ratio_min = p.ratio_max = p.ratio;
+	p.ref_repeat_spread = 0;
 	return p;
+}
+
+static double min_of(const double *x, int n)
+{
+	double m = x[0];
+
+	for (int i = 1; i < n; i++)
+		m = x[i] < m ? x[i] : m;
+	return m;
+}
+
+static double max_of(const double *x, int n)
+{
+	double m = x[0];
+
+	for (int i = 1; i < n; i++)
+		m = x[i] > m ? x[i] : m;
+	return m;
+}
+
+/*
+ * paired_once --repeat times: whether a kernel ever reads above its limit and how stable the
+ * limit is from one measurement to the next, in one command (each repeat starts with its own
+ * warm-up runs, as a separate invocation would).
+ */
+static struct paired paired_step_ns(const struct bench *b, step_fn fn, void *arg, step_fn ref,
+				    void *ref_arg)
+{
+	double ns[MAX_REPEATS], ref_ns[MAX_REPEATS], ratio[MAX_REPEATS], spread[MAX_REPEATS];
+	int n = b->o.repeats;
+	struct paired p;
+
+	if (n <= 1)
+		return paired_once(b, fn, arg, ref, ref_arg);
+	for (int i = 0; i < n; i++) {
+		p = paired_once(b, fn, arg, ref, ref_arg);
+		ns[i] = p.ns;
+		ref_ns[i] = p.ref_ns;
+		ratio[i] = p.ratio;
+		spread[i] = p.ref_spread;
+	}
+	p.ratio_min = min_of(ratio, n);
+	p.ratio_max = max_of(ratio, n);
+	p.ns = bench_median(ns, (size_t)n);
+	p.ratio = bench_median(ratio, (size_t)n);
+	p.ref_spread = bench_median(spread, (size_t)n);
+	p.ref_ns = bench_median(ref_ns, (size_t)n);
+	p.ref_repeat_spread = (max_of(ref_ns, n) - min_of(ref_ns, n)) / p.ref_ns;
+	return p;
+}
+
+/* The fields --repeat adds to a line (none without it). */
+static void print_repeats(const struct bench *b, const struct paired *p)
+{
+	if (b->o.repeats <= 1)
+		return;
+	printf(",\"repeats\":%d,\"ratio_to_limit_min\":%.3f,\"ratio_to_limit_max\":%.3f,"
+	       "\"limit_repeat_spread\":%.3f", b->o.repeats, p->ratio_min, p->ratio_max,
+	       p->ref_repeat_spread);
 }
 
 /* ---- copy: context, not a limit of either kernel ----------------------------------------- */
@@ -582,6 +650,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       name, t->dim, t->fp16 ? "fp16" : "fp32", weighted ? "true" : "false", P, b->o.batch,
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
+		print_repeats(b, &res[i]);
 		print_theirs(b, forward_step, &a, res[i].ns, &th[i]);
 		printf("}\n");
 		fflush(stdout);
@@ -660,6 +729,7 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 	       "\"limit_weights_only_ns\":%.0f", name, t->dim, BACKWARD_P, t->dim, BACKWARD_P,
 	       b->o.batch, (unsigned long long)wb, (unsigned long long)(m1b + m2b), unique, p.ns,
 	       bytes / p.ns, bytes / p.ref_ns, p.ref_spread, p.ratio, p.ref_ns, weights_only_ns);
+	print_repeats(b, &p);
 	print_phases(b, &a);
 	print_theirs(b, backward_step, &a, p.ns, &th);
 	printf("}\n");
@@ -778,14 +848,17 @@ static void usage(FILE *f)
 {
 	fprintf(f, "usage: embd-bench kernels [--threads N] [--table-mib M] [--batch B] [--runs R]\n"
 		   "                          [--run-ms MS] [--isa scalar|avx2|avx512] [--no-fbgemm]\n"
-		   "                          [--clock wall|cpu] [--config NAME,...]\n"
+		   "                          [--clock wall|cpu] [--repeat N] [--config NAME,...]\n"
 		   "defaults: all cores (pinned), 512 MiB tables, B 2048, 7 runs of 100 ms (medians);\n"
 		   "FBGEMM through $EMBD_BENCH_PYTHON (default python3); --config runs only the configs\n"
 		   "named: forward[_fp16][_weighted]/DIM/P (DIM 32, 64, 128 or 256; P 1, 20 or 100) and\n"
 		   "backward_OPT/128/20 (OPT sgd, adagrad, rowwise_adagrad or adam). --isa and $EMBD_ISA\n"
 		   "pick the kernels' instruction set; FBGEMM is held to AVX2 when they run AVX2.\n"
 		   "--clock cpu times runs by the process's CPU time over the threads (both sides),\n"
-		   "which leaves out the time other processes hold the cores on a shared machine.\n");
+		   "which leaves out the time other processes hold the cores on a shared machine.\n"
+		   "--repeat N measures each kernel line N times against its limit (each with its\n"
+		   "warm-up and runs) and adds the min and max ratio_to_limit and the limit's spread\n"
+		   "over the N (limit_repeat_spread) to the line; its other figures are the medians.\n");
 }
 
 static int parse_args(struct bench *b, int argc, char **argv)
@@ -805,6 +878,8 @@ static int parse_args(struct bench *b, int argc, char **argv)
 			b->o.batch = (uint32_t)atoi(v), i++;
 		} else if (v && !strcmp(argv[i], "--runs")) {
 			b->o.runs = atoi(v), i++;
+		} else if (v && !strcmp(argv[i], "--repeat")) {
+			b->o.repeats = atoi(v), i++;
 		} else if (v && !strcmp(argv[i], "--config")) {
 			b->o.configs = v, i++;
 		} else if (v && !strcmp(argv[i], "--run-ms")) {
@@ -824,9 +899,10 @@ static int parse_args(struct bench *b, int argc, char **argv)
 		}
 	}
 	if (!b->o.threads || !b->o.batch || b->o.runs < 1 || b->o.runs > MAX_RUNS ||
+	    b->o.repeats < 1 || b->o.repeats > MAX_REPEATS ||
 	    b->o.table_bytes < (1u << 20) || !embd_kernels_isa_supported(b->o.isa)) {
 		fprintf(stderr, "embd-bench kernels: bad option value (threads, batch, runs 1..%d, "
-				"table >= 1 MiB, isa this CPU has)\n", MAX_RUNS);
+				"repeat 1..%d, table >= 1 MiB, isa this CPU has)\n", MAX_RUNS, MAX_REPEATS);
 		return 2;
 	}
 	return -1;
@@ -835,7 +911,7 @@ static int parse_args(struct bench *b, int argc, char **argv)
 int bench_kernels_run(int argc, char **argv)
 {
 	struct bench b = { .o = { .threads = (uint32_t)sysconf(_SC_NPROCESSORS_ONLN),
-				  .table_bytes = 512ull << 20, .batch = 2048, .runs = 7,
+				  .table_bytes = 512ull << 20, .batch = 2048, .runs = 7, .repeats = 1,
 				  .run_ns = 100e6, .fbgemm = true } };
 	char err[256];
 	int rc;

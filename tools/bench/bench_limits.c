@@ -4,15 +4,21 @@
  *
  * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
  *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
- *   compiler vectorizes with SSE2), fully unrolled per row size, the head of the row
- *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes:
- *   for one pass over a row that beat prefetching all of it at every size), chunks
- *   of ids grabbed from one counter by the same workers; and after every P ids one pooled row
- *   (D fp32) stored, as the kernel must (at P = 1 that write is as much traffic as the reads).
+ *   compiler vectorizes with SSE2), in the kernel's passes over each bag (embd_forward_pass_cols:
+ *   as many columns as its accumulators in registers hold), fully unrolled per pass width, the
+ *   head of each pass's columns of the row embd_prefetch_rows() ids ahead prefetched as the
+ *   kernel does (embd_prefetch_row_bytes: for one pass over a row that beat prefetching all
+ *   of it at every size), chunks of ids grabbed from one counter by the same workers; and
+ *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
+ *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads).
  *   It checks no id, multiplies by no weight and keeps no per-column sums: the loads feed
  *   integer adds into four rotating accumulators (one cycle, no denormal assists on fp16 bits,
- *   no chain that holds back the loads of later rows). It is the kernel minus everything but
- *   the traffic the kernel cannot avoid, so a kernel can only approach it.
+ *   no chain that holds back the loads of later rows). So it does what the kernel must do
+ *   to move the same bytes in the same order, with the same prefetches, and nothing else; a
+ *   kernel can only approach it, provided the limit's own loop costs no more than the
+ *   kernel's: hence the unrolled stores from registers (with accumulators spilled to the stack
+ *   for a store loop of run-time length, P = 1 rows paid a spill and a reload each, and the
+ *   kernel read up to 1.14 times its limit there; docs/benchmarks.md).
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, state rows prefetched for writing
@@ -47,13 +53,16 @@
 /*
  * The bags [b0, b1) (P ids each), each in passes of nvec vectors over its rows' columns: for
  * each id, the same columns of the row dist ids ahead prefetched (their first pf bytes, within
- * the chunk), then the loads; each pass stores its share of the bag's pooled row. nvec is
- * constant per call site, so the loads unroll.
+ * the chunk), then the loads; each pass stores its share of the bag's pooled row (out_mul
+ * vectors per vector read: 2 for fp16 rows, whose pooled row is fp32). nvec and out_mul are
+ * constant per call site, so the loads and the stores unroll and the four accumulators stay
+ * in registers, as the kernel's do (a store loop of run-time length kept them on the stack:
+ * a reload and a spill per pass that the kernel does not have, at P = 1 one per row).
  */
 #define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
 	const uint8_t *t = g->table;                                                              \
 	uint64_t rb = g->row_bytes, P = g->ids_per_out, n = (b1 - b0) * P;                        \
-	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = g->out_row_bytes * pass / rb;         \
+	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = pass * out_mul;                       \
 	uint64_t pf = pb < pass ? pb : pass;                                                      \
 	const int64_t *ids = g->ids + b0 * P;                                                     \
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
@@ -69,8 +78,8 @@
 				_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++)      \
 					acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
 			}                                                                         \
-			for (uint64_t o = 0; o < out_pass; o += VBYTES)                           \
-				VSTORE(out + o, acc[(o / VBYTES) & 3]);                           \
+			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec * out_mul; v++)    \
+				VSTORE(out + (uint64_t)v * VBYTES, acc[v & 3]);                   \
 		}                                                                                 \
 	}                                                                                         \
 	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
@@ -87,32 +96,41 @@
 	uint64_t *sink
 
 __attribute__((target("avx512f"), always_inline)) static inline void
-bags_512(GATHER_ARGS, const uint32_t nvec)
+bags_512(GATHER_ARGS, const uint32_t nvec, const uint32_t out_mul)
 {
 	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
-bags_256(GATHER_ARGS, const uint32_t nvec)
+bags_256(GATHER_ARGS, const uint32_t nvec, const uint32_t out_mul)
 {
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
 }
 
-static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, const uint32_t nvec)
+static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, const uint32_t nvec,
+							   const uint32_t out_mul)
 {
 	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
 }
 
-/* Constant vector counts for passes of 64 bytes to 1 KiB; others take the rolled loop. */
-#define PASS_SWITCH(FN, VBYTES)                                                                   \
+/* Constant vector counts for passes of 64 bytes to 1 KiB and pooled rows of the rows' size
+ * (fp32) or twice it (fp16); others take the rolled loops. */
+#define PASS_CASES(FN, VBYTES, OUT_MUL)                                                           \
 	switch (pass) {                                                                           \
-	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES); break;                               \
-	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES); break;                             \
-	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES); break;                             \
-	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES); break;                             \
-	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES); break;                           \
-	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES)); break;                 \
+	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES, OUT_MUL); break;                      \
+	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES, OUT_MUL); break;                    \
+	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES, OUT_MUL); break;                    \
+	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES, OUT_MUL); break;                    \
+	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES, OUT_MUL); break;                  \
+	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES), OUT_MUL); break;        \
 	}
+#define PASS_SWITCH(FN, VBYTES)                                                                   \
+	if (g->out_row_bytes == g->row_bytes)                                                     \
+		PASS_CASES(FN, VBYTES, 1)                                                         \
+	else if (g->out_row_bytes == 2 * g->row_bytes)                                            \
+		PASS_CASES(FN, VBYTES, 2)                                                         \
+	else                                                                                      \
+		PASS_CASES(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
 
 __attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass)
 {

@@ -24,7 +24,7 @@ struct bench_gather {
 	uint64_t row_bytes;
 	uint64_t pass_bytes;            /* embd_forward_pass_cols() x the row's element size */
 	uint8_t *out;
-	uint64_t out_row_bytes;         /* a multiple of 64 */
+	uint64_t out_row_bytes;         /* row_bytes (fp32 rows) or twice it (fp16), a multiple of 64 */
 	uint64_t ids_per_out;           /* the pooling factor */
 	enum embd_isa isa;              /* the kernel's (not AUTO) */
 	const int64_t *ids;             /* this batch's */

@@ -1,12 +1,14 @@
 /*
- * The backward limit of embd-bench (tools/bench/bench_limits.c) walks what an exact update
- * touches: the rows and occurrences bench_rmw_rows_make groups must be the batch's, and the
- * walk must leave the arrays it rewrites unchanged on every instruction set.
+ * The limits of embd-bench (tools/bench/bench_limits.c). The backward limit walks what an
+ * exact update touches: the rows and occurrences bench_rmw_rows_make groups must be the
+ * batch's, and the walk must leave the arrays it rewrites unchanged on every instruction set.
+ * The forward (gather) limit must store every pooled row whole, as the kernel does.
  */
 #include <criterion/criterion.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu_kernels.h"
 #include "kernels/embedding.h"
 #include "kernels/workers.h"
 #include "tools/bench/bench_limits.h"
@@ -80,4 +82,58 @@ Test(bench_limits, rmw_leaves_every_array_unchanged)
 	}
 	embd_workers_destroy(two);
 	free(w), free(m1), free(m2), free(w0), free(m10), free(m20), free(grad);
+}
+
+/*
+ * The gather limit stores each bag's whole pooled row (D fp32, twice the bytes of an fp16 row)
+ * and nothing past the last bag's, on every isa this CPU runs and every pass width the kernels
+ * use (one pass, and several over a row); a zero table pools to zeros.
+ */
+Test(bench_limits, gather_stores_each_pooled_row_whole)
+{
+	enum { ROWS = 1024, BAGS = 40, P = 3, GUARD = 256 };
+	enum embd_isa isas[3] = { EMBD_ISA_SCALAR, EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
+	const uint32_t dims[3] = { 32, 128, 256 };
+	int64_t ids[BAGS * P];
+	uint8_t *table = aligned_alloc(64, ROWS * 256 * 4);
+	uint8_t *out = aligned_alloc(64, BAGS * 256 * 4 + GUARD);
+	struct embd_workers *two;
+	char err[128];
+
+	cr_assert(table && out);
+	memset(table, 0, ROWS * 256 * 4);
+	cr_assert_eq(embd_workers_create(2, NULL, &two, err, sizeof(err)), 0, "%s", err);
+	for (int i = 0; i < BAGS * P; i++)
+		ids[i] = (int64_t)((i * 2654435761u) % ROWS);
+	for (int i = 0; i < 3; i++) {
+		if (!embd_kernels_isa_supported(isas[i]))
+			continue;
+		for (int d = 0; d < 3; d++)
+			for (int fp16 = 0; fp16 <= 1; fp16++) {
+				uint64_t rb = dims[d] * (fp16 ? 2u : 4u), ob = dims[d] * 4u;
+				uint64_t pass = embd_forward_pass_cols(isas[i], dims[d]) * (fp16 ? 2u : 4u);
+				struct bench_gather *g = calloc(1, sizeof(*g));
+				cr_assert(g);
+				*g = (struct bench_gather){
+					.table = table, .row_bytes = rb, .pass_bytes = pass, .out = out,
+					.out_row_bytes = ob, .ids_per_out = P, .isa = isas[i], .ids = ids,
+					.n = BAGS * P,
+				};
+				memset(out, 0x5a, BAGS * ob + GUARD);
+				bench_gather_run(two, g);
+				uint64_t bad = 0, past = 0;
+				for (uint64_t j = 0; j < BAGS * ob; j++)
+					bad += out[j] != 0;
+				for (uint64_t j = BAGS * ob; j < BAGS * ob + GUARD; j++)
+					past += out[j] != 0x5a;
+				cr_expect(!bad && !past, "%s D %u %s: %llu pooled bytes not stored, %llu "
+					  "stored past the last row", embd_kernels_isa_name(isas[i]),
+					  dims[d], fp16 ? "fp16" : "fp32", (unsigned long long)bad,
+					  (unsigned long long)past);
+				free(g);
+			}
+	}
+	embd_workers_destroy(two);
+	free(table);
+	free(out);
 }

@@ -85,6 +85,23 @@ Test(kernels_forward, random_shapes_equal_reference)
 	}
 }
 
+/*
+ * Every isa against the definition at widths of whole vectors (one pass and several) and with a
+ * tail vector in the last pass, for fp32 and fp16 rows, plain and weighted: the kernels compile
+ * separate loops for passes of whole vectors and for a pass with a tail.
+ */
+Test(kernels_forward, whole_and_tail_passes_equal_reference)
+{
+	static const uint32_t dims[] = { 8, 20, 24, 64, 100, 128, 200, 256, 260, 512 };
+	struct trng r = { 4 };
+
+	for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)
+		for (int fp16 = 0; fp16 <= 1; fp16++)
+			for (int weighted = 0; weighted <= 1; weighted++)
+				check_unsharded(&r, 700, dims[d], fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32,
+						33, 25, weighted, EMBD_POOLING_SUM);
+}
+
 Test(kernels_forward, batch_of_one)
 {
 	struct trng r = { 2 };
