@@ -29,8 +29,16 @@
  *   are ids); the one order that would read them in sequence, rows by their first occurrence,
  *   puts the rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
  *   sgd 2.88 against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not
- *   prefetched: prefetching them as the kernel does made this loop 5-10% slower. It leaves out
- *   the kernel's reading of ids, the grouping of occurrences and all arithmetic.
+ *   prefetched: prefetching them as the kernel does made this loop 5-10% slower, and so did the
+ *   kernel's whole stream (one entry per occurrence, gradient row included, running on into
+ *   the next chunk: AVX-512 7-25% slower, AVX2 mixed). It leaves out the kernel's reading of
+ *   ids, the grouping of occurrences and all arithmetic. Each chunk of rows is walked by one
+ *   function of the isa's width, the row code inlined and the batch's pointers and sizes in a
+ *   local, as the kernel's row loop has them: with a call per row into the isa's row function,
+ *   which read them again through the bench_rmw pointer after every store (a store through a
+ *   byte pointer may alias it) and cleared the upper vector state on return, the limit took
+ *   16-69% longer per batch on AVX2 (7-15% on AVX-512), and the AVX2 kernel read up to 1.23
+ *   times it (docs/benchmarks.md).
  * Stored values are unchanged (an opaque zero is added), so the limits run on the kernels' own
  * shards: same pages, same huge-page backing, same placement.
  */
@@ -241,6 +249,41 @@ uint64_t bench_rmw_rows_make(const int64_t *ids, uint64_t n, uint64_t ids_per_ba
 	return n_rows;
 }
 
+/*
+ * What the walk reads of bench_rmw, copied into a local: the stores through byte pointers
+ * could alias *r, so fields read through r are read again after every store; from a local
+ * whose address does not escape they stay in registers, as the kernel's do.
+ */
+struct rmw_view {
+	uint8_t *arrays[3];
+	uint64_t row_bytes[3];
+	int num_arrays;
+	const uint8_t *grad;
+	uint64_t grad_row_bytes;
+	const uint64_t *rows, *first;
+	const uint32_t *bags;
+};
+
+/* Row k's lines as the kernel prefetches them: every array's row, for writing. */
+static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct rmw_view *v,
+								   uint64_t k)
+{
+	for (int a = 0; a < v->num_arrays; a++)
+		embd_prefetch_bytes(v->arrays[a] + v->rows[k] * v->row_bytes[a], v->row_bytes[a], 1);
+}
+
+/* Rows [lo, hi): row k + dist's lines prefetched, then row k's gradients read and rows written. */
+#define CHUNK_BODY(ROW)                                                                           \
+	for (uint64_t k = lo; k < hi && k < lo + dist; k++)                                       \
+		prefetch_rmw_row(&v, k);                                                          \
+	for (uint64_t k = lo; k < hi; k++) {                                                      \
+		if (k + dist < hi)                                                                \
+			prefetch_rmw_row(&v, k + dist);                                           \
+		ROW(&v, k, zero);                                                                 \
+	}
+
+#define CHUNK_ARGS const struct rmw_view v, uint64_t lo, uint64_t hi, uint32_t dist, uint32_t zero
+
 #if defined(__x86_64__)
 /*
  * Row k: the gradient rows of its occurrences loaded and summed (integer adds: one vector, and
@@ -249,11 +292,11 @@ uint64_t bench_rmw_rows_make(const int64_t *ids, uint64_t n, uint64_t ids_per_ba
  * kernel's do, and nothing changes.
  */
 #define ROW_BODY(VTYPE, VSET1, VZERO, VLOAD, VADD, VAND, VLOW32, RMW)                              \
-	const uint64_t grb = r->grad_row_bytes, gvec = grb / sizeof(VTYPE) * sizeof(VTYPE);       \
+	const uint64_t grb = v->grad_row_bytes, gvec = grb / sizeof(VTYPE) * sizeof(VTYPE);       \
 	VTYPE z = VZERO;                                                                          \
 	uint32_t zt = 0;                                                                          \
-	for (uint64_t j = r->first[k]; j < r->first[k + 1]; j++) {                                \
-		const uint8_t *gp = r->grad + (uint64_t)r->bags[j] * grb;                         \
+	for (uint64_t j = v->first[k]; j < v->first[k + 1]; j++) {                                \
+		const uint8_t *gp = v->grad + (uint64_t)v->bags[j] * grb;                         \
 		for (uint64_t o = 0; o < gvec; o += sizeof(VTYPE))                                \
 			z = VADD(z, VLOAD((const void *)(gp + o)));                               \
 		for (uint64_t o = gvec; o < grb; o += 4)                                          \
@@ -261,9 +304,9 @@ uint64_t bench_rmw_rows_make(const int64_t *ids, uint64_t n, uint64_t ids_per_ba
 	}                                                                                         \
 	z = VAND(z, VSET1((int)zero));                                                            \
 	zt = (zt + (uint32_t)VLOW32(z)) & zero;                                                   \
-	for (int a = 0; a < r->num_arrays; a++) {                                                 \
-		const uint64_t rb = r->row_bytes[a], rvec = rb / sizeof(VTYPE) * sizeof(VTYPE);   \
-		uint8_t *p = r->arrays[a] + r->rows[k] * rb;                                      \
+	for (int a = 0; a < v->num_arrays; a++) {                                                 \
+		const uint64_t rb = v->row_bytes[a], rvec = rb / sizeof(VTYPE) * sizeof(VTYPE);   \
+		uint8_t *p = v->arrays[a] + v->rows[k] * rb;                                      \
 		RMW_SWITCH(RMW)                                                                   \
 		for (uint64_t o = rvec; o < rb; o += 4)                                           \
 			*(uint32_t *)(p + o) += zt;                                               \
@@ -307,80 +350,96 @@ static inline __attribute__((always_inline)) void rmw_128(uint8_t *p, __m128i z,
 #define LOW32_512(z) _mm_cvtsi128_si32(_mm512_castsi512_si128(z))
 #define LOW32_256(z) _mm_cvtsi128_si32(_mm256_castsi256_si128(z))
 
-__attribute__((target("avx512f"))) static void row_512(const struct bench_rmw *r, uint64_t k,
-							uint32_t zero)
+__attribute__((target("avx512f"), always_inline)) static inline void
+row_512(const struct rmw_view *v, uint64_t k, uint32_t zero)
 {
 	ROW_BODY(__m512i, _mm512_set1_epi32, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32,
 		 _mm512_and_si512, LOW32_512, rmw_512)
 }
 
-__attribute__((target("avx2"))) static void row_256(const struct bench_rmw *r, uint64_t k,
-						     uint32_t zero)
+__attribute__((target("avx2"), always_inline)) static inline void
+row_256(const struct rmw_view *v, uint64_t k, uint32_t zero)
 {
 	ROW_BODY(__m256i, _mm256_set1_epi32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32,
 		 _mm256_and_si256, LOW32_256, rmw_256)
 }
 
-static void row_128(const struct bench_rmw *r, uint64_t k, uint32_t zero)
+static inline __attribute__((always_inline)) void row_128(const struct rmw_view *v, uint64_t k,
+							 uint32_t zero)
 {
 	ROW_BODY(__m128i, _mm_set1_epi32, _mm_setzero_si128(), LOAD128, _mm_add_epi32,
 		 _mm_and_si128, _mm_cvtsi128_si32, rmw_128)
 }
-#endif
 
-/* Row k of the batch: its occurrences' gradient rows read, then every array's row rewritten. */
-static inline void rmw_one_row(const struct bench_rmw *r, uint64_t k, uint32_t zero)
+__attribute__((target("avx512f"))) static void chunk_512(CHUNK_ARGS)
 {
-#if defined(__x86_64__)
-	if (r->isa == EMBD_ISA_AVX512)
-		row_512(r, k, zero);
-	else if (r->isa == EMBD_ISA_AVX2)
-		row_256(r, k, zero);
-	else
-		row_128(r, k, zero);
+	CHUNK_BODY(row_512)
+}
+
+__attribute__((target("avx2"))) static void chunk_256(CHUNK_ARGS)
+{
+	CHUNK_BODY(row_256)
+}
+
+static void chunk_128(CHUNK_ARGS)
+{
+	CHUNK_BODY(row_128)
+}
 #else
+static inline void row_any(const struct rmw_view *v, uint64_t k, uint32_t zero)
+{
 	uint32_t z = 0;
-	for (uint64_t j = r->first[k]; j < r->first[k + 1]; j++) {
-		const uint32_t *gp = (const uint32_t *)(r->grad + (uint64_t)r->bags[j] * r->grad_row_bytes);
-		for (uint64_t i = 0; i < r->grad_row_bytes / 4; i++)
+	for (uint64_t j = v->first[k]; j < v->first[k + 1]; j++) {
+		const uint32_t *gp = (const uint32_t *)(v->grad + (uint64_t)v->bags[j] * v->grad_row_bytes);
+		for (uint64_t i = 0; i < v->grad_row_bytes / 4; i++)
 			z += gp[i];
 	}
 	z &= zero;
-	for (int a = 0; a < r->num_arrays; a++)
-		for (uint64_t i = 0; i < r->row_bytes[a] / 4; i++)
-			((uint32_t *)(r->arrays[a] + r->rows[k] * r->row_bytes[a]))[i] += z;
-#endif
+	for (int a = 0; a < v->num_arrays; a++)
+		for (uint64_t i = 0; i < v->row_bytes[a] / 4; i++)
+			((uint32_t *)(v->arrays[a] + v->rows[k] * v->row_bytes[a]))[i] += z;
 }
 
-/* Row k's lines as the kernel prefetches them: every array's row, for writing. */
-static inline void prefetch_rmw_row(const struct bench_rmw *r, uint64_t k)
+static void chunk_any(CHUNK_ARGS)
 {
-	for (int a = 0; a < r->num_arrays; a++)
-		embd_prefetch_bytes(r->arrays[a] + r->rows[k] * r->row_bytes[a], r->row_bytes[a], 1);
+	CHUNK_BODY(row_any)
 }
+#endif
 
+/*
+ * Chunks of rows from one counter; each chunk walked by one function of the isa's width, whose
+ * row loop has the view, the prefetch distance and the zero mask in registers.
+ */
 static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bench_rmw *r = arg;
+	struct rmw_view v = { .num_arrays = r->num_arrays, .grad = r->grad,
+			      .grad_row_bytes = r->grad_row_bytes, .rows = r->rows,
+			      .first = r->first, .bags = r->bags };
 	uint64_t bytes = 0;
 
 	(void)w, (void)nw;
-	for (int a = 0; a < r->num_arrays; a++)
+	for (int a = 0; a < r->num_arrays; a++) {
+		v.arrays[a] = r->arrays[a];
+		v.row_bytes[a] = r->row_bytes[a];
 		bytes += r->row_bytes[a];
-	uint32_t dist = embd_backward_prefetch_rows(bytes);
+	}
+	const uint32_t dist = embd_backward_prefetch_rows(bytes), zero = r->zero;
 	for (;;) {
 		uint64_t lo = atomic_fetch_add_explicit(&r->next, RMW_CHUNK_ROWS, memory_order_relaxed);
 		if (lo >= r->n)
 			break;
 		uint64_t hi = r->n - lo < RMW_CHUNK_ROWS ? r->n : lo + RMW_CHUNK_ROWS;
-		uint32_t zero = r->zero;
-		for (uint64_t k = lo; k < hi && k < lo + dist; k++)
-			prefetch_rmw_row(r, k);
-		for (uint64_t k = lo; k < hi; k++) {
-			if (k + dist < hi)
-				prefetch_rmw_row(r, k + dist);
-			rmw_one_row(r, k, zero);
-		}
+#if defined(__x86_64__)
+		if (r->isa == EMBD_ISA_AVX512)
+			chunk_512(v, lo, hi, dist, zero);
+		else if (r->isa == EMBD_ISA_AVX2)
+			chunk_256(v, lo, hi, dist, zero);
+		else
+			chunk_128(v, lo, hi, dist, zero);
+#else
+		chunk_any(v, lo, hi, dist, zero);
+#endif
 	}
 }
 

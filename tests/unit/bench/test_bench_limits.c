@@ -85,6 +85,72 @@ Test(bench_limits, rmw_leaves_every_array_unchanged)
 }
 
 /*
+ * With a zero mask that keeps every bit, the walk adds what it read of the gradient to the
+ * rows it writes, so each row shows how often it was written and how many gradient rows it
+ * read: every word of a batch's row gains its occurrences times 32 / lanes (gradient words of
+ * 1, D 32: each vector lane sums 32 / lanes words per gradient row), other rows nothing. Many
+ * chunks, so that the prefetch stream crosses from one into the next, with 1 and 2 workers.
+ */
+Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
+{
+	enum { ROWS = 8192, D = 32, BAGS = 600, P = 5 };
+	enum embd_isa isas[3] = { EMBD_ISA_SCALAR, EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
+	uint32_t *w = calloc(ROWS * D, 4), *m1 = calloc(ROWS * D, 4), *m2 = calloc(ROWS, 4);
+	uint32_t *grad = malloc(BAGS * D * 4), *times = calloc(ROWS, 4);
+	int64_t ids[BAGS * P];
+	uint64_t scratch[2 * BAGS * P], rows[BAGS * P], first[BAGS * P + 1];
+	uint32_t bags[BAGS * P];
+	struct embd_workers *two;
+	char err[128];
+
+	cr_assert(w && m1 && m2 && grad && times);
+	cr_assert_eq(embd_workers_create(2, NULL, &two, err, sizeof(err)), 0, "%s", err);
+	for (int i = 0; i < BAGS * D; i++)
+		grad[i] = 1;
+	for (int i = 0; i < BAGS * P; i++) {
+		ids[i] = (int64_t)((i * 2654435761u) % (i % 3 ? ROWS : 64)); /* some duplicates */
+		times[ids[i]]++;
+	}
+	uint64_t n = bench_rmw_rows_make(ids, BAGS * P, P, scratch, rows, first, bags);
+	cr_assert_gt(n, 4 * 256, "%llu rows: too few chunks", (unsigned long long)n);
+	for (int i = 0; i < 3; i++) {
+		if (!embd_kernels_isa_supported(isas[i]))
+			continue;
+#if defined(__x86_64__)
+		uint32_t lanes = isas[i] == EMBD_ISA_AVX512 ? 16 : isas[i] == EMBD_ISA_AVX2 ? 8 : 4;
+#else
+		uint32_t lanes = 1;
+#endif
+		for (int nw = 1; nw <= 2; nw++) {
+			struct bench_rmw r = {
+				.arrays = { (uint8_t *)w, (uint8_t *)m1, (uint8_t *)m2 },
+				.row_bytes = { D * 4, D * 4, 4 }, .num_arrays = 3,
+				.grad = (const uint8_t *)grad, .grad_row_bytes = D * 4, .isa = isas[i],
+				.rows = rows, .first = first, .bags = bags, .n = n, .zero = UINT32_MAX,
+			};
+			memset(w, 0, ROWS * D * 4);
+			memset(m1, 0, ROWS * D * 4);
+			memset(m2, 0, ROWS * 4);
+			bench_rmw_run(nw == 2 ? two : NULL, &r);
+			int wrong = 0;
+			for (uint32_t row = 0; row < ROWS && wrong < 5; row++) {
+				uint32_t want = times[row] * (D / lanes);
+				for (uint32_t c = 0; c < D; c++)
+					if (w[row * D + c] != want || m1[row * D + c] != want)
+						wrong++;
+				if (m2[row] != want)
+					wrong++;
+				cr_expect(!wrong, "%s, %d workers: row %u (%u occurrences): %u %u %u, want %u",
+					  embd_kernels_isa_name(isas[i]), nw, row, times[row], w[row * D],
+					  m1[row * D], m2[row], want);
+			}
+		}
+	}
+	embd_workers_destroy(two);
+	free(w), free(m1), free(m2), free(grad), free(times);
+}
+
+/*
  * The gather limit stores each bag's whole pooled row (D fp32, twice the bytes of an fp16 row)
  * and nothing past the last bag's, on every isa this CPU runs and every pass width the kernels
  * use (one pass, and several over a row); a zero table pools to zeros.
