@@ -206,6 +206,27 @@ def test_weighted_collection_equals_torchrecs(tmp_path: Path) -> None:
         svc.stop()
 
 
+def client_step(c: embd.Client, step: int) -> None:
+    """A step of a plain client (every bag one id 0) in slot step % 2; closes it after."""
+    b = c.batch(step % embd.SLOTS)
+    n = b.write(np.ones((3, B)), np.zeros(3 * B))
+    c.forward(step % embd.SLOTS, step, n)
+    c.backward(step % embd.SLOTS, step, n)
+    del b
+    c.close()
+
+
+def trainer_1_rejoins_for_step(svc: Service, ebc: embd.torch.EmbeddingBagCollection,
+                               step: int) -> None:
+    """Trainer 1 connects again, told to resume at ``step``, and runs it with ``ebc``."""
+    c = embd.Client(svc.socket, index=1)
+    assert c.resumed_step == step
+    t = ThreadTrainer(lambda: client_step(c, step))
+    train_step(ebc, step)
+    t.join()
+    assert ebc.step == step + 1
+
+
 def test_a_step_aborted_by_another_trainer_raises_and_the_next_one_runs(tmp_path: Path) -> None:
     svc = Service(tmp_path, TABLES, B, trainers=2).start()
     try:
@@ -227,21 +248,7 @@ def test_a_step_aborted_by_another_trainer_raises_and_the_next_one_runs(tmp_path
             out.sum().backward()
         assert e.value.code == embd.codes["EMBD_ECANCELED"] and e.value.step == 0
         assert ebc.step == 1
-        c = embd.Client(svc.socket, index=1)
-        assert c.resumed_step == 1
-
-        def trainer_1_runs_step_1() -> None:
-            b = c.batch(1)
-            n = b.write(np.ones((3, B)), np.zeros(3 * B))
-            c.forward(1, 1, n)
-            c.backward(1, 1, n)
-            del b
-            c.close()
-
-        t = ThreadTrainer(trainer_1_runs_step_1)
-        train_step(ebc, 1)
-        t.join()
-        assert ebc.step == 2
+        trainer_1_rejoins_for_step(svc, ebc, 1)
     finally:
         svc.stop()
 
@@ -382,3 +389,35 @@ def test_a_prefetched_batch_takes_the_next_forward_and_nothing_else(one: Service
     ebc.prefetch(batch_kjt(2))     # between steps: posted as the next step
     train_step(ebc, 2)
     assert ebc.step == 3
+
+
+def test_a_step_aborted_while_the_next_is_prefetched_keeps_the_prefetched_batch(
+        tmp_path: Path) -> None:
+    svc = Service(tmp_path, TABLES, B, trainers=2).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(svc.socket, index=0, timeout=30)
+        c = embd.Client(svc.socket, index=1)
+        ebc.eval()
+        want = ebc(batch_kjt(1)).values()         # the rows as they are: step 0 will abort
+        ebc.train()
+
+        def trainer_1_dies_after_its_forward() -> None:
+            b = c.batch(0)
+            c.forward(0, 0, b.write(np.ones((3, B)), np.zeros(3 * B)))
+            del b
+            c.close()
+
+        t = ThreadTrainer(trainer_1_dies_after_its_forward)
+        out = ebc(batch_kjt(0)).values()
+        ebc.prefetch(batch_kjt(1))                # FORWARD 1 posted before the abort
+        t.join()
+        with pytest.raises(embd.StepAbortedError) as e:
+            out.sum().backward()
+        assert e.value.step == 0 and ebc.step == 1 and ebc.prefetched is not None
+        # the prefetched batch is step 1's, run with the trainers still connected
+        got = train_step(ebc, 1)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        assert ebc.step == 2 and ebc.prefetched is None
+        trainer_1_rejoins_for_step(svc, ebc, 2)
+    finally:
+        svc.stop()
