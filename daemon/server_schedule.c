@@ -234,7 +234,10 @@ static void backward_batch_size_refused(struct embd_server *sv, struct client *c
 static void handle_backward(struct embd_server *sv, struct client *c,
 			    const struct embd_sqe *sqe, uint64_t popped_ns)
 {
-	if (sqe->step + 1 == sv->canceled_step && !c->participant)
+	/* The BACKWARD of the step canceled last: its trainer may already be in the step after
+	 * it (its FORWARD came early, pipelined, and ran once the step was aborted), or be in a
+	 * redone step of that number (dropped by re-forming) whose BACKWARD this is. */
+	if (sqe->step + 1 == sv->canceled_step && (!c->participant || sqe->step != sv->s))
 		embd_server_complete(sv, c, sqe, popped_ns, sv->canceled_code, sv->canceled_why);
 	else if (sv->phase != WAIT_BACKWARD || !c->participant || sqe->step != sv->s)
 		embd_server_complete(sv, c, sqe, popped_ns, EMBD_EINVAL,

@@ -12,6 +12,10 @@ logistic model over a hidden score of the ids of 8 of the features and 3 dense f
 17% are clicks, so predicting that rate scores a loss of 0.46, and the printed noise floor (the
 loss of the true click probabilities) is the best any model can do.
 
+``--pipeline`` (embd only) trains through embd.torch.TrainPipeline, TorchRec's
+TrainPipelineSparseDist for embd: each step's next batch is posted to the service as soon as
+the step's lookup returned, so the service routes it during the dense work; the same results.
+
 ``--write-config FILE`` writes the embd config of these tables (for N trainers) and exits.
 Both backends divide the trainers' embedding gradients by their number (TorchRec's default,
 and embd's gradient_scaling "mean_over_trainers"), so both apply the same update.
@@ -164,7 +168,11 @@ def main() -> int:
     p.add_argument("--write-config", metavar="FILE",
                    help="write embd's config for these tables and --trainers, and exit")
     p.add_argument("--trainers", type=int, default=2, help="trainers (--write-config)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="embd only: train through embd.torch.TrainPipeline")
     args = p.parse_args()
+    if args.pipeline and args.backend != "embd":
+        p.error("--pipeline is embd's (TorchRec's own pipeline needs CUDA streams)")
     if args.write_config:
         with open(args.write_config, "w") as f:
             json.dump(embd_config(args, args.trainers), f, indent=1)
@@ -180,12 +188,33 @@ def main() -> int:
     window = torch.zeros(3)               # sums of losses and floors, steps since the print
     t_start = t_print = time.perf_counter()
     first = None
+
+
+    class Train(torch.nn.Module):
+        """One batch's loss as TorchRec's pipelines call a model: (losses, output)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, batch: Tuple[torch.Tensor, Any, torch.Tensor, float]) -> Any:
+            dense_x, kjt, labels, floor = batch
+            loss = loss_fn(self.model(dense_x, kjt).squeeze(1), labels)
+            return loss, (loss.detach(), floor)
+
+    train = Train()
+    if args.pipeline:
+        import embd.torch
+        pipeline = embd.torch.TrainPipeline(train, opt, sparse_features=lambda b: b[1])
+        batches = (data.batch(step) for step in range(args.steps))
     for step in range(args.steps):
-        dense_x, kjt, labels, floor = data.batch(step)
-        loss = loss_fn(model(dense_x, kjt).squeeze(1), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        if args.pipeline:
+            loss, floor = pipeline.progress(batches)
+        else:
+            loss, (_, floor) = train(data.batch(step))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
         window += torch.tensor([loss.item(), floor, 1.0])
         if step == 0:
             t_start = t_print = time.perf_counter()   # the first step pays for warm-up

@@ -94,8 +94,10 @@ struct embd_batch {
  * the node did, the service routes step s + 1 while step s waits for its backward (on a
  * cluster it also exchanges its ids with the other nodes while step s's update is applied)
  * and looks it up right after that backward, with exactly the result of posting it later; its
- * completion follows BACKWARD s's. A second FORWARD while one is pending, or a FORWARD of
- * step s while its BACKWARD is due, completes at once with EMBD_EINVAL.
+ * completion follows BACKWARD s's. Should step s be aborted first (a trainer left), FORWARD
+ * s + 1 runs with the trainers left and BACKWARD s is answered EMBD_ECANCELED, as without
+ * pipelining. A second FORWARD while one is pending, or a FORWARD of step s while its
+ * BACKWARD is due, completes at once with EMBD_EINVAL.
  *
  * EVAL is an evaluation (TorchRec's eval mode): the pooled output of the slot's batch from
  * the rows as they are, nothing kept for a backward, no row changed, the training step

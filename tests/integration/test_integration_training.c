@@ -205,19 +205,16 @@ static int one_step(struct embd_client *c, uint32_t tr, uint32_t k, uint64_t ste
 	return embd_backward(c, 0, step, n, 0);
 }
 
-Test(training, killed_trainer_cancels_step_and_service_recovers)
+/*
+ * Forks trainer 1: it connects, runs the FORWARD of step s (its step-0 batch), writes 'y' ('n':
+ * the forward failed) to the pipe whose read end is *ready_fd and waits to be killed there,
+ * before its BACKWARD.
+ */
+static pid_t fork_trainer_1_stopping_after_forward(uint64_t s, int *ready_fd)
 {
-	struct embd_client *t0, *t1;
-	struct embd_completion done;
 	char err[256];
 	int pipefd[2];
 
-	start(NULL, 2);
-	int fds_idle = tu_embd_count_fds(&service);
-	cr_assert_gt(fds_idle, 0, "cannot read /proc/%d/fd", (int)service.pid);
-	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
-	int fds_one = tu_embd_count_fds(&service);
-	uint64_t s = embd_layout(t0)->resumed_step;
 	cr_assert_eq(pipe(pipefd), 0);
 	pid_t kid = tu_fork_child();
 	if (kid == 0) {
@@ -237,6 +234,24 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 		_exit(4);
 	}
 	close(pipefd[1]);
+	*ready_fd = pipefd[0];
+	return kid;
+}
+
+Test(training, killed_trainer_cancels_step_and_service_recovers)
+{
+	struct embd_client *t0, *t1;
+	struct embd_completion done;
+	char err[256];
+
+	start(NULL, 2);
+	int fds_idle = tu_embd_count_fds(&service);
+	cr_assert_gt(fds_idle, 0, "cannot read /proc/%d/fd", (int)service.pid);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	int fds_one = tu_embd_count_fds(&service);
+	uint64_t s = embd_layout(t0)->resumed_step;
+	int ready;
+	pid_t kid = fork_trainer_1_stopping_after_forward(s, &ready);
 	/* trainer 0 runs the forward of step s with trainer 1 */
 	struct embd_batch b;
 	embd_batch_get(t0, 0, &b);
@@ -244,11 +259,11 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 	int rc = embd_forward(t0, 0, s, n, 0);
 	cr_assert_eq(rc, 0, "trainer 0 forward of step %llu: expected 0, got %d (%s)",
 		     (unsigned long long)s, rc, embd_last_error(t0));
-	struct pollfd pfd = { .fd = pipefd[0], .events = POLLIN };
+	struct pollfd pfd = { .fd = ready, .events = POLLIN };
 	char ok = 0;
 	cr_assert_eq(poll(&pfd, 1, 5000), 1, "trainer 1 did not finish its forward within 5 s");
-	cr_assert_eq(read(pipefd[0], &ok, 1), 1);
-	close(pipefd[0]);
+	cr_assert_eq(read(ready, &ok, 1), 1);
+	close(ready);
 	cr_assert_eq(ok, 'y', "trainer 1's forward of step %llu failed", (unsigned long long)s);
 	memset(b.grad, 0, (size_t)BATCH * embd_layout(t0)->total_dim * sizeof(float));
 	struct embd_request req = { .op = EMBD_REQUEST_BACKWARD, .slot = 0, .step = s,
@@ -298,6 +313,67 @@ Test(training, killed_trainer_cancels_step_and_service_recovers)
 	fds = tu_embd_wait_fds(&service, fds_idle, FDS_SETTLE_MS);
 	cr_expect_eq(fds, fds_idle, "embd's open fds with no trainer: expected %d as before the "
 		     "test, got %d", fds_idle, fds);
+}
+
+/*
+ * A trainer posts FORWARD s + 1 (pipelined) before BACKWARD s, and step s is aborted (trainer
+ * 1 killed after its FORWARD s) before that BACKWARD: the kept FORWARD runs as step s + 1 with
+ * the trainers left, and the late BACKWARD s is still answered EMBD_ECANCELED, as without
+ * pipelining, not refused as a step this trainer takes no part in.
+ */
+Test(training, backward_of_a_step_aborted_while_the_next_was_posted_is_canceled)
+{
+	struct embd_client *t0;
+	struct embd_completion done;
+	struct embd_batch b0, b1;
+	char err[256];
+
+	start(NULL, 2);
+	cr_assert_eq(embd_connect(service.socket, 0, 5000, &t0, err, sizeof(err)), 0, "%s", err);
+	uint64_t s = embd_layout(t0)->resumed_step;
+	int ready;
+	pid_t kid = fork_trainer_1_stopping_after_forward(s, &ready);
+	embd_batch_get(t0, 0, &b0);
+	embd_batch_get(t0, 1, &b1);
+	uint64_t n0 = gen_batch(0, 0, b0.lengths, b0.values);
+	int rc = embd_forward(t0, 0, s, n0, 0);
+	cr_assert_eq(rc, 0, "trainer 0 forward of step %llu: got %d (%s)", (unsigned long long)s,
+		     rc, embd_last_error(t0));
+	char ok = 0;
+	cr_assert_eq(read(ready, &ok, 1), 1);
+	close(ready);
+	cr_assert_eq(ok, 'y', "trainer 1's forward of step %llu failed", (unsigned long long)s);
+	uint64_t n1 = gen_batch(1, 0, b1.lengths, b1.values);
+	struct embd_request fwd = { .op = EMBD_REQUEST_FORWARD, .slot = 1, .step = s + 1,
+				    .num_values = n1, .user_data = 1 };
+	cr_assert_eq(embd_submit(t0, &fwd), 0, "%s", embd_last_error(t0));
+	int st;
+	kill(kid, SIGKILL);
+	waitpid(kid, &st, 0);
+	rc = embd_wait(t0, &done, 5000);
+	cr_assert(rc == 0 && done.user_data == 1 && done.result == 0,
+		  "FORWARD %llu after step %llu was aborted: expected it to run (result 0), got rc "
+		  "%d user_data %llu result %d (%s)", (unsigned long long)(s + 1),
+		  (unsigned long long)s, rc, (unsigned long long)done.user_data, done.result,
+		  embd_last_error(t0));
+	memset(b0.grad, 0, (size_t)BATCH * embd_layout(t0)->total_dim * sizeof(float));
+	struct embd_request bwd = { .op = EMBD_REQUEST_BACKWARD, .slot = 0, .step = s,
+				    .num_values = n0, .user_data = 2 };
+	cr_assert_eq(embd_submit(t0, &bwd), 0, "%s", embd_last_error(t0));
+	rc = embd_wait(t0, &done, 5000);
+	cr_expect(rc == 0 && done.user_data == 2 && done.result == EMBD_ECANCELED,
+		  "late BACKWARD of aborted step %llu: expected EMBD_ECANCELED (%d), got rc %d "
+		  "result %d (%s)", (unsigned long long)s, EMBD_ECANCELED, rc, done.result,
+		  embd_last_error(t0));
+	memset(b1.grad, 0, (size_t)BATCH * embd_layout(t0)->total_dim * sizeof(float));
+	bwd = (struct embd_request){ .op = EMBD_REQUEST_BACKWARD, .slot = 1, .step = s + 1,
+				     .num_values = n1, .user_data = 3 };
+	cr_assert_eq(embd_submit(t0, &bwd), 0, "%s", embd_last_error(t0));
+	rc = embd_wait(t0, &done, 5000);
+	cr_expect(rc == 0 && done.user_data == 3 && done.result == 0,
+		  "BACKWARD of step %llu: expected 0, got rc %d result %d (%s)",
+		  (unsigned long long)(s + 1), rc, done.result, embd_last_error(t0));
+	embd_close(t0);
 }
 
 /* ---- malformed batches ------------------------------------------------------------------- */

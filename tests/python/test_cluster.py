@@ -10,7 +10,10 @@ read through each node's own rows.
  - a re-formed cluster: node 1 is killed after the cluster checkpoint of step 2 (and step 2
    ran) and restarted; node 0's module raises ResumedError naming step 2 (after a step that
    failed naming node 1) and leaves .step at 2, node 1's new trainer starts at 2 or is told so
-   the same way, both redo step 2 and go on, and every output and row equals the reference.
+   the same way, both redo step 2 and go on, and every output and row equals the reference;
+   the same with every step pipelined (the next step's batch prefetched before the backward):
+   node 1 dies while step 3 is prefetched on both nodes, node 0's prefetched step 3 fails
+   naming node 1, and training resumes at step 2 as without pipelining.
 """
 from __future__ import annotations
 
@@ -94,6 +97,17 @@ def train_step(ebc: embd.torch.EmbeddingBagCollection, trainer: int) -> np.ndarr
     return out.detach().numpy().copy()
 
 
+def pipelined_step(ebc: embd.torch.EmbeddingBagCollection, trainer: int, last: int) -> np.ndarray:
+    """train_step with the batch of the step after it prefetched before the backward (none
+    after step ``last``)."""
+    step = ebc.step
+    out = ebc(batch_kjt(step, trainer)).values()
+    if step < last:
+        ebc.prefetch(batch_kjt(step + 1, trainer))
+    (out * torch.from_numpy(grad(step, trainer))).sum().backward()
+    return out.detach().numpy().copy()
+
+
 def both(bodies) -> None:
     threads = [ThreadTrainer(b) for b in bodies]
     for t in threads:
@@ -169,8 +183,9 @@ def test_cluster_eval_state_dict_and_refused_writes(tmp_path: Path) -> None:
         cl.stop()
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_restarted_node_makes_the_module_raise_resumed_and_training_goes_on(
-        tmp_path: Path, checkpoints: Dict[str, object]) -> None:
+        tmp_path: Path, checkpoints: Dict[str, object], pipelined: bool) -> None:
     cl = Cluster(tmp_path, TABLES, B, PLACEMENT, extra=checkpoints).start()
     try:
         ebcs = [embd.torch.EmbeddingBagCollection(cl.sockets[n], index=0, timeout=30)
@@ -179,8 +194,9 @@ def test_restarted_node_makes_the_module_raise_resumed_and_training_goes_on(
         first: Dict[tuple, np.ndarray] = {}
 
         def steps_0_to_2(g: int) -> None:
-            for s in range(3):
-                first[(s, g)] = train_step(ebcs[g], g)
+            for s in range(3):    # pipelined: step 3's batch is posted when node 1 dies
+                first[(s, g)] = pipelined_step(ebcs[g], g, 3) if pipelined else \
+                    train_step(ebcs[g], g)
 
         both([lambda g=g: steps_0_to_2(g) for g in range(2)])
         manifest = tmp_path / "ckpt" / "step-2" / "manifest.json"
@@ -207,7 +223,7 @@ def test_restarted_node_makes_the_module_raise_resumed_and_training_goes_on(
                                                   (resumed[g] or not must_resume)):
                 s = ebc.step
                 try:
-                    out = train_step(ebc, g)
+                    out = pipelined_step(ebc, g, 4) if pipelined else train_step(ebc, g)
                 except embd.ResumedError as e:
                     resumed[g].append(e)
                     assert ebc.step == e.step, (ebc.step, e.step)

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Tuple
 
 import numpy as np
 import pytest
@@ -128,11 +128,16 @@ def test_kjt_batch_size_values_and_weights_that_do_not_fit_are_refused(one: Serv
     wbc.close()
 
 
+def out_of_range_kjt() -> KeyedJaggedTensor:
+    """A batch the service refuses: id 25 of every feature, beyond t_c's 20 rows."""
+    return KeyedJaggedTensor(keys=KEYS, values=torch.full((3 * B,), 25, dtype=torch.long),
+                             lengths=torch.ones(3 * B, dtype=torch.int32))
+
+
 def test_a_refused_batch_raises_the_services_message_and_the_next_step_runs(
         one: Service) -> None:
     ebc = embd.torch.EmbeddingBagCollection(one.socket)
-    bad = KeyedJaggedTensor(keys=KEYS, values=torch.full((3 * B,), 25, dtype=torch.long),
-                            lengths=torch.ones(3 * B, dtype=torch.int32))
+    bad = out_of_range_kjt()
     with pytest.raises(embd.OutOfRangeError, match="id 25 of feature 'f_c' outside table 't_c'"):
         ebc(bad)
     assert ebc.step == 1      # the trainer sat step 0 out
@@ -201,6 +206,27 @@ def test_weighted_collection_equals_torchrecs(tmp_path: Path) -> None:
         svc.stop()
 
 
+def client_step(c: embd.Client, step: int) -> None:
+    """A step of a plain client (every bag one id 0) in slot step % 2; closes it after."""
+    b = c.batch(step % embd.SLOTS)
+    n = b.write(np.ones((3, B)), np.zeros(3 * B))
+    c.forward(step % embd.SLOTS, step, n)
+    c.backward(step % embd.SLOTS, step, n)
+    del b
+    c.close()
+
+
+def trainer_1_rejoins_for_step(svc: Service, ebc: embd.torch.EmbeddingBagCollection,
+                               step: int) -> None:
+    """Trainer 1 connects again, told to resume at ``step``, and runs it with ``ebc``."""
+    c = embd.Client(svc.socket, index=1)
+    assert c.resumed_step == step
+    t = ThreadTrainer(lambda: client_step(c, step))
+    train_step(ebc, step)
+    t.join()
+    assert ebc.step == step + 1
+
+
 def test_a_step_aborted_by_another_trainer_raises_and_the_next_one_runs(tmp_path: Path) -> None:
     svc = Service(tmp_path, TABLES, B, trainers=2).start()
     try:
@@ -222,21 +248,7 @@ def test_a_step_aborted_by_another_trainer_raises_and_the_next_one_runs(tmp_path
             out.sum().backward()
         assert e.value.code == embd.codes["EMBD_ECANCELED"] and e.value.step == 0
         assert ebc.step == 1
-        c = embd.Client(svc.socket, index=1)
-        assert c.resumed_step == 1
-
-        def trainer_1_runs_step_1() -> None:
-            b = c.batch(1)
-            n = b.write(np.ones((3, B)), np.zeros(3 * B))
-            c.forward(1, 1, n)
-            c.backward(1, 1, n)
-            del b
-            c.close()
-
-        t = ThreadTrainer(trainer_1_runs_step_1)
-        train_step(ebc, 1)
-        t.join()
-        assert ebc.step == 2
+        trainer_1_rejoins_for_step(svc, ebc, 1)
     finally:
         svc.stop()
 
@@ -273,5 +285,139 @@ def test_an_evaluation_given_up_on_leaves_the_backward_saying_why(tmp_path: Path
         with pytest.raises(embd.InvalidArgumentError, match="step 0: its evaluation was given "
                                                             "up on .TimedOutError"):
             out.values().sum().backward()
+    finally:
+        svc.stop()
+
+
+class GradLoss(torch.nn.Module):
+    """The loss sum(pooled * grad) of a batch (kjt, grad), returned as TorchRec's pipelines
+    expect: (losses, output)."""
+
+    def __init__(self, ebc: embd.torch.EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch: Tuple[KeyedJaggedTensor, torch.Tensor]
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        out = self.ebc(batch[0]).values()
+        return (out * batch[1]).sum(), out.detach()
+
+
+def grad_batches(steps: int) -> Iterator[Tuple[KeyedJaggedTensor, torch.Tensor]]:
+    return ((batch_kjt(s), torch.from_numpy(make_grad(B, 24, s, 0, salt=3)))
+            for s in range(steps))
+
+
+def test_train_pipeline_equals_unpipelined_steps_and_stops_after_the_last_batch(
+        tmp_path: Path) -> None:
+    """3 batches through TrainPipeline, then StopIteration; outputs and tables bit-equal to
+    unpipelined steps on a second service from the same weights."""
+    w0 = initial_weights(TABLES, 9)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "piped").mkdir()
+    plain = Service(tmp_path / "plain", TABLES, B, trainers=1, weights=w0).start()
+    piped = Service(tmp_path / "piped", TABLES, B, trainers=1, weights=w0).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(plain.socket)
+        want = [train_step(ebc, s) for s in range(3)]
+        ebc.close()
+        ebc = embd.torch.EmbeddingBagCollection(piped.socket)
+        pipeline = embd.torch.TrainPipeline(GradLoss(ebc), sparse_features=lambda b: b[0])
+        batches = grad_batches(3)
+        got = [pipeline.progress(batches)]
+        assert ebc.prefetched is not None and ebc.step == 1   # batch 1 posted as step 1
+        got += [pipeline.progress(batches), pipeline.progress(batches)]
+        assert ebc.prefetched is None and ebc.step == 3       # the last step prefetched nothing
+        with pytest.raises(StopIteration):
+            pipeline.progress(batches)
+        for s in range(3):
+            np.testing.assert_array_equal(got[s].numpy(), want[s].numpy(), err_msg=f"step {s}")
+        ebc.close()
+        for t in TABLES:
+            np.testing.assert_array_equal(piped.weights(t.name, 3), plain.weights(t.name, 3),
+                                          err_msg=t.name)
+            assert np.abs(piped.weights(t.name, 3) - w0[t.name]).max() > 1e-3
+    finally:
+        plain.stop()
+        piped.stop()
+
+
+def test_a_refused_prefetched_batch_raises_at_its_forward_and_the_next_step_runs(
+        one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    bad = out_of_range_kjt()
+    out = ebc(batch_kjt(0)).values()
+    ebc.prefetch(bad)                              # posted as step 1, refused by the service
+    (out * torch.from_numpy(make_grad(B, 24, 0, 0, salt=3))).sum().backward()
+    assert ebc.step == 1
+    with pytest.raises(embd.OutOfRangeError, match="id 25 of feature 'f_c' outside table 't_c'"):
+        ebc(bad)
+    assert ebc.step == 2 and ebc.prefetched is None   # the trainer sat step 1 out
+    # a KJT the layout refuses raises at its forward too, naming the key, and posts nothing
+    wrong = batch_kjt(2, keys=["f_a", "f_x", "f_c"])
+    ebc.prefetch(wrong)
+    with pytest.raises(embd.InvalidArgumentError, match="KJT key 'f_x' .position 1."):
+        ebc(wrong)
+    assert ebc.step == 2
+    train_step(ebc, 2)
+    assert ebc.step == 3
+
+
+def test_a_prefetched_batch_takes_the_next_forward_and_nothing_else(one: Service) -> None:
+    ebc = embd.torch.EmbeddingBagCollection(one.socket)
+    out = ebc(batch_kjt(0)).values()
+    ebc.prefetch(batch_kjt(1))
+    with pytest.raises(embd.InvalidArgumentError, match="prefetch while the batch of step 1"):
+        ebc.prefetch(batch_kjt(2))
+    with pytest.raises(embd.InvalidArgumentError,
+                       match="forward of step 1 before the backward of step 0"):
+        ebc(batch_kjt(1))
+    out.sum().backward()
+    with pytest.raises(embd.InvalidArgumentError,
+                       match="another batch than the one prefetched for step 1"):
+        ebc(batch_kjt(2))
+    with torch.no_grad(), pytest.raises(embd.InvalidArgumentError,
+                                        match="evaluation while the batch of step 1"):
+        ebc(batch_kjt(1))
+    train_step(ebc, 1)             # an equal KJT (a new object) takes the prefetched lookup
+    assert ebc.step == 2 and ebc.prefetched is None
+    ebc.eval()
+    with pytest.raises(embd.InvalidArgumentError, match="prefetch in eval"):
+        ebc.prefetch(batch_kjt(2))
+    ebc(batch_kjt(2))              # evaluations run again
+    ebc.train()
+    ebc.prefetch(batch_kjt(2))     # between steps: posted as the next step
+    train_step(ebc, 2)
+    assert ebc.step == 3
+
+
+def test_a_step_aborted_while_the_next_is_prefetched_keeps_the_prefetched_batch(
+        tmp_path: Path) -> None:
+    svc = Service(tmp_path, TABLES, B, trainers=2).start()
+    try:
+        ebc = embd.torch.EmbeddingBagCollection(svc.socket, index=0, timeout=30)
+        c = embd.Client(svc.socket, index=1)
+        ebc.eval()
+        want = ebc(batch_kjt(1)).values()         # the rows as they are: step 0 will abort
+        ebc.train()
+
+        def trainer_1_dies_after_its_forward() -> None:
+            b = c.batch(0)
+            c.forward(0, 0, b.write(np.ones((3, B)), np.zeros(3 * B)))
+            del b
+            c.close()
+
+        t = ThreadTrainer(trainer_1_dies_after_its_forward)
+        out = ebc(batch_kjt(0)).values()
+        ebc.prefetch(batch_kjt(1))                # FORWARD 1 posted before the abort
+        t.join()
+        with pytest.raises(embd.StepAbortedError) as e:
+            out.sum().backward()
+        assert e.value.step == 0 and ebc.step == 1 and ebc.prefetched is not None
+        # the prefetched batch is step 1's, run with the trainers still connected
+        got = train_step(ebc, 1)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+        assert ebc.step == 2 and ebc.prefetched is None
+        trainer_1_rejoins_for_step(svc, ebc, 2)
     finally:
         svc.stop()

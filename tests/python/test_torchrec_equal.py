@@ -23,7 +23,7 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -49,7 +49,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_trainers(tmp: Path, svc: Service, torchrec_sharding: str,
-                 weights: Optional[Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
+                 weights: Optional[Dict[str, np.ndarray]],
+                 pipelined: bool = False) -> List[Dict[str, np.ndarray]]:
     """Runs TRAINERS torchrec_trainer.py processes; returns what each saved. Without weights
     the trainers start from TorchRec's initial weights, loaded into embd by load_state_dict."""
     if weights is not None:
@@ -58,6 +59,7 @@ def run_trainers(tmp: Path, svc: Service, torchrec_sharding: str,
            "steps": STEPS, "salt": SALT, "weights": str(tmp / "init.npz"),
            "init": "import" if weights is not None else "state_dict",
            "torchrec_sharding": torchrec_sharding, "gradient_division": True,
+           "pipelined": pipelined,
            "out": str(tmp / "trainer-%d.npz")}
     (tmp / "job.json").write_text(json.dumps(job))
     port = free_port()
@@ -134,13 +136,34 @@ def test_torchrecs_initial_weights_through_load_state_dict(tmp_path: Path) -> No
     train_and_compare(tmp_path, "row_wise", None)
 
 
-def train_and_compare(tmp_path: Path, sharding: str,
-                      weights: Optional[Dict[str, np.ndarray]]) -> None:
+def test_pipelined_steps_equal_unpipelined_ones_and_torchrec(tmp_path: Path) -> None:
+    """Both trainers through embd.torch.TrainPipeline (every step's next batch prefetched
+    before its backward): outputs and tables bit-equal to unpipelined training, and TorchRec's
+    within TOL (train_and_compare)."""
+    weights = initial_weights(TABLES, seed=3)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "piped").mkdir()
+    plain, plain_final = train_and_compare(tmp_path / "plain", "table_wise", weights)
+    piped, piped_final = train_and_compare(tmp_path / "piped", "table_wise", weights,
+                                           pipelined=True)
+    for rank in range(TRAINERS):
+        np.testing.assert_array_equal(piped[rank]["ours"], plain[rank]["ours"],
+                                      err_msg=f"trainer {rank}'s outputs")
+    for t in TABLES:
+        np.testing.assert_array_equal(piped_final[t.name], plain_final[t.name],
+                                      err_msg=f"{t.name} after {STEPS} steps")
+
+
+def train_and_compare(tmp_path: Path, sharding: str, weights: Optional[Dict[str, np.ndarray]],
+                      pipelined: bool = False
+                      ) -> Tuple[List[Dict[str, np.ndarray]], Dict[str, np.ndarray]]:
+    """Trains, compares with TorchRec; returns what the trainers saved and embd's tables."""
     svc = Service(tmp_path, TABLES, B, trainers=TRAINERS, sharding=sharding,
                   weights=weights).start()
     try:
         saved = run_trainers(tmp_path, svc,
-                             "table_wise" if sharding == "row_wise" else sharding, weights)
+                             "table_wise" if sharding == "row_wise" else sharding, weights,
+                             pipelined)
         ours_final = {t.name: svc.weights(t.name, STEPS) for t in TABLES}
     finally:
         svc.stop()
@@ -174,3 +197,4 @@ def train_and_compare(tmp_path: Path, sharding: str,
             f"is {ours_final[t.name][r, c]:.8f} in embd, {want[r, c]:.8f} in {who}")
         moved = np.abs(ours_final[t.name] - weights[t.name]).max()
         assert moved > 100 * TOL, f"{t.name}: the weights did not move ({moved:.3g})"
+    return saved, ours_final

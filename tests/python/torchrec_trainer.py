@@ -6,7 +6,8 @@ backward) from the same initial weights: the test's (job["weights"], in embd thr
 import`), or with job["init"] == "state_dict" TorchRec's own initial weights (a seeded
 torchrec.EmbeddingBagCollection), which trainer 0 writes into embd with load_state_dict. It
 saves both outputs of every step, the initial weights and its local shards of TorchRec's final
-weights to an .npz for the test to compare.
+weights to an .npz for the test to compare. With job["pipelined"] embd's steps run first, all
+of them through embd.torch.TrainPipeline (each step's next batch prefetched), then TorchRec's.
 
 Usage: torchrec_trainer.py JOB.json  (written by the test: see run_trainers there)
 """
@@ -94,6 +95,38 @@ def torchrec_side(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
     return dmp
 
 
+class GradLoss(torch.nn.Module):
+    """The loss sum(pooled * grad) of a batch (kjt, grad), as TorchRec's pipelines call a
+    model: (losses, output)."""
+
+    def __init__(self, ebc: embd.torch.EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, batch: Any) -> Any:
+        features, grad = batch
+        out = self.ebc(features).values()
+        return (out * grad).sum(), out.detach()
+
+
+def pipelined_outputs(job: Dict[str, Any], ours: embd.torch.EmbeddingBagCollection,
+                      tables: List[TableSpec], rank: int) -> List[np.ndarray]:
+    """embd's outputs of every step, trained through TrainPipeline."""
+    keys = [f for t in tables for f in t.features]
+    B, D = job["batch_size"], ours._layout.total_dim
+    batches = ((kjt(keys, make_batch(tables, B, step, rank, salt=job["salt"])),
+                torch.from_numpy(make_grad(B, D, step, rank, salt=job["salt"])))
+               for step in range(job["steps"]))
+    pipeline = embd.torch.TrainPipeline(GradLoss(ours), sparse_features=lambda b: b[0])
+    outs = []
+    while True:
+        try:
+            outs.append(pipeline.progress(batches).numpy().copy())
+        except StopIteration:
+            break
+    return outs
+
+
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     rank = int(os.environ["RANK"])
@@ -110,13 +143,16 @@ def main() -> int:
     B, D = job["batch_size"], ours._layout.total_dim
     cols = np.concatenate([np.arange(f.offset, f.offset + f.dim) for f in ours._layout.features
                            if f.name in theirs_keys])
-    out_ours, out_theirs = [], []
+    pipelined = bool(job.get("pipelined"))
+    out_ours = pipelined_outputs(job, ours, tables, rank) if pipelined else []
+    out_theirs = []
     for step in range(job["steps"]):
         b = make_batch(tables, B, step, rank, salt=job["salt"])
         grad = torch.from_numpy(make_grad(B, D, step, rank, salt=job["salt"]))
-        kt = ours(kjt(layout_keys, b))
-        (kt.values() * grad).sum().backward()
-        out_ours.append(kt.values().detach().numpy().copy())
+        if not pipelined:
+            kt = ours(kjt(layout_keys, b))
+            (kt.values() * grad).sum().backward()
+            out_ours.append(kt.values().detach().numpy().copy())
         # a sharded collection's output keys come grouped by sharding: take them by name
         tkt = dmp(kjt(layout_keys, b, only=theirs_keys)).to_dict()
         theirs = torch.cat([tkt[k] for k in theirs_keys], dim=1)

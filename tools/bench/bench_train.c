@@ -11,7 +11,8 @@
  * per table, the gather of every id's row of the global batch (all trainers) with the pooled
  * rows stored, then the read-modify-write of its distinct rows after each one's occurrences'
  * gradient rows are read.
- * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic).
+ * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
+ * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -239,6 +240,7 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 	}
 	const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "embd_steps_per_s");
 	const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "torchrec_steps_per_s");
+	const cJSON *ep = cJSON_GetObjectItemCaseSensitive(j, "embd_pipelined_steps_per_s");
 	cJSON *out = cJSON_CreateObject();
 	cJSON_AddStringToObject(out, "name", "train");
 	for (cJSON *it = j->child; it; it = it->next)
@@ -250,6 +252,8 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 					cJSON_IsNumber(e) ? e->valuedouble / limit_sps : 0);
 		cJSON_AddNumberToObject(out, "torchrec_ratio_to_limit",
 					cJSON_IsNumber(t) ? t->valuedouble / limit_sps : 0);
+		cJSON_AddNumberToObject(out, "pipelined_ratio_to_limit",
+					cJSON_IsNumber(ep) ? ep->valuedouble / limit_sps : 0);
 		cJSON_AddNumberToObject(out, "step_bytes", lim->step_bytes);
 		cJSON_AddNumberToObject(out, "limit_gather_ms", lim->gather_ms);
 		cJSON_AddNumberToObject(out, "limit_rmw_ms", lim->rmw_ms);

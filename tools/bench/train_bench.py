@@ -4,7 +4,10 @@ drop-in for TorchRec's) against TorchRec's own sharded EmbeddingBagCollection
 (DistributedModelParallel over gloo, the fused kernel with SGD applied in backward, FBGEMM's CPU
 kernels) in the same two processes, on the same batches and gradients. For each sharding type
 embd is started with that type forced on every table and TorchRec's planner gets the same
-constraint; rounds of the two alternate and each figure is the median round.
+constraint; rounds of the two alternate and each figure is the median round. embd runs twice
+per round: plain steps (``embd_steps_per_s``, ``vs_torchrec``) and pipelined ones through
+``embd.torch.TrainPipeline``, each step's next batch posted before its backward
+(``embd_pipelined_steps_per_s``, ``vs_torchrec_pipelined``: against the same TorchRec rounds).
 
 A step is the same on both sides: the KJT's pooled embeddings, a fixed dL/d(pooled), its
 backward (the sparse update). Both sides divide the trainers' gradients by their number
@@ -83,31 +86,48 @@ def worker(job: Dict[str, Any]) -> int:
     grad = torch.from_numpy(np.random.default_rng([7, rank]).uniform(
         -1, 1, (B, F * D)).astype(np.float32))
 
-    def step_embd(k: int) -> None:
-        kt = ours(kjts[k % len(kjts)])
-        (kt.values() * grad).sum().backward()
+    def run_embd(n: int) -> None:
+        for k in range(n):
+            kt = ours(kjts[k % len(kjts)])
+            (kt.values() * grad).sum().backward()
 
-    def step_torchrec(k: int) -> None:
-        kt = dmp(kjts[k % len(kjts)])
-        (kt.values() * grad).sum().backward()
+    class GradLoss(torch.nn.Module):
+        def forward(self, features: KeyedJaggedTensor) -> Any:
+            return (ours(features).values() * grad).sum(), None
 
-    def round_s(step: Any, n: int) -> float:
+    pipeline = embd.torch.TrainPipeline(GradLoss(), ebc=ours)
+
+    def run_embd_pipelined(n: int) -> None:
+        batches = (kjts[k % len(kjts)] for k in range(n))
+        try:
+            while True:
+                pipeline.progress(batches)
+        except StopIteration:
+            pass
+
+    def run_torchrec(n: int) -> None:
+        for k in range(n):
+            kt = dmp(kjts[k % len(kjts)])
+            (kt.values() * grad).sum().backward()
+
+    def round_s(run: Any, n: int) -> float:
         """Seconds for n steps, the slowest trainer's (the steps are synchronous)."""
         dist.barrier()
         t0 = time.perf_counter()
-        for k in range(n):
-            step(k)
+        run(n)
         el = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(el, op=dist.ReduceOp.MAX)
         return float(el.item())
 
-    for side in (step_embd, step_torchrec):   # warm-up: first touches, FBGEMM's set-up
+    sides = (("embd", run_embd), ("embd_pipelined", run_embd_pipelined),
+             ("torchrec", run_torchrec))
+    for _, side in sides:   # warm-up: first touches, FBGEMM's set-up
         round_s(side, job["warmup"])
-    rates: Dict[str, List[float]] = {"embd": [], "torchrec": []}
+    rates: Dict[str, List[float]] = {name: [] for name, _ in sides}
     profile = os.environ.get("EMBD_BENCH_PROFILE")
     profilers = {side: cProfile.Profile() for side in rates} if profile else {}
     for _ in range(job["rounds"]):
-        for name, side in (("embd", step_embd), ("torchrec", step_torchrec)):
+        for name, side in sides:
             if profilers:
                 profilers[name].enable()
             rates[name].append(job["steps"] / round_s(side, job["steps"]))
@@ -178,11 +198,15 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
                            f"{procs[failed[0]].returncode}:\n{text[-3000:]}")
     rates = json.loads(out.read_text())
     e, t = statistics.median(rates["embd"]), statistics.median(rates["torchrec"])
+    ep = statistics.median(rates["embd_pipelined"])
     return {"sharding": sharding, "torchrec_sharding": torchrec_sharding,
             "embd_steps_per_s": round(e, 3), "torchrec_steps_per_s": round(t, 3),
             "vs_torchrec": round(e / t, 3) if t > 0 else 0,
+            "embd_pipelined_steps_per_s": round(ep, 3),
+            "vs_torchrec_pipelined": round(ep / t, 3) if t > 0 else 0,
             "cpus": len(os.sched_getaffinity(0)),      # what the trainers and embd may use
             "embd_rounds": [round(x, 3) for x in rates["embd"]],
+            "embd_pipelined_rounds": [round(x, 3) for x in rates["embd_pipelined"]],
             "torchrec_rounds": [round(x, 3) for x in rates["torchrec"]]}
 
 

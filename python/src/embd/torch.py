@@ -19,10 +19,17 @@ the batch slot (slots are reused two steps later); the KJT is copied into it.
 ``state_dict()`` / ``load_state_dict()`` read and write the service's rows under TorchRec's
 keys (``embedding_bags.<table>.weight``), so a trained module's state loads into a plain
 ``torchrec.EmbeddingBagCollection`` with the same configs, and TorchRec's weights into embd.
+
+Pipelined steps (TorchRec's ``TrainPipelineSparseDist`` idea, docs/architecture.md):
+:class:`TrainPipeline` trains a model one batch per ``progress(dataloader_iter)`` and posts the
+next batch's lookup while the current step's dense work runs, so the service routes it
+meanwhile; :meth:`EmbeddingBagCollection.prefetch` is the call underneath. The results are
+bit-identical to unpipelined steps.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NoReturn, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -32,7 +39,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 import embd
-from embd.client import Layout, Pooling
+from embd.client import Completion, Layout, Op, Pooling
 
 _POOLING = {Pooling.SUM: PoolingType.SUM, Pooling.MEAN: PoolingType.MEAN}
 _DATA_TYPE = {embd.DataType.FP32: DataType.FP32, embd.DataType.FP16: DataType.FP16}
@@ -95,6 +102,35 @@ def _key_mismatch(got: List[str], want: List[str]) -> str:
     return expect  # not reached: got != want
 
 
+def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> bool:
+    """Whether two KJTs hold the same batch (the same object, or equal keys, lengths, ids and
+    weights)."""
+    if a is b:
+        return True
+    wa, wb = a.weights_or_none(), b.weights_or_none()
+    return (list(a.keys()) == list(b.keys()) and torch.equal(a.lengths(), b.lengths()) and
+            torch.equal(a.values(), b.values()) and (wa is None) == (wb is None) and
+            (wa is None or torch.equal(wa, wb)))
+
+
+@dataclass
+class _Prefetched:
+    """A batch posted ahead by :meth:`EmbeddingBagCollection.prefetch`."""
+
+    step: int
+    slot: int
+    num_values: int
+    batch_size: int
+    features: KeyedJaggedTensor
+    #: the request's user_data, or None when the KJT does not fit the layout (nothing posted)
+    tag: Optional[int]
+    #: why the KJT does not fit: raised by the forward that uses it, as an unpipelined one would
+    error: Optional[BaseException] = None
+    #: posted for a step the service no longer runs next (the step before it failed with a
+    #: step to resume at): its completion, a refusal, is taken and dropped
+    stale: bool = False
+
+
 class _Step(torch.autograd.Function):
     """One training step of the service: forward returns the pooled rows (a copy), backward
     hands dL/d(pooled) to the service. ``anchor`` is a leaf that requires grad, so the output
@@ -136,6 +172,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
     node only: a cluster refuses writes with :class:`embd.NotSupportedError`). Read between
     steps, they are exactly the rows the next step reads. The fused optimizer's state is
     :meth:`optimizer_state_dict` / :meth:`load_optimizer_state_dict`.
+
+    :meth:`prefetch` posts the lookup of the next training step's batch without waiting
+    (pipelined steps, see :class:`TrainPipeline`).
     """
 
     def __init__(self, socket_path: Optional[str] = None, index: Optional[int] = None, *,
@@ -157,6 +196,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
         # runs on (a third of a 64K-id step on a 2-core machine).
         self._slots = [self._client.batch(s) for s in range(embd.SLOTS)]
         self._anchor = torch.empty(0, requires_grad=True)
+        self._prefetched: Optional[_Prefetched] = None
+        # completions taken while waiting for another request's (prefetch in flight)
+        self._completions: Dict[int, Completion] = {}
+        self._last_tag = 0
 
     # ---- TorchRec's interface ----------------------------------------------------------------
 
@@ -173,11 +216,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if self._broken:
             raise embd.InvalidArgumentError(self._broken)
-        b = check_kjt(self._layout, features, self._is_weighted)
-        if not self.training or not torch.is_grad_enabled():
-            values = self._evaluate(features, b)
+        self._drop_stale()
+        if self._prefetched is not None:
+            values = self._train_prefetched(features)
         else:
-            values = self._train(features, b)
+            b = check_kjt(self._layout, features, self._is_weighted)
+            if not self.training or not torch.is_grad_enabled():
+                values = self._evaluate(features, b)
+            else:
+                values = self._train(features, b)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding,
                            values=values)
 
@@ -187,6 +234,116 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
     def step(self) -> int:
         """The step the next training forward posts."""
         return self._next_step
+
+    @property
+    def prefetched(self) -> Optional[KeyedJaggedTensor]:
+        """The batch :meth:`prefetch` posted, whose training forward has not run yet."""
+        p = self._prefetched
+        return None if p is None or p.stale else p.features
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Posts the lookup of ``features`` as the next training step without waiting for it:
+        the step after the one whose backward is due (or, between steps, the next one). The
+        service routes it (checks and distributes its ids) while this trainer's dense work
+        runs and looks it up right after the current step's backward; the training forward
+        of the same batch (this KJT object, or one equal to it) then only waits for the
+        result, which is exactly the unpipelined forward's.
+
+        A KJT that does not fit the layout, or ids the service refuses, raise at that forward,
+        as the unpipelined forward raises them (the step is then over for this trainer, as
+        there). Until that forward: another ``prefetch`` and a forward of another batch raise
+        :class:`embd.InvalidArgumentError` and change nothing, and so does an evaluation
+        (``eval()`` mode or ``torch.no_grad()``): the prefetched batch is a training step the
+        service already has, run its forward first. A step that fails in its backward with a
+        step to resume at other than the prefetched one (:class:`embd.ResumedError`) drops the
+        prefetched batch: feed the batch of that step, as without pipelining. Raises
+        :class:`embd.InvalidArgumentError` at once in ``eval()`` mode."""
+        if self._broken:
+            raise embd.InvalidArgumentError(self._broken)
+        self._drop_stale()
+        if self._prefetched is not None:
+            raise embd.InvalidArgumentError(
+                f"prefetch while the batch of step {self._prefetched.step} is prefetched: run "
+                "its training forward first (one batch is prefetched at a time)")
+        if not self.training:
+            raise embd.InvalidArgumentError(
+                "prefetch in eval() mode: a prefetched batch is a training step")
+        step = self._next_step + (self._pending is not None)
+        slot = step % embd.SLOTS
+        try:
+            b = check_kjt(self._layout, features, self._is_weighted)
+        except embd.InvalidArgumentError as e:
+            self._prefetched = _Prefetched(step, slot, 0, 0, features, None, e)
+            return
+        n = self._fill(slot, features, b)
+        self._last_tag += 1
+        self._client.submit(Op.FORWARD, slot, step, n, self._is_weighted, self._last_tag, b)
+        self._prefetched = _Prefetched(step, slot, n, b, features, self._last_tag)
+
+    def _train_prefetched(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        p = self._prefetched
+        assert p is not None
+        if not self.training or not torch.is_grad_enabled():
+            raise embd.InvalidArgumentError(
+                f"evaluation while the batch of step {p.step} is prefetched (a training step "
+                "the service already has): run its training forward first")
+        if not _same_kjt(features, p.features):
+            raise embd.InvalidArgumentError(
+                f"forward of another batch than the one prefetched for step {p.step}: the "
+                "next training forward takes the prefetched KJT (.prefetched)")
+        if self._pending is not None:
+            raise embd.InvalidArgumentError(
+                f"forward of step {p.step} before the backward of step {self._pending[0]}: "
+                "every training forward needs its backward (loss.backward()) before the next "
+                "one, the service waits for it")
+        self._prefetched = None
+        if p.error is not None:
+            raise p.error
+        try:
+            self._await(p.tag)
+        except BaseException as e:
+            self._after_failure(p.step, "forward", e)
+        self._pending = (p.step, p.slot, p.num_values, p.batch_size)
+        out: torch.Tensor = _Step.apply(self._anchor, self, p.step)
+        return out
+
+    def _await(self, tag: Optional[int]) -> None:
+        """Waits for the completion of the request posted with user_data ``tag``, keeping the
+        others taken meanwhile; raises its error."""
+        assert tag is not None
+        done = self._completions.pop(tag, None)
+        while done is None:
+            c = self._client.wait(self._timeout)
+            if c.user_data == tag:
+                done = c
+            else:
+                self._completions[c.user_data] = c
+        done.check()
+
+    def _drop_stale(self) -> None:
+        """Takes the refusal of a prefetched batch that the service no longer runs."""
+        p = self._prefetched
+        if p is None or not p.stale:
+            return
+        try:
+            self._await(p.tag)
+        except embd.Error as e:
+            if e.step is None:
+                self._after_failure(p.step, "forward", e)
+        except BaseException as e:
+            self._after_failure(p.step, "forward", e)
+        self._prefetched = None
+
+    def _after_step_failure(self) -> None:
+        """After the step whose backward was due failed: a prefetched batch posted for another
+        step than the one to post next is dropped (its completion, taken later)."""
+        p = self._prefetched
+        if p is None or p.step == self._next_step or self._broken:
+            return
+        if p.tag is None:
+            self._prefetched = None
+        else:
+            p.stale = True
 
     def _fill(self, slot: int, features: KeyedJaggedTensor, b: int) -> int:
         """Copies the KJT of ``b`` samples into batch slot ``slot``; returns its ids."""
@@ -247,10 +404,21 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
                 f"backward of step {step} ran already (each step's output takes one backward)")
         _, slot, n, b = self._pending
         np.copyto(self._slots[slot].grad[:b], grad.detach().numpy())
+        p = self._prefetched
         try:
-            self._client.backward(slot, step, n, self._is_weighted, self._timeout, b)
+            if p is not None and p.tag is not None:
+                # the prefetched forward is in flight: its completion may come first
+                self._last_tag += 1
+                self._client.submit(Op.BACKWARD, slot, step, n, self._is_weighted,
+                                    self._last_tag, b)
+                self._await(self._last_tag)
+            else:
+                self._client.backward(slot, step, n, self._is_weighted, self._timeout, b)
         except BaseException as e:
-            self._after_failure(step, "backward", e)
+            try:
+                self._after_failure(step, "backward", e)
+            finally:
+                self._after_step_failure()
         self._pending = None
         self._next_step = step + 1
 
@@ -361,4 +529,107 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):  # type: ignore[m
                 f"tables={[t.name for t in self._layout.tables]}, step={self._next_step}")
 
 
-__all__ = ["EmbeddingBagCollection", "embedding_bag_configs", "check_kjt"]
+def sparse_features(batch: Any) -> KeyedJaggedTensor:
+    """The KJT of a batch: the batch itself when it is one, else its ``sparse_features`` field
+    (TorchRec's ``torchrec.datasets.utils.Batch``)."""
+    if isinstance(batch, KeyedJaggedTensor):
+        return batch
+    features = getattr(batch, "sparse_features", None)
+    if isinstance(features, KeyedJaggedTensor):
+        return features
+    raise embd.InvalidArgumentError(
+        f"a batch of type {type(batch).__name__} with no KeyedJaggedTensor field "
+        "'sparse_features': give TrainPipeline(sparse_features=...) a function that returns "
+        "the KJT the model hands to its embd EmbeddingBagCollection")
+
+
+class TrainPipeline:
+    """TorchRec's ``TrainPipelineSparseDist`` for a model whose sparse part is an embd
+    :class:`EmbeddingBagCollection`: each :meth:`progress` trains one batch and, as soon as the
+    collection's forward of that batch returned, posts the next batch's lookup
+    (:meth:`EmbeddingBagCollection.prefetch`), so the service routes it while the dense
+    forward, backward and optimizer step run and looks it up right after this step's
+    backward. The steps' results are bit-identical to unpipelined training.
+
+    Args:
+        model: called as ``model(batch)``, returning ``(losses, output)`` as TorchRec's
+            pipelines expect (``torchrec.models.dlrm.DLRMTrain`` does); it must hand the
+            batch's KJT (the same object, or one equal to it) to the collection, once.
+        optimizer: the dense optimizer (``zero_grad()`` before each batch, ``step()`` after its
+            backward), or None when the model has no dense parameters.
+        sparse_features: returns the KJT of a batch (default :func:`sparse_features`: the
+            batch itself, or its ``sparse_features`` field).
+        ebc: the collection to prefetch into (default: the only embd
+            :class:`EmbeddingBagCollection` among the model's modules).
+
+    ``progress(dataloader_iter)`` returns the model's ``output`` of one batch and raises
+    ``StopIteration`` once the iterator is exhausted and its last batch was trained (that last
+    step prefetches nothing). It reads one batch ahead of the one it trains. Unlike TorchRec's it
+    moves no batch to a device (the collection reads the KJT from host memory). In ``eval()``
+    mode it runs the forward only and prefetches nothing; switch modes only after
+    ``StopIteration`` (or before a batch is prefetched): an evaluation while a batch is
+    prefetched raises :class:`embd.InvalidArgumentError`. A batch whose step raised (a refused
+    batch, an aborted step) is not trained again: the next ``progress`` takes the batch after it.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 sparse_features: Callable[[Any], KeyedJaggedTensor] = sparse_features,
+                 ebc: Optional[EmbeddingBagCollection] = None) -> None:
+        if ebc is None:
+            found = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+            if len(found) != 1:
+                raise embd.InvalidArgumentError(
+                    f"model has {len(found)} embd EmbeddingBagCollection modules: TrainPipeline "
+                    "prefetches into one, name it with ebc=")
+            ebc = found[0]
+        self._model = model
+        self._optimizer = optimizer
+        self._sparse_features = sparse_features
+        self._ebc = ebc
+        self._next_batch: Optional[Any] = None
+        self._has_next = False
+        self._to_prefetch: Optional[KeyedJaggedTensor] = None
+        self._hook = ebc.register_forward_hook(self._after_lookup)
+
+    def _after_lookup(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        features, self._to_prefetch = self._to_prefetch, None
+        if features is not None:
+            self._ebc.prefetch(features)
+
+    def _take(self, dataloader_iter: Iterator[Any]) -> None:
+        try:
+            self._next_batch = next(dataloader_iter)
+            self._has_next = True
+        except StopIteration:
+            self._next_batch, self._has_next = None, False
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        if not self._has_next:
+            self._take(dataloader_iter)
+            if not self._has_next:
+                raise StopIteration
+        batch = self._next_batch
+        self._take(dataloader_iter)
+        training = self._model.training
+        # taken before the step starts: a batch without a KJT raises before anything is posted
+        ahead = self._sparse_features(self._next_batch) if training and self._has_next else None
+        if training and self._optimizer is not None:
+            self._optimizer.zero_grad()
+        self._to_prefetch = ahead
+        try:
+            losses, output = self._model(batch)
+        finally:
+            self._to_prefetch = None
+        if training:
+            torch.sum(losses, dim=0).backward()
+            if self._optimizer is not None:
+                self._optimizer.step()
+        return output
+
+    def detach(self) -> None:
+        """Removes the pipeline's hook from the collection (after the last ``progress``)."""
+        self._hook.remove()
+
+
+__all__ = ["EmbeddingBagCollection", "TrainPipeline", "embedding_bag_configs", "check_kjt",
+           "sparse_features"]
