@@ -300,11 +300,9 @@ static int hello(struct embd_server *sv, struct client *c, const struct embd_ctl
 	if (rc)
 		return rc;
 	/* GPU ranks copy ids in and pooled rows out of the slab by DMA, without a bounce */
-	rc = embd_ranks_host_register(sv->ranks, embd_region_slab(c->region),
-				      embd_region_slab_bytes(c->region), err, err_len);
-	if (rc)
-		return rc;
-	c->slab_registered = true;
+	c->slab_registered = embd_ranks_dma_register(sv->ranks, embd_region_slab(c->region),
+						     embd_region_slab_bytes(c->region),
+						     "a trainer's slab");
 	c->lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
 	c->next_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
 	c->eval_lengths = calloc((uint64_t)l->num_features * l->batch_size + 1, sizeof(int32_t));
@@ -713,17 +711,12 @@ int embd_server_create(const struct embd_config *config, struct embd_step *step,
 	sv->msgbuf = malloc(EMBD_CTL_MSG_MAX);
 	const struct embd_step_layout *l = embd_step_layout(step);
 	/* the gradients the engine checks and uses: the ranks' devices read them by DMA, from
-	 * pages of their own (registered) */
-	const size_t grad_bytes = ((size_t)config->trainers_per_node * l->batch_size *
-				   l->total_dim * sizeof(float) + 4095) & ~(size_t)4095;
-	sv->grads = aligned_alloc(4096, grad_bytes);
+	 * pages of their own */
+	sv->grads = embd_ranks_dma_alloc(ranks, (size_t)config->trainers_per_node * l->batch_size *
+					 l->total_dim * sizeof(float), &sv->grads_registered,
+					 "the trainers' gradients");
 	if (!sv->batches || !sv->next_batches || !sv->layout || !sv->msgbuf || !sv->grads)
 		goto out;
-	rc = embd_ranks_host_register(ranks, sv->grads, grad_bytes, err, err_len);
-	if (rc)
-		goto out;
-	sv->grads_registered = true;
-	rc = EMBD_ENOMEM;
 	/* a trainer's socket, pidfd and doorbell; the listener, the signalfd, the writer */
 	rc = embd_evloop_create(&sv->loop, EMBD_DOORBELL_AUTO, 3 * MAX_CLIENTS + 3, err, err_len);
 	if (rc)
@@ -785,9 +778,7 @@ void embd_server_destroy(struct embd_server *sv)
 	}
 	free(sv->batches);
 	free(sv->next_batches);
-	if (sv->grads_registered)
-		embd_ranks_host_unregister(sv->ranks, sv->grads);
-	free(sv->grads);
+	embd_ranks_dma_free(sv->ranks, sv->grads, sv->grads_registered);
 	free(sv->layout);
 	free(sv->msgbuf);
 	free(sv);

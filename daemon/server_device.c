@@ -42,9 +42,7 @@ static uint64_t rows_bytes(const struct embd_server *sv)
 
 void embd_server_device_free(struct embd_server *sv, struct client *c)
 {
-	if (c->staging_registered)
-		embd_ranks_host_unregister(sv->ranks, c->staging);
-	free(c->staging);
+	embd_ranks_dma_free(sv->ranks, c->staging, c->staging_registered);
 	if (c->has_device)
 		embd_ranks_export_free(sv->ranks, &c->device);
 	c->staging = NULL;
@@ -72,19 +70,13 @@ static int grant(struct embd_server *sv, struct client *c, const struct embd_ctl
 	if (rc)
 		return snprintf(err, err_len, "device outputs: %s", inner), rc;
 	c->has_device = true;
-	c->staging = aligned_alloc(EMBD_REGION_ALIGN, round_up(rows, EMBD_REGION_ALIGN));
+	c->staging = embd_ranks_dma_alloc(sv->ranks, rows, &c->staging_registered,
+					  "device outputs' staging rows");
 	if (!c->staging) {
 		snprintf(err, err_len, "device outputs: out of memory for %" PRIu64 " bytes", rows);
 		rc = EMBD_ENOMEM;
 		goto fail;
 	}
-	rc = embd_ranks_host_register(sv->ranks, c->staging, round_up(rows, EMBD_REGION_ALIGN),
-				      inner, sizeof(inner));
-	if (rc) {
-		snprintf(err, err_len, "device outputs: staging rows: %s", inner);
-		goto fail;
-	}
-	c->staging_registered = true;
 	*rep = (struct embd_ctl_device_outputs){
 		.memory = (uint32_t)c->device.memory, .num_slots = EMBD_CTL_DEVICE_SLOTS,
 		.bytes = c->device.bytes, .buffer_bytes = rows,

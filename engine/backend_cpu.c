@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <numa.h>
 #include <pthread.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,16 @@ static int cpu_host_register(struct embd_backend_rank *r, void *p, size_t bytes,
 
 	(void)r;
 	pthread_mutex_lock(&registry.mu);
+	/* as cudaHostRegister: memory already registered is refused, so a caller that lets two
+	 * registered arrays overlap fails here too */
+	for (uint32_t i = 0; i < registry.num; i++) {
+		const struct host_range *h = &registry.ranges[i];
+		if ((const uint8_t *)p < h->p + h->bytes && h->p < (const uint8_t *)p + bytes) {
+			pthread_mutex_unlock(&registry.mu);
+			return snprintf(err, err_len, "%zu bytes at %p overlap %" PRIu64 " registered "
+					"at %p", bytes, p, h->bytes, (const void *)h->p), EMBD_EINVAL;
+		}
+	}
 	if (registry.num == registry.cap) {
 		uint32_t cap = registry.cap ? 2 * registry.cap : 64;
 		void *q = realloc(registry.ranges, cap * sizeof(*registry.ranges));

@@ -53,9 +53,11 @@ struct embd_backend_rank {
 	uint8_t peer[EMBD_CUDA_MAX_PEERS];
 };
 
-/* A CUDA runtime failure as a kernel error: the call and the runtime's words. */
+/* A CUDA runtime failure as a kernel error: the call and the runtime's words. The thread's
+ * last error is cleared, so that a later call's check does not report this one again. */
 static int cuda_fail(struct embd_kernel_err *err, cudaError_t e, const char *what)
 {
+	cudaGetLastError();
 	err->feature = 0;
 	err->sample = -1;
 	err->id = -1;
@@ -488,21 +490,27 @@ static int cuda_backward(struct embd_backend_rank *r, const struct embd_exec *ex
 static int cuda_host_register(struct embd_backend_rank *r, void *p, size_t bytes, char *err,
 			      size_t err_len)
 {
+	/* any context registers for every GPU (portable); the calling thread's device stays */
+	int current = r->device;
+	cudaGetDevice(&current);
 	cudaSetDevice(r->device);
 	cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
-
-	if (e == cudaErrorHostMemoryAlreadyRegistered) {
-		cudaGetLastError();
+	cudaSetDevice(current);
+	if (e == cudaSuccess)
 		return 0;
-	}
-	return e == cudaSuccess ? 0 : cuda_fail_msg(err, err_len, e, "cudaHostRegister");
+	/* memory registered already (by another caller) is refused as the CPU's record does:
+	 * the caller keeps it unregistered and never unregisters the other's */
+	return cuda_fail_msg(err, err_len, e, "cudaHostRegister");
 }
 
 static void cuda_host_unregister(struct embd_backend_rank *r, void *p)
 {
+	int current = r->device;
+	cudaGetDevice(&current);
 	cudaSetDevice(r->device);
 	if (cudaHostUnregister(p) != cudaSuccess)
 		cudaGetLastError();     /* never registered (the register failed): nothing to undo */
+	cudaSetDevice(current);
 }
 
 /* *buf of at least `bytes` of r's device memory, grown to a power of two (from 1 MiB) so that
@@ -566,8 +574,14 @@ static bool peer_enabled(struct embd_backend_rank *r, int from)
 {
 	if (from == r->device)
 		return true;
-	if (from < 0 || from >= EMBD_CUDA_MAX_PEERS)
+	if (from < 0 || from >= EMBD_CUDA_MAX_PEERS) {
+		static bool logged;
+		if (!__atomic_exchange_n(&logged, true, __ATOMIC_RELAXED))
+			embd_log(EMBD_LOG_WARNING, "GPU %d is beyond the %d whose peer access embd "
+				 "tracks: row-split partial sums with it are staged through host memory",
+				 from, EMBD_CUDA_MAX_PEERS);
 		return false;
+	}
 	if (r->peer[from] != PEER_UNKNOWN)
 		return r->peer[from] == PEER_ENABLED;
 	int can = 0;

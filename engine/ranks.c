@@ -9,6 +9,7 @@
 #include "engine/ranks.h"
 #include "engine/backend.h"
 #include "engine/ranks_internal.h"
+#include "common/log.h"
 
 #include <numa.h>
 #include <pthread.h>
@@ -17,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static void *rank_main(void *p)
 {
@@ -527,6 +529,37 @@ void embd_ranks_host_unregister(struct embd_ranks *rs, void *p)
 {
 	if (rs->backend->host_unregister && rs->num_ranks)
 		rs->backend->host_unregister(rs->ranks[0].dev, p);
+}
+
+bool embd_ranks_dma_register(struct embd_ranks *rs, void *p, size_t bytes, const char *what)
+{
+	char err[192];
+
+	if (!embd_ranks_host_register(rs, p, bytes, err, sizeof(err)))
+		return true;
+	if (!__atomic_exchange_n(&rs->dma_warned, true, __ATOMIC_RELAXED))
+		embd_log_warning("%s (%zu bytes) stays unregistered for DMA: %s; the %s driver "
+				 "stages its copies (slower), later failures are not logged",
+				 what, bytes, err, rs->backend->name);
+	return false;
+}
+
+void *embd_ranks_dma_alloc(struct embd_ranks *rs, size_t bytes, bool *registered,
+			   const char *what)
+{
+	const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+	const size_t rounded = (bytes + page - 1) / page * page;
+	void *p = aligned_alloc(page, rounded ? rounded : page);
+
+	*registered = p && embd_ranks_dma_register(rs, p, rounded ? rounded : page, what);
+	return p;
+}
+
+void embd_ranks_dma_free(struct embd_ranks *rs, void *p, bool registered)
+{
+	if (p && registered)
+		embd_ranks_host_unregister(rs, p);
+	free(p);
 }
 
 int embd_ranks_export_alloc(struct embd_ranks *rs, const uint8_t uuid[16], uint64_t bytes,

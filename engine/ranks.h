@@ -127,6 +127,22 @@ int embd_ranks_host_register(struct embd_ranks *ranks, void *p, size_t bytes, ch
 void embd_ranks_host_unregister(struct embd_ranks *ranks, void *p);
 
 /*
+ * Registration as a matter of speed only: a device copies unregistered memory too, staged by
+ * its driver. Returns whether p is registered; a failure is logged (the first per ranks, with
+ * what and the driver's reason) and the caller keeps p unregistered.
+ */
+bool embd_ranks_dma_register(struct embd_ranks *ranks, void *p, size_t bytes, const char *what);
+
+/*
+ * Page-aligned host memory of at least bytes (rounded up to whole pages, so no two arrays
+ * share a page a device maps) registered as embd_ranks_dma_register does; *registered says
+ * whether it is. NULL when out of memory. embd_ranks_dma_free releases it.
+ */
+void *embd_ranks_dma_alloc(struct embd_ranks *ranks, size_t bytes, bool *registered,
+			   const char *what);
+void embd_ranks_dma_free(struct embd_ranks *ranks, void *p, bool registered);
+
+/*
  * Device outputs (ipc/README.md "Device outputs"): memory a trainer maps, for its pooled
  * outputs and gradients, on the GPU with UUID uuid. The step engine keeps computing into host
  * memory; the server copies a trainer's rows in (export_copy to_device) after each forward

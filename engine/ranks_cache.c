@@ -71,9 +71,7 @@ void ranks_cache_close(struct rank_alloc *a)
 
 void ranks_cache_free_ids(struct rank *r)
 {
-	if (r->ids)
-		embd_ranks_host_unregister(r->owner, r->ids);
-	free(r->ids);
+	embd_ranks_dma_free(r->owner, r->ids, r->ids_registered);
 	r->ids = NULL;
 }
 
@@ -92,18 +90,15 @@ static int scratch(struct rank *r, uint32_t n, uint64_t ids)
 		void *a = realloc(r->rows, cap * sizeof(*r->rows));
 		if (a)
 			r->rows = a;
-		/* the slot ids the device reads by DMA: registered, apart from other pages (their
-		 * contents are written after this call) */
-		const uint64_t bytes = (cap * sizeof(*r->ids) + 4095) & ~(uint64_t)4095;
-		char err[160];
-		void *b = aligned_alloc(4096, bytes);
-		if (b && embd_ranks_host_register(r->owner, b, bytes, err, sizeof(err))) {
-			free(b);
-			b = NULL;
-		}
+		/* the slot ids the device reads by DMA (their contents are written after this
+		 * call, so nothing is copied over) */
+		bool registered;
+		void *b = embd_ranks_dma_alloc(r->owner, cap * sizeof(*r->ids), &registered,
+					       "a cached shard's slot ids");
 		if (b) {
 			ranks_cache_free_ids(r);
 			r->ids = b;
+			r->ids_registered = registered;
 		}
 		void *c = realloc(r->slots, cap * sizeof(*r->slots));
 		if (c)

@@ -40,6 +40,7 @@ struct rank {
 	int64_t *rows, *ids;
 	uint64_t *slots;
 	uint64_t ids_cap;
+	bool ids_registered;            /* ids: embd_ranks_dma_alloc */
 	uint32_t cached_shards;         /* fused_uvm_caching shards of the rank */
 };
 
@@ -59,6 +60,7 @@ struct embd_ranks {
 	void *arg;
 	bool cpu_caching;               /* EMBD_TEST_CPU_KERNEL=fused_uvm_caching: tests */
 	uint64_t peer_bytes[2];         /* embd_ranks_partial_copy: device, host (atomic) */
+	bool dma_warned;                /* a failed embd_ranks_dma_register was logged (atomic) */
 	int start_rc;
 	char start_err[256];
 };

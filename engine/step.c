@@ -19,29 +19,21 @@
 #include "kernels/device.h"
 #include "kernels/finite.h"
 
-#define DMA_ALIGN 4096u         /* a page: no two registered arrays share one */
-
-/* v's memory moved to a registered allocation of cap elements (a vec with dma). */
+/* v's memory moved to a page-aligned allocation of cap elements, registered for DMA. */
 static int dma_grow(struct vec *v, uint64_t cap, size_t elem)
 {
-	const uint64_t bytes = (cap * elem + DMA_ALIGN - 1) / DMA_ALIGN * DMA_ALIGN;
-	char err[192];
-	void *p = aligned_alloc(DMA_ALIGN, bytes);
+	bool registered;
+	void *p = embd_ranks_dma_alloc(v->dma, cap * elem, &registered,
+				       "a step engine array the ranks copy");
 
 	if (!p)
 		return EMBD_ENOMEM;
-	int rc = embd_ranks_host_register(v->dma, p, bytes, err, sizeof(err));
-	if (rc) {
-		free(p);
-		return rc;
-	}
-	if (v->p) {
+	if (v->p)
 		memcpy(p, v->p, v->len * elem);
-		embd_ranks_host_unregister(v->dma, v->p);
-		free(v->p);
-	}
+	embd_ranks_dma_free(v->dma, v->p, v->registered);
 	v->p = p;
 	v->cap = cap;
+	v->registered = registered;
 	return 0;
 }
 
@@ -76,9 +68,10 @@ int vec_take(struct vec *v, uint64_t n, size_t elem, uint64_t *at)
 
 void vec_free(struct vec *v)
 {
-	if (v->dma && v->p)
-		embd_ranks_host_unregister(v->dma, v->p);
-	free(v->p);
+	if (v->dma)
+		embd_ranks_dma_free(v->dma, v->p, v->registered);
+	else
+		free(v->p);
 	*v = (struct vec){ .dma = v->dma };
 }
 

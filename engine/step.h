@@ -102,9 +102,10 @@ struct embd_step_counts {
 	uint64_t output_bytes;          /* pooled floats written to trainers */
 	uint64_t sent_bytes;            /* bytes sent to other nodes (forward and backward) */
 	uint64_t exchange_bytes[EMBD_STEP_EXCHANGES];  /* sent_bytes by exchange */
-	/* row-split partial sums moved between this node's ranks for its trainers' outputs:
-	 * device to device (peer access; the CPU's memcpy), or through host memory (a GPU pair
-	 * without peer access, or a table with shards on other nodes, summed on the host) */
+	/* row-split partial sums for this node's trainers' outputs: copied device to device to
+	 * the summing rank (peer access; the CPU's memcpy: n - 1 of a table's n shards, the
+	 * summing rank's own stays), or through host memory (every partial of a table with
+	 * shards on other nodes, summed on the host; a GPU pair without peer access's copies) */
 	uint64_t partial_device_bytes, partial_host_bytes;
 	/* of the last backward (embd_step_backward): */
 	uint32_t nonfinite_grads;       /* this node's batches refused for a non-finite gradient */

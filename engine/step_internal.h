@@ -92,12 +92,13 @@ struct item_ref {
 
 /* A growable array of elements of one type; len/cap in elements. With dma set (before its
  * first element) its memory is page-aligned and registered with those ranks while allocated
- * (embd_ranks_host_register): arrays the ranks' devices copy by DMA (ids, partials, received
- * items and gradients), never staged by the driver. */
+ * (embd_ranks_dma_alloc): arrays the ranks' devices copy by DMA (ids, partials, received
+ * items and gradients), not staged by the driver unless registration failed (logged). */
 struct vec {
 	void *p;
 	uint64_t len, cap;
 	struct embd_ranks *dma;
+	bool registered;                /* p is registered with dma */
 };
 
 #define VEC_AT(v, type, i) (&((type *)(v).p)[i])

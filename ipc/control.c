@@ -332,6 +332,7 @@ int embd_ctl_parse(const void *bytes, size_t len, struct embd_ctl_msg *msg, char
 				"header.length: type %u needs %s%" PRIu32 " payload bytes, got %" PRIu32,
 				(unsigned)hdr.type, exact ? "" : "at least ", want, hdr.length);
 	msg->type = hdr.type;
+	msg->version = hdr.version;
 	msg->length = hdr.length;
 	msg->payload = (const uint8_t *)bytes + sizeof(hdr);
 	return 0;

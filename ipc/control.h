@@ -202,6 +202,7 @@ struct embd_layout {
 /* A received message: payload points into the caller's buffer; fds are owned by the caller. */
 struct embd_ctl_msg {
 	uint16_t type;
+	uint16_t version;               /* the header's: EMBD_CTL_VERSION but for HELLO and ERROR */
 	uint32_t length;
 	const uint8_t *payload;
 	int fds[EMBD_CTL_FDS_MAX];

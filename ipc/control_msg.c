@@ -26,6 +26,10 @@ int embd_ctl_hello_decode(const struct embd_ctl_msg *msg, struct embd_ctl_hello 
 		return embd_fail(err, err_len, EMBD_EPROTO, "hello: message type %u is not HELLO",
 				(unsigned)msg->type);
 	memcpy(out, msg->payload, sizeof(*out));
+	if (out->protocol_version != msg->version)
+		return embd_fail(err, err_len, EMBD_EPROTO,
+				"hello.protocol_version: %" PRIu32 " but the header says version %u",
+				out->protocol_version, (unsigned)msg->version);
 	if (out->protocol_version != EMBD_CTL_VERSION)
 		return embd_fail(err, err_len, EMBD_EMISMATCH,
 				"hello.protocol_version: service speaks %u, client %" PRIu32,

@@ -52,6 +52,8 @@ static inline uint32_t embd_copy_nonfinite(float *restrict dst, const float *res
 	for (; i + EMBD_FINITE_BLOCK <= n; i += EMBD_FINITE_BLOCK) {
 		for (uint32_t k = 0; k < EMBD_FINITE_BLOCK; k++)
 			dst[i + k] = src[i + k];
+		/* the check reads the copy: without this the compiler may read src again */
+		__asm__ volatile("" ::: "memory");
 		for (uint32_t k = 0; k < EMBD_FINITE_BLOCK; k++)
 			lane[k] |= embd_nonfinite_bit(dst[i + k]);
 	}

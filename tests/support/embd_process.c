@@ -12,6 +12,7 @@
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -150,6 +151,12 @@ bool tu_embd_stop(struct tu_embd *p, int sig, int timeout_ms, int *status)
 	}
 	if (status)
 		*status = st;
+	/* Under the device_copy double (EMBD_TEST_CPU_KERNEL) every host array a kernel call
+	 * copies must be registered for DMA; the double logs the first one that is not. */
+	const char *kernel = getenv("EMBD_TEST_CPU_KERNEL");
+	if (kernel && !strcmp(kernel, "device_copy"))
+		cr_expect(!tu_embd_log_has(p, "not registered for DMA"),
+			  "embd (log %s) copied an array not registered for DMA", p->log);
 	return exited;
 }
 

@@ -49,7 +49,9 @@ void tu_embd_await_socket(struct tu_embd *p, int timeout_ms, const char *name);
 bool tu_embd_wait(struct tu_embd *p, int timeout_ms, int *status);
 
 /* Sends sig, waits up to timeout_ms (< 0: for ever) and SIGKILLs embd if it still runs: true
- * when it exited within the time. *status (may be NULL) gets its wait status either way. */
+ * when it exited within the time. *status (may be NULL) gets its wait status either way.
+ * Under EMBD_TEST_CPU_KERNEL=device_copy it also fails the test when the log shows a kernel
+ * array that was not registered for DMA. */
 bool tu_embd_stop(struct tu_embd *p, int sig, int timeout_ms, int *status);
 
 /* The first len - 1 bytes of the log, NUL-terminated ("" when there is none). */

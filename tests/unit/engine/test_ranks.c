@@ -506,3 +506,35 @@ Test(ranks, cpu_ranks_export_host_memory_under_the_test_knob)
 	unsetenv("EMBD_TEST_CPU_DEVICE_OUTPUTS");
 	embd_ranks_destroy(ranks);
 }
+
+/*
+ * Registration is a matter of speed: embd_ranks_dma_alloc hands out whole pages registered
+ * with the ranks, and memory a device cannot register (here: already registered, which the
+ * CPU's record refuses as cudaHostRegister does) stays usable, unregistered, with no error.
+ */
+Test(ranks, dma_memory_is_whole_registered_pages_or_plain_when_registration_fails)
+{
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	bool registered = false;
+	uint8_t *p = embd_ranks_dma_alloc(ranks, 100, &registered, "test array");
+	cr_assert_not_null(p);
+	cr_assert(registered, "a fresh page was not registered");
+	cr_assert_eq((uintptr_t)p % page, 0, "not page-aligned");
+	cr_assert(embd_backend_host_registered(p, page), "the whole page is not registered");
+	memset(p, 7, page);     /* all of it is the caller's */
+
+	cr_assert_neq(embd_ranks_host_register(ranks, p + 64, 64, err, sizeof(err)), 0,
+		      "memory registered twice was accepted");
+	cr_assert(!embd_ranks_dma_register(ranks, p + 64, 64, "overlapping test array"),
+		  "an overlapping registration reported success");
+	cr_assert(!embd_ranks_dma_register(ranks, p, page, "again"), "second failure");
+
+	embd_ranks_dma_free(ranks, p, registered);
+	cr_assert(!embd_backend_host_registered(p, 1), "freed memory still registered");
+	embd_ranks_dma_free(ranks, NULL, false);
+	embd_ranks_destroy(ranks);
+}

@@ -479,6 +479,14 @@ Test(control, other_versions_meet_at_hello_and_error_only)
 	cr_assert_eq(embd_ctl_hello_decode(&msg, &got, err, sizeof(err)), EMBD_EMISMATCH);
 	cr_assert(strstr(err, "service speaks 2, client 1"), "got \"%s\"", err);
 
+	/* a HELLO whose payload names another version than its header is malformed */
+	h.version = EMBD_CTL_VERSION;
+	memcpy(packet, &h, sizeof(h));
+	cr_assert_eq(embd_ctl_parse(packet, sizeof(h) + 16, &msg, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ctl_hello_decode(&msg, &got, err, sizeof(err)), EMBD_EPROTO);
+	cr_assert(strstr(err, "hello.protocol_version: 1 but the header says version 2"),
+		  "got \"%s\"", err);
+
 	h = (struct embd_ctl_header){ EMBD_CTL_MAGIC, 3, EMBD_CTL_ERROR, 4 + 5, 0 };
 	const int32_t refused = EMBD_EMISMATCH;
 	memcpy(packet, &h, sizeof(h));
