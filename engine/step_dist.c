@@ -95,11 +95,15 @@ int step_dist_create(struct embd_step *s, const struct embd_step_cluster *cluste
 	d->roff = calloc(N + 1, sizeof(uint64_t));
 	d->grad_off = calloc(N + 1, sizeof(uint64_t));
 	d->grad.dma = s->ranks;         /* other nodes' gradients, which the ranks read */
+	/* a device comm's lanes (nccl) copy every message to and from the GPUs' staging */
+	struct embd_ranks *staging = embd_ranks_comm_buffers(s->ranks) ? s->ranks : NULL;
+	d->send.dma = staging;
 	if (!d->sbytes || !d->rbytes || !d->roff || !d->grad_off)
 		return EMBD_ENOMEM;
 	for (int i = 0; i < 3; i++) {
 		struct dist_pass *x = &d->passes[i];
 		x->in.dma = s->ranks;   /* other nodes' ids and lengths, which the ranks read */
+		x->out.dma = staging;
 		x->rx_first = calloc(N + 1, sizeof(uint64_t));
 		x->out_expect = calloc(N, sizeof(uint64_t));
 		x->grad_expect = calloc(N, sizeof(uint64_t));
