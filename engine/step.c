@@ -154,38 +154,57 @@ static const struct embd_plan_table *plan_table(const struct embd_plan *plan, co
 	return NULL;
 }
 
-/* Whether t's shards on this node may share one prep of their occurrences (step_internal.h):
+/*
+ * Whether t's shards on this node share one prep of their occurrences (step_internal.h):
  * column shards see the same bags, and the kernels' occurrences depend only on the bags and
- * the rows. Sets t->shares_prep. */
-static bool shares_prep(struct embd_step *s, struct step_table *t)
+ * the rows. If so, t->prep_rank is the rank holding one of them with the fewest preps so far
+ * (preps: per rank), so the preps spread over the ranks and are read where they were made.
+ */
+static void plan_shared_prep(const struct embd_step *s, struct step_table *t, uint32_t *preps)
 {
 	const struct step_shard *first = NULL;
 
 	t->shares_prep = false;
 	if ((t->type != EMBD_SHARD_COLUMN_WISE && t->type != EMBD_SHARD_TABLE_COLUMN_WISE) ||
 	    t->num_local < 2)
-		return false;
+		return;
 	for (uint32_t k = 0; k < t->num_shards; k++) {
 		const struct step_shard *ss = &s->shards[t->first_shard + k];
 		if (!ss->shard)
 			continue;
 		if (!embd_ranks_backward_shares(s->ranks, ss->shard))
-			return false;
-		if (!first)
+			return;
+		if (!first) {
 			first = ss;
-		else if (ss->desc.row_offset != first->desc.row_offset ||
-			 ss->desc.rows != first->desc.rows)
-			return false;
+			t->prep_rank = ss->local;
+		} else if (ss->desc.row_offset != first->desc.row_offset ||
+			   ss->desc.rows != first->desc.rows)
+			return;
+		if (preps[ss->local] < preps[t->prep_rank])
+			t->prep_rank = ss->local;
 	}
+	preps[t->prep_rank]++;
 	t->shares_prep = true;
-	return true;
+}
+
+/* After place_shards: which tables share a prep, and on which rank. */
+static int plan_shared_preps(struct embd_step *s)
+{
+	uint32_t *preps = calloc(s->num_ranks, sizeof(*preps));
+
+	if (!preps)
+		return EMBD_ENOMEM;
+	for (uint32_t t = 0; t < s->num_tables; t++)
+		plan_shared_prep(s, &s->tables[t], preps);
+	free(preps);
+	return 0;
 }
 
 static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			const struct embd_plan *plan, char *err, size_t err_len)
 {
 	const uint32_t L = s->num_ranks, world = L * s->num_nodes;
-	uint32_t n = 0, num_sharing = 0;
+	uint32_t n = 0;
 	int rc;
 
 	for (uint32_t t = 0; t < tables->count; t++) {
@@ -286,8 +305,6 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 				 spec->name, s->node);
 			return EMBD_EINVAL;
 		}
-		if (shares_prep(s, st))
-			st->prep_rank = num_sharing++ % s->num_ranks;
 	}
 	return 0;
 }
@@ -377,6 +394,8 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 	if (rc)
 		goto out;
 	rc = place_shards(s, tables, plan, err, err_len);
+	if (!rc)
+		rc = plan_shared_preps(s);
 	for (int i = 0; i < 2 && !rc; i++)
 		rc = pass_alloc(s, &s->train[i]);
 	if (!rc)

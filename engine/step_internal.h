@@ -60,7 +60,8 @@ struct step_table {
 	bool device_sum;
 	/* column-split with several shards on this node, all over the same rows and able to take
 	 * prepared occurrences (embd_ranks_backward_shares): the backward checks and sorts the
-	 * table's ids once, on rank prep_rank, for all of them (step.c, prepare_rank) */
+	 * table's ids once, on prep_rank (one of theirs, the tables spread over the ranks), for
+	 * all of them (step.c, prepare_rank) */
 	bool shares_prep;
 	uint32_t prep_rank;
 };
