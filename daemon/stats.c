@@ -76,6 +76,8 @@ void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uin
 	s->sent_bytes += c->sent_bytes;
 	s->partial_device_bytes += c->partial_device_bytes;
 	s->partial_host_bytes += c->partial_host_bytes;
+	s->backward_prepares += c->backward_prepares;
+	s->backward_shared_shards += c->backward_shared_shards;
 	s->step_ns[s->num_step++ % EMBD_STATS_WINDOW] = latency_ns;
 	hist_add(&s->step_hist, latency_ns);
 }
@@ -150,6 +152,8 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "sent_bytes", (double)s->sent_bytes);
 	cJSON_AddNumberToObject(root, "partial_device_bytes", (double)s->partial_device_bytes);
 	cJSON_AddNumberToObject(root, "partial_host_bytes", (double)s->partial_host_bytes);
+	cJSON_AddNumberToObject(root, "backward_prepares", (double)s->backward_prepares);
+	cJSON_AddNumberToObject(root, "backward_shared_shards", (double)s->backward_shared_shards);
 	cJSON_AddNumberToObject(root, "requests", (double)s->ipc_hist.total);
 	cJSON_AddNumberToObject(root, "step_p50_us", percentile_us(s->step_ns, s->num_step, 50));
 	cJSON_AddNumberToObject(root, "step_p99_us", percentile_us(s->step_ns, s->num_step, 99));

@@ -28,6 +28,9 @@
  *                                   between this node's ranks device to device (GPU peer
  *                                   access) or through host memory (a GPU pair without peer
  *                                   access; a table with shards on other nodes): engine/step.h
+ *     "backward_prepares": 16, "backward_shared_shards": 32,   column-split tables whose
+ *                                   shards on this node stepped from one check and sort of
+ *                                   their ids (engine/step.h), and those shards, every step
  *     "requests": 200,              requests completed, every trainer since start
  *     "step_p50_us": 80.1, "step_p99_us": 200.3,   FORWARD s started -> BACKWARD s applied
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
@@ -92,6 +95,7 @@ struct embd_stats {
 	uint64_t nonfinite_grads, nonfinite_rows;
 	uint64_t lookups, ids, bytes_in, bytes_out, sent_bytes;
 	uint64_t partial_device_bytes, partial_host_bytes;
+	uint64_t backward_prepares, backward_shared_shards;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
 	struct embd_stats_hist step_hist, ipc_hist;

@@ -78,6 +78,13 @@ struct embd_backend {
 	int (*backward)(struct embd_backend_rank *r, const struct embd_exec *exec,
 			struct embd_shard *shard, const struct embd_bag_batch *batches, uint32_t n,
 			struct embd_kernel_err *err);
+	/* embd_kernels_backward_apply: the backward with occurrences prepared once on the host
+	 * for every shard of the same bags (a table's column shards, on any of the node's ranks).
+	 * NULL where the device cannot take them: the engine calls backward for each shard. */
+	int (*backward_apply)(struct embd_backend_rank *r, const struct embd_exec *exec,
+			      struct embd_shard *shard, const struct embd_backward_prep *prep,
+			      const struct embd_bag_batch *batches, uint32_t n,
+			      struct embd_kernel_err *err);
 	/* fused_uvm_caching (engine/ranks_cache.c), on the rank's thread or while it is idle:
 	 * s->slots replaced by one of `rows` slot rows whose first `keep` rows (and step) are the
 	 * old ones'; s->slot_rows and device_bytes updated. */

@@ -406,6 +406,15 @@ static int cpu_backward(struct embd_backend_rank *r, const struct embd_exec *exe
 	return embd_kernels_backward(exec, shard, batches, n, err);
 }
 
+static int cpu_backward_apply(struct embd_backend_rank *r, const struct embd_exec *exec,
+			      struct embd_shard *shard, const struct embd_backward_prep *prep,
+			      const struct embd_bag_batch *batches, uint32_t n,
+			      struct embd_kernel_err *err)
+{
+	(void)r;
+	return embd_kernels_backward_apply(exec, shard, prep, batches, n, err);
+}
+
 /*
  * Device outputs: a CPU rank has no GPU memory to export. With EMBD_TEST_CPU_DEVICE_OUTPUTS=1
  * in the environment (tests) a sealed memfd of host memory stands in for it, exported as
@@ -480,6 +489,7 @@ const struct embd_backend embd_backend_cpu = {
 	.shard_free = cpu_shard_free,
 	.forward = cpu_forward,
 	.backward = cpu_backward,
+	.backward_apply = cpu_backward_apply,
 	.slots_resize = cpu_slots_resize,
 	.slots_copy = cpu_slots_copy,
 	.partial_buffer = cpu_partial_buffer,

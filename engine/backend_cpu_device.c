@@ -366,6 +366,22 @@ static int dev_backward(struct embd_backend_rank *r, const struct embd_exec *exe
 	return rc;
 }
 
+static int dev_backward_apply(struct embd_backend_rank *r, const struct embd_exec *exec,
+			      struct embd_shard *shard, const struct embd_backward_prep *prep,
+			      const struct embd_bag_batch *batches, uint32_t n,
+			      struct embd_kernel_err *err)
+{
+	struct device *dev = device_of(r);
+
+	check_batches(dev, batches, n, true);
+	if (rank_access(dev, true))
+		return kernel_fail(err);
+	int rc = embd_backend_cpu.backward_apply(NULL, exec, shard, prep, batches, n, err);
+	if (rank_access(dev, false) && !rc)
+		rc = kernel_fail(err);
+	return rc;
+}
+
 static int dev_slots_resize(struct embd_backend_rank *r, struct embd_backend_shard *s,
 			    uint64_t rows, uint64_t keep, char *err, size_t err_len)
 {
@@ -494,6 +510,7 @@ const struct embd_backend embd_backend_cpu_device = {
 	.push = dev_push,
 	.forward = dev_forward,
 	.backward = dev_backward,
+	.backward_apply = dev_backward_apply,
 	.slots_resize = dev_slots_resize,
 	.slots_copy = dev_slots_copy,
 	.partial_buffer = dev_partial_buffer,

@@ -859,6 +859,10 @@ const struct embd_backend embd_backend_cuda = {
 	.push = cuda_push,
 	.forward = cuda_forward,
 	.backward = cuda_backward,
+	/* the GPU checks, sorts (cub) and applies each shard's ids on the device in one pass
+	 * (kernels/cuda_backward.cu), from ids it stages itself: occurrences sorted on the host
+	 * would have to cross PCIe per shard, so column shards keep the per-shard backward */
+	.backward_apply = NULL,
 	.slots_resize = cuda_slots_resize,
 	.slots_copy = cuda_slots_copy,
 	.host_register = cuda_host_register,

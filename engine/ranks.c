@@ -504,6 +504,35 @@ int embd_ranks_backward(struct embd_ranks *rs, uint32_t rank, const struct embd_
 	return rc;
 }
 
+bool embd_ranks_backward_shares(const struct embd_ranks *rs, const struct embd_shard *shard)
+{
+	const struct rank_alloc *a = find(rs, shard);
+
+	return a && !a->cache && rs->backend->backward_apply;
+}
+
+int embd_ranks_backward_apply(struct embd_ranks *rs, uint32_t rank, const struct embd_exec *exec,
+			      struct embd_shard *shard, const struct embd_backward_prep *prep,
+			      const struct embd_bag_batch *batches, uint32_t n,
+			      struct embd_kernel_err *err)
+{
+	struct rank_alloc *a = find(rs, shard);
+	int rc;
+
+	if (!embd_ranks_backward_shares(rs, shard)) {
+		*err = (struct embd_kernel_err){ .sample = -1, .id = -1 };
+		snprintf(err->msg, sizeof(err->msg), "rank %u: this shard takes no prepared occurrences",
+			 rank);
+		return EMBD_ENOTSUP;
+	}
+	if ((rc = push_rank(rs, rank, err)))
+		return rc;
+	rc = rs->backend->backward_apply(rs->ranks[rank].dev, exec, shard, prep, batches, n, err);
+	if (rs->backend->pull)
+		a->side = SIDE_DEVICE_NEWER;
+	return rc;
+}
+
 bool embd_ranks_cache_counts(const struct embd_ranks *rs, const struct embd_shard *shard,
 			     uint64_t *hits, uint64_t *misses)
 {

@@ -119,6 +119,22 @@ int embd_ranks_backward(struct embd_ranks *ranks, uint32_t rank, const struct em
 			struct embd_kernel_err *err);
 
 /*
+ * Whether embd_ranks_backward_apply can step shard: its backend takes prepared occurrences
+ * (engine/backend.h) and the shard is not fused_uvm_caching (whose backward maps its ids to
+ * cache slots first, per shard). Any thread.
+ */
+bool embd_ranks_backward_shares(const struct embd_ranks *ranks, const struct embd_shard *shard);
+/*
+ * embd_ranks_backward with the shard's bags' occurrences prepared (embd_kernels_backward_prepare,
+ * on any rank) instead of its own: the same result, bit for bit. From inside embd_ranks_run on
+ * rank, for a shard embd_ranks_backward_shares; EMBD_ENOTSUP otherwise.
+ */
+int embd_ranks_backward_apply(struct embd_ranks *ranks, uint32_t rank, const struct embd_exec *exec,
+			      struct embd_shard *shard, const struct embd_backward_prep *prep,
+			      const struct embd_bag_batch *batches, uint32_t n,
+			      struct embd_kernel_err *err);
+
+/*
  * Host memory the ranks' devices read and write by DMA (a trainer's slab: ids in, pooled rows
  * out); a no-op on the CPU. Unregister before unmapping it.
  */

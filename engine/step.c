@@ -154,6 +154,52 @@ static const struct embd_plan_table *plan_table(const struct embd_plan *plan, co
 	return NULL;
 }
 
+/*
+ * Whether t's shards on this node share one prep of their occurrences (step_internal.h):
+ * column shards see the same bags, and the kernels' occurrences depend only on the bags and
+ * the rows. If so, t->prep_rank is the rank holding one of them with the fewest preps so far
+ * (preps: per rank), so the preps spread over the ranks and are read where they were made.
+ */
+static void plan_shared_prep(const struct embd_step *s, struct step_table *t, uint32_t *preps)
+{
+	const struct step_shard *first = NULL;
+
+	t->shares_prep = false;
+	if ((t->type != EMBD_SHARD_COLUMN_WISE && t->type != EMBD_SHARD_TABLE_COLUMN_WISE) ||
+	    t->num_local < 2)
+		return;
+	for (uint32_t k = 0; k < t->num_shards; k++) {
+		const struct step_shard *ss = &s->shards[t->first_shard + k];
+		if (!ss->shard)
+			continue;
+		if (!embd_ranks_backward_shares(s->ranks, ss->shard))
+			return;
+		if (!first) {
+			first = ss;
+			t->prep_rank = ss->local;
+		} else if (ss->desc.row_offset != first->desc.row_offset ||
+			   ss->desc.rows != first->desc.rows)
+			return;
+		if (preps[ss->local] < preps[t->prep_rank])
+			t->prep_rank = ss->local;
+	}
+	preps[t->prep_rank]++;
+	t->shares_prep = true;
+}
+
+/* After place_shards: which tables share a prep, and on which rank. */
+static int plan_shared_preps(struct embd_step *s)
+{
+	uint32_t *preps = calloc(s->num_ranks, sizeof(*preps));
+
+	if (!preps)
+		return EMBD_ENOMEM;
+	for (uint32_t t = 0; t < s->num_tables; t++)
+		plan_shared_prep(s, &s->tables[t], preps);
+	free(preps);
+	return 0;
+}
+
 static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 			const struct embd_plan *plan, char *err, size_t err_len)
 {
@@ -180,9 +226,11 @@ static int place_shards(struct embd_step *s, const struct embd_tables *tables,
 	s->shards = calloc(n ? n : 1, sizeof(*s->shards));
 	s->wire_tables = calloc(tables->count ? tables->count : 1, sizeof(*s->wire_tables));
 	s->wire_shards = calloc(n ? n : 1, sizeof(*s->wire_shards));
+	s->preps = calloc(tables->count ? tables->count : 1, sizeof(*s->preps));
+	s->spans = calloc(n ? n : 1, sizeof(*s->spans));
 	for (uint32_t r = 0; r < s->num_ranks; r++)
 		s->rank_shards[r].shards = calloc(n ? n : 1, sizeof(uint32_t));
-	if (!s->shards || !s->wire_tables || !s->wire_shards)
+	if (!s->shards || !s->wire_tables || !s->wire_shards || !s->preps || !s->spans)
 		return EMBD_ENOMEM;
 	s->wire = (struct step_wire_plan){
 		.node = s->node, .batch_size = s->layout.batch_size, .num_tables = tables->count,
@@ -346,6 +394,8 @@ int embd_step_create_cluster(const struct embd_tables *tables, const struct embd
 	if (rc)
 		goto out;
 	rc = place_shards(s, tables, plan, err, err_len);
+	if (!rc)
+		rc = plan_shared_preps(s);
 	for (int i = 0; i < 2 && !rc; i++)
 		rc = pass_alloc(s, &s->train[i]);
 	if (!rc)
@@ -388,6 +438,8 @@ void embd_step_destroy(struct embd_step *s)
 		free(s->rank_shards[r].shards);
 	free(s->rank_shards);
 	free(s->partials);
+	free(s->preps);
+	free(s->spans);
 	free(s->shards);
 	free(s->tables);
 	free(s->names);
@@ -588,9 +640,89 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
 		if (s->update_hook && i > first)
 			s->update_hook(s->update_hook_arg, s->shards[shard].host, all + first,
 				       (uint32_t)(i - first));
-		io->rc = embd_ranks_backward(s->ranks, rank, exec, s->shards[shard].shard,
-					     all + first, (uint32_t)(i - first), &io->kerr);
+		const struct step_prep *pr = &s->preps[s->shards[shard].table];
+		if (!pr->shared)
+			io->rc = embd_ranks_backward(s->ranks, rank, exec, s->shards[shard].shard,
+						     all + first, (uint32_t)(i - first), &io->kerr);
+		else if (pr->rc) {      /* what this shard's own backward would have said */
+			io->rc = pr->rc;
+			io->kerr = pr->kerr;
+		} else
+			io->rc = embd_ranks_backward_apply(s->ranks, rank, exec, s->shards[shard].shard,
+							   pr->prep, all + first, (uint32_t)(i - first),
+							   &io->kerr);
 	}
+}
+
+/* The shared tables' occurrences whose prepare falls to this rank (step_internal.h). */
+static void prepare_rank(void *arg, uint32_t rank, const struct embd_exec *exec)
+{
+	struct embd_step *s = arg;
+
+	for (uint32_t t = 0; t < s->num_tables; t++) {
+		struct step_prep *pr = &s->preps[t];
+		if (!pr->shared || s->tables[t].prep_rank != rank)
+			continue;
+		const struct step_shard *ss = &s->shards[pr->lead];
+		const struct rank_io *io = &train_pass(s)->io[ss->local];
+		const struct item_span *sp = &s->spans[pr->lead];
+		/* reads the lead's ids and only the description of its shard, wherever it is */
+		pr->rc = embd_kernels_backward_prepare(exec, ss->shard,
+						       (const struct embd_bag_batch *)io->batches.p +
+						       sp->first, (uint32_t)sp->n, &pr->prep, &pr->kerr);
+	}
+}
+
+/* Whether items a and b (of two column shards of one table) describe the same bags. */
+static bool same_bags(const struct step_item *a, const struct step_item *b)
+{
+	return a->feature == b->feature && a->gtrainer == b->gtrainer && a->bsize == b->bsize &&
+	       a->num_ids == b->num_ids && a->weighted == b->weighted;
+}
+
+/*
+ * Which tables' shards share one prep in this backward (s->preps): those that may, when every
+ * local shard's items describe the same bags as the first one's (routing gives every column
+ * shard the table's whole bags; anything else is stepped shard by shard). Fills s->spans.
+ * Returns how many share.
+ */
+static uint32_t plan_preps(struct embd_step *s)
+{
+	struct step_pass *p = train_pass(s);
+	uint32_t sharing = 0;
+
+	memset(s->spans, 0, s->num_shards * sizeof(*s->spans));
+	for (uint32_t r = 0; r < s->num_ranks; r++)
+		for (uint64_t i = 0; i < p->io[r].items.len; i++) {
+			struct item_span *sp = &s->spans[VEC_AT(p->io[r].items, struct step_item, i)->shard];
+			if (!sp->n++)
+				sp->first = i;
+		}
+	for (uint32_t t = 0; t < s->num_tables; t++) {
+		const struct step_table *st = &s->tables[t];
+		struct step_prep *pr = &s->preps[t];
+		*pr = (struct step_prep){ .shared = st->shares_prep };
+		if (!pr->shared)
+			continue;
+		uint32_t k = 0, lead;
+		while (!s->shards[st->first_shard + k].shard)
+			k++;    /* shares_prep: at least two are here */
+		pr->lead = lead = st->first_shard + k;
+		for (k++; pr->shared && k < st->num_shards; k++) {
+			uint32_t j = st->first_shard + k;
+			if (!s->shards[j].shard)
+				continue;
+			const struct item_span *a = &s->spans[lead], *b = &s->spans[j];
+			const struct vec *ia = &p->io[s->shards[lead].local].items;
+			const struct vec *ib = &p->io[s->shards[j].local].items;
+			pr->shared = a->n == b->n;
+			for (uint64_t i = 0; pr->shared && i < a->n; i++)
+				pr->shared = same_bags(VEC_AT(*ia, struct step_item, a->first + i),
+						       VEC_AT(*ib, struct step_item, b->first + i));
+		}
+		sharing += pr->shared;
+	}
+	return sharing;
 }
 
 /*
@@ -1032,10 +1164,21 @@ static int apply(struct embd_step *s, bool overlap, bool *exchanging)
 			failed_rank = r;
 	if (!rc) {
 		*exchanging = overlap && step_overlap_start(s);
+		if (plan_preps(s))
+			embd_ranks_run(s->ranks, prepare_rank, s);
 		embd_ranks_run(s->ranks, backward_rank, s);
 		for (uint32_t r = 0; r < s->num_ranks && !rc; r++)
 			if ((rc = p->io[r].rc))
 				failed_rank = r;
+		for (uint32_t t = 0; t < s->num_tables; t++) {
+			struct step_prep *pr = &s->preps[t];
+			if (pr->shared && !pr->rc) {
+				p->counts.backward_prepares++;
+				p->counts.backward_shared_shards += s->tables[t].num_local;
+			}
+			embd_backward_prep_free(pr->prep);
+			pr->prep = NULL;
+		}
 		count_nonfinite_rows(s);
 	}
 	if (!rc)

@@ -112,6 +112,10 @@ struct embd_step_counts {
 	uint64_t nonfinite_rows;        /* rows the update left NaN or infinite, this node's */
 	uint32_t nonfinite_table;       /* ... the first one's table and global row */
 	int64_t nonfinite_row;
+	/* tables whose column shards on this node applied one prep of their occurrences (ids
+	 * checked and sorted by row once, not once per shard: engine/step.c), and those shards */
+	uint32_t backward_prepares;
+	uint32_t backward_shared_shards;
 };
 
 struct embd_step;

@@ -58,6 +58,26 @@ struct step_table {
 	/* row-split with every shard on this node, all over the same columns: the local
 	 * trainers' partial sums are summed on the ranks' devices (step.c, reduce_rank) */
 	bool device_sum;
+	/* column-split with several shards on this node, all over the same rows and able to take
+	 * prepared occurrences (embd_ranks_backward_shares): the backward checks and sorts the
+	 * table's ids once, on prep_rank (one of theirs, the tables spread over the ranks), for
+	 * all of them (step.c, prepare_rank) */
+	bool shares_prep;
+	uint32_t prep_rank;
+};
+
+/* A table's occurrences prepared once for its shards on this node, in one backward. */
+struct step_prep {
+	bool shared;                            /* this backward: its shards apply prep */
+	uint32_t lead;                          /* the shard whose items were prepared */
+	struct embd_backward_prep *prep;
+	int rc;                                 /* the prepare's error, each shard's error */
+	struct embd_kernel_err kerr;
+};
+
+/* A shard's items in its rank's io, in one backward. */
+struct item_span {
+	uint64_t first, n;
 };
 
 struct step_item {
@@ -162,6 +182,8 @@ struct embd_step {
 	struct embd_ranks *ranks;
 	struct rank_shards *rank_shards;        /* num_ranks */
 	void **partials;                        /* num_ranks: device_sum partials of the lookup */
+	struct step_prep *preps;                /* num_tables: the backward's shared preps */
+	struct item_span *spans;                /* num_shards: the backward's items per shard */
 	uint64_t max_sum_floats;                /* one device_sum partial at most (B x cols) */
 	struct embd_step_layout layout;
 	char (*names)[EMBD_NAME_MAX];

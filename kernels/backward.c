@@ -13,6 +13,11 @@
  * row's gradient is summed in batch order whatever the number of workers. Nothing is written
  * to the shard before phases 1-2 have checked every offset and id. Each row updated is
  * checked for NaN and infinity while it is in cache, and counted on the shard.
+ *
+ * Phases 1-3 depend on the bags and the shard's rows only, never on its columns: prepare runs
+ * them, and 4's sort, once for shards that share the bags (a table's column shards), and each
+ * shard's apply walks the same sorted occurrences; embd_kernels_backward sorts each chunk of
+ * buckets as a worker takes it, so that the sort overlaps the prefetches of rows it applies.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -29,26 +34,42 @@
 #define OCC_PER_CHUNK 512               /* a worker takes about this many occurrences at a time */
 #define CHUNKS_PER_WORKER_MIN 8         /* ... but leaves enough chunks to even out the workers */
 
-struct bwd_job {
-	const struct embd_cpu_kernels *k;
-	struct embd_bwd_rows ctx;
+/* The prepared occurrences (embedding.h): what every shard of the same rows and bags shares. */
+struct embd_backward_prep {
+	int64_t row_offset;             /* the rows the occurrences index: [row_offset, +rows) */
+	int64_t rows;
+	uint32_t n;                     /* batches */
+	uint64_t *bag_base;             /* n + 1: first global bag of each batch */
+	uint64_t *id_base;              /* n + 1: first occurrence of each batch */
+	uint32_t shift;                 /* bucket = row >> shift */
+	uint32_t num_buckets;
+	uint64_t *bucket_start;         /* num_buckets + 1 */
+	struct embd_occ *bucketed;      /* id_base[n], grouped by bucket; sorted by row if sorted */
+	struct embd_occ *occ;           /* id_base[n], the radix sort's other half; NULL once sorted */
+	bool sorted;
+};
+
+/* Phases 1-3 (and 4's sort when the prep is shared): the batches' occurrences into prep. */
+struct prep_job {
 	const struct embd_bag_batch *batches;
-	uint32_t n;
+	struct embd_backward_prep *p;
 	uint32_t nw;
 	const int64_t *offsets;         /* snapshot: batch i's B + 1 offsets at off_base[i] */
 	const uint64_t *off_base;       /* n + 1 */
-	const uint64_t *bag_base;       /* n + 1: first global bag of each batch */
-	const uint64_t *id_base;        /* n + 1: first occurrence of each batch */
-	const float **bag_grad;         /* one per global bag */
-	struct embd_occ *occ;           /* num_occ, in batch order */
-	struct embd_occ *bucketed;      /* num_occ, grouped by bucket */
-	uint32_t shift;                 /* bucket = row >> shift */
-	uint32_t num_buckets;
-	uint32_t chunk_buckets;         /* buckets a worker takes at a time */
 	uint64_t *hist;                 /* nw x num_buckets: counts, then scatter positions */
-	uint64_t *bucket_start;         /* num_buckets + 1 */
 	uint64_t *occ_range;            /* nw x 2: the occurrences each worker wrote */
 	struct embd_first_err *errs;    /* one per worker */
+	uint32_t chunk_buckets;         /* buckets a worker sorts at a time */
+	atomic_uint_fast64_t next_bucket;
+};
+
+/* Phase 4 on one shard. */
+struct bwd_job {
+	const struct embd_cpu_kernels *k;
+	struct embd_bwd_rows ctx;
+	const struct embd_backward_prep *p;
+	struct embd_backward_prep *sort_here; /* p, when its buckets are sorted as they are taken */
+	uint32_t chunk_buckets;         /* buckets a worker takes at a time */
 	uint64_t *bad;                  /* nw x 2: rows left non-finite, the lowest of them */
 	float *scratch;                 /* nw x 2 cols */
 	uint64_t *phase_ns;             /* NULL, or nw x 2: each worker's time sorting, applying */
@@ -56,9 +77,9 @@ struct bwd_job {
 };
 
 /* Worker w's bags: a contiguous slice of the global bag index. */
-static void worker_bags(const struct bwd_job *job, uint32_t w, uint64_t *first, uint64_t *last)
+static void worker_bags(const struct prep_job *job, uint32_t w, uint64_t *first, uint64_t *last)
 {
-	uint64_t total = job->bag_base[job->n];
+	uint64_t total = job->p->bag_base[job->p->n];
 
 	*first = total * w / job->nw;
 	*last = total * (w + 1) / job->nw;
@@ -66,9 +87,9 @@ static void worker_bags(const struct bwd_job *job, uint32_t w, uint64_t *first, 
 
 static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 {
-	struct bwd_job *job = arg;
-	const struct embd_shard_desc *d = &job->ctx.shard->desc;
-	uint64_t *hist = job->hist + (uint64_t)w * job->num_buckets;
+	struct prep_job *job = arg;
+	const struct embd_backward_prep *p = job->p;
+	uint64_t *hist = job->hist + (uint64_t)w * p->num_buckets;
 	uint64_t g, g_last;
 	uint32_t i = 0;
 
@@ -76,50 +97,50 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 	worker_bags(job, w, &g, &g_last);
 	job->occ_range[2 * w] = job->occ_range[2 * w + 1] = 0;
 	for (bool first = true; g < g_last; g++) {
-		while (job->bag_base[i + 1] <= g)
+		while (p->bag_base[i + 1] <= g)
 			i++;
 		const struct embd_bag_batch *bt = &job->batches[i];
-		uint64_t b = g - job->bag_base[i];
+		uint64_t b = g - p->bag_base[i];
 		const int64_t *off = job->offsets + job->off_base[i];
 		int64_t s = off[b], e = off[b + 1];
 		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
 		float scale = embd_grad_scale(bt->pooling, divisor, bt->grad_divisor);
-		struct embd_occ *out = job->occ + job->id_base[i];
+		struct embd_occ *out = p->occ + p->id_base[i];
 
 		if (first)
-			job->occ_range[2 * w] = job->id_base[i] + (uint64_t)s;
+			job->occ_range[2 * w] = p->id_base[i] + (uint64_t)s;
 		first = false;
-		job->bag_grad[g] = bt->pooled_grad + b * bt->pooled_stride + bt->pooled_col;
 		for (int64_t k = s; k < e; k++) {
 			int64_t id = bt->ids[k]; /* read once */
-			uint64_t r = (uint64_t)id - (uint64_t)d->row_offset;
-			if (r >= (uint64_t)d->rows) {
+			uint64_t r = (uint64_t)id - (uint64_t)p->row_offset;
+			if (r >= (uint64_t)p->rows) {
 				struct embd_kernel_err ke;
 				embd_kernel_fail(&ke, EMBD_ERANGE, bt->feature, (int64_t)b, id,
 						 "feature %u sample %llu: id %lld outside the shard's rows [%lld, %lld)",
 						 bt->feature, (unsigned long long)b, (long long)id,
-						 (long long)d->row_offset, (long long)(d->row_offset + d->rows));
+						 (long long)p->row_offset, (long long)(p->row_offset + p->rows));
 				embd_first_err_note(&job->errs[w], EMBD_ERANGE, i, &ke);
 				return;
 			}
 			out[k].row = r;
 			out[k].bag = (uint32_t)g;
 			out[k].coef = embd_grad_coef(bt->weights ? bt->weights[k] : 1.0f, scale);
-			hist[r >> job->shift]++;
+			hist[r >> p->shift]++;
 		}
-		job->occ_range[2 * w + 1] = job->id_base[i] + (uint64_t)e;
+		job->occ_range[2 * w + 1] = p->id_base[i] + (uint64_t)e;
 	}
 }
 
 static void scatter_worker(void *arg, uint32_t w, uint32_t nw)
 {
-	struct bwd_job *job = arg;
-	uint64_t *pos = job->hist + (uint64_t)w * job->num_buckets;
+	struct prep_job *job = arg;
+	struct embd_backward_prep *p = job->p;
+	uint64_t *pos = job->hist + (uint64_t)w * p->num_buckets;
 
 	(void)nw;
 	for (uint64_t j = job->occ_range[2 * w]; j < job->occ_range[2 * w + 1]; j++) {
-		const struct embd_occ *o = &job->occ[j];
-		job->bucketed[pos[o->row >> job->shift]++] = *o;
+		const struct embd_occ *o = &p->occ[j];
+		p->bucketed[pos[o->row >> p->shift]++] = *o;
 	}
 }
 
@@ -165,33 +186,62 @@ static void sort_bucket(struct embd_occ *a, struct embd_occ *tmp, uint64_t n, ui
 		memcpy(in, a, n * sizeof(*a));
 }
 
+/* Sorts buckets [b0, b1) of p in place (p->occ: the other half of the radix sort). */
+static void sort_buckets(struct embd_backward_prep *p, uint64_t b0, uint64_t b1)
+{
+	for (uint64_t b = b0; b < b1; b++) {
+		uint64_t s = p->bucket_start[b];
+		sort_bucket(p->bucketed + s, p->occ + s, p->bucket_start[b + 1] - s, p->shift);
+	}
+}
+
+/* Buckets [*b0, *b1): the next chunk of atomic counter next, chunk buckets of num_buckets. */
+static bool take_chunk(atomic_uint_fast64_t *next, uint64_t chunk, uint64_t num_buckets,
+		       uint64_t *b0, uint64_t *b1)
+{
+	*b0 = atomic_fetch_add_explicit(next, chunk, memory_order_relaxed);
+	if (*b0 >= num_buckets)
+		return false;
+	*b1 = num_buckets - *b0 < chunk ? num_buckets : *b0 + chunk;
+	return true;
+}
+
+/* A shared prep's phase 4 sort, ahead of every shard's apply. */
+static void sort_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	struct prep_job *job = arg;
+	uint64_t b0, b1;
+
+	(void)w;
+	(void)nw;
+	while (take_chunk(&job->next_bucket, job->chunk_buckets, job->p->num_buckets, &b0, &b1))
+		sort_buckets(job->p, b0, b1);
+}
+
 /*
- * The next chunk of buckets for this worker, each bucket sorted in place: *sorted holds *n
- * occurrences sorted by row (buckets are ascending ranges of rows). False when none is left.
+ * The next chunk of buckets for this worker, each bucket sorted (in place here unless the prep
+ * came sorted): *sorted holds *n occurrences sorted by row (buckets are ascending ranges of
+ * rows). False when none is left.
  */
 static bool next_chunk(struct bwd_job *job, struct embd_occ **sorted, uint64_t *n)
 {
-	uint64_t b0 = atomic_fetch_add_explicit(&job->next_bucket, job->chunk_buckets,
-						memory_order_relaxed);
-	if (b0 >= job->num_buckets)
+	const struct embd_backward_prep *p = job->p;
+	uint64_t b0, b1;
+
+	if (!take_chunk(&job->next_bucket, job->chunk_buckets, p->num_buckets, &b0, &b1))
 		return false;
-	uint64_t b1 = job->num_buckets - b0 < job->chunk_buckets ? job->num_buckets
-								  : b0 + job->chunk_buckets;
-	for (uint64_t b = b0; b < b1; b++) {
-		uint64_t s = job->bucket_start[b];
-		/* occ is free by now: the same index range serves as the radix sort's other half */
-		sort_bucket(job->bucketed + s, job->occ + s, job->bucket_start[b + 1] - s, job->shift);
-	}
-	*sorted = job->bucketed + job->bucket_start[b0];
-	*n = job->bucket_start[b1] - job->bucket_start[b0];
+	if (job->sort_here)
+		sort_buckets(job->sort_here, b0, b1);
+	*sorted = p->bucketed + p->bucket_start[b0];
+	*n = p->bucket_start[b1] - p->bucket_start[b0];
 	return true;
 }
 
 /*
  * Workers take chunks of buckets (a few hundred occurrences: one counter update each, and one
- * prefetch stream through the chunk's rows). Each sorts the chunk it takes next before applying
- * the one it holds, so that the rows of the next chunk's head are prefetched while this one's
- * tail is applied, not waited on one by one.
+ * prefetch stream through the chunk's rows). Each takes (and, unless the prep came sorted,
+ * sorts) the chunk it applies next before applying the one it holds, so that the rows of the
+ * next chunk's head are prefetched while this one's tail is applied, not waited on one by one.
  */
 static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
@@ -266,99 +316,117 @@ static uint32_t bits_for(uint64_t x)
 	return x ? 64 - (uint32_t)__builtin_clzll(x) : 0;
 }
 
-/* The job's arrays, and the bases and offsets snapshot; EMBD_ENOMEM when one is missing. */
-static int bwd_alloc(struct bwd_job *job, const struct embd_shard *shard, uint32_t n,
-		     uint64_t num_bags, uint64_t num_occ, bool timed, uint64_t **bases,
-		     int64_t **offsets)
+/* Buckets a worker takes at a time out of p's, for nw workers. */
+static uint32_t chunk_buckets(const struct embd_backward_prep *p, uint32_t nw)
 {
-	*bases = malloc((3 * (n + 1) + 2 * job->nw + (uint64_t)job->nw * job->num_buckets +
-			 job->num_buckets + 1) * sizeof(**bases));
-	*offsets = malloc((num_bags + n) * sizeof(**offsets));
-	job->bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*job->bag_grad));
-	job->occ = malloc((num_occ ? num_occ : 1) * sizeof(*job->occ));
-	job->bucketed = malloc((num_occ ? num_occ : 1) * sizeof(*job->bucketed));
-	job->errs = calloc(job->nw, sizeof(*job->errs));
-	job->bad = calloc(2 * (uint64_t)job->nw, sizeof(*job->bad));
-	job->scratch = malloc((uint64_t)job->nw * 2 * shard->desc.cols * sizeof(float));
-	job->phase_ns = timed ? calloc(2 * (uint64_t)job->nw, sizeof(*job->phase_ns)) : NULL;
-	if (!*bases || !*offsets || !job->bag_grad || !job->occ || !job->bucketed || !job->errs ||
-	    !job->bad || !job->scratch || (timed && !job->phase_ns))
-		return EMBD_ENOMEM;
-	return 0;
+	uint64_t num_occ = p->id_base[p->n];
+	uint64_t chunk = num_occ ? ((uint64_t)p->num_buckets * OCC_PER_CHUNK) / num_occ : 1;
+	uint64_t chunk_max = p->num_buckets / ((uint64_t)CHUNKS_PER_WORKER_MIN * nw);
+
+	chunk = chunk < chunk_max ? chunk : chunk_max;
+	return chunk ? (uint32_t)chunk : 1;
 }
 
-int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard,
-			  const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err)
+/* What the batches promise (embedding.h), checked against shard; their bags and ids counted. */
+static int check_batches(const struct embd_shard *shard, const struct embd_bag_batch *batches,
+			 uint32_t n, uint64_t *num_bags, uint64_t *num_occ, struct embd_kernel_err *err)
 {
-	struct embd_workers *workers = exec ? exec->workers : NULL;
-	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
-	struct embd_backward_times ph = { .calls = 1 }; /* this call's; a few clock reads */
-	uint64_t t = embd_now_ns();
-	struct bwd_job job = { .batches = batches, .n = n, .nw = embd_workers_count(workers) };
-	uint64_t *bases = NULL, num_occ = 0, num_bags = 0;
-	int64_t *offsets = NULL;
-	int rc;
-
-	job.k = embd_cpu_kernels_get(exec ? exec->isa : EMBD_ISA_AUTO);
-	if (!job.k)
-		return embd_kernel_fail(err, EMBD_ENOTSUP, 0, -1, 0, "instruction set %s not supported here",
-					embd_kernels_isa_name(exec->isa));
-	if (!shard)
-		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0, "no shard");
+	*num_bags = *num_occ = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		if (batches[i].shard && batches[i].shard != shard)
 			return embd_kernel_fail(err, EMBD_EINVAL, batches[i].feature, -1, 0,
 						"feature %u: batch names another shard", batches[i].feature);
-		rc = embd_bag_batch_check(&batches[i], shard, true, err);
+		int rc = embd_bag_batch_check(&batches[i], shard, true, err);
 		if (rc)
 			return rc;
-		num_occ += batches[i].num_ids;
-		num_bags += batches[i].batch_size;
+		*num_occ += batches[i].num_ids;
+		*num_bags += batches[i].batch_size;
 	}
-	if (num_bags > UINT32_MAX)
+	if (*num_bags > UINT32_MAX)
 		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0, "%llu bags in one call, at most 2^32 - 1",
-					(unsigned long long)num_bags);
+					(unsigned long long)*num_bags);
+	return 0;
+}
+
+void embd_backward_prep_free(struct embd_backward_prep *p)
+{
+	if (!p)
+		return;
+	free(p->occ);
+	free(p->bucketed);
+	free(p->bag_base);
+	free(p);
+}
+
+/* Phases 1-3, and 4's sort when sort: the batches' checked occurrences into *out (phase
+ * times added to ph). */
+static int prepare_occurrences(const struct embd_exec *exec, const struct embd_shard *shard,
+			       const struct embd_bag_batch *batches, uint32_t n, bool sort,
+			       struct embd_backward_prep **out, struct embd_backward_times *ph,
+			       struct embd_kernel_err *err)
+{
+	struct embd_workers *workers = exec ? exec->workers : NULL;
+	uint64_t t = embd_now_ns();
+	struct prep_job job = { .batches = batches, .nw = embd_workers_count(workers) };
+	struct embd_backward_prep *p = NULL;
+	uint64_t num_occ, num_bags, *work = NULL;
+	int64_t *offsets = NULL;
+	int rc;
+
+	*out = NULL;
+	if (!shard)
+		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0, "no shard");
+	rc = check_batches(shard, batches, n, &num_bags, &num_occ, err);
+	if (rc)
+		return rc;
 
 	uint32_t row_bits = bits_for((uint64_t)shard->desc.rows - 1);
 	uint32_t want = bits_for(num_occ >> OCC_PER_BUCKET_LOG2);
 	uint32_t top = want < row_bits ? want : row_bits;
 	top = top < TOP_BITS_MAX ? top : TOP_BITS_MAX;
-	job.shift = row_bits - top;
-	job.num_buckets = 1u << top;
-	uint64_t chunk = num_occ ? ((uint64_t)job.num_buckets * OCC_PER_CHUNK) / num_occ : 1;
-	uint64_t chunk_max = job.num_buckets / ((uint64_t)CHUNKS_PER_WORKER_MIN * job.nw);
-	chunk = chunk < chunk_max ? chunk : chunk_max;
-	job.chunk_buckets = chunk ? (uint32_t)chunk : 1;
-
-	rc = bwd_alloc(&job, shard, n, num_bags, num_occ, times != NULL, &bases, &offsets);
-	if (rc) {
-		embd_kernel_fail(err, rc, 0, -1, 0, "out of memory for %llu occurrences",
-				 (unsigned long long)num_occ);
+	p = calloc(1, sizeof(*p));
+	if (p) {
+		*p = (struct embd_backward_prep){
+			.row_offset = shard->desc.row_offset, .rows = shard->desc.rows, .n = n,
+			.shift = row_bits - top, .num_buckets = 1u << top,
+		};
+		p->bag_base = malloc((2 * ((uint64_t)n + 1) + p->num_buckets + 1) *
+				     sizeof(*p->bag_base));
+		p->occ = malloc((num_occ ? num_occ : 1) * sizeof(*p->occ));
+		p->bucketed = malloc((num_occ ? num_occ : 1) * sizeof(*p->bucketed));
+		/* off_base (n + 1), occ_range (nw x 2), hist (nw x num_buckets) */
+		work = malloc(((uint64_t)n + 1 + 2 * job.nw + (uint64_t)job.nw * p->num_buckets) *
+			      sizeof(*work));
+	}
+	offsets = malloc((num_bags + n) * sizeof(*offsets));
+	job.errs = calloc(job.nw, sizeof(*job.errs));
+	if (!p || !p->bag_base || !p->occ || !p->bucketed || !work || !offsets || !job.errs) {
+		rc = embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory for %llu occurrences",
+				      (unsigned long long)num_occ);
 		goto out;
 	}
-	uint64_t *off_base = bases, *bag_base = off_base + n + 1, *id_base = bag_base + n + 1;
-	job.occ_range = id_base + n + 1;
+	uint64_t *off_base = work;
+	p->id_base = p->bag_base + n + 1;
+	p->bucket_start = p->id_base + n + 1;
+	job.p = p;
+	job.occ_range = off_base + n + 1;
 	job.hist = job.occ_range + 2 * job.nw;
-	job.bucket_start = job.hist + (uint64_t)job.nw * job.num_buckets;
-	memset(job.hist, 0, (uint64_t)job.nw * job.num_buckets * sizeof(*job.hist));
-	off_base[0] = bag_base[0] = id_base[0] = 0;
+	memset(job.hist, 0, (uint64_t)job.nw * p->num_buckets * sizeof(*job.hist));
+	off_base[0] = p->bag_base[0] = p->id_base[0] = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		off_base[i + 1] = off_base[i] + batches[i].batch_size + 1;
-		bag_base[i + 1] = bag_base[i] + batches[i].batch_size;
-		id_base[i + 1] = id_base[i] + batches[i].num_ids;
+		p->bag_base[i + 1] = p->bag_base[i] + batches[i].batch_size;
+		p->id_base[i + 1] = p->id_base[i] + batches[i].num_ids;
 		rc = snapshot_offsets(&batches[i], offsets + off_base[i], err);
 		if (rc)
 			goto out;
 	}
-	job.ctx.shard = shard;
 	job.offsets = offsets;
 	job.off_base = off_base;
-	job.bag_base = bag_base;
-	job.id_base = id_base;
-	t = phase_done(t, &ph.setup_ns);
+	t = phase_done(t, &ph->setup_ns);
 
 	embd_workers_run(workers, collect_worker, &job);
-	t = phase_done(t, &ph.collect_ns);
+	t = phase_done(t, &ph->collect_ns);
 	struct embd_first_err first = { 0 };
 	for (uint32_t w = 0; w < job.nw; w++)
 		embd_first_err_note(&first, job.errs[w].rc, job.errs[w].batch, &job.errs[w].e);
@@ -371,24 +439,79 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 
 	/* counts -> scatter positions: bucket-major, worker-minor, so the scatter is stable */
 	uint64_t pos = 0;
-	for (uint32_t dgt = 0; dgt < job.num_buckets; dgt++) {
-		job.bucket_start[dgt] = pos;
+	for (uint32_t dgt = 0; dgt < p->num_buckets; dgt++) {
+		p->bucket_start[dgt] = pos;
 		for (uint32_t w = 0; w < job.nw; w++) {
-			uint64_t c = job.hist[(uint64_t)w * job.num_buckets + dgt];
-			job.hist[(uint64_t)w * job.num_buckets + dgt] = pos;
+			uint64_t c = job.hist[(uint64_t)w * p->num_buckets + dgt];
+			job.hist[(uint64_t)w * p->num_buckets + dgt] = pos;
 			pos += c;
 		}
 	}
-	job.bucket_start[job.num_buckets] = pos;
+	p->bucket_start[p->num_buckets] = pos;
 	embd_workers_run(workers, scatter_worker, &job);
-	t = phase_done(t, &ph.scatter_ns);
+	t = phase_done(t, &ph->scatter_ns);
 
-	job.ctx.params = embd_optim_params_make(&shard->desc.optimizer, shard->step + 1);
-	job.ctx.bag_grad = job.bag_grad;
+	if (sort) {
+		job.chunk_buckets = chunk_buckets(p, job.nw);
+		atomic_init(&job.next_bucket, 0);
+		embd_workers_run(workers, sort_worker, &job);
+		free(p->occ);
+		p->occ = NULL;
+		p->sorted = true;
+		phase_done(t, &ph->sort_ns);
+	}
+	*out = p;
+	p = NULL;
+	rc = 0;
+out:
+	free(job.errs);
+	free(offsets);
+	free(work);
+	embd_backward_prep_free(p);
+	return rc;
+}
+
+/* Phase 4 on shard (whose rows p indexes) with the batches' gradient columns (phase times
+ * added to ph when timed); p is only read unless it comes unsorted. */
+static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu_kernels *k,
+			     struct embd_shard *shard, const struct embd_backward_prep *p,
+			     struct embd_backward_prep *unsorted,
+			     const struct embd_bag_batch *batches, bool timed,
+			     struct embd_backward_times *ph, struct embd_kernel_err *err)
+{
+	struct embd_workers *workers = exec ? exec->workers : NULL;
+	uint64_t t = embd_now_ns();
+	uint32_t nw = embd_workers_count(workers);
+	struct bwd_job job = { .k = k, .p = p, .sort_here = p->sorted ? NULL : unsorted,
+			       .chunk_buckets = chunk_buckets(p, nw) };
+	uint64_t num_bags = p->bag_base[p->n];
+	const float **bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*bag_grad));
+	int rc = 0;
+
+	job.bad = calloc(2 * (uint64_t)nw, sizeof(*job.bad));
+	job.scratch = malloc((uint64_t)nw * 2 * shard->desc.cols * sizeof(float));
+	job.phase_ns = timed ? calloc(2 * (uint64_t)nw, sizeof(*job.phase_ns)) : NULL;
+	if (!bag_grad || !job.bad || !job.scratch || (timed && !job.phase_ns)) {
+		rc = embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory for %llu occurrences",
+				      (unsigned long long)p->id_base[p->n]);
+		goto out;
+	}
+	for (uint32_t i = 0; i < p->n; i++) {
+		const struct embd_bag_batch *bt = &batches[i];
+		for (uint64_t b = 0; b < bt->batch_size; b++)
+			bag_grad[p->bag_base[i] + b] = bt->pooled_grad + b * bt->pooled_stride +
+						       bt->pooled_col;
+	}
+	job.ctx = (struct embd_bwd_rows){
+		.shard = shard, .params = embd_optim_params_make(&shard->desc.optimizer, shard->step + 1),
+		.bag_grad = bag_grad,
+	};
+	t = phase_done(t, &ph->setup_ns);
+
 	atomic_init(&job.next_bucket, 0);
 	embd_workers_run(workers, apply_worker, &job);
 	uint64_t bad_rows = 0, bad_row = UINT64_MAX;
-	for (uint32_t w = 0; w < job.nw; w++) {
+	for (uint32_t w = 0; w < nw; w++) {
 		bad_rows += job.bad[2 * w];
 		bad_row = job.bad[2 * w + 1] < bad_row ? job.bad[2 * w + 1] : bad_row;
 	}
@@ -396,26 +519,110 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 		shard->nonfinite_rows += bad_rows;
 		shard->nonfinite_row = shard->desc.row_offset + (int64_t)bad_row;
 	}
-	if (times) {
-		note_apply_phase(&ph, job.phase_ns, job.nw, embd_now_ns() - t);
-		times->calls += ph.calls;
-		times->setup_ns += ph.setup_ns;
-		times->collect_ns += ph.collect_ns;
-		times->scatter_ns += ph.scatter_ns;
-		times->sort_ns += ph.sort_ns;
-		times->apply_ns += ph.apply_ns;
-	}
+	if (timed)
+		note_apply_phase(ph, job.phase_ns, nw, embd_now_ns() - t);
 	shard->step++;
-	rc = 0;
 out:
-	free(job.bad);
 	free(job.phase_ns);
 	free(job.scratch);
-	free(job.errs);
-	free(job.bucketed);
-	free(job.occ);
-	free(job.bag_grad);
-	free(offsets);
-	free(bases);
+	free(job.bad);
+	free(bag_grad);
+	return rc;
+}
+
+static void add_times(struct embd_backward_times *to, const struct embd_backward_times *ph)
+{
+	to->calls += ph->calls;
+	to->setup_ns += ph->setup_ns;
+	to->collect_ns += ph->collect_ns;
+	to->scatter_ns += ph->scatter_ns;
+	to->sort_ns += ph->sort_ns;
+	to->apply_ns += ph->apply_ns;
+}
+
+static const struct embd_cpu_kernels *kernels_of(const struct embd_exec *exec,
+						 struct embd_kernel_err *err)
+{
+	const struct embd_cpu_kernels *k = embd_cpu_kernels_get(exec ? exec->isa : EMBD_ISA_AUTO);
+
+	if (!k)
+		embd_kernel_fail(err, EMBD_ENOTSUP, 0, -1, 0, "instruction set %s not supported here",
+				 embd_kernels_isa_name(exec->isa));
+	return k;
+}
+
+int embd_kernels_backward_prepare(const struct embd_exec *exec, const struct embd_shard *shard,
+				  const struct embd_bag_batch *batches, uint32_t n,
+				  struct embd_backward_prep **out, struct embd_kernel_err *err)
+{
+	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
+	struct embd_backward_times ph = { 0 };
+	int rc = prepare_occurrences(exec, shard, batches, n, true, out, &ph, err);
+
+	if (!rc && times)
+		add_times(times, &ph);
+	return rc;
+}
+
+int embd_kernels_backward_apply(const struct embd_exec *exec, struct embd_shard *shard,
+				const struct embd_backward_prep *prep,
+				const struct embd_bag_batch *batches, uint32_t n,
+				struct embd_kernel_err *err)
+{
+	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
+	struct embd_backward_times ph = { .calls = 1 };
+	const struct embd_cpu_kernels *k = kernels_of(exec, err);
+	uint64_t num_bags, num_occ;
+	int rc;
+
+	if (!k)
+		return EMBD_ENOTSUP;
+	if (!shard || !prep)
+		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0, "no %s", shard ? "prepared occurrences" : "shard");
+	if (shard->desc.row_offset != prep->row_offset || shard->desc.rows != prep->rows)
+		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0,
+					"the shard's rows [%lld, %lld) are not the prepared ones [%lld, %lld)",
+					(long long)shard->desc.row_offset,
+					(long long)(shard->desc.row_offset + shard->desc.rows),
+					(long long)prep->row_offset, (long long)(prep->row_offset + prep->rows));
+	if (n != prep->n)
+		return embd_kernel_fail(err, EMBD_EINVAL, 0, -1, 0, "%u batches, %u prepared", n, prep->n);
+	rc = check_batches(shard, batches, n, &num_bags, &num_occ, err);
+	if (rc)
+		return rc;
+	for (uint32_t i = 0; i < n; i++)
+		if (batches[i].batch_size != prep->bag_base[i + 1] - prep->bag_base[i] ||
+		    batches[i].num_ids != prep->id_base[i + 1] - prep->id_base[i])
+			return embd_kernel_fail(err, EMBD_EINVAL, batches[i].feature, -1, 0,
+						"feature %u: %u bags of %llu ids, prepared %llu of %llu",
+						batches[i].feature, batches[i].batch_size,
+						(unsigned long long)batches[i].num_ids,
+						(unsigned long long)(prep->bag_base[i + 1] - prep->bag_base[i]),
+						(unsigned long long)(prep->id_base[i + 1] - prep->id_base[i]));
+	/* sorted (prepare sorts): only read, so applies on other shards may share it at once */
+	rc = apply_occurrences(exec, k, shard, prep, NULL, batches, times != NULL, &ph, err);
+	if (!rc && times)
+		add_times(times, &ph);
+	return rc;
+}
+
+int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard,
+			  const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err)
+{
+	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
+	struct embd_backward_times ph = { .calls = 1 }; /* this call's; a few clock reads */
+	const struct embd_cpu_kernels *k = kernels_of(exec, err);
+	struct embd_backward_prep *p = NULL;
+	int rc;
+
+	if (!k)
+		return EMBD_ENOTSUP;
+	/* unsorted: each apply worker sorts the buckets it takes, between its rows' prefetches */
+	rc = prepare_occurrences(exec, shard, batches, n, false, &p, &ph, err);
+	if (!rc)
+		rc = apply_occurrences(exec, k, shard, p, p, batches, times != NULL, &ph, err);
+	embd_backward_prep_free(p);
+	if (!rc && times)
+		add_times(times, &ph);
 	return rc;
 }

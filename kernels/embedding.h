@@ -206,4 +206,31 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard,
 			  const struct embd_bag_batch *batches, uint32_t n, struct embd_kernel_err *err);
 
+/*
+ * The same step in two parts, for shards that see the same bags: the column shards of one
+ * table (column_wise, table_column_wise) get the same ids, offsets, weights and scales and
+ * differ only in their columns and their gradient columns (pooled_grad, pooled_col,
+ * pooled_stride). embd_kernels_backward_prepare checks the batches against shard exactly as
+ * embd_kernels_backward does (the same errors, nothing written to any shard) and makes *out:
+ * their occurrences, checked and sorted by row, for the rows of shard (row_offset, rows).
+ * embd_kernels_backward_apply is the rest of embd_kernels_backward on a shard of those same
+ * rows (any columns), with batches that describe the same bags as the prepared ones (same n,
+ * and per batch the same ids, offsets, weights, pooling, mean_lengths and grad_divisor: the
+ * caller's promise; the counts of bags and ids are checked, EMBD_EINVAL otherwise) and name
+ * this shard or NULL. Preparing once and applying to each shard gives every shard the bits
+ * embd_kernels_backward gives it. A prep is only read by apply: applies on different shards
+ * may share it at once, from any threads; free it after the last. On error *out is NULL.
+ * backward_times: prepare adds phases 1-4's sort, apply the rest and one call.
+ */
+struct embd_backward_prep;
+int embd_kernels_backward_prepare(const struct embd_exec *exec, const struct embd_shard *shard,
+				  const struct embd_bag_batch *batches, uint32_t n,
+				  struct embd_backward_prep **out, struct embd_kernel_err *err);
+int embd_kernels_backward_apply(const struct embd_exec *exec, struct embd_shard *shard,
+				const struct embd_backward_prep *prep,
+				const struct embd_bag_batch *batches, uint32_t n,
+				struct embd_kernel_err *err);
+/* NULL is a no-op. */
+void embd_backward_prep_free(struct embd_backward_prep *prep);
+
 #endif /* EMBD_KERNELS_EMBEDDING_H */

@@ -125,6 +125,43 @@ static void partials_case(const char *sharding, bool split)
 			     sharding, device);
 }
 
+/*
+ * A column-split table's shards on the node step from one check and sort of its ids per
+ * backward (engine/step.c): stats count the tables so prepared and their shards, at least two
+ * each. Not where a shard's backward maps its ids to cache slots (fused_uvm_caching), nor on
+ * GPUs (each shard sorts on its device): none there. Table_wise shares nothing.
+ */
+static void shared_prepare_case(const char *sharding, bool shared)
+{
+	train_and_check(sharding, 2);
+	cJSON *stats = ctl_ask_json(service.socket, EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats, "no STATS reply");
+	const double prepares = ctl_json_num(stats, "backward_prepares");
+	const double shards = ctl_json_num(stats, "backward_shared_shards");
+	cJSON_Delete(stats);
+	const char *compute = getenv("EMBD_TEST_COMPUTE_DEVICE");
+	const char *kernel = getenv("EMBD_TEST_CPU_KERNEL");
+	if ((compute && !strcmp(compute, "cuda")) ||
+	    (kernel && !strcmp(kernel, "fused_uvm_caching")))
+		shared = false;
+	if (shared) {
+		cr_expect_gt(prepares, 0, "%s: no table prepared its ids once for its shards",
+			     sharding);
+		cr_expect_geq(shards, 2 * prepares, "%s: %g shards for %g shared prepares",
+			      sharding, shards, prepares);
+	} else {
+		cr_expect_eq(prepares + shards, 0, "%s: %g prepares shared by %g shards", sharding,
+			     prepares, shards);
+	}
+}
+
+Test(training, column_wise_shards_share_their_prepare) { shared_prepare_case("column_wise", true); }
+Test(training, table_column_wise_shards_share_their_prepare)
+{
+	shared_prepare_case("table_column_wise", true);
+}
+Test(training, table_wise_shares_no_prepare) { shared_prepare_case("table_wise", false); }
+
 Test(training, row_wise_partials_go_rank_to_rank) { partials_case("row_wise", true); }
 Test(training, table_row_wise_partials_go_rank_to_rank) { partials_case("table_row_wise", true); }
 Test(training, table_wise_has_no_partials) { partials_case("table_wise", false); }

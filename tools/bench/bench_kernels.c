@@ -660,14 +660,15 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 
 /* ---- backward ---------------------------------------------------------------------------- */
 
-/* Where one backward's time goes, per batch, from a run with the kernel's phase times on. */
-static void print_phases(struct bench *b, struct kernel_arg *a)
+/* Where one backward step's time goes, per batch (per shard's call: the phases' times over the
+ * applies), from a run of fn with the kernel's phase times on. */
+static void print_phases(struct bench *b, step_fn fn, void *arg)
 {
 	struct embd_backward_times tm = { 0 };
 	uint64_t k = 0;
 
 	b->exec.backward_times = &tm;
-	run_steps(b, backward_step, a, &k);
+	run_steps(b, fn, arg, &k);
 	b->exec.backward_times = NULL;
 	double c = (double)(tm.calls ? tm.calls : 1);
 	printf(",\"phases_ns\":{\"setup\":%.0f,\"collect\":%.0f,\"scatter\":%.0f,\"sort\":%.0f,"
@@ -730,12 +731,103 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 	       b->o.batch, (unsigned long long)wb, (unsigned long long)(m1b + m2b), unique, p.ns,
 	       bytes / p.ns, bytes / p.ref_ns, p.ref_spread, p.ratio, p.ref_ns, weights_only_ns);
 	print_repeats(b, &p);
-	print_phases(b, &a);
+	print_phases(b, backward_step, &a);
 	print_theirs(b, backward_step, &a, p.ns, &th);
 	printf("}\n");
 	fflush(stdout);
 	embd_shard_destroy(os);
 	return 0;
+}
+
+/* A table's two column halves, each a shard of its own over all the rows, as column_wise
+ * places them: stepped by a backward each, or from one prepare applied to both. */
+struct halves_arg {
+	struct kernel_arg a;
+	struct embd_shard *half[2];
+};
+
+static struct embd_bag_batch half_batch(struct halves_arg *h, int i, uint64_t k)
+{
+	struct embd_bag_batch bt = kernel_batch(&h->a, k);
+
+	bt.shard = h->half[i];
+	bt.pooled_col = (uint32_t)i * h->half[0]->desc.cols;
+	return bt;
+}
+
+static void halves_per_shard_step(void *arg, uint64_t k)
+{
+	struct halves_arg *h = arg;
+
+	for (int i = 0; i < 2; i++) {
+		struct embd_bag_batch bt = half_batch(h, i, k);
+		int rc = embd_kernels_backward(&h->a.b->exec, h->half[i], &bt, 1, &h->a.err);
+		if (rc)
+			h->a.rc = rc;
+	}
+}
+
+static void halves_shared_step(void *arg, uint64_t k)
+{
+	struct halves_arg *h = arg;
+	struct embd_bag_batch bt[2] = { half_batch(h, 0, k), half_batch(h, 1, k) };
+	struct embd_backward_prep *prep;
+	int rc = embd_kernels_backward_prepare(&h->a.b->exec, h->half[0], &bt[0], 1, &prep,
+					       &h->a.err);
+
+	for (int i = 0; !rc && i < 2; i++)
+		rc = embd_kernels_backward_apply(&h->a.b->exec, h->half[i], prep, &bt[i], 1, &h->a.err);
+	embd_backward_prep_free(prep);
+	if (rc)
+		h->a.rc = rc;
+}
+
+/* backward_column_halves_sgd/D/20: the shared prepare against a backward per half, paired
+ * (fp32 D up to BACKWARD_DIM, the gradient's width). */
+static int bench_column_halves(struct bench *b, const struct table *t, int64_t *offsets,
+			       const float *grad)
+{
+	struct halves_arg h = { .a = { .b = b, .t = t, .P = BACKWARD_P, .offsets = offsets,
+				       .grad = grad } };
+	char err[256], name[64];
+	int rc = 0;
+
+	snprintf(name, sizeof(name), "backward_column_halves_sgd/%u/%u", t->dim, BACKWARD_P);
+	if (t->fp16 || t->dim > BACKWARD_DIM || !config_selected(&b->o, name))
+		return 0;
+	set_offsets(offsets, b->o.batch, BACKWARD_P);
+
+	for (int i = 0; i < 2 && !rc; i++) {
+		struct embd_shard_desc d = t->shard->desc;
+		d.col_offset = (uint32_t)i * (t->dim / 2);
+		d.cols = t->dim / 2;
+		if (embd_shard_create(&d, &h.half[i], err, sizeof(err))) {
+			fprintf(stderr, "embd-bench kernels: column half: %s\n", err);
+			rc = 1;
+			break;
+		}
+		embd_shard_init_weights(h.half[i], 1, &b->exec);
+	}
+	if (!rc) {
+		struct paired p = paired_step_ns(b, halves_shared_step, &h, halves_per_shard_step, &h);
+		if (h.a.rc) {
+			fprintf(stderr, "embd-bench kernels: backward failed: %s\n", h.a.err.msg);
+			rc = 1;
+		} else {
+			print_head(b, "backward_column_halves_sgd");
+			printf(",\"config\":\"backward_column_halves_sgd/%u/%u\",\"dim\":%u,"
+			       "\"shard_cols\":%u,\"batch\":%u,\"ns_per_batch\":%.0f,"
+			       "\"per_shard_ns_per_batch\":%.0f,\"speedup\":%.3f",
+			       t->dim, BACKWARD_P, t->dim, t->dim / 2, b->o.batch, p.ns, p.ref_ns,
+			       p.ratio);
+			print_phases(b, halves_shared_step, &h);
+			printf("}\n");
+			fflush(stdout);
+		}
+	}
+	for (int i = 0; i < 2; i++)
+		embd_shard_destroy(h.half[i]);
+	return rc;
 }
 
 static int bench_backward(struct bench *b, const struct table *t, int64_t *offsets, const float *grad)
@@ -780,6 +872,9 @@ static bool table_selected(const struct bench *b, uint32_t dim, bool fp16)
 		if (config_selected(&b->o, name))
 			return true;
 	}
+	snprintf(name, sizeof(name), "backward_column_halves_sgd/%u/%u", dim, BACKWARD_P);
+	if (!fp16 && dim <= BACKWARD_DIM && config_selected(&b->o, name))
+		return true;
 	return false;
 }
 
@@ -807,7 +902,8 @@ static int bench_tables(struct bench *b)
 				continue;
 			int bad = table_create(b, dims[d], h, &t) ||
 				  bench_forward(b, &t, offsets, weights, pooled) ||
-				  (!h && dims[d] == BACKWARD_DIM && bench_backward(b, &t, offsets, grad));
+				  (!h && dims[d] == BACKWARD_DIM && bench_backward(b, &t, offsets, grad)) ||
+				  bench_column_halves(b, &t, offsets, grad);
 			table_destroy(&t);
 			if (bad)
 				goto out;

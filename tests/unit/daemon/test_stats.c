@@ -29,7 +29,8 @@ Test(stats, json_fields_and_percentiles)
 					      .output_bytes = 200, .nonfinite_grads = i == 7,
 					      .nonfinite_rows = i % 10 == 0 ? 3 : 0,
 					      .sent_bytes = 3, .partial_device_bytes = 5,
-					      .partial_host_bytes = 1 };
+					      .partial_host_bytes = 1, .backward_prepares = 2,
+					      .backward_shared_shards = 4 };
 		embd_stats_step(s, &c, i * 1000);
 		embd_stats_request(s, (101 - i) * 10, i % 10 == 0 ? EMBD_EAGAIN : 0);
 	}
@@ -56,6 +57,8 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "sent_bytes"), 300);
 	cr_assert_eq(num(root, "partial_device_bytes"), 500);
 	cr_assert_eq(num(root, "partial_host_bytes"), 100);
+	cr_assert_eq(num(root, "backward_prepares"), 200);
+	cr_assert_eq(num(root, "backward_shared_shards"), 400);
 	cr_assert_eq(num(root, "requests"), 100);
 	const cJSON *refusals = cJSON_GetObjectItemCaseSensitive(root, "refusals");
 	cr_assert_eq(num(refusals, "EAGAIN"), 10);

@@ -320,6 +320,46 @@ Test(step, rows_an_update_leaves_nonfinite_are_counted)
 	stop(&fx);
 }
 
+/*
+ * A table's column shards on this node (the fixture's three, two of them on one rank) step
+ * from one prep of their occurrences: every step counts one prepare per table and all its
+ * shards, and stays exact; types without column shards count none.
+ */
+static void shared_prepare_case(enum embd_sharding_type type, uint32_t prepares,
+				uint32_t shards)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	struct embd_step_batch batches[2];
+	struct embd_step_counts counts;
+	char what[64];
+
+	setup(&fx, EMBD_OPT_ADAGRAD, type, 2);
+	for (uint32_t step = 0; step < 2; step++) {
+		snprintf(what, sizeof(what), "%s step %u", embd_plan_sharding_name(type), step);
+		fill_all(&fx, trs, batches, 2, 40 + step);
+		cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s: %s", what, batches[0].err);
+		backward_and_check(&fx, trs, batches, 2, 1, what);
+		embd_step_counts(fx.step, &counts);
+		cr_expect_eq(counts.backward_prepares, prepares, "%s: %u tables prepared once, "
+			     "expected %u", what, counts.backward_prepares, prepares);
+		cr_expect_eq(counts.backward_shared_shards, shards, "%s: %u shards applied a shared "
+			     "prep, expected %u", what, counts.backward_shared_shards, shards);
+	}
+	stop(&fx);
+}
+
+Test(step, column_shards_share_one_prepare)
+{
+	shared_prepare_case(EMBD_SHARD_COLUMN_WISE, NTAB, 3 * NTAB);
+}
+Test(step, table_column_shards_share_one_prepare)
+{
+	shared_prepare_case(EMBD_SHARD_TABLE_COLUMN_WISE, NTAB, 3 * NTAB);
+}
+Test(step, table_wise_shares_no_prepare) { shared_prepare_case(EMBD_SHARD_TABLE_WISE, 0, 0); }
+Test(step, row_shards_share_no_prepare) { shared_prepare_case(EMBD_SHARD_ROW_WISE, 0, 0); }
+
 /* The middle one of three trainers has a bad id: its items are dropped from every rank after
  * the ranks copied the ids, and the others' step stays exact (row_wise: up to the rounding of
  * its partial sums; data_parallel: on every replica). */

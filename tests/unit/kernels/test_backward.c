@@ -661,3 +661,178 @@ Test(kernels_backward, first_nonfinite_finds_every_position)
 		x[at] = keep;
 	}
 }
+
+/* Shards a and b hold the same bits: weights, optimizer state, step, non-finite count. */
+static void expect_shards_identical(const char *what, const struct embd_shard *a,
+				    const struct embd_shard *b)
+{
+	uint64_t bytes[3];
+	char err[128];
+
+	cr_assert_eq(embd_shard_sizes(&a->desc, &bytes[0], &bytes[1], &bytes[2], err, sizeof(err)), 0,
+		     "%s", err);
+	cr_expect_eq(memcmp(a->weights, b->weights, bytes[0]), 0, "%s: weights differ", what);
+	if (bytes[1])
+		cr_expect_eq(memcmp(a->momentum1, b->momentum1, bytes[1]), 0, "%s: momentum1 differs",
+			     what);
+	if (bytes[2])
+		cr_expect_eq(memcmp(a->momentum2, b->momentum2, bytes[2]), 0, "%s: momentum2 differs",
+			     what);
+	cr_expect_eq(a->step, b->step, "%s: step %lld, expected %lld", what, (long long)a->step,
+		     (long long)b->step);
+	cr_expect_eq(a->nonfinite_rows, b->nonfinite_rows, "%s: non-finite rows", what);
+}
+
+/*
+ * The split API: a table of D columns cut into two column shards; each step prepares the bags
+ * once (on 3 workers) and applies the prep to both shards (one on the calling thread, one on 3
+ * workers), and each shard ends bit for bit where embd_kernels_backward leaves its twin, for
+ * every optimizer and isa, fp32 and fp16, weighted MEAN bags with their full lengths given and
+ * SUM bags, the gradients divided by 3.
+ */
+Test(kernels_backward, prepared_once_applied_to_two_column_shards, .timeout = 120)
+{
+	static const uint32_t dims[][2] = { { 64, 32 }, { 24, 5 } };       /* D, first shard's */
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	struct trng r = { 36 };
+	struct embd_workers *three;
+	char msg[160];
+
+	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+	for (int i = 0; i < nisa; i++)
+	for (int fp16 = 0; fp16 < 2; fp16++) {
+		const uint32_t D = dims[(type + fp16) % 2][0], c0 = dims[(type + fp16) % 2][1];
+		const uint32_t col[2] = { 0, c0 }, cols[2] = { c0, D - c0 };
+		const int64_t rows = 3000;
+		struct embd_optimizer_spec o = opt_spec(type, 0.01f);
+		struct embd_ref_table *ref = embd_ref_table_create(9, rows, D, fp16, &o, 23);
+		struct embd_shard *split[2], *plain[2];
+		for (int k = 0; k < 2; k++) {
+			split[k] = tshard(ref, 23, 0, rows, col[k], cols[k]);
+			plain[k] = tshard(ref, 23, 0, rows, col[k], cols[k]);
+		}
+		struct embd_exec ex3 = { .workers = three, .isa = isas[i] };
+		struct embd_exec ex1 = { .isa = isas[i] };
+		for (int step = 0; step < 2; step++) {
+			struct tbags t[2];
+			float *g[2];
+			int32_t *full[2];
+			struct embd_bag_batch bt[2][2];
+			for (int f = 0; f < 2; f++) {
+				tbags_random(&t[f], &r, 200, 20, 10, rows, 40, f == 1);
+				g[f] = random_grad(&r, 200ull * D);
+				full[f] = malloc(200 * sizeof(int32_t));
+				for (uint32_t b = 0; b < 200; b++)
+					full[f][b] = t[f].lengths[b] + (int32_t)(b % 3);
+				enum embd_pooling p = f ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM;
+				for (int k = 0; k < 2; k++) {
+					bt[k][f] = tbatch(NULL, f, &t[f], p, f ? full[f] : NULL, g[f], D,
+							  col[k]);
+					bt[k][f].grad_divisor = 3;
+				}
+			}
+			struct embd_kernel_err err;
+			struct embd_backward_prep *prep = NULL;
+			int rc = embd_kernels_backward_prepare(&ex3, split[0], bt[0], 2, &prep, &err);
+			cr_assert_eq(rc, 0, "prepare: %d %s", rc, err.msg);
+			for (int k = 0; k < 2; k++) {
+				rc = embd_kernels_backward_apply(k ? &ex3 : &ex1, split[k], prep, bt[k], 2,
+								 &err);
+				cr_assert_eq(rc, 0, "apply to shard %d: %d %s", k, rc, err.msg);
+				rc = embd_kernels_backward(&ex3, plain[k], bt[k], 2, &err);
+				cr_assert_eq(rc, 0, "backward of shard %d: %d %s", k, rc, err.msg);
+				snprintf(msg, sizeof(msg), "%s opt %d %s D %u shard %d (cols %u) step %d",
+					 embd_kernels_isa_name(isas[i]), type, fp16 ? "fp16" : "fp32", D,
+					 k, cols[k], step);
+				expect_shards_identical(msg, split[k], plain[k]);
+			}
+			embd_backward_prep_free(prep);
+			for (int f = 0; f < 2; f++) {
+				tbags_free(&t[f]);
+				free(g[f]);
+				free(full[f]);
+			}
+		}
+		for (int k = 0; k < 2; k++) {
+			embd_shard_destroy(split[k]);
+			embd_shard_destroy(plain[k]);
+		}
+		embd_ref_table_destroy(ref);
+	}
+	embd_workers_destroy(three);
+}
+
+/* A bad id or bad offsets: prepare fails exactly as embd_kernels_backward does (code, feature,
+ * sample, id, message), makes no prep and writes no row. */
+Test(kernels_backward, prepare_reports_errors_as_backward_does)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 50, 4, EMBD_DTYPE_FP32, &o, 8);
+	struct embd_shard *s = tshard(ref, 8, 0, 50, 0, 4);
+	struct embd_workers *two;
+	char msg[128];
+	int64_t offsets[4] = { 0, 2, 3, 5 }, bad_offsets[4] = { 0, 3, 2, 5 };
+	int64_t ids[5] = { 1, 7, 50, 9, -1 };
+	float g[3 * 4] = { 0 };
+
+	cr_assert_eq(embd_workers_create(2, NULL, &two, msg, sizeof(msg)), 0, "%s", msg);
+	struct embd_exec ex = { .workers = two };
+	for (int c = 0; c < 2; c++) {
+		struct embd_bag_batch bt = { .feature = 4, .batch_size = 3,
+					     .offsets = c ? bad_offsets : offsets, .ids = ids,
+					     .num_ids = 5, .pooled_grad = g, .pooled_stride = 4 };
+		struct embd_kernel_err want, got;
+		struct embd_backward_prep *prep = (struct embd_backward_prep *)&got;
+		int rc_want = embd_kernels_backward(&ex, s, &bt, 1, &want);
+		int rc = embd_kernels_backward_prepare(&ex, s, &bt, 1, &prep, &got);
+		cr_assert_eq(rc_want, c ? EMBD_EINVAL : EMBD_ERANGE, "case %d: %d %s", c, rc_want,
+			     want.msg);
+		cr_expect_eq(rc, rc_want, "case %d: prepare %d, backward %d", c, rc, rc_want);
+		cr_expect_null(prep, "case %d: a prep made despite the error", c);
+		cr_expect_eq(got.feature, want.feature);
+		cr_expect_eq(got.sample, want.sample, "case %d: sample %lld, expected %lld", c,
+			     (long long)got.sample, (long long)want.sample);
+		cr_expect_eq(got.id, want.id, "case %d: id %lld, expected %lld", c,
+			     (long long)got.id, (long long)want.id);
+		cr_expect_str_eq(got.msg, want.msg);
+		cr_expect_eq(s->step, 0, "case %d: the shard stepped", c);
+	}
+	embd_workers_destroy(two);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
+/* Apply refuses a shard of other rows, and batches of other bags than the prepared ones. */
+Test(kernels_backward, apply_refuses_other_rows_and_bags)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 50, 4, EMBD_DTYPE_FP32, &o, 8);
+	struct embd_shard *s = tshard(ref, 8, 0, 50, 0, 4);
+	struct embd_shard *rows = tshard(ref, 8, 10, 40, 0, 4);
+	int64_t offsets[3] = { 0, 2, 3 }, ids[3] = { 11, 17, 12 };
+	float g[2 * 4] = { 0 };
+	struct embd_bag_batch bt = { .feature = 2, .batch_size = 2, .offsets = offsets, .ids = ids,
+				     .num_ids = 3, .pooled_grad = g, .pooled_stride = 4 };
+	struct embd_backward_prep *prep;
+	struct embd_kernel_err err;
+
+	cr_assert_eq(embd_kernels_backward_prepare(NULL, s, &bt, 1, &prep, &err), 0, "%s", err.msg);
+	cr_expect_eq(embd_kernels_backward_apply(NULL, rows, prep, &bt, 1, &err), EMBD_EINVAL);
+	cr_expect(strstr(err.msg, "rows [10, 50)"), "%s", err.msg);
+	cr_expect_eq(embd_kernels_backward_apply(NULL, s, prep, &bt, 0, &err), EMBD_EINVAL);
+	struct embd_bag_batch fewer = bt;
+	fewer.batch_size = 1;
+	fewer.num_ids = 2;
+	cr_expect_eq(embd_kernels_backward_apply(NULL, s, prep, &fewer, 1, &err), EMBD_EINVAL);
+	cr_expect(strstr(err.msg, "feature 2"), "%s", err.msg);
+	cr_expect_eq(s->step, 0);
+	cr_expect_eq(rows->step, 0);
+	cr_expect_eq(embd_kernels_backward_apply(NULL, s, prep, &bt, 1, &err), 0, "%s", err.msg);
+	cr_expect_eq(s->step, 1);
+	embd_backward_prep_free(prep);
+	embd_shard_destroy(rows);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
