@@ -644,7 +644,7 @@ static void backward_rank(void *arg, uint32_t rank, const struct embd_exec *exec
 		if (!pr->shared)
 			io->rc = embd_ranks_backward(s->ranks, rank, exec, s->shards[shard].shard,
 						     all + first, (uint32_t)(i - first), &io->kerr);
-		else if (pr->rc) {      /* what this shard's own backward would have said */
+		else if (pr->rc) {      /* the bags' error, the same for every column shard */
 			io->rc = pr->rc;
 			io->kerr = pr->kerr;
 		} else
@@ -1172,7 +1172,7 @@ static int apply(struct embd_step *s, bool overlap, bool *exchanging)
 				failed_rank = r;
 		for (uint32_t t = 0; t < s->num_tables; t++) {
 			struct step_prep *pr = &s->preps[t];
-			if (pr->shared && !pr->rc) {
+			if (pr->shared && !rc) {        /* counted in applied steps only */
 				p->counts.backward_prepares++;
 				p->counts.backward_shared_shards += s->tables[t].num_local;
 			}

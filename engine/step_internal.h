@@ -71,7 +71,7 @@ struct step_prep {
 	bool shared;                            /* this backward: its shards apply prep */
 	uint32_t lead;                          /* the shard whose items were prepared */
 	struct embd_backward_prep *prep;
-	int rc;                                 /* the prepare's error, each shard's error */
+	int rc;                                 /* the prepare's error, its shards' error */
 	struct embd_kernel_err kerr;
 };
 
