@@ -5,6 +5,7 @@
  * are decimal, so they hold to 1e-6 relative.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -683,10 +684,27 @@ static void expect_shards_identical(const char *what, const struct embd_shard *a
 	cr_expect_eq(a->nonfinite_rows, b->nonfinite_rows, "%s: non-finite rows", what);
 }
 
+struct concurrent_apply {
+	const struct embd_exec *exec;
+	struct embd_shard *shard;
+	const struct embd_backward_prep *prep;
+	const struct embd_bag_batch *batches;
+	int rc;
+	struct embd_kernel_err err;
+};
+
+static void *apply_thread(void *arg)
+{
+	struct concurrent_apply *a = arg;
+
+	a->rc = embd_kernels_backward_apply(a->exec, a->shard, a->prep, a->batches, 2, &a->err);
+	return NULL;
+}
+
 /*
  * The split API: a table of D columns cut into two column shards; each step prepares the bags
- * once (on 3 workers) and applies the prep to both shards (one on the calling thread, one on 3
- * workers), and each shard ends bit for bit where embd_kernels_backward leaves its twin, for
+ * once (on 3 workers) and applies the prep to both shards at once (one on a thread of its own,
+ * one on 3 workers), and each shard ends bit for bit where embd_kernels_backward leaves its twin, for
  * every optimizer and isa, fp32 and fp16, weighted MEAN bags with their full lengths given and
  * SUM bags, the gradients divided by 3.
  */
@@ -737,10 +755,16 @@ Test(kernels_backward, prepared_once_applied_to_two_column_shards, .timeout = 12
 			struct embd_backward_prep *prep = NULL;
 			int rc = embd_kernels_backward_prepare(&ex3, split[0], bt[0], 2, &prep, &err);
 			cr_assert_eq(rc, 0, "prepare: %d %s", rc, err.msg);
+			/* both applies at once, as two ranks run them: the prep is only read */
+			struct concurrent_apply other = { .exec = &ex1, .shard = split[0], .prep = prep,
+							  .batches = bt[0] };
+			pthread_t th;
+			cr_assert_eq(pthread_create(&th, NULL, apply_thread, &other), 0);
+			rc = embd_kernels_backward_apply(&ex3, split[1], prep, bt[1], 2, &err);
+			pthread_join(th, NULL);
+			cr_assert_eq(rc, 0, "apply to shard 1: %d %s", rc, err.msg);
+			cr_assert_eq(other.rc, 0, "apply to shard 0: %d %s", other.rc, other.err.msg);
 			for (int k = 0; k < 2; k++) {
-				rc = embd_kernels_backward_apply(k ? &ex3 : &ex1, split[k], prep, bt[k], 2,
-								 &err);
-				cr_assert_eq(rc, 0, "apply to shard %d: %d %s", k, rc, err.msg);
 				rc = embd_kernels_backward(&ex3, plain[k], bt[k], 2, &err);
 				cr_assert_eq(rc, 0, "backward of shard %d: %d %s", k, rc, err.msg);
 				snprintf(msg, sizeof(msg), "%s opt %d %s D %u shard %d (cols %u) step %d",
