@@ -91,13 +91,6 @@ static void write_table_shards(FILE *f, const char *sharding, uint32_t t, uint32
 	}
 }
 
-static bool dist_on_gpus(void)
-{
-	const char *device = getenv("EMBD_TEST_COMPUTE_DEVICE");
-
-	return device && !strcmp(device, "cuda");
-}
-
 /* The comm of every node: EMBD_TEST_BACKEND (gloo or nccl), gloo by default. */
 static const char *dist_backend(void)
 {
@@ -114,7 +107,7 @@ static void topology_json(FILE *f, uint32_t N)
 {
 	fprintf(f, "{\"world_size\": %u, \"local_world_size\": %u, \"compute_device\": \"%s\", "
 		"\"hbm_cap\": \"1G\", \"ddr_cap\": \"1G\", \"batch_size\": %d}", N * RANKS, RANKS,
-		dist_on_gpus() ? "cuda" : "cpu", BATCH);
+		test_on_gpus() ? "cuda" : "cpu", BATCH);
 }
 
 static void write_plan(const char *path, const char *sharding, uint32_t N)
@@ -229,7 +222,7 @@ static void node_child_setup(void *arg)
 		setenv("GLOO_SOCKET_IFNAME", nd->gloo_ifname, 1);
 	if (nd->env[0])
 		putenv(nodes[n].env);
-	if (dist_on_gpus()) {
+	if (test_on_gpus()) {
 		/* the machine's GPUs split between the nodes, RANKS each */
 		char gpus[64];
 		size_t at = 0;

@@ -97,8 +97,7 @@ static void partials_case(const char *sharding, bool split)
 	cJSON_Delete(stats);
 	/* On GPUs (tests/gpu/run.sh) the ranks are the machine's GPUs: one GPU splits no row,
 	 * and a pair without peer access sums on the host, so only the total is certain. */
-	const char *compute = getenv("EMBD_TEST_COMPUTE_DEVICE");
-	if (compute && !strcmp(compute, "cuda")) {
+	if (test_on_gpus()) {
 		if (split && num_ranks >= 2)
 			cr_expect_gt(device + host, 0, "%s on %d GPUs: no partial sum was counted",
 				     sharding, num_ranks);
@@ -139,10 +138,8 @@ static void shared_prepare_case(const char *sharding, bool shared)
 	const double prepares = ctl_json_num(stats, "backward_prepares");
 	const double shards = ctl_json_num(stats, "backward_shared_shards");
 	cJSON_Delete(stats);
-	const char *compute = getenv("EMBD_TEST_COMPUTE_DEVICE");
 	const char *kernel = getenv("EMBD_TEST_CPU_KERNEL");
-	if ((compute && !strcmp(compute, "cuda")) ||
-	    (kernel && !strcmp(kernel, "fused_uvm_caching")))
+	if (test_on_gpus() || (kernel && !strcmp(kernel, "fused_uvm_caching")))
 		shared = false;
 	if (shared) {
 		cr_expect_gt(prepares, 0, "%s: no table prepared its ids once for its shards",

@@ -256,11 +256,17 @@ static void check_against_reference(const struct shared *sh, uint32_t trainers, 
  * The topology's device: EMBD_TEST_COMPUTE_DEVICE=cuda (tests/gpu/run.sh) leaves the ranks to
  * the GPU count (world_size and local_world_size unset); else 2 CPU ranks.
  */
-static inline void write_topology_device(FILE *f)
+/* Whether tests/gpu/run.sh runs the tests on GPUs (EMBD_TEST_COMPUTE_DEVICE=cuda). */
+static inline bool test_on_gpus(void)
 {
 	const char *device = getenv("EMBD_TEST_COMPUTE_DEVICE");
 
-	if (device && !strcmp(device, "cuda"))
+	return device && !strcmp(device, "cuda");
+}
+
+static inline void write_topology_device(FILE *f)
+{
+	if (test_on_gpus())
 		fprintf(f, "\"compute_device\": \"cuda\"");
 	else
 		fprintf(f, "\"world_size\": 2, \"local_world_size\": 2, "
