@@ -14,6 +14,12 @@
  * of the row ahead, as the columns a later pass reads are no longer right behind the head
  * (prefetching whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran
  * 1.35x faster on AVX2 with the prefetches spread, fp16 D 128 P 20 1.5x).
+ * Rows that one pass covers and that are prefetched whole (a multiple of 64 bytes, at most
+ * 512) take a lean loop instead: the row ahead is found without a branch (its id clamped to
+ * the chunk, an id outside the shard prefetching row 0) and each of its lines is prefetched
+ * right after the load that starts the same line of this row, as FBGEMM's generated kernels
+ * do. On an AMD EPYC (Zen 4) that took 6-11% off D 32/64 fp32 batches and 2-3% off fp16
+ * D 128/256 (docs/benchmarks.md, 2026-12-04); the benchmark's gather limit does the same.
  */
 #include "kernels/cpu_kernels.h"
 
@@ -41,7 +47,24 @@ struct bag_ctx {
 	uint64_t prefetch_end;          /* no row at or after this id is prefetched (<= num_ids) */
 	uint32_t prefetch_ids;          /* embd_prefetch_rows(row_bytes) */
 	uint64_t prefetch_bytes;        /* embd_prefetch_row_bytes(row_bytes) */
+	uint64_t prefetch_last;         /* prefetch_end - 1: the last id whose row is prefetched */
+	bool lean;                      /* one pass covers the row, prefetched whole, in lines */
 };
+
+/*
+ * The row prefetch_ids ahead of id k (clamped to prefetch_last; an id outside the shard
+ * prefetches row 0): no branch, for the bag loops that prefetch each line of it between
+ * their own loads.
+ */
+static inline __attribute__((always_inline)) const uint8_t *row_ahead(const struct bag_ctx *c,
+								      uint64_t k)
+{
+	uint64_t kp = k + c->prefetch_ids < c->prefetch_last ? k + c->prefetch_ids : c->prefetch_last;
+	uint64_t r = (uint64_t)c->ids[kp] - c->row_offset;
+
+	r = r < c->rows ? r : 0;
+	return c->base + r * c->row_bytes;
+}
 
 /* The bytes [from, + bytes) of the row of id k, clipped to prefetch_bytes and to the row,
  * unless k is past prefetch_end or outside the shard. */
@@ -81,6 +104,19 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
 	return c->base + r * c->row_bytes + c0 * elem_bytes;
 }
 
+/* The lean loop's row of id k (NULL when k is outside the shard) and, in *ahead, the row
+ * whose lines the loop prefetches between its loads. */
+static inline __attribute__((always_inline)) const uint8_t *
+lean_row(const struct bag_ctx *c, int64_t k, const uint8_t **ahead)
+{
+	uint64_t r = (uint64_t)c->ids[k] - c->row_offset; /* read once */
+
+	if (r >= c->rows)
+		return NULL;
+	*ahead = row_ahead(c, (uint64_t)k);
+	return c->base + r * c->row_bytes;
+}
+
 /*
  * Pools ids [s, e) into out[0, cols) times scale. Returns -1, or the position of the first id
  * outside the shard (nothing of it was read).
@@ -91,7 +127,7 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
 
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16, const int whole)
+	   float *out, const int nvec, const int fp16, const int whole, const int lean)
 {
 	__m512 acc[CHUNK_VECS];
 	__mmask16 tail = !whole && (n % VEC_FLOATS) ? (__mmask16)((1u << (n % VEC_FLOATS)) - 1) : 0xffff;
@@ -100,7 +136,9 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = _mm512_setzero_ps();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
+		const uint8_t *ahead = NULL;
+		const uint8_t *row = lean ? lean_row(c, k, &ahead)
+					  : bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
 		__m512 w = _mm512_set1_ps(c->weights ? c->weights[k] : 1.0f);
@@ -109,6 +147,8 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 			__m512 x = fp16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + v * 32))
 					: _mm512_maskz_loadu_ps(m, row + v * 64);
 			acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
+			if (lean && (v * (int)elem_bytes * VEC_FLOATS) % 64 == 0)
+				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
 		}
 	}
 	__m512 sv = _mm512_set1_ps(scale);
@@ -139,7 +179,7 @@ static inline __attribute__((always_inline)) __m256 load8(const uint8_t *p, uint
 
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16, const int whole)
+	   float *out, const int nvec, const int fp16, const int whole, const int lean)
 {
 	__m256 acc[CHUNK_VECS];
 	uint32_t tail = whole ? VEC_FLOATS : n - (uint32_t)(nvec - 1) * VEC_FLOATS;
@@ -148,13 +188,17 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = _mm256_setzero_ps();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
+		const uint8_t *ahead = NULL;
+		const uint8_t *row = lean ? lean_row(c, k, &ahead)
+					  : bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
 		__m256 w = _mm256_set1_ps(c->weights ? c->weights[k] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			__m256 x = load8(row + v * VEC_FLOATS * elem_bytes, v == nvec - 1 ? tail : 8, fp16);
 			acc[v] = _mm256_fmadd_ps(w, x, acc[v]);
+			if (lean && (v * (int)elem_bytes * VEC_FLOATS) % 64 == 0)
+				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
 		}
 	}
 	__m256 sv = _mm256_set1_ps(scale);
@@ -181,12 +225,15 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
  */
 #define CHUNK_CASE(N)                                                             \
 	case N:                                                                   \
-		if (n == N * VEC_FLOATS)                                          \
-			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1) \
-				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1); \
+		if (n == N * VEC_FLOATS && c->lean)                               \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1, 1) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1, 1); \
+		else if (n == N * VEC_FLOATS)                                     \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1, 0) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1, 0); \
 		else                                                              \
-			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 0) \
-				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 0); \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 0, 0) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 0, 0); \
 		break;
 
 _Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 64),
@@ -259,6 +306,12 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	 */
 	uint64_t end = (uint64_t)bt->offsets[last];
 	c.prefetch_end = end < bt->num_ids ? end : bt->num_ids;
+	c.prefetch_last = c.prefetch_end ? c.prefetch_end - 1 : 0;
+#ifdef VEC_FLOATS
+	c.lean = c.cols <= CHUNK_VECS * VEC_FLOATS && c.prefetch_bytes == c.row_bytes &&
+		 c.row_bytes % EMBD_CACHE_LINE_BYTES == 0 &&
+		 (uintptr_t)c.base % EMBD_CACHE_LINE_BYTES == 0 && c.prefetch_end > 0;
+#endif
 
 	/*
 	 * The rows of the first prefetch_ids ids: each id prefetches the row that many ids

@@ -8,7 +8,9 @@
  *   as many columns as its accumulators in registers hold), fully unrolled per pass width, the
  *   head of each pass's columns of the row embd_prefetch_rows() ids ahead prefetched as the
  *   kernel does (embd_prefetch_row_bytes: for one pass over a row that beat prefetching all
- *   of it at every size), chunks of ids grabbed from one counter by the same workers; and
+ *   of it at every size; for rows the kernels' lean loop takes, one line at a time after the
+ *   load that starts the same line, the id ahead clamped to the chunk, as they do), chunks of
+ *   ids grabbed from one counter by the same workers; and
  *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
  *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads).
  *   It checks no id, multiplies by no weight and keeps no per-column sums: the loads feed
@@ -80,11 +82,17 @@
 		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {              \
 			VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                            \
 			for (uint64_t k = b * P; k < (b + 1) * P; k++) {                          \
-				if (k + dist < n)                                                 \
+				const uint8_t *ahead = t;                                         \
+				if (lean)                                                         \
+					ahead += (uint64_t)ids[k + dist < n ? k + dist : n - 1] * rb; \
+				else if (k + dist < n)                                            \
 					embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf, 0); \
 				const uint8_t *row = t + (uint64_t)ids[k] * rb + from;            \
-				_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++)      \
+				_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++) {    \
 					acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+					if (lean && (v * VBYTES) % 64 == 0)                       \
+						__builtin_prefetch(ahead + (uint64_t)v * VBYTES, 0, 3); \
+				}                                                                 \
 			}                                                                         \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec * out_mul; v++)    \
 				VSTORE(out + (uint64_t)v * VBYTES, acc[v & 3]);                   \
@@ -103,54 +111,62 @@
 	const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t pb, uint32_t dist,       \
 	uint64_t *sink
 
+/* the bag loops' lean mode (kernels/cpu_kernels.c): one pass covers the row, whose lines are
+ * prefetched one after each load that starts a line, dist ids ahead, clamped to the chunk */
+#define GATHER_LEAN_ARGS const uint32_t nvec, const uint32_t out_mul, const int lean
+
 __attribute__((target("avx512f"), always_inline)) static inline void
-bags_512(GATHER_ARGS, const uint32_t nvec, const uint32_t out_mul)
+bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
-bags_256(GATHER_ARGS, const uint32_t nvec, const uint32_t out_mul)
+bags_256(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
 }
 
-static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, const uint32_t nvec,
-							   const uint32_t out_mul)
+static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
 }
 
 /* Constant vector counts for passes of 64 bytes to 1 KiB and pooled rows of the rows' size
  * (fp32) or twice it (fp16); others take the rolled loops. */
-#define PASS_CASES(FN, VBYTES, OUT_MUL)                                                           \
+#define PASS_CASES(FN, VBYTES, OUT_MUL, LEAN)                                                     \
 	switch (pass) {                                                                           \
-	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES, OUT_MUL); break;                      \
-	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES, OUT_MUL); break;                    \
-	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES, OUT_MUL); break;                    \
-	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES, OUT_MUL); break;                    \
-	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES, OUT_MUL); break;                  \
-	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES), OUT_MUL); break;        \
+	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES, OUT_MUL, LEAN); break;                \
+	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES, OUT_MUL, LEAN); break;              \
+	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES, OUT_MUL, LEAN); break;              \
+	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES, OUT_MUL, LEAN); break;              \
+	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES, OUT_MUL, LEAN); break;            \
+	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES), OUT_MUL, LEAN); break;  \
 	}
+#define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
+	if (lean)                                                                                 \
+		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
+	else                                                                                      \
+		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
 #define PASS_SWITCH(FN, VBYTES)                                                                   \
 	if (g->out_row_bytes == g->row_bytes)                                                     \
-		PASS_CASES(FN, VBYTES, 1)                                                         \
+		PASS_LEAN(FN, VBYTES, 1)                                                          \
 	else if (g->out_row_bytes == 2 * g->row_bytes)                                            \
-		PASS_CASES(FN, VBYTES, 2)                                                         \
+		PASS_LEAN(FN, VBYTES, 2)                                                          \
 	else                                                                                      \
-		PASS_CASES(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
+		PASS_LEAN(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
 
-__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass)
+__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass, int lean)
 {
 	PASS_SWITCH(bags_512, 64)
 }
 
-__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass)
+__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass, int lean)
 {
 	PASS_SWITCH(bags_256, 32)
 }
 
-static void bags_any_128(GATHER_ARGS, uint64_t pass)
+static void bags_any_128(GATHER_ARGS, uint64_t pass, int lean)
 {
 	PASS_SWITCH(bags_128, 16)
 }
@@ -162,17 +178,20 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
 	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb;
 	uint32_t dist = embd_prefetch_rows(rb);
+	/* as the kernels decide it (forward_bags; the scalar variant keeps the general loop) */
+	int lean = g->isa != EMBD_ISA_SCALAR && pass == rb && pb == rb && rb % 64 == 0 &&
+		   (uintptr_t)g->table % 64 == 0;
 
 #if defined(__x86_64__)
 	if (g->isa == EMBD_ISA_AVX512)
-		bags_any_512(g, b0, b1, pb, dist, sink, pass);
+		bags_any_512(g, b0, b1, pb, dist, sink, pass, lean);
 	else if (g->isa == EMBD_ISA_AVX2)
-		bags_any_256(g, b0, b1, pb, dist, sink, pass);
+		bags_any_256(g, b0, b1, pb, dist, sink, pass, lean);
 	else
-		bags_any_128(g, b0, b1, pb, dist, sink, pass);
+		bags_any_128(g, b0, b1, pb, dist, sink, pass, lean);
 #else
 	uint64_t P = g->ids_per_out;
-	(void)pb, (void)pass, (void)dist;
+	(void)pb, (void)pass, (void)dist, (void)lean;
 	for (uint64_t b = b0; b < b1; b++) {
 		for (uint64_t k = b * P; k < (b + 1) * P; k++) {
 			const uint64_t *row = (const uint64_t *)(g->table + (uint64_t)g->ids[k] * rb);
