@@ -35,7 +35,7 @@
 #define MAX_RUNS 64
 #define MAX_REPEATS 100
 #define POOL_IDS_MIN (4u << 20)        /* ids per table: their rows far exceed any cache */
-#define BACKWARD_DIM 128
+#define BACKWARD_DIM 128                /* the incoming gradient's width: the widest backward */
 #define BACKWARD_P 20
 
 #ifndef EMBD_BENCH_SCRIPT_DIR
@@ -857,6 +857,12 @@ static int bench_backward(struct bench *b, const struct table *t, int64_t *offse
 /* ---- driver ------------------------------------------------------------------------------ */
 
 /* Whether any config of the table (dim, fp16) is selected. */
+/* fp32 widths with backward lines: D 128 as FBGEMM's benchmarks, D 64 as embd-bench train. */
+static bool backward_dim(uint32_t dim)
+{
+	return dim == 64 || dim == BACKWARD_DIM;
+}
+
 static bool table_selected(const struct bench *b, uint32_t dim, bool fp16)
 {
 	struct table t = { .dim = dim, .fp16 = fp16 };
@@ -867,7 +873,7 @@ static bool table_selected(const struct bench *b, uint32_t dim, bool fp16)
 		if (config_selected(&b->o, name))
 			return true;
 	}
-	for (int opt = EMBD_OPT_SGD; !fp16 && dim == BACKWARD_DIM && opt <= EMBD_OPT_ADAM; opt++) {
+	for (int opt = EMBD_OPT_SGD; !fp16 && backward_dim(dim) && opt <= EMBD_OPT_ADAM; opt++) {
 		snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[opt], dim, BACKWARD_P);
 		if (config_selected(&b->o, name))
 			return true;
@@ -902,7 +908,7 @@ static int bench_tables(struct bench *b)
 				continue;
 			int bad = table_create(b, dims[d], h, &t) ||
 				  bench_forward(b, &t, offsets, weights, pooled) ||
-				  (!h && dims[d] == BACKWARD_DIM && bench_backward(b, &t, offsets, grad)) ||
+				  (!h && backward_dim(dims[d]) && bench_backward(b, &t, offsets, grad)) ||
 				  bench_column_halves(b, &t, offsets, grad);
 			table_destroy(&t);
 			if (bad)
@@ -948,8 +954,9 @@ static void usage(FILE *f)
 		   "defaults: all cores (pinned), 512 MiB tables, B 2048, 7 runs of 100 ms (medians);\n"
 		   "FBGEMM through $EMBD_BENCH_PYTHON (default python3); --config runs only the configs\n"
 		   "named: forward[_fp16][_weighted]/DIM/P (DIM 32, 64, 128 or 256; P 1, 20 or 100) and\n"
-		   "backward_OPT/128/20 (OPT sgd, adagrad, rowwise_adagrad or adam). --isa and $EMBD_ISA\n"
-		   "pick the kernels' instruction set; FBGEMM is held to AVX2 when they run AVX2.\n"
+		   "backward_OPT/DIM/20 (OPT sgd, adagrad, rowwise_adagrad or adam; DIM 64 or 128).\n"
+		   "--isa and $EMBD_ISA pick the kernels' instruction set; FBGEMM is held to AVX2 when\n"
+		   "they run AVX2.\n"
 		   "--clock cpu times runs by the process's CPU time over the threads (both sides),\n"
 		   "which leaves out the time other processes hold the cores on a shared machine.\n"
 		   "--repeat N measures each kernel line N times against its limit (each with its\n"

@@ -31,9 +31,9 @@
  *   are ids); the one order that would read them in sequence, rows by their first occurrence,
  *   puts the rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
  *   sgd 2.88 against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not
- *   prefetched: prefetching them as the kernel does made this loop 5-10% slower, and so did the
- *   kernel's whole stream (one entry per occurrence, gradient row included, running on into
- *   the next chunk: AVX-512 7-25% slower, AVX2 mixed). It leaves out the kernel's reading of
+ *   prefetched (nor are they by the kernel): prefetching them made this loop 5-10% slower,
+ *   and so did a stream of one entry per occurrence, gradient row included, running on into
+ *   the next chunk (AVX-512 7-25% slower, AVX2 mixed). It leaves out the kernel's reading of
  *   ids, the grouping of occurrences and all arithmetic. Each chunk of rows is walked by one
  *   function of the isa's width, the row code inlined and the batch's pointers and sizes in a
  *   local, as the kernel's row loop has them: with a call per row into the isa's row function,
