@@ -352,7 +352,7 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	return 0;
 }
 
-/* What applying one occurrence writes, prefetched prefetch_ids occurrences ahead. */
+/* The rows applying one occurrence updates, prefetched prefetch_ids occurrences ahead. */
 struct occ_prefetch {
 	const uint8_t *weights, *m1, *m2;
 	uint64_t row_bytes, m1_bytes, m2_bytes;

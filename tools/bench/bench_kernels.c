@@ -3,8 +3,8 @@
  * against FBGEMM (PyTorch's CPU embedding kernels), on the same ids and threads in one run.
  *
  * Every forward shape (D 32/64/128/256, P 1/20/100, fp32 and fp16 rows, unweighted and
- * weighted) is held against the gather limit and every optimizer's backward (fp32, D 128, P 20)
- * against the read-modify-write limit (bench_limits.c says what they are): runs of the kernel
+ * weighted) is held against the gather limit and every optimizer's backward (fp32, D 64 and
+ * 128, P 20) against the read-modify-write limit (bench_limits.c says what they are): runs of the kernel
  * and of its limit alternate on the same pinned workers and batches, and ratio_to_limit is the
  * median over runs of limit time / kernel time (with --repeat N, the median of N such medians,
  * beside their min and max). copy_limit (a parallel memcpy) is context.
@@ -856,13 +856,13 @@ static int bench_backward(struct bench *b, const struct table *t, int64_t *offse
 
 /* ---- driver ------------------------------------------------------------------------------ */
 
-/* Whether any config of the table (dim, fp16) is selected. */
 /* fp32 widths with backward lines: D 128 as FBGEMM's benchmarks, D 64 as embd-bench train. */
 static bool backward_dim(uint32_t dim)
 {
 	return dim == 64 || dim == BACKWARD_DIM;
 }
 
+/* Whether any config of the table (dim, fp16) is selected. */
 static bool table_selected(const struct bench *b, uint32_t dim, bool fp16)
 {
 	struct table t = { .dim = dim, .fp16 = fp16 };
