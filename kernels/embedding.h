@@ -62,7 +62,9 @@ struct embd_backward_times {
 	uint64_t setup_ns;              /* allocation, offsets snapshot and checks */
 	uint64_t collect_ns;            /* ids checked, occurrences written and counted by bucket */
 	uint64_t scatter_ns;            /* occurrences moved into their buckets */
-	uint64_t sort_ns;               /* buckets sorted by row: the rest of the deduplication */
+	uint64_t sort_ns;               /* buckets sorted by row (or the whole batch by the bits
+					 * under the buckets', before the scatter): the rest of
+					 * the deduplication */
 	uint64_t apply_ns;              /* gradients summed per row, optimizer on weights and state */
 };
 
