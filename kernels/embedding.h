@@ -60,7 +60,8 @@ int embd_kernels_isa_parse(const char *name, enum embd_isa *out);
 struct embd_backward_times {
 	uint64_t calls;
 	uint64_t setup_ns;              /* allocation, offsets snapshot and checks */
-	uint64_t collect_ns;            /* ids checked, occurrences written and counted by bucket */
+	uint64_t collect_ns;            /* ids checked, occurrences written and counted by bucket
+					 * (and by the bits under it, when those sort the batch) */
 	uint64_t scatter_ns;            /* occurrences moved into their buckets */
 	uint64_t sort_ns;               /* buckets sorted by row (or the whole batch by the bits
 					 * under the buckets', before the scatter): the rest of
