@@ -586,23 +586,44 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 	uint32_t nw = embd_workers_count(workers);
 	struct bwd_job job = { .k = k, .p = p, .sort_here = p->sorted ? NULL : unsorted,
 			       .chunk_buckets = chunk_buckets(p, nw) };
-	uint64_t num_bags = p->bag_base[p->n];
+	uint64_t num_bags = p->bag_base[p->n], strided = 0;
+	const uint32_t cols = shard->desc.cols;
 	const float **bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*bag_grad));
+	float *dense = NULL;
 	int rc = 0;
+
+	for (uint32_t i = 0; i < p->n; i++)
+		strided += batches[i].pooled_stride != cols ? batches[i].batch_size : 0;
+	if (strided)
+		dense = malloc(strided * cols * sizeof(float));
 
 	job.bad = calloc(2 * (uint64_t)nw, sizeof(*job.bad));
 	job.scratch = malloc((uint64_t)nw * 2 * shard->desc.cols * sizeof(float));
 	job.phase_ns = timed ? calloc(2 * (uint64_t)nw, sizeof(*job.phase_ns)) : NULL;
-	if (!bag_grad || !job.bad || !job.scratch || (timed && !job.phase_ns)) {
+	if (!bag_grad || !job.bad || !job.scratch || (timed && !job.phase_ns) || (strided && !dense)) {
 		rc = embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory for %llu occurrences",
 				      (unsigned long long)p->id_base[p->n]);
 		goto out;
 	}
+	/*
+	 * A batch whose gradient rows hold other features' columns too (the engine's: stride the
+	 * trainer's total width) is copied to rows of this shard's columns alone first. Read in
+	 * place, the rows a bag's occurrences read lie one stride apart; at a stride that is a
+	 * power of two they fall in a few of the L2's sets and miss it (stride 512 floats, D 64,
+	 * B 4096, one thread, Zen 4: the backward 16-18% faster with the copy).
+	 */
+	float *to = dense;
 	for (uint32_t i = 0; i < p->n; i++) {
 		const struct embd_bag_batch *bt = &batches[i];
-		for (uint64_t b = 0; b < bt->batch_size; b++)
-			bag_grad[p->bag_base[i] + b] = bt->pooled_grad + b * bt->pooled_stride +
-						       bt->pooled_col;
+		for (uint64_t b = 0; b < bt->batch_size; b++) {
+			const float *g = bt->pooled_grad + b * bt->pooled_stride + bt->pooled_col;
+			if (bt->pooled_stride != cols) {
+				memcpy(to, g, cols * sizeof(float));
+				g = to;
+				to += cols;
+			}
+			bag_grad[p->bag_base[i] + b] = g;
+		}
 	}
 	job.ctx = (struct embd_bwd_rows){
 		.shard = shard, .params = embd_optim_params_make(&shard->desc.optimizer, shard->step + 1),
@@ -625,6 +646,7 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 		note_apply_phase(ph, job.phase_ns, nw, embd_now_ns() - t);
 	shard->step++;
 out:
+	free(dense);
 	free(job.phase_ns);
 	free(job.scratch);
 	free(job.bad);
