@@ -1,6 +1,7 @@
 /*
- * Fused backward + optimizer on one shard, with no dense gradient: only one row of gradient
- * per worker exists at any time.
+ * Fused backward + optimizer on one shard, with no dense gradient of the table: only one row
+ * of it per worker exists at any time (the batch's gradient, B x the shard's columns, is read
+ * where it lies, or first copied to rows of that width when it comes strided).
  *
  *   1. serial   snapshot the offsets and check them, so that later phases trust them
  *   2. workers  (split by bags) check every id, write its occurrence {row, bag, coef} and count
@@ -609,7 +610,7 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 	 * A batch whose gradient rows hold other features' columns too (the engine's: stride the
 	 * trainer's total width) is copied to rows of this shard's columns alone first. Read in
 	 * place, the rows a bag's occurrences read lie one stride apart; at a stride that is a
-	 * power of two they fall in a few of the L2's sets and miss it (stride 512 floats, D 64,
+	 * power of two they fall in a fraction of the L2's sets and miss it (stride 512 floats, D 64,
 	 * B 4096, one thread, Zen 4: the backward 16-18% faster with the copy).
 	 */
 	float *to = dense;
