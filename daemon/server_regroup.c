@@ -242,11 +242,17 @@ static void tick_running(struct embd_server *sv, uint64_t now)
 	if (now < r->next_ns)
 		return;
 	r->next_ns = now + RUNNING_LOOK_NS;
-	int rc = embd_regroup_newer(r->rg, err, sizeof(err));
-	if (rc < 0)
+	uint32_t by;
+	int rc = embd_regroup_newer(r->rg, &by, err, sizeof(err));
+	if (rc < 0) {
 		detach(sv, err);
-	else if (rc)
+	} else if (rc && by == UINT32_MAX) {
 		start(sv, "another node re-forms the cluster");
+	} else if (rc) {
+		char why[64];
+		snprintf(why, sizeof(why), "node %u re-forms the cluster", by);
+		start(sv, why);
+	}
 }
 
 void embd_server_regroup_tick(struct embd_server *sv)

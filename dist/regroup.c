@@ -162,10 +162,28 @@ static int is_open(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_
 	return rc;
 }
 
-int embd_regroup_newer(struct embd_regroup *rg, char *err, size_t err_len)
+int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len)
 {
+	char k[64], text[16] = "";
+	void *value = NULL;
+	size_t len = 0;
+
+	*by = UINT32_MAX;
 	embd_store_set_timeout(rg->store, LOOK_MS);
-	return is_open(rg, rg->gen + 1, err, err_len);
+	int rc = is_open(rg, rg->gen + 1, err, err_len);
+	if (rc != 1)
+		return rc;
+	/* "open" holds the node that last joined: names who re-forms in the step's error */
+	if (!embd_store_get(rg->store, gen_key(k, sizeof(k), rg->gen + 1, "open"), &value, &len) &&
+	    len < sizeof(text)) {
+		memcpy(text, value, len);
+		char *end;
+		unsigned long node = strtoul(text, &end, 10);
+		if (len && *end == '\0' && node < UINT32_MAX)
+			*by = (uint32_t)node;
+	}
+	free(value);
+	return 1;
 }
 
 /* Joins generation gen: open it (idempotent) and say this node is in. */
@@ -176,7 +194,10 @@ static int join(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len
 	rg->gen = gen;
 	rg->forming = true;
 	snprintf(rg->prefix, sizeof(rg->prefix), "embd/gen/%" PRIu64 "/", gen);
-	if (embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "open"), "1", 1) ||
+	char node[16];
+	int node_len = snprintf(node, sizeof(node), "%u", rg->o.node);
+
+	if (embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "open"), node, (size_t)node_len) ||
 	    (snprintf(k, sizeof(k), "embd/gen/%" PRIu64 "/join/%u", gen, rg->o.node),
 	     embd_store_set(rg->store, k, "1", 1)))
 		return snprintf(err, err_len, "node 0 (the store) is gone: %.150s",

@@ -92,8 +92,9 @@ struct embd_comm *embd_regroup_comm(const struct embd_regroup *rg);
 bool embd_regroup_forming(const struct embd_regroup *rg);
 
 /* Running: 1 when another node opened a newer generation (call _start), 0 when not, or the
- * store's failure (err set: node 0 is gone). */
-int embd_regroup_newer(struct embd_regroup *rg, char *err, size_t err_len);
+ * store's failure (err set: node 0 is gone). *by: a node in that generation (the last one
+ * that joined it when it is looked at), UINT32_MAX when the store does not say. */
+int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len);
 
 /* Leaves the current comm (destroyed) and joins the newest open generation after it. */
 int embd_regroup_start(struct embd_regroup *rg, char *err, size_t err_len);

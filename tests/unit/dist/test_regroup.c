@@ -178,10 +178,13 @@ static int regroup_node(int node, void *arg)
 	} else if (!restarted) {
 		/* running at generation 0 until the restarted node opens the next one */
 		int64_t end = embd_now_ms() + 10000;
+		uint32_t by = 0;
 		int rc = 0;
-		while (embd_now_ms() < end && (rc = embd_regroup_newer(rg, err, sizeof(err))) == 0)
+		while (embd_now_ms() < end &&
+		       (rc = embd_regroup_newer(rg, &by, err, sizeof(err))) == 0)
 			usleep(20000);
 		TU_CHECK(rc == 1, "expected to see a newer generation open, got %d (%s)", rc, err);
+		TU_CHECK(by == 1, "expected node 1 to have opened it, got %u", by);
 		TU_CHECK(embd_regroup_start(rg, err, sizeof(err)) == 0, "start: %s", err);
 	}
 	TU_CHECK(form(rg, &mine, &d, node), "node %d: generation not formed", node);
