@@ -5,8 +5,9 @@
  *
  * Generations: the comm made at start is generation 0. A node whose collective failed (or that
  * sees that another node opened a newer generation, or that restarted into a running cluster)
- * joins generation g under the store keys embd/gen/<g>/: "open" (someone started g), "join/<n>"
- * (node n is in), the comm's rendezvous under "gloo/", then "state/<n>" (what node n holds).
+ * joins generation g under the store keys embd/gen/<g>/: "open" (g started; it holds the last
+ * node that joined), "join/<n>" (node n is in), the comm's rendezvous under "gloo/", then
+ * "state/<n>" (what node n holds).
  * A node always goes to the newest open generation, so nodes that failed at different moments
  * meet in one; a restarted node opens the one after the newest. Waiting for the others is a
  * look at the store per call (the event loop keeps serving); only once every node joined does
