@@ -174,40 +174,17 @@ static void low_scatter_worker(void *arg, uint32_t w, uint32_t nw)
 	}
 }
 
-/* Worker w's share of the occurrences after the low pass: [first, last). */
-static void worker_slice(const struct prep_job *job, uint32_t w, uint64_t *first, uint64_t *last)
-{
-	uint64_t total = job->p->id_base[job->p->n];
-
-	*first = total * w / job->nw;
-	*last = total * (w + 1) / job->nw;
-}
-
-/* Counts worker w's slice of bucketed by bucket (after the low pass, several workers). */
+/* Counts worker w's range of occ by bucket (the low pass's order, several workers). */
 static void top_count_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct prep_job *job = arg;
 	const struct embd_backward_prep *p = job->p;
-	uint64_t *hist = job->hist + (uint64_t)w * p->num_buckets, j, last;
+	uint64_t *hist = job->hist + (uint64_t)w * p->num_buckets;
 
 	(void)nw;
 	memset(hist, 0, p->num_buckets * sizeof(*hist));
-	for (worker_slice(job, w, &j, &last); j < last; j++)
-		hist[p->bucketed[j].row >> p->shift]++;
-}
-
-/* Worker w's slice of bucketed into the buckets, stably: bucketed -> occ. */
-static void top_scatter_worker(void *arg, uint32_t w, uint32_t nw)
-{
-	struct prep_job *job = arg;
-	struct embd_backward_prep *p = job->p;
-	uint64_t *pos = job->hist + (uint64_t)w * p->num_buckets, j, last;
-
-	(void)nw;
-	for (worker_slice(job, w, &j, &last); j < last; j++) {
-		const struct embd_occ *o = &p->bucketed[j];
-		p->occ[pos[o->row >> p->shift]++] = *o;
-	}
+	for (uint64_t j = job->occ_range[2 * w]; j < job->occ_range[2 * w + 1]; j++)
+		hist[p->occ[j].row >> p->shift]++;
 }
 
 /* Stable sort of a[0, n) by row, whose bits at and above `bits` are all equal, in place; tmp
@@ -523,8 +500,16 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 				at += c;
 			}
 		embd_workers_run(workers, low_scatter_worker, &job);
+		/* the scatter by bucket below reads that order, each worker an even slice of it */
+		struct embd_occ *by_low = p->bucketed;
+		p->bucketed = p->occ;
+		p->occ = by_low;
+		for (uint32_t w = 0; w < job.nw; w++) {
+			job.occ_range[2 * w] = num_occ * w / job.nw;
+			job.occ_range[2 * w + 1] = num_occ * (w + 1) / job.nw;
+		}
 		/* one worker's counts by bucket are the batch's, whatever the order; several
-		 * workers take slices of the new order, which they count again */
+		 * workers count their slices again */
 		if (job.nw > 1)
 			embd_workers_run(workers, top_count_worker, &job);
 		t = phase_done(t, &ph->sort_ns);
@@ -540,14 +525,7 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 		}
 	}
 	p->bucket_start[p->num_buckets] = pos;
-	if (lsd) {
-		embd_workers_run(workers, top_scatter_worker, &job);
-		struct embd_occ *sorted = p->occ;
-		p->occ = p->bucketed;
-		p->bucketed = sorted;
-	} else {
-		embd_workers_run(workers, scatter_worker, &job);
-	}
+	embd_workers_run(workers, scatter_worker, &job);
 	t = phase_done(t, &ph->scatter_ns);
 
 	if (lsd) {
