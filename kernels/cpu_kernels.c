@@ -312,11 +312,11 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	uint64_t end = (uint64_t)bt->offsets[last];
 	c.prefetch_end = end < bt->num_ids ? end : bt->num_ids;
 	c.prefetch_last = c.prefetch_end ? c.prefetch_end - 1 : 0;
-#ifdef VEC_FLOATS
-	c.lean = c.cols <= CHUNK_VECS * VEC_FLOATS && c.prefetch_bytes == c.row_bytes &&
-		 c.row_bytes % EMBD_CACHE_LINE_BYTES == 0 &&
-		 (uintptr_t)c.base % EMBD_CACHE_LINE_BYTES == 0 && c.prefetch_end > 0;
-#endif
+	c.lean = embd_forward_lean(EMBD_CPU_ISA,
+				   (uint64_t)embd_forward_pass_cols(EMBD_CPU_ISA, c.cols) *
+					   embd_dtype_bytes(d->dtype),
+				   c.row_bytes, c.base) &&
+		 c.prefetch_end > 0;
 
 	/*
 	 * The rows of the first prefetch_ids ids: each id prefetches the row that many ids

@@ -71,6 +71,21 @@ static inline uint64_t embd_prefetch_row_bytes(uint64_t row_bytes)
 	return row_bytes <= 512 ? row_bytes : row_bytes / 4;
 }
 
+/*
+ * Whether the forward pools rows of row_bytes (pass_bytes of them per pass, from
+ * embd_forward_pass_cols) at base in its lean loop (cpu_kernels.c): a vector isa, one pass
+ * covering the row, the row prefetched whole and made of whole cache lines. The benchmark's
+ * gather limit decides the same way, to read as the kernel reads.
+ */
+static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uint64_t row_bytes,
+				     const void *base)
+{
+	return isa != EMBD_ISA_SCALAR && pass_bytes >= row_bytes &&
+	       embd_prefetch_row_bytes(row_bytes) == row_bytes &&
+	       row_bytes % EMBD_CACHE_LINE_BYTES == 0 &&
+	       (uintptr_t)base % EMBD_CACHE_LINE_BYTES == 0;
+}
+
 /* Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, for reading
  * (write 0) or for writing (1). */
 static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes,

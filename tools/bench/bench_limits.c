@@ -178,9 +178,7 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
 	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb;
 	uint32_t dist = embd_prefetch_rows(rb);
-	/* as the kernels decide it (forward_bags; the scalar variant keeps the general loop) */
-	int lean = g->isa != EMBD_ISA_SCALAR && pass == rb && pb == rb && rb % 64 == 0 &&
-		   (uintptr_t)g->table % 64 == 0;
+	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
 #if defined(__x86_64__)
 	if (g->isa == EMBD_ISA_AVX512)
