@@ -298,9 +298,9 @@ static void check_dma(const struct device *dev, const void *p, uint64_t bytes,
 		      const char *what, uint32_t batch)
 {
 	static bool logged;
-	const uint8_t *b = p, *partials = dev->partials;
+	const uintptr_t b = (uintptr_t)p, partials = (uintptr_t)dev->partials;
 
-	if (!p || !bytes || (b >= partials && b < partials + dev->partial_bytes) ||
+	if (!p || !bytes || (partials && b >= partials && b - partials < dev->partial_bytes) ||
 	    embd_backend_host_registered(p, bytes))
 		return;
 	__atomic_fetch_add(&unregistered_bytes, bytes, __ATOMIC_RELAXED);

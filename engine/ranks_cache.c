@@ -73,20 +73,24 @@ void ranks_cache_free_ids(struct rank *r)
 {
 	embd_ranks_dma_free(r->owner, r->ids, r->ids_registered);
 	r->ids = NULL;
+	r->ids_cap = 0;
 }
 
 /* Room in the rank's scratch for n batches and ids ids. */
 static int scratch(struct rank *r, uint32_t n, uint64_t ids)
 {
-	if (n > r->sub_cap) {
-		void *p = realloc(r->sub, n * sizeof(*r->sub));
+	/* never NULL, even for no batches or ids: the callers copy batches into r->sub and
+	 * point them at r->ids + offset */
+	if (n > r->sub_cap || !r->sub_cap) {
+		uint32_t cap = n ? n : 1;
+		void *p = realloc(r->sub, cap * sizeof(*r->sub));
 		if (!p)
 			return EMBD_ENOMEM;
 		r->sub = p;
-		r->sub_cap = n;
+		r->sub_cap = cap;
 	}
-	if (ids > r->ids_cap) {
-		uint64_t cap = ids + ids / 2;
+	if (ids > r->ids_cap || !r->ids_cap) {
+		uint64_t cap = ids + ids / 2 + 1;
 		void *a = realloc(r->rows, cap * sizeof(*r->rows));
 		if (a)
 			r->rows = a;
