@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine and passes every CPU test: installs packages, builds with warnings
-# as errors, runs ctest, then builds and runs the same suite again under AddressSanitizer +
-# UndefinedBehaviorSanitizer, then the Python package's tests (pytest in .venv/, made by
+# as errors (gcc), runs ctest, then builds with clang and runs the same suite again under
+# AddressSanitizer + UndefinedBehaviorSanitizer (so both compilers build with warnings as
+# errors), then the Python package's tests (pytest in .venv/, made by
 # tools/python-env.sh: torch, torchrec, fbgemm-gpu-cpu from PyPI; ~150 s and ~5.5 GB the first
 # time, reused after) against the plain build. `.ci/run` calls exactly this. Flags:
 #   --no-sanitize  no sanitizer build
@@ -24,20 +25,35 @@ done
 bash tools/install-deps.sh
 jobs=$(nproc)
 
+# The compiler a build folder's cache holds ("" when it has none).
+cached_compiler() {
+  sed -n "s/^$2:[A-Z]*=//p" "$1/CMakeCache.txt" 2>/dev/null || true
+}
+
 run_suite() {
-  local dir=$1; shift
-  cmake -S . -B "$dir" -DEMBD_WERROR=ON "$@"
+  local dir=$1 cc=$2 cxx=$3; shift 3
+  # A folder configured with other compilers (as CMake compares them: the cached path against
+  # the one found for the name given) is started afresh: on a change CMake deletes the cache
+  # itself and keeps only the compilers, not the options given with them.
+  if [ -f "$dir/CMakeCache.txt" ] &&
+     { [ "$(cached_compiler "$dir" CMAKE_C_COMPILER)" != "$(command -v "$cc")" ] ||
+       [ "$(cached_compiler "$dir" CMAKE_CXX_COMPILER)" != "$(command -v "$cxx")" ]; }; then
+    echo "test.sh: $dir was configured with other compilers: configuring it afresh with $cc" >&2
+    rm -rf "$dir/CMakeCache.txt" "$dir/CMakeFiles"
+  fi
+  cmake -S . -B "$dir" -DEMBD_WERROR=ON -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" "$@"
   cmake --build "$dir" -j "$jobs"
   ctest --test-dir "$dir" --output-on-failure -j "$jobs"
 }
 
 if [ "$plain" = 1 ]; then
-  run_suite "${EMBD_BUILD_DIR:-build}" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  run_suite "${EMBD_BUILD_DIR:-build}" gcc g++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
 fi
 if [ "$sanitize" = 1 ]; then
-  # CUDA objects are not instrumented; the sanitizer build covers the CPU code.
+  # CUDA objects are not instrumented; the sanitizer build covers the CPU code. clang here,
+  # gcc in the plain build: each warns about things the other does not.
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    run_suite build-asan -DCMAKE_BUILD_TYPE=Debug -DEMBD_SANITIZE=ON -DEMBD_CUDA=OFF
+    run_suite build-asan clang clang++ -DCMAKE_BUILD_TYPE=Debug -DEMBD_SANITIZE=ON -DEMBD_CUDA=OFF
 fi
 
 # The Python suite uses the plain build's embd, embctl and libembdclient (an ASan library

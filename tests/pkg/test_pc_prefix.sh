@@ -2,9 +2,9 @@
 # The installed embdclient.pc points at the headers and library of wherever the tree was
 # installed (cmake --install --prefix), not at the prefix cmake was configured with: a trainer
 # compiles and links with `pkg-config --cflags --libs embdclient` and runs against that library.
-# usage: test_pc_prefix.sh BUILD_DIR
+# usage: test_pc_prefix.sh BUILD_DIR [CC [sanitize|plain]]  (the build's compiler and flavour)
 set -euo pipefail
-build=$1
+build=$1 compiler=${2:-cc} flavour=${3:-plain}
 here=$(cd "$(dirname "$0")" && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -17,15 +17,14 @@ pc=$(find "$prefix" -name embdclient.pc)
 export PKG_CONFIG_PATH=$(dirname "$pc")
 libdir=$(pkg-config --variable=libdir embdclient)
 [ -e "$libdir/libembdclient.so" ] || { echo "pkg-config libdir $libdir has no libembdclient.so"; exit 1; }
-# a sanitizer build's library needs its runtime loaded first: the trainer is built the same way
+# a sanitizer build's library needs its runtime in the program (clang links it into
+# executables only, gcc loads libasan.so first): the trainer is built the same way
 sanitize=()
-# (ldd's output is read whole: grep -q quits at the first match and, under pipefail, the SIGPIPE
-# ldd may get then would read as a failure)
-if ldd "$libdir/libembdclient.so" | grep libasan >/dev/null; then
+if [ "$flavour" = sanitize ]; then
   sanitize=(-fsanitize=address,undefined)
 fi
 # shellcheck disable=SC2046
-cc "${sanitize[@]}" -std=c11 -Wall -Werror -o "$tmp/client_nop" "$here/client_nop.c" $(pkg-config --cflags --libs embdclient)
+"$compiler" "${sanitize[@]}" -std=c11 -Wall -Werror -o "$tmp/client_nop" "$here/client_nop.c" $(pkg-config --cflags --libs embdclient)
 # no service at that path: the installed library runs and reports it (exit 3)
 set +e
 LD_LIBRARY_PATH=$libdir "$tmp/client_nop" "$tmp/no-such.sock" 2>"$tmp/stderr"
