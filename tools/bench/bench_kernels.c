@@ -952,6 +952,8 @@ static void usage(FILE *f)
 		   "                          [--run-ms MS] [--isa scalar|avx2|avx512] [--no-fbgemm]\n"
 		   "                          [--clock wall|cpu] [--repeat N] [--config NAME,...]\n"
 		   "defaults: all cores (pinned), 512 MiB tables, B 2048, 7 runs of 100 ms (medians);\n"
+		   "workers are pinned to the first CPUs the process may run on: two benchmarks side\n"
+		   "by side each need their own CPUs (taskset -c), or they share the first ones.\n"
 		   "FBGEMM through $EMBD_BENCH_PYTHON (default python3); --config runs only the configs\n"
 		   "named: forward[_fp16][_weighted]/DIM/P (DIM 32, 64, 128 or 256; P 1, 20 or 100) and\n"
 		   "backward_OPT/DIM/20 (OPT sgd, adagrad, rowwise_adagrad or adam; DIM 64 or 128).\n"
