@@ -93,8 +93,9 @@ struct embd_comm *embd_regroup_comm(const struct embd_regroup *rg);
 bool embd_regroup_forming(const struct embd_regroup *rg);
 
 /* Running: 1 when another node opened a newer generation (call _start), 0 when not, or the
- * store's failure (err set: node 0 is gone). *by: a node in that generation (the last one
- * that joined it when it is looked at), UINT32_MAX when the store does not say. */
+ * store's failure (err set: node 0 is gone). *by: the node that joined it first (the one
+ * re-forming; for an instant after it opened the generation, the last one that joined),
+ * UINT32_MAX when the store does not say. */
 int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len);
 
 /* Leaves the current comm (destroyed) and joins the newest open generation after it. */

@@ -4,12 +4,14 @@
  * nodes that disagree), the state record's text and its malformed forms, and generations
  * formed by forked processes through a real store with real Gloo comms: two nodes whose
  * collective failed meet in generation 1 and resume; a node that restarted (no comm) opens the
- * next generation, the running node sees it, and both decide to restore. After a restore,
- * every node reads the same outcome records: a node that did not report (its record written
- * by whoever gave up on it) or failed transiently sends both to the next generation, one whose
- * data failed is named on both with its reason, a slow restore is waited for. Reattaching
- * through a relay in front of the store that holds the read of node 0's instance key (node 0
- * stalling again between the key check and the read): not a new store, tried again later.
+ * next generation, the running node sees it, and both decide to restore; with three nodes a
+ * running node is told the one that opened the generation, not the last that joined it. After
+ * a restore, every node reads the same outcome records: a node that did not report (its record
+ * written by whoever gave up on it) or failed transiently sends both to the next generation,
+ * one whose data failed is named on both with its reason, a slow restore is waited for.
+ * Reattaching through a relay in front of the store that holds the read of node 0's instance
+ * key (node 0 stalling again between the key check and the read): not a new store, tried again
+ * later.
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -265,6 +267,51 @@ static void both_report(struct turn *t0, struct turn *t1)
 	cr_assert_eq(pthread_create(&th, NULL, turn_run, t1), 0);
 	turn_run(t0);
 	pthread_join(th, NULL);
+}
+
+/* Three nodes: node 2 restarts and opens generation 1, node 1 (running) joins it before node 0
+ * looks: node 0 is told node 2 re-forms the cluster, not the last node that joined. */
+Test(regroup, a_running_node_is_told_who_opened_the_newer_generation,
+     .init = tu_server_start, .fini = tu_server_stop)
+{
+	const struct embd_regroup_options o = { .nodes = 3, .backend = EMBD_COMM_GLOO,
+						.collective_timeout_ms = TIMEOUT_MS,
+						.store_timeout_ms = 300 };
+	struct embd_regroup_options on[3] = { o, o, o };
+	struct embd_store *s[3] = { NULL };
+	struct embd_regroup *rg[3] = { NULL };
+	char err[512] = "";
+	uint32_t by = 0;
+
+	for (uint32_t n = 0; n < 3; n++) {
+		on[n].node = n;
+		cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, &s[n], err, sizeof(err)),
+			     0, "%s", err);
+		cr_assert_eq(embd_regroup_create(&on[n], s[n], NULL, &rg[n]), 0);
+	}
+	cr_assert_eq(embd_regroup_newer(rg[0], &by, err, sizeof(err)), 0, "nothing open yet: %s",
+		     err);
+	/* node 2, restarted, opens generation 1 */
+	cr_assert_eq(embd_regroup_start(rg[2], err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_regroup_generation(rg[2]), 1);
+	/* node 1 sees it and joins (a handle made without a comm would open one of its own:
+	 * its join's writes are the running node's) */
+	cr_assert_eq(embd_regroup_newer(rg[1], &by, err, sizeof(err)), 1, "%s", err);
+	cr_expect_eq(by, 2, "node 1: expected node 2 to re-form, got %u", by);
+	int64_t joined = 0;
+	cr_assert_eq(embd_store_set(s[1], "embd/gen/1/open", "1", 1), 0);
+	cr_assert_eq(embd_store_set(s[1], "embd/gen/1/join/1", "1", 1), 0);
+	cr_assert_eq(embd_store_add(s[1], "embd/gen/1/joined", 1, &joined), 0);
+	cr_assert_eq(joined, 2, "node 1 should be the second to join, the count says %lld",
+		     (long long)joined);
+	by = 0;
+	cr_assert_eq(embd_regroup_newer(rg[0], &by, err, sizeof(err)), 1, "%s", err);
+	cr_expect_eq(by, 2, "node 0: expected node 2 (which opened generation 1) to re-form, got %u",
+		     by);
+	for (uint32_t n = 0; n < 3; n++) {
+		embd_regroup_destroy(rg[n]);
+		embd_store_close(s[n]);
+	}
 }
 
 /* Two nodes' regroup handles in this process (no comm: the outcome needs only the store). */
