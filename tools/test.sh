@@ -25,19 +25,28 @@ done
 bash tools/install-deps.sh
 jobs=$(nproc)
 
-# The compiler a build folder's cache holds ("" when it has none).
+# The full path of compiler $1 (as CMake finds a name given without one), or exit.
+compiler_path() {
+  command -v "$1" || { echo "test.sh: no compiler $1 on PATH" >&2; exit 1; }
+}
+
+# The full path of the compiler a build folder's cache holds ("" when it has none).
 cached_compiler() {
-  sed -n "s/^$2:[A-Z]*=//p" "$1/CMakeCache.txt" 2>/dev/null || true
+  local v
+  v=$(sed -n "s/^$2:[A-Z]*=//p" "$1/CMakeCache.txt" 2>/dev/null) || true
+  [ -n "$v" ] && command -v "$v" || true
 }
 
 run_suite() {
-  local dir=$1 cc=$2 cxx=$3; shift 3
-  # A folder configured with other compilers (as CMake compares them: the cached path against
-  # the one found for the name given) is started afresh: on a change CMake deletes the cache
-  # itself and keeps only the compilers, not the options given with them.
+  local dir=$1 cc cxx
+  cc=$(compiler_path "$2") || exit 1
+  cxx=$(compiler_path "$3") || exit 1
+  shift 3
+  # A folder configured with other compilers is started afresh: on a change CMake deletes the
+  # cache itself and keeps only the compilers, not the options given with them.
   if [ -f "$dir/CMakeCache.txt" ] &&
-     { [ "$(cached_compiler "$dir" CMAKE_C_COMPILER)" != "$(command -v "$cc")" ] ||
-       [ "$(cached_compiler "$dir" CMAKE_CXX_COMPILER)" != "$(command -v "$cxx")" ]; }; then
+     { [ "$(cached_compiler "$dir" CMAKE_C_COMPILER)" != "$cc" ] ||
+       [ "$(cached_compiler "$dir" CMAKE_CXX_COMPILER)" != "$cxx" ]; }; then
     echo "test.sh: $dir was configured with other compilers: configuring it afresh with $cc" >&2
     rm -rf "$dir/CMakeCache.txt" "$dir/CMakeFiles"
   fi
@@ -46,6 +55,11 @@ run_suite() {
   ctest --test-dir "$dir" --output-on-failure -j "$jobs"
 }
 
+if [ "$plain" = 1 ] && [ "$sanitize" = 1 ] &&
+   [ "$(realpath -m "${EMBD_BUILD_DIR:-build}")" = "$(realpath -m build-asan)" ]; then
+  echo "test.sh: EMBD_BUILD_DIR is the sanitizer build's folder (build-asan)" >&2
+  exit 2
+fi
 if [ "$plain" = 1 ]; then
   run_suite "${EMBD_BUILD_DIR:-build}" gcc g++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
 fi
