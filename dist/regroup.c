@@ -173,10 +173,15 @@ int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t 
 	int rc = is_open(rg, rg->gen + 1, err, err_len);
 	if (rc != 1)
 		return rc;
-	/* names who re-forms in the step's error: the node that joined first, or (that node
-	 * between its two writes) the last one, which "open" holds */
-	const char *who = embd_store_check(rg->store, gen_key(k, sizeof(k), rg->gen + 1,
-							      "opener")) == 1 ? "opener" : "open";
+	/* names who re-forms in the step's error: the node that joined first, or (a node that
+	 * joined at the same moment wrote "open" first) the last one, which "open" holds */
+	int opener = embd_store_check(rg->store, gen_key(k, sizeof(k), rg->gen + 1, "opener"));
+	if (opener < 0) {
+		snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
+			 embd_store_error(rg->store));
+		return opener;
+	}
+	const char *who = opener == 1 ? "opener" : "open";
 	if (!embd_store_get(rg->store, gen_key(k, sizeof(k), rg->gen + 1, who), &value, &len) &&
 	    len < sizeof(text)) {
 		memcpy(text, value, len);
@@ -203,13 +208,15 @@ static int join(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len
 	int64_t joined = 0;
 
 	/* "joined" counts the nodes in: the first (a restarted node, or one that saw a
-	 * collective fail) is the one that re-forms, and "opener" names it to the others */
-	if (embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "open"), node, (size_t)node_len) ||
-	    (snprintf(k, sizeof(k), "embd/gen/%" PRIu64 "/join/%u", gen, rg->o.node),
-	     embd_store_set(rg->store, k, "1", 1)) ||
-	    embd_store_add(rg->store, gen_key(k, sizeof(k), gen, "joined"), 1, &joined) ||
+	 * collective fail) is the one that re-forms, and "opener" names it to the others. Both
+	 * are written before "open", which is what the others look for: a node that sees the
+	 * generation open without "opener" is one that joined at the same moment. */
+	if (embd_store_add(rg->store, gen_key(k, sizeof(k), gen, "joined"), 1, &joined) ||
 	    (joined == 1 && embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "opener"), node,
-					   (size_t)node_len)))
+					   (size_t)node_len)) ||
+	    embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "open"), node, (size_t)node_len) ||
+	    (snprintf(k, sizeof(k), "embd/gen/%" PRIu64 "/join/%u", gen, rg->o.node),
+	     embd_store_set(rg->store, k, "1", 1)))
 		return snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
 				embd_store_error(rg->store)), EMBD_ECONNRESET;
 	embd_log_notice("node %u: joining generation %" PRIu64 " of the cluster", rg->o.node, gen);

@@ -5,9 +5,10 @@
  *
  * Generations: the comm made at start is generation 0. A node whose collective failed (or that
  * sees that another node opened a newer generation, or that restarted into a running cluster)
- * joins generation g under the store keys embd/gen/<g>/: "open" (g started; it holds the last
- * node that joined), "join/<n>" (node n is in), the comm's rendezvous under "gloo/", then
- * "state/<n>" (what node n holds).
+ * joins generation g under the store keys embd/gen/<g>/: "joined" (a count) and "opener" (the
+ * node that counted first: the one re-forming), "open" (g started; it holds the last node that
+ * joined), "join/<n>" (node n is in), the comm's rendezvous under "gloo/", then "state/<n>"
+ * (what node n holds).
  * A node always goes to the newest open generation, so nodes that failed at different moments
  * meet in one; a restarted node opens the one after the newest. Waiting for the others is a
  * look at the store per call (the event loop keeps serving); only once every node joined does
@@ -94,7 +95,7 @@ bool embd_regroup_forming(const struct embd_regroup *rg);
 
 /* Running: 1 when another node opened a newer generation (call _start), 0 when not, or the
  * store's failure (err set: node 0 is gone). *by: the node that joined it first (the one
- * re-forming; for an instant after it opened the generation, the last one that joined),
+ * re-forming; when another joined at the same moment, maybe the last one that joined),
  * UINT32_MAX when the store does not say. */
 int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len);
 

@@ -299,11 +299,11 @@ Test(regroup, a_running_node_is_told_who_opened_the_newer_generation,
 	cr_assert_eq(embd_regroup_newer(rg[1], &by, err, sizeof(err)), 1, "%s", err);
 	cr_expect_eq(by, 2, "node 1: expected node 2 to re-form, got %u", by);
 	int64_t joined = 0;
-	cr_assert_eq(embd_store_set(s[1], "embd/gen/1/open", "1", 1), 0);
-	cr_assert_eq(embd_store_set(s[1], "embd/gen/1/join/1", "1", 1), 0);
 	cr_assert_eq(embd_store_add(s[1], "embd/gen/1/joined", 1, &joined), 0);
 	cr_assert_eq(joined, 2, "node 1 should be the second to join, the count says %lld",
 		     (long long)joined);
+	cr_assert_eq(embd_store_set(s[1], "embd/gen/1/open", "1", 1), 0);
+	cr_assert_eq(embd_store_set(s[1], "embd/gen/1/join/1", "1", 1), 0);
 	by = 0;
 	cr_assert_eq(embd_regroup_newer(rg[0], &by, err, sizeof(err)), 1, "%s", err);
 	cr_expect_eq(by, 2, "node 0: expected node 2 (which opened generation 1) to re-form, got %u",
