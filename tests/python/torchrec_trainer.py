@@ -176,4 +176,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything this trainer writes is written and closed by now, so the interpreter's
+    # finalization is skipped: torch's gloo threads may still hold work referencing Python
+    # objects, and destroying it while the interpreter is torn down aborts the process now and
+    # then ("terminate called without an active exception", SIGABRT), even after
+    # destroy_process_group. A failure above still raises with its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
