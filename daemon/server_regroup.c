@@ -30,6 +30,7 @@
 #define RUNNING_LOOK_NS 250000000ull    /* running: a look for a newer generation */
 #define FORMING_LOOK_MS 50              /* forming: a look for the missing nodes */
 #define DETACHED_LOOK_NS 500000000ull   /* detached: a try at node 0's store */
+#define FORMING_LOG_NS 30000000000ull   /* forming: what it waits for, logged again this often */
 
 enum regroup_state { RG_RUNNING, RG_FORMING, RG_LOST, RG_DETACHED };
 
@@ -43,6 +44,8 @@ struct embd_server_regroup {
 	bool lost;                      /* restarted into a running cluster: shards are gone */
 	bool regrouped;                 /* re-formed once: a FORWARD of another step learns it */
 	char msg[EMBD_CQE_MSG_BYTES];   /* why FORWARDs are refused while not running */
+	char waits[512];                /* forming: what the log last said it waits for */
+	uint64_t waits_logged_ns;
 };
 
 int embd_server_set_regroup(struct embd_server *sv, struct embd_regroup *rg, bool lost,
@@ -287,6 +290,14 @@ void embd_server_regroup_tick(struct embd_server *sv)
 	if (rc == 0 || rc == EMBD_EAGAIN) {
 		if (err[0])
 			snprintf(r->msg, sizeof(r->msg), "cluster re-forming: %.80s", err);
+		/* a wait that may last: the log says what for when it changes, and again now
+		 * and then while it does not */
+		if (err[0] && (strcmp(r->waits, err) || now - r->waits_logged_ns >= FORMING_LOG_NS)) {
+			snprintf(r->waits, sizeof(r->waits), "%s", err);
+			r->waits_logged_ns = now;
+			embd_log_warning("node %u: cluster re-forming: %s", sv->config->node_rank,
+					 r->waits);
+		}
 		return;
 	}
 	if (rc < 0) {

@@ -173,8 +173,8 @@ int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t 
 	int rc = is_open(rg, rg->gen + 1, err, err_len);
 	if (rc != 1)
 		return rc;
-	/* names who re-forms in the step's error: the node that joined first, or (a node that
-	 * joined at the same moment wrote "open" first) the last one, which "open" holds */
+	/* names who re-forms in the step's error: the node that joined first, or (no "opener":
+	 * see join) the last one, which "open" holds */
 	int opener = embd_store_check(rg->store, gen_key(k, sizeof(k), rg->gen + 1, "opener"));
 	if (opener < 0) {
 		snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
@@ -194,14 +194,14 @@ int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t 
 	return 1;
 }
 
-/* Joins generation gen: open it (idempotent) and say this node is in. */
+/* Joins generation gen: open it (idempotent) and say this node is in. The node is in gen only
+ * once every write went through: a failed join leaves it where it was, so that the next start
+ * tries gen again rather than the one after it (which nobody else would look for). */
 static int join(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len)
 {
 	char k[64];
 
-	rg->gen = gen;
 	rg->forming = true;
-	snprintf(rg->prefix, sizeof(rg->prefix), "embd/gen/%" PRIu64 "/", gen);
 	char node[16];
 	int node_len = snprintf(node, sizeof(node), "%u", rg->o.node);
 
@@ -209,8 +209,8 @@ static int join(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len
 
 	/* "joined" counts the nodes in: the first (a restarted node, or one that saw a
 	 * collective fail) is the one that re-forms, and "opener" names it to the others. Both
-	 * are written before "open", which is what the others look for: a node that sees the
-	 * generation open without "opener" is one that joined at the same moment. */
+	 * are written before "open", which is what the others look for: a generation open
+	 * without "opener" is one two nodes joined at once, or whose first failed between. */
 	if (embd_store_add(rg->store, gen_key(k, sizeof(k), gen, "joined"), 1, &joined) ||
 	    (joined == 1 && embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "opener"), node,
 					   (size_t)node_len)) ||
@@ -219,6 +219,8 @@ static int join(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len
 	     embd_store_set(rg->store, k, "1", 1)))
 		return snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
 				embd_store_error(rg->store)), EMBD_ECONNRESET;
+	rg->gen = gen;
+	snprintf(rg->prefix, sizeof(rg->prefix), "embd/gen/%" PRIu64 "/", gen);
 	embd_log_notice("node %u: joining generation %" PRIu64 " of the cluster", rg->o.node, gen);
 	return 0;
 }
@@ -242,9 +244,11 @@ int embd_regroup_start(struct embd_regroup *rg, char *err, size_t err_len)
 			target++;
 		if (rc < 0)
 			return rc;
-		rg->fresh = false;
 	}
-	return join(rg, target, err, err_len);
+	rc = join(rg, target, err, err_len);
+	if (!rc)
+		rg->fresh = false;
+	return rc;
 }
 
 /* Names the nodes not yet in the generation; 0 when none is missing. */

@@ -95,8 +95,8 @@ bool embd_regroup_forming(const struct embd_regroup *rg);
 
 /* Running: 1 when another node opened a newer generation (call _start), 0 when not, or the
  * store's failure (err set: node 0 is gone). *by: the node that joined it first (the one
- * re-forming; when another joined at the same moment, maybe the last one that joined),
- * UINT32_MAX when the store does not say. */
+ * re-forming; when two joined at once or the first failed between its writes, maybe the
+ * last one that joined), UINT32_MAX when the store does not say. */
 int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len);
 
 /* Leaves the current comm (destroyed) and joins the newest open generation after it. */

@@ -278,8 +278,12 @@ static void stall(uint32_t victim, bool checkpoints)
 		usleep(10000);
 	/* node 1's wait for the verdict: twice store_timeout_ms plus the store's reply slack */
 	bool gave_up = !checkpoints || log_shows(1, "checkpoint of step 1 failed", 15000);
+	/* node 0 re-forms without node 1, and its log says what it waits for */
+	bool says_why = victim != 1 || log_shows(0, "cluster re-forming: waiting for node 1 to "
+						 "join generation 1", 5000);
 	kill(nodes[victim].embd.pid, SIGCONT);
 	cr_assert(gave_up, "node 1 should give up the checkpoint of step 1 while node 0 stalls");
+	cr_assert(says_why, "node 0 should log that it waits for node 1 to join generation 1");
 	cr_assert_eq(write(go[victim][1], "gg", 2), 2);
 	join_trainers(kids, T);
 	snprintf(who, sizeof(who), "node %u", victim);
