@@ -22,6 +22,12 @@ for arg in "$@"; do
   esac
 done
 
+if [ "$plain" = 1 ] && [ "$sanitize" = 1 ] &&
+   [ "$(realpath -m "${EMBD_BUILD_DIR:-build}")" = "$(realpath -m build-asan)" ]; then
+  echo "test.sh: EMBD_BUILD_DIR is the sanitizer build's folder (build-asan)" >&2
+  exit 2
+fi
+
 bash tools/install-deps.sh
 jobs=$(nproc)
 
@@ -55,11 +61,6 @@ run_suite() {
   ctest --test-dir "$dir" --output-on-failure -j "$jobs"
 }
 
-if [ "$plain" = 1 ] && [ "$sanitize" = 1 ] &&
-   [ "$(realpath -m "${EMBD_BUILD_DIR:-build}")" = "$(realpath -m build-asan)" ]; then
-  echo "test.sh: EMBD_BUILD_DIR is the sanitizer build's folder (build-asan)" >&2
-  exit 2
-fi
 if [ "$plain" = 1 ]; then
   run_suite "${EMBD_BUILD_DIR:-build}" gcc g++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
 fi
