@@ -144,6 +144,7 @@ static void start(struct embd_server *sv, const char *why)
 	}
 	r->state = RG_FORMING;
 	r->next_ns = 0;
+	r->waits[0] = 0;
 	embd_log_warning("node %u: re-forming the cluster (generation %" PRIu64 ") after: %s",
 			 sv->config->node_rank, embd_regroup_generation(r->rg), why);
 }
@@ -291,8 +292,9 @@ void embd_server_regroup_tick(struct embd_server *sv)
 		if (err[0])
 			snprintf(r->msg, sizeof(r->msg), "cluster re-forming: %.80s", err);
 		/* a wait that may last: the log says what for when it changes, and again now
-		 * and then while it does not */
-		if (err[0] && (strcmp(r->waits, err) || now - r->waits_logged_ns >= FORMING_LOG_NS)) {
+		 * and then while it does not (a failed generation logged itself) */
+		if (rc == 0 && err[0] &&
+		    (strcmp(r->waits, err) || now - r->waits_logged_ns >= FORMING_LOG_NS)) {
 			snprintf(r->waits, sizeof(r->waits), "%s", err);
 			r->waits_logged_ns = now;
 			embd_log_warning("node %u: cluster re-forming: %s", sv->config->node_rank,

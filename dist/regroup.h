@@ -99,7 +99,9 @@ bool embd_regroup_forming(const struct embd_regroup *rg);
  * last one that joined), UINT32_MAX when the store does not say. */
 int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len);
 
-/* Leaves the current comm (destroyed) and joins the newest open generation after it. */
+/* Leaves the current comm (destroyed) and joins the newest open generation after it (a
+ * restarted node opens the one after the newest). On failure (the store's) the node keeps the
+ * generation it had, and a restarted node stays one, so the next call aims where this one did. */
 int embd_regroup_start(struct embd_regroup *rg, char *err, size_t err_len);
 
 /*
