@@ -11,7 +11,8 @@
  * one whose data failed is named on both with its reason, a slow restore is waited for.
  * Reattaching through a relay in front of the store that holds the read of node 0's instance
  * key (node 0 stalling again between the key check and the read): not a new store, tried again
- * later.
+ * later; a join whose writes the relay holds halfway leaves the node's generation, and the
+ * retry joins the same one.
  */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
@@ -30,6 +31,7 @@
 #include "dist/comm.h"
 #include "dist/regroup.h"
 #include "dist/store.h"
+#include "dist/store_wire.h"
 #include "tests/support/dist_util.h"
 
 TestSuite(regroup, .timeout = 40);
@@ -408,9 +410,10 @@ Test(regroup, restore_outcomes_decide_alike_on_every_node,
 /* ---- reattaching to node 0's store -------------------------------------------------------- */
 
 /* A relay in front of the real store: whole requests client -> store (store_wire.h framing),
- * bytes back as they come; while `hold` is set a GET of EMBD_REGROUP_INSTANCE_KEY is kept
- * (never answered), as a node 0 that stalls between the key check and the read would. */
-static atomic_bool hold;
+ * bytes back as they come; while `hold_op` is set a request of that kind naming hold_key is
+ * kept (never answered), as a node 0 that stalls in the middle of a node's requests would. */
+static atomic_int hold_op;
+static const char *hold_key;
 
 static bool read_full(int fd, uint8_t *p, size_t n)
 {
@@ -448,9 +451,10 @@ static void *relay_conn(void *arg)
 		uint32_t len = ntohl(*(uint32_t *)b);
 		if (len > (1 << 16) - 4 || !read_full(cfd, b + 4, len))
 			break;
-		bool get = len > 1 && b[4] == 2 && memmem(b + 5, len - 1, EMBD_REGROUP_INSTANCE_KEY,
-							  strlen(EMBD_REGROUP_INSTANCE_KEY));
-		if (!(get && atomic_load(&hold)) && write(sfd, b, 4 + len) != (ssize_t)(4 + len))
+		int op = atomic_load(&hold_op);
+		bool held = op && len > 1 && b[4] == op &&
+			    memmem(b + 5, len - 1, hold_key, strlen(hold_key));
+		if (!held && write(sfd, b, 4 + len) != (ssize_t)(4 + len))
 			break;
 	}
 out:
@@ -486,33 +490,45 @@ static uint16_t relay_start(void)
 	return ntohs(a.sin_port);
 }
 
-Test(regroup, reattach_after_a_failed_read_of_node_0s_instance_tries_again,
-     .init = tu_server_start, .fini = tu_server_stop)
+/* Node 1's regroup handle (made without a comm: restarted) on a store handle through the relay
+ * (*s1), beside a direct one to the store (*direct) where node 0's instance key is set. */
+static struct embd_regroup *node_1_through_the_relay(struct embd_store **direct,
+						     struct embd_store **s1)
 {
 	const struct embd_regroup_options o = { .node = 1, .nodes = NODES,
 						 .backend = EMBD_COMM_GLOO,
 						 .collective_timeout_ms = TIMEOUT_MS,
 						 .store_timeout_ms = 1000 };
-	struct embd_store *direct = NULL, *s1 = NULL;
 	struct embd_regroup *rg = NULL;
 	char err[512] = "";
 
-	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, &direct, err, sizeof(err)),
+	cr_assert_eq(embd_store_connect("127.0.0.1", tu_port, 5000, direct, err, sizeof(err)),
 		     0, "%s", err);
-	cr_assert_eq(embd_store_set(direct, EMBD_REGROUP_INSTANCE_KEY, "node-0-a", 8), 0);
+	cr_assert_eq(embd_store_set(*direct, EMBD_REGROUP_INSTANCE_KEY, "node-0-a", 8), 0);
 	uint16_t relay = relay_start();
-	cr_assert_eq(embd_store_connect("127.0.0.1", relay, 5000, &s1, err, sizeof(err)), 0, "%s",
+	cr_assert_eq(embd_store_connect("127.0.0.1", relay, 5000, s1, err, sizeof(err)), 0, "%s",
 		     err);
-	cr_assert_eq(embd_regroup_create(&o, s1, NULL, &rg), 0);
+	cr_assert_eq(embd_regroup_create(&o, *s1, NULL, &rg), 0);
+	return rg;
+}
+
+Test(regroup, reattach_after_a_failed_read_of_node_0s_instance_tries_again,
+     .init = tu_server_start, .fini = tu_server_stop)
+{
+	struct embd_store *direct = NULL, *s1 = NULL;
+	struct embd_regroup *rg = node_1_through_the_relay(&direct, &s1);
+	char err[512] = "";
+
 	/* node 0 answers the key check, then stalls before the read */
-	atomic_store(&hold, true);
+	hold_key = EMBD_REGROUP_INSTANCE_KEY;
+	atomic_store(&hold_op, EMBD_STORE_OP_GET);
 	int rc = embd_regroup_reattach(rg, err, sizeof(err));
 	cr_expect(rc == 0 && strstr(err, "does not answer") && !strstr(err, "restarted"),
 		  "a failed read: expected 0 and 'does not answer', got %d '%s'", rc, err);
 	cr_expect_eq(embd_store_check(direct, "embd/stale/1"), 0, "a failed read marked node 1 "
 		     "stale in node 0's store");
 	/* node 0 answers again: the same store */
-	atomic_store(&hold, false);
+	atomic_store(&hold_op, 0);
 	rc = embd_regroup_reattach(rg, err, sizeof(err));
 	cr_expect_eq(rc, 1, "node 0 answers again: expected 1 (the same store), got %d '%s'", rc,
 		     err);
@@ -522,6 +538,40 @@ Test(regroup, reattach_after_a_failed_read_of_node_0s_instance_tries_again,
 	cr_expect(rc == 0 && strstr(err, "restarted"), "another instance: expected 0 and "
 		  "'restarted', got %d '%s'", rc, err);
 	cr_expect_eq(embd_store_check(direct, "embd/stale/1"), 1, "expected node 1's stale mark");
+	embd_regroup_destroy(rg);
+	embd_store_close(s1);
+	embd_store_close(direct);
+}
+
+/* A restarted node's join fails halfway (node 0 stalls after counting it in, before the
+ * generation is open): the node stays where it was, and once node 0 answers again it joins
+ * the same generation, not the one after it, which nobody else would look for. */
+Test(regroup, a_join_failing_halfway_is_tried_again_in_the_same_generation,
+     .init = tu_server_start, .fini = tu_server_stop)
+{
+	struct embd_store *direct = NULL, *s1 = NULL;
+	struct embd_regroup *rg = node_1_through_the_relay(&direct, &s1);
+	char err[512] = "";
+
+	/* the writes of "opener" and "open" (one key names the other) are never answered */
+	hold_key = "embd/gen/1/open";
+	atomic_store(&hold_op, EMBD_STORE_OP_SET);
+	int rc = embd_regroup_start(rg, err, sizeof(err));
+	atomic_store(&hold_op, 0);
+	cr_assert_neq(rc, 0, "the join's writes were held: expected the store's failure");
+	cr_expect_eq(embd_store_check(direct, "embd/gen/1/joined"), 1, "the count should have "
+		     "landed before the held write");
+	cr_expect_eq(embd_store_check(direct, "embd/gen/1/open"), 0);
+	cr_expect_eq(embd_regroup_generation(rg), 0, "a failed join left the node in generation "
+		     "%llu", (unsigned long long)embd_regroup_generation(rg));
+	/* node 0 answers again: the same store, and the same generation */
+	rc = embd_regroup_reattach(rg, err, sizeof(err));
+	cr_assert_eq(rc, 1, "expected the same store, got %d '%s'", rc, err);
+	cr_assert_eq(embd_regroup_start(rg, err, sizeof(err)), 0, "%s", err);
+	cr_expect_eq(embd_regroup_generation(rg), 1, "expected generation 1 again, got %llu",
+		     (unsigned long long)embd_regroup_generation(rg));
+	cr_expect_eq(embd_store_check(direct, "embd/gen/1/open"), 1);
+	cr_expect_eq(embd_store_check(direct, "embd/gen/1/join/1"), 1);
 	embd_regroup_destroy(rg);
 	embd_store_close(s1);
 	embd_store_close(direct);
