@@ -150,16 +150,20 @@ static const char *gen_key(char *buf, size_t len, uint64_t gen, const char *what
 	return buf;
 }
 
+/* rc, a failure of the store, with err saying so. */
+static int store_gone(const struct embd_regroup *rg, int rc, char *err, size_t err_len)
+{
+	snprintf(err, err_len, "node 0 (the store) is gone: %.150s", embd_store_error(rg->store));
+	return rc;
+}
+
 /* 1 when generation gen is open, 0 when not, < 0 when the store failed (err set). */
 static int is_open(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len)
 {
 	char k[64];
 	int rc = embd_store_check(rg->store, gen_key(k, sizeof(k), gen, "open"));
 
-	if (rc < 0)
-		snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
-			 embd_store_error(rg->store));
-	return rc;
+	return rc < 0 ? store_gone(rg, rc, err, err_len) : rc;
 }
 
 int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t err_len)
@@ -176,11 +180,8 @@ int embd_regroup_newer(struct embd_regroup *rg, uint32_t *by, char *err, size_t 
 	/* names who re-forms in the step's error: the node that joined first, or (no "opener":
 	 * see join) the last one, which "open" holds */
 	int opener = embd_store_check(rg->store, gen_key(k, sizeof(k), rg->gen + 1, "opener"));
-	if (opener < 0) {
-		snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
-			 embd_store_error(rg->store));
-		return opener;
-	}
+	if (opener < 0)
+		return store_gone(rg, opener, err, err_len);
 	const char *who = opener == 1 ? "opener" : "open";
 	if (!embd_store_get(rg->store, gen_key(k, sizeof(k), rg->gen + 1, who), &value, &len) &&
 	    len < sizeof(text)) {
@@ -217,8 +218,7 @@ static int join(struct embd_regroup *rg, uint64_t gen, char *err, size_t err_len
 	    embd_store_set(rg->store, gen_key(k, sizeof(k), gen, "open"), node, (size_t)node_len) ||
 	    (snprintf(k, sizeof(k), "embd/gen/%" PRIu64 "/join/%u", gen, rg->o.node),
 	     embd_store_set(rg->store, k, "1", 1)))
-		return snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
-				embd_store_error(rg->store)), EMBD_ECONNRESET;
+		return store_gone(rg, EMBD_ECONNRESET, err, err_len);
 	rg->gen = gen;
 	snprintf(rg->prefix, sizeof(rg->prefix), "embd/gen/%" PRIu64 "/", gen);
 	embd_log_notice("node %u: joining generation %" PRIu64 " of the cluster", rg->o.node, gen);
@@ -263,8 +263,7 @@ static int missing(struct embd_regroup *rg, char *err, size_t err_len)
 		snprintf(k, sizeof(k), "embd/gen/%" PRIu64 "/join/%u", rg->gen, n);
 		int rc = embd_store_check(rg->store, k);
 		if (rc < 0)
-			return snprintf(err, err_len, "node 0 (the store) is gone: %.150s",
-					embd_store_error(rg->store)), rc;
+			return store_gone(rg, rc, err, err_len);
 		if (rc == 0 && at < err_len)
 			at += (size_t)snprintf(err + at, err_len - at, "%s%u", at ? ", " : "waiting "
 					       "for node ", n);

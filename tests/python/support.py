@@ -13,12 +13,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -414,6 +415,17 @@ def stop_embd(proc: "subprocess.Popen[bytes]", sig: int = signal.SIGTERM,
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def exit_skipping_finalization(code: int) -> NoReturn:
+    """Ends a trainer process whose results are all written and closed, without the
+    interpreter's finalization: torch's gloo threads may still hold work referencing Python
+    objects, and destroying it while the interpreter is torn down aborts the process now and
+    then ("terminate called without an active exception", SIGABRT), even after
+    destroy_process_group. Call it only on success: a failure raises with its traceback."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(args: Sequence[str], timeout: float = 60) -> str:

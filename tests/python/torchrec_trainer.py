@@ -32,7 +32,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 import embd.torch
-from support import TableSpec, kjt, make_batch, make_grad
+from support import TableSpec, exit_skipping_finalization, kjt, make_batch, make_grad
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
               "rowwise_adagrad": RowWiseAdagrad}
@@ -176,12 +176,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything this trainer writes is written and closed by now, so the interpreter's
-    # finalization is skipped: torch's gloo threads may still hold work referencing Python
-    # objects, and destroying it while the interpreter is torn down aborts the process now and
-    # then ("terminate called without an active exception", SIGABRT), even after
-    # destroy_process_group. A failure above still raises with its traceback.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_skipping_finalization(main())

@@ -4,10 +4,11 @@
  *
  * Every forward shape (D 32/64/128/256, P 1/20/100, fp32 and fp16 rows, unweighted and
  * weighted) is held against the gather limit and every optimizer's backward (fp32, D 64 and
- * 128, P 20) against the read-modify-write limit (bench_limits.c says what they are): runs of the kernel
- * and of its limit alternate on the same pinned workers and batches, and ratio_to_limit is the
- * median over runs of limit time / kernel time (with --repeat N, the median of N such medians,
- * beside their min and max). copy_limit (a parallel memcpy) is context.
+ * 128, P 20) against the read-modify-write limit (bench_limits.c says what they are): runs of
+ * the kernel and of its limit alternate on the same pinned workers and batches, and
+ * ratio_to_limit is the median over runs of limit time / kernel time (with --repeat N, the
+ * median of N such medians, beside their min and max). copy_limit (a parallel memcpy) is
+ * context.
  * FBGEMM runs in tools/bench/fbgemm_kernels.py under $EMBD_BENCH_PYTHON (default python3),
  * with FBGEMM and ATen held to AVX2 when the kernels are; when torch does not import, its
  * fields are left out. Every line names the CPU model and the kernels' isa.

@@ -213,12 +213,7 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
 def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     if sys.argv[2:] == ["--worker"]:
-        code = worker(job)
-        # its results are written: the interpreter's finalization is skipped, where torch's
-        # gloo threads can abort the process now and then (tests/python/torchrec_trainer.py)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        support.exit_skipping_finalization(worker(job))
     rc = 0
     for sharding in job["shardings"]:
         with tempfile.TemporaryDirectory(prefix="embd-bench-train-") as tmp:
