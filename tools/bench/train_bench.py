@@ -27,7 +27,6 @@ from __future__ import annotations
 import cProfile
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,12 +47,6 @@ def tables_of(job: Dict[str, Any]) -> List[support.TableSpec]:
     opt = {"type": "sgd", "lr": job["lr"]}
     return [support.TableSpec(f"t{i}", job["rows"], job["dim"], "sum", (f"f{i}",), opt)
             for i in range(job["tables"])]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- one trainer ---------------------------------------------------------------------------
@@ -171,7 +164,7 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
     wjob = dict(job, socket=svc.socket, sharding=sharding, torchrec_sharding=torchrec_sharding,
                 out=str(out))
     (tmp / f"job-{sharding}.json").write_text(json.dumps(wjob))
-    port = free_port()
+    port = support.free_port()
     procs = []
     try:
         for rank in range(job["trainers"]):
