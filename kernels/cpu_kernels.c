@@ -376,6 +376,55 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
 		embd_prefetch_bytes(p->m2 + o->row * p->m2_bytes, p->m2_bytes, 1);
 }
 
+/* 16 lanes of 32 bits, which each variant lowers to its own vectors (one zmm, two ymm, four
+ * xmm); may_alias and aligned(4): loaded from rows of floats at any float boundary. */
+typedef uint32_t lanes16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* ORs embd_nonfinite_bit of each of x[0, n) (n a multiple of 16) into *acc's lanes. */
+static inline __attribute__((always_inline)) void or_nonfinite(lanes16 *acc, const float *x,
+							       uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += 16) {
+		lanes16 v = *(const lanes16 *)(x + i);
+		*acc |= ((v & 0x7f800000u) + 0x00800000u) & 0x80000000u;
+	}
+}
+
+/*
+ * Counts the rows of occ[0, n) (sorted by row) that hold a NaN or an infinity in their fp32
+ * weights or their state, naming the lowest in *bad_row: what embd_optim_row_fp32 would have
+ * said of each row updated, asked again after a chunk whose rows left one somewhere. The rows
+ * were just written and are still in cache.
+ */
+static __attribute__((noinline, cold)) void
+count_nonfinite_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
+		     uint64_t *bad, uint64_t *bad_row)
+{
+	const struct embd_shard *sh = ctx->shard;
+	const uint32_t cols = sh->desc.cols;
+	const uint64_t m1_per_row = embd_optim_state_floats(sh->desc.optimizer.type, cols, 0);
+	const uint64_t m2_per_row = embd_optim_state_floats(sh->desc.optimizer.type, cols, 1);
+
+	for (size_t i = 0; i < n; i++) {
+		uint64_t row = occ[i].row;
+		uint32_t b = 0;
+
+		if (i && occ[i - 1].row == row)
+			continue;
+		for (uint64_t c = 0; c < cols; c++)
+			b |= embd_nonfinite_bit(((const float *)sh->weights)[row * cols + c]);
+		for (uint64_t c = 0; c < m1_per_row; c++)
+			b |= embd_nonfinite_bit(sh->momentum1[row * m1_per_row + c]);
+		for (uint64_t c = 0; c < m2_per_row; c++)
+			b |= embd_nonfinite_bit(sh->momentum2[row * m2_per_row + c]);
+		if (b) {
+			(*bad)++;
+			if (row < *bad_row)
+				*bad_row = row;
+		}
+	}
+}
+
 /*
  * apply_rows for one optimizer and one dtype, and for a row width that is a constant where the
  * caller passes one: the compiler then unrolls the row loops whole and keeps the optimizer's
@@ -399,6 +448,14 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 	};
 	size_t dist = embd_backward_prefetch_rows(p.row_bytes + p.m1_bytes + p.m2_bytes);
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
+	/*
+	 * fp32 rows of whole vectors are checked into lanes that stay in registers across the
+	 * chunk, and only a chunk that left something non-finite is looked at row by row: a
+	 * check reduced to one answer per row (a horizontal OR and a branch on it) cost the
+	 * backward 3-5% (sgd D 64 P 20, one thread, Zen 4).
+	 */
+	const bool lanes = !fp16 && cols % 16 == 0;
+	lanes16 nonfinite_lanes = { 0 };
 
 	params.type = type;
 	for (; ahead < dist && ahead < total; ahead++)
@@ -416,6 +473,17 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
 		void *w = (uint8_t *)sh->weights + row * p.row_bytes;
 		/* checked as it is written: reported, not kept silently (engine/step.h) */
+		if (lanes) {
+			(void)embd_optim_row_fp32(&params, w, g, m1, m2, cols);
+			or_nonfinite(&nonfinite_lanes, w, cols);
+			if (m1_per_row == cols)
+				or_nonfinite(&nonfinite_lanes, m1, cols);
+			else if (m1_per_row)
+				nonfinite_lanes[0] |= embd_nonfinite_bit(*m1);
+			if (m2_per_row)
+				or_nonfinite(&nonfinite_lanes, m2, cols);
+			continue;
+		}
 		uint32_t nonfinite = fp16 ? embd_optim_row_fp16(&params, w, g, m1, m2, g + cols, cols)
 					  : embd_optim_row_fp32(&params, w, g, m1, m2, cols);
 		if (nonfinite) {
@@ -423,6 +491,13 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 			if (row < *bad_row)
 				*bad_row = row;
 		}
+	}
+	if (lanes) {
+		uint32_t any = 0;
+		for (int l = 0; l < 16; l++)
+			any |= nonfinite_lanes[l];
+		if (any)
+			count_nonfinite_rows(ctx, occ, n, bad, bad_row);
 	}
 	return ahead > n ? ahead - n : 0;
 }
