@@ -450,9 +450,11 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 	/*
 	 * fp32 rows of whole vectors are checked into lanes that stay in registers across the
-	 * chunk, and only a chunk that left something non-finite is looked at row by row: a
-	 * check reduced to one answer per row (a horizontal OR and a branch on it) cost the
-	 * backward 3-5% (sgd D 64 P 20, one thread, Zen 4).
+	 * chunk, and only a chunk that left something non-finite is looked at row by row: with
+	 * a check reduced to one answer per row (a horizontal OR and a branch on it) sgd D 64
+	 * P 20 read .794 of its limit, with the lanes .863 (two threads, Zen 4, medians of six
+	 * paired runs, docs/benchmarks.md). Once training has diverged and rows stay NaN, every
+	 * chunk holding one is looked at twice: slower, but only then.
 	 */
 	const bool lanes = !fp16 && cols % 16 == 0;
 	lanes16 nonfinite_lanes = { 0 };
@@ -472,7 +474,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 		float *m1 = m1_per_row ? sh->momentum1 + row * m1_per_row : NULL;
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
 		void *w = (uint8_t *)sh->weights + row * p.row_bytes;
-		/* checked as it is written: reported, not kept silently (engine/step.h) */
+		/* checked while in cache: reported, not kept silently (engine/step.h) */
 		if (lanes) {
 			(void)embd_optim_row_fp32(&params, w, g, m1, m2, cols);
 			or_nonfinite(&nonfinite_lanes, w, cols);

@@ -113,7 +113,7 @@ struct embd_shard {
 	int64_t step;                   /* optimizer steps applied; adam's t of the last one */
 	/* rows a backward left NaN or infinite (weights as stored, or state), over all steps,
 	 * and the global row of the last backward's first one (lowest row): the CPU kernels
-	 * check every row they update as they write it (kernels/optim_row.h), the CUDA kernels
+	 * check every row they update while it is in cache (kernels/cpu_kernels.c), the CUDA kernels
 	 * likewise (added at embd_cuda_sync; not yet run on a GPU). A fused_uvm_caching shard
 	 * names the row of its lowest cache slot, not always the lowest row */
 	uint64_t nonfinite_rows;

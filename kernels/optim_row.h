@@ -155,7 +155,8 @@ static inline EMBD_HOST_DEVICE float embd_optim_rowwise_elem(const struct embd_o
  * One step on one fp32 row: w[cols], its combined gradient g[cols], and its state (m1: cols
  * floats for adagrad and adam, one float for rowwise_adagrad, unused for sgd; m2: adam's v).
  * Returns non-zero when it left a weight or a state value NaN or infinite (checked in the
- * same loop as it is written, rather than read again afterwards).
+ * same loop as it is written, rather than read again afterwards; a caller that checks its
+ * rows another way ignores it, and the compiler drops the check).
  * The parameters are copied to a local and the optimizer is chosen outside the loops, so that
  * compilers can keep them in registers and vectorize each loop (same arithmetic per element).
  */

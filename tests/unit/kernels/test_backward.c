@@ -604,8 +604,8 @@ static bool shard_row_nonfinite(const struct embd_shard *s, int64_t r)
 
 /*
  * Every optimizer, fp32 and fp16 rows, every instruction set, 1 and 3 workers, rows of 20
- * columns (checked row by row) and of 64 (fp32: checked into vector lanes over a chunk, rows
- * counted after it): gradients from ordinary to 3e38 leave some rows NaN or infinite in the
+ * columns (checked row by row), 48 and 64 (fp32: checked into vector lanes over a chunk, rows
+ * counted after it; 64 has a loop of its own, 48 the loop of any width): gradients from ordinary to 3e38 leave some rows NaN or infinite in the
  * weights (an fp16 weight overflows from a gradient of 1e6, a fp32 one when a row's
  * occurrences sum past the largest float) or the state (squares of 3e19 overflow); the count
  * and the lowest row are exactly the rows that now hold one, and the rows themselves still
@@ -623,13 +623,13 @@ Test(kernels_backward, every_optimizer_counts_the_rows_it_leaves_nonfinite, .tim
 	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
 	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
 		for (int fp16 = 0; fp16 < 2; fp16++)
-			for (int i = 0; i < nisa * 4; i++) {
+			for (int i = 0; i < nisa * 6; i++) {
 				enum embd_data_type dt = fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32;
-				const uint32_t dim = i % 4 < 2 ? 20 : 64;
+				const uint32_t dims[3] = { 20, 48, 64 }, dim = dims[i % 6 / 2];
 				struct embd_optimizer_spec o = opt_spec((enum embd_optimizer_type)type, 0.0f);
 				struct embd_ref_table *ref = embd_ref_table_create(3, 200, dim, dt, &o, 5);
 				struct embd_shard *s = tshard(ref, 5, 0, 200, 0, dim);
-				struct embd_exec ex = { .workers = i % 2 ? three : NULL, .isa = isas[i / 4] };
+				struct embd_exec ex = { .workers = i % 2 ? three : NULL, .isa = isas[i / 6] };
 				struct tbags t;
 				tbags_random(&t, &r, 64, 6, 10, 200, 20, false);
 				float *g = malloc(64 * dim * sizeof(float));
@@ -648,7 +648,7 @@ Test(kernels_backward, every_optimizer_counts_the_rows_it_leaves_nonfinite, .tim
 						lowest = lowest < 0 ? row : lowest;
 					}
 				snprintf(msg, sizeof(msg), "opt %d %s D %u %s workers %d", type,
-					 fp16 ? "fp16" : "fp32", dim, embd_kernels_isa_name(isas[i / 4]),
+					 fp16 ? "fp16" : "fp32", dim, embd_kernels_isa_name(isas[i / 6]),
 					 i % 2 ? 3 : 1);
 				cr_expect(want > 0 && want < 200, "%s: the gradients should leave some rows "
 					  "non-finite, not all: %llu", msg, (unsigned long long)want);
