@@ -461,6 +461,7 @@ static void run_forward(struct embd_server *sv, bool follow)
 		c->has_fwd = false;
 		c->participant = st == 0;
 	}
+	sv->forward_done_ns = embd_now_ns();
 	sv->first_step_done = true;
 	/* on a cluster the backward is collective: this node takes part in it even when none
 	 * of its own trainers does (then advance() runs it at once) */
@@ -616,11 +617,18 @@ static void backward_applied(void *arg, int rc)
 	}
 }
 
+/* end - start, or 0 when end comes first. */
+static uint64_t since(uint64_t start, uint64_t end)
+{
+	return end > start ? end - start : 0;
+}
+
 static void run_backward(struct embd_server *sv)
 {
 	char why[256];
 	int rc;
 
+	sv->backward_start_ns = embd_now_ns();
 	if (copy_grads(sv, why, sizeof(why))) {
 		/* no update without every gradient: the step is dropped as for a trainer that left */
 		abort_step(sv, EMBD_ECANCELED, why);
@@ -651,7 +659,13 @@ static void run_backward(struct embd_server *sv)
 	}
 	struct embd_step_counts counts;
 	embd_step_counts(sv->step, &counts);
-	embd_stats_step(&sv->stats, &counts, sv->applied_ns - sv->step_start_ns);
+	/* an overlapped step's forward started in the backward before (next_start_ns) */
+	const struct embd_stats_phases phases = {
+		.forward_ns = since(sv->step_start_ns, sv->forward_done_ns),
+		.trainers_ns = since(sv->forward_done_ns, sv->backward_start_ns),
+		.backward_ns = since(sv->backward_start_ns, sv->applied_ns),
+	};
+	embd_stats_step(&sv->stats, &counts, sv->applied_ns - sv->step_start_ns, &phases);
 	warn_nonfinite_rows(sv, &counts);
 	next_step(sv);
 	/* the other nodes are in step s + 1's lookup already */

@@ -64,8 +64,14 @@ void embd_stats_init(struct embd_stats *s)
 	s->start_ns = embd_now_ns();
 }
 
-void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uint64_t latency_ns)
+void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uint64_t latency_ns,
+		     const struct embd_stats_phases *phases)
 {
+	const uint64_t at = s->num_step % EMBD_STATS_WINDOW;
+
+	s->phase_ns[0][at] = phases->forward_ns;
+	s->phase_ns[1][at] = phases->trainers_ns;
+	s->phase_ns[2][at] = phases->backward_ns;
 	s->steps++;
 	s->nonfinite_grads += c->nonfinite_grads;
 	s->nonfinite_rows += c->nonfinite_rows;
@@ -157,6 +163,11 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "requests", (double)s->ipc_hist.total);
 	cJSON_AddNumberToObject(root, "step_p50_us", percentile_us(s->step_ns, s->num_step, 50));
 	cJSON_AddNumberToObject(root, "step_p99_us", percentile_us(s->step_ns, s->num_step, 99));
+	cJSON *phases = cJSON_AddObjectToObject(root, "step_phases_p50_us");
+	static const char *const phase_names[3] = { "forward", "trainers", "backward" };
+	for (int k = 0; phases && k < 3; k++)
+		cJSON_AddNumberToObject(phases, phase_names[k],
+					percentile_us(s->phase_ns[k], s->num_step, 50));
 	cJSON_AddNumberToObject(root, "ipc_p50_us", percentile_us(s->ipc_ns, s->num_ipc, 50));
 	cJSON_AddNumberToObject(root, "ipc_p99_us", percentile_us(s->ipc_ns, s->num_ipc, 99));
 	arr = cJSON_AddArrayToObject(root, "ranks");

@@ -33,6 +33,9 @@
  *                                   their ids (engine/step.h), and those shards, every step
  *     "requests": 200,              requests completed, every trainer since start
  *     "step_p50_us": 80.1, "step_p99_us": 200.3,   FORWARD s started -> BACKWARD s applied
+ *     "step_phases_p50_us": { "forward": 30.2, "trainers": 20.5, "backward": 29.4 },
+ *                                   the step's latency in three parts (struct
+ *                                   embd_stats_phases), each its own median
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
  *     "ranks": [ { "rank": 0, "numa_node": 0, "memory_bytes": 1048576 } ],
  *     "tables": [ { "name": "user_id", "lookups": 60 } ],  row reads per table by this
@@ -97,6 +100,7 @@ struct embd_stats {
 	uint64_t partial_device_bytes, partial_host_bytes;
 	uint64_t backward_prepares, backward_shared_shards;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
+	uint64_t phase_ns[3][EMBD_STATS_WINDOW];        /* struct embd_stats_phases, by step */
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
 	struct embd_stats_hist step_hist, ipc_hist;
 	uint64_t refusals[EMBD_STATS_CAUSES];
@@ -125,10 +129,22 @@ struct embd_stats_client {
 };
 
 
+/*
+ * Where a completed step's latency went, on the server's clock: forward, from FORWARD s
+ * started to its completions posted (the routing and the lookups; on a cluster the exchanges
+ * too, and an overlapped step's input exchange run in the backward before); trainers, from
+ * there to the last participant's BACKWARD s taken (their own work between lookup and
+ * gradient, and how far apart they post); backward, from there to the update applied (the
+ * gradients' copy and check, on a cluster their exchange, the fused optimizer).
+ */
+struct embd_stats_phases {
+	uint64_t forward_ns, trainers_ns, backward_ns;
+};
+
 void embd_stats_init(struct embd_stats *s);
-/* A completed step: its work counters and its latency. */
+/* A completed step: its work counters, its latency and that latency's phases. */
 void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *counts,
-		     uint64_t latency_ns);
+		     uint64_t latency_ns, const struct embd_stats_phases *phases);
 /* One request's time inside the service and its result (0 or a negative EMBD_E* code). */
 void embd_stats_request(struct embd_stats *s, uint64_t latency_ns, int result);
 

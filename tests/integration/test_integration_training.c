@@ -159,6 +159,26 @@ Test(training, table_column_wise_shards_share_their_prepare)
 }
 Test(training, table_wise_shares_no_prepare) { shared_prepare_case("table_wise", false); }
 
+/* The stats split each step's latency into forward, trainers and backward: every part was
+ * measured (the trainers compute between lookup and gradient), none longer than the slowest
+ * step. */
+Test(training, stats_split_the_step_into_phases)
+{
+	train_and_check("table_wise", 2);
+	cJSON *stats = ctl_ask_json(service.socket, EMBD_CTL_STATS_REQUEST);
+	cr_assert_not_null(stats, "no STATS reply");
+	const cJSON *phases = cJSON_GetObjectItem(stats, "step_phases_p50_us");
+	cr_assert(cJSON_IsObject(phases), "no step_phases_p50_us");
+	const double p99 = ctl_json_num(stats, "step_p99_us");
+	static const char *const names[3] = { "forward", "trainers", "backward" };
+	for (int k = 0; k < 3; k++) {
+		const double us = ctl_json_num(phases, names[k]);
+		cr_expect(us > 0 && us <= p99, "%s: p50 %g us, the slowest step %g us", names[k], us,
+			  p99);
+	}
+	cJSON_Delete(stats);
+}
+
 Test(training, row_wise_partials_go_rank_to_rank) { partials_case("row_wise", true); }
 Test(training, table_row_wise_partials_go_rank_to_rank) { partials_case("table_row_wise", true); }
 Test(training, table_wise_has_no_partials) { partials_case("table_wise", false); }

@@ -31,7 +31,9 @@ Test(stats, json_fields_and_percentiles)
 					      .sent_bytes = 3, .partial_device_bytes = 5,
 					      .partial_host_bytes = 1, .backward_prepares = 2,
 					      .backward_shared_shards = 4 };
-		embd_stats_step(s, &c, i * 1000);
+		const struct embd_stats_phases ph = { .forward_ns = i * 300, .trainers_ns = i * 200,
+						      .backward_ns = i * 500 };
+		embd_stats_step(s, &c, i * 1000, &ph);
 		embd_stats_request(s, (101 - i) * 10, i % 10 == 0 ? EMBD_EAGAIN : 0);
 	}
 	s->aborted_steps = 2;
@@ -59,6 +61,11 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "partial_host_bytes"), 100);
 	cr_assert_eq(num(root, "backward_prepares"), 200);
 	cr_assert_eq(num(root, "backward_shared_shards"), 400);
+	cJSON *phases = cJSON_GetObjectItem(root, "step_phases_p50_us");
+	cr_assert_not_null(phases, "no step_phases_p50_us: %s", text);
+	cr_assert_eq(num(phases, "forward"), 15.0);     /* 50 x 300 ns */
+	cr_assert_eq(num(phases, "trainers"), 10.0);
+	cr_assert_eq(num(phases, "backward"), 25.0);
 	cr_assert_eq(num(root, "requests"), 100);
 	const cJSON *refusals = cJSON_GetObjectItemCaseSensitive(root, "refusals");
 	cr_assert_eq(num(refusals, "EAGAIN"), 10);
@@ -127,13 +134,14 @@ Test(stats, window_keeps_the_latest_samples)
 	struct embd_stats *s = malloc(sizeof(*s));
 	char *text = NULL;
 	struct embd_step_counts zero = { 0 };
+	const struct embd_stats_phases none = { 0 };
 
 	embd_stats_init(s);
 	/* old slow steps fall out of the window */
 	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
-		embd_stats_step(s, &zero, 1000000);
+		embd_stats_step(s, &zero, 1000000, &none);
 	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
-		embd_stats_step(s, &zero, 2000);
+		embd_stats_step(s, &zero, 2000, &none);
 	cr_assert_eq(embd_stats_json(s, NULL, 0, NULL, 0, NULL, 0, &text), 0);
 	cJSON *root = cJSON_Parse(text);
 	cr_assert_eq(num(root, "step_p99_us"), 2, "got %g", num(root, "step_p99_us"));
