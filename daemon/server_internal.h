@@ -113,7 +113,7 @@ struct embd_server {
 	bool first_step_done;
 	uint64_t step_start_ns;
 	uint64_t forward_done_ns;       /* when the step's forward completions were posted */
-	uint64_t backward_start_ns;     /* when its backward started (every BACKWARD in) */
+	uint64_t backward_start_ns;     /* when every participant's BACKWARD was in */
 	uint64_t applied_ns;            /* when the last backward's update was applied */
 	uint64_t canceled_step;         /* step + 1 of the last aborted or dropped step */
 	int canceled_code;              /* what a late BACKWARD of it is told: code and why */

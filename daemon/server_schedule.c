@@ -628,7 +628,6 @@ static void run_backward(struct embd_server *sv)
 	char why[256];
 	int rc;
 
-	sv->backward_start_ns = embd_now_ns();
 	if (copy_grads(sv, why, sizeof(why))) {
 		/* no update without every gradient: the step is dropped as for a trainer that left */
 		abort_step(sv, EMBD_ECANCELED, why);
@@ -659,7 +658,6 @@ static void run_backward(struct embd_server *sv)
 	}
 	struct embd_step_counts counts;
 	embd_step_counts(sv->step, &counts);
-	/* an overlapped step's forward started in the backward before (next_start_ns) */
 	const struct embd_stats_phases phases = {
 		.forward_ns = since(sv->step_start_ns, sv->forward_done_ns),
 		.trainers_ns = since(sv->forward_done_ns, sv->backward_start_ns),
@@ -928,8 +926,12 @@ static void advance(struct embd_server *sv)
 		else if (posted || sv->cluster)
 			run_forward(sv, sv->cluster && !trainers);
 	} else {
-		if (!waiting)
+		if (!waiting) {
+			/* the step's phases (daemon/stats.h): routing the next step now is the
+			 * service's time, not the trainers' */
+			sv->backward_start_ns = embd_now_ns();
 			take_early_forwards(sv);
+		}
 		prepare_next(sv);
 		if (!waiting)
 			run_backward(sv);

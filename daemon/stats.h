@@ -33,9 +33,10 @@
  *                                   their ids (engine/step.h), and those shards, every step
  *     "requests": 200,              requests completed, every trainer since start
  *     "step_p50_us": 80.1, "step_p99_us": 200.3,   FORWARD s started -> BACKWARD s applied
- *     "step_phases_p50_us": { "forward": 30.2, "trainers": 20.5, "backward": 29.4 },
+ *     "step_phases_p50_us": { "forward": 31.0, "trainers": 19.5, "backward": 28.7 },
  *                                   the step's latency in three parts (struct
- *                                   embd_stats_phases), each its own median
+ *                                   embd_stats_phases), each its own median (medians of
+ *                                   the parts need not add up to step_p50_us)
  *     "ipc_p50_us": 3.2, "ipc_p99_us": 9.9,        SQE popped -> CQE pushed, every request
  *     "ranks": [ { "rank": 0, "numa_node": 0, "memory_bytes": 1048576 } ],
  *     "tables": [ { "name": "user_id", "lookups": 60 } ],  row reads per table by this
@@ -132,10 +133,13 @@ struct embd_stats_client {
 /*
  * Where a completed step's latency went, on the server's clock: forward, from FORWARD s
  * started to its completions posted (the routing and the lookups; on a cluster the exchanges
- * too, and an overlapped step's input exchange run in the backward before); trainers, from
- * there to the last participant's BACKWARD s taken (their own work between lookup and
- * gradient, and how far apart they post); backward, from there to the update applied (the
- * gradients' copy and check, on a cluster their exchange, the fused optimizer).
+ * too); trainers, from there to the last participant's BACKWARD s taken (their own work
+ * between lookup and gradient, and how far apart they post); backward, from there to the
+ * update applied (the gradients' copy and check, on a cluster their exchange, the fused
+ * optimizer). A pipelined step was routed when its FORWARDs came early, in the phases of the
+ * step before: in its trainers phase while that step waited for a BACKWARD, else in its
+ * backward. An overlapped step's forward (clusters) starts where the backward before it
+ * starts, so that backward's exchange and update are in both steps, as in their latencies.
  */
 struct embd_stats_phases {
 	uint64_t forward_ns, trainers_ns, backward_ns;

@@ -95,8 +95,9 @@ static void print_human(const cJSON *s)
 	printf("step p50 %.1f us p99 %.1f us  ipc p50 %.1f us p99 %.1f us\n", num(s, "step_p50_us"),
 	       num(s, "step_p99_us"), num(s, "ipc_p50_us"), num(s, "ipc_p99_us"));
 	const cJSON *ph = cJSON_GetObjectItemCaseSensitive(s, "step_phases_p50_us");
-	printf("step phases p50: forward %.1f us  trainers %.1f us  backward %.1f us\n",
-	       num(ph, "forward"), num(ph, "trainers"), num(ph, "backward"));
+	if (cJSON_IsObject(ph))
+		printf("step phases p50: forward %.1f us  trainers %.1f us  backward %.1f us\n",
+		       num(ph, "forward"), num(ph, "trainers"), num(ph, "backward"));
 	cJSON_ArrayForEach(it, cJSON_GetObjectItemCaseSensitive(s, "ranks"))
 		printf("rank %.0f  numa node %.0f  memory %.0f bytes\n", num(it, "rank"),
 		       num(it, "numa_node"), num(it, "memory_bytes"));

@@ -61,7 +61,7 @@ Test(stats, json_fields_and_percentiles)
 	cr_assert_eq(num(root, "partial_host_bytes"), 100);
 	cr_assert_eq(num(root, "backward_prepares"), 200);
 	cr_assert_eq(num(root, "backward_shared_shards"), 400);
-	cJSON *phases = cJSON_GetObjectItem(root, "step_phases_p50_us");
+	cJSON *phases = cJSON_GetObjectItemCaseSensitive(root, "step_phases_p50_us");
 	cr_assert_not_null(phases, "no step_phases_p50_us: %s", text);
 	cr_assert_eq(num(phases, "forward"), 15.0);     /* 50 x 300 ns */
 	cr_assert_eq(num(phases, "trainers"), 10.0);
@@ -134,17 +134,21 @@ Test(stats, window_keeps_the_latest_samples)
 	struct embd_stats *s = malloc(sizeof(*s));
 	char *text = NULL;
 	struct embd_step_counts zero = { 0 };
-	const struct embd_stats_phases none = { 0 };
+	const struct embd_stats_phases slow = { 500000, 200000, 300000 }, fast = { 900, 400, 700 };
 
 	embd_stats_init(s);
-	/* old slow steps fall out of the window */
+	/* old slow steps fall out of the window, their phases with them */
 	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
-		embd_stats_step(s, &zero, 1000000, &none);
+		embd_stats_step(s, &zero, 1000000, &slow);
 	for (int i = 0; i < EMBD_STATS_WINDOW; i++)
-		embd_stats_step(s, &zero, 2000, &none);
+		embd_stats_step(s, &zero, 2000, &fast);
 	cr_assert_eq(embd_stats_json(s, NULL, 0, NULL, 0, NULL, 0, &text), 0);
 	cJSON *root = cJSON_Parse(text);
 	cr_assert_eq(num(root, "step_p99_us"), 2, "got %g", num(root, "step_p99_us"));
+	const cJSON *phases = cJSON_GetObjectItemCaseSensitive(root, "step_phases_p50_us");
+	cr_assert_eq(num(phases, "forward"), 0.9, "got %g", num(phases, "forward"));
+	cr_assert_eq(num(phases, "trainers"), 0.4, "got %g", num(phases, "trainers"));
+	cr_assert_eq(num(phases, "backward"), 0.7, "got %g", num(phases, "backward"));
 	cr_assert_eq(num(root, "ipc_p50_us"), 0, "no requests: expected 0");
 	cJSON_Delete(root);
 	free(text);
