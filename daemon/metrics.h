@@ -13,6 +13,8 @@
  *   embd_steps_total                       steps whose backward completed
  *   embd_aborted_steps_total               steps aborted
  *   embd_step_duration_seconds             histogram: FORWARD started -> BACKWARD applied
+ *   embd_step_phase_seconds_total{phase}   that time in forward, trainers and backward
+ *                                          (daemon/stats.h: struct embd_stats_phases)
  *   embd_requests_total                    trainer requests completed
  *   embd_request_duration_seconds          histogram: SQE popped -> CQE pushed
  *   embd_refusals_total{cause}             requests completed with an error, by code
@@ -51,6 +53,7 @@ struct embd_metrics_snapshot {
 	uint64_t steps, aborted_steps, ids, bytes_in, bytes_out, sent_bytes;
 	uint64_t partial_device_bytes, partial_host_bytes;
 	struct embd_stats_hist step_hist, request_hist;
+	uint64_t phase_total_ns[3];             /* forward, trainers, backward */
 	uint64_t refusals[EMBD_STATS_CAUSES];
 	uint32_t clients;
 	uint32_t num_tables, num_ranks;         /* fixed at embd_metrics_create */

@@ -598,6 +598,7 @@ static void metrics_tick(struct embd_server *sv)
 	m->partial_device_bytes = st->partial_device_bytes;
 	m->partial_host_bytes = st->partial_host_bytes;
 	m->step_hist = st->step_hist;
+	memcpy(m->phase_total_ns, st->phase_total_ns, sizeof(m->phase_total_ns));
 	m->request_hist = st->ipc_hist;
 	memcpy(m->refusals, st->refusals, sizeof(m->refusals));
 	m->clients = count_trainers(sv);

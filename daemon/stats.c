@@ -72,6 +72,8 @@ void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uin
 	s->phase_ns[0][at] = phases->forward_ns;
 	s->phase_ns[1][at] = phases->trainers_ns;
 	s->phase_ns[2][at] = phases->backward_ns;
+	for (int k = 0; k < 3; k++)
+		s->phase_total_ns[k] += s->phase_ns[k][at];
 	s->steps++;
 	s->nonfinite_grads += c->nonfinite_grads;
 	s->nonfinite_rows += c->nonfinite_rows;

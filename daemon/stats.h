@@ -102,6 +102,7 @@ struct embd_stats {
 	uint64_t backward_prepares, backward_shared_shards;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
 	uint64_t phase_ns[3][EMBD_STATS_WINDOW];        /* struct embd_stats_phases, by step */
+	uint64_t phase_total_ns[3];                     /* ... summed over every step */
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
 	struct embd_stats_hist step_hist, ipc_hist;
 	uint64_t refusals[EMBD_STATS_CAUSES];

@@ -39,7 +39,8 @@ Test(metrics, names_types_and_values)
 		.uptime_s = 2.5, .step = 11, .steps = 10, .aborted_steps = 1, .ids = 500,
 		.bytes_in = 100, .bytes_out = 200, .sent_bytes = 300,
 		.partial_device_bytes = 400, .partial_host_bytes = 7, .clients = 2,
-		.num_tables = 2, .tables = tables, .num_ranks = 2, .ranks = ranks };
+		.num_tables = 2, .tables = tables, .num_ranks = 2, .ranks = ranks,
+		.phase_total_ns = { 1500000000, 250000000, 2000000000 } };
 	s.refusals[embd_stats_cause(EMBD_EAGAIN)] = 4;
 	char *text = text_of(&s);
 
@@ -55,6 +56,10 @@ Test(metrics, names_types_and_values)
 	has(text, "\nembd_cache_lookups_total{table=\"item_id\",result=\"hit\"} 9\n");
 	has(text, "\nembd_cache_lookups_total{table=\"item_id\",result=\"miss\"} 3\n");
 	cr_assert_null(strstr(text, "embd_cache_lookups_total{table=\"user_id\""), "%s", text);
+	has(text, "# TYPE embd_step_phase_seconds_total counter\n");
+	has(text, "\nembd_step_phase_seconds_total{phase=\"forward\"} 1.5\n");
+	has(text, "\nembd_step_phase_seconds_total{phase=\"trainers\"} 0.25\n");
+	has(text, "\nembd_step_phase_seconds_total{phase=\"backward\"} 2\n");
 	has(text, "\nembd_bytes_total{link=\"trainer_in\"} 100\n");
 	has(text, "\nembd_bytes_total{link=\"trainer_out\"} 200\n");
 	has(text, "\nembd_bytes_total{link=\"peer_out\"} 300\n");
