@@ -88,13 +88,12 @@ static void work(FILE *f, const struct embd_metrics_snapshot *s)
 		s->aborted_steps);
 	histogram(f, "embd_step_duration_seconds", "FORWARD started to BACKWARD applied.",
 		  &s->step_hist);
-	static const char *const phases[3] = { "forward", "trainers", "backward" };
 	head(f, "embd_step_phase_seconds_total", "counter", "The steps' time by phase: forward "
 	     "(routing and lookups), trainers (their work between lookup and gradient), backward "
 	     "(the update).");
-	for (int k = 0; k < 3; k++)
-		fprintf(f, "embd_step_phase_seconds_total{phase=\"%s\"} %.17g\n", phases[k],
-			(double)s->phase_total_ns[k] / 1e9);
+	for (int k = 0; k < EMBD_STATS_PHASES; k++)
+		fprintf(f, "embd_step_phase_seconds_total{phase=\"%s\"} %.17g\n",
+			embd_stats_phase_names[k], (double)s->phase_total_ns[k] / 1e9);
 	counter(f, "embd_requests_total", "Trainer requests completed.", s->request_hist.total);
 	histogram(f, "embd_request_duration_seconds", "Request popped to completion pushed.",
 		  &s->request_hist);

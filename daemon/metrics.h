@@ -53,7 +53,7 @@ struct embd_metrics_snapshot {
 	uint64_t steps, aborted_steps, ids, bytes_in, bytes_out, sent_bytes;
 	uint64_t partial_device_bytes, partial_host_bytes;
 	struct embd_stats_hist step_hist, request_hist;
-	uint64_t phase_total_ns[3];             /* forward, trainers, backward */
+	uint64_t phase_total_ns[EMBD_STATS_PHASES];     /* daemon/stats.h's phases */
 	uint64_t refusals[EMBD_STATS_CAUSES];
 	uint32_t clients;
 	uint32_t num_tables, num_ranks;         /* fixed at embd_metrics_create */

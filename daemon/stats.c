@@ -58,6 +58,9 @@ static void hist_add(struct embd_stats_hist *h, uint64_t ns)
 	h->total++;
 }
 
+const char *const embd_stats_phase_names[EMBD_STATS_PHASES] = { "forward", "trainers",
+								  "backward" };
+
 void embd_stats_init(struct embd_stats *s)
 {
 	memset(s, 0, sizeof(*s));
@@ -72,7 +75,7 @@ void embd_stats_step(struct embd_stats *s, const struct embd_step_counts *c, uin
 	s->phase_ns[0][at] = phases->forward_ns;
 	s->phase_ns[1][at] = phases->trainers_ns;
 	s->phase_ns[2][at] = phases->backward_ns;
-	for (int k = 0; k < 3; k++)
+	for (int k = 0; k < EMBD_STATS_PHASES; k++)
 		s->phase_total_ns[k] += s->phase_ns[k][at];
 	s->steps++;
 	s->nonfinite_grads += c->nonfinite_grads;
@@ -166,9 +169,8 @@ int embd_stats_json(const struct embd_stats *s, const struct embd_stats_rank *ra
 	cJSON_AddNumberToObject(root, "step_p50_us", percentile_us(s->step_ns, s->num_step, 50));
 	cJSON_AddNumberToObject(root, "step_p99_us", percentile_us(s->step_ns, s->num_step, 99));
 	cJSON *phases = cJSON_AddObjectToObject(root, "step_phases_p50_us");
-	static const char *const phase_names[3] = { "forward", "trainers", "backward" };
-	for (int k = 0; phases && k < 3; k++)
-		cJSON_AddNumberToObject(phases, phase_names[k],
+	for (int k = 0; phases && k < EMBD_STATS_PHASES; k++)
+		cJSON_AddNumberToObject(phases, embd_stats_phase_names[k],
 					percentile_us(s->phase_ns[k], s->num_step, 50));
 	cJSON_AddNumberToObject(root, "ipc_p50_us", percentile_us(s->ipc_ns, s->num_ipc, 50));
 	cJSON_AddNumberToObject(root, "ipc_p99_us", percentile_us(s->ipc_ns, s->num_ipc, 99));

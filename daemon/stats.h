@@ -76,6 +76,11 @@
 
 #define EMBD_STATS_WINDOW 1024
 
+/* The phases of a step's latency (struct embd_stats_phases below), in that order, by the
+ * names STATS and the metrics give them: "forward", "trainers", "backward". */
+#define EMBD_STATS_PHASES 3
+extern const char *const embd_stats_phase_names[EMBD_STATS_PHASES];
+
 /* Latencies since start in fixed buckets (the Prometheus histograms of daemon/metrics.h):
  * count[b] holds samples in (bound[b - 1], bound[b]], count[EMBD_STATS_BUCKETS] the rest. */
 #define EMBD_STATS_BUCKETS 16
@@ -101,8 +106,8 @@ struct embd_stats {
 	uint64_t partial_device_bytes, partial_host_bytes;
 	uint64_t backward_prepares, backward_shared_shards;
 	uint64_t step_ns[EMBD_STATS_WINDOW], num_step;
-	uint64_t phase_ns[3][EMBD_STATS_WINDOW];        /* struct embd_stats_phases, by step */
-	uint64_t phase_total_ns[3];                     /* ... summed over every step */
+	uint64_t phase_ns[EMBD_STATS_PHASES][EMBD_STATS_WINDOW];  /* embd_stats_phases, by step */
+	uint64_t phase_total_ns[EMBD_STATS_PHASES];               /* ... summed over every step */
 	uint64_t ipc_ns[EMBD_STATS_WINDOW], num_ipc;
 	struct embd_stats_hist step_hist, ipc_hist;
 	uint64_t refusals[EMBD_STATS_CAUSES];

@@ -25,6 +25,7 @@
 
 #include <string.h>
 
+#include "kernels/finite.h"
 #include "kernels/pool_row.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -407,16 +408,15 @@ count_nonfinite_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ
 
 	for (size_t i = 0; i < n; i++) {
 		uint64_t row = occ[i].row;
-		uint32_t b = 0;
 
 		if (i && occ[i - 1].row == row)
 			continue;
-		for (uint64_t c = 0; c < cols; c++)
-			b |= embd_nonfinite_bit(((const float *)sh->weights)[row * cols + c]);
-		for (uint64_t c = 0; c < m1_per_row; c++)
-			b |= embd_nonfinite_bit(sh->momentum1[row * m1_per_row + c]);
-		for (uint64_t c = 0; c < m2_per_row; c++)
-			b |= embd_nonfinite_bit(sh->momentum2[row * m2_per_row + c]);
+		/* no state array is touched where the optimizer has none (NULL) */
+		bool b = embd_first_nonfinite((const float *)sh->weights + row * cols, cols) < cols ||
+			 (m1_per_row && embd_first_nonfinite(sh->momentum1 + row * m1_per_row,
+							     m1_per_row) < m1_per_row) ||
+			 (m2_per_row && embd_first_nonfinite(sh->momentum2 + row * m2_per_row,
+							     m2_per_row) < m2_per_row);
 		if (b) {
 			(*bad)++;
 			if (row < *bad_row)
