@@ -22,7 +22,12 @@
  *   embd_ids_total                         ids in accepted batches
  *   embd_lookups_total{table}              row reads per table by this node's ranks
  *   embd_bytes_total{link}                 trainer_in (KJTs read), trainer_out (pooled
- *                                          written), peer_out (sent to other nodes)
+ *                                          written), peer_out (sent to other nodes),
+ *                                          rank_device and rank_host (row-split partial
+ *                                          sums between this node's ranks, device to
+ *                                          device or through host memory)
+ *   embd_cache_lookups_total{table,result} fused_uvm_caching tables: distinct rows of each
+ *                                          forward found in the cache (hit) or fetched (miss)
  *   embd_rank_memory_bytes{rank,numa_node} gauge
  *   embd_clients_connected                 gauge: trainers connected
  * with checkpoint_dir:
