@@ -131,7 +131,8 @@ lean_row(const struct bag_ctx *c, int64_t k, const uint64_t row_bytes, const uin
  * per-id weights' pointer, read once, lets the compiler split the loop on it. With pool_bag
  * inlined into forward_bags, whose context this is, its other fields stay in registers too.
  * Fewer instructions an id let more ids ahead be in flight while a row waits on DRAM: fp16
- * D 32 P 100 took ~12% less time (.80 -> .88 of its limit, Zen 4, docs/benchmarks.md).
+ * D 32 P 100 went from 1.13-1.18 to 1.00-1.03 ms a batch, .80 to .88 of its limit (Zen 4,
+ * docs/benchmarks.md).
  */
 #if defined(__AVX512F__)
 #define VEC_FLOATS 16

@@ -75,7 +75,8 @@ static inline uint64_t embd_prefetch_row_bytes(uint64_t row_bytes)
  * Whether the forward pools rows of row_bytes (pass_bytes of them per pass, from
  * embd_forward_pass_cols) at base in its lean loop (cpu_kernels.c): a vector isa, one pass
  * covering the row, the row prefetched whole and made of whole cache lines. The benchmark's
- * gather limit decides the same way, to read as the kernel reads.
+ * gather limit decides the same way, to read as the kernel reads. The lean loop takes its
+ * row to be its one pass of whole vectors: whole lines of 2- or 4-byte elements are.
  */
 static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uint64_t row_bytes,
 				     const void *base)
