@@ -13,6 +13,10 @@
  * gradient rows are read.
  * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
  * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
+ * The limits are measured before the trainers start and again after they end, and the
+ * faster of the two is the limit: a shared host's speed drifts over the minute the rounds
+ * take. Both are printed (limit_steps_per_s_before, _after), so that a ratio above 1 can be
+ * told from drift.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -46,6 +50,7 @@ struct train_opts {
 struct limits {
 	double ms, gather_ms, rmw_ms;   /* per global step, medians */
 	double step_bytes;
+	double before_ms, after_ms;     /* ms measured before the trainers and after them */
 };
 
 /* ids[k][trainer][feature][B * P]: what the trainers post (the file train_bench.py reads). */
@@ -248,6 +253,9 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 	if (o->limits && lim->ms > 0) {
 		double limit_sps = 1e3 / lim->ms;
 		cJSON_AddNumberToObject(out, "limit_steps_per_s", limit_sps);
+		cJSON_AddNumberToObject(out, "limit_steps_per_s_before", 1e3 / lim->before_ms);
+		if (lim->after_ms > 0)
+			cJSON_AddNumberToObject(out, "limit_steps_per_s_after", 1e3 / lim->after_ms);
 		cJSON_AddNumberToObject(out, "ratio_to_limit",
 					cJSON_IsNumber(e) ? e->valuedouble / limit_sps : 0);
 		cJSON_AddNumberToObject(out, "torchrec_ratio_to_limit",
@@ -277,12 +285,14 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 	cJSON_Delete(j);
 }
 
-/* Runs train_bench.py on the job and prints its lines; returns its exit status. */
+#define TRAIN_MAX_LINES 16
+
+/* Runs train_bench.py on the job and keeps its lines (*n of them, each to free); returns its
+ * exit status. */
 static int run_python(const struct train_opts *o, const char *embd, const char *job,
-		      const struct limits *lim)
+		      char **lines, int *n)
 {
-	char build[4096], cmd[8192], line[8192], cpu[128];
-	const char *isa = embd_kernels_isa_name(embd_kernels_isa_best());
+	char build[4096], cmd[8192], line[8192];
 
 	/* the build's embd is <build>/daemon/embd: support.py finds embd and embctl there */
 	snprintf(build, sizeof(build), "%s", embd);
@@ -291,7 +301,6 @@ static int run_python(const struct train_opts *o, const char *embd, const char *
 		if (slash)
 			*slash = 0;
 	}
-	bench_cpu_model(cpu, sizeof(cpu));
 	snprintf(cmd, sizeof(cmd), "EMBD_BUILD_DIR='%s' '%s' '%s/train_bench.py' '%s'", build,
 		 o->python, EMBD_BENCH_SCRIPT_DIR, job);
 	FILE *p = popen(cmd, "r");
@@ -299,8 +308,10 @@ static int run_python(const struct train_opts *o, const char *embd, const char *
 		perror("embd-bench train: popen");
 		return -1;
 	}
+	*n = 0;
 	while (fgets(line, sizeof(line), p))
-		print_line(o, line, lim, cpu, isa);
+		if (*n < TRAIN_MAX_LINES && (lines[*n] = strdup(line)))
+			(*n)++;
 	int st = pclose(p);
 	return st == 0 ? 0 : -1;
 }
@@ -357,7 +368,10 @@ int bench_train_run(int argc, char **argv)
 		.limits = true,
 	};
 	char job[64] = "/tmp/embd-bench-train-XXXXXX", ids_path[80], job_path[80];
-	struct limits lim = { 0 };
+	struct limits lim = { 0 }, after = { 0 };
+	char *lines[TRAIN_MAX_LINES], cpu[128];
+	const char *isa = embd_kernels_isa_name(embd_kernels_isa_best());
+	int num_lines = 0;
 	uint64_t n = 0;
 	int rc = 1;
 
@@ -382,10 +396,23 @@ int bench_train_run(int argc, char **argv)
 	/* before the trainers start: the limits' shard is freed when they run */
 	if (o.limits && measure_limits(&o, ids, &lim))
 		goto out;
+	lim.before_ms = lim.ms;
 	if (write_job(&o, job_path, ids_path))
 		goto out;
-	rc = run_python(&o, embd, job_path, &lim) ? 1 : 0;
+	rc = run_python(&o, embd, job_path, lines, &num_lines) ? 1 : 0;
+	/* after the trainers end, and the faster of the two is the limit */
+	if (o.limits && num_lines && measure_limits(&o, ids, &after) == 0) {
+		after.before_ms = lim.before_ms;
+		after.after_ms = lim.after_ms = after.ms;
+		if (after.ms < lim.ms)
+			lim = after;
+	}
+	bench_cpu_model(cpu, sizeof(cpu));
+	for (int i = 0; i < num_lines; i++)
+		print_line(&o, lines[i], &lim, cpu, isa);
 out:
+	for (int i = 0; i < num_lines; i++)
+		free(lines[i]);
 	free(ids);
 	unlink(ids_path);
 	unlink(job_path);
