@@ -285,12 +285,10 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 	cJSON_Delete(j);
 }
 
-#define TRAIN_MAX_LINES 16
-
-/* Runs train_bench.py on the job and keeps its lines (*n of them, each to free); returns its
- * exit status. */
+/* Runs train_bench.py on the job and keeps its lines (*lines, *n of them, each and the array
+ * to free); returns its exit status, or -1 also when a line could not be kept. */
 static int run_python(const struct train_opts *o, const char *embd, const char *job,
-		      char **lines, int *n)
+		      char ***lines, int *n)
 {
 	char build[4096], cmd[8192], line[8192];
 
@@ -308,12 +306,23 @@ static int run_python(const struct train_opts *o, const char *embd, const char *
 		perror("embd-bench train: popen");
 		return -1;
 	}
-	*n = 0;
-	while (fgets(line, sizeof(line), p))
-		if (*n < TRAIN_MAX_LINES && (lines[*n] = strdup(line)))
-			(*n)++;
+	bool kept = true;
+	while (fgets(line, sizeof(line), p)) {
+		char **grown = realloc(*lines, (size_t)(*n + 1) * sizeof(**lines));
+		char *copy = strdup(line);
+		if (grown)
+			*lines = grown;
+		if (!grown || !copy) {
+			free(copy);
+			kept = false;
+			continue;
+		}
+		(*lines)[(*n)++] = copy;
+	}
 	int st = pclose(p);
-	return st == 0 ? 0 : -1;
+	if (!kept)
+		fprintf(stderr, "embd-bench train: out of memory for train_bench.py's lines\n");
+	return st == 0 && kept ? 0 : -1;
 }
 
 static void usage(void)
@@ -369,7 +378,7 @@ int bench_train_run(int argc, char **argv)
 	};
 	char job[64] = "/tmp/embd-bench-train-XXXXXX", ids_path[80], job_path[80];
 	struct limits lim = { 0 }, after = { 0 };
-	char *lines[TRAIN_MAX_LINES], cpu[128];
+	char **lines = NULL, cpu[128];
 	const char *isa = embd_kernels_isa_name(embd_kernels_isa_best());
 	int num_lines = 0;
 	uint64_t n = 0;
@@ -399,7 +408,7 @@ int bench_train_run(int argc, char **argv)
 	lim.before_ms = lim.ms;
 	if (write_job(&o, job_path, ids_path))
 		goto out;
-	rc = run_python(&o, embd, job_path, lines, &num_lines) ? 1 : 0;
+	rc = run_python(&o, embd, job_path, &lines, &num_lines) ? 1 : 0;
 	/* after the trainers end, and the faster of the two is the limit */
 	if (o.limits && num_lines && measure_limits(&o, ids, &after) == 0) {
 		after.before_ms = lim.before_ms;
@@ -413,6 +422,7 @@ int bench_train_run(int argc, char **argv)
 out:
 	for (int i = 0; i < num_lines; i++)
 		free(lines[i]);
+	free(lines);
 	free(ids);
 	unlink(ids_path);
 	unlink(job_path);
