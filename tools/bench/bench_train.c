@@ -7,10 +7,12 @@
  * 8 tables x 1M rows x 64, 2 ranks, 2 trainers, B 2048 per trainer, 20 ids per bag.
  *
  * The limit of a step is the memory traffic it cannot avoid, timed with the limits of
- * `embd-bench kernels` (bench_limits.c) on this machine's pinned workers over the same ids:
- * per table, the gather of every id's row of the global batch (all trainers) with the pooled
- * rows stored, then the read-modify-write of its distinct rows after each one's occurrences'
- * gradient rows are read.
+ * `embd-bench kernels` (bench_limits.c) over the same ids and run the way the service runs
+ * the step: on the sharding type's plan (each rank's pinned threads on its own shards, all
+ * ranks at once), every shard's gather of every id's row of the global batch (all trainers)
+ * with the pooled rows stored, then every shard's read-modify-write of its distinct rows after
+ * each one's occurrences' gradient rows are read. table_wise and column_wise are modelled;
+ * other types' lines carry no limit.
  * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
  * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
  * The limits are measured before the trainers start and again after they end, and the
@@ -21,7 +23,9 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,10 +52,13 @@ struct train_opts {
 };
 
 struct limits {
-	double ms, gather_ms, rmw_ms;   /* per global step, medians */
+	char sharding[32];
+	double ms, gather_ms, rmw_ms;   /* per global step, medians; ms 0: not modelled */
 	double step_bytes;
 	double before_ms, after_ms;     /* ms measured before the trainers and after them */
 };
+
+#define TRAIN_MAX_SHARDINGS 8
 
 /* ids[k][trainer][feature][B * P]: what the trainers post (the file train_bench.py reads). */
 static int64_t *make_ids(const struct train_opts *o, uint64_t *count)
@@ -66,145 +73,405 @@ static int64_t *make_ids(const struct train_opts *o, uint64_t *count)
 	return ids;
 }
 
-/* The global batch k of feature f (every trainer's bags, in trainer order) into g, and what
- * its update touches into r (bench_rmw_rows_make; scratch 2 x its ids). */
-static void global_batch(const struct train_opts *o, const int64_t *ids, uint32_t k, uint32_t f,
-			 int64_t *g, uint64_t *scratch, struct bench_rmw *r, uint64_t *rows,
-			 uint64_t *first, uint32_t *bags)
-{
-	const uint64_t per = (uint64_t)o->batch * o->ids_per_bag;
+/*
+ * The limits of a step are timed on the plan the service makes for the sharding type: each
+ * rank's thread(s), pinned as engine/ranks.c pins them, on its own shards (one array each, as
+ * the service's), all ranks at once; every table's gather, then every table's update (the
+ * step's order), each phase from the moment all ranks start it until the last one ends it.
+ */
+/* One shard of the plan: columns [col, col + cols) of a table, on a rank. */
+struct limit_piece {
+	uint32_t table, rank, col, cols;
+	struct embd_shard *shard;
+	float *pooled, *grad;
+};
 
-	for (uint32_t t = 0; t < o->trainers; t++)
-		memcpy(g + t * per, ids + (((uint64_t)k * o->trainers + t) * o->tables + f) * per,
-		       per * sizeof(*g));
-	r->n = bench_rmw_rows_make(g, per * o->trainers, o->ids_per_bag, scratch, rows, first, bags);
-	r->rows = rows;
-	r->first = first;
-	r->bags = bags;
+/* One global batch of one table: its ids and what its update touches (bench_rmw_rows_make). */
+struct limit_batch {
+	int64_t *ids;
+	uint64_t *rows, *first;
+	uint32_t *bags;
+	uint64_t n_rows;
+};
+
+struct limit_run {
+	const struct train_opts *o;
+	struct limit_piece *pieces;
+	uint32_t num_pieces;
+	const struct limit_batch *batches;      /* [k * tables + table] */
+	enum embd_isa isa;
+	int cpus[CPU_SETSIZE];
+	uint32_t num_cpus, threads_per_rank;
+	pthread_mutex_t lock;                   /* gate: the ranks wait for the barrier's count */
+	pthread_cond_t opened;
+	bool open;
+	bool no_barrier;                        /* it could not be made: the ranks just clean up */
+	pthread_barrier_t barrier;              /* the ranks started and the timing thread */
+	uint32_t k;                             /* the batch of this phase */
+	int phase;                              /* LIMIT_GATHER, LIMIT_RMW or LIMIT_STOP */
+	uint64_t *start_ns, *end_ns;            /* per rank: when it began and ended the phase */
+	atomic_uint_fast64_t checksum;
+	atomic_int failed;
+};
+
+enum { LIMIT_GATHER, LIMIT_RMW, LIMIT_STOP };
+
+struct limit_rank {
+	struct limit_run *run;
+	uint32_t rank;
+	pthread_t thread;
+};
+
+/*
+ * The plan's shards (*pieces, *n; to free) for sharding, as the planner places them for this
+ * benchmark's tables (equal, so any balanced placement costs the same): table_wise puts table f
+ * on rank f % ranks; column_wise cuts each table into blocks of min_partition (D / 2,
+ * train_bench.py's constraint: the planner's only choice) and deals the blocks out over the
+ * ranks in turn. Returns 1 for what this does not model (other types; rows the gather limit
+ * cannot take whole: bench_limits.h wants pooled rows of a multiple of 64 bytes), -1 when out
+ * of memory.
+ */
+static int limit_plan(const struct train_opts *o, const char *sharding,
+		      struct limit_piece **pieces, uint32_t *n)
+{
+	const uint32_t block = o->dim / 2 >= 4 ? o->dim / 2 : 4;
+	const bool columns = !strcmp(sharding, "column_wise");
+	const uint32_t per_table = columns ? o->dim / block : 1, cols = columns ? block : o->dim;
+
+	*pieces = NULL;
+	*n = 0;
+	if ((!columns && strcmp(sharding, "table_wise")) ||
+	    (columns && (o->dim % block || per_table < 2)) || (cols * 4) % 64)
+		return 1;
+	struct limit_piece *p = calloc((size_t)o->tables * per_table, sizeof(*p));
+	if (!p)
+		return -1;
+	/* piece i of the plan on rank i % ranks: table f's one piece is piece f */
+	for (uint32_t f = 0; f < o->tables; f++)
+		for (uint32_t j = 0; j < per_table; j++, (*n)++)
+			p[*n] = (struct limit_piece){ .table = f, .rank = *n % o->ranks,
+						      .col = j * cols, .cols = cols };
+	*pieces = p;
+	return 0;
 }
 
-/* The workers: one per allowed CPU, pinned in order (as the kernels' benchmark pins them). */
-static int make_workers(struct embd_workers **out)
+/* A rank's shards: created and first touched by its own pinned threads, as the service's. */
+static int limit_rank_setup(struct limit_rank *lr, struct embd_workers *workers)
 {
-	int cpus[BENCH_LIMIT_MAX_WORKERS];
-	uint32_t n = 0;
-	cpu_set_t set;
+	struct limit_run *run = lr->run;
+	const struct train_opts *o = run->o;
+	const uint64_t bags = (uint64_t)o->batch * o->trainers;
+	struct embd_exec exec = { .workers = workers, .isa = run->isa };
 	char err[256];
 
-	if (sched_getaffinity(0, sizeof(set), &set) == 0)
-		for (int c = 0; c < CPU_SETSIZE && n < BENCH_LIMIT_MAX_WORKERS; c++)
-			if (CPU_ISSET(c, &set))
-				cpus[n++] = c;
-	if (!n)
-		cpus[n++] = 0;
-	if (embd_workers_create(n, cpus, out, err, sizeof(err))) {
-		fprintf(stderr, "embd-bench train: workers: %s\n", err);
-		return -1;
+	for (uint32_t i = 0; i < run->num_pieces; i++) {
+		struct limit_piece *p = &run->pieces[i];
+		if (p->rank != lr->rank)
+			continue;
+		struct embd_shard_desc d = {
+			.table_id = p->table, .num_embeddings = (int64_t)o->rows,
+			.embedding_dim = o->dim, .dtype = EMBD_DTYPE_FP32, .rows = (int64_t)o->rows,
+			.col_offset = p->col, .cols = p->cols,
+			.optimizer = { .type = EMBD_OPT_SGD, .lr = 0.01f },
+		};
+		if (embd_shard_create(&d, &p->shard, err, sizeof(err))) {
+			fprintf(stderr, "embd-bench train: limits: shard: %s\n", err);
+			return -1;
+		}
+		embd_shard_init_weights(p->shard, TRAIN_SEED, &exec);
+		p->pooled = malloc(bags * p->cols * sizeof(float));
+		p->grad = malloc(bags * p->cols * sizeof(float));
+		if (!p->pooled || !p->grad) {
+			fprintf(stderr, "embd-bench train: limits: out of memory for table %u's "
+				"pooled rows\n", p->table);
+			return -1;
+		}
+		/* written, not calloc's untouched zero pages: the service's gradient is real memory */
+		memset(p->grad, 0, bags * p->cols * sizeof(float));
 	}
 	return 0;
 }
 
-/* The limits of one global step over the batches' ids, on one shard per table. The workers
- * pin this thread to the first CPU (kernels/workers.h): its affinity is put back afterwards,
- * or the trainers and the service this process starts would inherit one CPU between them. */
-static int measure_limits(const struct train_opts *o, const int64_t *ids, struct limits *out)
+/* One phase of batch run->k on the rank's shards, in table order. */
+static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers,
+			     struct bench_gather *ga, struct bench_rmw *rm)
 {
-	cpu_set_t affinity;
-	bool restore = sched_getaffinity(0, sizeof(affinity), &affinity) == 0;
-	const uint64_t per = (uint64_t)o->batch * o->ids_per_bag * o->trainers;
-	const uint64_t bags = (uint64_t)o->batch * o->trainers;
-	const enum embd_isa isa = embd_kernels_isa_best();
+	const struct limit_run *run = lr->run;
+	const struct train_opts *o = run->o;
+
+	for (uint32_t i = 0; i < run->num_pieces; i++) {
+		const struct limit_piece *p = &run->pieces[i];
+		if (p->rank != lr->rank)
+			continue;
+		const struct limit_batch *b = &run->batches[run->k * o->tables + p->table];
+		const uint64_t rb = (uint64_t)p->cols * 4;
+		if (run->phase == LIMIT_GATHER) {
+			ga->table = p->shard->weights;
+			ga->row_bytes = rb;
+			ga->pass_bytes = (uint64_t)embd_forward_pass_cols(run->isa, p->cols) * 4;
+			ga->out = (uint8_t *)p->pooled;
+			ga->out_row_bytes = rb;
+			ga->ids_per_out = o->ids_per_bag;
+			ga->isa = run->isa;
+			ga->ids = b->ids;
+			ga->n = (uint64_t)o->batch * o->trainers * o->ids_per_bag;
+			bench_gather_run(workers, ga);
+		} else {
+			rm->arrays[0] = p->shard->weights;
+			rm->row_bytes[0] = rb;
+			rm->num_arrays = 1;
+			rm->grad = (const uint8_t *)p->grad;
+			rm->grad_row_bytes = rb;
+			rm->isa = run->isa;
+			rm->rows = b->rows;
+			rm->first = b->first;
+			rm->bags = b->bags;
+			rm->n = b->n_rows;
+			bench_rmw_run(workers, rm);
+		}
+	}
+}
+
+/* A rank: its pinned pool and shards, then phases between the barrier's waits until STOP. */
+static void *limit_rank_main(void *arg)
+{
+	struct limit_rank *lr = arg;
+	struct limit_run *run = lr->run;
+	int cpus[BENCH_LIMIT_MAX_WORKERS];
+	uint32_t n = run->threads_per_rank; /* at most BENCH_LIMIT_MAX_WORKERS: measure_limits */
 	struct embd_workers *workers = NULL;
-	struct embd_shard *shard = NULL;
-	int64_t *g = malloc(per * sizeof(*g));
-	uint64_t *rows = malloc(per * sizeof(*rows)), *first = malloc((per + 1) * sizeof(*first));
-	uint64_t *scratch = malloc(2 * per * sizeof(*scratch));
-	uint32_t *occ_bags = malloc(per * sizeof(*occ_bags));
-	float *pooled = malloc(bags * o->dim * sizeof(float));
-	float *grad = calloc(bags * o->dim, sizeof(float));
-	enum { REPS = 5 };
-	double gather[REPS], rmw[REPS], bytes = 0;
+	struct bench_gather *g = calloc(1, sizeof(*g));
+	struct bench_rmw rm = { .zero = 0 };
 	char err[256];
+
+	for (uint32_t t = 0; t < n; t++)
+		cpus[t] = run->cpus[(lr->rank * run->threads_per_rank + t) % run->num_cpus];
+	if (embd_workers_create(n, cpus, &workers, err, sizeof(err))) {
+		fprintf(stderr, "embd-bench train: limits: rank %u's workers: %s\n", lr->rank, err);
+		atomic_store(&run->failed, 1);
+	} else if (!g || limit_rank_setup(lr, workers)) {
+		atomic_store(&run->failed, 1);
+	}
+	pthread_mutex_lock(&run->lock);
+	while (!run->open)
+		pthread_cond_wait(&run->opened, &run->lock);
+	pthread_mutex_unlock(&run->lock);
+	while (!run->no_barrier) {
+		pthread_barrier_wait(&run->barrier);
+		if (run->phase == LIMIT_STOP)
+			break;
+		run->start_ns[lr->rank] = bench_now_ns();
+		if (!atomic_load(&run->failed))
+			limit_rank_phase(lr, workers, g, &rm);
+		run->end_ns[lr->rank] = bench_now_ns();
+		pthread_barrier_wait(&run->barrier);
+	}
+	if (g)
+		atomic_fetch_add(&run->checksum, bench_gather_checksum(g));
+	free(g);
+	for (uint32_t i = 0; i < run->num_pieces; i++) {
+		struct limit_piece *p = &run->pieces[i];
+		if (p->rank != lr->rank)
+			continue;
+		embd_shard_destroy(p->shard);
+		free(p->pooled);
+		free(p->grad);
+		p->shard = NULL;
+		p->pooled = p->grad = NULL;
+	}
+	embd_workers_destroy(workers);
+	return NULL;
+}
+
+/* Every table's global batches and what their updates touch, for limit_run.batches. */
+static struct limit_batch *limit_batches(const struct train_opts *o, const int64_t *ids)
+{
+	const uint64_t per = (uint64_t)o->batch * o->ids_per_bag * o->trainers;
+	const uint64_t n = (uint64_t)TRAIN_BATCHES * o->tables;
+	struct limit_batch *bs = calloc(n, sizeof(*bs));
+	uint64_t *scratch = malloc(2 * per * sizeof(*scratch));
+	bool ok = bs && scratch;
+
+	for (uint64_t i = 0; ok && i < n; i++) {
+		struct limit_batch *b = &bs[i];
+		const uint64_t k = i / o->tables, f = i % o->tables;
+		b->ids = malloc(per * sizeof(*b->ids));
+		b->rows = malloc(per * sizeof(*b->rows));
+		b->first = malloc((per + 1) * sizeof(*b->first));
+		b->bags = malloc(per * sizeof(*b->bags));
+		if (!b->ids || !b->rows || !b->first || !b->bags) {
+			ok = false;
+			break;
+		}
+		/* the trainers' bags of feature f in trainer order: the global batch */
+		const uint64_t mine = (uint64_t)o->batch * o->ids_per_bag;
+		for (uint32_t t = 0; t < o->trainers; t++)
+			memcpy(b->ids + t * mine, ids + ((k * o->trainers + t) * o->tables + f) * mine,
+			       mine * sizeof(*b->ids));
+		b->n_rows = bench_rmw_rows_make(b->ids, per, o->ids_per_bag, scratch, b->rows,
+						b->first, b->bags);
+	}
+	free(scratch);
+	if (ok)
+		return bs;
+	for (uint64_t i = 0; bs && i < n; i++) {
+		free(bs[i].ids);
+		free(bs[i].rows);
+		free(bs[i].first);
+		free(bs[i].bags);
+	}
+	free(bs);
+	return NULL;
+}
+
+static void limit_batches_free(const struct train_opts *o, struct limit_batch *bs)
+{
+	for (uint64_t i = 0; bs && i < (uint64_t)TRAIN_BATCHES * o->tables; i++) {
+		free(bs[i].ids);
+		free(bs[i].rows);
+		free(bs[i].first);
+		free(bs[i].bags);
+	}
+	free(bs);
+}
+
+/*
+ * The CPUs this process may run on (*n of them), in order, and the threads a rank gets: what
+ * train_bench.py's service gets (write_job), each rank's dealt out as engine/ranks.c deals them
+ * on one NUMA node (several nodes are not modelled).
+ */
+static uint32_t allowed_cpus(int *cpus, uint32_t *n)
+{
+	cpu_set_t allowed;
+
+	*n = 0;
+	if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+		for (int c = 0; c < CPU_SETSIZE; c++)
+			if (CPU_ISSET(c, &allowed))
+				cpus[(*n)++] = c;
+	if (!*n)
+		cpus[(*n)++] = 0;
+	return *n;
+}
+
+static uint32_t threads_per_rank(const struct train_opts *o, uint32_t cpus)
+{
+	return cpus / o->ranks ? cpus / o->ranks : 1;
+}
+
+/*
+ * The limits of one global step of sharding over the batches (bs): medians of REPS steps after
+ * one that warms up, each phase from the first rank's start to the last one's end. Returns 1
+ * when the type is not modelled (no limit), -1 on failure.
+ */
+static int measure_limits(const struct train_opts *o, const struct limit_batch *bs,
+			  const char *sharding, struct limits *out)
+{
+	struct limit_rank *ranks = calloc(o->ranks, sizeof(*ranks));
+	struct limit_run run = { .o = o, .batches = bs, .isa = embd_kernels_isa_best(),
+				 .lock = PTHREAD_MUTEX_INITIALIZER,
+				 .opened = PTHREAD_COND_INITIALIZER };
+	enum { REPS = 15 };
+	double gather[REPS], rmw[REPS];
+	uint32_t started = 0;
 	int rc = -1;
 
-	if (!g || !rows || !first || !scratch || !occ_bags || !pooled || !grad ||
-	    make_workers(&workers))
+	run.start_ns = calloc(o->ranks, sizeof(*run.start_ns));
+	run.end_ns = calloc(o->ranks, sizeof(*run.end_ns));
+	allowed_cpus(run.cpus, &run.num_cpus);
+	run.threads_per_rank = threads_per_rank(o, run.num_cpus);
+	if (!ranks || !run.start_ns || !run.end_ns)
 		goto out;
-	/* one table's shard serves every table: each is far larger than the caches, so a
-	 * table's rows are as cold as they would be in its own */
-	struct embd_shard_desc d = {
-		.num_embeddings = (int64_t)o->rows, .embedding_dim = o->dim,
-		.dtype = EMBD_DTYPE_FP32, .rows = (int64_t)o->rows, .cols = o->dim,
-		.optimizer = { .type = EMBD_OPT_SGD, .lr = 0.01f },
-	};
-	if (embd_shard_create(&d, &shard, err, sizeof(err))) {
-		fprintf(stderr, "embd-bench train: shard: %s\n", err);
+	if (run.threads_per_rank > BENCH_LIMIT_MAX_WORKERS) {
+		fprintf(stderr, "embd-bench train: limits: %u threads a rank, more than the %d the "
+			"limits run: no limit\n", run.threads_per_rank, BENCH_LIMIT_MAX_WORKERS);
+		rc = 1;
 		goto out;
 	}
-	struct embd_exec exec = { .workers = workers, .isa = isa };
-	embd_shard_init_weights(shard, TRAIN_SEED, &exec);
-	struct bench_gather ga = {
-		.table = shard->weights, .row_bytes = (uint64_t)o->dim * 4,
-		.pass_bytes = (uint64_t)embd_forward_pass_cols(isa, o->dim) * 4,
-		.out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)o->dim * 4,
-		.ids_per_out = o->ids_per_bag, .isa = isa, .ids = g, .n = per,
-	};
-	struct bench_rmw rm = {
-		.arrays = { shard->weights }, .row_bytes = { (uint64_t)o->dim * 4 }, .num_arrays = 1,
-		.grad = (const uint8_t *)grad, .grad_row_bytes = (uint64_t)o->dim * 4, .isa = isa,
-	};
-	for (int r = 0; r < REPS + 1; r++) {    /* the first round warms up */
-		uint64_t gns = 0, rns = 0;
-		uint32_t k = (uint32_t)(r % TRAIN_BATCHES);
-		for (uint32_t f = 0; f < o->tables; f++) {
-			global_batch(o, ids, k, f, g, scratch, &rm, rows, first, occ_bags);
-			uint64_t t0 = bench_now_ns();
-			bench_gather_run(workers, &ga);
-			uint64_t t1 = bench_now_ns();
-			bench_rmw_run(workers, &rm);
-			gns += t1 - t0;
-			rns += bench_now_ns() - t1;
-			if (r == 1)
-				bytes += (double)per * o->dim * 4 + (double)bags * o->dim * 4 +
-					 2.0 * (double)rm.n * o->dim * 4 + (double)bags * o->dim * 4;
-		}
-		if (r) {
-			gather[r - 1] = (double)gns / 1e6;
-			rmw[r - 1] = (double)rns / 1e6;
+	rc = limit_plan(o, sharding, &run.pieces, &run.num_pieces);
+	if (rc)
+		goto out;
+	rc = -1;
+	for (; started < o->ranks; started++) {
+		ranks[started] = (struct limit_rank){ .run = &run, .rank = started };
+		if (pthread_create(&ranks[started].thread, NULL, limit_rank_main, &ranks[started])) {
+			fprintf(stderr, "embd-bench train: limits: cannot start rank %u\n", started);
+			atomic_store(&run.failed, 1);
+			break;
 		}
 	}
+	/* the barrier counts the ranks that started; they wait at the gate until it exists */
+	if (pthread_barrier_init(&run.barrier, NULL, started + 1)) {
+		fprintf(stderr, "embd-bench train: limits: no barrier\n");
+		atomic_store(&run.failed, 1);
+		run.no_barrier = true;
+	}
+	pthread_mutex_lock(&run.lock);
+	run.open = true;
+	pthread_cond_broadcast(&run.opened);
+	pthread_mutex_unlock(&run.lock);
+	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first step warms up */
+		for (int phase = LIMIT_GATHER; phase <= LIMIT_RMW; phase++) {
+			run.k = (uint32_t)(r % TRAIN_BATCHES);
+			run.phase = phase;
+			pthread_barrier_wait(&run.barrier);
+			pthread_barrier_wait(&run.barrier);
+			uint64_t t0 = UINT64_MAX, t1 = 0;
+			for (uint32_t i = 0; i < started; i++) {
+				t0 = run.start_ns[i] < t0 ? run.start_ns[i] : t0;
+				t1 = run.end_ns[i] > t1 ? run.end_ns[i] : t1;
+			}
+			if (r && started)
+				(phase == LIMIT_GATHER ? gather : rmw)[r - 1] = (double)(t1 - t0) / 1e6;
+		}
+	}
+	if (!run.no_barrier) {
+		run.phase = LIMIT_STOP;
+		pthread_barrier_wait(&run.barrier);
+	}
+	for (uint32_t i = 0; i < started; i++)
+		pthread_join(ranks[i].thread, NULL);
+	if (!run.no_barrier)
+		pthread_barrier_destroy(&run.barrier);
+	if (atomic_load(&run.failed))
+		goto out;
 	out->gather_ms = bench_median(gather, REPS);
 	out->rmw_ms = bench_median(rmw, REPS);
 	out->ms = out->gather_ms + out->rmw_ms;
+	/* every id's row read, the pooled rows written, the distinct rows read and written,
+	 * each occurrence's gradient row read (counted once: it stays in cache) */
+	double bytes = 0;
+	const uint64_t bags = (uint64_t)o->batch * o->trainers;
+	const uint32_t k = 1 % TRAIN_BATCHES;  /* the first timed step's batch */
+	for (uint32_t i = 0; i < run.num_pieces; i++) {
+		const double rb = (double)run.pieces[i].cols * 4;
+		const struct limit_batch *b = &bs[k * o->tables + run.pieces[i].table];
+		bytes += (double)bags * o->ids_per_bag * rb + (double)bags * rb +
+			 2.0 * (double)b->n_rows * rb + (double)bags * rb;
+	}
 	out->step_bytes = bytes;
-	fprintf(stderr, "embd-bench train: limits measured (checksum %llu)\n",
-		(unsigned long long)bench_gather_checksum(&ga));
+	fprintf(stderr, "embd-bench train: %s limits measured (checksum %llu)\n", sharding,
+		(unsigned long long)atomic_load(&run.checksum));
 	rc = 0;
 out:
-	embd_shard_destroy(shard);
-	embd_workers_destroy(workers);
-	if (restore && sched_setaffinity(0, sizeof(affinity), &affinity)) {
-		perror("embd-bench train: sched_setaffinity");
-		rc = -1;
-	}
-	free(g);
-	free(rows);
-	free(first);
-	free(scratch);
-	free(occ_bags);
-	free(pooled);
-	free(grad);
+	pthread_mutex_destroy(&run.lock);
+	pthread_cond_destroy(&run.opened);
+	free(run.pieces);
+	free(run.start_ns);
+	free(run.end_ns);
+	free(ranks);
 	return rc;
 }
 
 /* The job train_bench.py reads. */
 static int write_job(const struct train_opts *o, const char *path, const char *ids_path)
 {
-	long nproc = sysconf(_SC_NPROCESSORS_ONLN);
-	uint32_t cpus = nproc > 0 ? (uint32_t)nproc : 1;
+	static int cpu_list[CPU_SETSIZE];
+	uint32_t cpus = 0;
 	cJSON *j = cJSON_CreateObject(), *sh = cJSON_AddArrayToObject(j, "shardings");
 	char list[sizeof(o->shardings)], *save = NULL;
 
+	allowed_cpus(cpu_list, &cpus);
 	snprintf(list, sizeof(list), "%s", o->shardings);
 	for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save))
 		cJSON_AddItemToArray(sh, cJSON_CreateString(t));
@@ -217,7 +484,7 @@ static int write_job(const struct train_opts *o, const char *path, const char *i
 		{ "trainers", o->trainers }, { "ranks", o->ranks }, { "steps", o->steps },
 		{ "rounds", o->rounds }, { "warmup", o->warmup }, { "batches", TRAIN_BATCHES },
 		{ "lr", 0.01 }, { "min_partition", o->dim / 2 >= 4 ? o->dim / 2 : 4 },
-		{ "threads_per_rank", cpus / o->ranks ? cpus / o->ranks : 1 },
+		{ "threads_per_rank", threads_per_rank(o, cpus) },
 		{ "torch_threads", cpus / o->trainers ? cpus / o->trainers : 1 },
 		{ "timeout_s", 3600 },
 	};
@@ -234,15 +501,21 @@ static int write_job(const struct train_opts *o, const char *path, const char *i
 	return rc;
 }
 
-/* One line of train_bench.py with this run's limits, machine and configuration added. */
-static void print_line(const struct train_opts *o, const char *line, const struct limits *lim,
-		       const char *cpu, const char *isa)
+/* One line of train_bench.py with its sharding's limits (of lims[n]), the machine and the
+ * configuration added. */
+static void print_line(const struct train_opts *o, const char *line, const struct limits *lims,
+		       int n, const char *cpu, const char *isa)
 {
 	cJSON *j = cJSON_Parse(line);
 	if (!j) {
 		fputs(line, stdout);
 		return;
 	}
+	const cJSON *sh = cJSON_GetObjectItemCaseSensitive(j, "sharding");
+	const struct limits *lim = NULL;
+	for (int i = 0; i < n && cJSON_IsString(sh); i++)
+		if (!strcmp(lims[i].sharding, sh->valuestring))
+			lim = &lims[i];
 	const cJSON *e = cJSON_GetObjectItemCaseSensitive(j, "embd_steps_per_s");
 	const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "torchrec_steps_per_s");
 	const cJSON *ep = cJSON_GetObjectItemCaseSensitive(j, "embd_pipelined_steps_per_s");
@@ -250,7 +523,7 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 	cJSON_AddStringToObject(out, "name", "train");
 	for (cJSON *it = j->child; it; it = it->next)
 		cJSON_AddItemToObject(out, it->string, cJSON_Duplicate(it, true));
-	if (o->limits && lim->ms > 0) {
+	if (o->limits && lim && lim->ms > 0) {
 		double limit_sps = 1e3 / lim->ms;
 		cJSON_AddNumberToObject(out, "limit_steps_per_s", limit_sps);
 		cJSON_AddNumberToObject(out, "limit_steps_per_s_before", 1e3 / lim->before_ms);
@@ -377,7 +650,9 @@ int bench_train_run(int argc, char **argv)
 		.limits = true,
 	};
 	char job[64] = "/tmp/embd-bench-train-XXXXXX", ids_path[80], job_path[80];
-	struct limits lim = { 0 }, after = { 0 };
+	struct limits lims[TRAIN_MAX_SHARDINGS] = { 0 };
+	struct limit_batch *batches = NULL;
+	int num_lims = 0;
 	char **lines = NULL, cpu[128];
 	const char *isa = embd_kernels_isa_name(embd_kernels_isa_best());
 	int num_lines = 0;
@@ -402,24 +677,48 @@ int bench_train_run(int argc, char **argv)
 		fprintf(stderr, "embd-bench train: cannot write %s\n", ids_path);
 		goto out;
 	}
-	/* before the trainers start: the limits' shard is freed when they run */
-	if (o.limits && measure_limits(&o, ids, &lim))
-		goto out;
-	lim.before_ms = lim.ms;
+	if (o.limits) {
+		char list[sizeof(o.shardings)], *save = NULL;
+		snprintf(list, sizeof(list), "%s", o.shardings);
+		for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+			if (num_lims == TRAIN_MAX_SHARDINGS) {
+				fprintf(stderr, "embd-bench train: no limit for %s: limits are "
+					"measured for %d sharding types at most\n", t,
+					TRAIN_MAX_SHARDINGS);
+				continue;
+			}
+			snprintf(lims[num_lims++].sharding, sizeof(lims[0].sharding), "%s", t);
+		}
+		batches = limit_batches(&o, ids);
+		if (!batches) {
+			fprintf(stderr, "embd-bench train: out of memory for the limits' batches\n");
+			goto out;
+		}
+	}
+	/* before the trainers start: the limits' shards are freed when they run */
+	for (int i = 0; i < num_lims; i++) {
+		int m = measure_limits(&o, batches, lims[i].sharding, &lims[i]);
+		if (m < 0)
+			goto out;
+		lims[i].before_ms = lims[i].ms;
+	}
 	if (write_job(&o, job_path, ids_path))
 		goto out;
 	rc = run_python(&o, embd, job_path, &lines, &num_lines) ? 1 : 0;
 	/* after the trainers end, and the faster of the two is the limit */
-	if (o.limits && num_lines && measure_limits(&o, ids, &after) == 0) {
-		after.before_ms = lim.before_ms;
-		after.after_ms = lim.after_ms = after.ms;
-		if (after.ms < lim.ms)
-			lim = after;
+	for (int i = 0; num_lines && i < num_lims; i++) {
+		struct limits after = lims[i];
+		if (lims[i].ms <= 0 || measure_limits(&o, batches, lims[i].sharding, &after))
+			continue;
+		after.after_ms = lims[i].after_ms = after.ms;
+		if (after.ms < lims[i].ms)
+			lims[i] = after;
 	}
 	bench_cpu_model(cpu, sizeof(cpu));
 	for (int i = 0; i < num_lines; i++)
-		print_line(&o, lines[i], &lim, cpu, isa);
+		print_line(&o, lines[i], lims, num_lims, cpu, isa);
 out:
+	limit_batches_free(&o, batches);
 	for (int i = 0; i < num_lines; i++)
 		free(lines[i]);
 	free(lines);
