@@ -12,7 +12,9 @@
  * ranks at once), every shard's gather of every id's row of the global batch (all trainers)
  * with the pooled rows stored, then every shard's read-modify-write of its distinct rows after
  * each one's occurrences' gradient rows are read. table_wise and column_wise are modelled;
- * other types' lines carry no limit.
+ * other types' lines carry no limit. The same threads also run the kernels themselves on that
+ * plan, called as engine/step.c calls them (kernels_steps_per_s): the service against them
+ * (embd_ratio_to_kernels) is what its own work and the trainers' part of the step cost.
  * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
  * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
  * The limits are measured before the trainers start and again after they end, and the
@@ -54,6 +56,7 @@ struct train_opts {
 struct limits {
 	char sharding[32];
 	double ms, gather_ms, rmw_ms;   /* per global step, medians; ms 0: not modelled */
+	double kernels_forward_ms, kernels_backward_ms; /* the kernels on the same plan */
 	double step_bytes;
 	double before_ms, after_ms;     /* ms measured before the trainers and after them */
 };
@@ -77,7 +80,9 @@ static int64_t *make_ids(const struct train_opts *o, uint64_t *count)
  * The limits of a step are timed on the plan the service makes for the sharding type: each
  * rank's thread(s), pinned as engine/ranks.c pins them, on its own shards (one array each, as
  * the service's), all ranks at once; every table's gather, then every table's update (the
- * step's order), each phase from the moment all ranks start it until the last one ends it.
+ * step's order), then the kernels' forward and backward, each phase from the first rank's
+ * start to the last rank's end (stamped by the ranks: the timing thread itself waits for a CPU
+ * while every CPU holds a rank, and read phases 2-3 ms short that way).
  */
 /* One shard of the plan: columns [col, col + cols) of a table, on a rank. */
 struct limit_piece {
@@ -108,13 +113,24 @@ struct limit_run {
 	bool no_barrier;                        /* it could not be made: the ranks just clean up */
 	pthread_barrier_t barrier;              /* the ranks started and the timing thread */
 	uint32_t k;                             /* the batch of this phase */
-	int phase;                              /* LIMIT_GATHER, LIMIT_RMW or LIMIT_STOP */
+	int phase;                              /* enum limit_phase */
 	uint64_t *start_ns, *end_ns;            /* per rank: when it began and ended the phase */
+	/* the kernels' own phases, called as the service calls them (engine/step.c) */
+	int64_t *offsets;                       /* batch + 1: one trainer's bags of P ids each */
+	float **pooled, **grad;                 /* per trainer: its KeyedTensor, B x tables x D */
+	bool shared_prep;                       /* column_wise: a table's shards share a prep */
+	uint32_t *prep_rank;                    /* per table: the rank that prepares it */
+	struct embd_backward_prep **preps;      /* per table: this step's, while it runs */
 	atomic_uint_fast64_t checksum;
 	atomic_int failed;
+	atomic_int kernels_failed;              /* the limits stand, the kernels' figures do not */
 };
 
-enum { LIMIT_GATHER, LIMIT_RMW, LIMIT_STOP };
+enum limit_phase {
+	LIMIT_GATHER, LIMIT_RMW,                /* the limits */
+	KERNEL_FORWARD, KERNEL_PREPARE, KERNEL_BACKWARD, /* the kernels */
+	LIMIT_STOP
+};
 
 struct limit_rank {
 	struct limit_run *run;
@@ -192,13 +208,81 @@ static int limit_rank_setup(struct limit_rank *lr, struct embd_workers *workers)
 	return 0;
 }
 
+/* Piece p's bag batches of global batch b as the service hands them to the kernels: one per
+ * trainer, its pooled rows and gradient columns in that trainer's KeyedTensor. */
+static void kernel_batches(const struct limit_run *run, const struct limit_piece *p,
+			   const struct limit_batch *b, struct embd_bag_batch *bb)
+{
+	const struct train_opts *o = run->o;
+	const uint64_t mine = (uint64_t)o->batch * o->ids_per_bag;
+
+	for (uint32_t t = 0; t < o->trainers; t++)
+		bb[t] = (struct embd_bag_batch){
+			.shard = p->shard, .feature = p->table, .batch_size = o->batch,
+			.offsets = run->offsets, .ids = b->ids + t * mine, .num_ids = mine,
+			.pooling = EMBD_POOLING_SUM, .pooled = run->pooled[t],
+			.pooled_grad = run->grad[t], .grad_divisor = o->trainers,
+			.pooled_stride = (uint64_t)o->tables * o->dim,
+			.pooled_col = p->table * o->dim + p->col,
+		};
+}
+
+/*
+ * A kernel phase on the rank's pieces (bb: room for all of them, trainers batches each): the
+ * forward of all its shards' batches in one call, as engine/step.c's lookup makes one; the
+ * prepare of the tables this rank prepares; each shard's backward (or apply of its table's
+ * prep). Returns 0, or the kernels' error (printed).
+ */
+static int kernel_phase(struct limit_run *run, uint32_t rank, const struct embd_exec *exec,
+			struct embd_bag_batch *bb)
+{
+	static const char *const names[] = {
+		[KERNEL_FORWARD] = "forward", [KERNEL_PREPARE] = "backward prepare",
+		[KERNEL_BACKWARD] = "backward",
+	};
+	const struct train_opts *o = run->o;
+	struct embd_kernel_err kerr = { 0 };
+	uint32_t n = 0;
+	int rc = 0;
+
+	for (uint32_t i = 0; i < run->num_pieces && !rc; i++) {
+		const struct limit_piece *p = &run->pieces[i];
+		if (p->rank != rank)
+			continue;
+		struct embd_bag_batch *mine = run->phase == KERNEL_FORWARD ? bb + n : bb;
+		kernel_batches(run, p, &run->batches[run->k * o->tables + p->table], mine);
+		n += o->trainers;
+		if (run->phase == KERNEL_PREPARE && run->shared_prep &&
+		    run->prep_rank[p->table] == rank && !run->preps[p->table])
+			rc = embd_kernels_backward_prepare(exec, p->shard, mine, o->trainers,
+							   &run->preps[p->table], &kerr);
+		else if (run->phase == KERNEL_BACKWARD && run->shared_prep)
+			rc = embd_kernels_backward_apply(exec, p->shard, run->preps[p->table], mine,
+							 o->trainers, &kerr);
+		else if (run->phase == KERNEL_BACKWARD)
+			rc = embd_kernels_backward(exec, p->shard, mine, o->trainers, &kerr);
+	}
+	if (run->phase == KERNEL_FORWARD && n && !rc)
+		rc = embd_kernels_forward(exec, bb, n, &kerr);
+	if (rc)
+		fprintf(stderr, "embd-bench train: limits: rank %u's kernels' %s: %s\n", rank,
+			names[run->phase], kerr.msg);
+	return rc;
+}
+
 /* One phase of batch run->k on the rank's shards, in table order. */
 static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers,
-			     struct bench_gather *ga, struct bench_rmw *rm)
+			     struct bench_gather *ga, struct bench_rmw *rm, struct embd_bag_batch *bb)
 {
-	const struct limit_run *run = lr->run;
+	struct limit_run *run = lr->run;
 	const struct train_opts *o = run->o;
+	const struct embd_exec exec = { .workers = workers, .isa = run->isa };
 
+	if (run->phase >= KERNEL_FORWARD) {
+		if (!atomic_load(&run->kernels_failed) && kernel_phase(run, lr->rank, &exec, bb))
+			atomic_store(&run->kernels_failed, 1);
+		return;
+	}
 	for (uint32_t i = 0; i < run->num_pieces; i++) {
 		const struct limit_piece *p = &run->pieces[i];
 		if (p->rank != lr->rank)
@@ -241,6 +325,7 @@ static void *limit_rank_main(void *arg)
 	uint32_t n = run->threads_per_rank; /* at most BENCH_LIMIT_MAX_WORKERS: measure_limits */
 	struct embd_workers *workers = NULL;
 	struct bench_gather *g = calloc(1, sizeof(*g));
+	struct embd_bag_batch *bb = calloc((size_t)run->num_pieces * run->o->trainers, sizeof(*bb));
 	struct bench_rmw rm = { .zero = 0 };
 	char err[256];
 
@@ -249,7 +334,7 @@ static void *limit_rank_main(void *arg)
 	if (embd_workers_create(n, cpus, &workers, err, sizeof(err))) {
 		fprintf(stderr, "embd-bench train: limits: rank %u's workers: %s\n", lr->rank, err);
 		atomic_store(&run->failed, 1);
-	} else if (!g || limit_rank_setup(lr, workers)) {
+	} else if (!g || !bb || limit_rank_setup(lr, workers)) {
 		atomic_store(&run->failed, 1);
 	}
 	pthread_mutex_lock(&run->lock);
@@ -262,13 +347,14 @@ static void *limit_rank_main(void *arg)
 			break;
 		run->start_ns[lr->rank] = bench_now_ns();
 		if (!atomic_load(&run->failed))
-			limit_rank_phase(lr, workers, g, &rm);
+			limit_rank_phase(lr, workers, g, &rm, bb);
 		run->end_ns[lr->rank] = bench_now_ns();
 		pthread_barrier_wait(&run->barrier);
 	}
 	if (g)
 		atomic_fetch_add(&run->checksum, bench_gather_checksum(g));
 	free(g);
+	free(bb);
 	for (uint32_t i = 0; i < run->num_pieces; i++) {
 		struct limit_piece *p = &run->pieces[i];
 		if (p->rank != lr->rank)
@@ -372,15 +458,22 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 				 .lock = PTHREAD_MUTEX_INITIALIZER,
 				 .opened = PTHREAD_COND_INITIALIZER };
 	enum { REPS = 15 };
-	double gather[REPS], rmw[REPS];
+	double ms[KERNEL_BACKWARD + 1][REPS] = { { 0 } };
+	const uint64_t kt_floats = (uint64_t)o->batch * o->tables * o->dim;
 	uint32_t started = 0;
 	int rc = -1;
 
 	run.start_ns = calloc(o->ranks, sizeof(*run.start_ns));
 	run.end_ns = calloc(o->ranks, sizeof(*run.end_ns));
+	run.offsets = malloc(((size_t)o->batch + 1) * sizeof(*run.offsets));
+	run.pooled = calloc(o->trainers, sizeof(*run.pooled));
+	run.grad = calloc(o->trainers, sizeof(*run.grad));
+	run.prep_rank = calloc(o->tables, sizeof(*run.prep_rank));
+	run.preps = calloc(o->tables, sizeof(*run.preps));
 	allowed_cpus(run.cpus, &run.num_cpus);
 	run.threads_per_rank = threads_per_rank(o, run.num_cpus);
-	if (!ranks || !run.start_ns || !run.end_ns)
+	if (!ranks || !run.start_ns || !run.end_ns || !run.offsets || !run.pooled || !run.grad ||
+	    !run.prep_rank || !run.preps)
 		goto out;
 	if (run.threads_per_rank > BENCH_LIMIT_MAX_WORKERS) {
 		fprintf(stderr, "embd-bench train: limits: %u threads a rank, more than the %d the "
@@ -392,6 +485,37 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	if (rc)
 		goto out;
 	rc = -1;
+	for (uint32_t b = 0; b <= o->batch; b++)
+		run.offsets[b] = (int64_t)b * o->ids_per_bag;
+	/* the trainers' KeyedTensors, 64-byte aligned as the trainers' slots (a table's columns
+	 * start a line, so ranks write no line together): written (real pages), a zero gradient
+	 * (rows unchanged) */
+	const size_t kt_bytes = (kt_floats * sizeof(float) + 63) / 64 * 64;
+	for (uint32_t t = 0; t < o->trainers; t++) {
+		run.pooled[t] = aligned_alloc(64, kt_bytes);
+		run.grad[t] = aligned_alloc(64, kt_bytes);
+		if (!run.pooled[t] || !run.grad[t])
+			goto out;
+		memset(run.pooled[t], 0, kt_bytes);
+		memset(run.grad[t], 0, kt_bytes);
+	}
+	/* engine/step.c's shared preps: column shards of a table, prepared on the rank of one of
+	 * them with the fewest preps so far */
+	run.shared_prep = run.num_pieces > o->tables;
+	uint32_t *preps_of = calloc(o->ranks, sizeof(*preps_of));
+	if (!preps_of)
+		goto out;
+	for (uint32_t i = 0; run.shared_prep && i < run.num_pieces; i++) {
+		const struct limit_piece *p = &run.pieces[i];
+		uint32_t *prep_rank = &run.prep_rank[p->table];
+		if (i == 0 || p->table != run.pieces[i - 1].table)   /* a table's first piece */
+			*prep_rank = p->rank;
+		else if (preps_of[p->rank] < preps_of[*prep_rank])
+			*prep_rank = p->rank;
+		if (i + 1 == run.num_pieces || run.pieces[i + 1].table != p->table)
+			preps_of[*prep_rank]++;
+	}
+	free(preps_of);
 	for (; started < o->ranks; started++) {
 		ranks[started] = (struct limit_rank){ .run = &run, .rank = started };
 		if (pthread_create(&ranks[started].thread, NULL, limit_rank_main, &ranks[started])) {
@@ -411,7 +535,9 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	pthread_cond_broadcast(&run.opened);
 	pthread_mutex_unlock(&run.lock);
 	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first step warms up */
-		for (int phase = LIMIT_GATHER; phase <= LIMIT_RMW; phase++) {
+		for (int phase = LIMIT_GATHER; phase <= KERNEL_BACKWARD; phase++) {
+			if (phase == KERNEL_PREPARE && !run.shared_prep)
+				continue;
 			run.k = (uint32_t)(r % TRAIN_BATCHES);
 			run.phase = phase;
 			pthread_barrier_wait(&run.barrier);
@@ -422,7 +548,11 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 				t1 = run.end_ns[i] > t1 ? run.end_ns[i] : t1;
 			}
 			if (r && started)
-				(phase == LIMIT_GATHER ? gather : rmw)[r - 1] = (double)(t1 - t0) / 1e6;
+				ms[phase][r - 1] = (double)(t1 - t0) / 1e6;
+		}
+		for (uint32_t t = 0; t < o->tables; t++) {
+			embd_backward_prep_free(run.preps[t]);
+			run.preps[t] = NULL;
 		}
 	}
 	if (!run.no_barrier) {
@@ -435,9 +565,15 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 		pthread_barrier_destroy(&run.barrier);
 	if (atomic_load(&run.failed))
 		goto out;
-	out->gather_ms = bench_median(gather, REPS);
-	out->rmw_ms = bench_median(rmw, REPS);
+	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
+	out->rmw_ms = bench_median(ms[LIMIT_RMW], REPS);
 	out->ms = out->gather_ms + out->rmw_ms;
+	for (int r = 0; r < REPS; r++)
+		ms[KERNEL_BACKWARD][r] += ms[KERNEL_PREPARE][r];
+	out->kernels_forward_ms = bench_median(ms[KERNEL_FORWARD], REPS);
+	out->kernels_backward_ms = bench_median(ms[KERNEL_BACKWARD], REPS);
+	if (atomic_load(&run.kernels_failed))
+		out->kernels_forward_ms = out->kernels_backward_ms = 0;
 	/* every id's row read, the pooled rows written, the distinct rows read and written,
 	 * each occurrence's gradient row read (counted once: it stays in cache) */
 	double bytes = 0;
@@ -456,6 +592,15 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 out:
 	pthread_mutex_destroy(&run.lock);
 	pthread_cond_destroy(&run.opened);
+	for (uint32_t t = 0; t < o->trainers; t++) {
+		free(run.pooled ? run.pooled[t] : NULL);
+		free(run.grad ? run.grad[t] : NULL);
+	}
+	free(run.pooled);
+	free(run.grad);
+	free(run.offsets);
+	free(run.prep_rank);
+	free(run.preps);
 	free(run.pieces);
 	free(run.start_ns);
 	free(run.end_ns);
@@ -538,6 +683,16 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 		cJSON_AddNumberToObject(out, "step_bytes", lim->step_bytes);
 		cJSON_AddNumberToObject(out, "limit_gather_ms", lim->gather_ms);
 		cJSON_AddNumberToObject(out, "limit_rmw_ms", lim->rmw_ms);
+	}
+	if (o->limits && lim && lim->ms > 0 && lim->kernels_forward_ms > 0) {
+		double limit_sps = 1e3 / lim->ms;
+		double kernels_sps = 1e3 / (lim->kernels_forward_ms + lim->kernels_backward_ms);
+		cJSON_AddNumberToObject(out, "kernels_steps_per_s", kernels_sps);
+		cJSON_AddNumberToObject(out, "kernels_forward_ms", lim->kernels_forward_ms);
+		cJSON_AddNumberToObject(out, "kernels_backward_ms", lim->kernels_backward_ms);
+		cJSON_AddNumberToObject(out, "kernels_ratio_to_limit", kernels_sps / limit_sps);
+		cJSON_AddNumberToObject(out, "embd_ratio_to_kernels",
+					cJSON_IsNumber(e) ? e->valuedouble / kernels_sps : 0);
 	}
 	const struct { const char *k; double v; } conf[] = {
 		{ "tables", o->tables }, { "rows", (double)o->rows }, { "dim", o->dim },
