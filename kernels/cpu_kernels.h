@@ -14,20 +14,24 @@
 #include "kernels/embedding.h"
 #include "kernels/optim_row.h"
 
-/* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth). */
+/* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth);
+ * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE (embd_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
+#define EMBD_PREFETCH_IDS_LINE 20
 /* Lines of a row that are prefetched; longer rows stream on their own after the first. */
 #define EMBD_PREFETCH_MAX_LINES 16
 #define EMBD_CACHE_LINE_BYTES 64
 
 /*
- * How many rows ahead the forward prefetches rows of row_bytes. The benchmark's gather limit
- * uses the same distance.
+ * How many rows ahead the forward prefetches rows of row_bytes. A row of one line is one miss
+ * an id, so more of them can be in flight for the same fill buffers: 20 ids ahead pooled fp16
+ * D 32 batches 4-7% faster than 12 at P 20 and 100 and up to 14% at P 1 on a Zen 4 (AVX-512;
+ * AVX2 the same within the noise), while for 128-byte rows 20 was no better than 12
+ * (docs/benchmarks.md, 2026-12-05). The benchmark's gather limit uses the same distance.
  */
 static inline uint32_t embd_prefetch_rows(uint64_t row_bytes)
 {
-	(void)row_bytes;
-	return EMBD_PREFETCH_IDS;
+	return row_bytes <= EMBD_CACHE_LINE_BYTES ? EMBD_PREFETCH_IDS_LINE : EMBD_PREFETCH_IDS;
 }
 
 /*
