@@ -28,6 +28,10 @@ double bench_median(double *values, size_t n);
 /* Percentile p in [0, 100] of n doubles (sorts values in place), nearest-rank. */
 double bench_percentile(double *values, size_t n, double p);
 
+/* The CPUs this process may run on, in order, into cpus (room for CPU_SETSIZE); returns how
+ * many, at least 1 (CPU 0 when the affinity cannot be read). */
+uint32_t bench_allowed_cpus(int *cpus);
+
 /* This machine's CPU model ("model name" of /proc/cpuinfo, "unknown" without one), safe to
  * print inside a JSON string. */
 void bench_cpu_model(char *out, size_t len);

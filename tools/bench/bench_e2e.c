@@ -199,15 +199,11 @@ static int make_batches(struct e2e *x)
 /* The CPUs this process may use, in order (as the service pins its single rank). */
 static void allowed_cpus(int *cpus, uint32_t n)
 {
-	cpu_set_t set;
-	uint32_t k = 0;
+	int allowed[CPU_SETSIZE];
+	uint32_t k = bench_allowed_cpus(allowed);
 
-	if (sched_getaffinity(0, sizeof(set), &set) == 0)
-		for (int c = 0; c < CPU_SETSIZE && k < n; c++)
-			if (CPU_ISSET(c, &set))
-				cpus[k++] = c;
-	for (uint32_t i = k; i < n; i++)
-		cpus[i] = k ? cpus[i % k] : (int)i;
+	for (uint32_t i = 0; i < n; i++)
+		cpus[i] = allowed[i % k];
 }
 
 /* On the in-process rank's thread: the forward of x->bb, or one backward per shard. */

@@ -938,10 +938,8 @@ static int create_workers(struct bench *b, char *err, size_t len)
 		return embd_workers_create(b->o.threads, NULL, &b->workers, err, len);
 	b->start_cpus = set;
 	b->have_start_cpus = true;
-	int allowed[CPU_SETSIZE], na = 0;
-	for (int c = 0; c < CPU_SETSIZE; c++)
-		if (CPU_ISSET(c, &set))
-			allowed[na++] = c;
+	int allowed[CPU_SETSIZE];
+	const int na = (int)bench_allowed_cpus(allowed);
 	for (; n < (int)b->o.threads; n++)
 		cpus[n] = allowed[n % na];
 	return embd_workers_create(b->o.threads, cpus, &b->workers, err, len);

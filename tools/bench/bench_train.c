@@ -76,6 +76,12 @@ static int64_t *make_ids(const struct train_opts *o, uint64_t *count)
 	return ids;
 }
 
+/* The column blocks the job asks the planner for (train_bench.py's min_partition): D / 2. */
+static uint32_t min_partition(const struct train_opts *o)
+{
+	return o->dim / 2 >= 4 ? o->dim / 2 : 4;
+}
+
 /*
  * The limits of a step are timed on the plan the service makes for the sharding type: each
  * rank's thread(s), pinned as engine/ranks.c pins them, on its own shards (one array each, as
@@ -150,7 +156,7 @@ struct limit_rank {
 static int limit_plan(const struct train_opts *o, const char *sharding,
 		      struct limit_piece **pieces, uint32_t *n)
 {
-	const uint32_t block = o->dim / 2 >= 4 ? o->dim / 2 : 4;
+	const uint32_t block = min_partition(o);
 	const bool columns = !strcmp(sharding, "column_wise");
 	const uint32_t per_table = columns ? o->dim / block : 1, cols = columns ? block : o->dim;
 
@@ -369,6 +375,17 @@ static void *limit_rank_main(void *arg)
 	return NULL;
 }
 
+static void limit_batches_free(const struct train_opts *o, struct limit_batch *bs)
+{
+	for (uint64_t i = 0; bs && i < (uint64_t)TRAIN_BATCHES * o->tables; i++) {
+		free(bs[i].ids);
+		free(bs[i].rows);
+		free(bs[i].first);
+		free(bs[i].bags);
+	}
+	free(bs);
+}
+
 /* Every table's global batches and what their updates touch, for limit_run.batches. */
 static struct limit_batch *limit_batches(const struct train_opts *o, const int64_t *ids)
 {
@@ -400,46 +417,15 @@ static struct limit_batch *limit_batches(const struct train_opts *o, const int64
 	free(scratch);
 	if (ok)
 		return bs;
-	for (uint64_t i = 0; bs && i < n; i++) {
-		free(bs[i].ids);
-		free(bs[i].rows);
-		free(bs[i].first);
-		free(bs[i].bags);
-	}
-	free(bs);
+	limit_batches_free(o, bs);
 	return NULL;
 }
 
-static void limit_batches_free(const struct train_opts *o, struct limit_batch *bs)
-{
-	for (uint64_t i = 0; bs && i < (uint64_t)TRAIN_BATCHES * o->tables; i++) {
-		free(bs[i].ids);
-		free(bs[i].rows);
-		free(bs[i].first);
-		free(bs[i].bags);
-	}
-	free(bs);
-}
-
 /*
- * The CPUs this process may run on (*n of them), in order, and the threads a rank gets: what
- * train_bench.py's service gets (write_job), each rank's dealt out as engine/ranks.c deals them
- * on one NUMA node (several nodes are not modelled).
+ * The threads a rank gets over the CPUs this process may run on (bench_allowed_cpus): what
+ * train_bench.py's service gets (write_job), each rank's dealt out as engine/ranks.c deals
+ * them on one NUMA node (several nodes are not modelled).
  */
-static uint32_t allowed_cpus(int *cpus, uint32_t *n)
-{
-	cpu_set_t allowed;
-
-	*n = 0;
-	if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
-		for (int c = 0; c < CPU_SETSIZE; c++)
-			if (CPU_ISSET(c, &allowed))
-				cpus[(*n)++] = c;
-	if (!*n)
-		cpus[(*n)++] = 0;
-	return *n;
-}
-
 static uint32_t threads_per_rank(const struct train_opts *o, uint32_t cpus)
 {
 	return cpus / o->ranks ? cpus / o->ranks : 1;
@@ -470,7 +456,7 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	run.grad = calloc(o->trainers, sizeof(*run.grad));
 	run.prep_rank = calloc(o->tables, sizeof(*run.prep_rank));
 	run.preps = calloc(o->tables, sizeof(*run.preps));
-	allowed_cpus(run.cpus, &run.num_cpus);
+	run.num_cpus = bench_allowed_cpus(run.cpus);
 	run.threads_per_rank = threads_per_rank(o, run.num_cpus);
 	if (!ranks || !run.start_ns || !run.end_ns || !run.offsets || !run.pooled || !run.grad ||
 	    !run.prep_rank || !run.preps)
@@ -612,11 +598,10 @@ out:
 static int write_job(const struct train_opts *o, const char *path, const char *ids_path)
 {
 	static int cpu_list[CPU_SETSIZE];
-	uint32_t cpus = 0;
+	const uint32_t cpus = bench_allowed_cpus(cpu_list);
 	cJSON *j = cJSON_CreateObject(), *sh = cJSON_AddArrayToObject(j, "shardings");
 	char list[sizeof(o->shardings)], *save = NULL;
 
-	allowed_cpus(cpu_list, &cpus);
 	snprintf(list, sizeof(list), "%s", o->shardings);
 	for (char *t = strtok_r(list, ",", &save); t; t = strtok_r(NULL, ",", &save))
 		cJSON_AddItemToArray(sh, cJSON_CreateString(t));
@@ -628,7 +613,7 @@ static int write_job(const struct train_opts *o, const char *path, const char *i
 		{ "batch_size", o->batch }, { "ids_per_bag", o->ids_per_bag },
 		{ "trainers", o->trainers }, { "ranks", o->ranks }, { "steps", o->steps },
 		{ "rounds", o->rounds }, { "warmup", o->warmup }, { "batches", TRAIN_BATCHES },
-		{ "lr", 0.01 }, { "min_partition", o->dim / 2 >= 4 ? o->dim / 2 : 4 },
+		{ "lr", 0.01 }, { "min_partition", min_partition(o) },
 		{ "threads_per_rank", threads_per_rank(o, cpus) },
 		{ "torch_threads", cpus / o->trainers ? cpus / o->trainers : 1 },
 		{ "timeout_s", 3600 },
@@ -683,16 +668,15 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 		cJSON_AddNumberToObject(out, "step_bytes", lim->step_bytes);
 		cJSON_AddNumberToObject(out, "limit_gather_ms", lim->gather_ms);
 		cJSON_AddNumberToObject(out, "limit_rmw_ms", lim->rmw_ms);
-	}
-	if (o->limits && lim && lim->ms > 0 && lim->kernels_forward_ms > 0) {
-		double limit_sps = 1e3 / lim->ms;
-		double kernels_sps = 1e3 / (lim->kernels_forward_ms + lim->kernels_backward_ms);
-		cJSON_AddNumberToObject(out, "kernels_steps_per_s", kernels_sps);
-		cJSON_AddNumberToObject(out, "kernels_forward_ms", lim->kernels_forward_ms);
-		cJSON_AddNumberToObject(out, "kernels_backward_ms", lim->kernels_backward_ms);
-		cJSON_AddNumberToObject(out, "kernels_ratio_to_limit", kernels_sps / limit_sps);
-		cJSON_AddNumberToObject(out, "embd_ratio_to_kernels",
-					cJSON_IsNumber(e) ? e->valuedouble / kernels_sps : 0);
+		if (lim->kernels_forward_ms > 0) {      /* 0: the kernels failed */
+			double kernels_sps = 1e3 / (lim->kernels_forward_ms + lim->kernels_backward_ms);
+			cJSON_AddNumberToObject(out, "kernels_steps_per_s", kernels_sps);
+			cJSON_AddNumberToObject(out, "kernels_forward_ms", lim->kernels_forward_ms);
+			cJSON_AddNumberToObject(out, "kernels_backward_ms", lim->kernels_backward_ms);
+			cJSON_AddNumberToObject(out, "kernels_ratio_to_limit", kernels_sps / limit_sps);
+			cJSON_AddNumberToObject(out, "embd_ratio_to_kernels",
+						cJSON_IsNumber(e) ? e->valuedouble / kernels_sps : 0);
+		}
 	}
 	const struct { const char *k; double v; } conf[] = {
 		{ "tables", o->tables }, { "rows", (double)o->rows }, { "dim", o->dim },

@@ -1,7 +1,11 @@
 /* Timing and statistics shared by every benchmark of embd-bench. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include "bench.h"
 
 #include <math.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,6 +20,20 @@ uint64_t bench_now_ns(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+uint32_t bench_allowed_cpus(int *cpus)
+{
+	cpu_set_t allowed;
+	uint32_t n = 0;
+
+	if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+		for (int c = 0; c < CPU_SETSIZE; c++)
+			if (CPU_ISSET(c, &allowed))
+				cpus[n++] = c;
+	if (!n)
+		cpus[n++] = 0;
+	return n;
 }
 
 static int compare_double(const void *a, const void *b)
