@@ -103,12 +103,11 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 	uint64_t *hist = job->hist + (uint64_t)w * p->num_buckets;
 	uint64_t *hist_low = job->hist_low ? job->hist_low + ((uint64_t)w << p->shift) : NULL;
 	const uint64_t low_mask = ((uint64_t)1 << p->shift) - 1;
-	uint64_t g, g_last;
+	uint64_t g, g_last, occ_first = 0, occ_last = 0;
 	uint32_t i = 0;
 
 	(void)nw;
 	worker_bags(job, w, &g, &g_last);
-	job->occ_range[2 * w] = job->occ_range[2 * w + 1] = 0;
 	for (bool first = true; g < g_last; g++) {
 		while (p->bag_base[i + 1] <= g)
 			i++;
@@ -121,7 +120,7 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 		struct embd_occ *out = p->occ + p->id_base[i];
 
 		if (first)
-			job->occ_range[2 * w] = p->id_base[i] + (uint64_t)s;
+			occ_first = p->id_base[i] + (uint64_t)s;
 		first = false;
 		for (int64_t k = s; k < e; k++) {
 			int64_t id = bt->ids[k]; /* read once */
@@ -142,8 +141,11 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 			if (hist_low)
 				hist_low[r & low_mask]++;
 		}
-		job->occ_range[2 * w + 1] = p->id_base[i] + (uint64_t)e;
+		occ_last = p->id_base[i] + (uint64_t)e;
 	}
+	/* once, at the end: the workers' ranges share a cache line */
+	job->occ_range[2 * w] = occ_first;
+	job->occ_range[2 * w + 1] = occ_last;
 }
 
 static void scatter_worker(void *arg, uint32_t w, uint32_t nw)
