@@ -15,11 +15,19 @@
  * (prefetching whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran
  * 1.35x faster on AVX2 with the prefetches spread, fp16 D 128 P 20 1.5x).
  * Rows that one pass covers and that are prefetched whole (a multiple of 64 bytes, at most
- * 512) take a lean loop instead: the row ahead is found without a branch (its id clamped to
- * the chunk, an id outside the shard prefetching row 0) and each of its lines is prefetched
- * right after the load that starts the same line of this row, as FBGEMM's generated kernels
- * do. On an AMD EPYC (Zen 4) that took 6-11% off D 32/64 fp32 batches and 2-3% off fp16
- * D 128/256 (docs/benchmarks.md, 2026-12-04); the benchmark's gather limit does the same.
+ * 512) take a lean loop instead, each of the row ahead's lines prefetched right after the load
+ * that starts the same line of this row, as FBGEMM's generated kernels do (on an AMD EPYC,
+ * Zen 4: 6-11% off D 32/64 fp32 batches, 2-3% off fp16 D 128/256; docs/benchmarks.md,
+ * 2026-12-04). That loop reads no id: a window of the chunk's ids is first copied, as rows
+ * of the shard, into a buffer on the stack and checked in one vector pass, with the rows of
+ * the prefetch distance past the window behind it (those past the chunk the chunk's last
+ * one, as if clamped; those outside the shard row 0). Each id is still read once, so a
+ * caller's ids that change meanwhile cannot take a read outside the shard; a window that
+ * holds an id outside the shard is pooled by the checked loop, which names it. Without the
+ * check, the clamp and the id arithmetic in it, the loop is about half as many instructions
+ * an id (11 for fp16 D 32), and more ids ahead fit in the core's window while a row waits on
+ * DRAM: on the Zen 4 (AVX-512, 2026-12-05) fp16 D 32 P 20 and P 100 went from .84 and .88 of
+ * the gather limit to .89 and .93, with the limit's own clamp taken out the same way.
  */
 #include "kernels/cpu_kernels.h"
 
@@ -49,26 +57,16 @@ struct bag_ctx {
 	uint32_t prefetch_ids;          /* embd_prefetch_rows(row_bytes) */
 	uint64_t prefetch_bytes;        /* embd_prefetch_row_bytes(row_bytes) */
 	uint64_t prefetch_last;         /* prefetch_end - 1: the last id whose row is prefetched */
-	bool lean;                      /* one pass covers the row, prefetched whole, in lines */
+	bool lean;                      /* one pass covers the row, prefetched whole, in lines:
+					 * the lean loop's */
 };
 
-/* The lean loop's helpers: only the vector variants have that loop. */
-#if defined(__AVX512F__) || defined(__AVX2__)
-/*
- * The row prefetch_ids ahead of id k (clamped to prefetch_last; an id outside the shard
- * prefetches row 0): no branch, for the bag loops that prefetch each line of it between
- * their own loads. row_bytes is c's, given by a caller that knows it as a constant.
- */
-static inline __attribute__((always_inline)) const uint8_t *
-row_ahead(const struct bag_ctx *c, uint64_t k, const uint64_t row_bytes)
-{
-	uint64_t kp = k + c->prefetch_ids < c->prefetch_last ? k + c->prefetch_ids : c->prefetch_last;
-	uint64_t r = (uint64_t)c->ids[kp] - c->row_offset;
-
-	r = r < c->rows ? r : 0;
-	return c->base + r * row_bytes;
-}
-#endif
+/* The lean loop's window: ids copied as rows and checked at a time, and the rows past them
+ * that it prefetches (at most the longest prefetch distance). 8.3 KiB of stack. */
+#define LEAN_WINDOW_IDS 1024
+#define LEAN_WINDOW_PAD EMBD_PREFETCH_IDS_LINE
+_Static_assert(EMBD_PREFETCH_IDS <= LEAN_WINDOW_PAD && EMBD_PREFETCH_IDS_LINE <= LEAN_WINDOW_PAD,
+	       "the window's padding holds every prefetch distance");
 
 /* The bytes [from, + bytes) of the row of id k, clipped to prefetch_bytes and to the row,
  * unless k is past prefetch_end or outside the shard. */
@@ -108,31 +106,15 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
 	return c->base + r * c->row_bytes + c0 * elem_bytes;
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-/* The lean loop's row of id k (NULL when k is outside the shard) and, in *ahead, the row
- * whose lines the loop prefetches between its loads; row_bytes as for row_ahead. */
-static inline __attribute__((always_inline)) const uint8_t *
-lean_row(const struct bag_ctx *c, int64_t k, const uint64_t row_bytes, const uint8_t **ahead)
-{
-	uint64_t r = (uint64_t)c->ids[k] - c->row_offset; /* read once */
-
-	if (r >= c->rows)
-		return NULL;
-	*ahead = row_ahead(c, (uint64_t)k, row_bytes);
-	return c->base + r * row_bytes;
-}
-#endif
-
 /*
- * Pools ids [s, e) into out[0, cols) times scale. Returns -1, or the position of the first id
- * outside the shard (nothing of it was read).
- * The loop holds as constants what it would otherwise read from the context for every id: a
- * lean loop's row is its one pass of whole vectors, so its width is a constant, and the
- * per-id weights' pointer, read once, lets the compiler split the loop on it. With pool_bag
- * inlined into forward_bags, whose context this is, its other fields stay in registers too.
- * Fewer instructions an id let more ids ahead be in flight while a row waits on DRAM: fp16
- * D 32 P 100 went from 1.13-1.18 to 1.00-1.03 ms a batch, .80 to .88 of its limit (Zen 4,
- * docs/benchmarks.md).
+ * The checked loop: pools ids [s, e) into out[0, cols) times scale. Returns -1, or the
+ * position of the first id outside the shard (nothing of it was read).
+ * The loop holds as constants what it would otherwise read from the context for every id: the
+ * per-id weights' pointer, read once, lets the compiler split the loop on it, and with
+ * pool_bag inlined into forward_bags, whose context this is, its other fields stay in
+ * registers too. Fewer instructions an id let more ids ahead be in flight while a row waits
+ * on DRAM (in the lean loop, fp16 D 32 P 100 went from 1.13-1.18 to 1.00-1.03 ms a batch
+ * with its constants, Zen 4, docs/benchmarks.md; the window took it further).
  */
 #if defined(__AVX512F__)
 #define VEC_FLOATS 16
@@ -140,20 +122,17 @@ lean_row(const struct bag_ctx *c, int64_t k, const uint64_t row_bytes, const uin
 
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16, const int whole, const int lean)
+	   float *out, const int nvec, const int fp16, const int whole)
 {
 	__m512 acc[CHUNK_VECS];
 	__mmask16 tail = !whole && (n % VEC_FLOATS) ? (__mmask16)((1u << (n % VEC_FLOATS)) - 1) : 0xffff;
 	uint64_t elem_bytes = fp16 ? 2 : 4;
-	const uint64_t lean_row_bytes = lean ? (uint64_t)nvec * VEC_FLOATS * elem_bytes : 0;
 	const float *const weights = c->weights;
 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = _mm512_setzero_ps();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *ahead = NULL;
-		const uint8_t *row = lean ? lean_row(c, k, lean_row_bytes, &ahead)
-					  : bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
 		__m512 w = _mm512_set1_ps(weights ? weights[k] : 1.0f);
@@ -162,8 +141,6 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 			__m512 x = fp16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + v * 32))
 					: _mm512_maskz_loadu_ps(m, row + v * 64);
 			acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
-			if (lean && (v * (int)elem_bytes * VEC_FLOATS) % 64 == 0)
-				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
 		}
 	}
 	__m512 sv = _mm512_set1_ps(scale);
@@ -171,6 +148,41 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 		_mm512_mask_storeu_ps(out + c0 + v * VEC_FLOATS, v == nvec - 1 ? tail : 0xffff,
 				      _mm512_mul_ps(acc[v], sv));
 	return -1;
+}
+
+/*
+ * The lean loop: adds rows[0, n) (checked rows of the shard, of nvec whole vectors) times
+ * weights[j] (1 unless weighted) to out[0, nvec x 16) and, when finish, multiplies the sums by
+ * scale; resume: out holds the bag's sums so far, unscaled (a bag longer than a window is
+ * pooled in pieces, in the same order). Each of rows[j + dist]'s lines is prefetched after the
+ * load that starts the same line of rows[j]: rows holds n + dist entries.
+ */
+static inline __attribute__((always_inline)) void
+pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
+	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
+	  const int fp16, const int weighted)
+{
+	__m512 acc[CHUNK_VECS];
+	const uint64_t elem_bytes = fp16 ? 2 : 4;
+	const uint64_t row_bytes = (uint64_t)nvec * VEC_FLOATS * elem_bytes;
+
+	for (int v = 0; v < nvec; v++)
+		acc[v] = resume ? _mm512_loadu_ps(out + v * VEC_FLOATS) : _mm512_setzero_ps();
+	for (uint64_t j = 0; j < n; j++) {
+		const uint8_t *row = base + rows[j] * row_bytes;
+		const uint8_t *ahead = base + rows[j + dist] * row_bytes;
+		__m512 w = _mm512_set1_ps(weighted ? weights[j] : 1.0f);
+		for (int v = 0; v < nvec; v++) {
+			__m512 x = fp16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + v * 32)))
+					: _mm512_loadu_ps(row + v * 64);
+			acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
+			if ((v * elem_bytes * VEC_FLOATS) % 64 == 0)
+				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
+		}
+	}
+	__m512 sv = _mm512_set1_ps(scale);
+	for (int v = 0; v < nvec; v++)
+		_mm512_storeu_ps(out + v * VEC_FLOATS, finish ? _mm512_mul_ps(acc[v], sv) : acc[v]);
 }
 #elif defined(__AVX2__)
 #define VEC_FLOATS 8
@@ -194,29 +206,23 @@ static inline __attribute__((always_inline)) __m256 load8(const uint8_t *p, uint
 
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16, const int whole, const int lean)
+	   float *out, const int nvec, const int fp16, const int whole)
 {
 	__m256 acc[CHUNK_VECS];
 	uint32_t tail = whole ? VEC_FLOATS : n - (uint32_t)(nvec - 1) * VEC_FLOATS;
 	uint64_t elem_bytes = fp16 ? 2 : 4;
-	/* constants of the loop, as in the AVX-512 pool_chunk */
-	const uint64_t lean_row_bytes = lean ? (uint64_t)nvec * VEC_FLOATS * elem_bytes : 0;
 	const float *const weights = c->weights;
 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = _mm256_setzero_ps();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *ahead = NULL;
-		const uint8_t *row = lean ? lean_row(c, k, lean_row_bytes, &ahead)
-					  : bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
 		__m256 w = _mm256_set1_ps(weights ? weights[k] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			__m256 x = load8(row + v * VEC_FLOATS * elem_bytes, v == nvec - 1 ? tail : 8, fp16);
 			acc[v] = _mm256_fmadd_ps(w, x, acc[v]);
-			if (lean && (v * (int)elem_bytes * VEC_FLOATS) % 64 == 0)
-				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
 		}
 	}
 	__m256 sv = _mm256_set1_ps(scale);
@@ -232,6 +238,34 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	}
 	return -1;
 }
+
+/* The lean loop, as the AVX-512 one. */
+static inline __attribute__((always_inline)) void
+pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
+	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
+	  const int fp16, const int weighted)
+{
+	__m256 acc[CHUNK_VECS];
+	const uint64_t elem_bytes = fp16 ? 2 : 4;
+	const uint64_t row_bytes = (uint64_t)nvec * VEC_FLOATS * elem_bytes;
+
+	for (int v = 0; v < nvec; v++)
+		acc[v] = resume ? _mm256_loadu_ps(out + v * VEC_FLOATS) : _mm256_setzero_ps();
+	for (uint64_t j = 0; j < n; j++) {
+		const uint8_t *row = base + rows[j] * row_bytes;
+		const uint8_t *ahead = base + rows[j + dist] * row_bytes;
+		__m256 w = _mm256_set1_ps(weighted ? weights[j] : 1.0f);
+		for (int v = 0; v < nvec; v++) {
+			__m256 x = load8(row + v * VEC_FLOATS * elem_bytes, 8, fp16);
+			acc[v] = _mm256_fmadd_ps(w, x, acc[v]);
+			if ((v * elem_bytes * VEC_FLOATS) % 64 == 0)
+				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
+		}
+	}
+	__m256 sv = _mm256_set1_ps(scale);
+	for (int v = 0; v < nvec; v++)
+		_mm256_storeu_ps(out + v * VEC_FLOATS, finish ? _mm256_mul_ps(acc[v], sv) : acc[v]);
+}
 #endif
 
 #ifdef VEC_FLOATS
@@ -243,15 +277,12 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
  */
 #define CHUNK_CASE(N)                                                             \
 	case N:                                                                   \
-		if (n == N * VEC_FLOATS && c->lean)                               \
-			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1, 1) \
-				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1, 1); \
-		else if (n == N * VEC_FLOATS)                                     \
-			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1, 0) \
-				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1, 0); \
+		if (n == N * VEC_FLOATS)                                          \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 1) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 1); \
 		else                                                              \
-			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 0, 0) \
-				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 0, 0); \
+			bad = fp16 ? pool_chunk(c, s, e, c0, n, scale, out, N, 1, 0) \
+				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 0); \
 		break;
 
 _Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 64),
@@ -279,6 +310,107 @@ pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale, f
 			return bad;
 	}
 	return -1;
+}
+
+/* The lean loop's window of a chunk's ids, as rows of the shard. */
+struct lean_window {
+	uint64_t from, to;              /* ids [from, to) are in rows[0, to - from) */
+	bool inside;                    /* all of them inside the shard */
+	uint64_t rows[LEAN_WINDOW_IDS + LEAN_WINDOW_PAD]; /* then the rows they prefetch */
+};
+
+/*
+ * Moves the window to ids [k, k + LEAN_WINDOW_IDS), clipped to the chunk's (prefetch_end);
+ * false when none is left there. The rows past the window are those its last ids prefetch:
+ * the chunk's next ids' (row 0 for one outside the shard; they are checked again in the next
+ * window), past the chunk its last id's, as the checked loop's clamp. Once a window: not
+ * inlined into every lean loop.
+ */
+static __attribute__((noinline)) bool
+move_window(struct lean_window *wnd, const struct bag_ctx *c, uint64_t k)
+{
+	const uint64_t off = c->row_offset, nrows = c->rows;
+	uint64_t to = c->prefetch_end - k < LEAN_WINDOW_IDS ? c->prefetch_end : k + LEAN_WINDOW_IDS;
+	uint64_t outside = 0;
+
+	if (k >= c->prefetch_end)
+		return false;
+	for (uint64_t i = 0; i < to - k; i++) {
+		uint64_t r = (uint64_t)c->ids[k + i] - off; /* read once */
+		wnd->rows[i] = r;
+		outside |= r >= nrows;
+	}
+	for (uint64_t i = 0; i < c->prefetch_ids; i++) {
+		uint64_t at = to + i < c->prefetch_last ? to + i : c->prefetch_last;
+		uint64_t r = (uint64_t)c->ids[at] - off;
+		wnd->rows[to - k + i] = r < nrows ? r : 0;
+	}
+	wnd->from = k;
+	wnd->to = to;
+	wnd->inside = !outside;
+	return true;
+}
+
+/*
+ * Pools bags [b, last) of bt in the lean loop, nvec vectors a row, while their ids lie in
+ * windows that hold only ids inside the shard, and returns the first bag it left to the
+ * checked loop (last when none): one whose offsets are not inside the ids or not where the
+ * chunk was cut, or whose window holds an id outside the shard. Each offset is read once
+ * here; the checked loop reads that bag's again and checks what it reads. A bag longer than
+ * a window is pooled in pieces, its sums kept unscaled in its output row between them.
+ */
+static inline __attribute__((always_inline)) uint32_t
+lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
+	     uint32_t b, uint32_t last, const int nvec, const int fp16, const int weighted)
+{
+	const uint8_t *base = c->base;
+	const uint64_t dist = c->prefetch_ids;
+
+	for (; b < last; b++) {
+		int64_t s = bt->offsets[b], e = bt->offsets[b + 1];
+		if (s < 0 || s > e || (uint64_t)e > bt->num_ids)
+			return b;
+		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
+		float scale = embd_pool_scale(bt->pooling, divisor);
+		float *out = bt->pooled + b * bt->pooled_stride + bt->pooled_col;
+		uint64_t k = (uint64_t)s;
+		do {
+			if ((k < wnd->from || k >= wnd->to) && !move_window(wnd, c, k))
+				return b;
+			if (!wnd->inside)
+				return b;
+			uint64_t stop = (uint64_t)e < wnd->to ? (uint64_t)e : wnd->to;
+			pool_lean(base, wnd->rows + (k - wnd->from), weighted ? c->weights + k : NULL,
+				  stop - k, dist, scale, out, k > (uint64_t)s, stop == (uint64_t)e, nvec,
+				  fp16, weighted);
+			k = stop;
+		} while (k < (uint64_t)e);
+	}
+	return b;
+}
+
+#define LEAN_CASE(N)                                                                              \
+	case N:                                                                                   \
+		if (fp16 && c->weights)                                                           \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1);                        \
+		if (fp16)                                                                         \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 0);                        \
+		if (c->weights)                                                                   \
+			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1);                        \
+		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0);
+
+/* lean_bags_as for the shard's row width, chosen once for a run of bags. */
+static uint32_t lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt,
+			  const struct bag_ctx *c, int fp16, uint32_t b, uint32_t last)
+{
+	switch (c->cols / VEC_FLOATS) {
+	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
+	LEAN_CASE(5) LEAN_CASE(6) LEAN_CASE(7) LEAN_CASE(8)
+#if CHUNK_VECS > 8
+	LEAN_CASE(10) LEAN_CASE(12) LEAN_CASE(14) LEAN_CASE(16)
+#endif
+	}
+	return b;
 }
 #else
 /* The definition itself: pool_row.h on the output row. */
@@ -343,7 +475,17 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 		for (uint64_t k = s; k < s + c.prefetch_ids; k++)
 			prefetch_row(&c, k);
 	}
+#ifdef VEC_FLOATS
+	struct lean_window wnd;
+	wnd.from = wnd.to = 0;
+	wnd.inside = false;
+#endif
 	for (uint32_t b = first; b < last; b++) {
+#ifdef VEC_FLOATS
+		/* the lean loop takes what it can; the bag it stops at (if any) is checked here */
+		if (c.lean && (b = lean_bags(&wnd, bt, &c, fp16, b, last)) == last)
+			break;
+#endif
 		/* each offset is read once: the bag is checked on the values it is run with */
 		int64_t s = bt->offsets[b], e = bt->offsets[b + 1];
 		if (s < 0 || s > e || (uint64_t)e > bt->num_ids)

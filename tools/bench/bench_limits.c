@@ -9,7 +9,9 @@
  *   head of each pass's columns of the row embd_prefetch_rows() ids ahead prefetched as the
  *   kernel does (embd_prefetch_row_bytes: for one pass over a row that beat prefetching all
  *   of it at every size; for rows the kernels' lean loop takes, one line at a time after the
- *   load that starts the same line, the id ahead clamped to the chunk, as they do), chunks of
+ *   load that starts the same line, the id ahead read without a clamp but in the chunk's last
+ *   bags, where it is clamped to the chunk: the kernel reads its rows ahead from a padded
+ *   window, and a clamp on every id was a cost the kernel no longer has), chunks of
  *   ids grabbed from one counter by the same workers; and
  *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
  *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads).
@@ -77,14 +79,25 @@
 	const int64_t *ids = g->ids + b0 * P;                                                     \
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
 		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb, 0);                            \
-	for (uint64_t b = 0; b < b1 - b0; b++) {                                                  \
+	/* the lean loop's bags whose rows ahead all lie in the chunk read them unclamped, as the \
+	 * kernel reads its window's (cpu_kernels.c); only the chunk's last bags clamp */        \
+	uint64_t unclamped = lean && n >= dist ? (n - dist) / P : 0;                              \
+	for (uint64_t b = 0; b < unclamped; b++)                                                  \
+		GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, 0)                          \
+	for (uint64_t b = unclamped; b < b1 - b0; b++)                                            \
+		GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, 1)                          \
+	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
+
+/* GATHER_BAGS' bag b, each row ahead's id clamped to the chunk's when CLAMP */
+#define GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP)                              \
+	{                                                                                         \
 		uint8_t *out = g->out + (b0 + b) * g->out_row_bytes;                              \
 		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {              \
 			VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                            \
 			for (uint64_t k = b * P; k < (b + 1) * P; k++) {                          \
 				const uint8_t *ahead = t;                                         \
 				if (lean)                                                         \
-					ahead += (uint64_t)ids[k + dist < n ? k + dist : n - 1] * rb; \
+					ahead += (uint64_t)ids[!(CLAMP) || k + dist < n ? k + dist : n - 1] * rb; \
 				else if (k + dist < n)                                            \
 					embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf, 0); \
 				const uint8_t *row = t + (uint64_t)ids[k] * rb + from;            \
@@ -97,8 +110,7 @@
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec * out_mul; v++)    \
 				VSTORE(out + (uint64_t)v * VBYTES, acc[v & 3]);                   \
 		}                                                                                 \
-	}                                                                                         \
-	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
+	}
 
 #define LOAD512(p) _mm512_loadu_si512(p)
 #define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)

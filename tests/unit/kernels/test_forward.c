@@ -259,6 +259,65 @@ Test(kernels_forward, many_chunks_of_short_bags)
 	check_unsharded(&r, 50000, 129, EMBD_DTYPE_FP32, 3333, 1, true, EMBD_POOLING_MEAN);
 }
 
+/*
+ * Bags longer than the lean loop's window of ids (1024: cpu_kernels.c) are pooled a window at a
+ * time, their sums carried in the output row between windows: still equal to the reference,
+ * for fp16 and fp32 rows the lean loop takes, plain and weighted, summed and averaged.
+ */
+Test(kernels_forward, bags_longer_than_a_window, .timeout = 60)
+{
+	struct trng r = { 10 };
+	check_unsharded(&r, 20000, 32, EMBD_DTYPE_FP16, 9, 3000, true, EMBD_POOLING_MEAN);
+	check_unsharded(&r, 20000, 64, EMBD_DTYPE_FP16, 7, 2500, false, EMBD_POOLING_SUM);
+	check_unsharded(&r, 20000, 16, EMBD_DTYPE_FP32, 9, 3000, false, EMBD_POOLING_MEAN);
+	check_unsharded(&r, 20000, 128, EMBD_DTYPE_FP32, 5, 2100, true, EMBD_POOLING_SUM);
+}
+
+/*
+ * An id outside the shard in the second window of a long bag, and one just past a window's end
+ * (among the ids that window's last rows prefetch), on every isa: the bag that holds it is
+ * named, with the id, whatever window it falls in.
+ */
+Test(kernels_forward, out_of_range_id_past_a_window)
+{
+	const int64_t rows = 5000;
+	struct embd_ref_table *ref = embd_ref_table_create(4, rows, 16, EMBD_DTYPE_FP32, &sgd, 2);
+	struct embd_shard *s = tshard(ref, 2, 0, rows, 0, 16);
+	/* bag 1: ids [1500, 4000), its second window from 2524; bag 2 starts at 4000 */
+	static const struct { uint64_t at; uint32_t sample; } cases[] = {
+		{ 3000, 1 }, { 1024 + 3, 0 }, { 4000 + 2, 2 }, { 5999, 3 },
+	};
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	int64_t offsets[5] = { 0, 1500, 4000, 4100, 6000 };
+	int64_t *ids = malloc(6000 * sizeof(*ids));
+	float *out = malloc(4 * 16 * sizeof(float));
+	struct trng r = { 11 };
+
+	for (int i = 0; i < nisa; i++) {
+		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+			for (int k = 0; k < 6000; k++)
+				ids[k] = (int64_t)trng_below(&r, (uint64_t)rows);
+			ids[cases[c].at] = rows + 7;
+			struct tbags t = { .batch_size = 4, .offsets = offsets, .ids = ids, .num_ids = 6000 };
+			struct embd_exec ex = { .isa = isas[i] };
+			struct embd_kernel_err err = { 0 };
+			int rc = run_forward(&ex, s, &t, EMBD_POOLING_SUM, NULL, out, 16, 0, &err);
+			cr_assert_eq(rc, EMBD_ERANGE, "%s id at %llu: expected EMBD_ERANGE, got %d",
+				     embd_kernels_isa_name(isas[i]), (unsigned long long)cases[c].at, rc);
+			cr_expect_eq(err.sample, cases[c].sample, "%s id at %llu: sample %lld, expected %u",
+				     embd_kernels_isa_name(isas[i]), (unsigned long long)cases[c].at,
+				     (long long)err.sample, cases[c].sample);
+			cr_expect_eq(err.id, rows + 7, "id: expected %lld, got %lld", (long long)(rows + 7),
+				     (long long)err.id);
+		}
+	}
+	free(out);
+	free(ids);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
 /* An id out of range in a late chunk, with 3 workers: the first bad sample is reported. */
 Test(kernels_forward, out_of_range_id_in_a_late_chunk)
 {
