@@ -316,6 +316,7 @@ pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale, f
 struct lean_window {
 	uint64_t from, to;              /* ids [from, to) are in rows[0, to - from) */
 	bool inside;                    /* all of them inside the shard */
+	bool placed;                    /* from and to are set */
 	uint64_t rows[LEAN_WINDOW_IDS + LEAN_WINDOW_PAD]; /* then the rows they prefetch */
 };
 
@@ -348,16 +349,20 @@ move_window(struct lean_window *wnd, const struct bag_ctx *c, uint64_t k)
 	wnd->from = k;
 	wnd->to = to;
 	wnd->inside = !outside;
+	wnd->placed = true;
 	return true;
 }
 
 /*
  * Pools bags [b, last) of bt in the lean loop, nvec vectors a row, while their ids lie in
  * windows that hold only ids inside the shard, and returns the first bag it left to the
- * checked loop (last when none): one whose offsets are not inside the ids or not where the
- * chunk was cut, or whose window holds an id outside the shard. Each offset is read once
- * here; the checked loop reads that bag's again and checks what it reads. A bag longer than
- * a window is pooled in pieces, its sums kept unscaled in its output row between them.
+ * checked loop (last when none): one whose offsets are not inside the ids, not where the
+ * chunk was cut or not where the last bag ended, or whose window holds an id outside the
+ * shard. Each offset is read once here; the checked loop reads that bag's again and checks
+ * what it reads. A bag longer than a window is pooled in pieces, its sums kept unscaled in
+ * its output row between them. Bags whose offsets follow on from each other only ever need
+ * the window moved to where it ends; offsets changed under the loop to jump about would
+ * otherwise have each one-id bag copy a whole window.
  */
 static inline __attribute__((always_inline)) uint32_t
 lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
@@ -375,7 +380,8 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 		float *out = bt->pooled + b * bt->pooled_stride + bt->pooled_col;
 		uint64_t k = (uint64_t)s;
 		do {
-			if ((k < wnd->from || k >= wnd->to) && !move_window(wnd, c, k))
+			if ((k < wnd->from || k >= wnd->to) &&
+			    ((wnd->placed && k != wnd->to) || !move_window(wnd, c, k)))
 				return b;
 			if (!wnd->inside)
 				return b;
@@ -478,12 +484,15 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 #ifdef VEC_FLOATS
 	struct lean_window wnd;
 	wnd.from = wnd.to = 0;
-	wnd.inside = false;
+	wnd.inside = wnd.placed = false;
+	/* a copy: c's address never leaves this function, so its fields stay in registers
+	 * across the checked loop's stores */
+	const struct bag_ctx lean_ctx = c;
 #endif
 	for (uint32_t b = first; b < last; b++) {
 #ifdef VEC_FLOATS
 		/* the lean loop takes what it can; the bag it stops at (if any) is checked here */
-		if (c.lean && (b = lean_bags(&wnd, bt, &c, fp16, b, last)) == last)
+		if (c.lean && (b = lean_bags(&wnd, bt, &lean_ctx, fp16, b, last)) == last)
 			break;
 #endif
 		/* each offset is read once: the bag is checked on the values it is run with */

@@ -11,7 +11,9 @@
  *   of it at every size; for rows the kernels' lean loop takes, one line at a time after the
  *   load that starts the same line, the id ahead read without a clamp but in the chunk's last
  *   bags, where it is clamped to the chunk: the kernel reads its rows ahead from a padded
- *   window, and a clamp on every id was a cost the kernel no longer has), chunks of
+ *   window, and a clamp on every id was a cost the kernel no longer has; the last bags'
+ *   compare and move, on the 2-3% of ids whose row ahead would pass the chunk's end (P 1 to
+ *   100), are left in as a fraction of a percent of the limit's instructions), chunks of
  *   ids grabbed from one counter by the same workers; and
  *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
  *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads).

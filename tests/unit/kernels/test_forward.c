@@ -31,23 +31,23 @@ static int run_forward(const struct embd_exec *ex, const struct embd_shard *s, c
 	return embd_kernels_forward(ex, &bt, 1, err);
 }
 
-/* One random case on every ISA and with 1 and 3 workers: kernel == reference exactly. */
-static void check_unsharded(struct trng *r, int64_t rows, uint32_t dim, enum embd_data_type dtype,
-			    uint32_t batch, uint32_t max_len, bool weighted, enum embd_pooling pooling)
+/* The bags t over one unsplit shard, on every ISA and with 1 and 3 workers: kernel ==
+ * reference exactly. */
+static void check_bags(const struct tbags *t, int64_t rows, uint32_t dim, enum embd_data_type dtype,
+		       bool weighted, enum embd_pooling pooling)
 {
 	struct embd_ref_table *ref = embd_ref_table_create(3, rows, dim, dtype, &sgd, 11);
 	struct embd_shard *s = tshard(ref, 11, 0, rows, 0, dim);
-	struct tbags t;
+	const uint32_t batch = t->batch_size;
 	enum embd_isa isas[3];
 	int nisa = tisas(isas);
 	struct embd_workers *three;
 	char msg[128];
 
 	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
-	tbags_random(&t, r, batch, max_len, 10, rows, 20, weighted);
 	float *expected = malloc((uint64_t)batch * dim * sizeof(float) + 4);
 	float *got = malloc((uint64_t)batch * dim * sizeof(float) + 4);
-	struct embd_ref_bags rb = { batch, t.lengths, t.ids, t.weights, pooling, NULL, 0 };
+	struct embd_ref_bags rb = { batch, t->lengths, t->ids, t->weights, pooling, NULL, 0 };
 	embd_ref_forward(ref, &rb, expected);
 
 	for (int i = 0; i < nisa; i++) {
@@ -55,7 +55,7 @@ static void check_unsharded(struct trng *r, int64_t rows, uint32_t dim, enum emb
 			struct embd_exec ex = { .workers = nw ? three : NULL, .isa = isas[i] };
 			struct embd_kernel_err err;
 			memset(got, 0xff, (uint64_t)batch * dim * sizeof(float));
-			int rc = run_forward(&ex, s, &t, pooling, NULL, got, dim, 0, &err);
+			int rc = run_forward(&ex, s, t, pooling, NULL, got, dim, 0, &err);
 			cr_assert_eq(rc, 0, "%s: rc %d %s", embd_kernels_isa_name(isas[i]), rc, err.msg);
 			snprintf(msg, sizeof(msg), "%s %s dim %u B %u %s %s workers %d",
 				 embd_kernels_isa_name(isas[i]), dtype ? "fp16" : "fp32", dim, batch,
@@ -65,10 +65,20 @@ static void check_unsharded(struct trng *r, int64_t rows, uint32_t dim, enum emb
 	}
 	free(expected);
 	free(got);
-	tbags_free(&t);
 	embd_workers_destroy(three);
 	embd_shard_destroy(s);
 	embd_ref_table_destroy(ref);
+}
+
+/* One random case on every ISA and with 1 and 3 workers: kernel == reference exactly. */
+static void check_unsharded(struct trng *r, int64_t rows, uint32_t dim, enum embd_data_type dtype,
+			    uint32_t batch, uint32_t max_len, bool weighted, enum embd_pooling pooling)
+{
+	struct tbags t;
+
+	tbags_random(&t, r, batch, max_len, 10, rows, 20, weighted);
+	check_bags(&t, rows, dim, dtype, weighted, pooling);
+	tbags_free(&t);
 }
 
 Test(kernels_forward, random_shapes_equal_reference)
@@ -266,11 +276,40 @@ Test(kernels_forward, many_chunks_of_short_bags)
  */
 Test(kernels_forward, bags_longer_than_a_window, .timeout = 60)
 {
+	/* 600 bags, every 37th 1024-3100 ids long (some ending on a window's edge), the rest
+	 * 0-30: the forward's chunks (about 1024 ids, at least 32 bags) start and end inside long
+	 * bags' neighbours, and each long bag spans two to four windows */
+	static const uint32_t long_len[] = { 1024, 1025, 2048, 3100, 1500, 2047 };
 	struct trng r = { 10 };
-	check_unsharded(&r, 20000, 32, EMBD_DTYPE_FP16, 9, 3000, true, EMBD_POOLING_MEAN);
-	check_unsharded(&r, 20000, 64, EMBD_DTYPE_FP16, 7, 2500, false, EMBD_POOLING_SUM);
-	check_unsharded(&r, 20000, 16, EMBD_DTYPE_FP32, 9, 3000, false, EMBD_POOLING_MEAN);
-	check_unsharded(&r, 20000, 128, EMBD_DTYPE_FP32, 5, 2100, true, EMBD_POOLING_SUM);
+	const int64_t rows = 20000;
+	struct tbags t;
+
+	for (int shape = 0; shape < 4; shape++) {
+		static const uint32_t dims[] = { 32, 64, 16, 128 };
+		bool fp16 = shape < 2, weighted = shape % 2 == 0;
+		tbags_random(&t, &r, 600, 30, 10, rows, 20, weighted);
+		for (uint32_t b = 0, n = 0; b < t.batch_size; b += 37, n++)
+			t.lengths[b] = (int32_t)long_len[n % (sizeof(long_len) / sizeof(long_len[0]))];
+		t.num_ids = 0;
+		for (uint32_t b = 0; b < t.batch_size; b++) {
+			t.offsets[b] = (int64_t)t.num_ids;
+			t.num_ids += (uint64_t)t.lengths[b];
+		}
+		t.offsets[t.batch_size] = (int64_t)t.num_ids;
+		t.ids = realloc(t.ids, t.num_ids * sizeof(*t.ids));
+		cr_assert(t.ids);
+		for (uint64_t k = 0; k < t.num_ids; k++)
+			t.ids[k] = (int64_t)trng_below(&r, (uint64_t)rows);
+		if (weighted) {
+			t.weights = realloc(t.weights, t.num_ids * sizeof(float));
+			cr_assert(t.weights);
+			for (uint64_t k = 0; k < t.num_ids; k++)
+				t.weights[k] = trng_float(&r, -1.5f, 1.5f);
+		}
+		check_bags(&t, rows, dims[shape], fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32, weighted,
+			   shape % 3 == 0 ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM);
+		tbags_free(&t);
+	}
 }
 
 /*
@@ -283,7 +322,8 @@ Test(kernels_forward, out_of_range_id_past_a_window)
 	const int64_t rows = 5000;
 	struct embd_ref_table *ref = embd_ref_table_create(4, rows, 16, EMBD_DTYPE_FP32, &sgd, 2);
 	struct embd_shard *s = tshard(ref, 2, 0, rows, 0, 16);
-	/* bag 1: ids [1500, 4000), its second window from 2524; bag 2 starts at 4000 */
+	/* windows of the one chunk: [0, 1024), [1024, 2048), ..., [5120, 6000); bag 0 is ids
+	 * [0, 1500), bag 1 [1500, 4000), bag 2 [4000, 4100), bag 3 [4100, 6000) */
 	static const struct { uint64_t at; uint32_t sample; } cases[] = {
 		{ 3000, 1 }, { 1024 + 3, 0 }, { 4000 + 2, 2 }, { 5999, 3 },
 	};
