@@ -27,9 +27,11 @@
  * bucket, sorts each chunk of buckets as a worker takes it, so that the sort overlaps the
  * prefetches of rows it applies.
  */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "common/clock.h"
 #include "kernels/cpu_kernels.h"
@@ -57,6 +59,85 @@ struct embd_backward_prep {
 	struct embd_occ *occ;           /* id_base[n], the radix sort's other half; NULL once sorted */
 	bool sorted;
 };
+
+/*
+ * The occurrence arrays (two a prep, ~16 bytes an id) come from a small pool of buffers kept
+ * between calls, 2 MiB aligned and advised for transparent huge pages, each one's data starting
+ * at its own few lines past the head. Fresh malloc'd arrays every call left the phases over them
+ * at the mercy of where the heap's pages lay: on the Zen 4 VM, with two workers, collect took
+ * 250-290 us a call in about half the processes against 50-60 us in the rest (sgd D 64 P 20),
+ * with the cores at full speed; with the pool a slow collect in 3 of 18 runs against 10 of
+ * 18, and sgd/64 read .887 of its limit at the median against .684, rowwise_adagrad/64 .844
+ * against .671 (docs/benchmarks.md, 2026-12-05). Two arrays both at the head of their 2 MiB
+ * fell in the same cache sets and scattered between them 2.5x slower, hence the offsets.
+ */
+#define OCC_BUF_ALIGN ((size_t)2 << 20)
+#define OCC_BUF_KEEP 8                          /* buffers the pool keeps ... */
+#define OCC_BUF_KEEP_BYTES ((size_t)64 << 20)   /* ... and bytes, at most */
+
+struct occ_buf_head {                            /* the 64 bytes before a buffer's data */
+	void *base;                             /* what aligned_alloc returned */
+	size_t cap;                             /* bytes of data */
+	size_t bytes;                           /* of the allocation */
+};
+
+static pthread_mutex_t occ_pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct occ_buf_head *occ_pool[OCC_BUF_KEEP];
+static size_t occ_pool_bytes;
+static unsigned occ_buf_made;
+
+/* A buffer of at least bytes for occurrences, or NULL. */
+static void *occ_buf_get(size_t bytes)
+{
+	struct occ_buf_head *h = NULL;
+	int best = -1;
+
+	pthread_mutex_lock(&occ_pool_lock);
+	for (int i = 0; i < OCC_BUF_KEEP; i++)
+		if (occ_pool[i] && occ_pool[i]->cap >= bytes &&
+		    (best < 0 || occ_pool[i]->cap < occ_pool[best]->cap))
+			best = i;
+	if (best >= 0) {
+		h = occ_pool[best];
+		occ_pool[best] = NULL;
+		occ_pool_bytes -= h->bytes;
+	}
+	unsigned k = occ_buf_made++ % 4;
+	pthread_mutex_unlock(&occ_pool_lock);
+	if (h)
+		return (uint8_t *)h + sizeof(*h) + (64 - sizeof(*h));
+
+	/* the data k x 66 + 1 lines past the head: no two buffers in the same sets */
+	size_t off = ((size_t)k * 66 + 1) * 64;
+	size_t total = (off + bytes + OCC_BUF_ALIGN - 1) / OCC_BUF_ALIGN * OCC_BUF_ALIGN;
+	uint8_t *base = aligned_alloc(OCC_BUF_ALIGN, total);
+	if (!base)
+		return NULL;
+	(void)madvise(base, total, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+	h = (struct occ_buf_head *)(base + off - 64);
+	*h = (struct occ_buf_head){ .base = base, .cap = total - off, .bytes = total };
+	return base + off;
+}
+
+/* Gives a buffer of occ_buf_get back (NULL: nothing). */
+static void occ_buf_put(void *data)
+{
+	if (!data)
+		return;
+	struct occ_buf_head *h = (struct occ_buf_head *)((uint8_t *)data - 64);
+
+	pthread_mutex_lock(&occ_pool_lock);
+	for (int i = 0; i < OCC_BUF_KEEP; i++)
+		if (!occ_pool[i] && occ_pool_bytes + h->bytes <= OCC_BUF_KEEP_BYTES) {
+			occ_pool[i] = h;
+			occ_pool_bytes += h->bytes;
+			h = NULL;
+			break;
+		}
+	pthread_mutex_unlock(&occ_pool_lock);
+	if (h)
+		free(h->base);
+}
 
 /* Phases 1-3 (and 4's sort when the prep is shared): the batches' occurrences into prep. */
 struct prep_job {
@@ -397,8 +478,8 @@ void embd_backward_prep_free(struct embd_backward_prep *p)
 {
 	if (!p)
 		return;
-	free(p->occ);
-	free(p->bucketed);
+	occ_buf_put(p->occ);
+	occ_buf_put(p->bucketed);
 	free(p->bag_base);
 	free(p);
 }
@@ -438,8 +519,8 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 		};
 		p->bag_base = malloc((2 * ((uint64_t)n + 1) + p->num_buckets + 1) *
 				     sizeof(*p->bag_base));
-		p->occ = malloc((num_occ ? num_occ : 1) * sizeof(*p->occ));
-		p->bucketed = malloc((num_occ ? num_occ : 1) * sizeof(*p->bucketed));
+		p->occ = occ_buf_get((num_occ ? num_occ : 1) * sizeof(*p->occ));
+		p->bucketed = occ_buf_get((num_occ ? num_occ : 1) * sizeof(*p->bucketed));
 		/* off_base (n + 1), occ_range (nw x 2), hist (nw x num_buckets), and hist_low
 		 * (nw x 2^shift) when the buckets are sorted by one pass over the whole batch */
 		lsd = p->shift > 0 && p->shift <= LOW_BITS_MAX && num_occ >= (uint64_t)1 << p->shift;
@@ -531,14 +612,14 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	t = phase_done(t, &ph->scatter_ns);
 
 	if (lsd) {
-		free(p->occ);
+		occ_buf_put(p->occ);
 		p->occ = NULL;
 		p->sorted = true;
 	} else if (sort) {
 		job.chunk_buckets = chunk_buckets(p, job.nw);
 		atomic_init(&job.next_bucket, 0);
 		embd_workers_run(workers, sort_worker, &job);
-		free(p->occ);
+		occ_buf_put(p->occ);
 		p->occ = NULL;
 		p->sorted = true;
 		phase_done(t, &ph->sort_ns);
