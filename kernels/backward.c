@@ -62,39 +62,55 @@ struct embd_backward_prep {
 
 /*
  * The occurrence arrays (two a prep, ~16 bytes an id) come from a small pool of buffers kept
- * between calls, 2 MiB aligned and advised for transparent huge pages, each one's data starting
- * at its own few lines past the head. Fresh malloc'd arrays every call left the phases over them
- * at the mercy of where the heap's pages lay: on the Zen 4 VM, with two workers, collect took
- * 250-290 us a call in about half the processes against 50-60 us in the rest (sgd D 64 P 20),
- * with the cores at full speed; with the pool a slow collect in 3 of 18 runs against 10 of
- * 18, and sgd/64 read .887 of its limit at the median against .684, rowwise_adagrad/64 .844
- * against .671 (docs/benchmarks.md, 2026-12-05). Two arrays both at the head of their 2 MiB
- * fell in the same cache sets and scattered between them 2.5x slower, hence the offsets.
+ * between calls, 2 MiB aligned and advised for transparent huge pages. Fresh malloc'd arrays
+ * every call left the phases over them at the mercy of where the heap's pages lay: on the Zen 4
+ * VM, with two workers, collect took 250-290 us a call in about half the processes against
+ * 50-60 us in the rest (sgd D 64 P 20), with the cores at full speed; with the pool a slow
+ * collect in 3 of 18 runs against 10 of 18, and sgd/64 read .887 of its limit at the median
+ * against .684, rowwise_adagrad/64 .844 against .671 (2026-12-05, docs/benchmarks.md). Two
+ * arrays both at the start of their 2 MiB fell in the same cache sets and scattered between
+ * them 2.5x slower, so a prep's first and second array come from two classes of buffer whose
+ * data start at different lines. The pool is one for the process: ranks on other NUMA nodes
+ * may get a buffer first touched on another (not measured; the VM has one node). Under
+ * AddressSanitizer the arrays are plain malloc, so that it sees their exact bounds.
  */
+#if defined(__SANITIZE_ADDRESS__)
+#define OCC_BUF_POOL 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define OCC_BUF_POOL 0
+#endif
+#endif
+#ifndef OCC_BUF_POOL
+#define OCC_BUF_POOL 1
+#endif
 #define OCC_BUF_ALIGN ((size_t)2 << 20)
 #define OCC_BUF_KEEP 8                          /* buffers the pool keeps ... */
-#define OCC_BUF_KEEP_BYTES ((size_t)64 << 20)   /* ... and bytes, at most */
+#define OCC_BUF_KEEP_BYTES ((size_t)128 << 20)  /* ... and bytes, at most */
 
 struct occ_buf_head {                            /* the 64 bytes before a buffer's data */
 	void *base;                             /* what aligned_alloc returned */
 	size_t cap;                             /* bytes of data */
 	size_t bytes;                           /* of the allocation */
+	int cls;                                /* 0 or 1: where its data starts */
 };
 
 static pthread_mutex_t occ_pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct occ_buf_head *occ_pool[OCC_BUF_KEEP];
 static size_t occ_pool_bytes;
-static unsigned occ_buf_made;
 
-/* A buffer of at least bytes for occurrences, or NULL. */
-static void *occ_buf_get(size_t bytes)
+/* A buffer of class cls (0 or 1) of at least bytes for occurrences, or NULL. */
+static void *occ_buf_get(size_t bytes, int cls)
 {
+	if (!OCC_BUF_POOL)
+		return malloc(bytes ? bytes : 1);
+
 	struct occ_buf_head *h = NULL;
 	int best = -1;
 
 	pthread_mutex_lock(&occ_pool_lock);
 	for (int i = 0; i < OCC_BUF_KEEP; i++)
-		if (occ_pool[i] && occ_pool[i]->cap >= bytes &&
+		if (occ_pool[i] && occ_pool[i]->cls == cls && occ_pool[i]->cap >= bytes &&
 		    (best < 0 || occ_pool[i]->cap < occ_pool[best]->cap))
 			best = i;
 	if (best >= 0) {
@@ -102,39 +118,64 @@ static void *occ_buf_get(size_t bytes)
 		occ_pool[best] = NULL;
 		occ_pool_bytes -= h->bytes;
 	}
-	unsigned k = occ_buf_made++ % 4;
 	pthread_mutex_unlock(&occ_pool_lock);
 	if (h)
-		return (uint8_t *)h + sizeof(*h) + (64 - sizeof(*h));
+		return (uint8_t *)h + 64;
 
-	/* the data k x 66 + 1 lines past the head: no two buffers in the same sets */
-	size_t off = ((size_t)k * 66 + 1) * 64;
+	/* the data 1 line (class 0) or 67 lines (class 1) past the 2 MiB boundary, the head in
+	 * the line before it */
+	size_t off = ((size_t)cls * 66 + 1) * 64;
+	if (bytes > SIZE_MAX - off - OCC_BUF_ALIGN)
+		return NULL;
 	size_t total = (off + bytes + OCC_BUF_ALIGN - 1) / OCC_BUF_ALIGN * OCC_BUF_ALIGN;
 	uint8_t *base = aligned_alloc(OCC_BUF_ALIGN, total);
 	if (!base)
 		return NULL;
 	(void)madvise(base, total, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
 	h = (struct occ_buf_head *)(base + off - 64);
-	*h = (struct occ_buf_head){ .base = base, .cap = total - off, .bytes = total };
+	*h = (struct occ_buf_head){ .base = base, .cap = total - off, .bytes = total, .cls = cls };
 	return base + off;
 }
 
-/* Gives a buffer of occ_buf_get back (NULL: nothing). */
+/*
+ * Gives a buffer of occ_buf_get back (NULL: nothing). A full pool makes room for a larger
+ * buffer by freeing smaller ones, so that the sizes a process keeps asking for stay pooled.
+ */
 static void occ_buf_put(void *data)
 {
-	if (!data)
+	if (!OCC_BUF_POOL || !data) {
+		free(data);
 		return;
+	}
 	struct occ_buf_head *h = (struct occ_buf_head *)((uint8_t *)data - 64);
+	void *evicted[OCC_BUF_KEEP];
+	int n_evicted = 0;
 
 	pthread_mutex_lock(&occ_pool_lock);
-	for (int i = 0; i < OCC_BUF_KEEP; i++)
-		if (!occ_pool[i] && occ_pool_bytes + h->bytes <= OCC_BUF_KEEP_BYTES) {
-			occ_pool[i] = h;
+	for (;;) {
+		int slot = -1, smallest = -1;
+		for (int i = 0; i < OCC_BUF_KEEP; i++) {
+			if (!occ_pool[i])
+				slot = slot < 0 ? i : slot;
+			else if (occ_pool[i]->bytes < h->bytes &&
+				 (smallest < 0 || occ_pool[i]->bytes < occ_pool[smallest]->bytes))
+				smallest = i;
+		}
+		if (slot >= 0 && occ_pool_bytes + h->bytes <= OCC_BUF_KEEP_BYTES) {
+			occ_pool[slot] = h;
 			occ_pool_bytes += h->bytes;
 			h = NULL;
 			break;
 		}
+		if (smallest < 0 || h->bytes > OCC_BUF_KEEP_BYTES)
+			break;
+		evicted[n_evicted++] = occ_pool[smallest]->base;
+		occ_pool_bytes -= occ_pool[smallest]->bytes;
+		occ_pool[smallest] = NULL;
+	}
 	pthread_mutex_unlock(&occ_pool_lock);
+	for (int i = 0; i < n_evicted; i++)
+		free(evicted[i]);
 	if (h)
 		free(h->base);
 }
@@ -519,8 +560,10 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 		};
 		p->bag_base = malloc((2 * ((uint64_t)n + 1) + p->num_buckets + 1) *
 				     sizeof(*p->bag_base));
-		p->occ = occ_buf_get((num_occ ? num_occ : 1) * sizeof(*p->occ));
-		p->bucketed = occ_buf_get((num_occ ? num_occ : 1) * sizeof(*p->bucketed));
+		/* an impossible count fails here, not in the multiplication */
+		bool fits = num_occ <= SIZE_MAX / 2 / sizeof(*p->occ);
+		p->occ = fits ? occ_buf_get(num_occ * sizeof(*p->occ), 0) : NULL;
+		p->bucketed = fits ? occ_buf_get(num_occ * sizeof(*p->bucketed), 1) : NULL;
 		/* off_base (n + 1), occ_range (nw x 2), hist (nw x num_buckets), and hist_low
 		 * (nw x 2^shift) when the buckets are sorted by one pass over the whole batch */
 		lsd = p->shift > 0 && p->shift <= LOW_BITS_MAX && num_occ >= (uint64_t)1 << p->shift;
