@@ -68,6 +68,21 @@ struct bag_ctx {
 _Static_assert(EMBD_PREFETCH_IDS <= LEAN_WINDOW_PAD && EMBD_PREFETCH_IDS_LINE <= LEAN_WINDOW_PAD,
 	       "the window's padding holds every prefetch distance");
 
+/* Whether a bag's offsets [s, e), as read, lie inside the batch's ids (the checked and the
+ * lean loop check them alike). */
+static inline bool bag_inside(const struct embd_bag_batch *bt, int64_t s, int64_t e)
+{
+	return s >= 0 && s <= e && (uint64_t)e <= bt->num_ids;
+}
+
+/* Bag b's pooled output row and, in *scale, what its sums are multiplied by. */
+static inline float *bag_out(const struct embd_bag_batch *bt, uint32_t b, int64_t s, int64_t e,
+			     float *scale)
+{
+	*scale = embd_pool_scale(bt->pooling, bt->mean_lengths ? bt->mean_lengths[b] : e - s);
+	return bt->pooled + b * bt->pooled_stride + bt->pooled_col;
+}
+
 /* The bytes [from, + bytes) of the row of id k, clipped to prefetch_bytes and to the row,
  * unless k is past prefetch_end or outside the shard. */
 static inline __attribute__((always_inline)) void
@@ -373,11 +388,10 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 
 	for (; b < last; b++) {
 		int64_t s = bt->offsets[b], e = bt->offsets[b + 1];
-		if (s < 0 || s > e || (uint64_t)e > bt->num_ids)
+		if (!bag_inside(bt, s, e))
 			return b;
-		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
-		float scale = embd_pool_scale(bt->pooling, divisor);
-		float *out = bt->pooled + b * bt->pooled_stride + bt->pooled_col;
+		float scale;
+		float *out = bag_out(bt, b, s, e, &scale);
 		uint64_t k = (uint64_t)s;
 		do {
 			if ((k < wnd->from || k >= wnd->to) &&
@@ -497,14 +511,13 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 #endif
 		/* each offset is read once: the bag is checked on the values it is run with */
 		int64_t s = bt->offsets[b], e = bt->offsets[b + 1];
-		if (s < 0 || s > e || (uint64_t)e > bt->num_ids)
+		if (!bag_inside(bt, s, e))
 			return embd_kernel_fail(err, EMBD_EINVAL, bt->feature, b, s,
 						"feature %u sample %u: offsets [%lld, %lld) not inside the %llu ids",
 						bt->feature, b, (long long)s, (long long)e,
 						(unsigned long long)bt->num_ids);
-		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
-		float scale = embd_pool_scale(bt->pooling, divisor);
-		float *out = bt->pooled + b * bt->pooled_stride + bt->pooled_col;
+		float scale;
+		float *out = bag_out(bt, b, s, e, &scale);
 		int64_t bad = pool_bag(&c, fp16, s, e, scale, out);
 		if (bad >= 0) {
 			int64_t id = bt->ids[bad];
