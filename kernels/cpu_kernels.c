@@ -122,6 +122,100 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
 }
 
 /*
+ * The vector operations the loops below are written in, so that each loop is written once for
+ * both instruction sets: VEC_OP names an intrinsic of the variant's width, and the loads and
+ * stores of a row's part vector (n_valid < VEC_FLOATS: a pass's last columns), which read and
+ * write only where it lies, the rest read as zero, are written for each.
+ */
+#if defined(__AVX512F__)
+#define VEC_FLOATS 16
+#define CHUNK_VECS 16                   /* 256 columns per pass: 16 of the 32 zmm registers */
+typedef __m512 vecf;
+#define VEC_OP(op) _mm512_##op
+
+/* 16 fp16 elements at p, widened. */
+static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p)
+{
+	return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* The first n_valid (< 16) floats of a row at p (fp16 or fp32 elements), the rest zero. */
+static inline __attribute__((always_inline)) vecf vec_load_part(const uint8_t *p, uint32_t n_valid,
+								const int fp16)
+{
+	__mmask16 m = (__mmask16)((1u << n_valid) - 1);
+	return fp16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)) : _mm512_maskz_loadu_ps(m, p);
+}
+
+/* x's first n_valid (< 16) floats to p. */
+static inline __attribute__((always_inline)) void vec_store_part(float *p, vecf x, uint32_t n_valid)
+{
+	_mm512_mask_storeu_ps(p, (__mmask16)((1u << n_valid) - 1), x);
+}
+#elif defined(__AVX2__)
+#define VEC_FLOATS 8
+#define CHUNK_VECS 8                    /* 64 columns per pass: half of the 16 ymm registers */
+typedef __m256 vecf;
+#define VEC_OP(op) _mm256_##op
+
+/* 8 fp16 elements at p, widened. */
+static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p)
+{
+	return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* The first n_valid (< 8) floats of a row at p (fp16 or fp32 elements), the rest zero. AVX2
+ * has no masked 16-bit load: fp16 elements go through the stack. */
+static inline __attribute__((always_inline)) vecf vec_load_part(const uint8_t *p, uint32_t n_valid,
+								const int fp16)
+{
+	if (fp16) {
+		uint16_t tmp[VEC_FLOATS] = { 0 };
+		memcpy(tmp, p, n_valid * 2);
+		return vec_load_fp16((const uint8_t *)tmp);
+	}
+	__m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+	__m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n_valid), idx);
+	return _mm256_maskload_ps((const float *)p, mask);
+}
+
+/* x's first n_valid (< 8) floats to p. */
+static inline __attribute__((always_inline)) void vec_store_part(float *p, vecf x, uint32_t n_valid)
+{
+	float tmp[VEC_FLOATS];
+	_mm256_storeu_ps(tmp, x);
+	memcpy(p, tmp, n_valid * sizeof(float));
+}
+#endif
+
+#ifdef VEC_FLOATS
+static inline __attribute__((always_inline)) vecf vec_zero(void) { return VEC_OP(setzero_ps)(); }
+static inline __attribute__((always_inline)) vecf vec_set1(float x) { return VEC_OP(set1_ps)(x); }
+static inline __attribute__((always_inline)) vecf vec_load(const float *p) { return VEC_OP(loadu_ps)(p); }
+static inline __attribute__((always_inline)) vecf vec_mul(vecf a, vecf b) { return VEC_OP(mul_ps)(a, b); }
+static inline __attribute__((always_inline)) vecf vec_fmadd(vecf a, vecf b, vecf c)
+{
+	return VEC_OP(fmadd_ps)(a, b, c);
+}
+
+/* n_valid floats of a row (fp16 or fp32 elements) at p, widened to fp32. */
+static inline __attribute__((always_inline)) vecf vec_load_row(const uint8_t *p, uint32_t n_valid,
+							       const int fp16)
+{
+	if (n_valid < VEC_FLOATS)
+		return vec_load_part(p, n_valid, fp16);
+	return fp16 ? vec_load_fp16(p) : VEC_OP(loadu_ps)((const float *)p);
+}
+
+static inline __attribute__((always_inline)) void vec_store(float *p, vecf x, uint32_t n_valid)
+{
+	if (n_valid < VEC_FLOATS)
+		vec_store_part(p, x, n_valid);
+	else
+		VEC_OP(storeu_ps)(p, x);
+}
+
+/*
  * The checked loop: pools ids [s, e) into out[0, cols) times scale. Returns -1, or the
  * position of the first id outside the shard (nothing of it was read).
  * The loop holds as constants what it would otherwise read from the context for every id: the
@@ -130,160 +224,73 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
  * registers too. Fewer instructions an id let more ids ahead be in flight while a row waits
  * on DRAM (in the lean loop, fp16 D 32 P 100 went from 1.13-1.18 to 1.00-1.03 ms a batch
  * with its constants, Zen 4, docs/benchmarks.md; the window took it further).
+ * This pass covers columns [c0, c0 + n) in nvec vectors, the last one part of a vector unless
+ * whole.
  */
-#if defined(__AVX512F__)
-#define VEC_FLOATS 16
-#define CHUNK_VECS 16                   /* 256 columns per pass: 16 of the 32 zmm registers */
-
 static inline __attribute__((always_inline)) int64_t
 pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
 	   float *out, const int nvec, const int fp16, const int whole)
 {
-	__m512 acc[CHUNK_VECS];
-	__mmask16 tail = !whole && (n % VEC_FLOATS) ? (__mmask16)((1u << (n % VEC_FLOATS)) - 1) : 0xffff;
-	uint64_t elem_bytes = fp16 ? 2 : 4;
+	vecf acc[CHUNK_VECS];
+	const uint32_t tail = whole ? VEC_FLOATS : n - (uint32_t)(nvec - 1) * VEC_FLOATS;
+	const uint64_t elem_bytes = fp16 ? 2 : 4;
 	const float *const weights = c->weights;
 
 	for (int v = 0; v < nvec; v++)
-		acc[v] = _mm512_setzero_ps();
+		acc[v] = vec_zero();
 	for (int64_t k = s; k < e; k++) {
 		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
 		if (!row)
 			return k;
-		__m512 w = _mm512_set1_ps(weights ? weights[k] : 1.0f);
+		vecf w = vec_set1(weights ? weights[k] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
-			__mmask16 m = v == nvec - 1 ? tail : 0xffff;
-			__m512 x = fp16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + v * 32))
-					: _mm512_maskz_loadu_ps(m, row + v * 64);
-			acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
+			vecf x = vec_load_row(row + v * VEC_FLOATS * elem_bytes,
+					      v == nvec - 1 ? tail : VEC_FLOATS, fp16);
+			acc[v] = vec_fmadd(w, x, acc[v]);
 		}
 	}
-	__m512 sv = _mm512_set1_ps(scale);
+	vecf sv = vec_set1(scale);
 	for (int v = 0; v < nvec; v++)
-		_mm512_mask_storeu_ps(out + c0 + v * VEC_FLOATS, v == nvec - 1 ? tail : 0xffff,
-				      _mm512_mul_ps(acc[v], sv));
+		vec_store(out + c0 + v * VEC_FLOATS, vec_mul(acc[v], sv),
+			  v == nvec - 1 ? tail : VEC_FLOATS);
 	return -1;
 }
 
 /*
  * The lean loop: adds rows[0, n) (checked rows of the shard, of nvec whole vectors) times
- * weights[j] (1 unless weighted) to out[0, nvec x 16) and, when finish, multiplies the sums by
- * scale; resume: out holds the bag's sums so far, unscaled (a bag longer than a window is
- * pooled in pieces, in the same order). Each of rows[j + dist]'s lines is prefetched after the
- * load that starts the same line of rows[j]: rows holds n + dist entries.
+ * weights[j] (1 unless weighted) to out[0, nvec x VEC_FLOATS) and, when finish, multiplies
+ * the sums by scale; resume: out holds the bag's sums so far, unscaled (a bag longer than a
+ * window is pooled in pieces, in the same order). Each of rows[j + dist]'s lines is
+ * prefetched after the load that starts the same line of rows[j]: rows holds n + dist
+ * entries.
  */
 static inline __attribute__((always_inline)) void
 pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
 	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
 	  const int fp16, const int weighted)
 {
-	__m512 acc[CHUNK_VECS];
+	vecf acc[CHUNK_VECS];
 	const uint64_t elem_bytes = fp16 ? 2 : 4;
-	const uint64_t row_bytes = (uint64_t)nvec * VEC_FLOATS * elem_bytes;
+	const uint64_t vec_bytes = VEC_FLOATS * elem_bytes;
+	const uint64_t row_bytes = (uint64_t)nvec * vec_bytes;
 
 	for (int v = 0; v < nvec; v++)
-		acc[v] = resume ? _mm512_loadu_ps(out + v * VEC_FLOATS) : _mm512_setzero_ps();
+		acc[v] = resume ? vec_load(out + v * VEC_FLOATS) : vec_zero();
 	for (uint64_t j = 0; j < n; j++) {
 		const uint8_t *row = base + rows[j] * row_bytes;
 		const uint8_t *ahead = base + rows[j + dist] * row_bytes;
-		__m512 w = _mm512_set1_ps(weighted ? weights[j] : 1.0f);
+		vecf w = vec_set1(weighted ? weights[j] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
-			__m512 x = fp16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + v * 32)))
-					: _mm512_loadu_ps(row + v * 64);
-			acc[v] = _mm512_fmadd_ps(w, x, acc[v]);
-			if ((v * elem_bytes * VEC_FLOATS) % 64 == 0)
-				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
+			acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
+			if ((v * vec_bytes) % 64 == 0)
+				_mm_prefetch((const char *)ahead + v * vec_bytes, _MM_HINT_T0);
 		}
 	}
-	__m512 sv = _mm512_set1_ps(scale);
+	vecf sv = vec_set1(scale);
 	for (int v = 0; v < nvec; v++)
-		_mm512_storeu_ps(out + v * VEC_FLOATS, finish ? _mm512_mul_ps(acc[v], sv) : acc[v]);
-}
-#elif defined(__AVX2__)
-#define VEC_FLOATS 8
-#define CHUNK_VECS 8                    /* 64 columns per pass: half of the 16 ymm registers */
-
-/* 8 floats of a row; the tail vector loads only n_valid and zeros the rest. */
-static inline __attribute__((always_inline)) __m256 load8(const uint8_t *p, uint32_t n_valid, int fp16)
-{
-	if (n_valid >= 8)
-		return fp16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p))
-			    : _mm256_loadu_ps((const float *)p);
-	if (fp16) {
-		uint16_t tmp[8] = { 0 };
-		memcpy(tmp, p, n_valid * 2);
-		return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tmp));
-	}
-	__m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-	__m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n_valid), idx);
-	return _mm256_maskload_ps((const float *)p, mask);
+		vec_store(out + v * VEC_FLOATS, finish ? vec_mul(acc[v], sv) : acc[v], VEC_FLOATS);
 }
 
-static inline __attribute__((always_inline)) int64_t
-pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t n, float scale,
-	   float *out, const int nvec, const int fp16, const int whole)
-{
-	__m256 acc[CHUNK_VECS];
-	uint32_t tail = whole ? VEC_FLOATS : n - (uint32_t)(nvec - 1) * VEC_FLOATS;
-	uint64_t elem_bytes = fp16 ? 2 : 4;
-	const float *const weights = c->weights;
-
-	for (int v = 0; v < nvec; v++)
-		acc[v] = _mm256_setzero_ps();
-	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
-		if (!row)
-			return k;
-		__m256 w = _mm256_set1_ps(weights ? weights[k] : 1.0f);
-		for (int v = 0; v < nvec; v++) {
-			__m256 x = load8(row + v * VEC_FLOATS * elem_bytes, v == nvec - 1 ? tail : 8, fp16);
-			acc[v] = _mm256_fmadd_ps(w, x, acc[v]);
-		}
-	}
-	__m256 sv = _mm256_set1_ps(scale);
-	for (int v = 0; v < nvec; v++) {
-		__m256 y = _mm256_mul_ps(acc[v], sv);
-		if (v < nvec - 1 || tail == 8) {
-			_mm256_storeu_ps(out + c0 + v * VEC_FLOATS, y);
-		} else {
-			float tmp[8];
-			_mm256_storeu_ps(tmp, y);
-			memcpy(out + c0 + v * VEC_FLOATS, tmp, tail * sizeof(float));
-		}
-	}
-	return -1;
-}
-
-/* The lean loop, as the AVX-512 one. */
-static inline __attribute__((always_inline)) void
-pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
-	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
-	  const int fp16, const int weighted)
-{
-	__m256 acc[CHUNK_VECS];
-	const uint64_t elem_bytes = fp16 ? 2 : 4;
-	const uint64_t row_bytes = (uint64_t)nvec * VEC_FLOATS * elem_bytes;
-
-	for (int v = 0; v < nvec; v++)
-		acc[v] = resume ? _mm256_loadu_ps(out + v * VEC_FLOATS) : _mm256_setzero_ps();
-	for (uint64_t j = 0; j < n; j++) {
-		const uint8_t *row = base + rows[j] * row_bytes;
-		const uint8_t *ahead = base + rows[j + dist] * row_bytes;
-		__m256 w = _mm256_set1_ps(weighted ? weights[j] : 1.0f);
-		for (int v = 0; v < nvec; v++) {
-			__m256 x = load8(row + v * VEC_FLOATS * elem_bytes, 8, fp16);
-			acc[v] = _mm256_fmadd_ps(w, x, acc[v]);
-			if ((v * elem_bytes * VEC_FLOATS) % 64 == 0)
-				_mm_prefetch((const char *)ahead + v * elem_bytes * VEC_FLOATS, _MM_HINT_T0);
-		}
-	}
-	__m256 sv = _mm256_set1_ps(scale);
-	for (int v = 0; v < nvec; v++)
-		_mm256_storeu_ps(out + v * VEC_FLOATS, finish ? _mm256_mul_ps(acc[v], sv) : acc[v]);
-}
-#endif
-
-#ifdef VEC_FLOATS
 /*
  * Passes of whole vectors (every width that is a multiple of 8 or 16) get a loop without the
  * tail's load: the AVX2 fp16 tail goes through a buffer on the stack, and with that path in
