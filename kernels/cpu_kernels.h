@@ -52,12 +52,12 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes)
 
 /*
  * Columns the forward pools per pass over a bag: as many as its accumulators in registers hold
- * (avx512: 16 zmm x 16, avx2: 8 ymm x 8); wider rows take several passes. The scalar
- * variant pools whole rows.
+ * (avx512: 16 zmm x 16, avx2: 12 ymm x 8); wider rows take several passes, the last one
+ * what is left (avx2 D 128: 96 + 32). The scalar variant pools whole rows.
  */
 static inline uint32_t embd_forward_pass_cols(enum embd_isa isa, uint32_t cols)
 {
-	uint32_t pass = isa == EMBD_ISA_AVX512 ? 256 : isa == EMBD_ISA_AVX2 ? 64 : cols;
+	uint32_t pass = isa == EMBD_ISA_AVX512 ? 256 : isa == EMBD_ISA_AVX2 ? 96 : cols;
 
 	return pass < cols ? pass : cols;
 }

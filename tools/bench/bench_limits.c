@@ -65,13 +65,15 @@
 
 #if defined(__x86_64__)
 /*
- * The bags [b0, b1) (P ids each), each in passes of nvec vectors over its rows' columns: for
- * each id, the same columns of the row dist ids ahead prefetched (their first pf bytes, within
- * the chunk), then the loads; each pass stores its share of the bag's pooled row (out_mul
- * vectors per vector read: 2 for fp16 rows, whose pooled row is fp32). nvec and out_mul are
- * constant per call site, so the loads and the stores unroll and the four accumulators stay
- * in registers, as the kernel's do (a store loop of run-time length kept them on the stack:
- * a reload and a spill per pass that the kernel does not have, at P = 1 one per row).
+ * The bags [b0, b1) (P ids each), each in passes of nvec vectors over its rows' columns and,
+ * where the row is not a whole number of passes, a last pass of nlast vectors: for each id,
+ * the same columns of the row dist ids ahead prefetched (their first pf bytes, within the
+ * chunk and the pass), then the loads; each pass stores its share of the bag's pooled row
+ * (out_mul vectors per vector read: 2 for fp16 rows, whose pooled row is fp32). nvec, nlast
+ * and out_mul are constant per call site, so the loads and the stores unroll and the four
+ * accumulators stay in registers, as the kernel's do (a store loop of run-time length kept
+ * them on the stack: a reload and a spill per pass that the kernel does not have, at P = 1
+ * one per row).
  */
 #define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
 	const uint8_t *t = g->table;                                                              \
@@ -95,23 +97,33 @@
 	{                                                                                         \
 		uint8_t *out = g->out + (b0 + b) * g->out_row_bytes;                              \
 		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {              \
-			VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                            \
-			for (uint64_t k = b * P; k < (b + 1) * P; k++) {                          \
-				const uint8_t *ahead = t;                                         \
-				if (lean)                                                         \
-					ahead += (uint64_t)ids[!(CLAMP) || k + dist < n ? k + dist : n - 1] * rb; \
-				else if (k + dist < n)                                            \
-					embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf, 0); \
-				const uint8_t *row = t + (uint64_t)ids[k] * rb + from;            \
-				_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec; v++) {    \
-					acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
-					if (lean && (v * VBYTES) % 64 == 0)                       \
-						__builtin_prefetch(ahead + (uint64_t)v * VBYTES, 0, 3); \
-				}                                                                 \
-			}                                                                         \
-			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < nvec * out_mul; v++)    \
-				VSTORE(out + (uint64_t)v * VBYTES, acc[v & 3]);                   \
+			if (from + pass <= rb)                                                    \
+				GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP, nvec) \
+			else                                                                      \
+				GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP, nlast) \
 		}                                                                                 \
+	}
+
+/* GATHER_BAG's pass over columns [from, + N vectors) of the bag's rows */
+#define GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP, N)                          \
+	{                                                                                         \
+		const uint64_t pf_pass = pf < (uint64_t)(N) * VBYTES ? pf : (uint64_t)(N) * VBYTES; \
+		VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                                    \
+		for (uint64_t k = b * P; k < (b + 1) * P; k++) {                                  \
+			const uint8_t *ahead = t;                                                 \
+			if (lean)                                                                 \
+				ahead += (uint64_t)ids[!(CLAMP) || k + dist < n ? k + dist : n - 1] * rb; \
+			else if (k + dist < n)                                                    \
+				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass, 0); \
+			const uint8_t *row = t + (uint64_t)ids[k] * rb + from;                    \
+			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
+				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+				if (lean && (v * VBYTES) % 64 == 0)                               \
+					__builtin_prefetch(ahead + (uint64_t)v * VBYTES, 0, 3);   \
+			}                                                                         \
+		}                                                                                 \
+		_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N) * out_mul; v++)             \
+			VSTORE(out + (uint64_t)v * VBYTES, acc[v & 3]);                           \
 	}
 
 #define LOAD512(p) _mm512_loadu_si512(p)
@@ -127,7 +139,8 @@
 
 /* the bag loops' lean mode (kernels/cpu_kernels.c): one pass covers the row, whose lines are
  * prefetched one after each load that starts a line, dist ids ahead, clamped to the chunk */
-#define GATHER_LEAN_ARGS const uint32_t nvec, const uint32_t out_mul, const int lean
+#define GATHER_LEAN_ARGS                                                                          \
+	const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul, const int lean
 
 __attribute__((target("avx512f"), always_inline)) static inline void
 bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
@@ -146,16 +159,32 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
 }
 
-/* Constant vector counts for passes of 64 bytes to 1 KiB and pooled rows of the rows' size
- * (fp32) or twice it (fp16); others take the rolled loops. */
+/* Constant vector counts for passes of 64 bytes to 1 KiB (with the last pass of AVX2's
+ * 96-column passes over D 128 and 256 rows) and pooled rows of the rows' size (fp32) or twice
+ * it (fp16); others take the rolled loops. */
+#define PASS_ARGS g, b0, b1, pb, dist, sink
 #define PASS_CASES(FN, VBYTES, OUT_MUL, LEAN)                                                     \
-	switch (pass) {                                                                           \
-	case 64: FN(g, b0, b1, pb, dist, sink, 64 / VBYTES, OUT_MUL, LEAN); break;                \
-	case 128: FN(g, b0, b1, pb, dist, sink, 128 / VBYTES, OUT_MUL, LEAN); break;              \
-	case 256: FN(g, b0, b1, pb, dist, sink, 256 / VBYTES, OUT_MUL, LEAN); break;              \
-	case 512: FN(g, b0, b1, pb, dist, sink, 512 / VBYTES, OUT_MUL, LEAN); break;              \
-	case 1024: FN(g, b0, b1, pb, dist, sink, 1024 / VBYTES, OUT_MUL, LEAN); break;            \
-	default: FN(g, b0, b1, pb, dist, sink, (uint32_t)(pass / VBYTES), OUT_MUL, LEAN); break;  \
+	if (last == 0) {                                                                          \
+		switch (pass) {                                                                   \
+		case 64: FN(PASS_ARGS, 64 / VBYTES, 0, OUT_MUL, LEAN); break;                     \
+		case 128: FN(PASS_ARGS, 128 / VBYTES, 0, OUT_MUL, LEAN); break;                   \
+		case 192: FN(PASS_ARGS, 192 / VBYTES, 0, OUT_MUL, LEAN); break;                   \
+		case 256: FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, LEAN); break;                   \
+		case 384: FN(PASS_ARGS, 384 / VBYTES, 0, OUT_MUL, LEAN); break;                   \
+		case 512: FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, LEAN); break;                   \
+		case 1024: FN(PASS_ARGS, 1024 / VBYTES, 0, OUT_MUL, LEAN); break;                 \
+		default: FN(PASS_ARGS, (uint32_t)(pass / VBYTES), 0, OUT_MUL, LEAN); break;       \
+		}                                                                                 \
+	} else if (pass == 192 && last == 64) {                                                   \
+		FN(PASS_ARGS, 192 / VBYTES, 64 / VBYTES, OUT_MUL, LEAN);                          \
+	} else if (pass == 192 && last == 128) {                                                  \
+		FN(PASS_ARGS, 192 / VBYTES, 128 / VBYTES, OUT_MUL, LEAN);                         \
+	} else if (pass == 384 && last == 128) {                                                  \
+		FN(PASS_ARGS, 384 / VBYTES, 128 / VBYTES, OUT_MUL, LEAN);                         \
+	} else if (pass == 384 && last == 256) {                                                  \
+		FN(PASS_ARGS, 384 / VBYTES, 256 / VBYTES, OUT_MUL, LEAN);                         \
+	} else {                                                                                  \
+		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
 	if (lean)                                                                                 \
@@ -170,17 +199,19 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	else                                                                                      \
 		PASS_LEAN(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
 
-__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass, int lean)
+__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last,
+							    int lean)
 {
 	PASS_SWITCH(bags_512, 64)
 }
 
-__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass, int lean)
+__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last,
+							 int lean)
 {
 	PASS_SWITCH(bags_256, 32)
 }
 
-static void bags_any_128(GATHER_ARGS, uint64_t pass, int lean)
+static void bags_any_128(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
 	PASS_SWITCH(bags_128, 16)
 }
@@ -190,20 +221,20 @@ static void bags_any_128(GATHER_ARGS, uint64_t pass, int lean)
 static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t *sink)
 {
 	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
-	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb;
+	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb, last = rb % pass;
 	uint32_t dist = embd_prefetch_rows(rb);
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
 #if defined(__x86_64__)
 	if (g->isa == EMBD_ISA_AVX512)
-		bags_any_512(g, b0, b1, pb, dist, sink, pass, lean);
+		bags_any_512(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else if (g->isa == EMBD_ISA_AVX2)
-		bags_any_256(g, b0, b1, pb, dist, sink, pass, lean);
+		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else
-		bags_any_128(g, b0, b1, pb, dist, sink, pass, lean);
+		bags_any_128(g, b0, b1, pb, dist, sink, pass, last, lean);
 #else
 	uint64_t P = g->ids_per_out;
-	(void)pb, (void)pass, (void)dist, (void)lean;
+	(void)pb, (void)pass, (void)last, (void)dist, (void)lean;
 	for (uint64_t b = b0; b < b1; b++) {
 		for (uint64_t k = b * P; k < (b + 1) * P; k++) {
 			const uint64_t *row = (const uint64_t *)(g->table + (uint64_t)g->ids[k] * rb);
