@@ -9,7 +9,7 @@
  * prefetched embd_prefetch_rows() ids ahead across bag boundaries, which is what makes P = 1 fast,
  * from the head of a chunk of bags (forward.c) to its end and no further, and only the head of
  * each row (embd_prefetch_row_bytes): the L2 streamer brings the rest without tying up a line
- * fill buffer per line. A row wider than one pass of accumulators (AVX2 past 96 fp32 columns)
+ * fill buffer per line. A row wider than one pass of accumulators (AVX2 past 64 fp32 or 96 fp16 columns)
  * is pooled in several passes over the bag; each pass prefetches the head of its own columns
  * of the row ahead, as the columns a later pass reads are no longer right behind the head
  * (prefetching whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran
@@ -130,6 +130,7 @@ bag_row(const struct bag_ctx *c, int64_t k, uint32_t c0, uint64_t elem_bytes, ui
 #if defined(__AVX512F__)
 #define VEC_FLOATS 16
 #define CHUNK_VECS 16                   /* 256 columns per pass: 16 of the 32 zmm registers */
+#define CHUNK_VECS_FP32 16
 typedef __m512 vecf;
 #define VEC_OP(op) _mm512_##op
 
@@ -154,11 +155,10 @@ static inline __attribute__((always_inline)) void vec_store_part(float *p, vecf 
 }
 #elif defined(__AVX2__)
 #define VEC_FLOATS 8
-/* 96 columns per pass: 12 of the 16 ymm registers, the rest for the weight and loads. D 256
- * rows take 3 passes over a bag instead of 4 with 8 (64 columns): on the Zen 4 capped to
- * AVX2 (2026-12-05), fp16 D 256 P 100 15-17% less time a batch, fp32 D 256 P 100 9%, the
- * lines FBGEMM's AVX2 kernels had led by 7-18%; D 128 (2 passes either way) the same. */
+/* fp16 rows: 96 columns per pass, 12 of the 16 ymm registers (the rest for the weight and
+ * loads); fp32 rows: 64, 8 of them (embd_forward_pass_cols says why). */
 #define CHUNK_VECS 12
+#define CHUNK_VECS_FP32 8
 typedef __m256 vecf;
 #define VEC_OP(op) _mm256_##op
 
@@ -193,6 +193,9 @@ static inline __attribute__((always_inline)) void vec_store_part(float *p, vecf 
 #endif
 
 #ifdef VEC_FLOATS
+/* Columns a pass over a bag pools (embd_forward_pass_cols) */
+#define PASS_COLS(fp16) ((fp16) ? CHUNK_VECS * VEC_FLOATS : CHUNK_VECS_FP32 * VEC_FLOATS)
+
 static inline __attribute__((always_inline)) vecf vec_zero(void) { return VEC_OP(setzero_ps)(); }
 static inline __attribute__((always_inline)) vecf vec_set1(float x) { return VEC_OP(set1_ps)(x); }
 static inline __attribute__((always_inline)) vecf vec_load(const float *p) { return VEC_OP(loadu_ps)(p); }
@@ -243,7 +246,7 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = vec_zero();
 	for (int64_t k = s; k < e; k++) {
-		const uint8_t *row = bag_row(c, k, c0, elem_bytes, CHUNK_VECS * VEC_FLOATS * elem_bytes);
+		const uint8_t *row = bag_row(c, k, c0, elem_bytes, PASS_COLS(fp16) * elem_bytes);
 		if (!row)
 			return k;
 		vecf w = vec_set1(weights ? weights[k] : 1.0f);
@@ -311,16 +314,18 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 				   : pool_chunk(c, s, e, c0, n, scale, out, N, 0, 0); \
 		break;
 
-_Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 96),
-	       "embd_forward_pass_cols() tells the benchmark's limit this pass width");
+_Static_assert(CHUNK_VECS * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 96) &&
+		       CHUNK_VECS_FP32 * VEC_FLOATS == (EMBD_CPU_ISA == EMBD_ISA_AVX512 ? 256 : 64),
+	       "embd_forward_pass_cols() tells the benchmark's limit these pass widths");
 
 /* always_inline: forward_bags' context stays its own local (see pool_chunk) */
 static inline __attribute__((always_inline)) int64_t
 pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e, float scale, float *out)
 {
-	for (uint32_t c0 = 0; c0 < c->cols; c0 += CHUNK_VECS * VEC_FLOATS) {
-		uint32_t n = c->cols - c0 < CHUNK_VECS * VEC_FLOATS ? c->cols - c0
-								  : CHUNK_VECS * VEC_FLOATS;
+	const uint32_t pass = PASS_COLS(fp16);
+
+	for (uint32_t c0 = 0; c0 < c->cols; c0 += pass) {
+		uint32_t n = c->cols - c0 < pass ? c->cols - c0 : pass;
 		int64_t bad = -1;
 
 		/* a constant vector count per case keeps the accumulators in registers */
@@ -491,7 +496,8 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	c.prefetch_end = end < bt->num_ids ? end : bt->num_ids;
 	c.prefetch_last = c.prefetch_end ? c.prefetch_end - 1 : 0;
 	c.lean = embd_forward_lean(EMBD_CPU_ISA,
-				   (uint64_t)embd_forward_pass_cols(EMBD_CPU_ISA, c.cols) *
+				   (uint64_t)embd_forward_pass_cols(EMBD_CPU_ISA, c.cols,
+								    embd_dtype_bytes(d->dtype)) *
 					   embd_dtype_bytes(d->dtype),
 				   c.row_bytes, c.base) &&
 		 c.prefetch_end > 0;

@@ -51,13 +51,19 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes)
 }
 
 /*
- * Columns the forward pools per pass over a bag: as many as its accumulators in registers hold
- * (avx512: 16 zmm x 16, avx2: 12 ymm x 8); wider rows take several passes, the last one
- * what is left (avx2 D 128: 96 + 32). The scalar variant pools whole rows.
+ * Columns the forward pools per pass over a bag of rows of elem_bytes elements (4: fp32, 2:
+ * fp16): as many as its accumulators in registers hold (avx512: 16 zmm x 16; avx2: 8 ymm x 8
+ * for fp32 rows, 12 x 8 for fp16 rows); wider rows take several passes, the last one what is
+ * left (avx2 fp16 D 128: 96 + 32). The scalar variant pools whole rows. On AVX2 the fp16 rows'
+ * wider passes took D 256 P 100 from 4 passes to 3 and 17-22% less time a batch (Zen 4
+ * capped to AVX2, 2026-12-05); fp32 rows read the same on the Zen 4 and slower on an Ice Lake
+ * (P 20 .92 -> .84-.86 of the limit then, 2026-12-03), so they keep 64 (docs/benchmarks.md).
  */
-static inline uint32_t embd_forward_pass_cols(enum embd_isa isa, uint32_t cols)
+static inline uint32_t embd_forward_pass_cols(enum embd_isa isa, uint32_t cols, uint32_t elem_bytes)
 {
-	uint32_t pass = isa == EMBD_ISA_AVX512 ? 256 : isa == EMBD_ISA_AVX2 ? 96 : cols;
+	uint32_t pass = isa == EMBD_ISA_AVX512 ? 256
+			: isa == EMBD_ISA_AVX2 ? (elem_bytes == 2 ? 96 : 64)
+					       : cols;
 
 	return pass < cols ? pass : cols;
 }

@@ -616,7 +616,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 					.weights = weighted ? weights : NULL, .pooled = pooled };
 		struct gather_arg g = { b, t, (uint64_t)b->o.batch * P,
 					{ .table = t->shard->weights, .row_bytes = t->row_bytes,
-					  .pass_bytes = (uint64_t)embd_forward_pass_cols(b->isa, t->dim) *
+					  .pass_bytes = (uint64_t)embd_forward_pass_cols(b->isa, t->dim,
+											 t->fp16 ? 2 : 4) *
 							(t->fp16 ? 2 : 4),
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P } };

@@ -298,7 +298,7 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 		if (run->phase == LIMIT_GATHER) {
 			ga->table = p->shard->weights;
 			ga->row_bytes = rb;
-			ga->pass_bytes = (uint64_t)embd_forward_pass_cols(run->isa, p->cols) * 4;
+			ga->pass_bytes = (uint64_t)embd_forward_pass_cols(run->isa, p->cols, 4) * 4;
 			ga->out = (uint8_t *)p->pooled;
 			ga->out_row_bytes = rb;
 			ga->ids_per_out = o->ids_per_bag;

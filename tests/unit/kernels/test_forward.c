@@ -32,7 +32,9 @@ static int run_forward(const struct embd_exec *ex, const struct embd_shard *s, c
 }
 
 /* The bags t over one unsplit shard, on every ISA and with 1 and 3 workers: kernel ==
- * reference exactly. */
+ * reference exactly, and nothing stored in the GUARD columns after each pooled row (a pass's
+ * part vector stored whole would land there). */
+#define GUARD 3
 static void check_bags(const struct tbags *t, int64_t rows, uint32_t dim, enum embd_data_type dtype,
 		       bool weighted, enum embd_pooling pooling)
 {
@@ -45,8 +47,10 @@ static void check_bags(const struct tbags *t, int64_t rows, uint32_t dim, enum e
 	char msg[128];
 
 	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
+	const uint64_t stride = dim + GUARD;
 	float *expected = malloc((uint64_t)batch * dim * sizeof(float) + 4);
 	float *got = malloc((uint64_t)batch * dim * sizeof(float) + 4);
+	float *strided = malloc((uint64_t)batch * stride * sizeof(float));
 	struct embd_ref_bags rb = { batch, t->lengths, t->ids, t->weights, pooling, NULL, 0 };
 	embd_ref_forward(ref, &rb, expected);
 
@@ -54,17 +58,30 @@ static void check_bags(const struct tbags *t, int64_t rows, uint32_t dim, enum e
 		for (int nw = 0; nw < 2; nw++) {
 			struct embd_exec ex = { .workers = nw ? three : NULL, .isa = isas[i] };
 			struct embd_kernel_err err;
-			memset(got, 0xff, (uint64_t)batch * dim * sizeof(float));
-			int rc = run_forward(&ex, s, t, pooling, NULL, got, dim, 0, &err);
+			memset(strided, 0xff, (uint64_t)batch * stride * sizeof(float));
+			int rc = run_forward(&ex, s, t, pooling, NULL, strided, stride, 0, &err);
 			cr_assert_eq(rc, 0, "%s: rc %d %s", embd_kernels_isa_name(isas[i]), rc, err.msg);
 			snprintf(msg, sizeof(msg), "%s %s dim %u B %u %s %s workers %d",
 				 embd_kernels_isa_name(isas[i]), dtype ? "fp16" : "fp32", dim, batch,
 				 weighted ? "weighted" : "unweighted", pooling ? "mean" : "sum", nw ? 3 : 1);
+			uint64_t stored_past = 0;
+			for (uint32_t b = 0; b < batch; b++) {
+				const float *row = strided + b * stride;
+				memcpy(got + (uint64_t)b * dim, row, dim * sizeof(float));
+				for (uint32_t c = dim; c < stride; c++) {
+					uint32_t bits;
+					memcpy(&bits, &row[c], sizeof(bits));
+					stored_past += bits != 0xffffffffu;
+				}
+			}
+			cr_expect_eq(stored_past, 0, "%s: %llu floats stored past pooled rows", msg,
+				     (unsigned long long)stored_past);
 			texpect_equal(msg, expected, got, (uint64_t)batch * dim);
 		}
 	}
 	free(expected);
 	free(got);
+	free(strided);
 	embd_workers_destroy(three);
 	embd_shard_destroy(s);
 	embd_ref_table_destroy(ref);
@@ -99,12 +116,13 @@ Test(kernels_forward, random_shapes_equal_reference)
  * Every isa against the definition at widths of whole vectors (one pass and several) and with a
  * tail vector in the last pass, for fp32 and fp16 rows, plain and weighted: the kernels compile
  * separate loops for passes of whole vectors and for a pass with a tail. AVX2 passes are 96
- * columns: 80 and 96 are one whole pass (the lean loop's, for 96 fp16 and 80, 96 fp32 rows),
- * 128, 200 and 256 end on a shorter pass of whole vectors, 100 and 260 on a tail.
+ * columns of fp16 rows (80, 88 and 96 one whole pass, the lean loop's for 96, and 84 one
+ * with a tail; 128, 200 and 256 ending on a shorter pass of whole vectors, 100 and 260 on a
+ * tail) and 64 of fp32 rows.
  */
 Test(kernels_forward, whole_and_tail_passes_equal_reference)
 {
-	static const uint32_t dims[] = { 8, 20, 24, 64, 80, 96, 100, 128, 200, 256, 260, 512 };
+	static const uint32_t dims[] = { 8, 20, 24, 64, 80, 84, 88, 96, 100, 128, 200, 256, 260, 512 };
 	struct trng r = { 4 };
 
 	for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)
