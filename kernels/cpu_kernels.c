@@ -586,11 +586,109 @@ static inline __attribute__((always_inline)) void or_nonfinite(lanes16 *acc, con
 	}
 }
 
+typedef float floats16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+/* The square root of each lane of *x, as sqrtf (correctly rounded); by pointer: a 64-byte
+ * vector passed by value changes the ABI where AVX-512 is off. */
+static inline __attribute__((always_inline)) void sqrt16(floats16 *x)
+{
+#if defined(__AVX512F__)
+	__m512 v;
+	memcpy(&v, x, sizeof(v));
+	v = _mm512_sqrt_ps(v);
+	memcpy(x, &v, sizeof(v));
+#elif defined(__AVX2__)
+	__m256 half[2];
+	memcpy(half, x, sizeof(half));
+	half[0] = _mm256_sqrt_ps(half[0]);
+	half[1] = _mm256_sqrt_ps(half[1]);
+	memcpy(x, half, sizeof(half));
+#else
+	for (int j = 0; j < 16; j++)
+		(*x)[j] = sqrtf((*x)[j]);
+#endif
+}
+
+/* *c = a * b + *c in each lane with one rounding, as fmaf (by pointer, as sqrt16). */
+static inline __attribute__((always_inline)) void fma16(floats16 *c, const floats16 *a,
+							const floats16 *b)
+{
+#if defined(__AVX512F__)
+	__m512 va, vb, vc;
+	memcpy(&va, a, sizeof(va));
+	memcpy(&vb, b, sizeof(vb));
+	memcpy(&vc, c, sizeof(vc));
+	vc = _mm512_fmadd_ps(va, vb, vc);
+	memcpy(c, &vc, sizeof(vc));
+#elif defined(__AVX2__)
+	__m256 va[2], vb[2], vc[2];
+	memcpy(va, a, sizeof(va));
+	memcpy(vb, b, sizeof(vb));
+	memcpy(vc, c, sizeof(vc));
+	vc[0] = _mm256_fmadd_ps(va[0], vb[0], vc[0]);
+	vc[1] = _mm256_fmadd_ps(va[1], vb[1], vc[1]);
+	memcpy(c, vc, sizeof(vc));
+#else
+	for (int j = 0; j < 16; j++)
+		(*c)[j] = fmaf((*a)[j], (*b)[j], (*c)[j]);
+#endif
+}
+
+/*
+ * adagrad or adam without weight decay on a row of whole 16-float vectors: embd_optim_elem's
+ * arithmetic, operation for operation (so bit for bit: contraction is off, fmaf is fma16), 16
+ * columns at a time, that also ORs into *acc's lanes embd_nonfinite_bit of the new weight plus
+ * its new state, from the values in registers rather than read back after the row is written.
+ * The sum is NaN or infinite whenever one of them is, and otherwise only when finite values
+ * add up past the largest float, which the recount (count_nonfinite_rows) tells apart. Read
+ * back, the test was ~6% of adam D 128 P 20's step; here adam D 128 read .847 of its limit at
+ * the median of 13 alternations against .798, adagrad D 128 .918 against .899 (Zen 4,
+ * 2026-12-05, docs/benchmarks.md). sgd, with no state to read back, read ~3% slower this way
+ * and keeps embd_optim_row_fp32.
+ */
+static inline __attribute__((always_inline)) void
+optim_row_checked(const struct embd_optim_params *params, float *restrict w,
+		  const float *restrict g, float *restrict m1, float *restrict m2,
+		  const uint32_t cols, const enum embd_optimizer_type type, lanes16 *acc)
+{
+	const float b1 = params->beta1, b2 = params->beta2, c1 = 1.0f - params->beta1,
+		    c2 = 1.0f - params->beta2, bc1 = params->bias_correction1,
+		    bc2 = params->bias_correction2, lr = params->lr, eps = params->eps;
+
+	for (uint32_t c = 0; c < cols; c += 16) {
+		const floats16 gd = *(const floats16 *)(g + c);
+		floats16 x = *(floats16 *)(w + c), sum;
+
+		if (type == EMBD_OPT_ADAGRAD) {
+			floats16 st = *(floats16 *)(m1 + c), root;
+			fma16(&st, &gd, &gd);
+			*(floats16 *)(m1 + c) = st;
+			root = st;
+			sqrt16(&root);
+			x = x - lr * gd / (root + eps);
+			sum = x + st;
+		} else {
+			floats16 m = b1 * *(floats16 *)(m1 + c) + c1 * gd;
+			floats16 v = b2 * *(floats16 *)(m2 + c) + c2 * (gd * gd);
+			*(floats16 *)(m1 + c) = m;
+			*(floats16 *)(m2 + c) = v;
+			floats16 m_hat = m / bc1, v_hat = v / bc2;
+			sqrt16(&v_hat);
+			x = x - lr * m_hat / (v_hat + eps);
+			sum = x + m + v;
+		}
+		*(floats16 *)(w + c) = x;
+		lanes16 bits = (lanes16)sum;
+		*acc |= ((bits & 0x7f800000u) + 0x00800000u) & 0x80000000u;
+	}
+}
+
 /*
  * Counts the rows of occ[0, n) (sorted by row) that hold a NaN or an infinity in their fp32
  * weights or their state, naming the lowest in *bad_row: what embd_optim_row_fp32 would have
- * said of each row updated, asked again after a chunk whose rows left one somewhere. The rows
- * were just written and are still in cache.
+ * said of each row updated, asked again after a chunk whose rows left one somewhere (or, for
+ * optim_row_checked, whose finite values summed past the largest float). The rows were just
+ * written and are still in cache.
  */
 static __attribute__((noinline, cold)) void
 count_nonfinite_rows(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
@@ -670,6 +768,11 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
 		void *w = (uint8_t *)sh->weights + row * p.row_bytes;
 		/* checked while in cache: reported, not kept silently (engine/step.h) */
+		if (lanes && (type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM) &&
+		    params.weight_decay == 0.0f) {
+			optim_row_checked(&params, w, g, m1, m2, cols, type, &nonfinite_lanes);
+			continue;
+		}
 		if (lanes) {
 			(void)embd_optim_row_fp32(&params, w, g, m1, m2, cols);
 			or_nonfinite(&nonfinite_lanes, w, cols);

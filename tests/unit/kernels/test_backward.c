@@ -603,6 +603,61 @@ static bool shard_row_nonfinite(const struct embd_shard *s, int64_t r)
 }
 
 /*
+ * adagrad's and adam's fp32 rows of whole vectors are checked on the sum of their new weights
+ * and state: rows whose values are all finite but add up past the largest float are
+ * recounted one by one, not counted (a width with a loop of its own and one without, every
+ * instruction set).
+ */
+Test(kernels_backward, finite_rows_whose_sums_overflow_are_not_counted)
+{
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	const uint32_t dims[2] = { 48, 64 };
+
+	for (int i = 0; i < nisa; i++)
+		for (int di = 0; di < 4; di++) {
+			uint32_t dim = dims[di % 2];
+			bool adam = di >= 2;
+			struct embd_optimizer_spec o = opt_spec(adam ? EMBD_OPT_ADAM : EMBD_OPT_ADAGRAD, 0.0f);
+			struct embd_ref_table *ref = embd_ref_table_create(2, 100, dim, EMBD_DTYPE_FP32, &o, 9);
+			struct embd_shard *s = tshard(ref, 9, 0, 100, 0, dim);
+			float *w = s->weights;
+			/* weights 2e38; adagrad's sum of squares 2e38; adam's m 1e37 (m / (1 - b1)
+			 * stays finite), v 2e38 (v / (1 - b2) overflows: the step leaves the weight as
+			 * it is) */
+			for (uint64_t k = 0; k < 100ull * dim; k++) {
+				w[k] = 2e38f;
+				s->momentum1[k] = adam ? 1e37f : 2e38f;
+				if (adam)
+					s->momentum2[k] = 2e38f;
+			}
+			int64_t offsets[3] = { 0, 2, 3 }, ids[3] = { 52, 47, 45 };
+			float g[2 * 64];
+			for (uint32_t k = 0; k < 2 * dim; k++)
+				g[k] = 0.5f;
+			struct tbags t = { .batch_size = 2, .offsets = offsets, .ids = ids, .num_ids = 3 };
+			struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, dim, 0);
+			struct embd_exec ex = { .isa = isas[i] };
+			char msg[96];
+			snprintf(msg, sizeof(msg), "%s %s D %u", embd_kernels_isa_name(isas[i]),
+				 adam ? "adam" : "adagrad", dim);
+			cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0, "%s", msg);
+			for (int j = 0; j < 3; j++) {
+				uint64_t at = (uint64_t)ids[j] * dim;
+				float sum = w[at] + s->momentum1[at] + (adam ? s->momentum2[at] : 0.0f);
+				cr_expect(!shard_row_nonfinite(s, ids[j]), "%s: row %lld stays finite", msg,
+					  (long long)ids[j]);
+				cr_expect(isinf(sum), "%s: row %lld's weight and state should add up past the "
+					  "largest float: %g", msg, (long long)ids[j], (double)sum);
+			}
+			cr_expect_eq(s->nonfinite_rows, 0, "%s: counted %llu", msg,
+				     (unsigned long long)s->nonfinite_rows);
+			embd_shard_destroy(s);
+			embd_ref_table_destroy(ref);
+		}
+}
+
+/*
  * Every optimizer, fp32 and fp16 rows, every instruction set, 1 and 3 workers, rows of 20
  * columns (checked row by row), 48 and 64 (fp32: checked into vector lanes over a chunk, rows
  * counted after it; 64 has a loop of its own, 48 the loop of any width): gradients from ordinary to 3e38 leave some rows NaN or infinite in the
