@@ -743,7 +743,9 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 	/*
 	 * fp32 rows of whole vectors are checked into lanes that stay in registers across the
-	 * chunk, and only a chunk that left something non-finite is looked at row by row: with
+	 * chunk, and only a chunk that left something non-finite (or, for adagrad and adam, a
+	 * row whose weight and state summed past the largest float: optim_row_checked) is
+	 * looked at row by row: with
 	 * a check reduced to one answer per row (a horizontal OR and a branch on it) sgd D 64
 	 * P 20 read .794 of its limit, with the lanes .863 (two threads, Zen 4, medians of six
 	 * paired runs, docs/benchmarks.md). Once training has diverged and rows stay NaN, every

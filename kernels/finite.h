@@ -1,7 +1,7 @@
 /*
  * kernels/finite.h - is a float array finite: the check of every trainer's gradient before a
  * backward (engine/step.c). The rows an update writes are checked as they are written
- * (kernels/optim_row.h).
+ * (kernels/optim_row.h; for fp32 rows of whole vectors, the apply in kernels/cpu_kernels.c).
  *
  * Non-finite means an exponent of all ones (NaN or infinity, embd_nonfinite_bit). The array
  * is checked 16 lanes at a time with integer AND, ADD and OR and no branch, which gcc
