@@ -576,20 +576,25 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
  * xmm); may_alias and aligned(4): loaded from rows of floats at any float boundary. */
 typedef uint32_t lanes16 __attribute__((vector_size(64), aligned(4), may_alias));
 
+/* ORs embd_nonfinite_bit of each lane of the float bits *v into *acc's (by pointer: a 64-byte
+ * vector passed by value changes the ABI where AVX-512 is off). */
+static inline __attribute__((always_inline)) void or_nonfinite_bits(lanes16 *acc, const lanes16 *v)
+{
+	*acc |= ((*v & 0x7f800000u) + 0x00800000u) & 0x80000000u;
+}
+
 /* ORs embd_nonfinite_bit of each of x[0, n) (n a multiple of 16) into *acc's lanes. */
 static inline __attribute__((always_inline)) void or_nonfinite(lanes16 *acc, const float *x,
 							       uint64_t n)
 {
-	for (uint64_t i = 0; i < n; i += 16) {
-		lanes16 v = *(const lanes16 *)(x + i);
-		*acc |= ((v & 0x7f800000u) + 0x00800000u) & 0x80000000u;
-	}
+	for (uint64_t i = 0; i < n; i += 16)
+		or_nonfinite_bits(acc, (const lanes16 *)(x + i));
 }
 
 typedef float floats16 __attribute__((vector_size(64), aligned(4), may_alias));
 
-/* The square root of each lane of *x, as sqrtf (correctly rounded); by pointer: a 64-byte
- * vector passed by value changes the ABI where AVX-512 is off. */
+/* The square root of each lane of *x, as sqrtf (correctly rounded); by pointer, as
+ * or_nonfinite_bits. */
 static inline __attribute__((always_inline)) void sqrt16(floats16 *x)
 {
 #if defined(__AVX512F__)
@@ -678,8 +683,8 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 			sum = x + m + v;
 		}
 		*(floats16 *)(w + c) = x;
-		lanes16 bits = (lanes16)sum;
-		*acc |= ((bits & 0x7f800000u) + 0x00800000u) & 0x80000000u;
+		const lanes16 bits = (lanes16)sum;
+		or_nonfinite_bits(acc, &bits);
 	}
 }
 
