@@ -3,7 +3,9 @@
  * as embd_cpu_kernels_scalar, _avx2 and _avx512 with EMBD_CPU_VARIANT set and that variant's
  * -m flags. The bag loop is written with intrinsics where the flags allow (accumulators in
  * registers, masked tails, F16C widening) and falls back to pool_row.h; the backward's row
- * loops are pool_row.h / optim_row.h themselves, which the compiler vectorizes at each width.
+ * loops sum gradient rows with pool_row.h and update each row with optim_row.h's row
+ * functions, which the compiler vectorizes at each width, or, for fp32 rows of whole 16-float
+ * groups, with the same arithmetic written in vectors of the variant's width.
  *
  * Every id is read once, checked against the shard's rows and only then used. Rows are
  * prefetched embd_prefetch_rows() ids ahead across bag boundaries, which is what makes P = 1 fast,
@@ -572,119 +574,152 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
 		embd_prefetch_bytes(p->m2 + o->row * p->m2_bytes, p->m2_bytes, 1);
 }
 
-/* 16 lanes of 32 bits, which each variant lowers to its own vectors (one zmm, two ymm, four
- * xmm); may_alias and aligned(4): loaded from rows of floats at any float boundary. */
-typedef uint32_t lanes16 __attribute__((vector_size(64), aligned(4), may_alias));
+/*
+ * The apply's vectors: the variant's own width (one zmm, one ymm, or for the scalar variant
+ * one SSE2 xmm). A GCC vector wider than the machine's registers (16 floats where AVX-512 is
+ * off) has no machine mode: GCC keeps it on the stack and copies it through general registers
+ * at every step: AVX2 applied adam D 128 P 20 in 11.3 ms a batch with 16-float vectors, 6.5 ms
+ * with those of its width (Zen 4, 2026-12-05, docs/benchmarks.md). may_alias and
+ * aligned(4): loaded from rows of floats at any float boundary.
+ */
+#ifdef VEC_FLOATS
+#define OPT_FLOATS VEC_FLOATS
+#else
+#define OPT_FLOATS 4
+#endif
+typedef float floatsn __attribute__((vector_size(OPT_FLOATS * 4), aligned(4), may_alias));
+typedef uint32_t lanesn __attribute__((vector_size(OPT_FLOATS * 4), aligned(4), may_alias));
+_Static_assert(EMBD_SUM_SQ_LANES % OPT_FLOATS == 0, "a sum of squares' lanes are whole vectors");
 
-/* ORs embd_nonfinite_bit of each lane of the float bits *v into *acc's (by pointer: a 64-byte
- * vector passed by value changes the ABI where AVX-512 is off). */
-static inline __attribute__((always_inline)) void or_nonfinite_bits(lanes16 *acc, const lanes16 *v)
+/* ORs embd_nonfinite_bit of each lane of the float bits v into acc's. */
+static inline __attribute__((always_inline)) lanesn or_nonfinite_bits(lanesn acc, lanesn v)
 {
-	*acc |= ((*v & 0x7f800000u) + 0x00800000u) & 0x80000000u;
+	return acc | (((v & 0x7f800000u) + 0x00800000u) & 0x80000000u);
 }
 
-/* ORs embd_nonfinite_bit of each of x[0, n) (n a multiple of 16) into *acc's lanes. */
-static inline __attribute__((always_inline)) void or_nonfinite(lanes16 *acc, const float *x,
+/* ORs embd_nonfinite_bit of each of x[0, n) (n a multiple of OPT_FLOATS) into *acc's lanes. */
+static inline __attribute__((always_inline)) void or_nonfinite(lanesn *acc, const float *x,
 							       uint64_t n)
 {
-	for (uint64_t i = 0; i < n; i += 16)
-		or_nonfinite_bits(acc, (const lanes16 *)(x + i));
+	for (uint64_t i = 0; i < n; i += OPT_FLOATS)
+		*acc = or_nonfinite_bits(*acc, *(const lanesn *)(x + i));
 }
 
-typedef float floats16 __attribute__((vector_size(64), aligned(4), may_alias));
-
-/* The square root of each lane of *x, as sqrtf (correctly rounded); by pointer, as
- * or_nonfinite_bits. */
-static inline __attribute__((always_inline)) void sqrt16(floats16 *x)
+/* The square root of each lane, as sqrtf (correctly rounded). */
+static inline __attribute__((always_inline)) floatsn sqrtn(floatsn x)
 {
-#if defined(__AVX512F__)
-	__m512 v;
-	memcpy(&v, x, sizeof(v));
-	v = _mm512_sqrt_ps(v);
-	memcpy(x, &v, sizeof(v));
-#elif defined(__AVX2__)
-	__m256 half[2];
-	memcpy(half, x, sizeof(half));
-	half[0] = _mm256_sqrt_ps(half[0]);
-	half[1] = _mm256_sqrt_ps(half[1]);
-	memcpy(x, half, sizeof(half));
+#ifdef VEC_FLOATS
+	return (floatsn)VEC_OP(sqrt_ps)((vecf)x);
 #else
-	for (int j = 0; j < 16; j++)
-		(*x)[j] = sqrtf((*x)[j]);
+	for (int j = 0; j < OPT_FLOATS; j++)
+		x[j] = sqrtf(x[j]);
+	return x;
 #endif
 }
 
-/* *c = a * b + *c in each lane with one rounding, as fmaf (by pointer, as sqrt16). */
-static inline __attribute__((always_inline)) void fma16(floats16 *c, const floats16 *a,
-							const floats16 *b)
+/* a * b + c in each lane with one rounding, as fmaf. */
+static inline __attribute__((always_inline)) floatsn fman(floatsn a, floatsn b, floatsn c)
 {
-#if defined(__AVX512F__)
-	__m512 va, vb, vc;
-	memcpy(&va, a, sizeof(va));
-	memcpy(&vb, b, sizeof(vb));
-	memcpy(&vc, c, sizeof(vc));
-	vc = _mm512_fmadd_ps(va, vb, vc);
-	memcpy(c, &vc, sizeof(vc));
-#elif defined(__AVX2__)
-	__m256 va[2], vb[2], vc[2];
-	memcpy(va, a, sizeof(va));
-	memcpy(vb, b, sizeof(vb));
-	memcpy(vc, c, sizeof(vc));
-	vc[0] = _mm256_fmadd_ps(va[0], vb[0], vc[0]);
-	vc[1] = _mm256_fmadd_ps(va[1], vb[1], vc[1]);
-	memcpy(c, vc, sizeof(vc));
+#ifdef VEC_FLOATS
+	return (floatsn)VEC_OP(fmadd_ps)((vecf)a, (vecf)b, (vecf)c);
 #else
-	for (int j = 0; j < 16; j++)
-		(*c)[j] = fmaf((*a)[j], (*b)[j], (*c)[j]);
+	for (int j = 0; j < OPT_FLOATS; j++)
+		c[j] = fmaf(a[j], b[j], c[j]);
+	return c;
 #endif
 }
 
 /*
- * adagrad or adam without weight decay on a row of whole 16-float vectors: embd_optim_elem's
- * arithmetic, operation for operation (so bit for bit: contraction is off, fmaf is fma16), 16
- * columns at a time, that also ORs into *acc's lanes embd_nonfinite_bit of the new weight plus
- * its new state, from the values in registers rather than read back after the row is written.
- * The sum is NaN or infinite whenever one of them is, and otherwise only when finite values
- * add up past the largest float, which the recount (count_nonfinite_rows) tells apart. Read
- * back, the test was ~6% of adam D 128 P 20's step; here adam D 128 read .847 of its limit at
- * the median of 13 alternations against .798, adagrad D 128 .918 against .899 (Zen 4,
- * 2026-12-05, docs/benchmarks.md). sgd, with no state to read back, read ~3% slower this way
- * and keeps embd_optim_row_fp32.
+ * adagrad or adam without weight decay on a row of whole 16-float groups: embd_optim_elem's
+ * arithmetic, operation for operation (so bit for bit: contraction is off, fmaf is fman),
+ * OPT_FLOATS columns at a time, that also ORs into *acc's lanes embd_nonfinite_bit of the new
+ * weight plus its new state, from the values in registers rather than read back after the row
+ * is written. The sum is NaN or infinite whenever one of them is, and otherwise only when
+ * finite values add up past the largest float, which the recount (count_nonfinite_rows) tells
+ * apart. Read back, the test was ~6% of adam D 128 P 20's step; here adam D 64 won 9 of 10
+ * alternations on AVX-512, its apply 5% shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd,
+ * with no state to read back, read ~3% slower this way and keeps embd_optim_row_fp32.
  */
 static inline __attribute__((always_inline)) void
 optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 		  const float *restrict g, float *restrict m1, float *restrict m2,
-		  const uint32_t cols, const enum embd_optimizer_type type, lanes16 *acc)
+		  const uint32_t cols, const enum embd_optimizer_type type, lanesn *acc)
 {
 	const float b1 = params->beta1, b2 = params->beta2, c1 = 1.0f - params->beta1,
 		    c2 = 1.0f - params->beta2, bc1 = params->bias_correction1,
 		    bc2 = params->bias_correction2, lr = params->lr, eps = params->eps;
 
-	for (uint32_t c = 0; c < cols; c += 16) {
-		const floats16 gd = *(const floats16 *)(g + c);
-		floats16 x = *(floats16 *)(w + c), sum;
+	for (uint32_t c = 0; c < cols; c += OPT_FLOATS) {
+		const floatsn gd = *(const floatsn *)(g + c);
+		floatsn x = *(floatsn *)(w + c), sum;
 
 		if (type == EMBD_OPT_ADAGRAD) {
-			floats16 st = *(floats16 *)(m1 + c), root;
-			fma16(&st, &gd, &gd);
-			*(floats16 *)(m1 + c) = st;
-			root = st;
-			sqrt16(&root);
-			x = x - lr * gd / (root + eps);
+			const floatsn st = fman(gd, gd, *(floatsn *)(m1 + c));
+			*(floatsn *)(m1 + c) = st;
+			x = x - lr * gd / (sqrtn(st) + eps);
 			sum = x + st;
 		} else {
-			floats16 m = b1 * *(floats16 *)(m1 + c) + c1 * gd;
-			floats16 v = b2 * *(floats16 *)(m2 + c) + c2 * (gd * gd);
-			*(floats16 *)(m1 + c) = m;
-			*(floats16 *)(m2 + c) = v;
-			floats16 m_hat = m / bc1, v_hat = v / bc2;
-			sqrt16(&v_hat);
-			x = x - lr * m_hat / (v_hat + eps);
+			const floatsn m = b1 * *(floatsn *)(m1 + c) + c1 * gd;
+			const floatsn v = b2 * *(floatsn *)(m2 + c) + c2 * (gd * gd);
+			*(floatsn *)(m1 + c) = m;
+			*(floatsn *)(m2 + c) = v;
+			x = x - lr * (m / bc1) / (sqrtn(v / bc2) + eps);
 			sum = x + m + v;
 		}
-		*(floats16 *)(w + c) = x;
-		const lanes16 bits = (lanes16)sum;
-		or_nonfinite_bits(acc, &bits);
+		*(floatsn *)(w + c) = x;
+		*acc = or_nonfinite_bits(*acc, (lanesn)sum);
+	}
+}
+
+/*
+ * rowwise_adagrad without weight decay on a row of whole 16-float groups, bit for bit
+ * embd_optim_row_fp32's: the sum of g^2 in embd_optim_sum_sq's 16 lanes and halvings, kept in
+ * registers (GCC reduced embd_optim_sum_sq's lanes through the stack: one store and sixteen
+ * scalar loads a row, then a chain of scalar adds; in registers AVX-512 D 128 P 20 read .867 of
+ * its limit against .796, 8 of 8 alternations, Zen 4, 2026-12-05), and the new weights tested
+ * in registers into *acc as optim_row_checked does; the row's one state float into *acc_state.
+ */
+static inline __attribute__((always_inline)) void
+rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
+		    const float *restrict g, float *restrict m1, const uint32_t cols, lanesn *acc,
+		    uint32_t *acc_state)
+{
+	enum { PARTS = EMBD_SUM_SQ_LANES / OPT_FLOATS };
+	floatsn lane[PARTS] = { 0 };    /* lane[q][j]: embd_optim_sum_sq's lane q * OPT_FLOATS + j */
+
+	for (uint32_t c = 0; c < cols; c += EMBD_SUM_SQ_LANES)
+		for (int q = 0; q < PARTS; q++) {
+			const floatsn gq = *(const floatsn *)(g + c + q * OPT_FLOATS);
+			lane[q] = fman(gq, gq, lane[q]);
+		}
+	/* the halvings: lanes j += j + 8, then j += j + 4 */
+	typedef float floats4 __attribute__((vector_size(16)));
+	floats4 l4;
+#if OPT_FLOATS == 16
+	typedef float floats8 __attribute__((vector_size(32)));
+	floats8 half[2];
+	memcpy(half, &lane[0], sizeof(half));
+	const floats8 l8 = half[0] + half[1];
+	floats4 quarter[2];
+	memcpy(quarter, &l8, sizeof(quarter));
+	l4 = quarter[0] + quarter[1];
+#elif OPT_FLOATS == 8
+	const floatsn l8 = lane[0] + lane[1];
+	floats4 quarter[2];
+	memcpy(quarter, &l8, sizeof(quarter));
+	l4 = quarter[0] + quarter[1];
+#else
+	l4 = (lane[0] + lane[2]) + (lane[1] + lane[3]);
+#endif
+	const float sum_sq = (l4[0] + l4[2]) + (l4[1] + l4[3]);
+	const float mult = embd_optim_rowwise_mult(params, m1, sum_sq, cols);
+	const floatsn neg_mult = -(mult - (floatsn){ 0 }); /* x - 0 is x, -0 included */
+
+	*acc_state |= embd_nonfinite_bit(*m1);
+	for (uint32_t c = 0; c < cols; c += OPT_FLOATS) {
+		const floatsn x = fman(neg_mult, *(const floatsn *)(g + c), *(floatsn *)(w + c));
+		*(floatsn *)(w + c) = x;
+		*acc = or_nonfinite_bits(*acc, (lanesn)x);
 	}
 }
 
@@ -756,8 +791,9 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 	 * paired runs, docs/benchmarks.md). Once training has diverged and rows stay NaN, every
 	 * chunk holding one is looked at twice: slower, but only then.
 	 */
-	const bool lanes = !fp16 && cols % 16 == 0;
-	lanes16 nonfinite_lanes = { 0 };
+	const bool lanes = !fp16 && cols % EMBD_SUM_SQ_LANES == 0;
+	lanesn nonfinite_lanes = { 0 };
+	uint32_t nonfinite_state = 0;   /* rowwise_adagrad's state float of each row */
 
 	params.type = type;
 	for (; ahead < dist && ahead < total; ahead++)
@@ -780,13 +816,18 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 			optim_row_checked(&params, w, g, m1, m2, cols, type, &nonfinite_lanes);
 			continue;
 		}
+		if (lanes && type == EMBD_OPT_ROWWISE_ADAGRAD && params.weight_decay == 0.0f) {
+			rowwise_row_checked(&params, w, g, m1, cols, &nonfinite_lanes,
+					    &nonfinite_state);
+			continue;
+		}
 		if (lanes) {
 			(void)embd_optim_row_fp32(&params, w, g, m1, m2, cols);
 			or_nonfinite(&nonfinite_lanes, w, cols);
 			if (m1_per_row == cols)
 				or_nonfinite(&nonfinite_lanes, m1, cols);
 			else if (m1_per_row)
-				nonfinite_lanes[0] |= embd_nonfinite_bit(*m1);
+				nonfinite_state |= embd_nonfinite_bit(*m1);
 			if (m2_per_row)
 				or_nonfinite(&nonfinite_lanes, m2, cols);
 			continue;
@@ -800,8 +841,8 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_
 		}
 	}
 	if (lanes) {
-		uint32_t any = 0;
-		for (int l = 0; l < 16; l++)
+		uint32_t any = nonfinite_state;
+		for (int l = 0; l < OPT_FLOATS; l++)
 			any |= nonfinite_lanes[l];
 		if (any)
 			count_nonfinite_rows(ctx, occ, n, bad, bad_row);

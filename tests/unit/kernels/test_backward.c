@@ -604,6 +604,27 @@ static bool shard_row_nonfinite(const struct embd_shard *s, int64_t r)
 	return false;
 }
 
+/* The rows the small tests below update: bag 0 rows 52 and 47, bag 1 row 45. */
+static const int64_t three_ids[3] = { 52, 47, 45 };
+
+/* One backward step of shard s (at most 64 columns) on isa: two bags over three_ids, summed,
+ * every gradient 0.5. */
+static void backward_of_three_ids(struct embd_shard *s, enum embd_isa isa, const char *msg)
+{
+	const uint32_t dim = s->desc.cols;
+	int64_t offsets[3] = { 0, 2, 3 }, ids[3];
+	float g[2 * 64];
+
+	cr_assert_leq(dim, 64, "%s", msg);
+	memcpy(ids, three_ids, sizeof(ids));
+	for (uint32_t k = 0; k < 2 * dim; k++)
+		g[k] = 0.5f;
+	struct tbags t = { .batch_size = 2, .offsets = offsets, .ids = ids, .num_ids = 3 };
+	struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, dim, 0);
+	struct embd_exec ex = { .isa = isa };
+	cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0, "%s", msg);
+}
+
 /*
  * adagrad's and adam's fp32 rows of whole vectors are checked on the sum of their new weights
  * and state: rows whose values are all finite but add up past the largest float are
@@ -633,17 +654,11 @@ Test(kernels_backward, finite_rows_whose_sums_overflow_are_not_counted)
 				if (adam)
 					s->momentum2[k] = 2e38f;
 			}
-			int64_t offsets[3] = { 0, 2, 3 }, ids[3] = { 52, 47, 45 };
-			float g[2 * 64];
-			for (uint32_t k = 0; k < 2 * dim; k++)
-				g[k] = 0.5f;
-			struct tbags t = { .batch_size = 2, .offsets = offsets, .ids = ids, .num_ids = 3 };
-			struct embd_bag_batch bt = tbatch(s, 0, &t, EMBD_POOLING_SUM, NULL, g, dim, 0);
-			struct embd_exec ex = { .isa = isas[i] };
 			char msg[96];
 			snprintf(msg, sizeof(msg), "%s %s D %u", embd_kernels_isa_name(isas[i]),
 				 adam ? "adam" : "adagrad", dim);
-			cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, NULL), 0, "%s", msg);
+			backward_of_three_ids(s, isas[i], msg);
+			const int64_t *ids = three_ids;
 			for (int j = 0; j < 3; j++) {
 				uint64_t at = (uint64_t)ids[j] * dim;
 				float sum = w[at] + s->momentum1[at] + (adam ? s->momentum2[at] : 0.0f);
@@ -660,13 +675,56 @@ Test(kernels_backward, finite_rows_whose_sums_overflow_are_not_counted)
 }
 
 /*
- * Every optimizer, fp32 and fp16 rows, every instruction set, 1 and 3 workers, rows of 20
- * columns (checked row by row), 48 and 64 (fp32: checked into vector lanes over a chunk, rows
- * counted after it; 64 has a loop of its own, 48 the loop of any width): gradients from ordinary to 3e38 leave some rows NaN or infinite in the
- * weights (an fp16 weight overflows from a gradient of 1e6, a fp32 one when a row's
- * occurrences sum past the largest float) or the state (squares of 3e19 overflow); the count
- * and the lowest row are exactly the rows that now hold one, and the rows themselves still
- * equal the reference.
+ * rowwise_adagrad's fp32 rows of whole 16-float groups without weight decay (cpu_kernels.c's
+ * rowwise_row_checked), every instruction set: a weight left infinite beside a finite state is
+ * counted, and a zero learning rate leaves weights of -0 as -0 (the step adds -0 * g, as
+ * fmaf(-mult, g, w) does, not +0), bit for bit.
+ */
+Test(kernels_backward, rowwise_adagrad_counts_a_nonfinite_weight_and_keeps_signed_zeros)
+{
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	const uint32_t dim = 64;
+
+	for (int i = 0; i < nisa; i++)
+		for (int zero_lr = 0; zero_lr < 2; zero_lr++) {
+			struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ROWWISE_ADAGRAD, 0.0f);
+			o.lr = zero_lr ? 0.0f : 0.1f;
+			struct embd_ref_table *ref = embd_ref_table_create(2, 100, dim, EMBD_DTYPE_FP32, &o, 9);
+			struct embd_shard *s = tshard(ref, 9, 0, 100, 0, dim);
+			float *w = s->weights;
+			char msg[96];
+			snprintf(msg, sizeof(msg), "%s lr %g", embd_kernels_isa_name(isas[i]), (double)o.lr);
+			for (uint64_t k = 0; k < 100ull * dim; k++)
+				w[k] = zero_lr ? -0.0f : 1.0f;
+			if (!zero_lr)
+				w[47 * dim + 5] = INFINITY; /* its state (one float a row) stays finite */
+			backward_of_three_ids(s, isas[i], msg);
+			cr_expect(isfinite(s->momentum1[47]), "%s: row 47's state stays finite", msg);
+			cr_expect_eq(s->nonfinite_rows, zero_lr ? 0 : 1, "%s: counted %llu", msg,
+				     (unsigned long long)s->nonfinite_rows);
+			if (!zero_lr)
+				cr_expect_eq(s->nonfinite_row, 47, "%s: named %lld", msg,
+					     (long long)s->nonfinite_row);
+			for (uint64_t k = 0; zero_lr && k < 100ull * dim; k++)
+				if (!signbit(w[k]) || w[k] != 0.0f) {
+					cr_expect(false, "%s: weight %llu should stay -0: %g", msg,
+						  (unsigned long long)k, (double)w[k]);
+					break;
+				}
+			embd_shard_destroy(s);
+			embd_ref_table_destroy(ref);
+		}
+}
+
+/*
+ * Every optimizer, fp32 and fp16 rows, weight decay 0 and 0.01, every instruction set, 1 and 3
+ * workers, rows of 20 columns (checked row by row), 48 and 64 (fp32: checked into vector lanes
+ * over a chunk, rows counted after it; 64 has a loop of its own, 48 the loop of any width):
+ * gradients from ordinary to 3e38 leave some rows NaN or infinite in the weights (an fp16
+ * weight overflows from a gradient of 1e6, a fp32 one when a row's occurrences sum past the
+ * largest float) or the state (squares of 3e19 overflow); the count and the lowest row are
+ * exactly the rows that now hold one, and the rows themselves still equal the reference.
  */
 Test(kernels_backward, every_optimizer_counts_the_rows_it_leaves_nonfinite, .timeout = 120)
 {
@@ -679,11 +737,14 @@ Test(kernels_backward, every_optimizer_counts_the_rows_it_leaves_nonfinite, .tim
 
 	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
 	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
-		for (int fp16 = 0; fp16 < 2; fp16++)
+		for (int kind = 0; kind < 4; kind++) /* fp32, fp16; weight decay 0, then 0.01 */
 			for (int i = 0; i < nisa * 6; i++) {
-				enum embd_data_type dt = fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32;
+				/* both weight decays: without it, fp32 rows of whole 16-float groups take
+				 * loops of their own (cpu_kernels.c) for all but sgd */
+				const float wd = kind >= 2 ? 0.01f : 0.0f;
+				enum embd_data_type dt = kind % 2 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32;
 				const uint32_t dims[3] = { 20, 48, 64 }, dim = dims[i % 6 / 2];
-				struct embd_optimizer_spec o = opt_spec((enum embd_optimizer_type)type, 0.0f);
+				struct embd_optimizer_spec o = opt_spec((enum embd_optimizer_type)type, wd);
 				struct embd_ref_table *ref = embd_ref_table_create(3, 200, dim, dt, &o, 5);
 				struct embd_shard *s = tshard(ref, 5, 0, 200, 0, dim);
 				struct embd_exec ex = { .workers = i % 2 ? three : NULL, .isa = isas[i / 6] };
@@ -704,9 +765,9 @@ Test(kernels_backward, every_optimizer_counts_the_rows_it_leaves_nonfinite, .tim
 						want++;
 						lowest = lowest < 0 ? row : lowest;
 					}
-				snprintf(msg, sizeof(msg), "opt %d %s D %u %s workers %d", type,
-					 fp16 ? "fp16" : "fp32", dim, embd_kernels_isa_name(isas[i / 6]),
-					 i % 2 ? 3 : 1);
+				snprintf(msg, sizeof(msg), "opt %d %s D %u wd %g %s workers %d", type,
+					 kind % 2 ? "fp16" : "fp32", dim, (double)wd,
+					 embd_kernels_isa_name(isas[i / 6]), i % 2 ? 3 : 1);
 				cr_expect(want > 0 && want < 200, "%s: the gradients should leave some rows "
 					  "non-finite, not all: %llu", msg, (unsigned long long)want);
 				cr_expect_eq(s->nonfinite_rows, want, "%s: counted %llu rows, %llu hold one", msg,
