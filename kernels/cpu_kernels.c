@@ -695,16 +695,15 @@ rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
 	/* the halvings: lanes j += j + 8, then j += j + 4 */
 	typedef float floats4 __attribute__((vector_size(16)));
 	floats4 l4;
+#if OPT_FLOATS >= 8
 #if OPT_FLOATS == 16
 	typedef float floats8 __attribute__((vector_size(32)));
 	floats8 half[2];
 	memcpy(half, &lane[0], sizeof(half));
 	const floats8 l8 = half[0] + half[1];
-	floats4 quarter[2];
-	memcpy(quarter, &l8, sizeof(quarter));
-	l4 = quarter[0] + quarter[1];
-#elif OPT_FLOATS == 8
+#else
 	const floatsn l8 = lane[0] + lane[1];
+#endif
 	floats4 quarter[2];
 	memcpy(quarter, &l8, sizeof(quarter));
 	l4 = quarter[0] + quarter[1];

@@ -94,8 +94,9 @@ static void check_unsharded_div(struct trng *r, enum embd_optimizer_type type,
 	cr_assert_eq(embd_workers_create(3, NULL, &three, msg, sizeof(msg)), 0, "%s", msg);
 	for (int i = 0; i < nisa; i++) {
 		for (int nw = 0; nw < 2; nw++) {
-			/* both, on every isa: without weight decay adagrad and adam take a loop of
-			 * their own (cpu_kernels.c's optim_row_checked) */
+			/* both, on every isa: without weight decay adagrad, rowwise_adagrad and adam
+			 * take loops of their own (cpu_kernels.c's optim_row_checked and
+			 * rowwise_row_checked) */
 			struct embd_optimizer_spec o = opt_spec(type, nw ? 0.01f : 0.0f);
 			struct embd_ref_table *ref = embd_ref_table_create(5, rows, dim, dtype, &o, 21);
 			struct embd_shard *s = tshard(ref, 21, 0, rows, 0, dim);
@@ -658,14 +659,13 @@ Test(kernels_backward, finite_rows_whose_sums_overflow_are_not_counted)
 			snprintf(msg, sizeof(msg), "%s %s D %u", embd_kernels_isa_name(isas[i]),
 				 adam ? "adam" : "adagrad", dim);
 			backward_of_three_ids(s, isas[i], msg);
-			const int64_t *ids = three_ids;
 			for (int j = 0; j < 3; j++) {
-				uint64_t at = (uint64_t)ids[j] * dim;
+				uint64_t at = (uint64_t)three_ids[j] * dim;
 				float sum = w[at] + s->momentum1[at] + (adam ? s->momentum2[at] : 0.0f);
-				cr_expect(!shard_row_nonfinite(s, ids[j]), "%s: row %lld stays finite", msg,
-					  (long long)ids[j]);
+				cr_expect(!shard_row_nonfinite(s, three_ids[j]), "%s: row %lld stays finite",
+					  msg, (long long)three_ids[j]);
 				cr_expect(isinf(sum), "%s: row %lld's weight and state should add up past the "
-					  "largest float: %g", msg, (long long)ids[j], (double)sum);
+					  "largest float: %g", msg, (long long)three_ids[j], (double)sum);
 			}
 			cr_expect_eq(s->nonfinite_rows, 0, "%s: counted %llu", msg,
 				     (unsigned long long)s->nonfinite_rows);
