@@ -239,10 +239,11 @@ static void worker_occ_span(const struct prep_job *job, uint32_t w, uint64_t *fi
 
 /*
  * The worker's span of occurrences is cleared first in one memset, then written. Its lines were
- * last held by other workers (the previous call's scatter and apply), and the loop's 16-byte
- * stores took them over one store at a time; the string stores of memset take whole lines.
+ * mostly last held by other workers (the previous call's scatters, sorts and apply), and the
+ * loop's three stores an occurrence took them over line by line as they came; the string
+ * stores of memset take whole lines, many at a time.
  * When the host slows this VM's cores (docs/benchmarks.md, "The prepare's slow state"), collect
- * took 126-150 us a call with the memset against 166-307 without, and about the same otherwise
+ * took 126-150 us a call with the memset against 166-307 without, and within 6 us otherwise
  * (54-57 us against 48-57; Zen 4, two workers, P 20).
  */
 static void collect_worker(void *arg, uint32_t w, uint32_t nw)
@@ -531,6 +532,13 @@ static int check_batches(const struct embd_shard *shard, const struct embd_bag_b
 		int rc = embd_bag_batch_check(&batches[i], shard, true, err);
 		if (rc)
 			return rc;
+		/* offsets are int64: more ids than that can only be a count that lies, and a sum
+		 * that wrapped would size the occurrence arrays short */
+		if (batches[i].num_ids > (uint64_t)INT64_MAX - *num_occ)
+			return embd_kernel_fail(err, EMBD_EINVAL, batches[i].feature, -1, 0,
+						"feature %u: num_ids %llu takes the call past 2^63 - 1 ids",
+						batches[i].feature,
+						(unsigned long long)batches[i].num_ids);
 		*num_occ += batches[i].num_ids;
 		*num_bags += batches[i].batch_size;
 	}

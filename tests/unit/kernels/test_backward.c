@@ -526,6 +526,104 @@ Test(kernels_backward, out_of_range_changes_nothing)
 	embd_ref_table_destroy(ref);
 }
 
+/*
+ * Workers split a call's bags evenly, whatever batch holds them, and each writes (and clears)
+ * the occurrences of its own: batches without bags at the start, middle and end, bags without
+ * ids, slices that end on a batch's last bag, and more workers than bags. Equals the
+ * reference; an id outside the shard in the last batch with ids is still found.
+ */
+Test(kernels_backward, batches_without_bags_and_more_workers_than_bags, .timeout = 120)
+{
+	static const uint32_t shapes[][6] = {
+		{ 0, 3, 0, 0, 2, 0 }, { 0, 0, 0, 0, 0, 1 }, { 1, 0, 0, 0, 0, 0 }, { 2, 2, 0, 0, 0, 0 },
+		{ 0, 0, 0, 0, 0, 0 }, { 4, 0, 4, 0, 4, 0 }, { 0, 7, 0, 5, 0, 9 }, { 1, 1, 1, 1, 1, 1 },
+	};
+	static const uint32_t worker_counts[] = { 2, 3, 4, 5, 8 };
+	struct trng r = { 91 };
+	char msg[160];
+
+	for (size_t wi = 0; wi < sizeof(worker_counts) / sizeof(worker_counts[0]); wi++) {
+		struct embd_workers *workers;
+		cr_assert_eq(embd_workers_create(worker_counts[wi], NULL, &workers, msg, sizeof(msg)),
+			     0, "%s", msg);
+		for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
+			for (int empty_pct = 10; empty_pct <= 60; empty_pct += 50) {
+				struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ADAGRAD, 0.0f);
+				struct embd_ref_table *ref =
+					embd_ref_table_create(5, 300, 8, EMBD_DTYPE_FP32, &o, 3);
+				struct embd_shard *s = tshard(ref, 3, 0, 300, 0, 8);
+				struct embd_exec ex = { .workers = workers };
+				struct tbags t[6];
+				float *g[6];
+				struct embd_bag_batch bt[6];
+				struct embd_ref_bags rb[6];
+				int last_with_ids = -1;
+
+				for (int f = 0; f < 6; f++) {
+					tbags_random(&t[f], &r, shapes[si][f], 5, (uint32_t)empty_pct, 300, 30,
+						     f % 2);
+					g[f] = random_grad(&r, (uint64_t)shapes[si][f] * 8);
+					bt[f] = tbatch(s, f, &t[f], EMBD_POOLING_SUM, NULL, g[f], 8, 0);
+					rb[f] = (struct embd_ref_bags){ shapes[si][f], t[f].lengths,
+									t[f].ids, t[f].weights,
+									EMBD_POOLING_SUM, g[f], 0 };
+					if (t[f].num_ids)
+						last_with_ids = f;
+				}
+				snprintf(msg, sizeof(msg), "%u workers, shape %zu, %d%% empty bags",
+					 worker_counts[wi], si, empty_pct);
+				struct embd_kernel_err err;
+				cr_assert_eq(embd_kernels_backward(&ex, s, bt, 6, &err), 0, "%s: %s", msg,
+					     err.msg);
+				cr_assert_eq(embd_ref_backward(ref, rb, 6), 0);
+				expect_shard_equals_ref(msg, s, ref);
+				if (last_with_ids >= 0) {
+					struct tbags *lt = &t[last_with_ids];
+					lt->ids[lt->num_ids - 1] = 300;
+					cr_assert_eq(embd_kernels_backward(&ex, s, bt, 6, &err), EMBD_ERANGE,
+						     "%s", msg);
+					cr_expect_eq(err.feature, (uint32_t)last_with_ids, "%s", msg);
+				}
+				for (int f = 0; f < 6; f++) {
+					tbags_free(&t[f]);
+					free(g[f]);
+				}
+				embd_shard_destroy(s);
+				embd_ref_table_destroy(ref);
+			}
+		}
+		embd_workers_destroy(workers);
+	}
+}
+
+/* Counts of ids that add up past what offsets can hold are refused before anything is
+ * allocated for them or read. */
+Test(kernels_backward, ids_counted_past_int64_are_refused)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 100, 8, EMBD_DTYPE_FP32, &o, 4);
+	struct embd_shard *s = tshard(ref, 4, 0, 100, 0, 8);
+	int64_t ids[3] = { 1, 2, 3 };
+	int64_t offs[3][2] = { { 0, INT64_MAX }, { 0, INT64_MAX }, { 0, 3 } };
+	float grad[8] = { 0 };
+	struct embd_bag_batch bt[3];
+
+	for (int f = 0; f < 3; f++)
+		bt[f] = (struct embd_bag_batch){
+			.shard = s, .feature = (uint32_t)f, .batch_size = 1, .offsets = offs[f],
+			.ids = ids, .num_ids = (uint64_t)offs[f][1], .pooling = EMBD_POOLING_SUM,
+			.pooled_grad = grad, .pooled_stride = 8,
+		};
+	struct embd_kernel_err err;
+	struct embd_exec ex = { 0 };
+	cr_assert_eq(embd_kernels_backward(&ex, s, bt, 3, &err), EMBD_EINVAL, "%s", err.msg);
+	cr_expect_eq(err.feature, 1u, "%s", err.msg);
+	cr_expect(strstr(err.msg, "num_ids") != NULL, "%s", err.msg);
+	cr_assert_eq(s->step, 0);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
 Test(kernels_backward, no_ids_still_counts_the_step)
 {
 	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
