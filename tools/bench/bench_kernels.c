@@ -678,9 +678,16 @@ static void print_phases(struct bench *b, step_fn fn, void *arg)
 	       (double)tm.scatter_ns / c, (double)tm.sort_ns / c, (double)tm.apply_ns / c);
 }
 
-/* One optimizer's backward on a shard of its own (state allocated like the weights). */
+/*
+ * One optimizer's backward on a shard of its own, over the memory of `mem` (a shard with room
+ * for every selected optimizer's state, allocated like the weights): the table's weights
+ * copied in, the state zeroed. One allocation for all the lines of a table, rather than one a
+ * line, leaves the kernel fresh pages to fault in and huge pages to assemble only before the
+ * first line.
+ */
 static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
-			      const struct unique_rows *u, struct kernel_arg *proto)
+			      const struct unique_rows *u, struct kernel_arg *proto,
+			      const struct embd_shard *mem)
 {
 	struct embd_shard_desc od = t->shard->desc;
 	struct embd_shard *os = NULL;
@@ -689,11 +696,16 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 
 	od.optimizer.type = (enum embd_optimizer_type)opt;
 	if (embd_shard_sizes(&od, &wb, &m1b, &m2b, err, sizeof(err)) ||
-	    embd_shard_create(&od, &os, err, sizeof(err))) {
+	    embd_shard_create_in(&od, mem->weights, m1b ? mem->momentum1 : NULL,
+				 m2b ? mem->momentum2 : NULL, &os, err, sizeof(err))) {
 		fprintf(stderr, "embd-bench kernels: %s state: %s\n", opt_names[opt], err);
 		return 1;
 	}
 	memcpy(os->weights, t->shard->weights, wb);
+	if (m1b)
+		memset(os->momentum1, 0, m1b);
+	if (m2b)
+		memset(os->momentum2, 0, m2b);
 	struct kernel_arg a = *proto;
 	a.shard = os;
 	struct rmw_arg ra = { b, u, { .isa = b->isa, .grad = (const uint8_t *)a.grad,
@@ -835,13 +847,33 @@ static int bench_column_halves(struct bench *b, const struct table *t, int64_t *
 static int bench_backward(struct bench *b, const struct table *t, int64_t *offsets, const float *grad)
 {
 	struct unique_rows u = { 0 };
-	char name[64];
+	struct embd_shard *mem = NULL;
+	char name[64], err[256];
 	int rc = 0;
 
 	for (int opt = EMBD_OPT_SGD; opt <= EMBD_OPT_ADAM && !rc; opt++) {
 		snprintf(name, sizeof(name), "backward_%s/%u/%u", opt_names[opt], t->dim, BACKWARD_P);
 		if (!config_selected(&b->o, name))
 			continue;
+		if (!mem) {
+			/* room for every selected optimizer's state: adam's holds all the others',
+			 * adagrad's rowwise_adagrad's (a row of floats against one float a row) */
+			struct embd_shard_desc md = t->shard->desc;
+			char oname[64];
+			md.optimizer.type = EMBD_OPT_SGD;
+			for (int o = EMBD_OPT_SGD; o <= EMBD_OPT_ADAM; o++) {
+				snprintf(oname, sizeof(oname), "backward_%s/%u/%u", opt_names[o], t->dim,
+					 BACKWARD_P);
+				if (config_selected(&b->o, oname) &&
+				    (o == EMBD_OPT_ADAM || md.optimizer.type != EMBD_OPT_ADAGRAD))
+					md.optimizer.type = (enum embd_optimizer_type)o;
+			}
+			if (embd_shard_create(&md, &mem, err, sizeof(err))) {
+				fprintf(stderr, "embd-bench kernels: backward memory: %s\n", err);
+				rc = 1;
+				break;
+			}
+		}
 		if (!u.rows && unique_rows_make(t, (uint64_t)b->o.batch * BACKWARD_P, &u)) {
 			fprintf(stderr, "embd-bench kernels: out of memory for the unique rows\n");
 			rc = 1;
@@ -850,9 +882,10 @@ static int bench_backward(struct bench *b, const struct table *t, int64_t *offse
 		struct kernel_arg proto = { .b = b, .t = t, .P = BACKWARD_P, .offsets = offsets,
 					    .grad = grad };
 		set_offsets(offsets, b->o.batch, BACKWARD_P);
-		rc = bench_backward_opt(b, t, opt, &u, &proto);
+		rc = bench_backward_opt(b, t, opt, &u, &proto, mem);
 	}
 	unique_rows_free(&u);
+	embd_shard_destroy(mem);
 	return rc;
 }
 
