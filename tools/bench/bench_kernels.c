@@ -679,11 +679,12 @@ static void print_phases(struct bench *b, step_fn fn, void *arg)
 }
 
 /*
- * One optimizer's backward on a shard of its own, over the memory of `mem` (a shard with room
- * for every selected optimizer's state, allocated like the weights): the table's weights
- * copied in, the state zeroed. One allocation for all the lines of a table, rather than one a
- * line, leaves the kernel fresh pages to fault in and huge pages to assemble only before the
- * first line.
+ * One optimizer's backward on a shard over the memory of `mem` (a shard with room for every
+ * selected optimizer's state, allocated like the weights): the table's weights copied in, the
+ * state zeroed. With a shard allocated and freed for every line, 0.5-1.5 GiB was unmapped and
+ * faulted in again just before each line, and the lines after it read their limit up to 2x
+ * slow (docs/benchmarks.md); one allocation for all the lines of a table churns memory only
+ * before the first.
  */
 static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 			      const struct unique_rows *u, struct kernel_arg *proto,
