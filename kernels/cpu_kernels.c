@@ -557,7 +557,7 @@ struct occ_prefetch {
 };
 
 /*
- * Prefetches one occurrence's row: its weights and state, for writing (DRAM misses). A row of
+ * Prefetches one occurrence's row: its weights and state, into L2 (DRAM misses). A row of
  * several occurrences is prefetched once per occurrence; the later ones find it in flight or in
  * L1. The bag's gradient row it reads is not prefetched: those are L2/L3 hits, and their
  * prefetches take fill buffers from the DRAM misses (without them, D 128 P 20, same batches in

@@ -97,8 +97,17 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 	       (uintptr_t)base % EMBD_CACHE_LINE_BYTES == 0;
 }
 
-/* Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, for reading
- * (write 0) or for writing (1). */
+/*
+ * Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES: rows the forward
+ * reads (write 0) into L1, rows the backward reads and writes (write 1) into L2
+ * (prefetcht1). The backward wants the lines of several rows of weights and state in flight
+ * (embd_backward_prefetch_rows), more than the L1's miss buffers hold, and its prefetches
+ * into L1 waited for them; into L2 the whole backward took 15-28% less time a batch on the
+ * Zen 4 (sgd D 64 to adam D 128, P 20, AVX-512), 9-15% with AVX2 (sgd and adam D 128), and
+ * its read-modify-write limit, which prefetches the same way, 18-46% less
+ * (docs/benchmarks.md, 2026-12-05). Without -mprfchw GCC emits prefetcht0 for a write hint
+ * too, and prefetchw measured no better.
+ */
 static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes,
 								      const int write)
 {
@@ -112,7 +121,7 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 #endif
 	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES) {
 		if (write)
-			__builtin_prefetch((const void *)line, 1, 3);
+			__builtin_prefetch((const void *)line, 0, 2);
 		else
 			__builtin_prefetch((const void *)line, 0, 3);
 	}

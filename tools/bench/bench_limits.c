@@ -27,11 +27,12 @@
  *   kernel read up to 1.14 times its limit there; docs/benchmarks.md).
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
- *   once in the weights and in each optimizer state array, state rows prefetched for writing
- *   beside the weights, embd_backward_prefetch_rows() rows ahead; and before a row is written,
- *   the gradient row (D fp32) of the bag of each of its occurrences read, which any exact
- *   update must do: a row's gradient is the sum of its occurrences' bag gradients. In row
- *   order these reads land at random in the batch's gradient (L2 and L3 hits, as many as there
+ *   once in the weights and in each optimizer state array, every array's row prefetched as
+ *   the kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows()
+ *   rows ahead; and before a row is written, the gradient row (D fp32) of the bag of each of
+ *   its occurrences read, which any exact update must do: a row's gradient is the sum of its
+ *   occurrences' bag gradients. In row order these reads land at random in the batch's
+ *   gradient (L2 and L3 hits, as many as there
  *   are ids); the one order that would read them in sequence, rows by their first occurrence,
  *   puts the rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
  *   sgd 2.88 against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not
