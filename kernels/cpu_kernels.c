@@ -99,7 +99,7 @@ prefetch_part(const struct bag_ctx *c, uint64_t k, uint64_t from, uint64_t bytes
 		bytes = c->prefetch_bytes;
 	if (from + bytes > c->row_bytes)
 		bytes = c->row_bytes - from;
-	embd_prefetch_bytes(c->base + r * c->row_bytes + from, bytes, 0);
+	embd_prefetch_bytes(c->base + r * c->row_bytes + from, bytes);
 }
 
 static inline void prefetch_row(const struct bag_ctx *c, uint64_t k)
@@ -292,7 +292,7 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 		for (int v = 0; v < nvec; v++) {
 			acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
 			if ((v * vec_bytes) % 64 == 0)
-				_mm_prefetch((const char *)ahead + v * vec_bytes, _MM_HINT_T0);
+				_mm_prefetch((const char *)ahead + v * vec_bytes, _MM_HINT_T1);
 		}
 	}
 	vecf sv = vec_set1(scale);
@@ -567,11 +567,11 @@ struct occ_prefetch {
 static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_prefetch *p,
 							       const struct embd_occ *o)
 {
-	embd_prefetch_bytes(p->weights + o->row * p->row_bytes, p->row_bytes, 1);
+	embd_prefetch_bytes(p->weights + o->row * p->row_bytes, p->row_bytes);
 	if (p->m1_bytes)
-		embd_prefetch_bytes(p->m1 + o->row * p->m1_bytes, p->m1_bytes, 1);
+		embd_prefetch_bytes(p->m1 + o->row * p->m1_bytes, p->m1_bytes);
 	if (p->m2_bytes)
-		embd_prefetch_bytes(p->m2 + o->row * p->m2_bytes, p->m2_bytes, 1);
+		embd_prefetch_bytes(p->m2 + o->row * p->m2_bytes, p->m2_bytes);
 }
 
 /*

@@ -98,18 +98,18 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 }
 
 /*
- * Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES: rows the forward
- * reads (write 0) into L1, rows the backward reads and writes (write 1) into L2
- * (prefetcht1). The backward wants the lines of several rows of weights and state in flight
- * (embd_backward_prefetch_rows), more than the L1's miss buffers hold, and its prefetches
- * into L1 waited for them; into L2 the whole backward took 15-28% less time a batch on the
- * Zen 4 (sgd D 64 to adam D 128, P 20, AVX-512), 9-15% with AVX2 (sgd and adam D 128), and
- * its read-modify-write limit, which prefetches the same way, 18-46% less
- * (docs/benchmarks.md, 2026-12-05). Without -mprfchw GCC emits prefetcht0 for a write hint
- * too, and prefetchw measured no better.
+ * Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, into L2
+ * (prefetcht1; every prefetch of the kernels' rows is, the forward's lean loop's too). The
+ * kernels keep many rows' lines in flight (embd_prefetch_rows, embd_backward_prefetch_rows),
+ * more than the L1's miss buffers hold, and prefetches into L1 waited for them: perf put 13%
+ * of adam D 128's apply samples right after a row's first prefetcht0. Into L2, on the Zen 4
+ * (2026-12-05, docs/benchmarks.md): the backward took 15-28% less time a batch (sgd D 64 to
+ * adam D 128, P 20, AVX-512) and 9-15% with AVX2; the forward 10-27% less at D 32-128
+ * (AVX-512; D 256 the same) and 24-37% with AVX2. The limits, which prefetch the same way,
+ * sped up as much or more. Without -mprfchw GCC emits prefetcht0 for a write hint, and
+ * prefetchw measured no better.
  */
-static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes,
-								      const int write)
+static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes)
 {
 	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
 	uintptr_t end = (uintptr_t)p + bytes;
@@ -119,12 +119,8 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 #if !defined(__CUDACC__) && defined(__OPTIMIZE__)
 #pragma GCC unroll 16
 #endif
-	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES) {
-		if (write)
-			__builtin_prefetch((const void *)line, 0, 2);
-		else
-			__builtin_prefetch((const void *)line, 0, 3);
-	}
+	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES)
+		__builtin_prefetch((const void *)line, 0, 2);
 }
 
 /* One occurrence of a row in a backward step, after its id was checked. */

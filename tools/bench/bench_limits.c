@@ -83,7 +83,7 @@
 	uint64_t pf = pb < pass ? pb : pass;                                                      \
 	const int64_t *ids = g->ids + b0 * P;                                                     \
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
-		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb, 0);                            \
+		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb);                               \
 	/* the lean loop's bags whose rows ahead all lie in the chunk read them unclamped, as the \
 	 * kernel reads its window's (cpu_kernels.c); only the chunk's last bags clamp */        \
 	uint64_t unclamped = lean && n >= dist ? (n - dist) / P : 0;                              \
@@ -115,12 +115,12 @@
 			if (lean)                                                                 \
 				ahead += (uint64_t)ids[!(CLAMP) || k + dist < n ? k + dist : n - 1] * rb; \
 			else if (k + dist < n)                                                    \
-				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass, 0); \
+				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass); \
 			const uint8_t *row = t + (uint64_t)ids[k] * rb + from;                    \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
 				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
 				if (lean && (v * VBYTES) % 64 == 0)                               \
-					__builtin_prefetch(ahead + (uint64_t)v * VBYTES, 0, 3);   \
+					__builtin_prefetch(ahead + (uint64_t)v * VBYTES, 0, 2);   \
 			}                                                                         \
 		}                                                                                 \
 		_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N) * out_mul; v++)             \
@@ -332,7 +332,7 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 								   uint64_t k)
 {
 	for (int a = 0; a < v->num_arrays; a++)
-		embd_prefetch_bytes(v->arrays[a] + v->rows[k] * v->row_bytes[a], v->row_bytes[a], 1);
+		embd_prefetch_bytes(v->arrays[a] + v->rows[k] * v->row_bytes[a], v->row_bytes[a]);
 }
 
 /* Rows [lo, hi): row k + dist's lines prefetched, then row k's gradients read and rows written. */
