@@ -218,14 +218,13 @@ static void worker_bags(const struct prep_job *job, uint32_t w, uint64_t *first,
 	*last = total * (w + 1) / job->nw;
 }
 
-/* The occurrences of worker w's bags: [*first, *last) of p->occ (empty when it has none). */
-static void worker_occ_span(const struct prep_job *job, uint32_t w, uint64_t *first, uint64_t *last)
+/* The occurrences of global bags [g, g_last): [*first, *last) of p->occ (empty when none). */
+static void bags_occ_span(const struct prep_job *job, uint64_t g, uint64_t g_last, uint64_t *first,
+			  uint64_t *last)
 {
 	const struct embd_backward_prep *p = job->p;
-	uint64_t g, g_last;
 	uint32_t i = 0, j;
 
-	worker_bags(job, w, &g, &g_last);
 	*first = *last = 0;
 	if (g >= g_last)
 		return;
@@ -257,9 +256,9 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 	uint32_t i = 0;
 
 	(void)nw;
-	worker_occ_span(job, w, &occ_first, &occ_last);
-	memset(p->occ + occ_first, 0, (occ_last - occ_first) * sizeof(*p->occ));
 	worker_bags(job, w, &g, &g_last);
+	bags_occ_span(job, g, g_last, &occ_first, &occ_last);
+	memset(p->occ + occ_first, 0, (occ_last - occ_first) * sizeof(*p->occ));
 	for (; g < g_last; g++) {
 		while (p->bag_base[i + 1] <= g)
 			i++;

@@ -292,7 +292,7 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 		for (int v = 0; v < nvec; v++) {
 			acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
 			if ((v * vec_bytes) % 64 == 0)
-				_mm_prefetch((const char *)ahead + v * vec_bytes, _MM_HINT_T1);
+				embd_prefetch_line(ahead + v * vec_bytes);
 		}
 	}
 	vecf sv = vec_set1(scale);

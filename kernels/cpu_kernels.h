@@ -98,8 +98,8 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 }
 
 /*
- * Prefetches the lines of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES, into L2
- * (prefetcht1; every prefetch of the kernels' rows is, the forward's lean loop's too). The
+ * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of
+ * the benchmark's limits, goes through here, so that they issue the same one. The
  * kernels keep many rows' lines in flight (embd_prefetch_rows, embd_backward_prefetch_rows),
  * more than the L1's miss buffers hold, and prefetches into L1 waited for them: perf put 13%
  * of adam D 128's apply samples right after a row's first prefetcht0. Into L2, on the Zen 4
@@ -109,6 +109,12 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
  * sped up as much or more. Without -mprfchw GCC emits prefetcht0 for a write hint, and
  * prefetchw measured no better.
  */
+static inline __attribute__((always_inline)) void embd_prefetch_line(const void *p)
+{
+	__builtin_prefetch(p, 0, 2);
+}
+
+/* embd_prefetch_line for each line of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES. */
 static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes)
 {
 	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
@@ -120,7 +126,7 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 #pragma GCC unroll 16
 #endif
 	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES)
-		__builtin_prefetch((const void *)line, 0, 2);
+		embd_prefetch_line((const void *)line);
 }
 
 /* One occurrence of a row in a backward step, after its id was checked. */
