@@ -29,11 +29,16 @@
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as
  *   the kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows()
- *   rows ahead; and before a row is written, the gradient row (D fp32) of the bag of each of
- *   its occurrences read, which any exact update must do: a row's gradient is the sum of its
- *   occurrences' bag gradients. In row order these reads land at random in the batch's
- *   gradient (L2 and L3 hits, as many as there are ids); the one order that would read them in sequence, rows by their first occurrence,
- *   puts the rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
+ *   rows ahead (before the row's gradient reads, or after them as the kernel orders them: which
+ *   is faster depends on the isa and the optimizer, so the benchmark runs both and takes the
+ *   faster each run; rowwise_adagrad D 128 P 20 on a Zen 4, 2026-12-05: AVX-512 1.41 ms a
+ *   batch after against 1.52 before, where the kernel had read up to 1.14 times the limit
+ *   placed before; AVX2 1.43 after against 1.20 before); and before a row is written, the
+ *   gradient row (D fp32) of the bag of each of its occurrences read, which any exact update
+ *   must do: a row's gradient is the sum of its occurrences' bag gradients. In row order these
+ *   reads land at random in the batch's gradient (L2 and L3 hits, as many as there are ids);
+ *   the one order that would read them in sequence, rows by their first occurrence, puts the
+ *   rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
  *   sgd 2.88 against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not
  *   prefetched (nor are they by the kernel): prefetching them made this loop 5-10% slower,
  *   and so did a stream of one entry per occurrence, gradient row included, running on into
@@ -334,24 +339,35 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 		embd_prefetch_bytes(v->arrays[a] + v->rows[k] * v->row_bytes[a], v->row_bytes[a]);
 }
 
-/* Rows [lo, hi): row k + dist's lines prefetched, then row k's gradients read and rows written. */
+/*
+ * Rows [lo, hi): row k + dist's lines prefetched, then row k's gradients read and rows
+ * written; or, when after_grad, row k's gradients read, then row k + dist's lines prefetched
+ * (as the kernel orders them) and row k written.
+ */
 #define CHUNK_BODY(ROW)                                                                           \
 	for (uint64_t k = lo; k < hi && k < lo + dist; k++)                                       \
 		prefetch_rmw_row(&v, k);                                                          \
-	for (uint64_t k = lo; k < hi; k++) {                                                      \
-		if (k + dist < hi)                                                                \
-			prefetch_rmw_row(&v, k + dist);                                           \
-		ROW(&v, k, zero);                                                                 \
+	if (after_grad) {                                                                         \
+		for (uint64_t k = lo; k < hi; k++)                                                \
+			ROW(&v, k, k + dist < hi ? k + dist : 0, zero);                           \
+	} else {                                                                                  \
+		for (uint64_t k = lo; k < hi; k++) {                                              \
+			if (k + dist < hi)                                                        \
+				prefetch_rmw_row(&v, k + dist);                                   \
+			ROW(&v, k, 0, zero);                                                      \
+		}                                                                                 \
 	}
 
-#define CHUNK_ARGS const struct rmw_view v, uint64_t lo, uint64_t hi, uint32_t dist, uint32_t zero
+#define CHUNK_ARGS                                                                                \
+	const struct rmw_view v, uint64_t lo, uint64_t hi, uint32_t dist, uint32_t zero,          \
+	int after_grad
 
 #if defined(__x86_64__)
 /*
  * Row k: the gradient rows of its occurrences loaded and summed (integer adds: one vector, and
- * a word for what is left past the last whole vector), then every array's row loaded, that sum
- * ANDed with zero added, and stored back: the stores wait on the gradient loads as the
- * kernel's do, and nothing changes.
+ * a word for what is left past the last whole vector), row ahead's lines prefetched unless it
+ * is 0, then every array's row loaded, that sum ANDed with zero added, and stored back: the
+ * stores wait on the gradient loads as the kernel's do, and nothing changes.
  */
 #define ROW_BODY(VTYPE, VSET1, VZERO, VLOAD, VADD, VAND, VLOW32, RMW)                              \
 	const uint64_t grb = v->grad_row_bytes, gvec = grb / sizeof(VTYPE) * sizeof(VTYPE);       \
@@ -364,6 +380,8 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 		for (uint64_t o = gvec; o < grb; o += 4)                                          \
 			zt += *(const uint32_t *)(gp + o);                                        \
 	}                                                                                         \
+	if (ahead)                                                                                \
+		prefetch_rmw_row(v, ahead);                                                       \
 	z = VAND(z, VSET1((int)zero));                                                            \
 	zt = (zt + (uint32_t)VLOW32(z)) & zero;                                                   \
 	for (int a = 0; a < v->num_arrays; a++) {                                                 \
@@ -413,21 +431,21 @@ static inline __attribute__((always_inline)) void rmw_128(uint8_t *p, __m128i z,
 #define LOW32_256(z) _mm_cvtsi128_si32(_mm256_castsi256_si128(z))
 
 __attribute__((target("avx512f"), always_inline)) static inline void
-row_512(const struct rmw_view *v, uint64_t k, uint32_t zero)
+row_512(const struct rmw_view *v, uint64_t k, uint64_t ahead, uint32_t zero)
 {
 	ROW_BODY(__m512i, _mm512_set1_epi32, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32,
 		 _mm512_and_si512, LOW32_512, rmw_512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
-row_256(const struct rmw_view *v, uint64_t k, uint32_t zero)
+row_256(const struct rmw_view *v, uint64_t k, uint64_t ahead, uint32_t zero)
 {
 	ROW_BODY(__m256i, _mm256_set1_epi32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32,
 		 _mm256_and_si256, LOW32_256, rmw_256)
 }
 
 static inline __attribute__((always_inline)) void row_128(const struct rmw_view *v, uint64_t k,
-							 uint32_t zero)
+							 uint64_t ahead, uint32_t zero)
 {
 	ROW_BODY(__m128i, _mm_set1_epi32, _mm_setzero_si128(), LOAD128, _mm_add_epi32,
 		 _mm_and_si128, _mm_cvtsi128_si32, rmw_128)
@@ -448,7 +466,7 @@ static void chunk_128(CHUNK_ARGS)
 	CHUNK_BODY(row_128)
 }
 #else
-static inline void row_any(const struct rmw_view *v, uint64_t k, uint32_t zero)
+static inline void row_any(const struct rmw_view *v, uint64_t k, uint64_t ahead, uint32_t zero)
 {
 	uint32_t z = 0;
 	for (uint64_t j = v->first[k]; j < v->first[k + 1]; j++) {
@@ -456,6 +474,8 @@ static inline void row_any(const struct rmw_view *v, uint64_t k, uint32_t zero)
 		for (uint64_t i = 0; i < v->grad_row_bytes / 4; i++)
 			z += gp[i];
 	}
+	if (ahead)
+		prefetch_rmw_row(v, ahead);
 	z &= zero;
 	for (int a = 0; a < v->num_arrays; a++)
 		for (uint64_t i = 0; i < v->row_bytes[a] / 4; i++)
@@ -487,6 +507,7 @@ static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 		bytes += r->row_bytes[a];
 	}
 	const uint32_t dist = embd_backward_prefetch_rows(bytes), zero = r->zero;
+	const int after_grad = r->prefetch_after_grad;
 	for (;;) {
 		uint64_t lo = atomic_fetch_add_explicit(&r->next, RMW_CHUNK_ROWS, memory_order_relaxed);
 		if (lo >= r->n)
@@ -494,13 +515,13 @@ static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 		uint64_t hi = r->n - lo < RMW_CHUNK_ROWS ? r->n : lo + RMW_CHUNK_ROWS;
 #if defined(__x86_64__)
 		if (r->isa == EMBD_ISA_AVX512)
-			chunk_512(v, lo, hi, dist, zero);
+			chunk_512(v, lo, hi, dist, zero, after_grad);
 		else if (r->isa == EMBD_ISA_AVX2)
-			chunk_256(v, lo, hi, dist, zero);
+			chunk_256(v, lo, hi, dist, zero, after_grad);
 		else
-			chunk_128(v, lo, hi, dist, zero);
+			chunk_128(v, lo, hi, dist, zero, after_grad);
 #else
-		chunk_any(v, lo, hi, dist, zero);
+		chunk_any(v, lo, hi, dist, zero, after_grad);
 #endif
 	}
 }

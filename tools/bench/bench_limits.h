@@ -55,6 +55,8 @@ struct bench_rmw {
 	uint64_t n;
 	atomic_uint_fast64_t next;
 	volatile uint32_t zero;         /* 0, unknown to the compiler: the stores stay */
+	int prefetch_after_grad;        /* the rows ahead prefetched after a row's gradient reads,
+					 * not before them (bench_limits.c) */
 };
 
 /*
