@@ -4,7 +4,11 @@
  *
  * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
  *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
- *   compiler vectorizes with SSE2), in the kernel's passes over each bag (embd_forward_pass_cols:
+ *   compiler vectorizes with SSE2; fp16 rows 32 bytes on avx512 and avx2: the AVX-512 kernel
+ *   loads 16 halves at a time, and 64-byte loads made the limit slower than that kernel,
+ *   which read fp16 D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5
+ *   GB/s, 22.1-22.4 with 32-byte loads); AVX2's kernel loads 16 bytes, but 16-byte loads made
+ *   that limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s), in the kernel's passes over each bag (embd_forward_pass_cols:
  *   as many columns as its accumulators in registers hold), fully unrolled per pass width, the
  *   head of each pass's columns of the row embd_prefetch_rows() ids ahead prefetched as the
  *   kernel does (embd_prefetch_row_bytes: for one pass over a row that beat prefetching all
@@ -231,9 +235,11 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
 #if defined(__x86_64__)
-	if (g->isa == EMBD_ISA_AVX512)
+	/* fp16 rows (a pooled row twice theirs) 32 bytes a load on AVX-512 too (bench_limits.c's
+	 * head says why) */
+	if (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes != 2 * rb)
 		bags_any_512(g, b0, b1, pb, dist, sink, pass, last, lean);
-	else if (g->isa == EMBD_ISA_AVX2)
+	else if (g->isa == EMBD_ISA_AVX512 || g->isa == EMBD_ISA_AVX2)
 		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else
 		bags_any_128(g, b0, b1, pb, dist, sink, pass, last, lean);
