@@ -147,46 +147,53 @@ struct paired {
 	 * their medians */
 	double ratio_min, ratio_max;
 	double ref_repeat_spread;       /* (slowest - fastest) / median of the repeats' ref_ns */
-	double alt_won;                 /* share of runs the alternative reference was the faster */
+	double alt_won;                 /* share of measurements (--repeat) whose reference was the
+					 * alternative one: its median run the shorter */
 };
 
 /*
  * Runs of fn and of its reference ref alternate after a warm-up run of each, so that both see
  * the same machine (other processes come and go on a shared host). With alt_arg, each run of
- * the reference is also run over alt_arg (another way to do the same work) and the faster of
- * the two is the reference's time for that run.
+ * the reference is followed by one over alt_arg (another way to do the same work), and the
+ * way whose median run is the shorter is the reference (a median each, not the faster of each
+ * pair: that minimum of two noisy times would read low even where the two ways are one).
  */
 static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, step_fn ref,
 				 void *ref_arg, void *alt_arg)
 {
-	double a[MAX_RUNS], r[MAX_RUNS], q[MAX_RUNS], lo = 0, hi = 0;
-	uint64_t k = 0, kr = 0, ka = 0;
-	struct paired p = { .alt_won = 0 };
+	double a[MAX_RUNS], r[2][MAX_RUNS], q[2][MAX_RUNS], sorted[MAX_RUNS], med[2] = { 0, 0 };
+	uint64_t k = 0, kr[2] = { 0, 0 };
+	void *refs[2] = { ref_arg, alt_arg };
+	const int nref = alt_arg ? 2 : 1, runs = b->o.runs;
+	struct paired p;
 
-	run_steps(b, ref, ref_arg, &kr);
-	if (alt_arg)
-		run_steps(b, ref, alt_arg, &ka);
+	for (int j = 0; j < nref; j++)
+		run_steps(b, ref, refs[j], &kr[j]);
 	run_steps(b, fn, arg, &k);
-	for (int i = 0; i < b->o.runs; i++) {
-		r[i] = run_steps(b, ref, ref_arg, &kr);
-		if (alt_arg) {
-			double alt = run_steps(b, ref, alt_arg, &ka);
-			if (alt < r[i]) {
-				r[i] = alt;
-				p.alt_won += 1.0 / b->o.runs;
-			}
-		}
+	for (int i = 0; i < runs; i++) {
+		for (int j = 0; j < nref; j++)
+			r[j][i] = run_steps(b, ref, refs[j], &kr[j]);
 		a[i] = run_steps(b, fn, arg, &k);
-		q[i] = r[i] / a[i];
-		lo = i && lo < r[i] ? lo : r[i];
-		hi = hi > r[i] ? hi : r[i];
+		for (int j = 0; j < nref; j++)
+			q[j][i] = r[j][i] / a[i];
 	}
-	p.ns = bench_median(a, (size_t)b->o.runs);
-	p.ref_ns = bench_median(r, (size_t)b->o.runs);
-	p.ratio = bench_median(q, (size_t)b->o.runs);
+	for (int j = 0; j < nref; j++) {
+		memcpy(sorted, r[j], (size_t)runs * sizeof(*sorted));
+		med[j] = bench_median(sorted, (size_t)runs);
+	}
+	const int use = nref == 2 && med[1] < med[0];
+	double lo = 0, hi = 0;
+	for (int i = 0; i < runs; i++) {
+		lo = i && lo < r[use][i] ? lo : r[use][i];
+		hi = hi > r[use][i] ? hi : r[use][i];
+	}
+	p.ns = bench_median(a, (size_t)runs);
+	p.ref_ns = med[use];
+	p.ratio = bench_median(q[use], (size_t)runs);
 	p.ref_spread = (hi - lo) / p.ref_ns;
 	p.ratio_min = p.ratio_max = p.ratio;
 	p.ref_repeat_spread = 0;
+	p.alt_won = use;
 	return p;
 }
 
@@ -724,7 +731,7 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 		memset(os->momentum2, 0, m2b);
 	struct kernel_arg a = *proto;
 	a.shard = os;
-	/* the limit in both of its prefetch placements (bench_limits.c), the faster each run */
+	/* the limit in both of its prefetch placements (bench_limits.c), the faster one's */
 	struct rmw_arg ra[2] = {
 		{ b, u, { .isa = b->isa, .grad = (const uint8_t *)a.grad,
 			  .grad_row_bytes = (uint64_t)t->dim * 4 } },
@@ -741,12 +748,15 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 				ra[j].r.row_bytes[ra[j].r.num_arrays++] = sizes[i] / (uint64_t)t->rows;
 			}
 	struct paired p = paired_step_ns(b, backward_step, &a, rmw_step, &ra[0], &ra[1]);
-	/* the weights alone, in the placement that won more runs */
-	struct rmw_arg *won = &ra[p.alt_won > 0.5];
-	int nstate = won->r.num_arrays;
-	won->r.num_arrays = 1;
-	double weights_only_ns = median_step_ns(b, rmw_step, won);
-	won->r.num_arrays = nstate;
+	/* the weights alone, in the faster placement as well */
+	double weights_only_ns = 0;
+	for (int j = 0; j < 2; j++) {
+		int nstate = ra[j].r.num_arrays;
+		ra[j].r.num_arrays = 1;
+		double ns = median_step_ns(b, rmw_step, &ra[j]);
+		weights_only_ns = j == 0 || ns < weights_only_ns ? ns : weights_only_ns;
+		ra[j].r.num_arrays = nstate;
+	}
 	if (a.rc) {
 		fprintf(stderr, "embd-bench kernels: backward failed: %s\n", a.err.msg);
 		embd_shard_destroy(os);

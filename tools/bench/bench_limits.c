@@ -8,8 +8,9 @@
  *   loads 16 halves at a time, and 64-byte loads made the limit slower than that kernel,
  *   which read fp16 D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5
  *   GB/s, 22.1-22.4 with 32-byte loads); AVX2's kernel loads 16 bytes, but 16-byte loads made
- *   that limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s), in the kernel's passes over each bag (embd_forward_pass_cols:
- *   as many columns as its accumulators in registers hold), fully unrolled per pass width, the
+ *   that limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s), in the kernel's passes
+ *   over each bag (embd_forward_pass_cols: as many columns as its accumulators in registers
+ *   hold), fully unrolled per pass width, the
  *   head of each pass's columns of the row embd_prefetch_rows() ids ahead prefetched as the
  *   kernel does (embd_prefetch_row_bytes: for one pass over a row that beat prefetching all
  *   of it at every size; for rows the kernels' lean loop takes, one line at a time after the
@@ -35,15 +36,15 @@
  *   the kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows()
  *   rows ahead (before the row's gradient reads, or after them as the kernel orders them: which
  *   is faster depends on the isa and the optimizer, so the benchmark runs both and takes the
- *   faster each run; rowwise_adagrad D 128 P 20 on a Zen 4, 2026-12-05: AVX-512 1.41 ms a
- *   batch after against 1.52 before, where the kernel had read up to 1.14 times the limit
- *   placed before; AVX2 1.43 after against 1.20 before); and before a row is written, the
- *   gradient row (D fp32) of the bag of each of its occurrences read, which any exact update
- *   must do: a row's gradient is the sum of its occurrences' bag gradients. In row order these
- *   reads land at random in the batch's gradient (L2 and L3 hits, as many as there are ids);
- *   the one order that would read them in sequence, rows by their first occurrence, puts the
- *   rows at random instead and measured slower as a whole (D 128 P 20, 2026-12-03:
- *   sgd 2.88 against 2.74 ms a batch, adam 7.99 against 6.04). The gradient rows are not
+ *   one whose median run is the shorter; rowwise_adagrad D 128 P 20 on a Zen 4, 2026-12-05:
+ *   AVX-512 1.41 ms a batch after against 1.52 before, where the kernel had read 1.04-1.11 times
+ *   the limit placed before; AVX2 1.43 after against 1.20 before); and before a row is written, the
+ *   gradient row (D fp32) of the bag of each of its occurrences read, which any exact update must
+ *   do: a row's gradient is the sum of its occurrences' bag gradients. In row order these reads
+ *   land at random in the batch's gradient (L2 and L3 hits, as many as there are ids); the one
+ *   order that would read them in sequence, rows by their first occurrence, puts the rows at random
+ *   instead and measured slower as a whole (D 128 P 20, 2026-12-03: sgd 2.88 against 2.74 ms a
+ *   batch, adam 7.99 against 6.04). The gradient rows are not
  *   prefetched (nor are they by the kernel): prefetching them made this loop 5-10% slower,
  *   and so did a stream of one entry per occurrence, gradient row included, running on into
  *   the next chunk (AVX-512 7-25% slower, AVX2 mixed). It leaves out the kernel's reading of

@@ -11,10 +11,10 @@
  * the step: on the sharding type's plan (each rank's pinned threads on its own shards, all
  * ranks at once), every shard's gather of every id's row of the global batch (all trainers)
  * with the pooled rows stored, then every shard's read-modify-write of its distinct rows after
- * each one's occurrences' gradient rows are read (in both of its prefetch placements, the
- * faster each step, as `embd-bench kernels` takes it). table_wise and column_wise are modelled;
- * other types' lines carry no limit. The same threads also run the kernels themselves on that
- * plan, called as engine/step.c calls them (kernels_steps_per_s): the service against them
+ * each one's occurrences' gradient rows are read (in both of its prefetch placements, the one whose
+ * median is the shorter, as `embd-bench kernels` takes it). table_wise and column_wise are
+ * modelled; other types' lines carry no limit. The same threads also run the kernels themselves on
+ * that plan, called as engine/step.c calls them (kernels_steps_per_s): the service against them
  * (embd_ratio_to_kernels) is what its own work and the trainers' part of the step cost.
  * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
  * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
@@ -87,9 +87,10 @@ static uint32_t min_partition(const struct train_opts *o)
  * The limits of a step are timed on the plan the service makes for the sharding type: each
  * rank's thread(s), pinned as engine/ranks.c pins them, on its own shards (one array each, as
  * the service's), all ranks at once; every table's gather, then every table's update (the
- * step's order), then the kernels' forward and backward, each phase from the first rank's
- * start to the last rank's end (stamped by the ranks: the timing thread itself waits for a CPU
- * while every CPU holds a rank, and read phases 2-3 ms short that way).
+ * step's order) in each of its two prefetch placements, then the kernels' forward and
+ * backward, each phase from the first rank's start to the last rank's end (stamped by the
+ * ranks: the timing thread itself waits for a CPU while every CPU holds a rank, and read
+ * phases 2-3 ms short that way).
  */
 /* One shard of the plan: columns [col, col + cols) of a table, on a rank. */
 struct limit_piece {
@@ -524,7 +525,12 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	pthread_cond_broadcast(&run.opened);
 	pthread_mutex_unlock(&run.lock);
 	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first step warms up */
-		for (int phase = LIMIT_GATHER; phase <= KERNEL_BACKWARD; phase++) {
+		for (int step = LIMIT_GATHER; step <= KERNEL_BACKWARD; step++) {
+			/* the update's two placements take turns at going first, so that neither
+			 * always finds the other's gradient rows in cache */
+			int phase = r % 2 && (step == LIMIT_RMW || step == LIMIT_RMW_AFTER)
+					    ? LIMIT_RMW + LIMIT_RMW_AFTER - step
+					    : step;
 			if (phase == KERNEL_PREPARE && !run.shared_prep)
 				continue;
 			run.k = (uint32_t)(r % TRAIN_BATCHES);
@@ -555,10 +561,10 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	if (atomic_load(&run.failed))
 		goto out;
 	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
-	for (int r = 0; r < REPS; r++) /* each step's faster placement */
-		ms[LIMIT_RMW][r] = ms[LIMIT_RMW_AFTER][r] < ms[LIMIT_RMW][r] ? ms[LIMIT_RMW_AFTER][r]
-										 : ms[LIMIT_RMW][r];
-	out->rmw_ms = bench_median(ms[LIMIT_RMW], REPS);
+	/* the placement whose median is the shorter (as embd-bench kernels takes it) */
+	const double before_ms = bench_median(ms[LIMIT_RMW], REPS);
+	const double after_ms = bench_median(ms[LIMIT_RMW_AFTER], REPS);
+	out->rmw_ms = after_ms < before_ms ? after_ms : before_ms;
 	out->ms = out->gather_ms + out->rmw_ms;
 	for (int r = 0; r < REPS; r++)
 		ms[KERNEL_BACKWARD][r] += ms[KERNEL_PREPARE][r];
