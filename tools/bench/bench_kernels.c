@@ -34,6 +34,7 @@
 #include "kernels/workers.h"
 
 #define MAX_RUNS 64
+#define MAX_REFS BENCH_RMW_ORDERS       /* ways a reference may take (paired_once) */
 #define MAX_REPEATS 100
 #define POOL_IDS_MIN (4u << 20)        /* ids per table: their rows far exceed any cache */
 #define BACKWARD_DIM 128                /* the incoming gradient's width: the widest backward */
@@ -147,41 +148,42 @@ struct paired {
 	 * their medians */
 	double ratio_min, ratio_max;
 	double ref_repeat_spread;       /* (slowest - fastest) / median of the repeats' ref_ns */
-	double alt_won;                 /* share of measurements (--repeat) whose reference was the
-					 * alternative one: its median run the shorter */
+	int ref_won[MAX_REFS];          /* per reference: the measurements (--repeat) it was the
+					 * fastest in */
 };
 
 /*
  * Runs of fn and of its reference ref alternate after a warm-up run of each, so that both see
- * the same machine (other processes come and go on a shared host). With alt_arg, each run of
- * the reference is followed by one over alt_arg (another way to do the same work), and the
- * way whose median run is the shorter is the reference (a median each, not the faster of each
- * pair: that minimum of two noisy times would read low even where the two ways are one).
+ * the same machine (other processes come and go on a shared host). With several ref_args (ways
+ * to do the same work), each run of fn follows a run of each, and the way whose median run is
+ * the shortest is the reference (a median each, not the fastest of each round: that minimum of
+ * noisy times would read low even where the ways are one).
  */
 static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, step_fn ref,
-				 void *ref_arg, void *alt_arg)
+				 void *const *ref_args, int nref)
 {
-	double a[MAX_RUNS], r[2][MAX_RUNS], q[2][MAX_RUNS], sorted[MAX_RUNS], med[2] = { 0, 0 };
-	uint64_t k = 0, kr[2] = { 0, 0 };
-	void *refs[2] = { ref_arg, alt_arg };
-	const int nref = alt_arg ? 2 : 1, runs = b->o.runs;
-	struct paired p;
+	double a[MAX_RUNS], r[MAX_REFS][MAX_RUNS], q[MAX_REFS][MAX_RUNS], sorted[MAX_RUNS];
+	double med[MAX_REFS];
+	uint64_t k = 0, kr[MAX_REFS] = { 0 };
+	const int runs = b->o.runs;
+	struct paired p = { .ref_won = { 0 } };
 
 	for (int j = 0; j < nref; j++)
-		run_steps(b, ref, refs[j], &kr[j]);
+		run_steps(b, ref, ref_args[j], &kr[j]);
 	run_steps(b, fn, arg, &k);
 	for (int i = 0; i < runs; i++) {
 		for (int j = 0; j < nref; j++)
-			r[j][i] = run_steps(b, ref, refs[j], &kr[j]);
+			r[j][i] = run_steps(b, ref, ref_args[j], &kr[j]);
 		a[i] = run_steps(b, fn, arg, &k);
 		for (int j = 0; j < nref; j++)
 			q[j][i] = r[j][i] / a[i];
 	}
+	int use = 0;
 	for (int j = 0; j < nref; j++) {
 		memcpy(sorted, r[j], (size_t)runs * sizeof(*sorted));
 		med[j] = bench_median(sorted, (size_t)runs);
+		use = med[j] < med[use] ? j : use;
 	}
-	const int use = nref == 2 && med[1] < med[0];
 	double lo = 0, hi = 0;
 	for (int i = 0; i < runs; i++) {
 		lo = i && lo < r[use][i] ? lo : r[use][i];
@@ -193,7 +195,7 @@ static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, s
 	p.ref_spread = (hi - lo) / p.ref_ns;
 	p.ratio_min = p.ratio_max = p.ratio;
 	p.ref_repeat_spread = 0;
-	p.alt_won = use;
+	p.ref_won[use] = 1;
 	return p;
 }
 
@@ -221,18 +223,19 @@ static double max_of(const double *x, int n)
  * warm-up runs, as a separate invocation would).
  */
 static struct paired paired_step_ns(const struct bench *b, step_fn fn, void *arg, step_fn ref,
-				    void *ref_arg, void *alt_arg)
+				    void *const *ref_args, int nref)
 {
 	double ns[MAX_REPEATS], ref_ns[MAX_REPEATS], ratio[MAX_REPEATS], spread[MAX_REPEATS];
-	double alt_won = 0;
+	int won[MAX_REFS] = { 0 };
 	int n = b->o.repeats;
 	struct paired p;
 
 	if (n <= 1)
-		return paired_once(b, fn, arg, ref, ref_arg, alt_arg);
+		return paired_once(b, fn, arg, ref, ref_args, nref);
 	for (int i = 0; i < n; i++) {
-		p = paired_once(b, fn, arg, ref, ref_arg, alt_arg);
-		alt_won += p.alt_won / n;
+		p = paired_once(b, fn, arg, ref, ref_args, nref);
+		for (int j = 0; j < nref; j++)
+			won[j] += p.ref_won[j];
 		ns[i] = p.ns;
 		ref_ns[i] = p.ref_ns;
 		ratio[i] = p.ratio;
@@ -245,7 +248,7 @@ static struct paired paired_step_ns(const struct bench *b, step_fn fn, void *arg
 	p.ref_spread = bench_median(spread, (size_t)n);
 	p.ref_ns = bench_median(ref_ns, (size_t)n);
 	p.ref_repeat_spread = (max_of(ref_ns, n) - min_of(ref_ns, n)) / p.ref_ns;
-	p.alt_won = alt_won;
+	memcpy(p.ref_won, won, sizeof(won));
 	return p;
 }
 
@@ -505,6 +508,12 @@ static void rmw_step(void *arg, uint64_t k)
 	bench_rmw_run(ra->b->workers, &ra->r);
 }
 
+static const char *const rmw_order_names[BENCH_RMW_ORDERS] = {
+	[BENCH_RMW_PREFETCH_FIRST] = "prefetch_first",
+	[BENCH_RMW_GRAD_FIRST] = "grad_first",
+	[BENCH_RMW_GRAD_FIRST_UNROLLED] = "grad_first_unrolled",
+};
+
 /* ---- FBGEMM ------------------------------------------------------------------------------ */
 
 /* FBGEMM's results for one config; ns 0 when it did not run. */
@@ -644,7 +653,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P } };
 		set_offsets(offsets, b->o.batch, P);
-		res[n] = paired_step_ns(b, forward_step, &a, gather_step, &g, NULL);
+		void *refs[1] = { &g };
+		res[n] = paired_step_ns(b, forward_step, &a, gather_step, refs, 1);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
 			return 1;
@@ -731,26 +741,34 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 		memset(os->momentum2, 0, m2b);
 	struct kernel_arg a = *proto;
 	a.shard = os;
-	/* the limit in both of its prefetch placements (bench_limits.c), the faster one's */
-	struct rmw_arg ra[2] = {
-		{ b, u, { .isa = b->isa, .grad = (const uint8_t *)a.grad,
-			  .grad_row_bytes = (uint64_t)t->dim * 4 } },
-		{ b, u, { .isa = b->isa, .grad = (const uint8_t *)a.grad,
-			  .grad_row_bytes = (uint64_t)t->dim * 4, .prefetch_after_grad = 1 } },
-	};
+	/* the limit in each of its orders (bench_limits.c), the fastest one's */
+	struct rmw_arg ra[BENCH_RMW_ORDERS];
+	void *refs[BENCH_RMW_ORDERS];
 	uint64_t state_row = (m1b + m2b) / (uint64_t)t->rows;
 	void *arrays[3] = { os->weights, os->momentum1, os->momentum2 };
 	uint64_t sizes[3] = { wb, m1b, m2b };
-	for (int j = 0; j < 2; j++)
+	for (int j = 0; j < BENCH_RMW_ORDERS; j++) {
+		memset(&ra[j], 0, sizeof(ra[j]));
+		ra[j].b = b;
+		ra[j].u = u;
+		ra[j].r.isa = b->isa;
+		ra[j].r.grad = (const uint8_t *)a.grad;
+		ra[j].r.grad_row_bytes = (uint64_t)t->dim * 4;
+		ra[j].r.order = (enum bench_rmw_order)j;
+		refs[j] = &ra[j];
 		for (int i = 0; i < 3; i++)
 			if (sizes[i]) {
 				ra[j].r.arrays[ra[j].r.num_arrays] = arrays[i];
 				ra[j].r.row_bytes[ra[j].r.num_arrays++] = sizes[i] / (uint64_t)t->rows;
 			}
-	struct paired p = paired_step_ns(b, backward_step, &a, rmw_step, &ra[0], &ra[1]);
-	/* the weights alone, in the faster placement as well */
+	}
+	struct paired p = paired_step_ns(b, backward_step, &a, rmw_step, refs, BENCH_RMW_ORDERS);
+	int order = 0;                  /* the order fastest in most measurements */
+	for (int j = 0; j < BENCH_RMW_ORDERS; j++)
+		order = p.ref_won[j] > p.ref_won[order] ? j : order;
+	/* the weights alone, in the fastest order as well */
 	double weights_only_ns = 0;
-	for (int j = 0; j < 2; j++) {
+	for (int j = 0; j < BENCH_RMW_ORDERS; j++) {
 		int nstate = ra[j].r.num_arrays;
 		ra[j].r.num_arrays = 1;
 		double ns = median_step_ns(b, rmw_step, &ra[j]);
@@ -775,10 +793,10 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 	       "\"batch\":%u,\"table_bytes\":%llu,\"state_bytes\":%llu,\"unique_rows_per_batch\":%.0f,"
 	       "\"ns_per_batch\":%.0f,\"gbps\":%.2f,\"limit\":\"read_modify_write\",\"limit_gbps\":%.2f,"
 	       "\"limit_spread\":%.3f,\"ratio_to_limit\":%.3f,\"limit_ns\":%.0f,"
-	       "\"limit_weights_only_ns\":%.0f,\"limit_prefetch_after_grad_won\":%.2f", name, t->dim,
-	       BACKWARD_P, t->dim, BACKWARD_P, b->o.batch, (unsigned long long)wb,
+	       "\"limit_weights_only_ns\":%.0f,\"limit_order\":\"%s\"", name, t->dim, BACKWARD_P,
+	       t->dim, BACKWARD_P, b->o.batch, (unsigned long long)wb,
 	       (unsigned long long)(m1b + m2b), unique, p.ns, bytes / p.ns, bytes / p.ref_ns,
-	       p.ref_spread, p.ratio, p.ref_ns, weights_only_ns, p.alt_won);
+	       p.ref_spread, p.ratio, p.ref_ns, weights_only_ns, rmw_order_names[order]);
 	print_repeats(b, &p);
 	print_phases(b, backward_step, &a);
 	print_theirs(b, backward_step, &a, p.ns, &th);
@@ -858,7 +876,8 @@ static int bench_column_halves(struct bench *b, const struct table *t, int64_t *
 		embd_shard_init_weights(h.half[i], 1, &b->exec);
 	}
 	if (!rc) {
-		struct paired p = paired_step_ns(b, halves_shared_step, &h, halves_per_shard_step, &h, NULL);
+		struct paired p = paired_step_ns(b, halves_shared_step, &h, halves_per_shard_step,
+					  (void *[]){ &h }, 1);
 		if (h.a.rc) {
 			fprintf(stderr, "embd-bench kernels: backward failed: %s\n", h.a.err.msg);
 			rc = 1;

@@ -34,11 +34,14 @@
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as
  *   the kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows()
- *   rows ahead (before the row's gradient reads, or after them as the kernel orders them: which
- *   is faster depends on the isa and the optimizer, so the benchmark runs both and takes the
- *   one whose median run is the shorter; rowwise_adagrad D 128 P 20 on a Zen 4, 2026-12-05:
- *   AVX-512 1.41 ms a batch after against 1.52 before, where the kernel had read 1.04-1.11 times
- *   the limit placed before; AVX2 1.43 after against 1.20 before); and before a row is written, the
+ *   rows ahead (before the row's gradient reads, or after them as the kernel orders them, and
+ *   after them with the gradient loads unrolled and the arrays of under a line a row written
+ *   first: enum bench_rmw_order. Which is fastest depends on the isa and the optimizer, so the
+ *   benchmarks run each and take the one whose median run is the shortest; rowwise_adagrad D
+ *   128 P 20 on a Zen 4, 2026-12-05: AVX-512 1.41 ms a batch after against 1.52 before, where
+ *   the kernel had read 1.04-1.11 times the limit placed before, and 1.03-1.41 unrolled against
+ *   1.35-1.56 (the kernel at 1.0 of the second); AVX2 1.43 after against 1.20 before, and
+ *   unrolled 17-22% slower); and before a row is written, the
  *   gradient row (D fp32) of the bag of each of its occurrences read, which any exact update must
  *   do: a row's gradient is the sum of its occurrences' bag gradients. In row order these reads
  *   land at random in the batch's gradient (L2 and L3 hits, as many as there are ids); the one
@@ -332,6 +335,7 @@ struct rmw_view {
 	uint8_t *arrays[3];
 	uint64_t row_bytes[3];
 	int num_arrays;
+	int unrolled;                   /* the gradient rows' loads unrolled */
 	const uint8_t *grad;
 	uint64_t grad_row_bytes;
 	const uint64_t *rows, *first;
@@ -382,8 +386,11 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 	uint32_t zt = 0;                                                                          \
 	for (uint64_t j = v->first[k]; j < v->first[k + 1]; j++) {                                \
 		const uint8_t *gp = v->grad + (uint64_t)v->bags[j] * grb;                         \
-		for (uint64_t o = 0; o < gvec; o += sizeof(VTYPE))                                \
-			z = VADD(z, VLOAD((const void *)(gp + o)));                               \
+		if (v->unrolled)                                                                  \
+			GRAD_SWITCH(VTYPE, VLOAD, VADD)                                           \
+		else                                                                              \
+			for (uint64_t o = 0; o < gvec; o += sizeof(VTYPE))                        \
+				z = VADD(z, VLOAD((const void *)(gp + o)));                       \
 		for (uint64_t o = gvec; o < grb; o += 4)                                          \
 			zt += *(const uint32_t *)(gp + o);                                        \
 	}                                                                                         \
@@ -397,6 +404,23 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 		RMW_SWITCH(RMW)                                                                   \
 		for (uint64_t o = rvec; o < rb; o += 4)                                           \
 			*(uint32_t *)(p + o) += zt;                                               \
+	}
+
+/* A gradient row's vectors summed into z, unrolled for rows of 128 bytes to 1 KiB. */
+#define GRAD_SUM(VTYPE, VLOAD, VADD, N)                                                           \
+	{                                                                                         \
+		_Pragma("GCC unroll 64") for (uint32_t u = 0; u < (N); u++)                       \
+			z = VADD(z, VLOAD((const void *)(gp + (uint64_t)u * sizeof(VTYPE))));    \
+	}
+#define GRAD_SWITCH(VTYPE, VLOAD, VADD)                                                           \
+	switch (gvec) {                                                                           \
+	case 128: GRAD_SUM(VTYPE, VLOAD, VADD, 128 / sizeof(VTYPE)) break;                        \
+	case 256: GRAD_SUM(VTYPE, VLOAD, VADD, 256 / sizeof(VTYPE)) break;                        \
+	case 512: GRAD_SUM(VTYPE, VLOAD, VADD, 512 / sizeof(VTYPE)) break;                        \
+	case 1024: GRAD_SUM(VTYPE, VLOAD, VADD, 1024 / sizeof(VTYPE)) break;                      \
+	default:                                                                                  \
+		for (uint64_t o = 0; o < gvec; o += sizeof(VTYPE))                                \
+			z = VADD(z, VLOAD((const void *)(gp + o)));                               \
 	}
 
 #define RMW_BODY(VTYPE, VBYTES, VLOAD, VADD, VSTORE)                                              \
@@ -502,19 +526,23 @@ static void chunk_any(CHUNK_ARGS)
 static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bench_rmw *r = arg;
-	struct rmw_view v = { .num_arrays = r->num_arrays, .grad = r->grad,
+	const int unrolled = r->order == BENCH_RMW_GRAD_FIRST_UNROLLED;
+	struct rmw_view v = { .unrolled = unrolled, .grad = r->grad,
 			      .grad_row_bytes = r->grad_row_bytes, .rows = r->rows,
 			      .first = r->first, .bags = r->bags };
 	uint64_t bytes = 0;
 
 	(void)w, (void)nw;
-	for (int a = 0; a < r->num_arrays; a++) {
-		v.arrays[a] = r->arrays[a];
-		v.row_bytes[a] = r->row_bytes[a];
-		bytes += r->row_bytes[a];
-	}
+	/* in the unrolled order, arrays of under a line a row first, then the others */
+	for (int narrow = unrolled; narrow >= 0; narrow--)
+		for (int a = 0; a < r->num_arrays; a++)
+			if (!unrolled || (r->row_bytes[a] < EMBD_CACHE_LINE_BYTES) == narrow) {
+				v.arrays[v.num_arrays] = r->arrays[a];
+				v.row_bytes[v.num_arrays++] = r->row_bytes[a];
+				bytes += r->row_bytes[a];
+			}
 	const uint32_t dist = embd_backward_prefetch_rows(bytes), zero = r->zero;
-	const int after_grad = r->prefetch_after_grad;
+	const int after_grad = r->order != BENCH_RMW_PREFETCH_FIRST;
 	for (;;) {
 		uint64_t lo = atomic_fetch_add_explicit(&r->next, RMW_CHUNK_ROWS, memory_order_relaxed);
 		if (lo >= r->n)

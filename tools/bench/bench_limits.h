@@ -42,6 +42,20 @@ void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
  * prefetch distance and vector width for isa, after the gradient rows of the row's
  * occurrences (bags[first[k], first[k + 1]) for row k) are read.
  */
+/*
+ * The orders the read-modify-write limit can walk a row in: which is the fastest depends on the
+ * isa and the optimizer (bench_limits.c), so the benchmarks run each and take the fastest.
+ */
+enum bench_rmw_order {
+	BENCH_RMW_PREFETCH_FIRST,       /* the rows ahead prefetched, then the row's gradients read */
+	BENCH_RMW_GRAD_FIRST,           /* the gradients read, then the rows ahead prefetched, as the
+					 * kernel orders them */
+	BENCH_RMW_GRAD_FIRST_UNROLLED,  /* GRAD_FIRST with the gradient rows' loads unrolled and the
+					 * arrays of under a line a row written first, as the kernel's
+					 * rowwise_adagrad reads its state first */
+	BENCH_RMW_ORDERS
+};
+
 struct bench_rmw {
 	uint8_t *arrays[3];
 	uint64_t row_bytes[3];          /* per row of each array; a multiple of 4 */
@@ -55,8 +69,7 @@ struct bench_rmw {
 	uint64_t n;
 	atomic_uint_fast64_t next;
 	volatile uint32_t zero;         /* 0, unknown to the compiler: the stores stay */
-	int prefetch_after_grad;        /* the rows ahead prefetched after a row's gradient reads,
-					 * not before them (bench_limits.c) */
+	enum bench_rmw_order order;
 };
 
 /*

@@ -320,7 +320,8 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			rm->first = b->first;
 			rm->bags = b->bags;
 			rm->n = b->n_rows;
-			rm->prefetch_after_grad = run->phase == LIMIT_RMW_AFTER;
+			rm->order = run->phase == LIMIT_RMW_AFTER ? BENCH_RMW_GRAD_FIRST
+								   : BENCH_RMW_PREFETCH_FIRST;
 			bench_rmw_run(workers, rm);
 		}
 	}

@@ -68,19 +68,19 @@ Test(bench_limits, rmw_leaves_every_array_unchanged)
 		if (!embd_kernels_isa_supported(isas[i]))
 			continue;
 		for (int nw = 1; nw <= 2; nw++)
-			for (int after = 0; after <= 1; after++) {
+			for (int order = 0; order < BENCH_RMW_ORDERS; order++) {
 				struct bench_rmw r = {
 					.arrays = { (uint8_t *)w, (uint8_t *)m1, (uint8_t *)m2 },
 					.row_bytes = { D * 4, D * 4, 4 }, .num_arrays = 3,
 					.grad = (const uint8_t *)grad, .grad_row_bytes = D * 4,
 					.isa = isas[i], .rows = rows, .first = first, .bags = bags, .n = n,
-					.prefetch_after_grad = after,
+					.order = (enum bench_rmw_order)order,
 				};
 				bench_rmw_run(nw == 2 ? two : NULL, &r);
 				cr_expect(!memcmp(w, w0, ROWS * D * 4) &&
 					  !memcmp(m1, m10, ROWS * D * 4) && !memcmp(m2, m20, ROWS * 4),
-					  "%s, %d workers, prefetch after gradients %d: an array changed",
-					  embd_kernels_isa_name(isas[i]), nw, after);
+					  "%s, %d workers, order %d: an array changed",
+					  embd_kernels_isa_name(isas[i]), nw, order);
 			}
 	}
 	embd_workers_destroy(two);
@@ -93,7 +93,7 @@ Test(bench_limits, rmw_leaves_every_array_unchanged)
  * read: every word of a batch's row gains its occurrences times 32 / lanes (gradient words of
  * 1, D 32: each vector lane sums 32 / lanes words per gradient row), other rows nothing. Many
  * chunks, so that the prefetch stream crosses from one into the next, with 1 and 2 workers,
- * and the rows ahead prefetched before and after a row's gradient reads.
+ * and in every order of enum bench_rmw_order.
  */
 Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
 {
@@ -131,14 +131,14 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
 #else
 		uint32_t lanes = 1;
 #endif
-		for (int run = 0; run < 4; run++) {
-			const int nw = 1 + run % 2, after = run / 2;
+		for (int run = 0; run < 2 * BENCH_RMW_ORDERS; run++) {
+			const int nw = 1 + run % 2, order = run / 2;
 			struct bench_rmw r = {
 				.arrays = { (uint8_t *)w, (uint8_t *)m1, (uint8_t *)m2 },
 				.row_bytes = { D * 4, D * 4, 4 }, .num_arrays = 3,
 				.grad = (const uint8_t *)grad, .grad_row_bytes = D * 4, .isa = isas[i],
 				.rows = rows_n, .first = first_n, .bags = bags, .n = n, .zero = UINT32_MAX,
-				.prefetch_after_grad = after,
+				.order = (enum bench_rmw_order)order,
 			};
 			memset(w, 0, ROWS * D * 4);
 			memset(m1, 0, ROWS * D * 4);
@@ -152,9 +152,9 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
 						wrong++;
 				if (m2[row] != want)
 					wrong++;
-				cr_expect(!wrong, "%s, %d workers, prefetch after gradients %d: row %u (%u "
-					  "occurrences): %u %u %u, want %u", embd_kernels_isa_name(isas[i]),
-					  nw, after, row, times[row], w[row * D], m1[row * D], m2[row], want);
+				cr_expect(!wrong, "%s, %d workers, order %d: row %u (%u occurrences): "
+					  "%u %u %u, want %u", embd_kernels_isa_name(isas[i]), nw, order,
+					  row, times[row], w[row * D], m1[row * D], m2[row], want);
 			}
 		}
 	}
