@@ -16,6 +16,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <assert.h>
 #include <cjson/cJSON.h>
 #include <pthread.h>
 #include <sched.h>
@@ -168,6 +169,7 @@ static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, s
 	const int runs = b->o.runs;
 	struct paired p = { .ref_won = { 0 } };
 
+	assert(nref >= 1 && nref <= MAX_REFS); /* the callers' own constants */
 	for (int j = 0; j < nref; j++)
 		run_steps(b, ref, ref_args[j], &kr[j]);
 	run_steps(b, fn, arg, &k);
@@ -766,15 +768,11 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 	int order = 0;                  /* the order fastest in most measurements */
 	for (int j = 0; j < BENCH_RMW_ORDERS; j++)
 		order = p.ref_won[j] > p.ref_won[order] ? j : order;
-	/* the weights alone, in the fastest order as well */
-	double weights_only_ns = 0;
-	for (int j = 0; j < BENCH_RMW_ORDERS; j++) {
-		int nstate = ra[j].r.num_arrays;
-		ra[j].r.num_arrays = 1;
-		double ns = median_step_ns(b, rmw_step, &ra[j]);
-		weights_only_ns = j == 0 || ns < weights_only_ns ? ns : weights_only_ns;
-		ra[j].r.num_arrays = nstate;
-	}
+	/* the weights alone, in that order */
+	int nstate = ra[order].r.num_arrays;
+	ra[order].r.num_arrays = 1;
+	double weights_only_ns = median_step_ns(b, rmw_step, &ra[order]);
+	ra[order].r.num_arrays = nstate;
 	if (a.rc) {
 		fprintf(stderr, "embd-bench kernels: backward failed: %s\n", a.err.msg);
 		embd_shard_destroy(os);
@@ -798,6 +796,12 @@ static int bench_backward_opt(struct bench *b, const struct table *t, int opt,
 	       (unsigned long long)(m1b + m2b), unique, p.ns, bytes / p.ns, bytes / p.ref_ns,
 	       p.ref_spread, p.ratio, p.ref_ns, weights_only_ns, rmw_order_names[order]);
 	print_repeats(b, &p);
+	if (b->o.repeats > 1) {
+		printf(",\"limit_order_won\":{");
+		for (int j = 0; j < BENCH_RMW_ORDERS; j++)
+			printf("%s\"%s\":%d", j ? "," : "", rmw_order_names[j], p.ref_won[j]);
+		printf("}");
+	}
 	print_phases(b, backward_step, &a);
 	print_theirs(b, backward_step, &a, p.ns, &th);
 	printf("}\n");

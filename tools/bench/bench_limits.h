@@ -37,12 +37,6 @@ struct bench_gather {
 void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
 
 /*
- * The backward limit: every row of rows[0, n) (distinct, ascending) read and written back
- * unchanged in each array (the weights and each optimizer state array), with the kernels'
- * prefetch distance and vector width for isa, after the gradient rows of the row's
- * occurrences (bags[first[k], first[k + 1]) for row k) are read.
- */
-/*
  * The orders the read-modify-write limit can walk a row in: which is the fastest depends on the
  * isa and the optimizer (bench_limits.c), so the benchmarks run each and take the fastest.
  */
@@ -56,6 +50,12 @@ enum bench_rmw_order {
 	BENCH_RMW_ORDERS
 };
 
+/*
+ * The backward limit: every row of rows[0, n) (distinct, ascending) read and written back
+ * unchanged in each array (the weights and each optimizer state array), with the kernels'
+ * prefetch distance and vector width for isa, after the gradient rows of the row's
+ * occurrences (bags[first[k], first[k + 1]) for row k) are read.
+ */
 struct bench_rmw {
 	uint8_t *arrays[3];
 	uint64_t row_bytes[3];          /* per row of each array; a multiple of 4 */

@@ -11,7 +11,7 @@
  * the step: on the sharding type's plan (each rank's pinned threads on its own shards, all
  * ranks at once), every shard's gather of every id's row of the global batch (all trainers)
  * with the pooled rows stored, then every shard's read-modify-write of its distinct rows after
- * each one's occurrences' gradient rows are read (in both of its prefetch placements, the one whose
+ * each one's occurrences' gradient rows are read (in each of its orders, the one whose
  * median is the shorter, as `embd-bench kernels` takes it). table_wise and column_wise are
  * modelled; other types' lines carry no limit. The same threads also run the kernels themselves on
  * that plan, called as engine/step.c calls them (kernels_steps_per_s): the service against them
@@ -87,7 +87,7 @@ static uint32_t min_partition(const struct train_opts *o)
  * The limits of a step are timed on the plan the service makes for the sharding type: each
  * rank's thread(s), pinned as engine/ranks.c pins them, on its own shards (one array each, as
  * the service's), all ranks at once; every table's gather, then every table's update (the
- * step's order) in each of its two prefetch placements, then the kernels' forward and
+ * step's order) in each of its orders (enum bench_rmw_order), then the kernels' forward and
  * backward, each phase from the first rank's start to the last rank's end (stamped by the
  * ranks: the timing thread itself waits for a CPU while every CPU holds a rank, and read
  * phases 2-3 ms short that way).
@@ -135,8 +135,8 @@ struct limit_run {
 };
 
 enum limit_phase {
-	LIMIT_GATHER, LIMIT_RMW, LIMIT_RMW_AFTER, /* the limits (the update in both of its
-						   * prefetch placements: bench_limits.c) */
+	LIMIT_GATHER, LIMIT_RMW,                /* the limits: the update in each order of */
+	LIMIT_RMW_LAST = LIMIT_RMW + BENCH_RMW_ORDERS - 1, /* enum bench_rmw_order, LIMIT_RMW + it */
 	KERNEL_FORWARD, KERNEL_PREPARE, KERNEL_BACKWARD, /* the kernels */
 	LIMIT_STOP
 };
@@ -320,8 +320,7 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			rm->first = b->first;
 			rm->bags = b->bags;
 			rm->n = b->n_rows;
-			rm->order = run->phase == LIMIT_RMW_AFTER ? BENCH_RMW_GRAD_FIRST
-								   : BENCH_RMW_PREFETCH_FIRST;
+			rm->order = (enum bench_rmw_order)(run->phase - LIMIT_RMW);
 			bench_rmw_run(workers, rm);
 		}
 	}
@@ -527,10 +526,10 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	pthread_mutex_unlock(&run.lock);
 	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first step warms up */
 		for (int step = LIMIT_GATHER; step <= KERNEL_BACKWARD; step++) {
-			/* the update's two placements take turns at going first, so that neither
-			 * always finds the other's gradient rows in cache */
-			int phase = r % 2 && (step == LIMIT_RMW || step == LIMIT_RMW_AFTER)
-					    ? LIMIT_RMW + LIMIT_RMW_AFTER - step
+			/* the update's orders take turns at going first, so that none always
+			 * finds another's gradient rows in cache */
+			int phase = step >= LIMIT_RMW && step <= LIMIT_RMW_LAST
+					    ? LIMIT_RMW + (step - LIMIT_RMW + r) % BENCH_RMW_ORDERS
 					    : step;
 			if (phase == KERNEL_PREPARE && !run.shared_prep)
 				continue;
@@ -562,10 +561,11 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	if (atomic_load(&run.failed))
 		goto out;
 	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
-	/* the placement whose median is the shorter (as embd-bench kernels takes it) */
-	const double before_ms = bench_median(ms[LIMIT_RMW], REPS);
-	const double after_ms = bench_median(ms[LIMIT_RMW_AFTER], REPS);
-	out->rmw_ms = after_ms < before_ms ? after_ms : before_ms;
+	/* the order whose median is the shortest (as embd-bench kernels takes it) */
+	for (int phase = LIMIT_RMW; phase <= LIMIT_RMW_LAST; phase++) {
+		const double median_ms = bench_median(ms[phase], REPS);
+		out->rmw_ms = phase == LIMIT_RMW || median_ms < out->rmw_ms ? median_ms : out->rmw_ms;
+	}
 	out->ms = out->gather_ms + out->rmw_ms;
 	for (int r = 0; r < REPS; r++)
 		ms[KERNEL_BACKWARD][r] += ms[KERNEL_PREPARE][r];
