@@ -163,7 +163,7 @@ struct paired {
 static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, step_fn ref,
 				 void *const *ref_args, int nref)
 {
-	double a[MAX_RUNS], r[MAX_REFS][MAX_RUNS], q[MAX_REFS][MAX_RUNS], sorted[MAX_RUNS];
+	double a[MAX_RUNS], r[MAX_REFS][MAX_RUNS], q[MAX_RUNS], sorted[MAX_RUNS];
 	double med[MAX_REFS];
 	uint64_t k = 0, kr[MAX_REFS] = { 0 };
 	const int runs = b->o.runs;
@@ -177,8 +177,6 @@ static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, s
 		for (int j = 0; j < nref; j++)
 			r[j][i] = run_steps(b, ref, ref_args[j], &kr[j]);
 		a[i] = run_steps(b, fn, arg, &k);
-		for (int j = 0; j < nref; j++)
-			q[j][i] = r[j][i] / a[i];
 	}
 	int use = 0;
 	for (int j = 0; j < nref; j++) {
@@ -188,12 +186,13 @@ static struct paired paired_once(const struct bench *b, step_fn fn, void *arg, s
 	}
 	double lo = 0, hi = 0;
 	for (int i = 0; i < runs; i++) {
+		q[i] = r[use][i] / a[i];
 		lo = i && lo < r[use][i] ? lo : r[use][i];
 		hi = hi > r[use][i] ? hi : r[use][i];
 	}
+	p.ratio = bench_median(q, (size_t)runs);
 	p.ns = bench_median(a, (size_t)runs);
 	p.ref_ns = med[use];
-	p.ratio = bench_median(q[use], (size_t)runs);
 	p.ref_spread = (hi - lo) / p.ref_ns;
 	p.ratio_min = p.ratio_max = p.ratio;
 	p.ref_repeat_spread = 0;
@@ -655,8 +654,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P } };
 		set_offsets(offsets, b->o.batch, P);
-		void *refs[1] = { &g };
-		res[n] = paired_step_ns(b, forward_step, &a, gather_step, refs, 1);
+		res[n] = paired_step_ns(b, forward_step, &a, gather_step, (void *[]){ &g }, 1);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
 			return 1;

@@ -5,59 +5,57 @@
  * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
  *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
  *   compiler vectorizes with SSE2; fp16 rows 32 bytes on avx512 and avx2: the AVX-512 kernel
- *   loads 16 halves at a time, and 64-byte loads made the limit slower than that kernel,
- *   which read fp16 D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5
- *   GB/s, 22.1-22.4 with 32-byte loads); AVX2's kernel loads 16 bytes, but 16-byte loads made
- *   that limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s), in the kernel's passes
- *   over each bag (embd_forward_pass_cols: as many columns as its accumulators in registers
- *   hold), fully unrolled per pass width, the
- *   head of each pass's columns of the row embd_prefetch_rows() ids ahead prefetched as the
- *   kernel does (embd_prefetch_row_bytes: for one pass over a row that beat prefetching all
- *   of it at every size; for rows the kernels' lean loop takes, one line at a time after the
- *   load that starts the same line, the id ahead read without a clamp but in the chunk's last
- *   bags, where it is clamped to the chunk: the kernel reads its rows ahead from a padded
- *   window, and a clamp on every id was a cost the kernel no longer has; the last bags'
- *   compare and move, on the 2-3% of ids whose row ahead would pass the chunk's end (P 1 to
- *   100), are left in as a fraction of a percent of the limit's instructions), chunks of
- *   ids grabbed from one counter by the same workers; and
+ *   loads 16 halves at a time, and 64-byte loads made the limit slower than that kernel, which
+ *   read fp16 D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s,
+ *   22.1-22.4 with 32-byte loads); AVX2's kernel loads 16 bytes, but 16-byte loads made that
+ *   limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s), in the kernel's passes over
+ *   each bag (embd_forward_pass_cols: as many columns as its accumulators in registers hold),
+ *   fully unrolled per pass width, the head of each pass's columns of the row
+ *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes: for
+ *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
+ *   lean loop takes, one line at a time after the load that starts the same line, the id ahead
+ *   read without a clamp but in the chunk's last bags, where it is clamped to the chunk: the
+ *   kernel reads its rows ahead from a padded window, and a clamp on every id was a cost the
+ *   kernel no longer has; the last bags' compare and move, on the 2-3% of ids whose row ahead
+ *   would pass the chunk's end (P 1 to 100), are left in as a fraction of a percent of the
+ *   limit's instructions), chunks of ids grabbed from one counter by the same workers; and
  *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
- *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads).
- *   It checks no id, multiplies by no weight and keeps no per-column sums: the loads feed
- *   integer adds into four rotating accumulators (one cycle, no denormal assists on fp16 bits,
- *   no chain that holds back the loads of later rows). So it does what the kernel must do
- *   to move the same bytes in the same order, with the same prefetches, and nothing else; a
- *   kernel can only approach it, provided the limit's own loop costs no more than the
- *   kernel's: hence the unrolled stores from registers (with accumulators spilled to the stack
- *   for a store loop of run-time length, P = 1 rows paid a spill and a reload each, and the
- *   kernel read up to 1.14 times its limit there; docs/benchmarks.md).
+ *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads). It
+ *   checks no id, multiplies by no weight and keeps no per-column sums: the loads feed integer
+ *   adds into four rotating accumulators (one cycle, no denormal assists on fp16 bits, no chain
+ *   that holds back the loads of later rows). So it does what the kernel must do to move the
+ *   same bytes in the same order, with the same prefetches, and nothing else; a kernel can only
+ *   approach it, provided the limit's own loop costs no more than the kernel's: hence the
+ *   unrolled stores from registers (with accumulators spilled to the stack for a store loop of
+ *   run-time length, P = 1 rows paid a spill and a reload each, and the kernel read up to 1.14
+ *   times its limit there; docs/benchmarks.md).
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
- *   once in the weights and in each optimizer state array, every array's row prefetched as
- *   the kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows()
- *   rows ahead (before the row's gradient reads, or after them as the kernel orders them, and
- *   after them with the gradient loads unrolled and the arrays of under a line a row written
- *   first: enum bench_rmw_order. Which is fastest depends on the isa and the optimizer, so the
+ *   once in the weights and in each optimizer state array, every array's row prefetched as the
+ *   kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows() rows
+ *   ahead (before the row's gradient reads, or after them as the kernel orders them, and after
+ *   them with the gradient loads unrolled and the arrays of under a line a row written first:
+ *   enum bench_rmw_order. Which is fastest depends on the isa and the optimizer, so the
  *   benchmarks run each and take the one whose median run is the shortest; rowwise_adagrad D
  *   128 P 20 on a Zen 4, 2026-12-05: AVX-512 1.41 ms a batch after against 1.52 before, where
  *   the kernel had read 1.04-1.11 times the limit placed before, and 1.03-1.41 unrolled against
  *   1.35-1.56 (the kernel at 1.0 of the second); AVX2 1.43 after against 1.20 before, and
- *   unrolled 17-22% slower); and before a row is written, the
- *   gradient row (D fp32) of the bag of each of its occurrences read, which any exact update must
- *   do: a row's gradient is the sum of its occurrences' bag gradients. In row order these reads
- *   land at random in the batch's gradient (L2 and L3 hits, as many as there are ids); the one
- *   order that would read them in sequence, rows by their first occurrence, puts the rows at random
- *   instead and measured slower as a whole (D 128 P 20, 2026-12-03: sgd 2.88 against 2.74 ms a
- *   batch, adam 7.99 against 6.04). The gradient rows are not
- *   prefetched (nor are they by the kernel): prefetching them made this loop 5-10% slower,
- *   and so did a stream of one entry per occurrence, gradient row included, running on into
- *   the next chunk (AVX-512 7-25% slower, AVX2 mixed). It leaves out the kernel's reading of
- *   ids, the grouping of occurrences and all arithmetic. Each chunk of rows is walked by one
- *   function of the isa's width, the row code inlined and the batch's pointers and sizes in a
- *   local, as the kernel's row loop has them: with a call per row into the isa's row function,
- *   which read them again through the bench_rmw pointer after every store (a store through a
- *   byte pointer may alias it) and cleared the upper vector state on return, the limit took
- *   16-69% longer per batch on AVX2 (7-15% on AVX-512), and the AVX2 kernel read up to 1.23
- *   times it (docs/benchmarks.md).
+ *   unrolled 17-22% slower); and before a row is written, the gradient row (D fp32) of the bag
+ *   of each of its occurrences read, which any exact update must do: a row's gradient is the
+ *   sum of its occurrences' bag gradients. In row order these reads land at random in the
+ *   batch's gradient (L2 and L3 hits, as many as there are ids); the one order that would read
+ *   them in sequence, rows by their first occurrence, puts the rows at random instead and
+ *   measured slower as a whole (D 128 P 20, 2026-12-03: sgd 2.88 against 2.74 ms a batch, adam
+ *   7.99 against 6.04). The gradient rows are not prefetched (nor are they by the kernel):
+ *   prefetching them made this loop 5-10% slower, and so did a stream of one entry per
+ *   occurrence, gradient row included, running on into the next chunk (AVX-512 7-25% slower,
+ *   AVX2 mixed). It leaves out the kernel's reading of ids, the grouping of occurrences and all
+ *   arithmetic. Each chunk of rows is walked by one function of the isa's width, the row code
+ *   inlined and the batch's pointers and sizes in a local, as the kernel's row loop has them:
+ *   with a call per row into the isa's row function, which read them again through the
+ *   bench_rmw pointer after every store (a store through a byte pointer may alias it) and
+ *   cleared the upper vector state on return, the limit took 16-69% longer per batch on AVX2
+ *   (7-15% on AVX-512), and the AVX2 kernel read up to 1.23 times it (docs/benchmarks.md).
  * Stored values are unchanged (an opaque zero is added), so the limits run on the kernels' own
  * shards: same pages, same huge-page backing, same placement.
  */
@@ -386,11 +384,7 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 	uint32_t zt = 0;                                                                          \
 	for (uint64_t j = v->first[k]; j < v->first[k + 1]; j++) {                                \
 		const uint8_t *gp = v->grad + (uint64_t)v->bags[j] * grb;                         \
-		if (v->unrolled)                                                                  \
-			GRAD_SWITCH(VTYPE, VLOAD, VADD)                                           \
-		else                                                                              \
-			for (uint64_t o = 0; o < gvec; o += sizeof(VTYPE))                        \
-				z = VADD(z, VLOAD((const void *)(gp + o)));                       \
+		GRAD_SWITCH(VTYPE, VLOAD, VADD)                                                   \
 		for (uint64_t o = gvec; o < grb; o += 4)                                          \
 			zt += *(const uint32_t *)(gp + o);                                        \
 	}                                                                                         \
@@ -406,14 +400,15 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 			*(uint32_t *)(p + o) += zt;                                               \
 	}
 
-/* A gradient row's vectors summed into z, unrolled for rows of 128 bytes to 1 KiB. */
+/* A gradient row's vectors summed into z: in the unrolled order unrolled for rows of 128 bytes
+ * to 1 KiB, otherwise (and for other widths) in a rolled loop. */
 #define GRAD_SUM(VTYPE, VLOAD, VADD, N)                                                           \
 	{                                                                                         \
 		_Pragma("GCC unroll 64") for (uint32_t u = 0; u < (N); u++)                       \
 			z = VADD(z, VLOAD((const void *)(gp + (uint64_t)u * sizeof(VTYPE))));    \
 	}
 #define GRAD_SWITCH(VTYPE, VLOAD, VADD)                                                           \
-	switch (gvec) {                                                                           \
+	switch (v->unrolled ? gvec : 0) {                                                         \
 	case 128: GRAD_SUM(VTYPE, VLOAD, VADD, 128 / sizeof(VTYPE)) break;                        \
 	case 256: GRAD_SUM(VTYPE, VLOAD, VADD, 256 / sizeof(VTYPE)) break;                        \
 	case 512: GRAD_SUM(VTYPE, VLOAD, VADD, 512 / sizeof(VTYPE)) break;                        \

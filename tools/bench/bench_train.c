@@ -7,21 +7,20 @@
  * 8 tables x 1M rows x 64, 2 ranks, 2 trainers, B 2048 per trainer, 20 ids per bag.
  *
  * The limit of a step is the memory traffic it cannot avoid, timed with the limits of
- * `embd-bench kernels` (bench_limits.c) over the same ids and run the way the service runs
- * the step: on the sharding type's plan (each rank's pinned threads on its own shards, all
- * ranks at once), every shard's gather of every id's row of the global batch (all trainers)
- * with the pooled rows stored, then every shard's read-modify-write of its distinct rows after
- * each one's occurrences' gradient rows are read (in each of its orders, the one whose
- * median is the shorter, as `embd-bench kernels` takes it). table_wise and column_wise are
- * modelled; other types' lines carry no limit. The same threads also run the kernels themselves on
- * that plan, called as engine/step.c calls them (kernels_steps_per_s): the service against them
+ * `embd-bench kernels` (bench_limits.c) over the same ids and run the way the service runs the
+ * step: on the sharding type's plan (each rank's pinned threads on its own shards, all ranks at
+ * once), every shard's gather of every id's row of the global batch (all trainers) with the
+ * pooled rows stored, then every shard's read-modify-write of its distinct rows after each
+ * one's occurrences' gradient rows are read (in each of its orders, the one whose median is the
+ * shortest, as `embd-bench kernels` takes it). table_wise and column_wise are modelled; other
+ * types' lines carry no limit. The same threads also run the kernels themselves on that plan,
+ * called as engine/step.c calls them (kernels_steps_per_s): the service against them
  * (embd_ratio_to_kernels) is what its own work and the trainers' part of the step cost.
  * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
  * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
- * The limits are measured before the trainers start and again after they end, and the
- * faster of the two is the limit: a shared host's speed drifts over the minute the rounds
- * take. Both are printed (limit_steps_per_s_before, _after), so that a ratio above 1 can be
- * told from drift.
+ * The limits are measured before the trainers start and again after they end, and the faster of
+ * the two is the limit: a shared host's speed drifts over the minute the rounds take. Both are
+ * printed (limit_steps_per_s_before, _after), so that a ratio above 1 can be told from drift.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
