@@ -63,11 +63,9 @@ struct bag_ctx {
 					 * the lean loop's */
 };
 
-/* The lean loop's window: ids copied as rows and checked at a time, and the rows past them
- * that it prefetches (at most the longest prefetch distance). 8.3 KiB of stack. */
-#define LEAN_WINDOW_IDS 1024
-#define LEAN_WINDOW_PAD EMBD_PREFETCH_IDS_LINE
-_Static_assert(EMBD_PREFETCH_IDS <= LEAN_WINDOW_PAD && EMBD_PREFETCH_IDS_LINE <= LEAN_WINDOW_PAD,
+
+_Static_assert(EMBD_PREFETCH_IDS <= EMBD_LEAN_WINDOW_PAD &&
+		       EMBD_PREFETCH_IDS_LINE <= EMBD_LEAN_WINDOW_PAD,
 	       "the window's padding holds every prefetch distance");
 
 /* Whether a bag's offsets [s, e), as read, lie inside the batch's ids (the checked and the
@@ -142,6 +140,22 @@ static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p
 	return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
+/*
+ * 16 fp32 elements of a row at p, in two 32-byte loads joined in a register. On the Zen 4 the
+ * forward's rows came in faster that way than in one 64-byte load: fp32 D 32 P 20 and 100
+ * 15-18% less time a batch, D 64 10-15%, D 128 3-6%, D 256 and P 1 the same (AVX-512, two
+ * threads, 2026-12-05, docs/benchmarks.md). Only for rows read: the backward's
+ * read-modify-write of rows with 32-byte loads took up to 28% longer (adam D 128 P 20).
+ */
+static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p)
+{
+	const __m256 lo = _mm256_loadu_ps((const float *)p);
+	const __m256 hi = _mm256_loadu_ps((const float *)(p + 32));
+
+	return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+						   _mm256_castps_pd(hi), 1));
+}
+
 /* The first n_valid (< 16) floats of a row at p (fp16 or fp32 elements), the rest zero. */
 static inline __attribute__((always_inline)) vecf vec_load_part(const uint8_t *p, uint32_t n_valid,
 								const int fp16)
@@ -168,6 +182,12 @@ typedef __m256 vecf;
 static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p)
 {
 	return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* 8 fp32 elements of a row at p. */
+static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p)
+{
+	return _mm256_loadu_ps((const float *)p);
 }
 
 /* The first n_valid (< 8) floats of a row at p (fp16 or fp32 elements), the rest zero. AVX2
@@ -213,7 +233,7 @@ static inline __attribute__((always_inline)) vecf vec_load_row(const uint8_t *p,
 {
 	if (n_valid < VEC_FLOATS)
 		return vec_load_part(p, n_valid, fp16);
-	return fp16 ? vec_load_fp16(p) : VEC_OP(loadu_ps)((const float *)p);
+	return fp16 ? vec_load_fp16(p) : vec_load_fp32(p);
 }
 
 static inline __attribute__((always_inline)) void vec_store(float *p, vecf x, uint32_t n_valid)
@@ -350,11 +370,12 @@ struct lean_window {
 	uint64_t from, to;              /* ids [from, to) are in rows[0, to - from) */
 	bool inside;                    /* all of them inside the shard */
 	bool placed;                    /* from and to are set */
-	uint64_t rows[LEAN_WINDOW_IDS + LEAN_WINDOW_PAD]; /* then the rows they prefetch */
+	/* then the rows they prefetch */
+	uint64_t rows[EMBD_LEAN_WINDOW_IDS + EMBD_LEAN_WINDOW_PAD];
 };
 
 /*
- * Moves the window to ids [k, k + LEAN_WINDOW_IDS), clipped to the chunk's (prefetch_end);
+ * Moves the window to ids [k, k + EMBD_LEAN_WINDOW_IDS), clipped to the chunk's (prefetch_end);
  * false when none is left there. The rows past the window are those its last ids prefetch:
  * the chunk's next ids' (row 0 for one outside the shard; they are checked again in the next
  * window), past the chunk its last id's, as the checked loop's clamp. Once a window: not
@@ -364,7 +385,8 @@ static __attribute__((noinline)) bool
 move_window(struct lean_window *wnd, const struct bag_ctx *c, uint64_t k)
 {
 	const uint64_t off = c->row_offset, nrows = c->rows;
-	uint64_t to = c->prefetch_end - k < LEAN_WINDOW_IDS ? c->prefetch_end : k + LEAN_WINDOW_IDS;
+	uint64_t to = c->prefetch_end - k < EMBD_LEAN_WINDOW_IDS ? c->prefetch_end
+								 : k + EMBD_LEAN_WINDOW_IDS;
 	uint64_t outside = 0;
 
 	if (k >= c->prefetch_end)

@@ -18,6 +18,12 @@
  * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE (embd_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
 #define EMBD_PREFETCH_IDS_LINE 20
+/* The lean loop's window (cpu_kernels.c): ids copied as rows and checked at a time, and the
+ * rows past them that it prefetches (at most the longest prefetch distance). 8.3 KiB of
+ * stack. The benchmark's gather limit reads ids through a window of the same size. */
+#define EMBD_LEAN_WINDOW_IDS 1024
+#define EMBD_LEAN_WINDOW_PAD EMBD_PREFETCH_IDS_LINE /* >= every prefetch distance (asserted in
+							 * cpu_kernels.c) */
 /* Lines of a row that are prefetched; longer rows stream on their own after the first. */
 #define EMBD_PREFETCH_MAX_LINES 16
 #define EMBD_CACHE_LINE_BYTES 64

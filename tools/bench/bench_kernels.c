@@ -615,6 +615,22 @@ static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ou
 
 /* ---- forward ----------------------------------------------------------------------------- */
 
+/* How the gather limit read the ids, by bench_gather.windowed: the line's limit_ids */
+static const char *const gather_way_names[2] = { "batch", "window" };
+
+/* The ways the gather limit runs for table t at pooling factor P: both where the kernel's
+ * lean loop reads its ids through a window (bench_gather.windowed), else the one. */
+static int gather_ways(const struct bench *b, const struct table *t, uint32_t P)
+{
+	uint64_t elem = t->fp16 ? 2 : 4;
+	uint64_t pass = (uint64_t)embd_forward_pass_cols(b->isa, t->dim, (uint32_t)elem) * elem;
+
+	return embd_forward_lean(b->isa, pass, t->row_bytes, t->shard->weights) &&
+			       P <= EMBD_LEAN_WINDOW_IDS
+		       ? 2
+		       : 1;
+}
+
 #define FWD_CONFIGS 6                   /* pfs x {unweighted, weighted} */
 
 static void set_offsets(int64_t *offsets, uint32_t batch, uint32_t P)
@@ -635,7 +651,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 {
 	struct paired res[FWD_CONFIGS];
 	struct theirs th[FWD_CONFIGS];
-	int idx[FWD_CONFIGS], n = 0;
+	int idx[FWD_CONFIGS], ways[FWD_CONFIGS], n = 0;
 	char name[64], what[64] = "";
 
 	for (int c = 0; c < FWD_CONFIGS; c++) {
@@ -653,8 +669,13 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 							(t->fp16 ? 2 : 4),
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P } };
+		/* the limit's other way (bench_gather.windowed), where the kernel has a window */
+		struct gather_arg gw = g;
+		gw.g.windowed = 1;
+		ways[n] = gather_ways(b, t, P);
 		set_offsets(offsets, b->o.batch, P);
-		res[n] = paired_step_ns(b, forward_step, &a, gather_step, (void *[]){ &g }, 1);
+		res[n] = paired_step_ns(b, forward_step, &a, gather_step, (void *[]){ &g, &gw },
+					ways[n]);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
 			return 1;
@@ -684,7 +705,13 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       name, t->dim, t->fp16 ? "fp16" : "fp32", weighted ? "true" : "false", P, b->o.batch,
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
+		if (ways[i] > 1)
+			printf(",\"limit_ids\":\"%s\"",
+			       gather_way_names[res[i].ref_won[1] > res[i].ref_won[0]]);
 		print_repeats(b, &res[i]);
+		if (ways[i] > 1 && b->o.repeats > 1)
+			printf(",\"limit_ids_won\":{\"%s\":%d,\"%s\":%d}", gather_way_names[0],
+			       res[i].ref_won[0], gather_way_names[1], res[i].ref_won[1]);
 		print_theirs(b, forward_step, &a, res[i].ns, &th[i]);
 		printf("}\n");
 		fflush(stdout);

@@ -3,22 +3,31 @@
  * own access patterns, measured with the kernels' own tricks and none of their work.
  *
  * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
- *   loads of the kernel's isa (64 bytes for avx512, 32 for avx2, 16 for scalar, which the
- *   compiler vectorizes with SSE2; fp16 rows 32 bytes on avx512 and avx2: the AVX-512 kernel
- *   loads 16 halves at a time, and 64-byte loads made the limit slower than that kernel, which
- *   read fp16 D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s,
- *   22.1-22.4 with 32-byte loads); AVX2's kernel loads 16 bytes, but 16-byte loads made that
- *   limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s), in the kernel's passes over
+ *   loads of the kernel's isa (64 bytes for avx512, made of two 32-byte loads as the kernel
+ *   makes them, 32 for avx2, 16 for scalar, which the compiler vectorizes with SSE2; fp16 rows
+ *   32 bytes on avx512 and avx2: the AVX-512 kernel loads 16 halves at a time, and 64-byte
+ *   loads made the limit slower than that kernel, which read fp16 D 64 P 20 and 100 at
+ *   1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s, 22.1-22.4 with 32-byte loads);
+ *   fp32 rows come in halves joined in a register as that kernel joins them: against 32-byte
+ *   loads into 256-bit accumulators it read D 64 P 20 at 1.10-1.12; AVX2's kernel loads 16
+ *   bytes of fp16, but 16-byte loads made that limit slower, D 256 P 20 25.3-26.3 against
+ *   28.6-29.3 GB/s), in the kernel's passes over
  *   each bag (embd_forward_pass_cols: as many columns as its accumulators in registers hold),
  *   fully unrolled per pass width, the head of each pass's columns of the row
  *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes: for
  *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
- *   lean loop takes, one line at a time after the load that starts the same line, the id ahead
- *   read without a clamp but in the chunk's last bags, where it is clamped to the chunk: the
- *   kernel reads its rows ahead from a padded window, and a clamp on every id was a cost the
- *   kernel no longer has; the last bags' compare and move, on the 2-3% of ids whose row ahead
- *   would pass the chunk's end (P 1 to 100), are left in as a fraction of a percent of the
- *   limit's instructions), chunks of ids grabbed from one counter by the same workers; and
+ *   lean loop takes, one line at a time after the load that starts the same line, with the
+ *   row's size a constant as it is in that loop, and the ids read one of two ways: straight
+ *   from the batch, the id ahead without a clamp but in the chunk's last bags, where it is
+ *   clamped to the chunk (a clamp on every id was a cost the kernel does not have; the last
+ *   bags' compare and move, on the 2-3% of ids whose row ahead would pass the chunk's end, are
+ *   a fraction of a percent of the limit's instructions), or as the kernel reads them, from a
+ *   window of up to 1024 of them (whole bags) copied first, padded with the rows ahead,
+ *   clamped to the chunk's last id. Which is faster depends on the row (Zen 4, AVX-512,
+ *   2026-12-05: the window's fp32 D 64 P 20 limit 432-435 us a batch against 438-479
+ *   straight, where the kernel, its ids' cache misses out of its loop, had read 1.05-1.07 of
+ *   the straight one; D 32 P 20 241-263 against 226-246), so the benchmarks run both and take
+ *   the faster), chunks of ids grabbed from one counter by the same workers; and
  *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
  *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads). It
  *   checks no id, multiplies by no weight and keeps no per-column sums: the loads feed integer
@@ -88,49 +97,72 @@
  */
 #define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
 	const uint8_t *t = g->table;                                                              \
-	uint64_t rb = g->row_bytes, P = g->ids_per_out, n = (b1 - b0) * P;                        \
+	/* a lean row is one pass: a constant where nvec is one, as the kernel's row size is */   \
+	uint64_t rb = lean ? (uint64_t)nvec * VBYTES : g->row_bytes;                              \
+	uint64_t P = g->ids_per_out, n = (b1 - b0) * P;                                           \
 	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = pass * out_mul;                       \
 	uint64_t pf = pb < pass ? pb : pass;                                                      \
 	const int64_t *ids = g->ids + b0 * P;                                                     \
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
 		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb);                               \
-	/* the lean loop's bags whose rows ahead all lie in the chunk read them unclamped, as the \
-	 * kernel reads its window's (cpu_kernels.c); only the chunk's last bags clamp */        \
-	uint64_t unclamped = lean && n >= dist ? (n - dist) / P : 0;                              \
-	for (uint64_t b = 0; b < unclamped; b++)                                                  \
-		GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, 0)                          \
-	for (uint64_t b = unclamped; b < b1 - b0; b++)                                            \
-		GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, 1)                          \
+	if (lean && g->windowed && P <= EMBD_LEAN_WINDOW_IDS) {                                   \
+		/* windows of whole bags, as the kernel's lean loop reads them (cpu_kernels.c) */ \
+		uint64_t win[EMBD_LEAN_WINDOW_IDS + EMBD_LEAN_WINDOW_PAD];                        \
+		const uint64_t per_win = EMBD_LEAN_WINDOW_IDS / P;                                \
+		for (uint64_t w0 = 0; w0 < b1 - b0; w0 += per_win) {                              \
+			const uint64_t w1 = b1 - b0 - w0 < per_win ? b1 - b0 : w0 + per_win;      \
+			for (uint64_t i = 0; i < (w1 - w0) * P + dist; i++) {                     \
+				const uint64_t at = w0 * P + i;                                   \
+				win[i] = (uint64_t)ids[at < n ? at : n - 1];                      \
+			}                                                                         \
+			for (uint64_t b = w0; b < w1; b++)                                        \
+				GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, win,        \
+					   w0 * P, 0)                                             \
+		}                                                                                 \
+	} else {                                                                                  \
+		/* only the chunk's last bags clamp the row ahead to the chunk */                 \
+		uint64_t unclamped = lean && n >= dist ? (n - dist) / P : 0;                      \
+		for (uint64_t b = 0; b < unclamped; b++)                                          \
+			GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, ids, 0, 0)          \
+		for (uint64_t b = unclamped; b < b1 - b0; b++)                                    \
+			GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, ids, 0, 1)          \
+	}                                                                                         \
 	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
 
-/* GATHER_BAGS' bag b, each row ahead's id clamped to the chunk's when CLAMP */
-#define GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP)                              \
+/* GATHER_BAGS' bag b, id k read from SRC[k - BASE], each row ahead's clamped to the chunk's
+ * last id when CLAMP */
+#define GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, SRC, BASE, CLAMP)                   \
 	{                                                                                         \
 		uint8_t *out = g->out + (b0 + b) * g->out_row_bytes;                              \
-		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {              \
+		for (uint64_t from = 0; from < rb; from += pass, out += out_pass) {               \
 			if (from + pass <= rb)                                                    \
-				GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP, nvec) \
+				GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, SRC, BASE, \
+					    CLAMP, nvec)                                          \
 			else                                                                      \
-				GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP, nlast) \
+				GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, SRC, BASE, \
+					    CLAMP, nlast)                                         \
 		}                                                                                 \
 	}
 
-/* GATHER_BAG's pass over columns [from, + N vectors) of the bag's rows */
-#define GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, CLAMP, N)                          \
+/* GATHER_BAG's pass over columns [from, + N vectors) of the bag's rows, the row ahead's id
+ * read from SRC too in the lean loop (a window is padded past the bags it holds) */
+#define GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, SRC, BASE, CLAMP, N)               \
 	{                                                                                         \
 		const uint64_t pf_pass = pf < (uint64_t)(N) * VBYTES ? pf : (uint64_t)(N) * VBYTES; \
 		VTYPE acc[4] = { VZERO, VZERO, VZERO, VZERO };                                    \
 		for (uint64_t k = b * P; k < (b + 1) * P; k++) {                                  \
 			const uint8_t *ahead = t;                                                 \
 			if (lean)                                                                 \
-				ahead += (uint64_t)ids[!(CLAMP) || k + dist < n ? k + dist : n - 1] * rb; \
+				ahead += (uint64_t)SRC[!(CLAMP) || k + dist < n                   \
+							       ? k - (BASE) + dist                \
+							       : n - 1 - (BASE)] * rb;            \
 			else if (k + dist < n)                                                    \
 				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass); \
-			const uint8_t *row = t + (uint64_t)ids[k] * rb + from;                    \
+			const uint8_t *row = t + (uint64_t)SRC[k - (BASE)] * rb + from;           \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
 				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
 				if (lean && (v * VBYTES) % 64 == 0)                               \
-					embd_prefetch_line(ahead + (uint64_t)v * VBYTES);        \
+					embd_prefetch_line(ahead + (uint64_t)v * VBYTES);         \
 			}                                                                         \
 		}                                                                                 \
 		_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N) * out_mul; v++)             \
@@ -138,6 +170,12 @@
 	}
 
 #define LOAD512(p) _mm512_loadu_si512(p)
+/* 64 bytes in two 32-byte loads joined in a register, as the AVX-512 kernel reads fp32 rows,
+ * and in the float domain as it does: clang folds the integer form into one 64-byte load */
+#define LOAD512_HALVES(p)                                                                         \
+	_mm512_castpd_si512(_mm512_insertf64x4(                                                   \
+		_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)(p)))),    \
+		_mm256_castps_pd(_mm256_loadu_ps((const float *)(p) + 8)), 1))
 #define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)
 #define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
 #define STORE256(s, x) _mm256_storeu_si256((__m256i *)(s), x)
@@ -156,7 +194,7 @@
 __attribute__((target("avx512f"), always_inline)) static inline void
 bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512, _mm512_add_epi32, STORE512)
+	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512_HALVES, _mm512_add_epi32, STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
@@ -378,7 +416,7 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
  * is 0, then every array's row loaded, that sum ANDed with zero added, and stored back: the
  * stores wait on the gradient loads as the kernel's do, and nothing changes.
  */
-#define ROW_BODY(VTYPE, VSET1, VZERO, VLOAD, VADD, VAND, VLOW32, RMW)                              \
+#define ROW_BODY(VTYPE, VSET1, VZERO, VLOAD, VADD, VAND, VLOW32, RMW)                             \
 	const uint64_t grb = v->grad_row_bytes, gvec = grb / sizeof(VTYPE) * sizeof(VTYPE);       \
 	VTYPE z = VZERO;                                                                          \
 	uint32_t zt = 0;                                                                          \
@@ -405,7 +443,7 @@ static inline __attribute__((always_inline)) void prefetch_rmw_row(const struct 
 #define GRAD_SUM(VTYPE, VLOAD, VADD, N)                                                           \
 	{                                                                                         \
 		_Pragma("GCC unroll 64") for (uint32_t u = 0; u < (N); u++)                       \
-			z = VADD(z, VLOAD((const void *)(gp + (uint64_t)u * sizeof(VTYPE))));    \
+			z = VADD(z, VLOAD((const void *)(gp + (uint64_t)u * sizeof(VTYPE))));     \
 	}
 #define GRAD_SWITCH(VTYPE, VLOAD, VADD)                                                           \
 	switch (v->unrolled ? gvec : 0) {                                                         \

@@ -10,14 +10,16 @@
  * `embd-bench kernels` (bench_limits.c) over the same ids and run the way the service runs the
  * step: on the sharding type's plan (each rank's pinned threads on its own shards, all ranks at
  * once), every shard's gather of every id's row of the global batch (all trainers) with the
- * pooled rows stored, then every shard's read-modify-write of its distinct rows after each
- * one's occurrences' gradient rows are read (in each of its orders, the one whose median is the
- * shortest, as `embd-bench kernels` takes it). table_wise and column_wise are modelled; other
- * types' lines carry no limit. The same threads also run the kernels themselves on that plan,
- * called as engine/step.c calls them (kernels_steps_per_s): the service against them
- * (embd_ratio_to_kernels) is what its own work and the trainers' part of the step cost.
- * ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable traffic);
- * pipelined_ratio_to_limit the same of the pipelined embd steps (embd_pipelined_steps_per_s).
+ * pooled rows stored (each way of reading the ids, bench_gather.windowed, where the two differ,
+ * the one whose median is the shorter), then every shard's read-modify-write of its distinct
+ * rows after each one's occurrences' gradient rows are read (in each of its orders, the one
+ * whose median is the shortest, as `embd-bench kernels` takes it). table_wise and column_wise
+ * are modelled; other types' lines carry no limit. The same threads also run the kernels
+ * themselves on that plan, called as engine/step.c calls them (kernels_steps_per_s): the
+ * service against them (embd_ratio_to_kernels) is what its own work and the trainers' part of
+ * the step cost. ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable
+ * traffic); pipelined_ratio_to_limit the same of the pipelined embd steps
+ * (embd_pipelined_steps_per_s).
  * The limits are measured before the trainers start and again after they end, and the faster of
  * the two is the limit: a shared host's speed drifts over the minute the rounds take. Both are
  * printed (limit_steps_per_s_before, _after), so that a ratio above 1 can be told from drift.
@@ -131,10 +133,13 @@ struct limit_run {
 	atomic_uint_fast64_t checksum;
 	atomic_int failed;
 	atomic_int kernels_failed;              /* the limits stand, the kernels' figures do not */
+	atomic_int windowed_differs;            /* a shard's lookup reads ids through a window */
 };
 
 enum limit_phase {
-	LIMIT_GATHER, LIMIT_RMW,                /* the limits: the update in each order of */
+	LIMIT_GATHER, LIMIT_GATHER_WINDOW,      /* the limits: the lookup each way of */
+						/* bench_gather.windowed, and */
+	LIMIT_RMW,                              /* the update in each order of */
 	LIMIT_RMW_LAST = LIMIT_RMW + BENCH_RMW_ORDERS - 1, /* enum bench_rmw_order, LIMIT_RMW + it */
 	KERNEL_FORWARD, KERNEL_PREPARE, KERNEL_BACKWARD, /* the kernels */
 	LIMIT_STOP
@@ -297,7 +302,7 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			continue;
 		const struct limit_batch *b = &run->batches[run->k * o->tables + p->table];
 		const uint64_t rb = (uint64_t)p->cols * 4;
-		if (run->phase == LIMIT_GATHER) {
+		if (run->phase <= LIMIT_GATHER_WINDOW) {
 			ga->table = p->shard->weights;
 			ga->row_bytes = rb;
 			ga->pass_bytes = (uint64_t)embd_forward_pass_cols(run->isa, p->cols, 4) * 4;
@@ -307,6 +312,10 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			ga->isa = run->isa;
 			ga->ids = b->ids;
 			ga->n = (uint64_t)o->batch * o->trainers * o->ids_per_bag;
+			ga->windowed = run->phase == LIMIT_GATHER_WINDOW;
+			if (embd_forward_lean(ga->isa, ga->pass_bytes, rb, ga->table) &&
+			    ga->ids_per_out <= EMBD_LEAN_WINDOW_IDS)
+				atomic_store(&run->windowed_differs, 1);
 			bench_gather_run(workers, ga);
 		} else {
 			rm->arrays[0] = p->shard->weights;
@@ -525,11 +534,12 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	pthread_mutex_unlock(&run.lock);
 	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first step warms up */
 		for (int step = LIMIT_GATHER; step <= KERNEL_BACKWARD; step++) {
-			/* the update's orders take turns at going first, so that none always
-			 * finds another's gradient rows in cache */
+			/* the lookup's ways and the update's orders take turns at going
+			 * first, so that none always finds another's rows in cache */
 			int phase = step >= LIMIT_RMW && step <= LIMIT_RMW_LAST
 					    ? LIMIT_RMW + (step - LIMIT_RMW + r) % BENCH_RMW_ORDERS
-					    : step;
+				    : step <= LIMIT_GATHER_WINDOW ? LIMIT_GATHER + (step + r) % 2
+								  : step;
 			if (phase == KERNEL_PREPARE && !run.shared_prep)
 				continue;
 			run.k = (uint32_t)(r % TRAIN_BATCHES);
@@ -559,8 +569,12 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 		pthread_barrier_destroy(&run.barrier);
 	if (atomic_load(&run.failed))
 		goto out;
+	/* the way and the order whose medians are the shortest (as embd-bench kernels takes
+	 * them) */
 	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
-	/* the order whose median is the shortest (as embd-bench kernels takes it) */
+	const double window_ms = bench_median(ms[LIMIT_GATHER_WINDOW], REPS);
+	if (atomic_load(&run.windowed_differs) && window_ms < out->gather_ms)
+		out->gather_ms = window_ms;
 	for (int phase = LIMIT_RMW; phase <= LIMIT_RMW_LAST; phase++) {
 		const double median_ms = bench_median(ms[phase], REPS);
 		out->rmw_ms = phase == LIMIT_RMW || median_ms < out->rmw_ms ? median_ms : out->rmw_ms;

@@ -176,57 +176,80 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
  * The gather limit stores each bag's whole pooled row (D fp32, twice the bytes of an fp16 row)
  * and nothing past the last bag's, on every isa this CPU runs and every pass width the kernels
  * use (one pass, and several over a row, the last one shorter on AVX2); a zero table pools to
- * zeros. The table is exactly its rows and the last bag reads its last row, so that a pass
- * reading past a row's end reads outside it (AddressSanitizer's build names it).
+ * zeros. Its two ways of reading the ids (straight from the batch, and through windows of
+ * them, several a chunk at P 100) store the same bytes from a table of other bytes. The table
+ * is exactly its rows, the ids exactly the batch's, and the last bag reads the last row, so
+ * that a pass reading past a row's end, or an id past the batch's, reads outside them
+ * (AddressSanitizer's build names it).
  */
 Test(bench_limits, gather_stores_each_pooled_row_whole)
 {
-	enum { ROWS = 1024, BAGS = 40, P = 3, GUARD = 256 };
+	enum { ROWS = 1024, BAGS = 40, GUARD = 256 };
 	enum embd_isa isas[3] = { EMBD_ISA_SCALAR, EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
 	const uint32_t dims[3] = { 32, 128, 256 };
-	int64_t ids[BAGS * P];
+	const uint32_t pfs[2] = { 3, 100 };
 	uint8_t *out = aligned_alloc(64, BAGS * 256 * 4 + GUARD);
+	uint8_t *out_window = aligned_alloc(64, BAGS * 256 * 4);
 	struct embd_workers *two;
 	char err[128];
 
-	cr_assert(out);
+	cr_assert(out && out_window);
 	cr_assert_eq(embd_workers_create(2, NULL, &two, err, sizeof(err)), 0, "%s", err);
-	for (int i = 0; i < BAGS * P; i++)
-		ids[i] = (int64_t)((i * 2654435761u) % ROWS);
-	ids[BAGS * P - 1] = ROWS - 1;
 	for (int i = 0; i < 3; i++) {
 		if (!embd_kernels_isa_supported(isas[i]))
 			continue;
-		for (int d = 0; d < 3; d++)
-			for (int fp16 = 0; fp16 <= 1; fp16++) {
-				uint64_t rb = dims[d] * (fp16 ? 2u : 4u), ob = dims[d] * 4u;
-				uint8_t *table = aligned_alloc(64, ROWS * rb);
-				cr_assert(table);
+		for (int c = 0; c < 3 * 2 * 2; c++) { /* every D, fp32 and fp16 rows, both P */
+			const int d = c / 4, fp16 = c / 2 % 2;
+			const uint32_t P = pfs[c % 2];
+			int64_t *ids = malloc(BAGS * P * sizeof(*ids));
+			uint64_t rb = dims[d] * (fp16 ? 2u : 4u), ob = dims[d] * 4u;
+			uint8_t *table = aligned_alloc(64, ROWS * rb);
+			struct bench_gather *g = calloc(1, sizeof(*g));
+			cr_assert(ids && table && g);
+			for (uint32_t j = 0; j < BAGS * P; j++)
+				ids[j] = (int64_t)((j * 2654435761u) % ROWS);
+			ids[BAGS * P - 1] = ROWS - 1;
+			uint64_t pass = embd_forward_pass_cols(isas[i], dims[d], fp16 ? 2u : 4u) *
+					(fp16 ? 2u : 4u);
+			*g = (struct bench_gather){
+				.table = table, .row_bytes = rb, .pass_bytes = pass, .out = out,
+				.out_row_bytes = ob, .ids_per_out = P, .isa = isas[i], .ids = ids,
+				.n = BAGS * P,
+			};
+			for (int windowed = 0; windowed <= 1; windowed++) {
 				memset(table, 0, ROWS * rb);
-				uint64_t pass = embd_forward_pass_cols(isas[i], dims[d], fp16 ? 2u : 4u) *
-						(fp16 ? 2u : 4u);
-				struct bench_gather *g = calloc(1, sizeof(*g));
-				cr_assert(g);
-				*g = (struct bench_gather){
-					.table = table, .row_bytes = rb, .pass_bytes = pass, .out = out,
-					.out_row_bytes = ob, .ids_per_out = P, .isa = isas[i], .ids = ids,
-					.n = BAGS * P,
-				};
 				memset(out, 0x5a, BAGS * ob + GUARD);
+				g->windowed = windowed;
 				bench_gather_run(two, g);
 				uint64_t bad = 0, past = 0;
 				for (uint64_t j = 0; j < BAGS * ob; j++)
 					bad += out[j] != 0;
 				for (uint64_t j = BAGS * ob; j < BAGS * ob + GUARD; j++)
 					past += out[j] != 0x5a;
-				cr_expect(!bad && !past, "%s D %u %s: %llu pooled bytes not stored, %llu "
-					  "stored past the last row", embd_kernels_isa_name(isas[i]),
-					  dims[d], fp16 ? "fp16" : "fp32", (unsigned long long)bad,
-					  (unsigned long long)past);
-				free(g);
-				free(table);
+				cr_expect(!bad && !past,
+					  "%s D %u %s P %u%s: %llu pooled bytes not stored, "
+					  "%llu stored past the last row",
+					  embd_kernels_isa_name(isas[i]), dims[d],
+					  fp16 ? "fp16" : "fp32", P, windowed ? " windowed" : "",
+					  (unsigned long long)bad, (unsigned long long)past);
 			}
+			for (uint64_t j = 0; j < ROWS * rb; j++)
+				table[j] = (uint8_t)(j * 131 + j / rb);
+			g->windowed = 0;
+			bench_gather_run(two, g);
+			memcpy(out_window, out, BAGS * ob);
+			g->windowed = 1;
+			bench_gather_run(two, g);
+			cr_expect(memcmp(out, out_window, BAGS * ob) == 0,
+				  "%s D %u %s P %u: the two ways stored different sums",
+				  embd_kernels_isa_name(isas[i]), dims[d], fp16 ? "fp16" : "fp32",
+				  P);
+			free(g);
+			free(table);
+			free(ids);
+		}
 	}
 	embd_workers_destroy(two);
+	free(out_window);
 	free(out);
 }
