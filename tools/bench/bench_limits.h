@@ -29,10 +29,11 @@ struct bench_gather {
 	enum embd_isa isa;              /* the kernel's (not AUTO) */
 	const int64_t *ids;             /* this batch's */
 	uint64_t n;
-	/* where the kernels' lean loop takes a row (embd_forward_lean), read the ids from a
-	 * window of them copied first, as that loop does (1), or straight from the batch (0):
-	 * which is faster depends on the row (bench_limits.c), so the benchmarks run both and
-	 * take the faster */
+	/* where the kernels' lean loop takes a row (embd_forward_lean) and a bag fits in a
+	 * window (P <= EMBD_LEAN_WINDOW_IDS), read the ids from a window of them copied first,
+	 * as that loop does (1), or straight from the batch (0); elsewhere ignored. Which is
+	 * faster depends on the row (bench_limits.c), so the benchmarks run both and take the
+	 * faster */
 	int windowed;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
