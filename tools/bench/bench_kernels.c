@@ -618,19 +618,6 @@ static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ou
 /* How the gather limit read the ids, by bench_gather.windowed: the line's limit_ids */
 static const char *const gather_way_names[2] = { "batch", "window" };
 
-/* The ways the gather limit runs for table t at pooling factor P: both where the kernel's
- * lean loop reads its ids through a window (bench_gather.windowed), else the one. */
-static int gather_ways(const struct bench *b, const struct table *t, uint32_t P)
-{
-	uint64_t elem = t->fp16 ? 2 : 4;
-	uint64_t pass = (uint64_t)embd_forward_pass_cols(b->isa, t->dim, (uint32_t)elem) * elem;
-
-	return embd_forward_lean(b->isa, pass, t->row_bytes, t->shard->weights) &&
-			       P <= EMBD_LEAN_WINDOW_IDS
-		       ? 2
-		       : 1;
-}
-
 #define FWD_CONFIGS 6                   /* pfs x {unweighted, weighted} */
 
 static void set_offsets(int64_t *offsets, uint32_t batch, uint32_t P)
@@ -672,7 +659,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		/* the limit's other way (bench_gather.windowed), where the kernel has a window */
 		struct gather_arg gw = g;
 		gw.g.windowed = 1;
-		ways[n] = gather_ways(b, t, P);
+		ways[n] = bench_gather_ways(&g.g);
 		set_offsets(offsets, b->o.batch, P);
 		res[n] = paired_step_ns(b, forward_step, &a, gather_step, (void *[]){ &g, &gw },
 					ways[n]);

@@ -106,7 +106,8 @@
 	for (uint64_t k = 0; k < n && k < dist; k++)                                              \
 		embd_prefetch_bytes(t + (uint64_t)ids[k] * rb, pb);                               \
 	if (lean && g->windowed && P <= EMBD_LEAN_WINDOW_IDS) {                                   \
-		/* windows of whole bags, as the kernel's lean loop reads them (cpu_kernels.c) */ \
+		/* windows of whole bags, as the kernel's lean loop reads them (where:            \
+		 * bench_gather_ways) */                                                          \
 		uint64_t win[EMBD_LEAN_WINDOW_IDS + EMBD_LEAN_WINDOW_PAD];                        \
 		const uint64_t per_win = EMBD_LEAN_WINDOW_IDS / P;                                \
 		for (uint64_t w0 = 0; w0 < b1 - b0; w0 += per_win) {                              \
@@ -313,6 +314,15 @@ static void gather_worker(void *arg, uint32_t w, uint32_t nw)
 			break;
 		gather_bags(g, b0, bags - b0 < per ? bags : b0 + per, sink);
 	}
+}
+
+/* GATHER_BAGS' condition for its window, where the kernel's lean loop has one */
+int bench_gather_ways(const struct bench_gather *g)
+{
+	return embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) &&
+			       g->ids_per_out <= EMBD_LEAN_WINDOW_IDS
+		       ? 2
+		       : 1;
 }
 
 void bench_gather_run(struct embd_workers *workers, struct bench_gather *g)

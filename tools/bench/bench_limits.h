@@ -42,6 +42,9 @@ struct bench_gather {
 /* One batch (g->ids, g->n) of the gather limit. */
 void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
 
+/* The ways g can read its ids: 2 where bench_gather.windowed changes what it does, else 1. */
+int bench_gather_ways(const struct bench_gather *g);
+
 /*
  * The orders the read-modify-write limit can walk a row in: which is the fastest depends on the
  * isa and the optimizer (bench_limits.c), so the benchmarks run each and take the fastest.

@@ -313,8 +313,7 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			ga->ids = b->ids;
 			ga->n = (uint64_t)o->batch * o->trainers * o->ids_per_bag;
 			ga->windowed = run->phase == LIMIT_GATHER_WINDOW;
-			if (embd_forward_lean(ga->isa, ga->pass_bytes, rb, ga->table) &&
-			    ga->ids_per_out <= EMBD_LEAN_WINDOW_IDS)
+			if (bench_gather_ways(ga) > 1)
 				atomic_store(&run->windowed_differs, 1);
 			bench_gather_run(workers, ga);
 		} else {
