@@ -59,6 +59,7 @@ static inline uint32_t embd_copy_nonfinite(float *restrict dst, const float *res
 	}
 	for (; i < n; i++) {
 		dst[i] = src[i];
+		__asm__ volatile("" ::: "memory");
 		any |= embd_nonfinite_bit(dst[i]);
 	}
 	for (uint32_t k = 0; k < EMBD_FINITE_BLOCK; k++)

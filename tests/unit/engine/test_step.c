@@ -445,6 +445,103 @@ Test(step, infinite_weight_refuses_its_batch_row_wise)
 	nonfinite_weight_case(EMBD_SHARD_ROW_WISE, -INFINITY);
 }
 
+/*
+ * A batch with bad ids and a bad weight is refused for the first of them by position, an id
+ * before a weight at the same position, whether its bags are copied whole (table_wise) or id
+ * by id (row_wise keeps its shard's ids only), and whichever features and ranks they are in.
+ * Every bag holds 3 ids: features a, b and c are values [0, 18), [18, 36) and [36, 54), each
+ * one whole block of the copy's check (16 ids) and two past it.
+ */
+static void first_bad_value_case(enum embd_sharding_type type, const int64_t bad[3])
+{
+	static struct fixture fx;
+	static struct trainer trs[3];
+	struct embd_step_batch batches[3];
+	const int64_t weight_at = bad[2];
+	int64_t id_at = -1;
+	char what[112];
+
+	setup(&fx, EMBD_OPT_SGD, type, 2);
+	for (uint32_t i = 0; i < 3; i++) {
+		fill_trainer(&fx, &trs[i], 51 + i, true);
+		if (i != 1)
+			continue;
+		for (uint32_t k = 0; k < 3 * B; k++)
+			trs[i].lengths[k] = 3;
+		for (uint32_t j = 0; j < 3 * B * 3; j++) {
+			trs[i].values[j] = (int64_t)(j % 11);
+			trs[i].weights[j] = 0.75f;
+		}
+		trs[i].batch.kjt.num_values = 3 * B * 3;
+		for (int k = 0; k < 2; k++)
+			if (bad[k] >= 0) {
+				trs[i].values[bad[k]] = bad[k] % 2 ? -1 : INT64_MAX;
+				id_at = id_at < 0 || bad[k] < id_at ? bad[k] : id_at;
+			}
+		if (weight_at >= 0)
+			trs[i].weights[weight_at] = NAN;
+	}
+	for (uint32_t i = 0; i < 3; i++)
+		batches[i] = trs[i].batch;
+	snprintf(what, sizeof(what), "type %d, bad ids at %lld and %lld, bad weight at %lld",
+		 (int)type, (long long)bad[0], (long long)bad[1], (long long)weight_at);
+	cr_assert_eq(embd_step_forward(fx.step, batches, 3), 2, "%s: %s", what, batches[1].err);
+	char want[64];
+	if (id_at >= 0 && (weight_at < 0 || id_at <= weight_at)) {
+		cr_assert_eq(batches[1].status, EMBD_ERANGE, "%s: %s", what, batches[1].err);
+		snprintf(want, sizeof(want), "values[%lld]: id %lld of feature", (long long)id_at,
+			 (long long)trs[1].values[id_at]);
+	} else {
+		cr_assert_eq(batches[1].status, EMBD_EINVAL, "%s: %s", what, batches[1].err);
+		snprintf(want, sizeof(want), "weights[%lld]: NaN weight", (long long)weight_at);
+	}
+	cr_assert(strstr(batches[1].err, want), "%s: error should name '%s': %s", what, want,
+		  batches[1].err);
+	for (uint32_t i = 0; i < 3; i++)
+		trs[i].batch.status = batches[i].status;
+	check_forward(&fx, trs, 3, type == EMBD_SHARD_ROW_WISE ? RW_TOL : 0.0f, what);
+	backward_and_check(&fx, trs, batches, 3, 1, what);
+	stop(&fx);
+}
+
+Test(step, the_first_bad_value_refuses_its_batch)
+{
+	const enum embd_sharding_type types[2] = { EMBD_SHARD_TABLE_WISE, EMBD_SHARD_ROW_WISE };
+	/* two id positions and a weight position (-1: none) */
+	const int64_t cases[][3] = {
+		{ 9, -1, 4 }, { 4, -1, 9 }, { 10, -1, 10 }, { 17, -1, -1 }, { 20, -1, -1 },
+		{ -1, -1, 16 }, { 53, -1, 52 },
+		{ 12, 5, -1 }, { 17, 9, -1 }, { 16, -1, 4 }, { 4, -1, 16 },   /* one feature */
+		{ 40, -1, 30 }, { 2, -1, 40 }, { 47, 25, 44 },                /* across features */
+	};
+
+	for (int t = 0; t < 2; t++)
+		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++)
+			first_bad_value_case(types[t], cases[c]);
+}
+
+/* A trainer whose batch has no ids at all (its values array NULL) is served: empty bags. */
+Test(step, a_batch_without_ids_is_served)
+{
+	static struct fixture fx;
+	static struct trainer trs[2];
+	struct embd_step_batch batches[2];
+
+	setup(&fx, EMBD_OPT_SGD, EMBD_SHARD_TABLE_WISE, 2);
+	for (uint32_t i = 0; i < 2; i++)
+		fill_trainer(&fx, &trs[i], 71 + i, i == 1);
+	memset(trs[1].lengths, 0, sizeof(trs[1].lengths));
+	trs[1].batch.kjt.values = NULL;
+	trs[1].batch.kjt.weights = NULL;
+	trs[1].batch.kjt.num_values = 0;
+	for (uint32_t i = 0; i < 2; i++)
+		batches[i] = trs[i].batch;
+	cr_assert_eq(embd_step_forward(fx.step, batches, 2), 2, "%s", batches[1].err);
+	check_forward(&fx, trs, 2, 0.0f, "no ids");
+	backward_and_check(&fx, trs, batches, 2, 1, "no ids");
+	stop(&fx);
+}
+
 Test(step, malformed_batches_name_the_field)
 {
 	static struct fixture fx;
