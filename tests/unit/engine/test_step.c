@@ -130,6 +130,19 @@ static void eval_case(enum embd_sharding_type type)
 	cr_assert_eq(embd_step_eval(fx.step, &bad, 1), 0);
 	cr_assert(bad.status == EMBD_EINVAL && strstr(bad.err, "batch_size"), "got %d '%s'",
 		  bad.status, bad.err);
+	/* a bad id refuses an evaluation batch at routing too (data_parallel: read by the one
+	 * replica that looks up) */
+	const uint64_t at = ev[1].batch.kjt.num_values - 1;
+	cr_assert_gt(ev[1].batch.kjt.num_values, 0, "the seed should give the batch ids");
+	const int64_t kept = ev[1].values[at];
+	struct embd_step_batch bad_id = ev[1].batch;
+	char want[48];
+	ev[1].values[at] = -1;
+	cr_assert_eq(embd_step_eval(fx.step, &bad_id, 1), 0);
+	snprintf(want, sizeof(want), "values[%llu]: id -1 of feature", (unsigned long long)at);
+	cr_assert(bad_id.status == EMBD_ERANGE && strstr(bad_id.err, want), "got %d '%s'",
+		  bad_id.status, bad_id.err);
+	ev[1].values[at] = kept;
 	check_weights(&fx, replicas, 0.0f, "after evaluations");
 	backward_and_check(&fx, trs, batches, 2, replicas, "backward after evaluations");
 	eval_and_check(&fx, ev, 90, "eval after the step");
