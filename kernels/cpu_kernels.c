@@ -63,7 +63,6 @@ struct bag_ctx {
 					 * the lean loop's */
 };
 
-
 _Static_assert(EMBD_PREFETCH_IDS <= EMBD_LEAN_WINDOW_PAD &&
 		       EMBD_PREFETCH_IDS_LINE <= EMBD_LEAN_WINDOW_PAD,
 	       "the window's padding holds every prefetch distance");
@@ -140,20 +139,10 @@ static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p
 	return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/*
- * 16 fp32 elements of a row at p, in two 32-byte loads joined in a register. On the Zen 4 the
- * forward's rows came in faster that way than in one 64-byte load: fp32 D 32 P 20 and 100
- * 15-18% less time a batch, D 64 10-15%, D 128 3-6%, D 256 and P 1 the same (AVX-512, two
- * threads, 2026-12-05, docs/benchmarks.md). Only for rows read: the backward's
- * read-modify-write of rows with 32-byte loads took up to 28% longer (adam D 128 P 20).
- */
+/* 16 fp32 elements of a row at p, read as embd_load_fp32_halves reads them. */
 static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p)
 {
-	const __m256 lo = _mm256_loadu_ps((const float *)p);
-	const __m256 hi = _mm256_loadu_ps((const float *)(p + 32));
-
-	return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
-						   _mm256_castps_pd(hi), 1));
+	return embd_load_fp32_halves(p);
 }
 
 /* The first n_valid (< 16) floats of a row at p (fp16 or fp32 elements), the rest zero. */

@@ -176,6 +176,30 @@ extern const struct embd_cpu_kernels embd_cpu_kernels_avx2;
 extern const struct embd_cpu_kernels embd_cpu_kernels_avx512;
 #endif
 
+#if defined(EMBD_KERNELS_X86) && !defined(__CUDACC__)
+#include <immintrin.h>
+
+/*
+ * 16 fp32 elements of a row at p, in two 32-byte loads joined in a register: how the AVX-512
+ * forward reads rows, and so how the benchmark's gather limit reads them (which casts the
+ * result to integers: in the float domain, clang does not fold the two loads back into one
+ * 64-byte load). On the Zen 4 the forward's rows came in faster that way than in one 64-byte
+ * load: fp32 D 32 P 20 and 100 15-18% less time a batch, D 64 10-15%, D 128 3-6%, D 256 and P 1
+ * the same (AVX-512, two threads, 2026-12-05, docs/benchmarks.md). Only for rows read: the
+ * backward's read-modify-write of rows with 32-byte loads took up to 28% longer (adam D 128
+ * P 20).
+ */
+__attribute__((target("avx512f"), always_inline)) static inline __m512
+embd_load_fp32_halves(const void *p)
+{
+	const __m256 lo = _mm256_loadu_ps((const float *)p);
+	const __m256 hi = _mm256_loadu_ps((const float *)p + 8);
+
+	return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+						   _mm256_castps_pd(hi), 1));
+}
+#endif
+
 /* What $EMBD_ISA = cap (NULL when unset) makes of the detected best isa (embedding.h). */
 enum embd_isa embd_kernels_isa_capped(enum embd_isa detected, const char *cap);
 

@@ -171,12 +171,8 @@
 	}
 
 #define LOAD512(p) _mm512_loadu_si512(p)
-/* 64 bytes in two 32-byte loads joined in a register, as the AVX-512 kernel reads fp32 rows,
- * and in the float domain as it does: clang folds the integer form into one 64-byte load */
-#define LOAD512_HALVES(p)                                                                         \
-	_mm512_castpd_si512(_mm512_insertf64x4(                                                   \
-		_mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)(p)))),    \
-		_mm256_castps_pd(_mm256_loadu_ps((const float *)(p) + 8)), 1))
+/* 64 bytes as the AVX-512 kernel reads fp32 rows */
+#define LOAD512_HALVES(p) _mm512_castps_si512(embd_load_fp32_halves(p))
 #define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)
 #define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
 #define STORE256(s, x) _mm256_storeu_si256((__m256i *)(s), x)
