@@ -256,12 +256,12 @@ static void fill_item(const struct embd_step *s, struct rank_io *io, struct step
 		out[m] = VEC_AT(x_io->offsets, int64_t, x->offsets_at);
 		out[m++][0] = 0;
 	}
-	int32_t *lengths = it->lengths_at == NO_INDEX ? NULL :
-			   VEC_AT(io->lengths, int32_t, it->lengths_at);
 	if (m == 1 && !split) {
 		fill_item_whole(it, kjt, offs, max_row, ids[0], weights[0], out[0]);
 		return;
 	}
+	int32_t *lengths = it->lengths_at == NO_INDEX ? NULL :
+			   VEC_AT(io->lengths, int32_t, it->lengths_at);
 	for (uint32_t i = 0; i < B; i++) {
 		for (int64_t j = offs[i]; j < offs[i + 1]; j++) {
 			int64_t id = ((const volatile int64_t *)kjt->values)[j];
