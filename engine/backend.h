@@ -155,8 +155,9 @@ extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c 
 bool embd_backend_host_registered(const void *p, uint64_t bytes);
 uint64_t embd_backend_unregistered_bytes(void);
 
-/* Host memory on NUMA node `node` (page aligned, transparent huge pages from 2 MiB), or 64-byte
- * aligned plain memory where NUMA is absent; NULL for 0 bytes or when out of memory. */
+/* Host memory on NUMA node `node` (page aligned), or embd_rows_alloc's where NUMA is absent;
+ * from 2 MiB advised to transparent huge pages either way. NULL for 0 bytes or when out of
+ * memory. */
 void *embd_backend_host_alloc(bool numa, int node, uint64_t bytes);
 void embd_backend_host_free(bool numa, void *p, uint64_t bytes);
 

@@ -118,8 +118,7 @@ void *embd_backend_host_alloc(bool numa, int node, uint64_t bytes)
 			madvise(p, bytes, MADV_HUGEPAGE);
 		return p;
 	}
-	uint64_t rounded = (bytes + 63) & ~(uint64_t)63;
-	return aligned_alloc(64, rounded);
+	return embd_rows_alloc(bytes, false);
 }
 
 int embd_backend_host_shard(bool numa, int node, const struct embd_shard_desc *desc,

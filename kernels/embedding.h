@@ -140,6 +140,14 @@ int embd_shard_create(const struct embd_shard_desc *desc, struct embd_shard **ou
 int embd_shard_create_in(const struct embd_shard_desc *desc, void *weights, float *momentum1,
 			 float *momentum2, struct embd_shard **out, char *err, size_t err_len);
 
+/*
+ * Memory for rows read at random (a shard's weights and state, cache rows): 64-byte aligned,
+ * and from 2 MiB on 2 MiB aligned and advised to transparent huge pages, which spare the
+ * kernels a TLB miss on nearly every row (THP in "madvise" mode gives huge pages only where
+ * advised). Zeroed when zero. free() releases it; NULL for 0 bytes or out of memory.
+ */
+void *embd_rows_alloc(uint64_t bytes, bool zero);
+
 /* Frees the shard (and its memory if it allocated it). NULL is a no-op. */
 void embd_shard_destroy(struct embd_shard *shard);
 

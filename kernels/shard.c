@@ -62,10 +62,10 @@ int embd_shard_sizes(const struct embd_shard_desc *d, uint64_t *weights_bytes,
 
 /*
  * Rows are read at random, so with 4 KiB pages nearly every row is a TLB miss (and under
- * virtualization a costly nested page walk). Shards of 2 MiB and more are therefore 2 MiB
+ * virtualization a costly nested page walk). Memory of 2 MiB and more is therefore 2 MiB
  * aligned and advised to transparent huge pages; where THP is off this changes nothing.
  */
-static void *alloc_aligned(uint64_t bytes, bool zero)
+void *embd_rows_alloc(uint64_t bytes, bool zero)
 {
 	if (!bytes)
 		return NULL;
@@ -99,9 +99,9 @@ int embd_shard_create(const struct embd_shard_desc *desc, struct embd_shard **ou
 		goto out;
 	s->desc = *desc;
 	s->owns_memory = true;
-	s->weights = alloc_aligned(wb, false);
-	s->momentum1 = alloc_aligned(m1b, true);
-	s->momentum2 = alloc_aligned(m2b, true);
+	s->weights = embd_rows_alloc(wb, false);
+	s->momentum1 = embd_rows_alloc(m1b, true);
+	s->momentum2 = embd_rows_alloc(m2b, true);
 	if (!s->weights || (m1b && !s->momentum1) || (m2b && !s->momentum2))
 		goto out;
 	*out = s;

@@ -10,6 +10,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -402,6 +403,70 @@ Test(ranks, dense_on_cpu_is_a_host_shard)
 					    sizeof(err)), 0, "%s", err);
 	cr_assert_eq(embd_ranks_shard_host(ranks, shard), shard);
 	embd_ranks_destroy(ranks);      /* frees the shard still allocated */
+}
+
+/*
+ * Whether the mapping that holds p is advised to transparent huge pages: its VmFlags in
+ * /proc/self/smaps carry "hg" (set by madvise(MADV_HUGEPAGE) whatever THP's mode, so the test
+ * holds where THP is "never" too). False where no such mapping is found.
+ */
+static bool advised_huge_pages(const void *p)
+{
+	FILE *f = fopen("/proc/self/smaps", "r");
+	char line[512];
+	bool inside = false, advised = false;
+
+	cr_assert_not_null(f, "/proc/self/smaps: %s", strerror(errno));
+	while (fgets(line, sizeof(line), f)) {
+		unsigned long lo, hi;
+		if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
+			inside = (uintptr_t)p >= lo && (uintptr_t)p < hi;
+			continue;
+		}
+		if (inside && !strncmp(line, "VmFlags:", 8)) {
+			advised = strstr(line, " hg") != NULL;
+			break;
+		}
+	}
+	fclose(f);
+	return advised;
+}
+
+/*
+ * Rows are read at random: the host memory of a shard of 2 MiB or more lies on 2 MiB
+ * boundaries, advised to huge pages, on the NUMA path and where libnuma is absent (or does
+ * not work, as in a container without the NUMA system calls), where the service would
+ * otherwise run every table on 4 KiB pages in THP's "madvise" mode.
+ */
+Test(ranks, host_rows_are_advised_to_huge_pages)
+{
+	const uint64_t bytes = (8u << 20) + 4096;
+	char err[256] = "";
+	struct embd_ranks *ranks;
+	struct embd_shard *shard;
+	void *p = embd_backend_host_alloc(false, -1, bytes);
+
+	cr_assert_not_null(p);
+	cr_assert_eq((uintptr_t)p % (2u << 20), 0, "without NUMA: %p not on a 2 MiB boundary", p);
+	cr_assert(advised_huge_pages(p), "without NUMA: %p not advised to huge pages", p);
+	memset(p, 1, bytes);
+	embd_backend_host_free(false, p, bytes);
+	p = embd_backend_host_alloc(false, -1, 4096);
+	cr_assert_eq((uintptr_t)p % 64, 0, "a small block is 64-byte aligned");
+	embd_backend_host_free(false, p, 4096);
+
+	/* a shard of 4096 x 1024 floats (16 MiB) as the ranks allocate it, NUMA or not */
+	struct embd_shard_desc big = desc;
+	big.num_embeddings = 8192;
+	big.embedding_dim = 1024;
+	big.rows = 4096;
+	big.cols = 1024;
+	cr_assert_eq(embd_ranks_create(1, 1, &ranks, err, sizeof(err)), 0, "%s", err);
+	cr_assert_eq(embd_ranks_alloc_shard(ranks, 0, &big, EMBD_KERNEL_FUSED, 0.2, &shard, err,
+					    sizeof(err)), 0, "%s", err);
+	cr_assert(advised_huge_pages(embd_ranks_shard_host(ranks, shard)->weights),
+		  "the shard's weights are not advised to huge pages");
+	embd_ranks_destroy(ranks);
 }
 
 /* This test runs where no GPU is (CI): the refusal must say so and carry the driver's reason. */
