@@ -1,10 +1,11 @@
 /*
  * engine/ranks.h - the node's ranks: for each rank one driver thread that owns a pinned
  * worker pool (kernels/workers.h) and the memory of the rank's shards. A rank computes on a
- * device: the CPU (its shards in host memory on the rank's NUMA node, libnuma, or plain aligned
- * memory where NUMA is absent) or one GPU (its shards in HBM or, fused_uvm, in pinned host
- * memory the GPU reads in place; its threads and host buffers on the GPU's NUMA node). The
- * device work goes through a backend table (engine/backend.h); everything here is shared.
+ * device: the CPU (its shards in host memory on the rank's NUMA node, libnuma, or
+ * embd_rows_alloc's where NUMA does not work; advised to huge pages either way) or one GPU
+ * (its shards in HBM or, fused_uvm, in pinned host memory the GPU reads in place; its threads
+ * and host buffers on the GPU's NUMA node). The device work goes through a backend table
+ * (engine/backend.h); everything here is shared.
  *
  * The step engine hands every rank the same function at once (embd_ranks_run) and waits for
  * all: ranks work in parallel, each on its own shards, so no two threads ever touch one shard.
