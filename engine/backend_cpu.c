@@ -112,8 +112,9 @@ void *embd_backend_host_alloc(bool numa, int node, uint64_t bytes)
 		return NULL;
 	if (numa) {
 		void *p = numa_alloc_onnode(bytes, node);  /* page aligned (mmap) */
-		/* Random row reads miss the TLB on 4 KiB pages (kernels/shard.c measured 5-10x on
-		 * backward): let transparent huge pages back the 2 MiB-aligned parts. */
+		/* Random row reads miss the TLB on 4 KiB pages (the Zen 4 VM: adagrad D 128's
+		 * backward 1.4x the time, docs/benchmarks.md): let transparent huge pages back
+		 * the 2 MiB-aligned parts. */
 		if (p && bytes >= (2u << 20))
 			madvise(p, bytes, MADV_HUGEPAGE);
 		return p;
