@@ -155,7 +155,7 @@ extern const struct embd_backend embd_backend_cuda;    /* engine/backend_cuda.c 
 bool embd_backend_host_registered(const void *p, uint64_t bytes);
 uint64_t embd_backend_unregistered_bytes(void);
 
-/* Host memory on NUMA node `node` (page aligned), or embd_rows_alloc's where NUMA is absent;
+/* Host memory on NUMA node `node` (page aligned), or embd_rows_alloc's where NUMA does not work;
  * from 2 MiB advised to transparent huge pages either way. NULL for 0 bytes or when out of
  * memory. */
 void *embd_backend_host_alloc(bool numa, int node, uint64_t bytes);
