@@ -61,6 +61,8 @@ struct bag_ctx {
 	uint64_t prefetch_last;         /* prefetch_end - 1: the last id whose row is prefetched */
 	bool lean;                      /* one pass covers the row, prefetched whole, in lines:
 					 * the lean loop's */
+	bool prefetch_l1;               /* the lean loop prefetches into L1, not L2
+					 * (embd_forward_prefetch_l1) */
 };
 
 _Static_assert(EMBD_PREFETCH_IDS <= EMBD_LEAN_WINDOW_PAD &&
@@ -279,13 +281,13 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
  * weights[j] (1 unless weighted) to out[0, nvec x VEC_FLOATS) and, when finish, multiplies
  * the sums by scale; resume: out holds the bag's sums so far, unscaled (a bag longer than a
  * window is pooled in pieces, in the same order). Each of rows[j + dist]'s lines is
- * prefetched after the load that starts the same line of rows[j]: rows holds n + dist
- * entries.
+ * prefetched after the load that starts the same line of rows[j], into L1 when l1, else L2:
+ * rows holds n + dist entries.
  */
 static inline __attribute__((always_inline)) void
 pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
 	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
-	  const int fp16, const int weighted)
+	  const int fp16, const int weighted, const int l1)
 {
 	vecf acc[CHUNK_VECS];
 	const uint64_t elem_bytes = fp16 ? 2 : 4;
@@ -300,8 +302,12 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 		vecf w = vec_set1(weighted ? weights[j] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
-			if ((v * vec_bytes) % 64 == 0)
-				embd_prefetch_line(ahead + v * vec_bytes);
+			if ((v * vec_bytes) % 64 == 0) {
+				if (l1)
+					embd_prefetch_line_l1(ahead + v * vec_bytes);
+				else
+					embd_prefetch_line(ahead + v * vec_bytes);
+			}
 		}
 	}
 	vecf sv = vec_set1(scale);
@@ -410,7 +416,8 @@ move_window(struct lean_window *wnd, const struct bag_ctx *c, uint64_t k)
  */
 static inline __attribute__((always_inline)) uint32_t
 lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
-	     uint32_t b, uint32_t last, const int nvec, const int fp16, const int weighted)
+	     uint32_t b, uint32_t last, const int nvec, const int fp16, const int weighted,
+	     const int l1)
 {
 	const uint8_t *base = c->base;
 	const uint64_t dist = c->prefetch_ids;
@@ -431,7 +438,7 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			uint64_t stop = (uint64_t)e < wnd->to ? (uint64_t)e : wnd->to;
 			pool_lean(base, wnd->rows + (k - wnd->from), weighted ? c->weights + k : NULL,
 				  stop - k, dist, scale, out, k > (uint64_t)s, stop == (uint64_t)e, nvec,
-				  fp16, weighted);
+				  fp16, weighted, l1);
 			k = stop;
 		} while (k < (uint64_t)e);
 	}
@@ -441,17 +448,23 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 #define LEAN_CASE(N)                                                                              \
 	case N:                                                                                   \
 		if (fp16 && c->weights)                                                           \
-			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1);                        \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1, 0);                     \
 		if (fp16)                                                                         \
-			return lean_bags_as(wnd, bt, c, b, last, N, 1, 0);                        \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 0, 0);                     \
 		if (c->weights)                                                                   \
-			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1);                        \
-		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0);
+			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1, 0);                     \
+		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0, 0);
 
 /* lean_bags_as for the shard's row width, chosen once for a run of bags. */
 static uint32_t lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt,
 			  const struct bag_ctx *c, int fp16, uint32_t b, uint32_t last)
 {
+#if VEC_FLOATS == 16
+	/* the only rows embd_forward_prefetch_l1 prefetches into L1: fp32, 512 bytes */
+	if (c->prefetch_l1 && !fp16 && c->cols == 8 * VEC_FLOATS)
+		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 0, 1, 1)
+				  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, 1);
+#endif
 	switch (c->cols / VEC_FLOATS) {
 	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
 	LEAN_CASE(5) LEAN_CASE(6) LEAN_CASE(7) LEAN_CASE(8)
@@ -484,7 +497,7 @@ static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e,
 #endif
 
 static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last,
-			struct embd_kernel_err *err)
+			bool prefetch_l1, struct embd_kernel_err *err)
 {
 	const struct embd_shard_desc *d = &bt->shard->desc;
 	struct bag_ctx c = {
@@ -514,6 +527,7 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 					   embd_dtype_bytes(d->dtype),
 				   c.row_bytes, c.base) &&
 		 c.prefetch_end > 0;
+	c.prefetch_l1 = c.lean && prefetch_l1;
 
 	/*
 	 * The rows of the first prefetch_ids ids: each id prefetches the row that many ids

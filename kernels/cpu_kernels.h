@@ -105,7 +105,8 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 
 /*
  * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of
- * the benchmark's limits, goes through here, so that they issue the same one. The
+ * the benchmark's limits, goes through here, so that they issue the same one (but the rows
+ * embd_forward_prefetch_l1 sends to L1, through embd_prefetch_line_l1). The
  * kernels keep many rows' lines in flight (embd_prefetch_rows, embd_backward_prefetch_rows),
  * more than the L1's miss buffers hold, and prefetches into L1 waited for them: perf put 13%
  * of adam D 128's apply samples right after a row's first prefetcht0. Into L2, on the Zen 4
@@ -118,6 +119,13 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 static inline __attribute__((always_inline)) void embd_prefetch_line(const void *p)
 {
 	__builtin_prefetch(p, 0, 2);
+}
+
+/* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says
+ * so, and the gather limit's where the kernel's are. */
+static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const void *p)
+{
+	__builtin_prefetch(p, 0, 3);
 }
 
 /* embd_prefetch_line for each line of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES. */
@@ -154,9 +162,10 @@ struct embd_cpu_kernels {
 	/*
 	 * Pools bags [first, last) of batch into batch->pooled. 0, EMBD_EINVAL for offsets out of
 	 * order or outside num_ids, EMBD_ERANGE for an id outside the shard; err says where.
+	 * prefetch_l1: embd_forward_prefetch_l1() for the batch's shard.
 	 */
 	int (*forward_bags)(const struct embd_bag_batch *batch, uint32_t first, uint32_t last,
-			    struct embd_kernel_err *err);
+			    bool prefetch_l1, struct embd_kernel_err *err);
 	/*
 	 * occ[0, n) is sorted by row, each row's run in batch order: sums each run into grad_row
 	 * (2 x cols floats of scratch) and applies the optimizer to the row once. next[0, next_n)

@@ -69,10 +69,32 @@ struct embd_backward_times {
 	uint64_t apply_ns;              /* gradients summed per row, optimizer on weights and state */
 };
 
+/*
+ * Which cache the AVX-512 forward prefetches fp32 rows of 512 bytes (D 128) into. The best one
+ * depends on the CPU: on a Zen 4 every row size pooled fastest prefetched into L2 (2026-12-05),
+ * while on an Intel Xeon with AVX-512 and AMX (2026-12-06, docs/benchmarks.md) these rows
+ * pooled 11-17% faster prefetched into L1 at 20 and 100 ids a bag and ~10% at 2 and 8, but
+ * 5-13% slower at 1 (and 7-8% at 4), and other rows up to 36% slower so. AUTO takes L1
+ * on Intel CPUs for batches of at least two ids a bag on average, L2 elsewhere; the others
+ * force one for those rows (tests, benchmarks). Other rows and isas are always prefetched into
+ * L2.
+ */
+enum embd_row_prefetch {
+	EMBD_ROW_PREFETCH_AUTO = 0,
+	EMBD_ROW_PREFETCH_L2 = 1,
+	EMBD_ROW_PREFETCH_L1 = 2,
+};
+
+/* Whether the forward prefetches into L1 the rows of a batch of num_ids ids in bags bags, rows
+ * of row_bytes and elements of elem_bytes, when run with isa (not AUTO) and want. */
+bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
+			      uint32_t elem_bytes, uint64_t num_ids, uint64_t bags);
+
 /* How a kernel call runs. A NULL exec means the calling thread and the best isa. */
 struct embd_exec {
 	struct embd_workers *workers;   /* NULL: the calling thread only */
 	enum embd_isa isa;              /* EMBD_ISA_AUTO, or one to force (tests, benchmarks) */
+	enum embd_row_prefetch row_prefetch; /* AUTO, or one to force (tests, benchmarks) */
 	struct embd_backward_times *backward_times; /* NULL, or where backward adds its phases */
 };
 

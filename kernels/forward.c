@@ -57,6 +57,7 @@ int embd_bag_batch_check(const struct embd_bag_batch *bt, const struct embd_shar
 
 struct forward_job {
 	const struct embd_cpu_kernels *k;
+	enum embd_row_prefetch row_prefetch;
 	const struct embd_bag_batch *batches;
 	uint32_t n;
 	const uint64_t *first_chunk;    /* n + 1: chunk index where each batch starts */
@@ -83,8 +84,13 @@ static void forward_worker(void *arg, uint32_t worker, uint32_t num_workers)
 		uint64_t per = job->chunk_bags[i];
 		uint64_t first = (chunk - job->first_chunk[i]) * per;
 		uint64_t last = first + per < bt->batch_size ? first + per : bt->batch_size;
+		const struct embd_shard_desc *d = &bt->shard->desc;
+		const uint32_t elem = embd_dtype_bytes(d->dtype);
+		const bool l1 = embd_forward_prefetch_l1(job->row_prefetch, job->k->isa,
+							 (uint64_t)d->cols * elem, elem,
+							 bt->num_ids, bt->batch_size);
 		struct embd_kernel_err e;
-		int rc = job->k->forward_bags(bt, (uint32_t)first, (uint32_t)last, &e);
+		int rc = job->k->forward_bags(bt, (uint32_t)first, (uint32_t)last, l1, &e);
 		embd_first_err_note(we, rc, i, &e);
 	}
 }
@@ -93,7 +99,8 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 			 uint32_t n, struct embd_kernel_err *err)
 {
 	struct embd_workers *workers = exec ? exec->workers : NULL;
-	struct forward_job job = { .batches = batches, .n = n };
+	struct forward_job job = { .batches = batches, .n = n,
+				   .row_prefetch = exec ? exec->row_prefetch : EMBD_ROW_PREFETCH_AUTO };
 	uint64_t *first_chunk = NULL, *chunk_bags;
 	struct embd_first_err *errs = NULL, first = { 0 };
 	uint32_t nw = embd_workers_count(workers);

@@ -53,6 +53,7 @@ struct opts {
 	int repeats;                    /* --repeat: paired measurements per line */
 	double run_ns;
 	enum embd_isa isa;
+	enum embd_row_prefetch row_prefetch; /* --row-prefetch */
 	bool fbgemm;
 	bool cpu_clock;                 /* --clock cpu: process CPU time / threads, not wall time */
 	const char *python;
@@ -632,6 +633,14 @@ static void forward_name(const struct table *t, uint32_t P, bool weighted, char 
 		 t->dim, P);
 }
 
+/* Whether the forward prefetches t's rows into L1 at P ids a bag (its lines' row_prefetch);
+ * the limit does as it does. */
+static bool row_prefetch_l1(const struct bench *b, const struct table *t, uint32_t P)
+{
+	return embd_forward_prefetch_l1(b->exec.row_prefetch, b->isa, t->row_bytes, t->fp16 ? 2 : 4,
+					(uint64_t)b->o.batch * P, b->o.batch);
+}
+
 /* The forward configs of table t: gather limit and ours, then FBGEMM for all, then lines. */
 static int bench_forward(struct bench *b, const struct table *t, int64_t *offsets,
 			 const float *weights, float *pooled)
@@ -655,7 +664,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 											 t->fp16 ? 2 : 4) *
 							(t->fp16 ? 2 : 4),
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
-					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P } };
+					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P,
+					  .prefetch_l1 = row_prefetch_l1(b, t, P) } };
 		/* the limit's other way (bench_gather.windowed), where the kernel has a window */
 		struct gather_arg gw = g;
 		gw.g.windowed = 1;
@@ -692,6 +702,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       name, t->dim, t->fp16 ? "fp16" : "fp32", weighted ? "true" : "false", P, b->o.batch,
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
+		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t, P) ? "l1" : "l2");
 		if (ways[i] > 1)
 			printf(",\"limit_ids\":\"%s\"",
 			       gather_way_names[res[i].ref_won[1] > res[i].ref_won[0]]);
@@ -1054,6 +1065,7 @@ static void usage(FILE *f)
 	fprintf(f, "usage: embd-bench kernels [--threads N] [--table-mib M] [--batch B] [--runs R]\n"
 		   "                          [--run-ms MS] [--isa scalar|avx2|avx512] [--no-fbgemm]\n"
 		   "                          [--clock wall|cpu] [--repeat N] [--config NAME,...]\n"
+		   "                          [--row-prefetch auto|l1|l2]\n"
 		   "defaults: all cores (pinned), 512 MiB tables, B 2048, 7 runs of 100 ms (medians);\n"
 		   "workers are pinned to the first CPUs the process may run on: two benchmarks side\n"
 		   "by side each need their own CPUs (taskset -c), or they share the first ones.\n"
@@ -1066,7 +1078,10 @@ static void usage(FILE *f)
 		   "which leaves out the time other processes hold the cores on a shared machine.\n"
 		   "--repeat N measures each kernel line N times against its limit (each with its\n"
 		   "warm-up and runs) and adds the min and max ratio_to_limit and the limit's spread\n"
-		   "over the N (limit_repeat_spread) to the line; its other figures are the medians.\n");
+		   "over the N (limit_repeat_spread) to the line; its other figures are the medians.\n"
+		   "--row-prefetch forces the cache the AVX-512 forward prefetches fp32 D 128 rows\n"
+		   "into, and its limit with it (auto: L1 on Intel CPUs at P >= 2, L2 elsewhere; each\n"
+		   "forward line's row_prefetch says which).\n");
 }
 
 static int parse_args(struct bench *b, int argc, char **argv)
@@ -1097,6 +1112,12 @@ static int parse_args(struct bench *b, int argc, char **argv)
 			if (!b->o.cpu_clock && strcmp(v, "wall"))
 				b->o.runs = 0; /* refused below */
 			i++;
+		} else if (v && !strcmp(argv[i], "--row-prefetch")) {
+			b->o.row_prefetch = !strcmp(v, "l1")   ? EMBD_ROW_PREFETCH_L1
+					    : !strcmp(v, "l2") ? EMBD_ROW_PREFETCH_L2
+					    : !strcmp(v, "auto") ? EMBD_ROW_PREFETCH_AUTO
+								 : (enum embd_row_prefetch)-1;
+			i++;
 		} else if (v && !strcmp(argv[i], "--isa")) {
 			if (embd_kernels_isa_parse(v, &b->o.isa))
 				b->o.isa = (enum embd_isa)-1;
@@ -1108,9 +1129,11 @@ static int parse_args(struct bench *b, int argc, char **argv)
 	}
 	if (!b->o.threads || !b->o.batch || b->o.runs < 1 || b->o.runs > MAX_RUNS ||
 	    b->o.repeats < 1 || b->o.repeats > MAX_REPEATS ||
-	    b->o.table_bytes < (1u << 20) || !embd_kernels_isa_supported(b->o.isa)) {
+	    b->o.table_bytes < (1u << 20) || !embd_kernels_isa_supported(b->o.isa) ||
+	    (int)b->o.row_prefetch < 0) {
 		fprintf(stderr, "embd-bench kernels: bad option value (threads, batch, runs 1..%d, "
-				"repeat 1..%d, table >= 1 MiB, isa this CPU has)\n", MAX_RUNS, MAX_REPEATS);
+				"repeat 1..%d, table >= 1 MiB, isa this CPU has, row prefetch auto, l1 "
+				"or l2)\n", MAX_RUNS, MAX_REPEATS);
 		return 2;
 	}
 	return -1;
@@ -1136,6 +1159,7 @@ int bench_kernels_run(int argc, char **argv)
 	b.isa = b.o.isa ? b.o.isa : embd_kernels_isa_best();
 	b.exec.workers = b.workers;
 	b.exec.isa = b.isa;
+	b.exec.row_prefetch = b.o.row_prefetch;
 	if (b.o.fbgemm && !fbgemm_available(&b, err, sizeof(err))) {
 		print_head(&b, "fbgemm");
 		printf(",\"available\":false,\"reason\":\"%s\"}\n", err);

@@ -16,7 +16,8 @@
  *   fully unrolled per pass width, the head of each pass's columns of the row
  *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes: for
  *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
- *   lean loop takes, one line at a time after the load that starts the same line, with the
+ *   lean loop takes, one line at a time after the load that starts the same line (into L1
+ *   where the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1), with the
  *   row's size a constant as it is in that loop, and the ids read one of two ways: straight
  *   from the batch, the id ahead without a clamp but in the chunk's last bags, where it is
  *   clamped to the chunk (a clamp on every id was a cost the kernel does not have; the last
@@ -162,7 +163,9 @@
 			const uint8_t *row = t + (uint64_t)SRC[k - (BASE)] * rb + from;           \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
 				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
-				if (lean && (v * VBYTES) % 64 == 0)                               \
+				if (lean == 2 && (v * VBYTES) % 64 == 0)                          \
+					embd_prefetch_line_l1(ahead + (uint64_t)v * VBYTES);      \
+				else if (lean && (v * VBYTES) % 64 == 0)                          \
 					embd_prefetch_line(ahead + (uint64_t)v * VBYTES);         \
 			}                                                                         \
 		}                                                                                 \
@@ -184,7 +187,8 @@
 	uint64_t *sink
 
 /* the bag loops' lean mode (kernels/cpu_kernels.c): one pass covers the row, whose lines are
- * prefetched one after each load that starts a line, dist ids ahead, clamped to the chunk */
+ * prefetched one after each load that starts a line, dist ids ahead, clamped to the chunk;
+ * lean 2: into L1, as the kernel's where bench_gather.prefetch_l1 */
 #define GATHER_LEAN_ARGS                                                                          \
 	const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul, const int lean
 
@@ -233,7 +237,9 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
-	if (lean)                                                                                 \
+	if (lean == 2)                                                                            \
+		PASS_CASES(FN, VBYTES, OUT_MUL, 2)                                                \
+	else if (lean)                                                                            \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
@@ -270,6 +276,9 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb, last = rb % pass;
 	uint32_t dist = embd_prefetch_rows(rb);
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
+
+	if (lean && g->prefetch_l1)
+		lean = 2;
 
 #if defined(__x86_64__)
 	/* fp16 rows (a pooled row twice theirs) 32 bytes a load on AVX-512 too (bench_limits.c's

@@ -35,6 +35,9 @@ struct bench_gather {
 	 * faster depends on the row (bench_limits.c), so the benchmarks run both and take the
 	 * faster */
 	int windowed;
+	/* where the lean loop takes the rows, they are prefetched into L1, as the kernel's
+	 * (embd_forward_prefetch_l1) */
+	bool prefetch_l1;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
 };

@@ -216,10 +216,12 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 				.out_row_bytes = ob, .ids_per_out = P, .isa = isas[i], .ids = ids,
 				.n = BAGS * P,
 			};
-			for (int windowed = 0; windowed <= 1; windowed++) {
+			for (int way = 0; way < 4; way++) { /* windowed or not, L2 or L1 */
+				const int windowed = way & 1, l1 = way >> 1;
 				memset(table, 0, ROWS * rb);
 				memset(out, 0x5a, BAGS * ob + GUARD);
 				g->windowed = windowed;
+				g->prefetch_l1 = l1;
 				bench_gather_run(two, g);
 				uint64_t bad = 0, past = 0;
 				for (uint64_t j = 0; j < BAGS * ob; j++)
@@ -227,23 +229,28 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 				for (uint64_t j = BAGS * ob; j < BAGS * ob + GUARD; j++)
 					past += out[j] != 0x5a;
 				cr_expect(!bad && !past,
-					  "%s D %u %s P %u%s: %llu pooled bytes not stored, "
+					  "%s D %u %s P %u%s%s: %llu pooled bytes not stored, "
 					  "%llu stored past the last row",
 					  embd_kernels_isa_name(isas[i]), dims[d],
 					  fp16 ? "fp16" : "fp32", P, windowed ? " windowed" : "",
-					  (unsigned long long)bad, (unsigned long long)past);
+					  l1 ? " l1" : "", (unsigned long long)bad,
+					  (unsigned long long)past);
 			}
 			for (uint64_t j = 0; j < ROWS * rb; j++)
 				table[j] = (uint8_t)(j * 131 + j / rb);
 			g->windowed = 0;
+			g->prefetch_l1 = false;
 			bench_gather_run(two, g);
 			memcpy(out_window, out, BAGS * ob);
-			g->windowed = 1;
-			bench_gather_run(two, g);
-			cr_expect(memcmp(out, out_window, BAGS * ob) == 0,
-				  "%s D %u %s P %u: the two ways stored different sums",
-				  embd_kernels_isa_name(isas[i]), dims[d], fp16 ? "fp16" : "fp32",
-				  P);
+			for (int way = 1; way < 4; way++) {
+				g->windowed = way & 1;
+				g->prefetch_l1 = way >> 1;
+				bench_gather_run(two, g);
+				cr_expect(memcmp(out, out_window, BAGS * ob) == 0,
+					  "%s D %u %s P %u: way %d stored other sums than the first",
+					  embd_kernels_isa_name(isas[i]), dims[d],
+					  fp16 ? "fp16" : "fp32", P, way);
+			}
 			free(g);
 			free(table);
 			free(ids);
