@@ -88,7 +88,7 @@ static bool cpu_is_intel(void)
 	int v = atomic_load_explicit(&cpu_vendor, memory_order_relaxed);
 
 	if (!v) {
-#if defined(__x86_64__) || defined(__i386__)
+#ifdef EMBD_KERNELS_X86
 		__builtin_cpu_init();
 		v = __builtin_cpu_is("intel") ? 1 : 2;
 #else
@@ -99,19 +99,12 @@ static bool cpu_is_intel(void)
 	return v == 1;
 }
 
-/* The rows and bag lengths are those of the one measurement that favoured L1 (embedding.h);
- * the lean loop of the AVX-512 kernels has its L1 variant for these rows only
- * (cpu_kernels.c). */
+/* The lean loop of the AVX-512 kernels has its L1 variant for these rows only (cpu_kernels.c). */
 bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
 			      uint32_t elem_bytes, uint64_t num_ids, uint64_t bags)
 {
-	if (isa != EMBD_ISA_AVX512 || elem_bytes != 4 || row_bytes != 512)
-		return false;
-	switch (want) {
-	case EMBD_ROW_PREFETCH_L1: return true;
-	case EMBD_ROW_PREFETCH_L2: return false;
-	default: return num_ids >= 2 * bags && cpu_is_intel();
-	}
+	return embd_row_prefetch_l1_rule(want, isa, row_bytes, elem_bytes, num_ids, bags,
+					 want == EMBD_ROW_PREFETCH_AUTO && cpu_is_intel());
 }
 
 /* Each isa includes the ones below it (AVX-512 here implies AVX2, FMA and F16C). */

@@ -35,8 +35,8 @@ struct bench_gather {
 	 * faster depends on the row (bench_limits.c), so the benchmarks run both and take the
 	 * faster */
 	int windowed;
-	/* where the lean loop takes the rows, they are prefetched into L1, as the kernel's
-	 * (embd_forward_prefetch_l1) */
+	/* where the lean loop takes the rows, they are prefetched into L1 (callers set it where
+	 * embd_forward_prefetch_l1 says the kernel's are) */
 	bool prefetch_l1;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
