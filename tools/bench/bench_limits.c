@@ -236,9 +236,11 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	} else {                                                                                  \
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
+/* lean 2 (into L1) only where the kernel has it, on rows of one 512-byte pass
+ * (embd_forward_prefetch_l1); elsewhere the L2 loop, as the kernel's */
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
-	if (lean == 2)                                                                            \
-		PASS_CASES(FN, VBYTES, OUT_MUL, 2)                                                \
+	if (lean == 2 && pass == 512 && last == 0)                                                \
+		FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 2);                                       \
 	else if (lean)                                                                            \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \

@@ -35,8 +35,9 @@ struct bench_gather {
 	 * faster depends on the row (bench_limits.c), so the benchmarks run both and take the
 	 * faster */
 	int windowed;
-	/* where the lean loop takes the rows, they are prefetched into L1 (callers set it where
-	 * embd_forward_prefetch_l1 says the kernel's are) */
+	/* where the lean loop takes rows of 512 bytes, they are prefetched into L1 (callers set
+	 * it where embd_forward_prefetch_l1 says the kernel's are; other rows ignore it, as the
+	 * kernel has no L1 loop for them) */
 	bool prefetch_l1;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
