@@ -4,28 +4,31 @@
  * where it lies, or first copied to rows of that width when it comes strided).
  *
  *   1. serial   snapshot the offsets and check them, so that later phases trust them
- *   2. workers  (split by bags) check every id, write its occurrence {row, bag, coef} and count
- *               occurrences by the top bits of the row
- *   3. workers  (same split) scatter the occurrences stably into those buckets
- *   4. workers  (grab chunks of buckets) sort each bucket by the remaining bits (stable: LSD
- *               radix, or insertion when small), then sum each row's run and apply the
- *               optimizer to the row once
- * When the bits under the bucket's are few (at most LOW_BITS_MAX) and the occurrences at least
- * as many as their values, 3 and 4's sort are instead two stable passes over the whole batch:
- * by those low bits (counted in 2, beside the buckets), then by bucket. One counter array
- * for the batch replaces one per bucket, and each occurrence moves twice rather than three
- * times or more (Zen 4, P 20: the whole backward 8-10% faster at D 64 on one thread, -4% to
- * +9% on two, the same at D 128).
- * Buckets hold disjoint rows, so workers never write the same row; every sort is stable, so a
- * row's gradient is summed in batch order whatever the number of workers. Nothing is written
- * to the shard before phases 1-2 have checked every offset and id. Each row updated is
- * checked for NaN and infinity while it is in cache, and counted on the shard.
+ *   2. workers  (split by bags) check every id and count the worker's ids by bucket (the top
+ *               bits of the row); serially, the buckets are dealt out to the workers as
+ *               owners, in even shares of the occurrences
+ *   3. workers  (same split) read the ids again and write each one's occurrence {row, bag,
+ *               coef} into the worker's own region (its bags' span), one part per owner, in
+ *               batch order, counting them by the sort's first digit
+ *   4. workers  (by owner) an LSD radix sort of the owner's parts into its range of the
+ *               sorted order: the bits under the buckets' (one pass when they are at most
+ *               LOW_BITS_MAX), then by bucket
+ *   5. workers  (grab chunks of buckets) sum each row's run and apply the optimizer to the
+ *               row once
+ * Phases 3 and 4 write only where the same worker wrote last (its region lies about where its
+ * own range of the sorted order does): the whole batch sorted by two radix passes, with the
+ * workers scattering into places next to each other's, took longer with two workers than with
+ * one (Intel Xeon, sgd D 64 P 20, 2026-12-06, docs/benchmarks.md). Every pass is stable and
+ * the parts are read in region order, so a row's gradient is summed in batch order whatever
+ * the number of workers. Nothing is written to the shard before phases 1-4 have checked every
+ * offset and id; an id that changes between 2 and 3 (a client still writing its batch) fills
+ * a part or a bucket past what phase 2 counted, which fails the call before it writes there.
+ * Each row updated is checked for NaN and infinity while it is in cache, and counted on the
+ * shard.
  *
- * Phases 1-3 depend on the bags and the shard's rows only, never on its columns: prepare runs
- * them, and 4's sort, once for shards that share the bags (a table's column shards), and each
- * shard's apply walks the same sorted occurrences; embd_kernels_backward, when it sorts by
- * bucket, sorts each chunk of buckets as a worker takes it, so that the sort overlaps the
- * prefetches of rows it applies.
+ * Phases 1-4 depend on the bags and the shard's rows only, never on its columns: prepare runs
+ * them once for shards that share the bags (a table's column shards), and each shard's apply
+ * walks the same sorted occurrences.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -38,10 +41,8 @@
 #include "kernels/pool_row.h"
 
 #define TOP_BITS_MAX 12                 /* at most 4096 buckets */
-#define OCC_PER_BUCKET_LOG2 6           /* aim for >= 64 occurrences per bucket */
-#define RADIX_BITS_MAX 8
-#define LOW_BITS_MAX 11                 /* a whole-batch pass on the bits under the bucket's */
-#define INSERTION_SORT_MAX 32
+#define OCC_PER_BUCKET_LOG2 6           /* aim for ~64 occurrences per bucket */
+#define LOW_BITS_MAX 11                 /* bits of the row a radix pass under the buckets' sorts */
 #define OCC_PER_CHUNK 512               /* a worker takes about this many occurrences at a time */
 #define CHUNKS_PER_WORKER_MIN 8         /* ... but leaves enough chunks to even out the workers */
 
@@ -54,22 +55,20 @@ struct embd_backward_prep {
 	uint64_t *id_base;              /* n + 1: first occurrence of each batch */
 	uint32_t shift;                 /* bucket = row >> shift */
 	uint32_t num_buckets;
-	uint64_t *bucket_start;         /* num_buckets + 1 */
-	struct embd_occ *bucketed;      /* id_base[n], grouped by bucket; sorted by row if sorted */
-	struct embd_occ *occ;           /* id_base[n], the radix sort's other half; NULL once sorted */
-	bool sorted;
+	uint64_t *bucket_start;         /* num_buckets + 1: each bucket's place in the sorted order */
+	struct embd_occ *sorted;        /* id_base[n], sorted by row (a row's in batch order) */
 };
 
 /*
- * The occurrence arrays (two a prep, ~16 bytes an id) come from a small pool of buffers kept
- * between calls, 2 MiB aligned and advised for transparent huge pages. Fresh malloc'd arrays
+ * The occurrence arrays (a prepare's two, ~16 bytes an id each) come from a small pool of
+ * buffers kept between calls, 2 MiB aligned and advised for transparent huge pages. Fresh malloc'd arrays
  * every call left the phases over them at the mercy of where the heap's pages lay: on the Zen 4
  * VM, with two workers, collect took 250-290 us a call in about half the processes against
  * 50-60 us in the rest (sgd D 64 P 20), with the cores at full speed; with the pool a slow
  * collect in 3 of 18 runs against 10 of 18, and sgd/64 read .887 of its limit at the median
  * against .684, rowwise_adagrad/64 .844 against .671 (2026-12-05, docs/benchmarks.md). Two
  * arrays both at the start of their 2 MiB fell in the same cache sets and scattered between
- * them 2.5x slower, so a prep's first and second array come from two classes of buffer whose
+ * them 2.5x slower, so a prepare's first and second array come from two classes of buffer whose
  * data start at different lines. The pool is one for the process: ranks on other NUMA nodes
  * may get a buffer first touched on another (not measured; the VM has one node). Under
  * AddressSanitizer the arrays are plain malloc, so that it sees their exact bounds.
@@ -180,32 +179,40 @@ static void occ_buf_put(void *data)
 		free(h->base);
 }
 
-/* Phases 1-3 (and 4's sort when the prep is shared): the batches' occurrences into prep. */
+/* Phases 2-4: the batches' occurrences sorted into a prep. */
 struct prep_job {
 	const struct embd_bag_batch *batches;
 	struct embd_backward_prep *p;
 	uint32_t nw;
 	const int64_t *offsets;         /* snapshot: batch i's B + 1 offsets at off_base[i] */
 	const uint64_t *off_base;       /* n + 1 */
-	uint64_t *hist;                 /* nw x num_buckets: counts, then scatter positions */
-	uint64_t *hist_low;             /* NULL, or nw x 2^shift: counts by the bits under the
-					 * bucket's, then their pass's positions */
-	uint64_t *occ_range;            /* nw x 2: the occurrences each worker wrote */
+	/* each worker's row of these starts a cache line of its own: counted in a line that the
+	 * other worker wrote too, phase 3 took ~10x as long (Intel Xeon, sgd D 128 P 20) */
+	uint64_t hist_stride;           /* num_buckets, rounded up to a line's worth */
+	uint64_t part_stride;           /* nw, likewise */
+	uint64_t *hist;                 /* nw x hist_stride: each worker's ids by bucket (phase 2);
+					 * then each owner's next place in the sort's bucket pass */
+	uint16_t *owner;                /* num_buckets: the worker that sorts each bucket */
+	uint64_t *owner_start;          /* nw + 1: owner o sorts buckets [owner_start[o], [o + 1]) */
+	uint64_t *part_start;           /* nw x part_stride: worker w's part of owner o's buckets in its
+					 * region of `in` (regions in worker order) ... */
+	uint64_t *part_pos;             /* ... where its next occurrence goes (phase 3) ... */
+	uint64_t *part_end;             /* ... and where it ends */
+	uint32_t low_passes;            /* the sort's radix passes under the buckets' bits ... */
+	uint32_t low_width;             /* ... the first one's bits */
+	struct embd_occ *in;            /* phase 3's regions */
+	struct embd_occ *other;         /* the radix sort's other half */
 	struct embd_first_err *errs;    /* one per worker */
-	uint32_t chunk_buckets;         /* buckets a worker sorts at a time */
-	atomic_uint_fast64_t next_bucket;
 };
 
-/* Phase 4 on one shard. */
+/* Phase 5 on one shard. */
 struct bwd_job {
 	const struct embd_cpu_kernels *k;
 	struct embd_bwd_rows ctx;
 	const struct embd_backward_prep *p;
-	struct embd_backward_prep *sort_here; /* p, when its buckets are sorted as they are taken */
 	uint32_t chunk_buckets;         /* buckets a worker takes at a time */
 	uint64_t *bad;                  /* nw x 2: rows left non-finite, the lowest of them */
 	float *scratch;                 /* nw x 2 cols */
-	uint64_t *phase_ns;             /* NULL, or nw x 2: each worker's time sorting, applying */
 	atomic_uint_fast64_t next_bucket;
 };
 
@@ -218,172 +225,206 @@ static void worker_bags(const struct prep_job *job, uint32_t w, uint64_t *first,
 	*last = total * (w + 1) / job->nw;
 }
 
-/* The occurrences of global bags [g, g_last): [*first, *last) of p->occ (empty when none). */
-static void bags_occ_span(const struct prep_job *job, uint64_t g, uint64_t g_last, uint64_t *first,
-			  uint64_t *last)
+/* The batch global bag g lies in: its index, found from *i (the batch of an earlier bag) on. */
+static inline uint32_t batch_of(const struct embd_backward_prep *p, uint64_t g, uint32_t i)
 {
-	const struct embd_backward_prep *p = job->p;
-	uint32_t i = 0, j;
-
-	*first = *last = 0;
-	if (g >= g_last)
-		return;
 	while (p->bag_base[i + 1] <= g)
 		i++;
-	for (j = i; p->bag_base[j + 1] < g_last; j++)
-		;
-	*first = p->id_base[i] + (uint64_t)job->offsets[job->off_base[i] + (g - p->bag_base[i])];
-	*last = p->id_base[j] + (uint64_t)job->offsets[job->off_base[j] + (g_last - p->bag_base[j])];
+	return i;
 }
 
-/*
- * The worker's span of occurrences is cleared first in one memset, then written. Its lines were
- * mostly last held by other workers (the previous call's scatters, sorts and apply), and the
- * loop's three stores an occurrence took them over line by line as they came; the string
- * stores of memset take whole lines, many at a time.
- * When the host slows this VM's cores (docs/benchmarks.md, "The prepare's slow state"), collect
- * took 126-150 us a call with the memset against 166-307 without, and within 6 us otherwise
- * (54-57 us against 48-57; Zen 4, two workers, P 20).
- */
-static void collect_worker(void *arg, uint32_t w, uint32_t nw)
+/* Notes in job's errors for worker w that batch i's bag b read ids[k] = id outside the
+ * shard's rows, or (changed) one that overfilled its part: not what phase 2 counted. */
+static void note_bad_id(struct prep_job *job, uint32_t w, uint32_t i, uint64_t b, int64_t k,
+			int64_t id, bool changed)
+{
+	const struct embd_bag_batch *bt = &job->batches[i];
+	const struct embd_backward_prep *p = job->p;
+	struct embd_kernel_err ke;
+	int rc = changed ? EMBD_EINVAL : EMBD_ERANGE;
+
+	if (changed)
+		embd_kernel_fail(&ke, rc, bt->feature, (int64_t)b, id,
+				 "feature %u sample %llu: ids changed while the backward read them "
+				 "(ids[%lld] = %lld is not what was counted)",
+				 bt->feature, (unsigned long long)b, (long long)k, (long long)id);
+	else
+		embd_kernel_fail(&ke, rc, bt->feature, (int64_t)b, id,
+				 "feature %u sample %llu: id %lld outside the shard's rows [%lld, %lld)",
+				 bt->feature, (unsigned long long)b, (long long)id,
+				 (long long)p->row_offset, (long long)(p->row_offset + p->rows));
+	embd_first_err_note(&job->errs[w], rc, i, &ke);
+}
+
+/* Phase 2: worker w's ids checked against the shard's rows and counted by bucket. */
+static void count_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct prep_job *job = arg;
 	const struct embd_backward_prep *p = job->p;
-	uint64_t *hist = job->hist + (uint64_t)w * p->num_buckets;
-	uint64_t *hist_low = job->hist_low ? job->hist_low + ((uint64_t)w << p->shift) : NULL;
-	const uint64_t low_mask = ((uint64_t)1 << p->shift) - 1;
-	uint64_t g, g_last, occ_first, occ_last;
+	uint64_t *count = job->hist + w * job->hist_stride;
+	uint64_t g, g_last;
 	uint32_t i = 0;
 
 	(void)nw;
 	worker_bags(job, w, &g, &g_last);
-	bags_occ_span(job, g, g_last, &occ_first, &occ_last);
-	memset(p->occ + occ_first, 0, (occ_last - occ_first) * sizeof(*p->occ));
 	for (; g < g_last; g++) {
-		while (p->bag_base[i + 1] <= g)
-			i++;
+		i = batch_of(p, g, i);
+		const struct embd_bag_batch *bt = &job->batches[i];
+		uint64_t b = g - p->bag_base[i];
+		const int64_t *off = job->offsets + job->off_base[i];
+
+		for (int64_t k = off[b]; k < off[b + 1]; k++) {
+			/* read once in this pass: the client may be writing it */
+			int64_t id = __atomic_load_n(&bt->ids[k], __ATOMIC_RELAXED);
+			uint64_t r = (uint64_t)id - (uint64_t)p->row_offset;
+			if (r >= (uint64_t)p->rows) {
+				note_bad_id(job, w, i, b, k, id, false);
+				return;
+			}
+			count[r >> p->shift]++;
+		}
+	}
+}
+
+/*
+ * Phase 3: worker w's occurrences {row, bag, coef}, in batch order, into one part per owner
+ * (the worker that sorts their buckets), each part inside the range its owner sorts. The ids
+ * are read a second time: one that is no longer what phase 2 counted (outside the rows, or
+ * past its part) fails the call before it is written anywhere.
+ */
+static void place_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	struct prep_job *job = arg;
+	const struct embd_backward_prep *p = job->p;
+	uint64_t *pos = job->part_pos + w * job->part_stride;
+	const uint64_t *end = job->part_end + w * job->part_stride;
+	const uint16_t *owner = job->owner;
+	struct embd_occ *out = job->in;
+	uint64_t g, g_last;
+	uint32_t i = 0;
+
+	/* the region cleared first, in whole lines (string stores) rather than taken over line by
+	 * line by the loop's stores: sgd D 64 and 128 P 20 2-3% faster a batch, the other
+	 * optimizers within the noise (Intel Xeon, 2026-12-06) */
+	memset(out + job->part_start[w * job->part_stride], 0,
+	       (end[nw - 1] - job->part_start[w * job->part_stride]) * sizeof(*out));
+	worker_bags(job, w, &g, &g_last);
+	for (; g < g_last; g++) {
+		i = batch_of(p, g, i);
 		const struct embd_bag_batch *bt = &job->batches[i];
 		uint64_t b = g - p->bag_base[i];
 		const int64_t *off = job->offsets + job->off_base[i];
 		int64_t s = off[b], e = off[b + 1];
 		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
 		float scale = embd_grad_scale(bt->pooling, divisor, bt->grad_divisor);
-		struct embd_occ *out = p->occ + p->id_base[i];
 
 		for (int64_t k = s; k < e; k++) {
-			int64_t id = bt->ids[k]; /* read once */
+			/* read once in this pass: the client may be writing it */
+			int64_t id = __atomic_load_n(&bt->ids[k], __ATOMIC_RELAXED);
 			uint64_t r = (uint64_t)id - (uint64_t)p->row_offset;
-			if (r >= (uint64_t)p->rows) {
-				struct embd_kernel_err ke;
-				embd_kernel_fail(&ke, EMBD_ERANGE, bt->feature, (int64_t)b, id,
-						 "feature %u sample %llu: id %lld outside the shard's rows [%lld, %lld)",
-						 bt->feature, (unsigned long long)b, (long long)id,
-						 (long long)p->row_offset, (long long)(p->row_offset + p->rows));
-				embd_first_err_note(&job->errs[w], EMBD_ERANGE, i, &ke);
+			uint32_t o = r < (uint64_t)p->rows ? owner[r >> p->shift] : 0;
+			if (r >= (uint64_t)p->rows || pos[o] == end[o]) {
+				note_bad_id(job, w, i, b, k, id, true);
 				return;
 			}
-			out[k].row = r;
-			out[k].bag = (uint32_t)g;
-			out[k].coef = embd_grad_coef(bt->weights ? bt->weights[k] : 1.0f, scale);
-			hist[r >> p->shift]++;
-			if (hist_low)
-				hist_low[r & low_mask]++;
+			out[pos[o]++] = (struct embd_occ){
+				.row = r, .bag = (uint32_t)g,
+				.coef = embd_grad_coef(bt->weights ? bt->weights[k] : 1.0f, scale),
+			};
 		}
 	}
-	/* once, at the end: the workers' ranges share a cache line */
-	job->occ_range[2 * w] = occ_first;
-	job->occ_range[2 * w + 1] = occ_last;
 }
 
-static void scatter_worker(void *arg, uint32_t w, uint32_t nw)
-{
-	struct prep_job *job = arg;
-	struct embd_backward_prep *p = job->p;
-	uint64_t *pos = job->hist + (uint64_t)w * p->num_buckets;
-
-	(void)nw;
-	for (uint64_t j = job->occ_range[2 * w]; j < job->occ_range[2 * w + 1]; j++) {
-		const struct embd_occ *o = &p->occ[j];
-		p->bucketed[pos[o->row >> p->shift]++] = *o;
-	}
-}
-
-/* The whole batch's occurrences by the bits under the bucket's, stably: occ -> bucketed. */
-static void low_scatter_worker(void *arg, uint32_t w, uint32_t nw)
-{
-	struct prep_job *job = arg;
-	struct embd_backward_prep *p = job->p;
-	uint64_t *pos = job->hist_low + ((uint64_t)w << p->shift);
-	const uint64_t mask = ((uint64_t)1 << p->shift) - 1;
-
-	(void)nw;
-	for (uint64_t j = job->occ_range[2 * w]; j < job->occ_range[2 * w + 1]; j++) {
-		const struct embd_occ *o = &p->occ[j];
-		p->bucketed[pos[o->row & mask]++] = *o;
-	}
-}
-
-/* Counts worker w's range of occ by bucket (the low pass's order, several workers). */
-static void top_count_worker(void *arg, uint32_t w, uint32_t nw)
+/*
+ * Phase 4, first half: owner o's parts (one per worker's region, in region order: batch order)
+ * sorted by the lowest bits under the buckets', stably, into its range of other. The regions
+ * may lie under other owners' ranges, so nothing writes `in` until every owner has read its
+ * parts (the second half).
+ */
+static void sort_low_worker(void *arg, uint32_t o, uint32_t nw)
 {
 	struct prep_job *job = arg;
 	const struct embd_backward_prep *p = job->p;
-	uint64_t *hist = job->hist + (uint64_t)w * p->num_buckets;
+	const uint64_t lo = p->bucket_start[job->owner_start[o]];
+	const struct embd_occ *in = job->in;
+	struct embd_occ *out = job->other + lo;
+	uint64_t count[(uint64_t)1 << LOW_BITS_MAX];
+	const uint64_t mask = ((uint64_t)1 << job->low_width) - 1;
 
-	(void)nw;
-	memset(hist, 0, p->num_buckets * sizeof(*hist));
-	for (uint64_t j = job->occ_range[2 * w]; j < job->occ_range[2 * w + 1]; j++)
-		hist[p->occ[j].row >> p->shift]++;
+	memset(count, 0, (mask + 1) * sizeof(*count));
+	for (uint64_t w = 0; w < nw; w++)
+		for (uint64_t j = job->part_start[w * job->part_stride + o];
+		     j < job->part_end[w * job->part_stride + o]; j++)
+			count[in[j].row & mask]++;
+	for (uint64_t dgt = 0, sum = 0; dgt <= mask; dgt++) {
+		uint64_t c = count[dgt];
+		count[dgt] = sum;
+		sum += c;
+	}
+	for (uint64_t w = 0; w < nw; w++)
+		for (uint64_t j = job->part_start[w * job->part_stride + o];
+		     j < job->part_end[w * job->part_stride + o]; j++)
+			out[count[in[j].row & mask]++] = in[j];
 }
 
-/* Stable sort of a[0, n) by row, whose bits at and above `bits` are all equal, in place; tmp
- * is n long. */
-static void sort_bucket(struct embd_occ *a, struct embd_occ *tmp, uint64_t n, uint32_t bits)
+/*
+ * Phase 4, second half: owner o's range, sorted by its lowest bits in other, sorted by the
+ * rest of the bits under the buckets' (passes of at most LOW_BITS_MAX bits, where they do not
+ * fit one), then by bucket, stably (an LSD radix sort); every owner makes the same passes, so
+ * all end in the same one of the two arrays. A bucket that gets more occurrences than phase 2
+ * counted (an id that changed between phases 2 and 3 but stayed among the owner's buckets)
+ * fails the call.
+ */
+static void sort_rest_worker(void *arg, uint32_t o, uint32_t nw)
 {
-	struct embd_occ *in = a;
+	struct prep_job *job = arg;
+	const struct embd_backward_prep *p = job->p;
+	const uint64_t b_first = job->owner_start[o], b_last = job->owner_start[o + 1];
+	const uint64_t lo = p->bucket_start[b_first], n = p->bucket_start[b_last] - lo;
+	struct embd_occ *in = job->other + lo, *out = job->in + lo, *t;
+	uint64_t count[(uint64_t)1 << LOW_BITS_MAX];
+	const uint32_t passes = job->low_passes;
+	uint32_t bit = job->low_width;
 
-	if (n <= INSERTION_SORT_MAX) {
-		for (uint64_t i = 1; i < n; i++) {
-			struct embd_occ x = a[i];
-			uint64_t j = i;
-			for (; j > 0 && a[j - 1].row > x.row; j--)
-				a[j] = a[j - 1];
-			a[j] = x;
-		}
-		return;
-	}
-	uint32_t passes = (bits + RADIX_BITS_MAX - 1) / RADIX_BITS_MAX;
-	for (uint32_t p = 0, lo = 0; p < passes; p++) {
-		uint32_t width = (bits - lo + (passes - p) - 1) / (passes - p);
-		uint64_t mask = (1ull << width) - 1, count[1u << RADIX_BITS_MAX];
+	(void)nw;
+	for (uint32_t k = 1; k < passes; k++) {
+		uint32_t width = (p->shift - bit + (passes - k) - 1) / (passes - k);
+		uint64_t mask = ((uint64_t)1 << width) - 1;
 
-		/* only this pass's digits: buckets of ~64 occurrences sort 5-bit digits, and clearing
-		 * all 256 counters (a 2 KiB rep stos) was ~6% of their sort time */
 		memset(count, 0, (mask + 1) * sizeof(*count));
-		for (uint64_t i = 0; i < n; i++)
-			count[(a[i].row >> lo) & mask]++;
+		for (uint64_t j = 0; j < n; j++)
+			count[(in[j].row >> bit) & mask]++;
 		for (uint64_t dgt = 0, sum = 0; dgt <= mask; dgt++) {
 			uint64_t c = count[dgt];
 			count[dgt] = sum;
 			sum += c;
 		}
-		for (uint64_t i = 0; i < n; i++)
-			tmp[count[(a[i].row >> lo) & mask]++] = a[i];
-		struct embd_occ *t = a;
-		a = tmp;
-		tmp = t;
-		lo += width;
+		for (uint64_t j = 0; j < n; j++)
+			out[count[(in[j].row >> bit) & mask]++] = in[j];
+		t = in;
+		in = out;
+		out = t;
+		bit += width;
 	}
-	if (a != in)
-		memcpy(in, a, n * sizeof(*a));
-}
-
-/* Sorts buckets [b0, b1) of p in place (p->occ: the other half of the radix sort). */
-static void sort_buckets(struct embd_backward_prep *p, uint64_t b0, uint64_t b1)
-{
-	for (uint64_t b = b0; b < b1; b++) {
-		uint64_t s = p->bucket_start[b];
-		sort_bucket(p->bucketed + s, p->occ + s, p->bucket_start[b + 1] - s, p->shift);
+	/* by bucket, into each bucket's place: its start less the range's */
+	uint64_t *pos = job->hist + o * job->hist_stride;
+	for (uint64_t b = b_first; b < b_last; b++)
+		pos[b - b_first] = p->bucket_start[b] - lo;
+	for (uint64_t j = 0; j < n; j++) {
+		uint64_t b = (in[j].row >> p->shift) - b_first;
+		if (b >= b_last - b_first || pos[b] == p->bucket_start[b_first + b + 1] - lo) {
+			uint32_t i = batch_of(p, in[j].bag, 0);
+			struct embd_kernel_err ke;
+			embd_kernel_fail(&ke, EMBD_EINVAL, job->batches[i].feature,
+					 (int64_t)(in[j].bag - p->bag_base[i]), (int64_t)in[j].row + p->row_offset,
+					 "feature %u sample %llu: ids changed while the backward read them (a "
+					 "bucket got more ids than counted, the last of them this sample's)",
+					 job->batches[i].feature,
+					 (unsigned long long)(in[j].bag - p->bag_base[i]));
+			embd_first_err_note(&job->errs[o], EMBD_EINVAL, i, &ke);
+			return;
+		}
+		out[pos[b]++] = in[j];
 	}
 }
 
@@ -398,67 +439,43 @@ static bool take_chunk(atomic_uint_fast64_t *next, uint64_t chunk, uint64_t num_
 	return true;
 }
 
-/* A shared prep's phase 4 sort, ahead of every shard's apply. */
-static void sort_worker(void *arg, uint32_t w, uint32_t nw)
-{
-	struct prep_job *job = arg;
-	uint64_t b0, b1;
-
-	(void)w;
-	(void)nw;
-	while (take_chunk(&job->next_bucket, job->chunk_buckets, job->p->num_buckets, &b0, &b1))
-		sort_buckets(job->p, b0, b1);
-}
-
-/*
- * The next chunk of buckets for this worker, each bucket sorted (in place here unless the prep
- * came sorted): *sorted holds *n occurrences sorted by row (buckets are ascending ranges of
- * rows). False when none is left.
- */
-static bool next_chunk(struct bwd_job *job, struct embd_occ **sorted, uint64_t *n)
+/* The next chunk of buckets for this worker: *n occurrences sorted by row from *sorted
+ * (buckets are ascending ranges of rows). False when none is left. */
+static bool next_chunk(struct bwd_job *job, const struct embd_occ **sorted, uint64_t *n)
 {
 	const struct embd_backward_prep *p = job->p;
 	uint64_t b0, b1;
 
 	if (!take_chunk(&job->next_bucket, job->chunk_buckets, p->num_buckets, &b0, &b1))
 		return false;
-	if (job->sort_here)
-		sort_buckets(job->sort_here, b0, b1);
-	*sorted = p->bucketed + p->bucket_start[b0];
+	*sorted = p->sorted + p->bucket_start[b0];
 	*n = p->bucket_start[b1] - p->bucket_start[b0];
 	return true;
 }
 
 /*
  * Workers take chunks of buckets (a few hundred occurrences: one counter update each, and one
- * prefetch stream through the chunk's rows). Each takes (and, unless the prep came sorted,
- * sorts) the chunk it applies next before applying the one it holds, so that the rows of the
- * next chunk's head are prefetched while this one's tail is applied, not waited on one by one.
+ * prefetch stream through the chunk's rows). Each takes the chunk it applies next before
+ * applying the one it holds, so that the rows of the next chunk's head are prefetched while
+ * this one's tail is applied, not waited on one by one.
  */
 static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bwd_job *job = arg;
 	float *scratch = job->scratch + (uint64_t)w * 2 * job->ctx.shard->desc.cols;
-	struct embd_occ *cur = NULL, *next = NULL;
-	uint64_t n = 0, next_n = 0, t0, t1;
+	const struct embd_occ *cur = NULL, *next = NULL;
+	uint64_t n = 0, next_n = 0;
 	uint64_t *bad = job->bad + 2 * (uint64_t)w;    /* rows left non-finite, the first one */
 	size_t prefetched = 0;
 
 	(void)nw;
 	bad[0] = 0;
 	bad[1] = UINT64_MAX;
-	t0 = job->phase_ns ? embd_now_ns() : 0;
 	bool more = next_chunk(job, &cur, &n);
 	for (; more; cur = next, n = next_n) {
 		more = next_chunk(job, &next, &next_n);
-		t1 = job->phase_ns ? embd_now_ns() : 0;
 		prefetched = job->k->apply_rows(&job->ctx, cur, n, more ? next : NULL, more ? next_n : 0,
 						prefetched, scratch, &bad[0], &bad[1]);
-		if (job->phase_ns) {
-			job->phase_ns[2 * w] += t1 - t0;
-			t0 = embd_now_ns();
-			job->phase_ns[2 * w + 1] += t0 - t1;
-		}
 	}
 }
 
@@ -468,21 +485,6 @@ static uint64_t phase_done(uint64_t t, uint64_t *phase)
 	uint64_t now = embd_now_ns();
 	*phase += now - t;
 	return now;
-}
-
-/* Adds phase 4's wall time ns to t, split as the workers' time in it was (embedding.h). */
-static void note_apply_phase(struct embd_backward_times *t, const uint64_t *phase_ns, uint32_t nw,
-			     uint64_t ns)
-{
-	uint64_t sort = 0, apply = 0;
-
-	for (uint32_t w = 0; w < nw; w++) {
-		sort += phase_ns[2 * w];
-		apply += phase_ns[2 * w + 1];
-	}
-	uint64_t sort_share = sort + apply ? (uint64_t)((double)ns * (double)sort / (double)(sort + apply)) : 0;
-	t->sort_ns += sort_share;
-	t->apply_ns += ns - sort_share;
 }
 
 /* Copies batch i's offsets into the snapshot and checks them. */
@@ -501,6 +503,14 @@ static int snapshot_offsets(const struct embd_bag_batch *bt, int64_t *snap,
 						"feature %u sample %u: offsets decrease (%lld then %lld)",
 						bt->feature, b, (long long)snap[b], (long long)snap[b + 1]);
 	return 0;
+}
+
+/* n 8-byte words, rounded up to whole cache lines. */
+static uint64_t round_up_line(uint64_t n)
+{
+	const uint64_t per_line = EMBD_CACHE_LINE_BYTES / sizeof(uint64_t);
+
+	return (n + per_line - 1) / per_line * per_line;
 }
 
 static uint32_t bits_for(uint64_t x)
@@ -551,16 +561,72 @@ void embd_backward_prep_free(struct embd_backward_prep *p)
 {
 	if (!p)
 		return;
-	occ_buf_put(p->occ);
-	occ_buf_put(p->bucketed);
+	occ_buf_put(p->sorted);
 	free(p->bag_base);
 	free(p);
 }
 
-/* Phases 1-3, and 4's sort when sort: the batches' checked occurrences into *out (phase
- * times added to ph). */
+/* Runs fn on the workers and returns the first error they noted (into *err), or 0. */
+static int run_checked(struct embd_workers *workers, embd_workers_fn fn, struct prep_job *job,
+		       struct embd_kernel_err *err)
+{
+	struct embd_first_err first = { 0 };
+
+	embd_workers_run(workers, fn, job);
+	for (uint32_t w = 0; w < job->nw; w++)
+		embd_first_err_note(&first, job->errs[w].rc, job->errs[w].batch, &job->errs[w].e);
+	if (first.rc && err)
+		*err = first.e;
+	return first.rc;
+}
+
+/*
+ * Phase 2's counts -> the buckets' places in the sorted order, the owners' buckets (even
+ * shares of the occurrences, whole buckets) and each worker's part of each owner's buckets:
+ * worker-major, owner-minor, so that each worker writes a region of its own in phase 3 (its
+ * bags' span of the batch, about where its own range ends up), as the owner's sort then
+ * writes its range: where the one writing a line held it last, not the other core.
+ */
+static void plan_parts(struct prep_job *job, uint64_t num_occ)
+{
+	struct embd_backward_prep *p = job->p;
+	const uint64_t nb = p->num_buckets, nw = job->nw;
+
+	p->bucket_start[0] = 0;
+	for (uint64_t b = 0; b < nb; b++) {
+		uint64_t size = 0;
+		for (uint64_t w = 0; w < nw; w++)
+			size += job->hist[w * job->hist_stride + b];
+		p->bucket_start[b + 1] = p->bucket_start[b] + size;
+	}
+	job->owner_start[0] = 0;
+	for (uint64_t o = 1, b = 0; o < nw; o++) {
+		uint64_t share = (uint64_t)((double)num_occ * (double)o / (double)nw);
+		while (b < nb && p->bucket_start[b] < share)
+			b++;
+		job->owner_start[o] = b;
+	}
+	job->owner_start[nw] = nb;
+	for (uint64_t o = 0; o < nw; o++)
+		for (uint64_t b = job->owner_start[o]; b < job->owner_start[o + 1]; b++)
+			job->owner[b] = (uint16_t)o;
+	uint64_t at = 0;
+	for (uint64_t w = 0; w < nw; w++)
+		for (uint64_t o = 0; o < nw; o++) {
+			uint64_t size = 0;
+			for (uint64_t b = job->owner_start[o]; b < job->owner_start[o + 1]; b++)
+				size += job->hist[w * job->hist_stride + b];
+			uint64_t k = w * job->part_stride + o;
+			job->part_start[k] = job->part_pos[k] = at;
+			at += size;
+			job->part_end[k] = at;
+		}
+}
+
+/* Phases 1-4: the batches' checked occurrences, sorted by row, into *out (phase times added
+ * to ph). */
 static int prepare_occurrences(const struct embd_exec *exec, const struct embd_shard *shard,
-			       const struct embd_bag_batch *batches, uint32_t n, bool sort,
+			       const struct embd_bag_batch *batches, uint32_t n,
 			       struct embd_backward_prep **out, struct embd_backward_times *ph,
 			       struct embd_kernel_err *err)
 {
@@ -570,7 +636,6 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	struct embd_backward_prep *p = NULL;
 	uint64_t num_occ, num_bags, *work = NULL;
 	int64_t *offsets = NULL;
-	bool lsd = false;
 	int rc;
 
 	*out = NULL;
@@ -580,6 +645,7 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	if (rc)
 		return rc;
 
+	const uint64_t nw = job.nw;
 	uint32_t row_bits = bits_for((uint64_t)shard->desc.rows - 1);
 	uint32_t want = bits_for(num_occ >> OCC_PER_BUCKET_LOG2);
 	uint32_t top = want < row_bits ? want : row_bits;
@@ -593,18 +659,24 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 		p->bag_base = malloc((2 * ((uint64_t)n + 1) + p->num_buckets + 1) *
 				     sizeof(*p->bag_base));
 		/* an impossible count fails here, not in the multiplication */
-		bool fits = num_occ <= SIZE_MAX / 2 / sizeof(*p->occ);
-		p->occ = fits ? occ_buf_get(num_occ * sizeof(*p->occ), 0) : NULL;
-		p->bucketed = fits ? occ_buf_get(num_occ * sizeof(*p->bucketed), 1) : NULL;
-		/* off_base (n + 1), occ_range (nw x 2), hist (nw x num_buckets), and hist_low
-		 * (nw x 2^shift) when the buckets are sorted by one pass over the whole batch */
-		lsd = p->shift > 0 && p->shift <= LOW_BITS_MAX && num_occ >= (uint64_t)1 << p->shift;
-		work = malloc(((uint64_t)n + 1 + 2 * job.nw + (uint64_t)job.nw * p->num_buckets +
-			       (lsd ? (uint64_t)job.nw << p->shift : 0)) * sizeof(*work));
+		bool fits = num_occ <= SIZE_MAX / 2 / sizeof(*job.in);
+		job.in = fits ? occ_buf_get(num_occ * sizeof(*job.in), 0) : NULL;
+		job.other = fits ? occ_buf_get(num_occ * sizeof(*job.other), 1) : NULL;
+		/* off_base (n + 1), hist (nw x hist_stride), owner_start (nw + 1), part_start,
+		 * part_pos and part_end (nw x part_stride each), each array from a line */
+		job.low_passes = (p->shift + LOW_BITS_MAX - 1) / LOW_BITS_MAX;
+		job.low_width = job.low_passes ? (p->shift + job.low_passes - 1) / job.low_passes : 0;
+		job.hist_stride = round_up_line(p->num_buckets);
+		job.part_stride = round_up_line(nw);
+		work = aligned_alloc(EMBD_CACHE_LINE_BYTES,
+				     (round_up_line((uint64_t)n + 1) + nw * job.hist_stride +
+				      round_up_line(nw + 1) + 3 * nw * job.part_stride) * sizeof(*work));
+		job.owner = malloc(p->num_buckets * sizeof(*job.owner));
 	}
 	offsets = malloc((num_bags + n) * sizeof(*offsets));
-	job.errs = calloc(job.nw, sizeof(*job.errs));
-	if (!p || !p->bag_base || !p->occ || !p->bucketed || !work || !offsets || !job.errs) {
+	job.errs = calloc(nw, sizeof(*job.errs));
+	if (!p || !p->bag_base || !job.in || !job.other || !work || !job.owner || !offsets ||
+	    !job.errs) {
 		rc = embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory for %llu occurrences",
 				      (unsigned long long)num_occ);
 		goto out;
@@ -613,13 +685,12 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	p->id_base = p->bag_base + n + 1;
 	p->bucket_start = p->id_base + n + 1;
 	job.p = p;
-	job.occ_range = off_base + n + 1;
-	job.hist = job.occ_range + 2 * job.nw;
-	memset(job.hist, 0, (uint64_t)job.nw * p->num_buckets * sizeof(*job.hist));
-	if (lsd) {
-		job.hist_low = job.hist + (uint64_t)job.nw * p->num_buckets;
-		memset(job.hist_low, 0, ((uint64_t)job.nw << p->shift) * sizeof(*job.hist_low));
-	}
+	job.hist = off_base + round_up_line((uint64_t)n + 1);
+	job.owner_start = job.hist + nw * job.hist_stride;
+	job.part_start = job.owner_start + round_up_line(nw + 1);
+	job.part_pos = job.part_start + nw * job.part_stride;
+	job.part_end = job.part_pos + nw * job.part_stride;
+	memset(job.hist, 0, nw * job.hist_stride * sizeof(*job.hist));
 	off_base[0] = p->bag_base[0] = p->id_base[0] = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		off_base[i + 1] = off_base[i] + batches[i].batch_size + 1;
@@ -633,96 +704,53 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	job.off_base = off_base;
 	t = phase_done(t, &ph->setup_ns);
 
-	embd_workers_run(workers, collect_worker, &job);
-	t = phase_done(t, &ph->collect_ns);
-	struct embd_first_err first = { 0 };
-	for (uint32_t w = 0; w < job.nw; w++)
-		embd_first_err_note(&first, job.errs[w].rc, job.errs[w].batch, &job.errs[w].e);
-	rc = first.rc;
-	if (rc) {
-		if (err)
-			*err = first.e;
+	rc = run_checked(workers, count_worker, &job, err);
+	if (rc)
 		goto out;
-	}
-
-	if (lsd) {
-		/* the low bits first, over the whole batch (positions digit-major, worker-minor:
-		 * stable), then the buckets' bits from that order (stable too): sorted by row,
-		 * each row's occurrences in batch order, as the buckets' sort leaves them */
-		const uint64_t digits = (uint64_t)1 << p->shift;
-		uint64_t at = 0;
-		for (uint64_t dgt = 0; dgt < digits; dgt++)
-			for (uint32_t w = 0; w < job.nw; w++) {
-				uint64_t c = job.hist_low[(w << p->shift) + dgt];
-				job.hist_low[(w << p->shift) + dgt] = at;
-				at += c;
-			}
-		embd_workers_run(workers, low_scatter_worker, &job);
-		/* the scatter by bucket below reads that order, each worker an even slice of it */
-		struct embd_occ *by_low = p->bucketed;
-		p->bucketed = p->occ;
-		p->occ = by_low;
-		for (uint32_t w = 0; w < job.nw; w++) {
-			job.occ_range[2 * w] = num_occ * w / job.nw;
-			job.occ_range[2 * w + 1] = num_occ * (w + 1) / job.nw;
-		}
-		/* one worker's counts by bucket are the batch's, whatever the order; several
-		 * workers count their slices again */
-		if (job.nw > 1)
-			embd_workers_run(workers, top_count_worker, &job);
-		t = phase_done(t, &ph->sort_ns);
-	}
-	/* counts -> scatter positions: bucket-major, worker-minor, so the scatter is stable */
-	uint64_t pos = 0;
-	for (uint32_t dgt = 0; dgt < p->num_buckets; dgt++) {
-		p->bucket_start[dgt] = pos;
-		for (uint32_t w = 0; w < job.nw; w++) {
-			uint64_t c = job.hist[(uint64_t)w * p->num_buckets + dgt];
-			job.hist[(uint64_t)w * p->num_buckets + dgt] = pos;
-			pos += c;
-		}
-	}
-	p->bucket_start[p->num_buckets] = pos;
-	embd_workers_run(workers, scatter_worker, &job);
+	plan_parts(&job, num_occ);
+	t = phase_done(t, &ph->collect_ns);
+	rc = run_checked(workers, place_worker, &job, err);
+	if (rc)
+		goto out;
 	t = phase_done(t, &ph->scatter_ns);
-
-	if (lsd) {
-		occ_buf_put(p->occ);
-		p->occ = NULL;
-		p->sorted = true;
-	} else if (sort) {
-		job.chunk_buckets = chunk_buckets(p, job.nw);
-		atomic_init(&job.next_bucket, 0);
-		embd_workers_run(workers, sort_worker, &job);
-		occ_buf_put(p->occ);
-		p->occ = NULL;
-		p->sorted = true;
-		phase_done(t, &ph->sort_ns);
-	}
+	embd_workers_run(workers, sort_low_worker, &job);
+	rc = run_checked(workers, sort_rest_worker, &job, err);
+	if (rc)
+		goto out;
+	phase_done(t, &ph->sort_ns);
+	/* the first half ends in other (its one pass, or a copy where no bits lie under the
+	 * buckets'), and each pass after it alternates: the low ones left and the bucket pass */
+	bool in_other = job.low_passes >= 2 && job.low_passes % 2 == 0;
+	p->sorted = in_other ? job.other : job.in;
+	if (in_other)
+		job.other = NULL;
+	else
+		job.in = NULL;
 	*out = p;
 	p = NULL;
 	rc = 0;
 out:
+	occ_buf_put(job.in);
+	occ_buf_put(job.other);
 	free(job.errs);
 	free(offsets);
+	free(job.owner);
 	free(work);
 	embd_backward_prep_free(p);
 	return rc;
 }
 
-/* Phase 4 on shard (whose rows p indexes) with the batches' gradient columns (phase times
- * added to ph when timed); p is only read unless it comes unsorted. */
+/* Phase 5 on shard (whose rows p indexes) with the batches' gradient columns (phase times
+ * added to ph); p is only read. */
 static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu_kernels *k,
 			     struct embd_shard *shard, const struct embd_backward_prep *p,
-			     struct embd_backward_prep *unsorted,
-			     const struct embd_bag_batch *batches, bool timed,
-			     struct embd_backward_times *ph, struct embd_kernel_err *err)
+			     const struct embd_bag_batch *batches, struct embd_backward_times *ph,
+			     struct embd_kernel_err *err)
 {
 	struct embd_workers *workers = exec ? exec->workers : NULL;
 	uint64_t t = embd_now_ns();
 	uint32_t nw = embd_workers_count(workers);
-	struct bwd_job job = { .k = k, .p = p, .sort_here = p->sorted ? NULL : unsorted,
-			       .chunk_buckets = chunk_buckets(p, nw) };
+	struct bwd_job job = { .k = k, .p = p, .chunk_buckets = chunk_buckets(p, nw) };
 	uint64_t num_bags = p->bag_base[p->n], strided = 0;
 	const uint32_t cols = shard->desc.cols;
 	const float **bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*bag_grad));
@@ -736,8 +764,7 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 
 	job.bad = calloc(2 * (uint64_t)nw, sizeof(*job.bad));
 	job.scratch = malloc((uint64_t)nw * 2 * shard->desc.cols * sizeof(float));
-	job.phase_ns = timed ? calloc(2 * (uint64_t)nw, sizeof(*job.phase_ns)) : NULL;
-	if (!bag_grad || !job.bad || !job.scratch || (timed && !job.phase_ns) || (strided && !dense)) {
+	if (!bag_grad || !job.bad || !job.scratch || (strided && !dense)) {
 		rc = embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory for %llu occurrences",
 				      (unsigned long long)p->id_base[p->n]);
 		goto out;
@@ -779,12 +806,10 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 		shard->nonfinite_rows += bad_rows;
 		shard->nonfinite_row = shard->desc.row_offset + (int64_t)bad_row;
 	}
-	if (timed)
-		note_apply_phase(ph, job.phase_ns, nw, embd_now_ns() - t);
+	phase_done(t, &ph->apply_ns);
 	shard->step++;
 out:
 	free(dense);
-	free(job.phase_ns);
 	free(job.scratch);
 	free(job.bad);
 	free(bag_grad);
@@ -818,7 +843,7 @@ int embd_kernels_backward_prepare(const struct embd_exec *exec, const struct emb
 {
 	struct embd_backward_times *times = exec ? exec->backward_times : NULL;
 	struct embd_backward_times ph = { 0 };
-	int rc = prepare_occurrences(exec, shard, batches, n, true, out, &ph, err);
+	int rc = prepare_occurrences(exec, shard, batches, n, out, &ph, err);
 
 	if (!rc && times)
 		add_times(times, &ph);
@@ -860,8 +885,8 @@ int embd_kernels_backward_apply(const struct embd_exec *exec, struct embd_shard 
 						(unsigned long long)batches[i].num_ids,
 						(unsigned long long)(prep->bag_base[i + 1] - prep->bag_base[i]),
 						(unsigned long long)(prep->id_base[i + 1] - prep->id_base[i]));
-	/* sorted (prepare sorts): only read, so applies on other shards may share it at once */
-	rc = apply_occurrences(exec, k, shard, prep, NULL, batches, times != NULL, &ph, err);
+	/* only read, so applies on other shards may share it at once */
+	rc = apply_occurrences(exec, k, shard, prep, batches, &ph, err);
 	if (!rc && times)
 		add_times(times, &ph);
 	return rc;
@@ -878,10 +903,9 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
 
 	if (!k)
 		return EMBD_ENOTSUP;
-	/* unsorted: each apply worker sorts the buckets it takes, between its rows' prefetches */
-	rc = prepare_occurrences(exec, shard, batches, n, false, &p, &ph, err);
+	rc = prepare_occurrences(exec, shard, batches, n, &p, &ph, err);
 	if (!rc)
-		rc = apply_occurrences(exec, k, shard, p, p, batches, times != NULL, &ph, err);
+		rc = apply_occurrences(exec, k, shard, p, batches, &ph, err);
 	embd_backward_prep_free(p);
 	if (!rc && times)
 		add_times(times, &ph);

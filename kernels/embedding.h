@@ -53,19 +53,16 @@ int embd_kernels_isa_parse(const char *name, enum embd_isa *out);
 
 /*
  * Where the time of backward calls went, in wall-clock ns per phase (backward.c describes
- * them), added up over the calls that were given it. Phase 4 sorts a bucket and then applies
- * its rows, worker by worker: its wall time is split in proportion to the workers' summed
- * time in each.
+ * them), added up over the calls that were given it.
  */
 struct embd_backward_times {
 	uint64_t calls;
 	uint64_t setup_ns;              /* allocation, offsets snapshot and checks */
-	uint64_t collect_ns;            /* ids checked, occurrences written and counted by bucket
-					 * (and by the bits under it, when those sort the batch) */
-	uint64_t scatter_ns;            /* occurrences moved into their buckets */
-	uint64_t sort_ns;               /* buckets sorted by row (or the whole batch by the bits
-					 * under the buckets', before the scatter): the rest of
-					 * the deduplication */
+	uint64_t collect_ns;            /* ids checked and counted by bucket, buckets dealt to the
+					 * workers that sort them */
+	uint64_t scatter_ns;            /* occurrences written, each worker's into its own region */
+	uint64_t sort_ns;               /* each worker's buckets sorted by row: the rest of the
+					 * deduplication */
 	uint64_t apply_ns;              /* gradients summed per row, optimizer on weights and state */
 };
 
@@ -253,7 +250,7 @@ int embd_kernels_backward(const struct embd_exec *exec, struct embd_shard *shard
  * this shard or NULL. Preparing once and applying to each shard gives every shard the bits
  * embd_kernels_backward gives it. A prep is only read by apply: applies on different shards
  * may share it at once, from any threads; free it after the last. On error *out is NULL.
- * backward_times: prepare adds phases 1-4's sort, apply the rest and one call.
+ * backward_times: prepare adds phases 1-4 (setup to sort), apply the rest and one call.
  */
 struct embd_backward_prep;
 int embd_kernels_backward_prepare(const struct embd_exec *exec, const struct embd_shard *shard,

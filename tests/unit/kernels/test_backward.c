@@ -214,11 +214,12 @@ Test(kernels_backward, heavy_duplicates_and_many_ids, .timeout = 120)
 	check_unsharded(&r, EMBD_OPT_ADAM, EMBD_DTYPE_FP16, 1, 8, 30, 10, 0, 2);
 }
 
-/* Both ways of sorting the occurrences (backward.c): 4096 rows and 3000-4000 ids sort the
- * whole batch by the low bits then by bucket (6 bits under 64 buckets, 64 values at most);
- * 4096 rows and ~60 ids sort each bucket (11-12 bits under 1-2 buckets, more values than ids);
- * 2^16 rows and ~600 ids too (12-13 bits under 8-16 buckets: more than LOW_BITS_MAX). */
-Test(kernels_backward, sorted_by_batch_or_by_bucket_alike, .timeout = 120)
+/* Every number of radix passes under the buckets (backward.c's sort) up to three: 4096 rows
+ * and 3000-4000 ids one (6 bits under 64 buckets); 4096 rows and ~60 ids two where under 64
+ * (12 bits under one bucket: more than LOW_BITS_MAX), else one (11 under 2); 2^16 rows and
+ * ~600 ids two (12-13 bits under 8-16 buckets); 64 rows and ~8000 ids none (a bucket a row);
+ * 2^23 rows of one column and under 64 ids three (23 bits under one bucket). */
+Test(kernels_backward, sorted_in_one_two_or_no_passes_alike, .timeout = 120)
 {
 	struct trng r = { 43 };
 
@@ -226,7 +227,9 @@ Test(kernels_backward, sorted_by_batch_or_by_bucket_alike, .timeout = 120)
 		check_unsharded(&r, type, EMBD_DTYPE_FP32, 4096, 16, 200, 20, 30, 2);
 		check_unsharded(&r, type, EMBD_DTYPE_FP32, 4096, 16, 6, 10, 30, 2);
 		check_unsharded(&r, type, EMBD_DTYPE_FP32, 1 << 16, 8, 70, 10, 30, 2);
+		check_unsharded(&r, type, EMBD_DTYPE_FP32, 64, 16, 300, 30, 30, 2);
 	}
+	check_unsharded(&r, EMBD_OPT_SGD, EMBD_DTYPE_FP32, 1 << 23, 1, 4, 6, 0, 2);
 }
 
 Test(kernels_backward, a_million_ids, .timeout = 120)
@@ -484,6 +487,91 @@ Test(kernels_backward, optimizers_match_hand_computed_values)
 	 * w -= 0.1 sign(g); after two steps m = 0.75 g, v = (1 - 0.875^2) g^2 = 0.234375 g^2 */
 	hand_steps(EMBD_OPT_ADAM, 0.0f, (const float[2][2]){ { 0.9f, -2.1f }, { 0.8f, -2.2f } },
 		   (const float[]){ 0.75f, 1.5f, 0.234375f, 0.9375f }, 4);
+}
+
+struct id_flipper {
+	int64_t *ids;
+	uint64_t num_ids;
+	int64_t a, b;
+	int stop;
+};
+
+/* Rewrites every odd id, again and again, as a or b by turns (every even one stays a): a
+ * client still writing its batch. */
+static void *flip_ids(void *arg)
+{
+	struct id_flipper *f = arg;
+
+	for (uint64_t round = 0; !__atomic_load_n(&f->stop, __ATOMIC_RELAXED); round++)
+		for (uint64_t k = 1; k < f->num_ids; k += 2)
+			__atomic_store_n(&f->ids[k], (k / 2 + round) % 2 ? f->a : f->b,
+					 __ATOMIC_RELAXED);
+	return NULL;
+}
+
+/*
+ * The backward reads each id twice (backward.c, phases 2 and 3). Ids that a client rewrites
+ * meanwhile fail the call with EMBD_EINVAL, leaving the shard as it was, or are used as read
+ * in phase 3 when they stay in the bucket phase 2 counted them in; never a write past the
+ * occurrences' arrays (the sanitizer build sees those) nor a crash. Rows 1 and 2^16 - 2 lie in
+ * the first and the last bucket. With one worker (one owner) a rewrite overfills a bucket of
+ * the sort; with two, half the ids or more stay on row 1, so its bucket is the first owner's
+ * share and the last bucket the second's: a rewrite overfills a worker's part of an owner.
+ */
+Test(kernels_backward, ids_rewritten_during_the_call_fail_it, .timeout = 120)
+{
+	struct trng r = { 37 };
+	const int64_t rows = 1 << 16;
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, rows, 8, EMBD_DTYPE_FP32, &o, 9);
+	struct embd_shard *s = tshard(ref, 9, 0, rows, 0, 8);
+	struct embd_workers *two;
+	char msg[160];
+	struct tbags t;
+	pthread_t th;
+
+	cr_assert_eq(embd_workers_create(2, NULL, &two, msg, sizeof(msg)), 0, "%s", msg);
+	tbags_random(&t, &r, 1000, 40, 0, rows, 0, false);
+	float *g = random_grad(&r, 1000 * 8);
+	struct id_flipper f = { .ids = t.ids, .num_ids = t.num_ids, .a = 1, .b = rows - 2 };
+	cr_assert_eq(pthread_create(&th, NULL, flip_ids, &f), 0);
+	struct embd_bag_batch bt = tbatch(s, 4, &t, EMBD_POOLING_SUM, NULL, g, 8, 0);
+	int failed[2] = { 0, 0 }, calls = 0;
+	struct timespec t0, now;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	const size_t bytes = (size_t)rows * 8 * sizeof(float);
+	float *before = malloc(bytes);
+	cr_assert(before);
+	do {
+		for (int nw = 0; nw < 2; nw++) {
+			struct embd_exec ex = { .workers = nw ? two : NULL };
+			struct embd_kernel_err err = { 0 };
+			memcpy(before, s->weights, bytes);
+			int64_t step = s->step;
+			int rc = embd_kernels_backward(&ex, s, &bt, 1, &err);
+			cr_assert(rc == 0 || rc == EMBD_EINVAL, "call %d: rc %d (%s)", calls, rc, err.msg);
+			if (rc) {
+				cr_assert(strstr(err.msg, "ids changed") && err.feature == 4,
+					  "call %d: %s (feature %u)", calls, err.msg, err.feature);
+				cr_assert(!memcmp(before, s->weights, bytes) && s->step == step,
+					  "call %d failed but changed the shard", calls);
+				failed[nw]++;
+			}
+			calls++;
+		}
+		clock_gettime(CLOCK_MONOTONIC, &now);
+	} while ((!failed[0] || !failed[1]) && now.tv_sec - t0.tv_sec < 20);
+	__atomic_store_n(&f.stop, 1, __ATOMIC_RELAXED);
+	pthread_join(th, NULL);
+	cr_expect(failed[0] && failed[1], "in %d calls no rewrite was seen: %d failed with one "
+		  "worker, %d with two", calls, failed[0], failed[1]);
+	cr_expect_eq(embd_first_nonfinite(s->weights, (uint64_t)rows * 8), (uint64_t)rows * 8);
+	free(before);
+	free(g);
+	tbags_free(&t);
+	embd_workers_destroy(two);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
 }
 
 Test(kernels_backward, out_of_range_changes_nothing)
