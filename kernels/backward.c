@@ -9,7 +9,7 @@
  *               owners, in even shares of the occurrences
  *   3. workers  (same split) read the ids again and write each one's occurrence {row, bag,
  *               coef} into the worker's own region (its bags' span), one part per owner, in
- *               batch order, counting them by the sort's first digit
+ *               batch order (a single worker does 2 and 3 in one pass, collect_worker)
  *   4. workers  (by owner) an LSD radix sort of the owner's parts into its range of the
  *               sorted order: the bits under the buckets' (one pass when they are at most
  *               LOW_BITS_MAX), then by bucket
@@ -21,8 +21,9 @@
  * one (Intel Xeon, sgd D 64 P 20, 2026-12-06, docs/benchmarks.md). Every pass is stable and
  * the parts are read in region order, so a row's gradient is summed in batch order whatever
  * the number of workers. Nothing is written to the shard before phases 1-4 have checked every
- * offset and id; an id that changes between 2 and 3 (a client still writing its batch) fills
- * a part or a bucket past what phase 2 counted, which fails the call before it writes there.
+ * offset and id; with several workers, an id that changes between 2 and 3 (a client still
+ * writing its batch) fills a part or a bucket past what phase 2 counted, which fails the call
+ * before it writes there.
  * Each row updated is checked for NaN and infinity while it is in cache, and counted on the
  * shard.
  *
@@ -200,6 +201,8 @@ struct prep_job {
 	uint64_t *part_end;             /* ... and where it ends */
 	uint32_t low_passes;            /* the sort's radix passes under the buckets' bits ... */
 	uint32_t low_width;             /* ... the first one's bits */
+	uint64_t *low_count;            /* one worker: its occurrences by the first pass's digit
+					 * (2^low_width), counted as they were written; else NULL */
 	struct embd_occ *in;            /* phase 3's regions */
 	struct embd_occ *other;         /* the radix sort's other half */
 	struct embd_first_err *errs;    /* one per worker */
@@ -291,14 +294,22 @@ static void count_worker(void *arg, uint32_t w, uint32_t nw)
  * (the worker that sorts their buckets), each part inside the range its owner sorts. The ids
  * are read a second time: one that is no longer what phase 2 counted (outside the rows, or
  * past its part) fails the call before it is written anywhere.
+ * counting: phases 2 and 3 of a single worker in one pass instead, each id read once, checked,
+ * written (the one owner's one part) and counted by bucket and by the sort's first digit. With
+ * two workers the owners must be known before anything is written; one need not read the ids
+ * twice, and doing so took its prepare ~30% longer (Intel Xeon, sgd D 64 P 20): every rank of
+ * a two-core machine runs one worker.
  */
-static void place_worker(void *arg, uint32_t w, uint32_t nw)
+static inline __attribute__((always_inline)) void
+write_occurrences(struct prep_job *job, uint32_t w, uint32_t nw, const bool counting)
 {
-	struct prep_job *job = arg;
 	const struct embd_backward_prep *p = job->p;
-	uint64_t *pos = job->part_pos + w * job->part_stride;
+	uint64_t single_pos = 0;
+	uint64_t *pos = counting ? &single_pos : job->part_pos + w * job->part_stride;
 	const uint64_t *end = job->part_end + w * job->part_stride;
 	const uint16_t *owner = job->owner;
+	uint64_t *count = job->hist, *low = job->low_count;
+	const uint64_t low_mask = ((uint64_t)1 << job->low_width) - 1;
 	struct embd_occ *out = job->in;
 	uint64_t g, g_last;
 	uint32_t i = 0;
@@ -306,8 +317,11 @@ static void place_worker(void *arg, uint32_t w, uint32_t nw)
 	/* the region cleared first, in whole lines (string stores) rather than taken over line by
 	 * line by the loop's stores: sgd D 64 and 128 P 20 2-3% faster a batch, the other
 	 * optimizers within the noise (Intel Xeon, 2026-12-06) */
-	memset(out + job->part_start[w * job->part_stride], 0,
-	       (end[nw - 1] - job->part_start[w * job->part_stride]) * sizeof(*out));
+	if (counting)
+		memset(out, 0, p->id_base[p->n] * sizeof(*out));
+	else
+		memset(out + job->part_start[w * job->part_stride], 0,
+		       (end[nw - 1] - job->part_start[w * job->part_stride]) * sizeof(*out));
 	worker_bags(job, w, &g, &g_last);
 	for (; g < g_last; g++) {
 		i = batch_of(p, g, i);
@@ -322,17 +336,39 @@ static void place_worker(void *arg, uint32_t w, uint32_t nw)
 			/* read once in this pass: the client may be writing it */
 			int64_t id = __atomic_load_n(&bt->ids[k], __ATOMIC_RELAXED);
 			uint64_t r = (uint64_t)id - (uint64_t)p->row_offset;
-			uint32_t o = r < (uint64_t)p->rows ? owner[r >> p->shift] : 0;
-			if (r >= (uint64_t)p->rows || pos[o] == end[o]) {
-				note_bad_id(job, w, i, b, k, id, true);
-				return;
+			uint32_t o = 0;
+			if (counting) {
+				if (r >= (uint64_t)p->rows) {
+					note_bad_id(job, w, i, b, k, id, false);
+					return;
+				}
+			} else {
+				o = r < (uint64_t)p->rows ? owner[r >> p->shift] : 0;
+				if (r >= (uint64_t)p->rows || pos[o] == end[o]) {
+					note_bad_id(job, w, i, b, k, id, true);
+					return;
+				}
 			}
 			out[pos[o]++] = (struct embd_occ){
 				.row = r, .bag = (uint32_t)g,
 				.coef = embd_grad_coef(bt->weights ? bt->weights[k] : 1.0f, scale),
 			};
+			if (counting) {
+				count[r >> p->shift]++;
+				low[r & low_mask]++;
+			}
 		}
 	}
+}
+
+static void place_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	write_occurrences(arg, w, nw, false);
+}
+
+static void collect_worker(void *arg, uint32_t w, uint32_t nw)
+{
+	write_occurrences(arg, w, nw, true);
 }
 
 /*
@@ -351,11 +387,15 @@ static void sort_low_worker(void *arg, uint32_t o, uint32_t nw)
 	uint64_t count[(uint64_t)1 << LOW_BITS_MAX];
 	const uint64_t mask = ((uint64_t)1 << job->low_width) - 1;
 
-	memset(count, 0, (mask + 1) * sizeof(*count));
-	for (uint64_t w = 0; w < nw; w++)
-		for (uint64_t j = job->part_start[w * job->part_stride + o];
-		     j < job->part_end[w * job->part_stride + o]; j++)
-			count[in[j].row & mask]++;
+	if (job->low_count) {
+		memcpy(count, job->low_count, (mask + 1) * sizeof(*count));
+	} else {
+		memset(count, 0, (mask + 1) * sizeof(*count));
+		for (uint64_t w = 0; w < nw; w++)
+			for (uint64_t j = job->part_start[w * job->part_stride + o];
+			     j < job->part_end[w * job->part_stride + o]; j++)
+				count[in[j].row & mask]++;
+	}
 	for (uint64_t dgt = 0, sum = 0; dgt <= mask; dgt++) {
 		uint64_t c = count[dgt];
 		count[dgt] = sum;
@@ -668,9 +708,12 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 		job.low_width = job.low_passes ? (p->shift + job.low_passes - 1) / job.low_passes : 0;
 		job.hist_stride = round_up_line(p->num_buckets);
 		job.part_stride = round_up_line(nw);
+		/* and with one worker low_count (2^low_width) */
+		uint64_t low_words = nw == 1 ? round_up_line((uint64_t)1 << job.low_width) : 0;
 		work = aligned_alloc(EMBD_CACHE_LINE_BYTES,
 				     (round_up_line((uint64_t)n + 1) + nw * job.hist_stride +
-				      round_up_line(nw + 1) + 3 * nw * job.part_stride) * sizeof(*work));
+				      round_up_line(nw + 1) + 3 * nw * job.part_stride + low_words) *
+				     sizeof(*work));
 		job.owner = malloc(p->num_buckets * sizeof(*job.owner));
 	}
 	offsets = malloc((num_bags + n) * sizeof(*offsets));
@@ -691,6 +734,10 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	job.part_pos = job.part_start + nw * job.part_stride;
 	job.part_end = job.part_pos + nw * job.part_stride;
 	memset(job.hist, 0, nw * job.hist_stride * sizeof(*job.hist));
+	if (nw == 1) {
+		job.low_count = job.part_end + job.part_stride;
+		memset(job.low_count, 0, ((uint64_t)1 << job.low_width) * sizeof(*job.low_count));
+	}
 	off_base[0] = p->bag_base[0] = p->id_base[0] = 0;
 	for (uint32_t i = 0; i < n; i++) {
 		off_base[i + 1] = off_base[i] + batches[i].batch_size + 1;
@@ -704,15 +751,23 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	job.off_base = off_base;
 	t = phase_done(t, &ph->setup_ns);
 
-	rc = run_checked(workers, count_worker, &job, err);
-	if (rc)
-		goto out;
-	plan_parts(&job, num_occ);
-	t = phase_done(t, &ph->collect_ns);
-	rc = run_checked(workers, place_worker, &job, err);
-	if (rc)
-		goto out;
-	t = phase_done(t, &ph->scatter_ns);
+	if (nw == 1) {
+		rc = run_checked(workers, collect_worker, &job, err);
+		if (rc)
+			goto out;
+		plan_parts(&job, num_occ);
+		t = phase_done(t, &ph->collect_ns);
+	} else {
+		rc = run_checked(workers, count_worker, &job, err);
+		if (rc)
+			goto out;
+		plan_parts(&job, num_occ);
+		t = phase_done(t, &ph->collect_ns);
+		rc = run_checked(workers, place_worker, &job, err);
+		if (rc)
+			goto out;
+		t = phase_done(t, &ph->scatter_ns);
+	}
 	embd_workers_run(workers, sort_low_worker, &job);
 	rc = run_checked(workers, sort_rest_worker, &job, err);
 	if (rc)

@@ -60,7 +60,8 @@ struct embd_backward_times {
 	uint64_t setup_ns;              /* allocation, offsets snapshot and checks */
 	uint64_t collect_ns;            /* ids checked and counted by bucket, buckets dealt to the
 					 * workers that sort them */
-	uint64_t scatter_ns;            /* occurrences written, each worker's into its own region */
+	uint64_t scatter_ns;            /* occurrences written, each worker's into its own region
+					 * (a single worker writes them in collect) */
 	uint64_t sort_ns;               /* each worker's buckets sorted by row: the rest of the
 					 * deduplication */
 	uint64_t apply_ns;              /* gradients summed per row, optimizer on weights and state */
