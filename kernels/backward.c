@@ -62,15 +62,15 @@ struct embd_backward_prep {
 
 /*
  * The occurrence arrays (a prepare's two, ~16 bytes an id each) come from a small pool of
- * buffers kept between calls, 2 MiB aligned and advised for transparent huge pages. Fresh malloc'd arrays
- * every call left the phases over them at the mercy of where the heap's pages lay: on the Zen 4
+ * buffers kept between calls, 2 MiB aligned and advised for transparent huge pages. Fresh
+ * malloc'd arrays every call left the phases over them at the mercy of where the heap's pages lay: on the Zen 4
  * VM, with two workers, collect took 250-290 us a call in about half the processes against
  * 50-60 us in the rest (sgd D 64 P 20), with the cores at full speed; with the pool a slow
  * collect in 3 of 18 runs against 10 of 18, and sgd/64 read .887 of its limit at the median
  * against .684, rowwise_adagrad/64 .844 against .671 (2026-12-05, docs/benchmarks.md). Two
  * arrays both at the start of their 2 MiB fell in the same cache sets and scattered between
- * them 2.5x slower, so a prepare's first and second array come from two classes of buffer whose
- * data start at different lines. The pool is one for the process: ranks on other NUMA nodes
+ * them 2.5x slower, so a prepare's first and second array come from two classes of buffer
+ * whose data start at different lines. The pool is one for the process: ranks on other NUMA nodes
  * may get a buffer first touched on another (not measured; the VM has one node). Under
  * AddressSanitizer the arrays are plain malloc, so that it sees their exact bounds.
  */
@@ -371,6 +371,16 @@ static void collect_worker(void *arg, uint32_t w, uint32_t nw)
 	write_occurrences(arg, w, nw, true);
 }
 
+/* A radix pass's counts of its digits [0, digits) -> where each digit's first one goes. */
+static void counts_to_places(uint64_t *count, uint64_t digits)
+{
+	for (uint64_t dgt = 0, sum = 0; dgt < digits; dgt++) {
+		uint64_t c = count[dgt];
+		count[dgt] = sum;
+		sum += c;
+	}
+}
+
 /*
  * Phase 4, first half: owner o's parts (one per worker's region, in region order: batch order)
  * sorted by the lowest bits under the buckets', stably, into its range of other. The regions
@@ -384,23 +394,19 @@ static void sort_low_worker(void *arg, uint32_t o, uint32_t nw)
 	const uint64_t lo = p->bucket_start[job->owner_start[o]];
 	const struct embd_occ *in = job->in;
 	struct embd_occ *out = job->other + lo;
-	uint64_t count[(uint64_t)1 << LOW_BITS_MAX];
+	uint64_t own_count[(uint64_t)1 << LOW_BITS_MAX];
 	const uint64_t mask = ((uint64_t)1 << job->low_width) - 1;
+	/* a single worker counted as it wrote (its one owner's only use of them) */
+	uint64_t *count = job->low_count ? job->low_count : own_count;
 
-	if (job->low_count) {
-		memcpy(count, job->low_count, (mask + 1) * sizeof(*count));
-	} else {
+	if (!job->low_count) {
 		memset(count, 0, (mask + 1) * sizeof(*count));
 		for (uint64_t w = 0; w < nw; w++)
 			for (uint64_t j = job->part_start[w * job->part_stride + o];
 			     j < job->part_end[w * job->part_stride + o]; j++)
 				count[in[j].row & mask]++;
 	}
-	for (uint64_t dgt = 0, sum = 0; dgt <= mask; dgt++) {
-		uint64_t c = count[dgt];
-		count[dgt] = sum;
-		sum += c;
-	}
+	counts_to_places(count, mask + 1);
 	for (uint64_t w = 0; w < nw; w++)
 		for (uint64_t j = job->part_start[w * job->part_stride + o];
 		     j < job->part_end[w * job->part_stride + o]; j++)
@@ -434,11 +440,7 @@ static void sort_rest_worker(void *arg, uint32_t o, uint32_t nw)
 		memset(count, 0, (mask + 1) * sizeof(*count));
 		for (uint64_t j = 0; j < n; j++)
 			count[(in[j].row >> bit) & mask]++;
-		for (uint64_t dgt = 0, sum = 0; dgt <= mask; dgt++) {
-			uint64_t c = count[dgt];
-			count[dgt] = sum;
-			sum += c;
-		}
+		counts_to_places(count, mask + 1);
 		for (uint64_t j = 0; j < n; j++)
 			out[count[(in[j].row >> bit) & mask]++] = in[j];
 		t = in;
@@ -751,18 +753,13 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	job.off_base = off_base;
 	t = phase_done(t, &ph->setup_ns);
 
-	if (nw == 1) {
-		rc = run_checked(workers, collect_worker, &job, err);
-		if (rc)
-			goto out;
-		plan_parts(&job, num_occ);
-		t = phase_done(t, &ph->collect_ns);
-	} else {
-		rc = run_checked(workers, count_worker, &job, err);
-		if (rc)
-			goto out;
-		plan_parts(&job, num_occ);
-		t = phase_done(t, &ph->collect_ns);
+	/* one worker writes its occurrences as it counts them; several count, then write */
+	rc = run_checked(workers, nw == 1 ? collect_worker : count_worker, &job, err);
+	if (rc)
+		goto out;
+	plan_parts(&job, num_occ);
+	t = phase_done(t, &ph->collect_ns);
+	if (nw > 1) {
 		rc = run_checked(workers, place_worker, &job, err);
 		if (rc)
 			goto out;
