@@ -7,9 +7,11 @@
  *   2. workers  (split by bags) check every id and count the worker's ids by bucket (the top
  *               bits of the row); serially, the buckets are dealt out to the workers as
  *               owners, in even shares of the occurrences
- *   3. workers  (same split) read the ids again and write each one's occurrence {row, bag,
- *               coef} into the worker's own region (its bags' span), one part per owner, in
- *               batch order (a single worker does 2 and 3 in one pass, collect_worker)
+ *   3. workers  (same split) read the ids again and write each one's occurrence, an 8-byte
+ *               key of its row and its bag (or, where ids carry weights, its place among the
+ *               ids, beside which its bag and coefficient go), into the worker's own region
+ *               (its bags' span), one part per owner, in batch order (a single worker does 2
+ *               and 3 in one pass, collect_worker)
  *   4. workers  (by owner) an LSD radix sort of the owner's parts into its range of the
  *               sorted order: the bits under the buckets' (one pass when they are at most
  *               LOW_BITS_MAX), then by bucket
@@ -57,11 +59,17 @@ struct embd_backward_prep {
 	uint32_t shift;                 /* bucket = row >> shift */
 	uint32_t num_buckets;
 	uint64_t *bucket_start;         /* num_buckets + 1: each bucket's place in the sorted order */
-	struct embd_occ *sorted;        /* id_base[n], sorted by row (a row's in batch order) */
+	uint32_t idx_bits;              /* a key's bits under its row (cpu_kernels.h) */
+	embd_occ_key *sorted;           /* id_base[n], sorted by row (a row's in batch order); after
+					 * them in the same buffer, what their keys name: */
+	float *bag_coef;                /* no batch weighted: keys name bags, each bag's coefficient */
+	struct embd_occ_side *side;     /* else keys name places among the ids: each one's; or NULL */
+	int sorted_cls;                 /* the pool's class of sorted's buffer (occ_buf_get) */
 };
 
 /*
- * The occurrence arrays (a prepare's two, ~16 bytes an id each) come from a small pool of
+ * The occurrence arrays (a prepare's two, 8 bytes an id each, the one the sort ends in followed
+ * by what its keys name) and the apply's copy of strided gradients come from a small pool of
  * buffers kept between calls, 2 MiB aligned and advised for transparent huge pages. Fresh
  * malloc'd arrays every call left the phases over them at the mercy of where the heap's pages lay: on the Zen 4
  * VM, with two workers, collect took 250-290 us a call in about half the processes against
@@ -70,9 +78,15 @@ struct embd_backward_prep {
  * against .684, rowwise_adagrad/64 .844 against .671 (2026-12-05, docs/benchmarks.md). Two
  * arrays both at the start of their 2 MiB fell in the same cache sets and scattered between
  * them 2.5x slower, so a prepare's first and second array come from two classes of buffer
- * whose data start at different lines. The pool is one for the process: ranks on other NUMA nodes
- * may get a buffer first touched on another (not measured; the VM has one node). Under
- * AddressSanitizer the arrays are plain malloc, so that it sees their exact bounds.
+ * whose data start at different lines. The gradients' copy (1 MiB a table in the training
+ * step's table_wise), malloc'd and freed every call, left that step's sort phases at 1.9 ms a
+ * rank against 1.3 (Intel Xeon, 2026-12-06; the cause was not pinned down: munmap's TLB
+ * shootdowns on the other rank's core are a guess). A column_wise step holds every table's
+ * prep until its halves are applied: with 8 buffers kept, its apply's setup took 3.7-6.0 ms a
+ * step against ~1.1 with 16, the others paying for fresh pages. The pool is one for the
+ * process: ranks on other NUMA nodes may get a buffer first touched on another (not measured;
+ * the VM has one node). Under AddressSanitizer the arrays are plain malloc, so that it sees
+ * their exact bounds.
  */
 #if defined(__SANITIZE_ADDRESS__)
 #define OCC_BUF_POOL 0
@@ -85,7 +99,7 @@ struct embd_backward_prep {
 #define OCC_BUF_POOL 1
 #endif
 #define OCC_BUF_ALIGN ((size_t)2 << 20)
-#define OCC_BUF_KEEP 8                          /* buffers the pool keeps ... */
+#define OCC_BUF_KEEP 16                         /* buffers the pool keeps ... */
 #define OCC_BUF_KEEP_BYTES ((size_t)128 << 20)  /* ... and bytes, at most */
 
 struct occ_buf_head {                            /* the 64 bytes before a buffer's data */
@@ -203,8 +217,8 @@ struct prep_job {
 	uint32_t low_width;             /* ... the first one's bits */
 	uint64_t *low_count;            /* one worker: its occurrences by the first pass's digit
 					 * (2^low_width), counted as they were written; else NULL */
-	struct embd_occ *in;            /* phase 3's regions */
-	struct embd_occ *other;         /* the radix sort's other half */
+	embd_occ_key *in;               /* phase 3's regions */
+	embd_occ_key *other;            /* the radix sort's other half */
 	struct embd_first_err *errs;    /* one per worker */
 };
 
@@ -290,10 +304,10 @@ static void count_worker(void *arg, uint32_t w, uint32_t nw)
 }
 
 /*
- * Phase 3: worker w's occurrences {row, bag, coef}, in batch order, into one part per owner
- * (the worker that sorts their buckets), each part inside the range its owner sorts. The ids
- * are read a second time: one that is no longer what phase 2 counted (outside the rows, or
- * past its part) fails the call before it is written anywhere.
+ * Phase 3: worker w's occurrences (keys; where ids carry weights, the side too), in batch
+ * order, into one part per owner (the worker that sorts their buckets), each part inside the
+ * range its owner sorts. The ids are read a second time: one that is no longer what phase 2
+ * counted (outside the rows, or past its part) fails the call before it is written anywhere.
  * counting: phases 2 and 3 of a single worker in one pass instead, each id read once, checked,
  * written (the one owner's one part) and counted by bucket and by the sort's first digit. With
  * two workers the owners must be known before anything is written; one need not read the ids
@@ -310,13 +324,15 @@ write_occurrences(struct prep_job *job, uint32_t w, uint32_t nw, const bool coun
 	const uint16_t *owner = job->owner;
 	uint64_t *count = job->hist, *low = job->low_count;
 	const uint64_t low_mask = ((uint64_t)1 << job->low_width) - 1;
-	struct embd_occ *out = job->in;
+	embd_occ_key *out = job->in;
+	struct embd_occ_side *side = p->side;
+	const uint32_t idx_bits = p->idx_bits;
 	uint64_t g, g_last;
 	uint32_t i = 0;
 
 	/* the region cleared first, in whole lines (string stores) rather than taken over line by
 	 * line by the loop's stores: sgd D 64 and 128 P 20 2-3% faster a batch, the other
-	 * optimizers within the noise (Intel Xeon, 2026-12-06) */
+	 * optimizers within the noise (Intel Xeon, 2026-12-06, measured on 16-byte occurrences) */
 	if (counting)
 		memset(out, 0, p->id_base[p->n] * sizeof(*out));
 	else
@@ -331,6 +347,10 @@ write_occurrences(struct prep_job *job, uint32_t w, uint32_t nw, const bool coun
 		int64_t s = off[b], e = off[b + 1];
 		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
 		float scale = embd_grad_scale(bt->pooling, divisor, bt->grad_divisor);
+		uint64_t at = p->id_base[i];    /* the batch's first place among the call's ids */
+
+		if (!side)
+			p->bag_coef[g] = embd_grad_coef(1.0f, scale);
 
 		for (int64_t k = s; k < e; k++) {
 			/* read once in this pass: the client may be writing it */
@@ -349,10 +369,15 @@ write_occurrences(struct prep_job *job, uint32_t w, uint32_t nw, const bool coun
 					return;
 				}
 			}
-			out[pos[o]++] = (struct embd_occ){
-				.row = r, .bag = (uint32_t)g,
-				.coef = embd_grad_coef(bt->weights ? bt->weights[k] : 1.0f, scale),
-			};
+			if (side) {
+				out[pos[o]++] = r << idx_bits | (at + (uint64_t)k);
+				side[at + (uint64_t)k] = (struct embd_occ_side){
+					.bag = (uint32_t)g,
+					.coef = embd_grad_coef(bt->weights ? bt->weights[k] : 1.0f, scale),
+				};
+			} else {
+				out[pos[o]++] = r << idx_bits | g;
+			}
 			if (counting) {
 				count[r >> p->shift]++;
 				low[r & low_mask]++;
@@ -392,10 +417,11 @@ static void sort_low_worker(void *arg, uint32_t o, uint32_t nw)
 	struct prep_job *job = arg;
 	const struct embd_backward_prep *p = job->p;
 	const uint64_t lo = p->bucket_start[job->owner_start[o]];
-	const struct embd_occ *in = job->in;
-	struct embd_occ *out = job->other + lo;
+	const embd_occ_key *in = job->in;
+	embd_occ_key *out = job->other + lo;
 	uint64_t own_count[(uint64_t)1 << LOW_BITS_MAX];
 	const uint64_t mask = ((uint64_t)1 << job->low_width) - 1;
+	const uint32_t at = p->idx_bits;        /* the digit's lowest bit in a key */
 	/* a single worker counted as it wrote (its one owner's only use of them) */
 	uint64_t *count = job->low_count ? job->low_count : own_count;
 
@@ -404,13 +430,13 @@ static void sort_low_worker(void *arg, uint32_t o, uint32_t nw)
 		for (uint64_t w = 0; w < nw; w++)
 			for (uint64_t j = job->part_start[w * job->part_stride + o];
 			     j < job->part_end[w * job->part_stride + o]; j++)
-				count[in[j].row & mask]++;
+				count[(in[j] >> at) & mask]++;
 	}
 	counts_to_places(count, mask + 1);
 	for (uint64_t w = 0; w < nw; w++)
 		for (uint64_t j = job->part_start[w * job->part_stride + o];
 		     j < job->part_end[w * job->part_stride + o]; j++)
-			out[count[in[j].row & mask]++] = in[j];
+			out[count[(in[j] >> at) & mask]++] = in[j];
 }
 
 /*
@@ -427,7 +453,7 @@ static void sort_rest_worker(void *arg, uint32_t o, uint32_t nw)
 	const struct embd_backward_prep *p = job->p;
 	const uint64_t b_first = job->owner_start[o], b_last = job->owner_start[o + 1];
 	const uint64_t lo = p->bucket_start[b_first], n = p->bucket_start[b_last] - lo;
-	struct embd_occ *in = job->other + lo, *out = job->in + lo, *t;
+	embd_occ_key *in = job->other + lo, *out = job->in + lo, *t;
 	uint64_t count[(uint64_t)1 << LOW_BITS_MAX];
 	const uint32_t passes = job->low_passes;
 	uint32_t bit = job->low_width;
@@ -436,13 +462,14 @@ static void sort_rest_worker(void *arg, uint32_t o, uint32_t nw)
 	for (uint32_t k = 1; k < passes; k++) {
 		uint32_t width = (p->shift - bit + (passes - k) - 1) / (passes - k);
 		uint64_t mask = ((uint64_t)1 << width) - 1;
+		uint32_t at = p->idx_bits + bit;
 
 		memset(count, 0, (mask + 1) * sizeof(*count));
 		for (uint64_t j = 0; j < n; j++)
-			count[(in[j].row >> bit) & mask]++;
+			count[(in[j] >> at) & mask]++;
 		counts_to_places(count, mask + 1);
 		for (uint64_t j = 0; j < n; j++)
-			out[count[(in[j].row >> bit) & mask]++] = in[j];
+			out[count[(in[j] >> at) & mask]++] = in[j];
 		t = in;
 		in = out;
 		out = t;
@@ -452,17 +479,20 @@ static void sort_rest_worker(void *arg, uint32_t o, uint32_t nw)
 	uint64_t *pos = job->hist + o * job->hist_stride;
 	for (uint64_t b = b_first; b < b_last; b++)
 		pos[b - b_first] = p->bucket_start[b] - lo;
+	const uint32_t bucket_at = p->idx_bits + p->shift;
 	for (uint64_t j = 0; j < n; j++) {
-		uint64_t b = (in[j].row >> p->shift) - b_first;
+		uint64_t b = (in[j] >> bucket_at) - b_first;
 		if (b >= b_last - b_first || pos[b] == p->bucket_start[b_first + b + 1] - lo) {
-			uint32_t i = batch_of(p, in[j].bag, 0);
+			uint64_t named = in[j] & (((uint64_t)1 << p->idx_bits) - 1);
+			uint64_t bag = p->side ? p->side[named].bag : named;
+			uint32_t i = batch_of(p, bag, 0);
 			struct embd_kernel_err ke;
 			embd_kernel_fail(&ke, EMBD_EINVAL, job->batches[i].feature,
-					 (int64_t)(in[j].bag - p->bag_base[i]), (int64_t)in[j].row + p->row_offset,
+					 (int64_t)(bag - p->bag_base[i]),
+					 (int64_t)(in[j] >> p->idx_bits) + p->row_offset,
 					 "feature %u sample %llu: ids changed while the backward read them (a "
 					 "bucket got more ids than counted, the last of them this sample's)",
-					 job->batches[i].feature,
-					 (unsigned long long)(in[j].bag - p->bag_base[i]));
+					 job->batches[i].feature, (unsigned long long)(bag - p->bag_base[i]));
 			embd_first_err_note(&job->errs[o], EMBD_EINVAL, i, &ke);
 			return;
 		}
@@ -483,7 +513,7 @@ static bool take_chunk(atomic_uint_fast64_t *next, uint64_t chunk, uint64_t num_
 
 /* The next chunk of buckets for this worker: *n occurrences sorted by row from *sorted
  * (buckets are ascending ranges of rows). False when none is left. */
-static bool next_chunk(struct bwd_job *job, const struct embd_occ **sorted, uint64_t *n)
+static bool next_chunk(struct bwd_job *job, const embd_occ_key **sorted, uint64_t *n)
 {
 	const struct embd_backward_prep *p = job->p;
 	uint64_t b0, b1;
@@ -505,7 +535,7 @@ static void apply_worker(void *arg, uint32_t w, uint32_t nw)
 {
 	struct bwd_job *job = arg;
 	float *scratch = job->scratch + (uint64_t)w * 2 * job->ctx.shard->desc.cols;
-	const struct embd_occ *cur = NULL, *next = NULL;
+	const embd_occ_key *cur = NULL, *next = NULL;
 	uint64_t n = 0, next_n = 0;
 	uint64_t *bad = job->bad + 2 * (uint64_t)w;    /* rows left non-finite, the first one */
 	size_t prefetched = 0;
@@ -678,6 +708,7 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	struct embd_backward_prep *p = NULL;
 	uint64_t num_occ, num_bags, *work = NULL;
 	int64_t *offsets = NULL;
+	bool sorted_in_other = false;
 	int rc;
 
 	*out = NULL;
@@ -689,6 +720,21 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 
 	const uint64_t nw = job.nw;
 	uint32_t row_bits = bits_for((uint64_t)shard->desc.rows - 1);
+	bool weighted = false;
+	for (uint32_t i = 0; i < n; i++)
+		weighted |= batches[i].weights != NULL;
+	/* what a key names under its row: its bag, or where ids carry weights its own place */
+	uint64_t named = weighted ? num_occ : num_bags;
+	uint32_t idx_bits = named ? bits_for(named - 1) : 0;
+	/* a row and what its key names past 63 bits: billions of rows and of ids (or bags) in one
+	 * call */
+	if (row_bits + idx_bits >= 64)
+		return embd_kernel_fail(err, EMBD_ERANGE, 0, -1, 0,
+					"%lld rows and %llu %s in one call: a row and its %s take %u bits, "
+					"more than the backward's 63-bit sort keys",
+					(long long)shard->desc.rows, (unsigned long long)named,
+					weighted ? "ids" : "bags", weighted ? "id's place" : "bag",
+					row_bits + idx_bits);
 	uint32_t want = bits_for(num_occ >> OCC_PER_BUCKET_LOG2);
 	uint32_t top = want < row_bits ? want : row_bits;
 	top = top < TOP_BITS_MAX ? top : TOP_BITS_MAX;
@@ -696,18 +742,33 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	if (p) {
 		*p = (struct embd_backward_prep){
 			.row_offset = shard->desc.row_offset, .rows = shard->desc.rows, .n = n,
-			.shift = row_bits - top, .num_buckets = 1u << top,
+			.shift = row_bits - top, .num_buckets = 1u << top, .idx_bits = idx_bits,
 		};
 		p->bag_base = malloc((2 * ((uint64_t)n + 1) + p->num_buckets + 1) *
 				     sizeof(*p->bag_base));
-		/* an impossible count fails here, not in the multiplication */
-		bool fits = num_occ <= SIZE_MAX / 2 / sizeof(*job.in);
-		job.in = fits ? occ_buf_get(num_occ * sizeof(*job.in), 0) : NULL;
-		job.other = fits ? occ_buf_get(num_occ * sizeof(*job.other), 1) : NULL;
-		/* off_base (n + 1), hist (nw x hist_stride), owner_start (nw + 1), part_start,
-		 * part_pos and part_end (nw x part_stride each), each array from a line */
 		job.low_passes = (p->shift + LOW_BITS_MAX - 1) / LOW_BITS_MAX;
 		job.low_width = job.low_passes ? (p->shift + job.low_passes - 1) / job.low_passes : 0;
+		/* the array the sort ends in holds the side after its keys, so that the prep keeps
+		 * one buffer: the first half ends in other (its one pass, or a copy where no bits
+		 * lie under the buckets'), and each pass after it alternates, the low ones left and
+		 * the bucket pass */
+		sorted_in_other = job.low_passes >= 2 && job.low_passes % 2 == 0;
+		/* an impossible count fails here, not in the multiplication */
+		bool fits = num_occ <= SIZE_MAX / 4 / sizeof(*job.in);
+		size_t keys = num_occ * sizeof(*job.in);
+		size_t both = keys + (weighted ? num_occ * sizeof(*p->side)
+					       : num_bags * sizeof(*p->bag_coef));
+		job.in = fits ? occ_buf_get(sorted_in_other ? keys : both, 0) : NULL;
+		job.other = fits ? occ_buf_get(sorted_in_other ? both : keys, 1) : NULL;
+		if (job.in && job.other) {
+			embd_occ_key *after = (sorted_in_other ? job.other : job.in) + num_occ;
+			if (weighted)
+				p->side = (struct embd_occ_side *)after;
+			else
+				p->bag_coef = (float *)after;
+		}
+		/* off_base (n + 1), hist (nw x hist_stride), owner_start (nw + 1), part_start,
+		 * part_pos and part_end (nw x part_stride each), each array from a line */
 		job.hist_stride = round_up_line(p->num_buckets);
 		job.part_stride = round_up_line(nw);
 		/* and with one worker low_count (2^low_width) */
@@ -770,11 +831,9 @@ static int prepare_occurrences(const struct embd_exec *exec, const struct embd_s
 	if (rc)
 		goto out;
 	phase_done(t, &ph->sort_ns);
-	/* the first half ends in other (its one pass, or a copy where no bits lie under the
-	 * buckets'), and each pass after it alternates: the low ones left and the bucket pass */
-	bool in_other = job.low_passes >= 2 && job.low_passes % 2 == 0;
-	p->sorted = in_other ? job.other : job.in;
-	if (in_other)
+	p->sorted = sorted_in_other ? job.other : job.in;
+	p->sorted_cls = sorted_in_other;
+	if (sorted_in_other)
 		job.other = NULL;
 	else
 		job.in = NULL;
@@ -805,18 +864,18 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 	struct bwd_job job = { .k = k, .p = p, .chunk_buckets = chunk_buckets(p, nw) };
 	uint64_t num_bags = p->bag_base[p->n], strided = 0;
 	const uint32_t cols = shard->desc.cols;
-	const float **bag_grad = malloc((num_bags ? num_bags : 1) * sizeof(*bag_grad));
+	struct embd_bag_grad *bags = malloc((num_bags ? num_bags : 1) * sizeof(*bags));
 	float *dense = NULL;
 	int rc = 0;
 
 	for (uint32_t i = 0; i < p->n; i++)
 		strided += batches[i].pooled_stride != cols ? batches[i].batch_size : 0;
 	if (strided)
-		dense = malloc(strided * cols * sizeof(float));
+		dense = occ_buf_get(strided * cols * sizeof(float), !p->sorted_cls); /* other sets */
 
 	job.bad = calloc(2 * (uint64_t)nw, sizeof(*job.bad));
 	job.scratch = malloc((uint64_t)nw * 2 * shard->desc.cols * sizeof(float));
-	if (!bag_grad || !job.bad || !job.scratch || (strided && !dense)) {
+	if (!bags || !job.bad || !job.scratch || (strided && !dense)) {
 		rc = embd_kernel_fail(err, EMBD_ENOMEM, 0, -1, 0, "out of memory for %llu occurrences",
 				      (unsigned long long)p->id_base[p->n]);
 		goto out;
@@ -838,12 +897,15 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 				g = to;
 				to += cols;
 			}
-			bag_grad[p->bag_base[i] + b] = g;
+			bags[p->bag_base[i] + b] = (struct embd_bag_grad){
+				.row = g, .coef = p->bag_coef ? p->bag_coef[p->bag_base[i] + b] : 0.0f,
+			};
 		}
 	}
 	job.ctx = (struct embd_bwd_rows){
 		.shard = shard, .params = embd_optim_params_make(&shard->desc.optimizer, shard->step + 1),
-		.bag_grad = bag_grad,
+		.bags = bags, .side = p->side,
+		.idx_bits = p->idx_bits,
 	};
 	t = phase_done(t, &ph->setup_ns);
 
@@ -861,10 +923,10 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 	phase_done(t, &ph->apply_ns);
 	shard->step++;
 out:
-	free(dense);
+	occ_buf_put(dense);
 	free(job.scratch);
 	free(job.bad);
-	free(bag_grad);
+	free(bags);
 	return rc;
 }
 

@@ -162,18 +162,39 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 		embd_prefetch_line((const void *)line);
 }
 
-/* One occurrence of a row in a backward step, after its id was checked. */
-struct embd_occ {
-	uint64_t row;                   /* shard-local row */
-	uint32_t bag;                   /* index into embd_bwd_rows.bag_grad */
+/*
+ * One occurrence of a row in a backward step, after its id was checked, as the backward's
+ * prepare sorts it: the shard-local row above embd_bwd_rows.idx_bits bits that name the rest
+ * of what applying it needs: its bag (embd_bwd_rows.bags), or where ids carry weights its
+ * place among the call's ids (embd_bwd_rows.side). The sort's passes move these 8 bytes, not
+ * the 16 of the row, bag and coefficient together: at the training step's batches (sgd D 64,
+ * B 4096 P 20, one worker) the sort took 30% less time (Intel Xeon, 2026-12-06,
+ * docs/benchmarks.md).
+ */
+typedef uint64_t embd_occ_key;
+
+/* What applying an occurrence of weighted ids needs besides its row. */
+struct embd_occ_side {
+	uint32_t bag;                   /* index into embd_bwd_rows.bags */
 	float coef;                     /* embd_grad_coef(): per-id weight times the bag's scale */
+};
+
+/* A bag's gradient row and, where keys name bags, the coefficient of its ids. */
+struct embd_bag_grad {
+	const float *row;               /* its dL/d(pooled) for the shard's columns */
+	float coef;                     /* embd_grad_coef() of each of its ids (unweighted) */
 };
 
 /* What applying combined gradients to a shard's rows needs. */
 struct embd_bwd_rows {
 	struct embd_shard *shard;
 	struct embd_optim_params params;
-	const float *const *bag_grad;   /* per bag: its dL/d(pooled) for the shard's columns */
+	/* per bag; the coefficient beside the row, in the line the apply loads for it: from an
+	 * array of their own the coefficients took sgd D 64 P 20's apply ~5% longer (Intel Xeon,
+	 * 2026-12-06) */
+	const struct embd_bag_grad *bags;
+	const struct embd_occ_side *side; /* keys name places among the ids: per place; else NULL */
+	uint32_t idx_bits;              /* a key's bits under its row */
 };
 
 struct embd_cpu_kernels {
@@ -193,8 +214,8 @@ struct embd_cpu_kernels {
 	 * left NaN or infinite (weights or state) and lowers *bad_row to the first of them.
 	 * Returns how many of next it prefetched, to pass on as prefetched.
 	 */
-	size_t (*apply_rows)(const struct embd_bwd_rows *ctx, const struct embd_occ *occ, size_t n,
-			     const struct embd_occ *next, size_t next_n, size_t prefetched,
+	size_t (*apply_rows)(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n,
+			     const embd_occ_key *next, size_t next_n, size_t prefetched,
 			     float *grad_row, uint64_t *bad, uint64_t *bad_row);
 };
 

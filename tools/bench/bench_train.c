@@ -59,6 +59,9 @@ struct limits {
 	char sharding[32];
 	double ms, gather_ms, rmw_ms;   /* per global step, medians; ms 0: not modelled */
 	double kernels_forward_ms, kernels_backward_ms; /* the kernels on the same plan */
+	/* the backward's phases (embedding.h), a rank's average in a timed step */
+	double kernels_setup_ms, kernels_collect_ms, kernels_scatter_ms, kernels_sort_ms,
+		kernels_apply_ms;
 	double step_bytes;
 	double before_ms, after_ms;     /* ms measured before the trainers and after them */
 };
@@ -123,6 +126,7 @@ struct limit_run {
 	pthread_barrier_t barrier;              /* the ranks started and the timing thread */
 	uint32_t k;                             /* the batch of this phase */
 	int phase;                              /* enum limit_phase */
+	bool timed;                             /* a step whose times count (not the warm-up) */
 	uint64_t *start_ns, *end_ns;            /* per rank: when it began and ended the phase */
 	/* the kernels' own phases, called as the service calls them (engine/step.c) */
 	int64_t *offsets;                       /* batch + 1: one trainer's bags of P ids each */
@@ -149,6 +153,7 @@ struct limit_rank {
 	struct limit_run *run;
 	uint32_t rank;
 	pthread_t thread;
+	struct embd_backward_times times; /* its kernels' backward phases in the timed steps */
 };
 
 /*
@@ -289,7 +294,8 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 {
 	struct limit_run *run = lr->run;
 	const struct train_opts *o = run->o;
-	const struct embd_exec exec = { .workers = workers, .isa = run->isa };
+	const struct embd_exec exec = { .workers = workers, .isa = run->isa,
+					.backward_times = run->timed ? &lr->times : NULL };
 
 	if (run->phase >= KERNEL_FORWARD) {
 		if (!atomic_load(&run->kernels_failed) && kernel_phase(run, lr->rank, &exec, bb))
@@ -546,6 +552,7 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 				continue;
 			run.k = (uint32_t)(r % TRAIN_BATCHES);
 			run.phase = phase;
+			run.timed = r > 0;
 			pthread_barrier_wait(&run.barrier);
 			pthread_barrier_wait(&run.barrier);
 			uint64_t t0 = UINT64_MAX, t1 = 0;
@@ -588,6 +595,22 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	out->kernels_backward_ms = bench_median(ms[KERNEL_BACKWARD], REPS);
 	if (atomic_load(&run.kernels_failed))
 		out->kernels_forward_ms = out->kernels_backward_ms = 0;
+	struct embd_backward_times sum = { 0 };
+	for (uint32_t i = 0; i < started; i++) {
+		sum.setup_ns += ranks[i].times.setup_ns;
+		sum.collect_ns += ranks[i].times.collect_ns;
+		sum.scatter_ns += ranks[i].times.scatter_ns;
+		sum.sort_ns += ranks[i].times.sort_ns;
+		sum.apply_ns += ranks[i].times.apply_ns;
+	}
+	const double per_rank_step = started ? 1e6 * REPS * started : 1;
+	if (atomic_load(&run.kernels_failed))   /* the steps before the failure would read short */
+		memset(&sum, 0, sizeof(sum));
+	out->kernels_setup_ms = (double)sum.setup_ns / per_rank_step;
+	out->kernels_collect_ms = (double)sum.collect_ns / per_rank_step;
+	out->kernels_scatter_ms = (double)sum.scatter_ns / per_rank_step;
+	out->kernels_sort_ms = (double)sum.sort_ns / per_rank_step;
+	out->kernels_apply_ms = (double)sum.apply_ns / per_rank_step;
 	/* every id's row read, the pooled rows written, the distinct rows read and written,
 	 * each occurrence's gradient row read (counted once: it stays in cache) */
 	double bytes = 0;
@@ -702,6 +725,12 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 			cJSON_AddNumberToObject(out, "kernels_forward_ms", lim->kernels_forward_ms);
 			cJSON_AddNumberToObject(out, "kernels_backward_ms", lim->kernels_backward_ms);
 			cJSON_AddNumberToObject(out, "kernels_ratio_to_limit", kernels_sps / limit_sps);
+			cJSON *ph = cJSON_AddObjectToObject(out, "kernels_backward_phases_ms");
+			cJSON_AddNumberToObject(ph, "setup", lim->kernels_setup_ms);
+			cJSON_AddNumberToObject(ph, "collect", lim->kernels_collect_ms);
+			cJSON_AddNumberToObject(ph, "scatter", lim->kernels_scatter_ms);
+			cJSON_AddNumberToObject(ph, "sort", lim->kernels_sort_ms);
+			cJSON_AddNumberToObject(ph, "apply", lim->kernels_apply_ms);
 			cJSON_AddNumberToObject(out, "embd_ratio_to_kernels",
 						cJSON_IsNumber(e) ? e->valuedouble / kernels_sps : 0);
 		}

@@ -107,7 +107,10 @@ static void check_unsharded_div(struct trng *r, enum embd_optimizer_type type,
 				struct embd_bag_batch bt[2];
 				struct embd_ref_bags rb[2];
 				for (int f = 0; f < 2; f++) {
-					tbags_random(&t[f], r, batch, max_len, 10, rows, hot_pct, f == 1);
+					/* a weighted batch in every other call: keys that name
+					 * the ids' places then, else their bags (backward.c) */
+					tbags_random(&t[f], r, batch, max_len, 10, rows, hot_pct,
+						     f == 1 && step % 2 == 1);
 					g[f] = random_grad(r, (uint64_t)batch * dim);
 					enum embd_pooling p = f ? EMBD_POOLING_MEAN : EMBD_POOLING_SUM;
 					bt[f] = tbatch(s, f, &t[f], p, NULL, g[f], dim, 0);
@@ -515,7 +518,8 @@ static void *flip_ids(void *arg)
  * change and leave the shard as it was; none may write past the occurrences' arrays (the
  * sanitizer build sees those) or crash. Returns the failures.
  */
-static int backward_while_ids_change(struct embd_workers *workers, int64_t a, int64_t b, int want)
+static int backward_while_ids_change(struct embd_workers *workers, int64_t a, int64_t b, int want,
+				     bool weighted)
 {
 	struct trng r = { 37 };
 	const int64_t rows = 1 << 16;
@@ -530,7 +534,7 @@ static int backward_while_ids_change(struct embd_workers *workers, int64_t a, in
 	int failed = 0, calls = 0;
 
 	cr_assert(before);
-	tbags_random(&t, &r, 1000, 40, 0, rows, 0, false);
+	tbags_random(&t, &r, 1000, 40, 0, rows, 0, weighted);
 	for (uint64_t k = 0; k < t.num_ids; k += 2)
 		t.ids[k] = 1;   /* half the ids on row 1: its bucket is the first owner's share */
 	float *g = random_grad(&r, 1000 * 8);
@@ -546,8 +550,10 @@ static int backward_while_ids_change(struct embd_workers *workers, int64_t a, in
 		int rc = embd_kernels_backward(&ex, s, &bt, 1, &err);
 		cr_assert(rc == 0 || rc == EMBD_EINVAL, "call %d: rc %d (%s)", calls, rc, err.msg);
 		if (rc) {
-			cr_assert(strstr(err.msg, "ids changed") && err.feature == 4,
-				  "call %d: %s (feature %u)", calls, err.msg, err.feature);
+			cr_assert(strstr(err.msg, "ids changed") && err.feature == 4 &&
+					  err.sample >= 0 && err.sample < 1000,
+				  "call %d: %s (feature %u sample %lld)", calls, err.msg, err.feature,
+				  (long long)err.sample);
 			cr_assert(!memcmp(before, s->weights, bytes) && s->step == step,
 				  "call %d failed but changed the shard", calls);
 			failed++;
@@ -571,8 +577,10 @@ static int backward_while_ids_change(struct embd_workers *workers, int64_t a, in
  * rewritten in between fail the call. Rows 1, 2^15 and 2^16 - 2 lie in the first, a middle
  * and the last bucket; half the ids stay on row 1, so with two workers its bucket is the first
  * owner's share and the rest the second's. Between rows 1 and 2^16 - 2 a rewrite overfills a
- * worker's part of an owner; between 2^15 and 2^16 - 2 (one owner) a bucket of its sort. One
- * worker reads each id once and uses it as read: its calls all succeed.
+ * worker's part of an owner; between 2^15 and 2^16 - 2 (one owner) a bucket of its sort, with
+ * and without weights (the sort's keys name the ids' places, or their bags: the sample named
+ * is decoded from either). One worker reads each id once and uses it as read: its calls all
+ * succeed.
  */
 Test(kernels_backward, ids_rewritten_during_the_call_fail_it, .timeout = 120)
 {
@@ -580,11 +588,12 @@ Test(kernels_backward, ids_rewritten_during_the_call_fail_it, .timeout = 120)
 	char msg[160];
 
 	cr_assert_eq(embd_workers_create(2, NULL, &two, msg, sizeof(msg)), 0, "%s", msg);
-	cr_expect(backward_while_ids_change(two, 1, (1 << 16) - 2, 3) == 3,
+	cr_expect(backward_while_ids_change(two, 1, (1 << 16) - 2, 3, false) == 3,
 		  "no rewrite across owners was seen in 20 s");
-	cr_expect(backward_while_ids_change(two, 1 << 15, (1 << 16) - 2, 3) == 3,
-		  "no rewrite within an owner was seen in 20 s");
-	cr_expect_eq(backward_while_ids_change(NULL, 1, (1 << 16) - 2, 0), 0);
+	for (int weighted = 0; weighted < 2; weighted++)
+		cr_expect(backward_while_ids_change(two, 1 << 15, (1 << 16) - 2, 3, weighted) == 3,
+			  "no rewrite within an owner was seen in 20 s (weighted %d)", weighted);
+	cr_expect_eq(backward_while_ids_change(NULL, 1, (1 << 16) - 2, 0, false), 0);
 	embd_workers_destroy(two);
 }
 
@@ -721,6 +730,35 @@ Test(kernels_backward, ids_counted_past_int64_are_refused)
 	cr_assert_eq(embd_kernels_backward(&ex, s, bt, 3, &err), EMBD_EINVAL, "%s", err.msg);
 	cr_expect_eq(err.feature, 1u, "%s", err.msg);
 	cr_expect(strstr(err.msg, "num_ids") != NULL, "%s", err.msg);
+	cr_assert_eq(s->step, 0);
+	embd_shard_destroy(s);
+	embd_ref_table_destroy(ref);
+}
+
+/* A shard with more rows than a sort key holds with its bags' or ids' bits is refused before
+ * anything is read or written (no memory holds such a shard: its size is faked). */
+Test(kernels_backward, rows_and_ids_past_the_sort_keys_are_refused)
+{
+	struct embd_optimizer_spec o = opt_spec(EMBD_OPT_SGD, 0.0f);
+	struct embd_ref_table *ref = embd_ref_table_create(2, 100, 8, EMBD_DTYPE_FP32, &o, 4);
+	struct embd_shard *s = tshard(ref, 4, 0, 100, 0, 8);
+	int64_t ids[4] = { 1, 2, 3, 4 }, offsets[5] = { 0, 1, 2, 3, 4 };
+	float weights[4] = { 1, 1, 1, 1 }, grad[4 * 8] = { 0 };
+
+	s->desc.rows = (int64_t)1 << 62;        /* 62 bits of row, 2 of bag or place */
+	for (int weighted = 0; weighted < 2; weighted++) {
+		struct embd_bag_batch bt = {
+			.shard = s, .batch_size = 4, .offsets = offsets, .ids = ids,
+			.weights = weighted ? weights : NULL, .num_ids = 4,
+			.pooling = EMBD_POOLING_SUM, .pooled_grad = grad, .pooled_stride = 8,
+		};
+		struct embd_kernel_err err;
+		cr_assert_eq(embd_kernels_backward(NULL, s, &bt, 1, &err), EMBD_ERANGE, "%s",
+			     err.msg);
+		cr_expect(strstr(err.msg, weighted ? "4 ids" : "4 bags") != NULL, "%s", err.msg);
+		cr_expect(strstr(err.msg, "64 bits") != NULL, "%s", err.msg);
+	}
+	s->desc.rows = 100;
 	cr_assert_eq(s->step, 0);
 	embd_shard_destroy(s);
 	embd_ref_table_destroy(ref);
