@@ -283,7 +283,8 @@ static void note_bad_id(struct prep_job *job, uint32_t w, uint32_t i, uint64_t b
  * worker; Intel Xeon, 2026-12-06). The address is computed as an integer: it may lie past the
  * batch's ids, which a prefetch may touch.
  */
-static inline void prefetch_ids_ahead(const int64_t *ids, int64_t s, int64_t e)
+static inline __attribute__((always_inline)) void prefetch_ids_ahead(const int64_t *ids, int64_t s,
+									   int64_t e)
 {
 	uintptr_t at = (uintptr_t)(ids + e) + IDS_AHEAD * sizeof(*ids);
 

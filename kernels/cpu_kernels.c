@@ -101,7 +101,7 @@ prefetch_part(const struct bag_ctx *c, uint64_t k, uint64_t from, uint64_t bytes
 	embd_prefetch_bytes(c->base + r * c->row_bytes + from, bytes);
 }
 
-static inline void prefetch_row(const struct bag_ctx *c, uint64_t k)
+static inline __attribute__((always_inline)) void prefetch_row(const struct bag_ctx *c, uint64_t k)
 {
 	prefetch_part(c, k, 0, c->row_bytes);
 }

@@ -147,7 +147,12 @@ static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const vo
 	__builtin_prefetch(p, 0, 3);
 }
 
-/* embd_prefetch_line for each line of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES. */
+/*
+ * embd_prefetch_line for each line of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES.
+ * A function that does nothing but prefetch must be always_inline, as this one is: a prefetch
+ * writes no memory, so GCC 12 judges such a function pure or const and deletes the calls whose
+ * result goes unused, prefetches and all (objdump shows none left).
+ */
 static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes)
 {
 	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
