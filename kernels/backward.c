@@ -47,8 +47,8 @@
 #define OCC_PER_BUCKET_LOG2 6           /* aim for ~64 occurrences per bucket */
 #define LOW_BITS_MAX 11                 /* bits of the row a radix pass under the buckets' sorts */
 #define OCC_PER_CHUNK 512               /* a worker takes about this many occurrences at a time */
-#define IDS_AHEAD 256                   /* ids prefetched ahead of the bag read */
 #define CHUNKS_PER_WORKER_MIN 8         /* ... but leaves enough chunks to even out the workers */
+#define IDS_AHEAD 256                   /* ids prefetched ahead of the bag read (prefetch_ids_ahead) */
 
 /* The prepared occurrences (embedding.h): what every shard of the same rows and bags shares. */
 struct embd_backward_prep {
