@@ -281,12 +281,12 @@ static void note_bad_id(struct prep_job *job, uint32_t w, uint32_t i, uint64_t b
  * loads (64% of one worker's collect samples right after the id's load). With it collect took
  * 154-158 us against 279-311 at the training step's per-table batch (sgd D 64, B 4096, one
  * worker; Intel Xeon, 2026-12-06). The address is computed as an integer: it may lie past the
- * batch's ids, which a prefetch may touch.
+ * batch's ids (which a prefetch may touch), and a batch without ids may have none.
  */
 static inline __attribute__((always_inline)) void prefetch_ids_ahead(const int64_t *ids, int64_t s,
 									   int64_t e)
 {
-	uintptr_t at = (uintptr_t)(ids + e) + IDS_AHEAD * sizeof(*ids);
+	uintptr_t at = (uintptr_t)ids + ((uintptr_t)e + IDS_AHEAD) * sizeof(*ids);
 
 	embd_prefetch_bytes((const void *)at, (uint64_t)(e - s) * sizeof(*ids));
 }
