@@ -291,6 +291,24 @@ static inline __attribute__((always_inline)) void prefetch_ids_ahead(const int64
 	embd_prefetch_bytes((const void *)at, (uint64_t)(e - s) * sizeof(*ids));
 }
 
+/*
+ * Global bag g of a worker's walk in order: its batch (*i, found from the previous bag's on),
+ * its sample *b in it and its ids [*s, *e), whose successors are prefetched.
+ */
+static inline __attribute__((always_inline)) const struct embd_bag_batch *
+bag_at(const struct prep_job *job, uint64_t g, uint32_t *i, uint64_t *b, int64_t *s, int64_t *e)
+{
+	const struct embd_backward_prep *p = job->p;
+
+	*i = batch_of(p, g, *i);
+	*b = g - p->bag_base[*i];
+	const int64_t *off = job->offsets + job->off_base[*i];
+	*s = off[*b];
+	*e = off[*b + 1];
+	prefetch_ids_ahead(job->batches[*i].ids, *s, *e);
+	return &job->batches[*i];
+}
+
 /* Phase 2: worker w's ids checked against the shard's rows and counted by bucket. */
 static void count_worker(void *arg, uint32_t w, uint32_t nw)
 {
@@ -303,13 +321,11 @@ static void count_worker(void *arg, uint32_t w, uint32_t nw)
 	(void)nw;
 	worker_bags(job, w, &g, &g_last);
 	for (; g < g_last; g++) {
-		i = batch_of(p, g, i);
-		const struct embd_bag_batch *bt = &job->batches[i];
-		uint64_t b = g - p->bag_base[i];
-		const int64_t *off = job->offsets + job->off_base[i];
+		uint64_t b;
+		int64_t s, e;
+		const struct embd_bag_batch *bt = bag_at(job, g, &i, &b, &s, &e);
 
-		prefetch_ids_ahead(bt->ids, off[b], off[b + 1]);
-		for (int64_t k = off[b]; k < off[b + 1]; k++) {
+		for (int64_t k = s; k < e; k++) {
 			/* read once in this pass: the client may be writing it */
 			int64_t id = __atomic_load_n(&bt->ids[k], __ATOMIC_RELAXED);
 			uint64_t r = (uint64_t)id - (uint64_t)p->row_offset;
@@ -359,15 +375,12 @@ write_occurrences(struct prep_job *job, uint32_t w, uint32_t nw, const bool coun
 		       (end[nw - 1] - job->part_start[w * job->part_stride]) * sizeof(*out));
 	worker_bags(job, w, &g, &g_last);
 	for (; g < g_last; g++) {
-		i = batch_of(p, g, i);
-		const struct embd_bag_batch *bt = &job->batches[i];
-		uint64_t b = g - p->bag_base[i];
-		const int64_t *off = job->offsets + job->off_base[i];
-		int64_t s = off[b], e = off[b + 1];
+		uint64_t b;
+		int64_t s, e;
+		const struct embd_bag_batch *bt = bag_at(job, g, &i, &b, &s, &e);
 		int64_t divisor = bt->mean_lengths ? bt->mean_lengths[b] : e - s;
 		float scale = embd_grad_scale(bt->pooling, divisor, bt->grad_divisor);
 		uint64_t at = p->id_base[i];    /* the batch's first place among the call's ids */
-		prefetch_ids_ahead(bt->ids, s, e);
 
 		if (!side)
 			p->bag_coef[g] = embd_grad_coef(1.0f, scale);
