@@ -939,6 +939,10 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 		.shard = shard, .params = embd_optim_params_make(&shard->desc.optimizer, shard->step + 1),
 		.bags = bags, .side = p->side,
 		.idx_bits = p->idx_bits,
+		.prefetch_rows = embd_backward_prefetch_distance(
+			(uint64_t)cols * embd_dtype_bytes(shard->desc.dtype) +
+			4 * (embd_optim_state_floats(shard->desc.optimizer.type, cols, 0) +
+			     embd_optim_state_floats(shard->desc.optimizer.type, cols, 1))),
 	};
 	t = phase_done(t, &ph->setup_ns);
 

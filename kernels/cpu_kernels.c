@@ -825,7 +825,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 		.m2 = (const uint8_t *)sh->momentum2, .row_bytes = (uint64_t)cols * (fp16 ? 2 : 4),
 		.m1_bytes = m1_per_row * 4, .m2_bytes = m2_per_row * 4,
 	};
-	size_t dist = embd_backward_prefetch_rows(p.row_bytes + p.m1_bytes + p.m2_bytes);
+	const size_t dist = ctx->prefetch_rows;
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 	/*
 	 * fp32 rows of whole vectors are checked into lanes that stay in registers across the

@@ -42,18 +42,23 @@ static inline uint32_t embd_prefetch_rows(uint64_t row_bytes)
 
 /*
  * How many rows ahead the backward prefetches when each row brings row_bytes of weights and
- * state: about as many lines in flight as the forward's distance over rows of 512 bytes (96),
- * so 12 rows for sgd at D 128 but 6 for adagrad and 4 for adam, at least 2. Prefetching adam's
- * rows 12 ahead (288 lines wanted, far more than the core's fill buffers) applied them ~8%
- * slower and adagrad's ~6% (2026-12-03, D 128, the same batches in one process), and its
- * read-modify-write limit was no faster. The benchmark's limit uses the same distance.
+ * state, on an Intel CPU (intel) or another. Elsewhere: about as many lines in flight as the
+ * forward's distance over rows of 512 bytes (96), so 12 rows for sgd at D 128 but 6 for
+ * adagrad and 4 for adam, at least 2 (on a Zen 4, with prefetches into L1, adam's rows 12
+ * ahead applied ~8% slower and adagrad's ~6%, 2026-12-03; into L2, twice the distance was
+ * within +-3%, 2026-12-05). On an Intel Xeon (2026-12-06, docs/benchmarks.md) the apply of
+ * every optimizer at D 64 and 128 took 13-30% less time 32 to 96 rows ahead than at those
+ * distances, and about as little anywhere in that range: 768 lines' worth, 16 to 64 rows,
+ * lies inside it for each. The benchmark's limit uses the same distance.
  */
-static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes)
+static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool intel)
 {
-	uint64_t lines = (row_bytes + EMBD_CACHE_LINE_BYTES - 1) / EMBD_CACHE_LINE_BYTES;
-	uint64_t rows = EMBD_PREFETCH_IDS * (512 / EMBD_CACHE_LINE_BYTES) / (lines ? lines : 1);
+	const uint64_t lines = (row_bytes + EMBD_CACHE_LINE_BYTES - 1) / EMBD_CACHE_LINE_BYTES;
+	const uint64_t lines_wanted = intel ? 768 : EMBD_PREFETCH_IDS * (512 / EMBD_CACHE_LINE_BYTES);
+	const uint64_t lo = intel ? 16 : 2, hi = intel ? 64 : EMBD_PREFETCH_IDS;
+	const uint64_t rows = lines_wanted / (lines ? lines : 1);
 
-	return rows < 2 ? 2 : rows > EMBD_PREFETCH_IDS ? EMBD_PREFETCH_IDS : (uint32_t)rows;
+	return (uint32_t)(rows < lo ? lo : rows > hi ? hi : rows);
 }
 
 /*
@@ -200,6 +205,8 @@ struct embd_bwd_rows {
 	const struct embd_bag_grad *bags;
 	const struct embd_occ_side *side; /* keys name places among the ids: per place; else NULL */
 	uint32_t idx_bits;              /* a key's bits under its row */
+	uint32_t prefetch_rows;         /* occurrences ahead whose rows are prefetched:
+					 * embd_backward_prefetch_distance() */
 };
 
 struct embd_cpu_kernels {

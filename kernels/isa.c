@@ -107,6 +107,11 @@ bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, ui
 					 want == EMBD_ROW_PREFETCH_AUTO && cpu_is_intel());
 }
 
+uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)
+{
+	return embd_backward_prefetch_rows(row_bytes, cpu_is_intel());
+}
+
 /* Each isa includes the ones below it (AVX-512 here implies AVX2, FMA and F16C). */
 bool embd_kernels_isa_supported(enum embd_isa isa)
 {

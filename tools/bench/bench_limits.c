@@ -42,7 +42,7 @@
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as the
- *   kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_rows() rows
+ *   kernel prefetches it (into L2: embd_prefetch_bytes), embd_backward_prefetch_distance() rows
  *   ahead (before the row's gradient reads, or after them as the kernel orders them, and after
  *   them with the gradient loads unrolled and the arrays of under a line a row written first:
  *   enum bench_rmw_order. Which is fastest depends on the isa and the optimizer, so the
@@ -591,7 +591,7 @@ static void rmw_worker(void *arg, uint32_t w, uint32_t nw)
 				v.row_bytes[v.num_arrays++] = r->row_bytes[a];
 				bytes += r->row_bytes[a];
 			}
-	const uint32_t dist = embd_backward_prefetch_rows(bytes), zero = r->zero;
+	const uint32_t dist = embd_backward_prefetch_distance(bytes), zero = r->zero;
 	const int after_grad = r->order != BENCH_RMW_PREFETCH_FIRST;
 	for (;;) {
 		uint64_t lo = atomic_fetch_add_explicit(&r->next, RMW_CHUNK_ROWS, memory_order_relaxed);

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kernels/cpu_kernels.h"
 #include "kernels/device.h"
 #include "kernels/finite.h"
 #include "kernels/jagged.h"
@@ -1234,4 +1235,45 @@ Test(kernels_backward, apply_refuses_other_rows_and_bags)
 	embd_shard_destroy(rows);
 	embd_shard_destroy(s);
 	embd_ref_table_destroy(ref);
+}
+
+/*
+ * The apply's prefetch distance (embd_backward_prefetch_rows), for either vendor: rows within
+ * the rule's bounds, fewer (or as many) as rows grow, and as many lines in flight as the rule
+ * wants wherever a bound does not hold it back; this CPU's distance is one of the two. Which
+ * distance runs changes no result: the reference comparisons above run with this CPU's.
+ */
+Test(kernels_backward, prefetch_distance_rule)
+{
+	/* sgd D 32 (fp16 D 64) to adam D 256, and rows past the bounds */
+	const uint64_t bytes[] = { 64, 128, 256, 512, 516, 1024, 1536, 3072, 65536 };
+
+	for (int intel = 0; intel <= 1; intel++) {
+		const uint64_t lo = intel ? 16 : 2, hi = intel ? 64 : 12, want = intel ? 768 : 96;
+		uint32_t last = UINT32_MAX;
+
+		for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++) {
+			const uint64_t lines = (bytes[i] + 63) / 64;
+			const uint32_t rows = embd_backward_prefetch_rows(bytes[i], intel);
+
+			cr_expect(rows >= lo && rows <= hi, "intel %d, %lu bytes: %u rows", intel,
+				  (unsigned long)bytes[i], rows);
+			cr_expect(rows <= last, "intel %d: more rows for longer rows", intel);
+			if (rows > lo && rows < hi)
+				cr_expect(rows * lines <= want && (rows + 1) * lines > want,
+					  "intel %d, %lu bytes: %u rows of %lu lines", intel,
+					  (unsigned long)bytes[i], rows, (unsigned long)lines);
+			last = rows;
+		}
+		/* the bounds themselves: short rows at the longest distance, huge ones the shortest */
+		cr_expect_eq(embd_backward_prefetch_rows(256, intel), hi);
+		cr_expect_eq(embd_backward_prefetch_rows(65536, intel), lo);
+	}
+	cr_expect_eq(embd_backward_prefetch_rows(1536, true), 32, "adam D 128 on an Intel CPU");
+	cr_expect_eq(embd_backward_prefetch_rows(1536, false), 4, "adam D 128 elsewhere");
+	for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++) {
+		const uint32_t here = embd_backward_prefetch_distance(bytes[i]);
+		cr_expect(here == embd_backward_prefetch_rows(bytes[i], true) ||
+			  here == embd_backward_prefetch_rows(bytes[i], false));
+	}
 }
