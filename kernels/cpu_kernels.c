@@ -56,7 +56,7 @@ struct bag_ctx {
 	const int64_t *ids;
 	const float *weights;
 	uint64_t prefetch_end;          /* no row at or after this id is prefetched (<= num_ids) */
-	uint32_t prefetch_ids;          /* embd_prefetch_rows(row_bytes) */
+	uint32_t prefetch_ids;          /* embd_forward_prefetch_distance() */
 	uint64_t prefetch_bytes;        /* embd_prefetch_row_bytes(row_bytes) */
 	uint64_t prefetch_last;         /* prefetch_end - 1: the last id whose row is prefetched */
 	bool lean;                      /* one pass covers the row, prefetched whole, in lines:
@@ -66,7 +66,8 @@ struct bag_ctx {
 };
 
 _Static_assert(EMBD_PREFETCH_IDS <= EMBD_LEAN_WINDOW_PAD &&
-		       EMBD_PREFETCH_IDS_LINE <= EMBD_LEAN_WINDOW_PAD,
+		       EMBD_PREFETCH_IDS_LINE <= EMBD_LEAN_WINDOW_PAD &&
+		       EMBD_PREFETCH_IDS_FAR <= EMBD_LEAN_WINDOW_PAD,
 	       "the window's padding holds every prefetch distance");
 
 /* Whether a bag's offsets [s, e), as read, lie inside the batch's ids (the checked and the
@@ -506,7 +507,9 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 		.row_offset = (uint64_t)d->row_offset,
 		.rows = (uint64_t)d->rows,
 		.cols = d->cols,
-		.prefetch_ids = embd_prefetch_rows((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
+		.prefetch_ids = embd_forward_prefetch_distance((uint64_t)d->cols *
+								       embd_dtype_bytes(d->dtype),
+							       embd_dtype_bytes(d->dtype)),
 		.prefetch_bytes = embd_prefetch_row_bytes((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
 		.ids = bt->ids,
 		.weights = bt->weights,

@@ -15,28 +15,37 @@
 #include "kernels/optim_row.h"
 
 /* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth);
- * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE (embd_prefetch_rows). */
+ * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE, and on Intel CPUs fp16 rows and
+ * rows of up to two lines, EMBD_PREFETCH_IDS_FAR (embd_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
 #define EMBD_PREFETCH_IDS_LINE 20
+#define EMBD_PREFETCH_IDS_FAR 48
 /* The lean loop's window (cpu_kernels.c): ids copied as rows and checked at a time, and the
- * rows past them that it prefetches (at most the longest prefetch distance). 8.3 KiB of
+ * rows past them that it prefetches (at most the longest prefetch distance). 8.6 KiB of
  * stack. The benchmark's gather limit reads ids through a window of the same size. */
 #define EMBD_LEAN_WINDOW_IDS 1024
-#define EMBD_LEAN_WINDOW_PAD EMBD_PREFETCH_IDS_LINE /* >= every prefetch distance (asserted in
-							 * cpu_kernels.c) */
+#define EMBD_LEAN_WINDOW_PAD EMBD_PREFETCH_IDS_FAR /* >= every prefetch distance (asserted in
+						    * cpu_kernels.c) */
 /* Lines of a row that are prefetched; longer rows stream on their own after the first. */
 #define EMBD_PREFETCH_MAX_LINES 16
 #define EMBD_CACHE_LINE_BYTES 64
 
 /*
- * How many rows ahead the forward prefetches rows of row_bytes. A row of one line is one miss
- * an id, so more of them can be in flight for the same fill buffers: 20 ids ahead pooled fp16
- * D 32 batches 4-7% faster than 12 at P 20 and 100 and up to 14% at P 1 on a Zen 4 (AVX-512;
- * AVX2 the same within the noise), while for 128-byte rows 20 was no better than 12
- * (docs/benchmarks.md, 2026-12-05). The benchmark's gather limit uses the same distance.
+ * How many rows ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
+ * an Intel CPU (intel) or another. A row of one line is one miss an id, so more of them can be
+ * in flight for the same fill buffers: 20 ids ahead pooled fp16 D 32 batches 4-7% faster than
+ * 12 at P 20 and 100 and up to 14% at P 1 on a Zen 4 (AVX-512; AVX2 the same within the
+ * noise), while for 128-byte rows 20 was no better than 12 (docs/benchmarks.md, 2026-12-05).
+ * On an Intel Xeon (2026-12-06) 48 ids ahead took fp16 rows of every width 8-31% less time a
+ * batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128 bytes 17%, while fp32 rows of
+ * 256 bytes and more took 3-14% more at 32-64 (a guess at why: their loop issues fewer
+ * instructions a line, so the core's own loads run further ahead of it). The benchmark's
+ * gather limit uses the same distance, and the other vendor's where that is faster.
  */
-static inline uint32_t embd_prefetch_rows(uint64_t row_bytes)
+static inline uint32_t embd_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes, bool intel)
 {
+	if (intel && (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES))
+		return EMBD_PREFETCH_IDS_FAR;
 	return row_bytes <= EMBD_CACHE_LINE_BYTES ? EMBD_PREFETCH_IDS_LINE : EMBD_PREFETCH_IDS;
 }
 

@@ -88,6 +88,10 @@ enum embd_row_prefetch {
 bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
 			      uint32_t elem_bytes, uint64_t num_ids, uint64_t bags);
 
+/* How many ids ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
+ * this CPU (embd_prefetch_rows in cpu_kernels.h). */
+uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes);
+
 /* How many rows ahead the backward's apply prefetches rows that bring row_bytes of weights and
  * optimizer state each, on this CPU (embd_backward_prefetch_rows in cpu_kernels.h). */
 uint32_t embd_backward_prefetch_distance(uint64_t row_bytes);

@@ -107,6 +107,11 @@ bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, ui
 					 want == EMBD_ROW_PREFETCH_AUTO && cpu_is_intel());
 }
 
+uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes)
+{
+	return embd_prefetch_rows(row_bytes, elem_bytes, cpu_is_intel());
+}
+
 uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)
 {
 	return embd_backward_prefetch_rows(row_bytes, cpu_is_intel());

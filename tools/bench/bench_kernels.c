@@ -35,7 +35,9 @@
 #include "kernels/workers.h"
 
 #define MAX_RUNS 64
-#define MAX_REFS BENCH_RMW_ORDERS       /* ways a reference may take (paired_once) */
+#define GATHER_REFS 4                   /* ways to read the ids x prefetch distances */
+/* ways a reference may take (paired_once) */
+#define MAX_REFS (BENCH_RMW_ORDERS > GATHER_REFS ? BENCH_RMW_ORDERS : GATHER_REFS)
 #define MAX_REPEATS 100
 #define POOL_IDS_MIN (4u << 20)        /* ids per table: their rows far exceed any cache */
 #define BACKWARD_DIM 128                /* the incoming gradient's width: the widest backward */
@@ -649,6 +651,15 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 	struct theirs th[FWD_CONFIGS];
 	int idx[FWD_CONFIGS], ways[FWD_CONFIGS], n = 0;
 	char name[64], what[64] = "";
+	/* the limit's distances: the kernel's, and the other vendor's rule's where it differs */
+	const uint32_t elem = t->fp16 ? 2 : 4;
+	const uint32_t kernel_dist = embd_forward_prefetch_distance(t->row_bytes, elem);
+	const uint32_t dists[2] = {
+		kernel_dist, embd_prefetch_rows(t->row_bytes, elem, true) == kernel_dist
+				     ? embd_prefetch_rows(t->row_bytes, elem, false)
+				     : embd_prefetch_rows(t->row_bytes, elem, true),
+	};
+	const int ndist = dists[1] != dists[0] ? 2 : 1;
 
 	for (int c = 0; c < FWD_CONFIGS; c++) {
 		uint32_t P = pfs[c % 3];
@@ -666,13 +677,20 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P,
 					  .prefetch_l1 = row_prefetch_l1(b, t, P) } };
-		/* the limit's other way (bench_gather.windowed), where the kernel has a window */
-		struct gather_arg gw = g;
-		gw.g.windowed = 1;
+		/* the limit's ways (bench_gather.windowed, where the kernel has a window) at each
+		 * distance: refs[d * ways + w] */
+		struct gather_arg gr[GATHER_REFS];
+		void *refs[GATHER_REFS];
 		ways[n] = bench_gather_ways(&g.g);
+		for (int d = 0; d < ndist; d++)
+			for (int w = 0; w < ways[n]; w++) {
+				gr[d * ways[n] + w] = g;
+				gr[d * ways[n] + w].g.windowed = w;
+				gr[d * ways[n] + w].g.prefetch_ids = dists[d];
+				refs[d * ways[n] + w] = &gr[d * ways[n] + w];
+			}
 		set_offsets(offsets, b->o.batch, P);
-		res[n] = paired_step_ns(b, forward_step, &a, gather_step, (void *[]){ &g, &gw },
-					ways[n]);
+		res[n] = paired_step_ns(b, forward_step, &a, gather_step, refs, ndist * ways[n]);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
 			return 1;
@@ -703,13 +721,24 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
 		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t, P) ? "l1" : "l2");
+		/* the winning ref's way and distance; with --repeat, the measurements each won */
+		int won_way[2] = { 0 }, won_dist[2] = { 0 }, best = 0;
+		for (int j = 0; j < ndist * ways[i]; j++) {
+			won_way[j % ways[i]] += res[i].ref_won[j];
+			won_dist[j / ways[i]] += res[i].ref_won[j];
+			best = res[i].ref_won[j] > res[i].ref_won[best] ? j : best;
+		}
 		if (ways[i] > 1)
-			printf(",\"limit_ids\":\"%s\"",
-			       gather_way_names[res[i].ref_won[1] > res[i].ref_won[0]]);
+			printf(",\"limit_ids\":\"%s\"", gather_way_names[best % ways[i]]);
+		printf(",\"prefetch_ids\":%u,\"limit_prefetch_ids\":%u", dists[0],
+		       dists[best / ways[i]]);
 		print_repeats(b, &res[i]);
 		if (ways[i] > 1 && b->o.repeats > 1)
 			printf(",\"limit_ids_won\":{\"%s\":%d,\"%s\":%d}", gather_way_names[0],
-			       res[i].ref_won[0], gather_way_names[1], res[i].ref_won[1]);
+			       won_way[0], gather_way_names[1], won_way[1]);
+		if (ndist > 1 && b->o.repeats > 1)
+			printf(",\"limit_prefetch_ids_won\":{\"%u\":%d,\"%u\":%d}", dists[0],
+			       won_dist[0], dists[1], won_dist[1]);
 		print_theirs(b, forward_step, &a, res[i].ns, &th[i]);
 		printf("}\n");
 		fflush(stdout);

@@ -14,7 +14,11 @@
  *   28.6-29.3 GB/s), in the kernel's passes over
  *   each bag (embd_forward_pass_cols: as many columns as its accumulators in registers hold),
  *   fully unrolled per pass width, the head of each pass's columns of the row
- *   embd_prefetch_rows() ids ahead prefetched as the kernel does (embd_prefetch_row_bytes: for
+ *   embd_forward_prefetch_distance() ids ahead prefetched as the kernel does (and where the
+ *   other vendor's rule, embd_prefetch_rows, has another distance, that one too, the faster
+ *   taken: the kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids
+ *   ahead took fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to
+ *   17.8, docs/benchmarks.md; embd_prefetch_row_bytes: for
  *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
  *   lean loop takes, one line at a time after the load that starts the same line (into L1
  *   where the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1), with the
@@ -276,7 +280,11 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 {
 	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
 	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb, last = rb % pass;
-	uint32_t dist = embd_prefetch_rows(rb);
+	uint32_t dist = g->prefetch_ids ? g->prefetch_ids
+				       : embd_forward_prefetch_distance(rb, g->out_row_bytes == 2 * rb ? 2 : 4);
+
+	if (dist > EMBD_LEAN_WINDOW_PAD) /* what the window holds past its ids */
+		dist = EMBD_LEAN_WINDOW_PAD;
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
 	if (lean && g->prefetch_l1)

@@ -176,6 +176,31 @@ Test(kernels_forward, row_prefetch_choice)
 	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 1024, 4, 20, 1));
 }
 
+/*
+ * The forward's prefetch distance (embd_prefetch_rows) for either vendor: elsewhere 20 ids for
+ * rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows and rows of up to two
+ * lines, fp32 rows of more the same 12; every distance within what the lean loop's window
+ * holds past its ids. This CPU's is one of the two.
+ */
+Test(kernels_forward, prefetch_distance_rule)
+{
+	const uint64_t bytes[] = { 32, 64, 128, 192, 256, 512, 1024 };
+
+	for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++)
+		for (uint32_t elem = 2; elem <= 4; elem += 2) {
+			const uint32_t other = embd_prefetch_rows(bytes[i], elem, false);
+			const uint32_t intel = embd_prefetch_rows(bytes[i], elem, true);
+			const uint32_t here = embd_forward_prefetch_distance(bytes[i], elem);
+
+			cr_expect_eq(other, bytes[i] <= 64 ? 20u : 12u, "%lu bytes of %u",
+				     (unsigned long)bytes[i], elem);
+			cr_expect_eq(intel, elem == 2 || bytes[i] <= 128 ? 48u : 12u, "%lu bytes of %u",
+				     (unsigned long)bytes[i], elem);
+			cr_expect(other <= EMBD_LEAN_WINDOW_PAD && intel <= EMBD_LEAN_WINDOW_PAD);
+			cr_expect(here == other || here == intel);
+		}
+}
+
 Test(kernels_forward, batch_of_one)
 {
 	struct trng r = { 2 };
