@@ -8,8 +8,8 @@
  * groups, with the same arithmetic written in vectors of the variant's width.
  *
  * Every id is read once, checked against the shard's rows and only then used. Rows are
- * prefetched embd_prefetch_rows() ids ahead across bag boundaries, which is what makes P = 1 fast,
- * from the head of a chunk of bags (forward.c) to its end and no further, and only the head of
+ * prefetched embd_forward_prefetch_distance() ids ahead across bag boundaries, which is what
+ * makes P = 1 fast, from the head of a chunk of bags (forward.c) to its end and no further, and only the head of
  * each row (embd_prefetch_row_bytes): the L2 streamer brings the rest without tying up a line
  * fill buffer per line. A row wider than one pass of accumulators (AVX2 past 64 fp32 or 96 fp16 columns)
  * is pooled in several passes over the bag; each pass prefetches the head of its own columns

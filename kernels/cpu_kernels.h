@@ -16,12 +16,12 @@
 
 /* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth);
  * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE, and on Intel CPUs fp16 rows and
- * rows of up to two lines, EMBD_PREFETCH_IDS_FAR (embd_prefetch_rows). */
+ * rows of up to two lines, EMBD_PREFETCH_IDS_FAR (embd_forward_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
 #define EMBD_PREFETCH_IDS_LINE 20
 #define EMBD_PREFETCH_IDS_FAR 48
 /* The lean loop's window (cpu_kernels.c): ids copied as rows and checked at a time, and the
- * rows past them that it prefetches (at most the longest prefetch distance). 8.6 KiB of
+ * rows past them that it prefetches (at most the longest prefetch distance). 8.4 KiB of
  * stack. The benchmark's gather limit reads ids through a window of the same size. */
 #define EMBD_LEAN_WINDOW_IDS 1024
 #define EMBD_LEAN_WINDOW_PAD EMBD_PREFETCH_IDS_FAR /* >= every prefetch distance (asserted in
@@ -40,9 +40,11 @@
  * batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128 bytes 17%, while fp32 rows of
  * 256 bytes and more took 3-14% more at 32-64 (a guess at why: their loop issues fewer
  * instructions a line, so the core's own loads run further ahead of it). The benchmark's
- * gather limit uses the same distance, and the other vendor's where that is faster.
+ * gather limit uses the same distance (and in `embd-bench kernels` the other vendor's where
+ * that is faster).
  */
-static inline uint32_t embd_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes, bool intel)
+static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
+						  bool intel)
 {
 	if (intel && (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES))
 		return EMBD_PREFETCH_IDS_FAR;
@@ -56,9 +58,10 @@ static inline uint32_t embd_prefetch_rows(uint64_t row_bytes, uint32_t elem_byte
  * adagrad and 4 for adam, at least 2 (on a Zen 4, with prefetches into L1, adam's rows 12
  * ahead applied ~8% slower and adagrad's ~6%, 2026-12-03; into L2, twice the distance was
  * within +-3%, 2026-12-05). On an Intel Xeon (2026-12-06, docs/benchmarks.md) the apply of
- * every optimizer at D 64 and 128 took 13-30% less time 32 to 96 rows ahead than at those
- * distances, and about as little anywhere in that range: 768 lines' worth, 16 to 64 rows,
- * lies inside it for each. The benchmark's limit uses the same distance.
+ * sgd, adagrad and adam at D 64 and 128 and of rowwise_adagrad at D 128 took 8-34% less time
+ * 32 to 96 rows ahead than at those distances, and about as little anywhere in that range:
+ * 768 lines' worth, 16 to 64 rows, lies inside it for each. The benchmark's limit uses the
+ * same distance.
  */
 static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool intel)
 {
@@ -121,7 +124,7 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
  * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of
  * the benchmark's limits, goes through here, so that they issue the same one (but the rows
  * embd_forward_prefetch_l1 sends to L1, through embd_prefetch_line_l1). The
- * kernels keep many rows' lines in flight (embd_prefetch_rows, embd_backward_prefetch_rows),
+ * kernels keep many rows' lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows),
  * more than the L1's miss buffers hold, and prefetches into L1 waited for them: perf put 13%
  * of adam D 128's apply samples right after a row's first prefetcht0. Into L2, on the Zen 4
  * (2026-12-05, docs/benchmarks.md): the backward took 15-28% less time a batch (sgd D 64 to

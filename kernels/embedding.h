@@ -89,7 +89,8 @@ bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, ui
 			      uint32_t elem_bytes, uint64_t num_ids, uint64_t bags);
 
 /* How many ids ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
- * this CPU (embd_prefetch_rows in cpu_kernels.h). */
+ * this CPU (embd_forward_prefetch_rows in cpu_kernels.h). This and embd_forward_prefetch_l1
+ * follow the CPU's vendor, or $EMBD_CPU_VENDOR (intel or other) where set when first asked. */
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes);
 
 /* How many rows ahead the backward's apply prefetches rows that bring row_bytes of weights and

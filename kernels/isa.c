@@ -80,7 +80,8 @@ enum embd_isa embd_kernels_isa_best(void)
 	return (enum embd_isa)isa;
 }
 
-/* Cached as best_isa is: 1 Intel, 2 any other vendor, 0 not asked yet. */
+/* Cached as best_isa is: 1 Intel, 2 any other vendor, 0 not asked yet; $EMBD_CPU_VENDOR
+ * (intel or other) takes that vendor's rules instead of the CPU's. */
 static _Atomic int cpu_vendor;
 
 static bool cpu_is_intel(void)
@@ -88,12 +89,21 @@ static bool cpu_is_intel(void)
 	int v = atomic_load_explicit(&cpu_vendor, memory_order_relaxed);
 
 	if (!v) {
+		/* tests and benchmarks take either vendor's rules on any CPU */
+		const char *force = getenv("EMBD_CPU_VENDOR");
+
+		if (force && !strcmp(force, "intel"))
+			v = 1;
+		else if (force && !strcmp(force, "other"))
+			v = 2;
+		else {
 #ifdef EMBD_KERNELS_X86
-		__builtin_cpu_init();
-		v = __builtin_cpu_is("intel") ? 1 : 2;
+			__builtin_cpu_init();
+			v = __builtin_cpu_is("intel") ? 1 : 2;
 #else
-		v = 2;
+			v = 2;
 #endif
+		}
 		atomic_store_explicit(&cpu_vendor, v, memory_order_relaxed);
 	}
 	return v == 1;
@@ -109,7 +119,7 @@ bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, ui
 
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes)
 {
-	return embd_prefetch_rows(row_bytes, elem_bytes, cpu_is_intel());
+	return embd_forward_prefetch_rows(row_bytes, elem_bytes, cpu_is_intel());
 }
 
 uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)

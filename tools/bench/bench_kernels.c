@@ -35,7 +35,7 @@
 #include "kernels/workers.h"
 
 #define MAX_RUNS 64
-#define GATHER_REFS 4                   /* ways to read the ids x prefetch distances */
+#define GATHER_REFS (2 * 2)             /* ways to read the ids x prefetch distances */
 /* ways a reference may take (paired_once) */
 #define MAX_REFS (BENCH_RMW_ORDERS > GATHER_REFS ? BENCH_RMW_ORDERS : GATHER_REFS)
 #define MAX_REPEATS 100
@@ -620,6 +620,8 @@ static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ou
 
 /* How the gather limit read the ids, by bench_gather.windowed: the line's limit_ids */
 static const char *const gather_way_names[2] = { "batch", "window" };
+_Static_assert(sizeof(gather_way_names) / sizeof(gather_way_names[0]) * 2 == GATHER_REFS,
+	       "each way at the kernel's distance and the other rule's");
 
 #define FWD_CONFIGS 6                   /* pfs x {unweighted, weighted} */
 
@@ -654,11 +656,10 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 	/* the limit's distances: the kernel's, and the other vendor's rule's where it differs */
 	const uint32_t elem = t->fp16 ? 2 : 4;
 	const uint32_t kernel_dist = embd_forward_prefetch_distance(t->row_bytes, elem);
-	const uint32_t dists[2] = {
-		kernel_dist, embd_prefetch_rows(t->row_bytes, elem, true) == kernel_dist
-				     ? embd_prefetch_rows(t->row_bytes, elem, false)
-				     : embd_prefetch_rows(t->row_bytes, elem, true),
-	};
+	const uint32_t intel_dist = embd_forward_prefetch_rows(t->row_bytes, elem, true);
+	const uint32_t other_dist = embd_forward_prefetch_rows(t->row_bytes, elem, false);
+	const uint32_t dists[2] = { kernel_dist,
+				    intel_dist == kernel_dist ? other_dist : intel_dist };
 	const int ndist = dists[1] != dists[0] ? 2 : 1;
 
 	for (int c = 0; c < FWD_CONFIGS; c++) {
@@ -721,17 +722,17 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
 		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t, P) ? "l1" : "l2");
-		/* the winning ref's way and distance; with --repeat, the measurements each won */
-		int won_way[2] = { 0 }, won_dist[2] = { 0 }, best = 0;
+		/* the way and the distance that were the fastest in the most measurements */
+		int won_way[2] = { 0 }, won_dist[2] = { 0 };
 		for (int j = 0; j < ndist * ways[i]; j++) {
 			won_way[j % ways[i]] += res[i].ref_won[j];
 			won_dist[j / ways[i]] += res[i].ref_won[j];
-			best = res[i].ref_won[j] > res[i].ref_won[best] ? j : best;
 		}
 		if (ways[i] > 1)
-			printf(",\"limit_ids\":\"%s\"", gather_way_names[best % ways[i]]);
+			printf(",\"limit_ids\":\"%s\"",
+			       gather_way_names[won_way[1] > won_way[0]]);
 		printf(",\"prefetch_ids\":%u,\"limit_prefetch_ids\":%u", dists[0],
-		       dists[best / ways[i]]);
+		       dists[won_dist[1] > won_dist[0]]);
 		print_repeats(b, &res[i]);
 		if (ways[i] > 1 && b->o.repeats > 1)
 			printf(",\"limit_ids_won\":{\"%s\":%d,\"%s\":%d}", gather_way_names[0],

@@ -1238,14 +1238,43 @@ Test(kernels_backward, apply_refuses_other_rows_and_bags)
 }
 
 /*
+ * Either vendor's distances ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in
+ * its own), so that both rules' apply loops, their prefetches running on into the next chunk
+ * included, are checked on any CPU: every optimizer and both key kinds against the reference,
+ * with 1 and 3 workers, over batches of 500-3000 occurrences (chunks of 512).
+ */
+static void check_with_vendor(const char *vendor)
+{
+	const bool intel = !strcmp(vendor, "intel");
+	struct trng r = { 41 };
+
+	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
+	cr_assert_eq(embd_backward_prefetch_distance(256), embd_backward_prefetch_rows(256, intel),
+		     "the vendor was read before the test set it");
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++) {
+		check_unsharded(&r, type, EMBD_DTYPE_FP32, 5000, 64, 100, 60, 10, 2);
+		check_unsharded(&r, type, EMBD_DTYPE_FP16, 300, 128, 50, 20, 30, 2);
+	}
+}
+
+Test(kernels_backward, intel_prefetch_distances_equal_reference, .timeout = 120)
+{
+	check_with_vendor("intel");
+}
+
+Test(kernels_backward, other_prefetch_distances_equal_reference, .timeout = 120)
+{
+	check_with_vendor("other");
+}
+
+/*
  * The apply's prefetch distance (embd_backward_prefetch_rows), for either vendor: rows within
  * the rule's bounds, fewer (or as many) as rows grow, and as many lines in flight as the rule
- * wants wherever a bound does not hold it back; this CPU's distance is one of the two. Which
- * distance runs changes no result: the reference comparisons above run with this CPU's.
+ * wants wherever a bound does not hold it back; this CPU's distance is one of the two.
  */
 Test(kernels_backward, prefetch_distance_rule)
 {
-	/* sgd D 32 (fp16 D 64) to adam D 256, and rows past the bounds */
+	/* sgd D 16 (fp16 D 32) to adam D 256, and rows past the bounds */
 	const uint64_t bytes[] = { 64, 128, 256, 512, 516, 1024, 1536, 3072, 65536 };
 
 	for (int intel = 0; intel <= 1; intel++) {

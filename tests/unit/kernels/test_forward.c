@@ -177,7 +177,7 @@ Test(kernels_forward, row_prefetch_choice)
 }
 
 /*
- * The forward's prefetch distance (embd_prefetch_rows) for either vendor: elsewhere 20 ids for
+ * The forward's prefetch distance (embd_forward_prefetch_rows) for either vendor: elsewhere 20 ids for
  * rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows and rows of up to two
  * lines, fp32 rows of more the same 12; every distance within what the lean loop's window
  * holds past its ids. This CPU's is one of the two.
@@ -188,8 +188,8 @@ Test(kernels_forward, prefetch_distance_rule)
 
 	for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++)
 		for (uint32_t elem = 2; elem <= 4; elem += 2) {
-			const uint32_t other = embd_prefetch_rows(bytes[i], elem, false);
-			const uint32_t intel = embd_prefetch_rows(bytes[i], elem, true);
+			const uint32_t other = embd_forward_prefetch_rows(bytes[i], elem, false);
+			const uint32_t intel = embd_forward_prefetch_rows(bytes[i], elem, true);
 			const uint32_t here = embd_forward_prefetch_distance(bytes[i], elem);
 
 			cr_expect_eq(other, bytes[i] <= 64 ? 20u : 12u, "%lu bytes of %u",
@@ -199,6 +199,36 @@ Test(kernels_forward, prefetch_distance_rule)
 			cr_expect(other <= EMBD_LEAN_WINDOW_PAD && intel <= EMBD_LEAN_WINDOW_PAD);
 			cr_expect(here == other || here == intel);
 		}
+}
+
+/*
+ * Either vendor's distances ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in
+ * its own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on
+ * any CPU: fp16 and 128-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere), many short
+ * chunks, and bags longer than a window.
+ */
+static void check_with_vendor(const char *vendor)
+{
+	struct trng r = { 12 };
+
+	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
+	cr_assert_eq(embd_forward_prefetch_distance(256, 2),
+		     embd_forward_prefetch_rows(256, 2, !strcmp(vendor, "intel")),
+		     "the vendor was read before the test set it");
+	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP16, 80, 40, true, EMBD_POOLING_SUM);
+	check_unsharded(&r, 3000, 32, EMBD_DTYPE_FP32, 80, 40, false, EMBD_POOLING_MEAN);
+	check_unsharded(&r, 50000, 16, EMBD_DTYPE_FP16, 4099, 2, false, EMBD_POOLING_SUM);
+	check_unsharded(&r, 5000, 64, EMBD_DTYPE_FP16, 3, 3000, true, EMBD_POOLING_MEAN);
+}
+
+Test(kernels_forward, intel_prefetch_distances_equal_reference, .timeout = 60)
+{
+	check_with_vendor("intel");
+}
+
+Test(kernels_forward, other_prefetch_distances_equal_reference, .timeout = 60)
+{
+	check_with_vendor("other");
 }
 
 Test(kernels_forward, batch_of_one)
