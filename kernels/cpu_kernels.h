@@ -40,8 +40,7 @@
  * batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128 bytes 17%, while fp32 rows of
  * 256 bytes and more took 3-14% more at 32-64 (a guess at why: their loop issues fewer
  * instructions a line, so the core's own loads run further ahead of it). The benchmark's
- * gather limit uses the same distance (and in `embd-bench kernels` the other vendor's where
- * that is faster).
+ * gather limit uses the same distance (and the other vendor's where that is faster).
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)

@@ -14,9 +14,8 @@
  *   28.6-29.3 GB/s), in the kernel's passes over
  *   each bag (embd_forward_pass_cols: as many columns as its accumulators in registers hold),
  *   fully unrolled per pass width, the head of each pass's columns of the row
- *   embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; `embd-bench
- *   kernels` also runs the other vendor's rule's distance where it differs and takes the
- *   faster: the kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids
+ *   embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
+ *   also run the other vendor's rule's distance where it differs and take the faster: the kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids
  *   ahead took fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to
  *   17.8, docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for
  *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'

@@ -41,9 +41,8 @@ struct bench_gather {
 	bool prefetch_l1;
 	/* ids ahead whose rows it prefetches, at most EMBD_LEAN_WINDOW_PAD; 0: the kernel's
 	 * (embd_forward_prefetch_distance). The distance the kernel needs is not always the one
-	 * the limit's lighter loop does best with (bench_limits.c), so `embd-bench kernels` also
-	 * runs the distance of the other vendor's rule and takes the faster (`embd-bench train`
-	 * runs the kernel's only) */
+	 * the limit's lighter loop does best with (bench_limits.c), so the benchmarks also run
+	 * the distance of the other vendor's rule and take the faster */
 	uint32_t prefetch_ids;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */

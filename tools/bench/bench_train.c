@@ -11,7 +11,8 @@
  * step: on the sharding type's plan (each rank's pinned threads on its own shards, all ranks at
  * once), every shard's gather of every id's row of the global batch (all trainers) with the
  * pooled rows stored (each way of reading the ids, bench_gather.windowed, where the two differ,
- * the one whose median is the shorter), then every shard's read-modify-write of its distinct
+ * at the kernel's prefetch distance and, where it differs, the other vendor's rule's,
+ * bench_gather.prefetch_ids: the one whose median is the shortest), then every shard's read-modify-write of its distinct
  * rows after each one's occurrences' gradient rows are read (in each of its orders, the one
  * whose median is the shortest, as `embd-bench kernels` takes it). table_wise and column_wise
  * are modelled; other types' lines carry no limit. The same threads also run the kernels
@@ -138,11 +139,13 @@ struct limit_run {
 	atomic_int failed;
 	atomic_int kernels_failed;              /* the limits stand, the kernels' figures do not */
 	atomic_int windowed_differs;            /* a shard's lookup reads ids through a window */
+	atomic_int distance_differs;            /* a shard's rows have two rules' distances */
 };
 
 enum limit_phase {
-	LIMIT_GATHER, LIMIT_GATHER_WINDOW,      /* the limits: the lookup each way of */
-						/* bench_gather.windowed, and */
+	/* the limits: the lookup each way of bench_gather.windowed at the kernel's distance,
+	 * then each at the other rule's (limit_rank_phase), and */
+	LIMIT_GATHER, LIMIT_GATHER_LAST = LIMIT_GATHER + 3,
 	LIMIT_RMW,                              /* the update in each order of */
 	LIMIT_RMW_LAST = LIMIT_RMW + BENCH_RMW_ORDERS - 1, /* enum bench_rmw_order, LIMIT_RMW + it */
 	KERNEL_FORWARD, KERNEL_PREPARE, KERNEL_BACKWARD, /* the kernels */
@@ -308,7 +311,12 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			continue;
 		const struct limit_batch *b = &run->batches[run->k * o->tables + p->table];
 		const uint64_t rb = (uint64_t)p->cols * 4;
-		if (run->phase <= LIMIT_GATHER_WINDOW) {
+		if (run->phase <= LIMIT_GATHER_LAST) {
+			const uint32_t kernel_dist = embd_forward_prefetch_distance(rb, 4);
+			const uint32_t intel_dist = embd_forward_prefetch_rows(rb, 4, true);
+			const uint32_t other_dist = intel_dist == kernel_dist
+							    ? embd_forward_prefetch_rows(rb, 4, false)
+							    : intel_dist;
 			ga->table = p->shard->weights;
 			ga->row_bytes = rb;
 			ga->pass_bytes = (uint64_t)embd_forward_pass_cols(run->isa, p->cols, 4) * 4;
@@ -318,7 +326,10 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			ga->isa = run->isa;
 			ga->ids = b->ids;
 			ga->n = (uint64_t)o->batch * o->trainers * o->ids_per_bag;
-			ga->windowed = run->phase == LIMIT_GATHER_WINDOW;
+			ga->windowed = (run->phase - LIMIT_GATHER) % 2;
+			ga->prefetch_ids = run->phase - LIMIT_GATHER >= 2 ? other_dist : kernel_dist;
+			if (other_dist != kernel_dist)
+				atomic_store(&run->distance_differs, 1);
 			/* the cache the kernels prefetch these rows into, as they decide it */
 			ga->prefetch_l1 = embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_AUTO, run->isa, rb, 4,
 								   ga->n, (uint64_t)o->batch * o->trainers);
@@ -546,7 +557,7 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 			 * first, so that none always finds another's rows in cache */
 			int phase = step >= LIMIT_RMW && step <= LIMIT_RMW_LAST
 					    ? LIMIT_RMW + (step - LIMIT_RMW + r) % BENCH_RMW_ORDERS
-				    : step <= LIMIT_GATHER_WINDOW ? LIMIT_GATHER + (step + r) % 2
+				    : step <= LIMIT_GATHER_LAST ? LIMIT_GATHER + (step + r) % 4
 								  : step;
 			if (phase == KERNEL_PREPARE && !run.shared_prep)
 				continue;
@@ -581,9 +592,13 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	/* the way and the order whose medians are the shortest (as embd-bench kernels takes
 	 * them) */
 	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
-	const double window_ms = bench_median(ms[LIMIT_GATHER_WINDOW], REPS);
-	if (atomic_load(&run.windowed_differs) && window_ms < out->gather_ms)
-		out->gather_ms = window_ms;
+	for (int phase = LIMIT_GATHER + 1; phase <= LIMIT_GATHER_LAST; phase++) {
+		const bool windowed = (phase - LIMIT_GATHER) % 2, far = phase - LIMIT_GATHER >= 2;
+		const double median_ms = bench_median(ms[phase], REPS);
+		if ((!windowed || atomic_load(&run.windowed_differs)) &&
+		    (!far || atomic_load(&run.distance_differs)) && median_ms < out->gather_ms)
+			out->gather_ms = median_ms;
+	}
 	for (int phase = LIMIT_RMW; phase <= LIMIT_RMW_LAST; phase++) {
 		const double median_ms = bench_median(ms[phase], REPS);
 		out->rmw_ms = phase == LIMIT_RMW || median_ms < out->rmw_ms ? median_ms : out->rmw_ms;
