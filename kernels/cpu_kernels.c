@@ -7,15 +7,15 @@
  * functions, which the compiler vectorizes at each width, or, for fp32 rows of whole 16-float
  * groups, with the same arithmetic written in vectors of the variant's width.
  *
- * Every id is read once, checked against the shard's rows and only then used. Rows are
- * prefetched embd_forward_prefetch_distance() ids ahead across bag boundaries, which is what
- * makes P = 1 fast, from the head of a chunk of bags (forward.c) to its end and no further, and only the head of
- * each row (embd_prefetch_row_bytes): the L2 streamer brings the rest without tying up a line
- * fill buffer per line. A row wider than one pass of accumulators (AVX2 past 64 fp32 or 96 fp16 columns)
- * is pooled in several passes over the bag; each pass prefetches the head of its own columns
- * of the row ahead, as the columns a later pass reads are no longer right behind the head
- * (prefetching whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran
- * 1.35x faster on AVX2 with the prefetches spread, fp16 D 128 P 20 1.5x).
+ * Every id is read once, checked against the shard's rows and only then used. Rows are prefetched
+ * embd_forward_prefetch_distance() ids ahead across bag boundaries, which is what makes P = 1 fast,
+ * from the head of a chunk of bags (forward.c) to its end and no further, and only the head of each
+ * row (embd_prefetch_row_bytes): the L2 streamer brings the rest without tying up a line fill
+ * buffer per line. A row wider than one pass of accumulators (AVX2 past 64 fp32 or 96 fp16 columns)
+ * is pooled in several passes over the bag; each pass prefetches the head of its own columns of the
+ * row ahead, as the columns a later pass reads are no longer right behind the head (prefetching
+ * whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran 1.35x faster on AVX2
+ * with the prefetches spread, fp16 D 128 P 20 1.5x).
  * Rows that one pass covers and that are prefetched whole (a multiple of 64 bytes, at most
  * 512) take a lean loop instead, each of the row ahead's lines prefetched right after the load
  * that starts the same line of this row, as FBGEMM's generated kernels do (on an AMD EPYC,

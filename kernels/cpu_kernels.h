@@ -120,17 +120,16 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 }
 
 /*
- * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of
- * the benchmark's limits, goes through here, so that they issue the same one (but the rows
- * embd_forward_prefetch_l1 sends to L1, through embd_prefetch_line_l1). The
- * kernels keep many rows' lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows),
- * more than the L1's miss buffers hold, and prefetches into L1 waited for them: perf put 13%
- * of adam D 128's apply samples right after a row's first prefetcht0. Into L2, on the Zen 4
- * (2026-12-05, docs/benchmarks.md): the backward took 15-28% less time a batch (sgd D 64 to
- * adam D 128, P 20, AVX-512) and 9-15% with AVX2; the forward 10-27% less at D 32-128
- * (AVX-512; D 256 the same) and 24-37% with AVX2. The limits, which prefetch the same way,
- * sped up as much or more. Without -mprfchw GCC emits prefetcht0 for a write hint, and
- * prefetchw measured no better.
+ * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of the
+ * benchmark's limits, goes through here, so that they issue the same one (but the rows
+ * embd_forward_prefetch_l1 sends to L1, through embd_prefetch_line_l1). The kernels keep many rows'
+ * lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows), more than the L1's
+ * miss buffers hold, and prefetches into L1 waited for them: perf put 13% of adam D 128's apply
+ * samples right after a row's first prefetcht0. Into L2, on the Zen 4 (2026-12-05,
+ * docs/benchmarks.md): the backward took 15-28% less time a batch (sgd D 64 to adam D 128, P 20,
+ * AVX-512) and 9-15% with AVX2; the forward 10-27% less at D 32-128 (AVX-512; D 256 the same) and
+ * 24-37% with AVX2. The limits, which prefetch the same way, sped up as much or more. Without
+ * -mprfchw GCC emits prefetcht0 for a write hint, and prefetchw measured no better.
  */
 static inline __attribute__((always_inline)) void embd_prefetch_line(const void *p)
 {

@@ -655,11 +655,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 	char name[64], what[64] = "";
 	/* the limit's distances: the kernel's, and the other vendor's rule's where it differs */
 	const uint32_t elem = t->fp16 ? 2 : 4;
-	const uint32_t kernel_dist = embd_forward_prefetch_distance(t->row_bytes, elem);
-	const uint32_t intel_dist = embd_forward_prefetch_rows(t->row_bytes, elem, true);
-	const uint32_t other_dist = embd_forward_prefetch_rows(t->row_bytes, elem, false);
-	const uint32_t dists[2] = { kernel_dist,
-				    intel_dist == kernel_dist ? other_dist : intel_dist };
+	const uint32_t dists[2] = { embd_forward_prefetch_distance(t->row_bytes, elem),
+				    bench_gather_other_prefetch_ids(t->row_bytes, elem) };
 	const int ndist = dists[1] != dists[0] ? 2 : 1;
 
 	for (int c = 0; c < FWD_CONFIGS; c++) {

@@ -331,6 +331,14 @@ static void gather_worker(void *arg, uint32_t w, uint32_t nw)
 }
 
 /* GATHER_BAGS' condition for its window, where the kernel's lean loop has one */
+uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes)
+{
+	const uint32_t kernel = embd_forward_prefetch_distance(row_bytes, elem_bytes);
+	const uint32_t intel = embd_forward_prefetch_rows(row_bytes, elem_bytes, true);
+
+	return intel == kernel ? embd_forward_prefetch_rows(row_bytes, elem_bytes, false) : intel;
+}
+
 int bench_gather_ways(const struct bench_gather *g)
 {
 	return embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) &&

@@ -51,6 +51,11 @@ struct bench_gather {
 /* One batch (g->ids, g->n) of the gather limit. */
 void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
 
+/* The prefetch distance the gather limit also runs for rows of row_bytes and elements of
+ * elem_bytes (bench_gather.prefetch_ids): the other vendor's rule's, which is the kernel's
+ * (embd_forward_prefetch_distance) where the two rules agree. */
+uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes);
+
 /* The ways g can read its ids: 2 where bench_gather.windowed changes what it does, else 1. */
 int bench_gather_ways(const struct bench_gather *g);
 

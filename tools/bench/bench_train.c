@@ -12,8 +12,8 @@
  * once), every shard's gather of every id's row of the global batch (all trainers) with the
  * pooled rows stored (each way of reading the ids, bench_gather.windowed, where the two differ,
  * at the kernel's prefetch distance and, where it differs, the other vendor's rule's,
- * bench_gather.prefetch_ids: the one whose median is the shortest), then every shard's read-modify-write of its distinct
- * rows after each one's occurrences' gradient rows are read (in each of its orders, the one
+ * bench_gather.prefetch_ids: the one whose median is the shortest), then every shard's
+ * read-modify-write of its distinct rows after each one's occurrences' gradient rows are read (in each of its orders, the one
  * whose median is the shortest, as `embd-bench kernels` takes it). table_wise and column_wise
  * are modelled; other types' lines carry no limit. The same threads also run the kernels
  * themselves on that plan, called as engine/step.c calls them (kernels_steps_per_s): the
@@ -313,10 +313,7 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 		const uint64_t rb = (uint64_t)p->cols * 4;
 		if (run->phase <= LIMIT_GATHER_LAST) {
 			const uint32_t kernel_dist = embd_forward_prefetch_distance(rb, 4);
-			const uint32_t intel_dist = embd_forward_prefetch_rows(rb, 4, true);
-			const uint32_t other_dist = intel_dist == kernel_dist
-							    ? embd_forward_prefetch_rows(rb, 4, false)
-							    : intel_dist;
+			const uint32_t other_dist = bench_gather_other_prefetch_ids(rb, 4);
 			ga->table = p->shard->weights;
 			ga->row_bytes = rb;
 			ga->pass_bytes = (uint64_t)embd_forward_pass_cols(run->isa, p->cols, 4) * 4;
