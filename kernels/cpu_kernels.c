@@ -501,16 +501,16 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 			bool prefetch_l1, struct embd_kernel_err *err)
 {
 	const struct embd_shard_desc *d = &bt->shard->desc;
+	const uint32_t elem_bytes = embd_dtype_bytes(d->dtype);
+	const uint64_t row_bytes = (uint64_t)d->cols * elem_bytes;
 	struct bag_ctx c = {
 		.base = bt->shard->weights,
-		.row_bytes = (uint64_t)d->cols * embd_dtype_bytes(d->dtype),
+		.row_bytes = row_bytes,
 		.row_offset = (uint64_t)d->row_offset,
 		.rows = (uint64_t)d->rows,
 		.cols = d->cols,
-		.prefetch_ids = embd_forward_prefetch_distance((uint64_t)d->cols *
-								       embd_dtype_bytes(d->dtype),
-							       embd_dtype_bytes(d->dtype)),
-		.prefetch_bytes = embd_prefetch_row_bytes((uint64_t)d->cols * embd_dtype_bytes(d->dtype)),
+		.prefetch_ids = embd_forward_prefetch_distance(row_bytes, elem_bytes),
+		.prefetch_bytes = embd_prefetch_row_bytes(row_bytes),
 		.ids = bt->ids,
 		.weights = bt->weights,
 	};
@@ -525,10 +525,9 @@ static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_
 	c.prefetch_end = end < bt->num_ids ? end : bt->num_ids;
 	c.prefetch_last = c.prefetch_end ? c.prefetch_end - 1 : 0;
 	c.lean = embd_forward_lean(EMBD_CPU_ISA,
-				   (uint64_t)embd_forward_pass_cols(EMBD_CPU_ISA, c.cols,
-								    embd_dtype_bytes(d->dtype)) *
-					   embd_dtype_bytes(d->dtype),
-				   c.row_bytes, c.base) &&
+				   (uint64_t)embd_forward_pass_cols(EMBD_CPU_ISA, c.cols, elem_bytes) *
+					   elem_bytes,
+				   row_bytes, c.base) &&
 		 c.prefetch_end > 0;
 	c.prefetch_l1 = c.lean && prefetch_l1;
 

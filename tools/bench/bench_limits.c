@@ -15,9 +15,10 @@
  *   each bag (embd_forward_pass_cols: as many columns as its accumulators in registers hold),
  *   fully unrolled per pass width, the head of each pass's columns of the row
  *   embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
- *   also run the other vendor's rule's distance where it differs and take the faster: the kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids
- *   ahead took fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to
- *   17.8, docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for
+ *   also run the other vendor's rule's distance where it differs and take the faster: the
+ *   kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids ahead took
+ *   fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to 17.8,
+ *   docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for
  *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
  *   lean loop takes, one line at a time after the load that starts the same line (into L1
  *   where the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1), with the
@@ -279,8 +280,9 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 {
 	uint64_t rb = g->row_bytes, pb = embd_prefetch_row_bytes(rb);
 	uint64_t pass = g->pass_bytes < rb ? g->pass_bytes : rb, last = rb % pass;
+	const uint32_t elem_bytes = g->out_row_bytes == 2 * rb ? 2 : 4;
 	uint32_t dist = g->prefetch_ids ? g->prefetch_ids
-				       : embd_forward_prefetch_distance(rb, g->out_row_bytes == 2 * rb ? 2 : 4);
+					: embd_forward_prefetch_distance(rb, elem_bytes);
 
 	if (dist > EMBD_LEAN_WINDOW_PAD) /* what the window holds past its ids */
 		dist = EMBD_LEAN_WINDOW_PAD;
@@ -330,7 +332,6 @@ static void gather_worker(void *arg, uint32_t w, uint32_t nw)
 	}
 }
 
-/* GATHER_BAGS' condition for its window, where the kernel's lean loop has one */
 uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes)
 {
 	const uint32_t kernel = embd_forward_prefetch_distance(row_bytes, elem_bytes);
@@ -339,6 +340,7 @@ uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes
 	return intel == kernel ? embd_forward_prefetch_rows(row_bytes, elem_bytes, false) : intel;
 }
 
+/* GATHER_BAGS' condition for its window, where the kernel's lean loop has one */
 int bench_gather_ways(const struct bench_gather *g)
 {
 	return embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) &&

@@ -13,8 +13,9 @@
  * pooled rows stored (each way of reading the ids, bench_gather.windowed, where the two differ,
  * at the kernel's prefetch distance and, where it differs, the other vendor's rule's,
  * bench_gather.prefetch_ids: the one whose median is the shortest), then every shard's
- * read-modify-write of its distinct rows after each one's occurrences' gradient rows are read (in each of its orders, the one
- * whose median is the shortest, as `embd-bench kernels` takes it). table_wise and column_wise
+ * read-modify-write of its distinct rows after each one's occurrences' gradient rows are read
+ * (in each of its orders, the one whose median is the shortest, as `embd-bench kernels` takes
+ * it). table_wise and column_wise
  * are modelled; other types' lines carry no limit. The same threads also run the kernels
  * themselves on that plan, called as engine/step.c calls them (kernels_steps_per_s): the
  * service against them (embd_ratio_to_kernels) is what its own work and the trainers' part of
@@ -144,13 +145,25 @@ struct limit_run {
 
 enum limit_phase {
 	/* the limits: the lookup each way of bench_gather.windowed at the kernel's distance,
-	 * then each at the other rule's (limit_rank_phase), and */
+	 * then each at the other rule's (gather_windowed, gather_far), and */
 	LIMIT_GATHER, LIMIT_GATHER_LAST = LIMIT_GATHER + 3,
 	LIMIT_RMW,                              /* the update in each order of */
 	LIMIT_RMW_LAST = LIMIT_RMW + BENCH_RMW_ORDERS - 1, /* enum bench_rmw_order, LIMIT_RMW + it */
 	KERNEL_FORWARD, KERNEL_PREPARE, KERNEL_BACKWARD, /* the kernels */
 	LIMIT_STOP
 };
+
+/* Whether gather phase reads the ids through a window (bench_gather.windowed), and whether at
+ * the other rule's distance (bench_gather_other_prefetch_ids) rather than the kernel's. */
+static bool gather_windowed(int phase)
+{
+	return (phase - LIMIT_GATHER) % 2;
+}
+
+static bool gather_far(int phase)
+{
+	return phase - LIMIT_GATHER >= 2;
+}
 
 struct limit_rank {
 	struct limit_run *run;
@@ -323,8 +336,8 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			ga->isa = run->isa;
 			ga->ids = b->ids;
 			ga->n = (uint64_t)o->batch * o->trainers * o->ids_per_bag;
-			ga->windowed = (run->phase - LIMIT_GATHER) % 2;
-			ga->prefetch_ids = run->phase - LIMIT_GATHER >= 2 ? other_dist : kernel_dist;
+			ga->windowed = gather_windowed(run->phase);
+			ga->prefetch_ids = gather_far(run->phase) ? other_dist : kernel_dist;
 			if (other_dist != kernel_dist)
 				atomic_store(&run->distance_differs, 1);
 			/* the cache the kernels prefetch these rows into, as they decide it */
@@ -590,10 +603,10 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	 * them) */
 	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
 	for (int phase = LIMIT_GATHER + 1; phase <= LIMIT_GATHER_LAST; phase++) {
-		const bool windowed = (phase - LIMIT_GATHER) % 2, far = phase - LIMIT_GATHER >= 2;
 		const double median_ms = bench_median(ms[phase], REPS);
-		if ((!windowed || atomic_load(&run.windowed_differs)) &&
-		    (!far || atomic_load(&run.distance_differs)) && median_ms < out->gather_ms)
+		if ((!gather_windowed(phase) || atomic_load(&run.windowed_differs)) &&
+		    (!gather_far(phase) || atomic_load(&run.distance_differs)) &&
+		    median_ms < out->gather_ms)
 			out->gather_ms = median_ms;
 	}
 	for (int phase = LIMIT_RMW; phase <= LIMIT_RMW_LAST; phase++) {

@@ -177,10 +177,10 @@ Test(kernels_forward, row_prefetch_choice)
 }
 
 /*
- * The forward's prefetch distance (embd_forward_prefetch_rows) for either vendor: elsewhere 20 ids for
- * rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows and rows of up to two
- * lines, fp32 rows of more the same 12; every distance within what the lean loop's window
- * holds past its ids. This CPU's is one of the two.
+ * The forward's prefetch distance (embd_forward_prefetch_rows) for either vendor: elsewhere 20
+ * ids for rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows and rows of up
+ * to two lines, fp32 rows of more the same 12; every distance within what the lean loop's
+ * window holds past its ids. This CPU's is one of the two.
  */
 Test(kernels_forward, prefetch_distance_rule)
 {
