@@ -456,9 +456,12 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1, 0);                     \
 		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0, 0);
 
-/* lean_bags_as for the shard's row width, chosen once for a run of bags. */
-static uint32_t lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt,
-			  const struct bag_ctx *c, int fp16, uint32_t b, uint32_t last)
+/* lean_bags_as for the shard's row width, chosen once for a run of bags. Out of line, as
+ * forward_bags and apply_rows are: tests/unit/kernels/check_prefetch.sh finds their prefetch
+ * instructions by name. */
+static __attribute__((noinline)) uint32_t
+lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
+	  int fp16, uint32_t b, uint32_t last)
 {
 #if VEC_FLOATS == 16
 	/* the only rows embd_forward_prefetch_l1 prefetches into L1: fp32, 512 bytes */
@@ -497,8 +500,9 @@ static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e,
 }
 #endif
 
-static int forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last,
-			bool prefetch_l1, struct embd_kernel_err *err)
+static __attribute__((noinline)) int
+forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last, bool prefetch_l1,
+	     struct embd_kernel_err *err)
 {
 	const struct embd_shard_desc *d = &bt->shard->desc;
 	const uint32_t elem_bytes = embd_dtype_bytes(d->dtype);
@@ -918,9 +922,9 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
  * fp32 rows of 32, 64, 128 and 256 columns get a loop of their own per optimizer (fully
  * unrolled rows: D 128 applied 5-8% faster for every optimizer, 2026-12-03); other widths and
  * fp16 rows one per optimizer. flatten inlines the row functions into each, so that the
- * constants reach them.
+ * constants reach them; noinline keeps the whole named for check_prefetch.sh.
  */
-static __attribute__((flatten)) size_t
+static __attribute__((flatten, noinline)) size_t
 apply_rows(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n,
 	   const embd_occ_key *next, size_t next_n, size_t prefetched, float *g, uint64_t *bad,
 	   uint64_t *bad_row)

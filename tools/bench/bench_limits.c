@@ -257,19 +257,22 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	else                                                                                      \
 		PASS_LEAN(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
 
-__attribute__((target("avx512f"))) static void bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last,
-							    int lean)
+/* Each isa's walks are out of line (noinline) so that tests/unit/kernels/check_prefetch.sh
+ * finds their prefetch instructions by name, as it finds the kernels'. */
+__attribute__((target("avx512f"), noinline)) static void
+bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
 	PASS_SWITCH(bags_512, 64)
 }
 
-__attribute__((target("avx2"))) static void bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last,
-							 int lean)
+__attribute__((target("avx2"), noinline)) static void
+bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
 	PASS_SWITCH(bags_256, 32)
 }
 
-static void bags_any_128(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
+__attribute__((noinline)) static void
+bags_any_128(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
 	PASS_SWITCH(bags_128, 16)
 }
@@ -549,12 +552,12 @@ static inline __attribute__((always_inline)) void row_128(const struct rmw_view 
 		 _mm_and_si128, _mm_cvtsi128_si32, rmw_128)
 }
 
-__attribute__((target("avx512f"))) static void chunk_512(CHUNK_ARGS)
+__attribute__((target("avx512f"), noinline)) static void chunk_512(CHUNK_ARGS)
 {
 	CHUNK_BODY(row_512)
 }
 
-__attribute__((target("avx2"))) static void chunk_256(CHUNK_ARGS)
+__attribute__((target("avx2"), noinline)) static void chunk_256(CHUNK_ARGS)
 {
 	CHUNK_BODY(row_256)
 }

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The prefetches the kernels and their limits are tuned on are in the machine code: every
+# definition of each named function in the object, archive member or program holds at least one
+# x86 prefetch instruction. A compiler may drop __builtin_prefetch, and a change may lose the
+# call on one path; either would leave the results right and only the speed wrong, which no
+# other test sees. The functions are kept out of line (noinline) so that they have names here.
+# Usage: check_prefetch.sh FILE[:MEMBER] FUNCTION...   (MEMBER: an archive member's name)
+set -euo pipefail
+target=${1:?usage: check_prefetch.sh FILE[:MEMBER] FUNCTION...}
+shift
+[ $# -gt 0 ] || { echo "check_prefetch: no function named" >&2; exit 2; }
+file=${target%%:*}
+member=
+[ "$file" = "$target" ] || member=${target#*:}
+command -v objdump >/dev/null || { echo "check_prefetch: objdump (binutils) is missing" >&2; exit 1; }
+[ -f "$file" ] || { echo "check_prefetch: no file $file" >&2; exit 1; }
+
+# One line per definition of a named function: its name and its prefetch instructions.
+# objdump starts each archive member with "MEMBER:     file format ...".
+counts=$(objdump -d --no-show-raw-insn "$file" | awk -v member="$member" -v names="$*" '
+	BEGIN { n = split(names, list, " "); for (i = 1; i <= n; i++) wanted[list[i]] = 1 }
+	/file format/ { in_member = member == "" || $1 == member ":"; fn = ""; next }
+	!in_member { next }
+	/^[0-9a-f]+ <[^>]+>:$/ {
+		fn = substr($2, 2, length($2) - 3)
+		if (fn in wanted) { defs++; name[defs] = fn; hits[defs] = 0 } else fn = ""
+		next
+	}
+	fn != "" && /[\t ]prefetch(t0|t1|t2|nta|w|wt1)[\t ]/ { hits[defs]++ }
+	END { for (i = 1; i <= defs; i++) print name[i], hits[i] }')
+
+status=0
+for fn in "$@"; do
+	defs=$(awk -v fn="$fn" '$1 == fn' <<<"$counts")
+	if [ -z "$defs" ]; then
+		echo "check_prefetch: $target defines no function $fn (inlined or renamed?)" >&2
+		status=1
+		continue
+	fi
+	while read -r name hits; do
+		if [ "$hits" -eq 0 ]; then
+			echo "check_prefetch: a definition of $name in $target has no prefetch instruction" >&2
+			status=1
+		else
+			echo "check_prefetch: $name in $target: $hits prefetch instructions"
+		fi
+	done <<<"$defs"
+done
+exit $status
