@@ -15,8 +15,11 @@
  * bench_gather.prefetch_ids: the one whose median is the shortest), then every shard's
  * read-modify-write of its distinct rows after each one's occurrences' gradient rows are read
  * (in each of its orders, the one whose median is the shortest, as `embd-bench kernels` takes
- * it). table_wise and column_wise
- * are modelled; other types' lines carry no limit. The same threads also run the kernels
+ * it). Each step, of the limits or of the kernels, runs its lookup and its update on a batch of
+ * its own, the batches cycling as the service's steps cycle them, so that a step finds the rows
+ * in the caches as the service's step does: its lookup after three other batches' steps, its
+ * update right after its lookup. table_wise and column_wise are modelled; other types' lines
+ * carry no limit. The same threads also run the kernels
  * themselves on that plan, called as engine/step.c calls them (kernels_steps_per_s): the
  * service against them (embd_ratio_to_kernels) is what its own work and the trainers' part of
  * the step cost. ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable
@@ -473,8 +476,13 @@ static uint32_t threads_per_rank(const struct train_opts *o, uint32_t cpus)
 }
 
 /*
- * The limits of one global step of sharding over the batches (bs): medians of REPS steps after
- * one that warms up, each phase from the first rank's start to the last one's end. Returns 1
+ * The limits of one global step of sharding over the batches (bs): medians of REPS reps after
+ * one that warms up, each phase from the first rank's start to the last one's end. A rep is
+ * PAIRS steps of the limits (each a way of the lookup, then an order of the update) and one of
+ * the kernels (forward, then backward), each step on the next of the TRAIN_BATCHES batches:
+ * with the ways run back to back on one batch, every way but the first found that batch's rows
+ * in the last level cache (480 MiB on the Intel Xeon of docs/benchmarks.md, 2026-12-06: the
+ * first way 11.7-14.3 ms, the others 10-11), which no lookup of the service finds. Returns 1
  * when the type is not modelled (no limit), -1 on failure.
  */
 static int measure_limits(const struct train_opts *o, const struct limit_batch *bs,
@@ -484,8 +492,10 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	struct limit_run run = { .o = o, .batches = bs, .isa = embd_kernels_isa_best(),
 				 .lock = PTHREAD_MUTEX_INITIALIZER,
 				 .opened = PTHREAD_COND_INITIALIZER };
-	enum { REPS = 15 };
-	double ms[KERNEL_BACKWARD + 1][REPS] = { { 0 } };
+	enum { REPS = 15, PAIRS = LIMIT_GATHER_LAST - LIMIT_GATHER + 1 };
+	_Static_assert((int)PAIRS >= (int)BENCH_RMW_ORDERS, "every order of the update runs in every rep");
+	double ms[KERNEL_BACKWARD + 1][2 * REPS] = { { 0 } };  /* an order may run twice a rep */
+	uint32_t samples[KERNEL_BACKWARD + 1] = { 0 };
 	const uint64_t kt_floats = (uint64_t)o->batch * o->tables * o->dim;
 	uint32_t started = 0;
 	int rc = -1;
@@ -561,28 +571,41 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	run.open = true;
 	pthread_cond_broadcast(&run.opened);
 	pthread_mutex_unlock(&run.lock);
-	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first step warms up */
-		for (int step = LIMIT_GATHER; step <= KERNEL_BACKWARD; step++) {
-			/* the lookup's ways and the update's orders take turns at going
-			 * first, so that none always finds another's rows in cache */
-			int phase = step >= LIMIT_RMW && step <= LIMIT_RMW_LAST
-					    ? LIMIT_RMW + (step - LIMIT_RMW + r) % BENCH_RMW_ORDERS
-				    : step <= LIMIT_GATHER_LAST ? LIMIT_GATHER + (step + r) % 4
-								  : step;
+	for (int r = 0; r < REPS + 1 && !run.no_barrier; r++) { /* the first rep warms up */
+		/* PAIRS steps of the limits and one of the kernels, each on its own batch (see
+		 * measure_limits); the lookup's ways and the update's orders take turns */
+		int phases[2 * PAIRS + 3];
+		uint32_t batch[2 * PAIRS + 3], n = 0;
+		for (int j = 0; j <= PAIRS; j++) {
+			const uint32_t k = (uint32_t)(((PAIRS + 1) * r + j) % TRAIN_BATCHES);
+			if (j == PAIRS) {
+				for (int phase = KERNEL_FORWARD; phase <= KERNEL_BACKWARD; phase++) {
+					phases[n] = phase;
+					batch[n++] = k;
+				}
+				break;
+			}
+			phases[n] = LIMIT_GATHER + (j + r) % PAIRS;
+			batch[n++] = k;
+			phases[n] = LIMIT_RMW + (j + r) % BENCH_RMW_ORDERS;
+			batch[n++] = k;
+		}
+		for (uint32_t i = 0; i < n; i++) {
+			const int phase = phases[i];
 			if (phase == KERNEL_PREPARE && !run.shared_prep)
 				continue;
-			run.k = (uint32_t)(r % TRAIN_BATCHES);
+			run.k = batch[i];
 			run.phase = phase;
 			run.timed = r > 0;
 			pthread_barrier_wait(&run.barrier);
 			pthread_barrier_wait(&run.barrier);
 			uint64_t t0 = UINT64_MAX, t1 = 0;
-			for (uint32_t i = 0; i < started; i++) {
-				t0 = run.start_ns[i] < t0 ? run.start_ns[i] : t0;
-				t1 = run.end_ns[i] > t1 ? run.end_ns[i] : t1;
+			for (uint32_t w = 0; w < started; w++) {
+				t0 = run.start_ns[w] < t0 ? run.start_ns[w] : t0;
+				t1 = run.end_ns[w] > t1 ? run.end_ns[w] : t1;
 			}
 			if (r && started)
-				ms[phase][r - 1] = (double)(t1 - t0) / 1e6;
+				ms[phase][samples[phase]++] = (double)(t1 - t0) / 1e6;
 		}
 		for (uint32_t t = 0; t < o->tables; t++) {
 			embd_backward_prep_free(run.preps[t]);
@@ -601,23 +624,23 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 		goto out;
 	/* the way and the order whose medians are the shortest (as embd-bench kernels takes
 	 * them) */
-	out->gather_ms = bench_median(ms[LIMIT_GATHER], REPS);
+	out->gather_ms = bench_median(ms[LIMIT_GATHER], samples[LIMIT_GATHER]);
 	for (int phase = LIMIT_GATHER + 1; phase <= LIMIT_GATHER_LAST; phase++) {
-		const double median_ms = bench_median(ms[phase], REPS);
+		const double median_ms = bench_median(ms[phase], samples[phase]);
 		if ((!gather_windowed(phase) || atomic_load(&run.windowed_differs)) &&
 		    (!gather_far(phase) || atomic_load(&run.distance_differs)) &&
 		    median_ms < out->gather_ms)
 			out->gather_ms = median_ms;
 	}
 	for (int phase = LIMIT_RMW; phase <= LIMIT_RMW_LAST; phase++) {
-		const double median_ms = bench_median(ms[phase], REPS);
+		const double median_ms = bench_median(ms[phase], samples[phase]);
 		out->rmw_ms = phase == LIMIT_RMW || median_ms < out->rmw_ms ? median_ms : out->rmw_ms;
 	}
 	out->ms = out->gather_ms + out->rmw_ms;
-	for (int r = 0; r < REPS; r++)
+	for (uint32_t r = 0; r < samples[KERNEL_PREPARE]; r++)  /* one of each a rep, in order */
 		ms[KERNEL_BACKWARD][r] += ms[KERNEL_PREPARE][r];
-	out->kernels_forward_ms = bench_median(ms[KERNEL_FORWARD], REPS);
-	out->kernels_backward_ms = bench_median(ms[KERNEL_BACKWARD], REPS);
+	out->kernels_forward_ms = bench_median(ms[KERNEL_FORWARD], samples[KERNEL_FORWARD]);
+	out->kernels_backward_ms = bench_median(ms[KERNEL_BACKWARD], samples[KERNEL_BACKWARD]);
 	if (atomic_load(&run.kernels_failed))
 		out->kernels_forward_ms = out->kernels_backward_ms = 0;
 	struct embd_backward_times sum = { 0 };
