@@ -95,9 +95,10 @@ static uint32_t min_partition(const struct train_opts *o)
 /*
  * The limits of a step are timed on the plan the service makes for the sharding type: each
  * rank's thread(s), pinned as engine/ranks.c pins them, on its own shards (one array each, as
- * the service's), all ranks at once; every table's gather, then every table's update (the
- * step's order) in each of its orders (enum bench_rmw_order), then the kernels' forward and
- * backward, each phase from the first rank's start to the last rank's end (stamped by the
+ * the service's), all ranks at once; steps of the limits, each every table's gather (in one of
+ * its ways) then every table's update (in one of its orders, enum bench_rmw_order), and a step
+ * of the kernels' forward and backward (measure_limits: each step on a batch of its own), each
+ * phase from the first rank's start to the last rank's end (stamped by the
  * ranks: the timing thread itself waits for a CPU while every CPU holds a rank, and read
  * phases 2-3 ms short that way).
  */
@@ -476,8 +477,9 @@ static uint32_t threads_per_rank(const struct train_opts *o, uint32_t cpus)
 }
 
 /*
- * The limits of one global step of sharding over the batches (bs): medians of REPS reps after
- * one that warms up, each phase from the first rank's start to the last one's end. A rep is
+ * The limits of one global step of sharding over the batches (bs): medians over REPS reps after
+ * one that warms up (each way of the gather and the kernels once a rep, each order of the
+ * update once or twice), each phase from the first rank's start to the last one's end. A rep is
  * PAIRS steps of the limits (each a way of the lookup, then an order of the update) and one of
  * the kernels (forward, then backward), each step on the next of the TRAIN_BATCHES batches:
  * with the ways run back to back on one batch, every way but the first found that batch's rows
@@ -493,7 +495,9 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 				 .lock = PTHREAD_MUTEX_INITIALIZER,
 				 .opened = PTHREAD_COND_INITIALIZER };
 	enum { REPS = 15, PAIRS = LIMIT_GATHER_LAST - LIMIT_GATHER + 1 };
-	_Static_assert((int)PAIRS >= (int)BENCH_RMW_ORDERS, "every order of the update runs in every rep");
+	_Static_assert((int)PAIRS >= (int)BENCH_RMW_ORDERS,
+		       "every order of the update runs in every rep");
+	_Static_assert((int)PAIRS <= 2 * (int)BENCH_RMW_ORDERS, "an order runs at most twice a rep");
 	double ms[KERNEL_BACKWARD + 1][2 * REPS] = { { 0 } };  /* an order may run twice a rep */
 	uint32_t samples[KERNEL_BACKWARD + 1] = { 0 };
 	const uint64_t kt_floats = (uint64_t)o->batch * o->tables * o->dim;
@@ -585,7 +589,9 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 				}
 				break;
 			}
-			phases[n] = LIMIT_GATHER + (j + r) % PAIRS;
+			/* (j + r) alone would time each way on one batch only: the batch is
+			 * (j + r) % TRAIN_BATCHES, and PAIRS == TRAIN_BATCHES */
+			phases[n] = LIMIT_GATHER + (j + r + r / TRAIN_BATCHES) % PAIRS;
 			batch[n++] = k;
 			phases[n] = LIMIT_RMW + (j + r) % BENCH_RMW_ORDERS;
 			batch[n++] = k;
