@@ -562,7 +562,7 @@ __attribute__((target("avx2"), noinline)) static void chunk_256(CHUNK_ARGS)
 	CHUNK_BODY(row_256)
 }
 
-static void chunk_128(CHUNK_ARGS)
+__attribute__((noinline)) static void chunk_128(CHUNK_ARGS)
 {
 	CHUNK_BODY(row_128)
 }
