@@ -497,7 +497,8 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	enum { REPS = 15, PAIRS = LIMIT_GATHER_LAST - LIMIT_GATHER + 1 };
 	_Static_assert((int)PAIRS >= (int)BENCH_RMW_ORDERS,
 		       "every order of the update runs in every rep");
-	_Static_assert((int)PAIRS <= 2 * (int)BENCH_RMW_ORDERS, "an order runs at most twice a rep");
+	_Static_assert((int)PAIRS <= 2 * (int)BENCH_RMW_ORDERS,
+		       "an order runs at most twice a rep");
 	double ms[KERNEL_BACKWARD + 1][2 * REPS] = { { 0 } };  /* an order may run twice a rep */
 	uint32_t samples[KERNEL_BACKWARD + 1] = { 0 };
 	const uint64_t kt_floats = (uint64_t)o->batch * o->tables * o->dim;
@@ -583,8 +584,8 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 		for (int j = 0; j <= PAIRS; j++) {
 			const uint32_t k = (uint32_t)(((PAIRS + 1) * r + j) % TRAIN_BATCHES);
 			if (j == PAIRS) {
-				for (int phase = KERNEL_FORWARD; phase <= KERNEL_BACKWARD; phase++) {
-					phases[n] = phase;
+				for (int at = KERNEL_FORWARD; at <= KERNEL_BACKWARD; at++) {
+					phases[n] = at;
 					batch[n++] = k;
 				}
 				break;

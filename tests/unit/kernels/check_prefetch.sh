@@ -18,7 +18,8 @@ file=${1:?usage: check_prefetch.sh [--member NAME] FILE FUNCTION...}
 shift
 [ $# -gt 0 ] || { echo "check_prefetch: no function named" >&2; exit 2; }
 target=$file${member:+ ($member)}
-command -v objdump >/dev/null || { echo "check_prefetch: objdump (binutils) is missing" >&2; exit 1; }
+command -v objdump >/dev/null ||
+	{ echo "check_prefetch: objdump (binutils) is missing" >&2; exit 1; }
 [ -f "$file" ] || { echo "check_prefetch: no file $file" >&2; exit 1; }
 
 # One line per definition of a named function: its name and its prefetch instructions.
@@ -45,7 +46,8 @@ for fn in "$@"; do
 	fi
 	while read -r name hits; do
 		if [ "$hits" -eq 0 ]; then
-			echo "check_prefetch: a definition of $name in $target has no prefetch instruction" >&2
+			echo "check_prefetch: a definition of $name in $target has no prefetch" \
+			     "instruction" >&2
 			status=1
 		else
 			echo "check_prefetch: $name in $target: $hits prefetch instructions"
