@@ -24,7 +24,10 @@
  * service against them (embd_ratio_to_kernels) is what its own work and the trainers' part of
  * the step cost. ratio_to_limit = steps/s / limit_steps_per_s (1: the step is all unavoidable
  * traffic); pipelined_ratio_to_limit the same of the pipelined embd steps
- * (embd_pipelined_steps_per_s).
+ * (embd_pipelined_steps_per_s). train_bench.py adds the service's step phases
+ * (embd_step_phases_ms, `embctl stats`): the step cannot be shorter than its limit plus the
+ * trainers' phase, in which the service waits for the gradients, so ratio_to_limit_bound =
+ * limit / (limit + trainers) is the most ratio_to_limit these trainers allow.
  * The limits are measured before the trainers start and again after they end, and the faster of
  * the two is the limit: a shared host's speed drifts over the minute the rounds take. Both are
  * printed (limit_steps_per_s_before, _after), so that a ratio above 1 can be told from drift.
@@ -789,6 +792,13 @@ static void print_line(const struct train_opts *o, const char *line, const struc
 			cJSON_AddNumberToObject(out, "embd_ratio_to_kernels",
 						cJSON_IsNumber(e) ? e->valuedouble / kernels_sps : 0);
 		}
+		/* the step cannot be shorter than its limit plus the trainers' phase, in which the
+		 * service waits for their gradients */
+		const cJSON *ph = cJSON_GetObjectItemCaseSensitive(j, "embd_step_phases_ms");
+		const cJSON *tr = cJSON_GetObjectItemCaseSensitive(ph, "trainers");
+		if (cJSON_IsNumber(tr))
+			cJSON_AddNumberToObject(out, "ratio_to_limit_bound",
+						lim->ms / (lim->ms + tr->valuedouble));
 	}
 	const struct { const char *k; double v; } conf[] = {
 		{ "tables", o->tables }, { "rows", (double)o->rows }, { "dim", o->dim },

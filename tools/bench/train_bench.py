@@ -9,6 +9,9 @@ per round: plain steps (``embd_steps_per_s``, ``vs_torchrec``) and pipelined one
 ``embd.torch.TrainPipeline``, each step's next batch posted before its backward
 (``embd_pipelined_steps_per_s``, ``vs_torchrec_pipelined``: against the same TorchRec rounds).
 
+Each line also carries the service's step phases after the rounds (``embd_step_phases_ms``:
+forward, trainers, backward, from ``embctl stats``).
+
 A step is the same on both sides: the KJT's pooled embeddings, a fixed dL/d(pooled), its
 backward (the sparse update). Both sides divide the trainers' gradients by their number
 (TorchRec's gradient division, embd's default gradient_scaling), so both train alike.
@@ -178,6 +181,7 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
             log.close()
         for p in procs:
             p.wait(timeout=job["timeout_s"])
+        phases = step_phases_ms(svc.socket)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -200,7 +204,21 @@ def run_sharding(job: Dict[str, Any], sharding: str, tmp: Path) -> Dict[str, Any
             "cpus": len(os.sched_getaffinity(0)),      # what the trainers and embd may use
             "embd_rounds": [round(x, 3) for x in rates["embd"]],
             "embd_pipelined_rounds": [round(x, 3) for x in rates["embd_pipelined"]],
-            "torchrec_rounds": [round(x, 3) for x in rates["torchrec"]]}
+            "torchrec_rounds": [round(x, 3) for x in rates["torchrec"]],
+            "embd_step_phases_ms": phases}
+
+
+def step_phases_ms(socket: str) -> Dict[str, float]:
+    """The service's step phases (median over its last steps, plain and pipelined, warm-up
+    included: `embctl stats`' step_phases_p50_us) in ms: forward, trainers (the lookup's
+    completion to the last trainer's BACKWARD), backward. Empty when stats cannot be read."""
+    try:
+        stats = json.loads(support.run([str(support.EMBCTL), "stats", "--socket", socket,
+                                        "--json"]))
+        return {k: round(v / 1e3, 3) for k, v in stats["step_phases_p50_us"].items()}
+    except (AssertionError, OSError, ValueError, KeyError, subprocess.SubprocessError) as e:
+        print(f"train_bench: no step phases: {e}", file=sys.stderr)
+        return {}
 
 
 def main() -> int:
