@@ -502,6 +502,8 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 		       "every order of the update runs in every rep");
 	_Static_assert((int)PAIRS <= 2 * (int)BENCH_RMW_ORDERS,
 		       "an order runs at most twice a rep");
+	_Static_assert(PAIRS == TRAIN_BATCHES,
+		       "the gather ways' turn (r / TRAIN_BATCHES) wants a batch a pair");
 	double ms[KERNEL_BACKWARD + 1][2 * REPS] = { { 0 } };  /* an order may run twice a rep */
 	uint32_t samples[KERNEL_BACKWARD + 1] = { 0 };
 	const uint64_t kt_floats = (uint64_t)o->batch * o->tables * o->dim;
@@ -584,21 +586,18 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 		 * measure_limits); the lookup's ways and the update's orders take turns */
 		int phases[2 * PAIRS + 3];
 		uint32_t batch[2 * PAIRS + 3], n = 0;
-		for (int j = 0; j <= PAIRS; j++) {
+		for (int j = 0; j < PAIRS; j++) {
 			const uint32_t k = (uint32_t)(((PAIRS + 1) * r + j) % TRAIN_BATCHES);
-			if (j == PAIRS) {
-				for (int at = KERNEL_FORWARD; at <= KERNEL_BACKWARD; at++) {
-					phases[n] = at;
-					batch[n++] = k;
-				}
-				break;
-			}
 			/* (j + r) alone would time each way on one batch only: the batch is
 			 * (j + r) % TRAIN_BATCHES, and PAIRS == TRAIN_BATCHES */
 			phases[n] = LIMIT_GATHER + (j + r + r / TRAIN_BATCHES) % PAIRS;
 			batch[n++] = k;
 			phases[n] = LIMIT_RMW + (j + r) % BENCH_RMW_ORDERS;
 			batch[n++] = k;
+		}
+		for (int phase = KERNEL_FORWARD; phase <= KERNEL_BACKWARD; phase++) {
+			phases[n] = phase;
+			batch[n++] = (uint32_t)(((PAIRS + 1) * r + PAIRS) % TRAIN_BATCHES);
 		}
 		for (uint32_t i = 0; i < n; i++) {
 			const int phase = phases[i];
