@@ -695,8 +695,8 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 		  const uint32_t cols, const enum embd_optimizer_type type, lanesn *acc)
 {
 	const float b1 = params->beta1, b2 = params->beta2, c1 = 1.0f - params->beta1,
-		    c2 = 1.0f - params->beta2, bc1 = params->bias_correction1,
-		    bc2 = params->bias_correction2, lr = params->lr, eps = params->eps;
+		    c2 = 1.0f - params->beta2, step = params->adam_step,
+		    adam_eps = params->adam_eps, lr = params->lr, eps = params->eps;
 
 	for (uint32_t c = 0; c < cols; c += OPT_FLOATS) {
 		const floatsn gd = *(const floatsn *)(g + c);
@@ -712,7 +712,7 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 			const floatsn v = b2 * *(floatsn *)(m2 + c) + c2 * (gd * gd);
 			*(floatsn *)(m1 + c) = m;
 			*(floatsn *)(m2 + c) = v;
-			x = x - lr * (m / bc1) / (sqrtn(v / bc2) + eps);
+			x = x - step * m / (sqrtn(v) + adam_eps);
 			sum = x + m + v;
 		}
 		*(floatsn *)(w + c) = x;

@@ -4,6 +4,7 @@
  */
 #include "tests/support/reference.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,7 +116,8 @@ void embd_ref_forward(const struct embd_ref_table *t, const struct embd_ref_bags
 }
 
 /* One row of one optimizer, straight from the formulas in kernels/optim_row.h. */
-static void step_row(struct embd_ref_table *t, int64_t r, const float *g, float bc1, float bc2)
+static void step_row(struct embd_ref_table *t, int64_t r, const float *g, float adam_step,
+		     float adam_eps)
 {
 	const struct embd_optimizer_spec *o = &t->opt;
 	uint32_t D = t->dim;
@@ -151,7 +153,7 @@ static void step_row(struct embd_ref_table *t, int64_t r, const float *g, float 
 		} else {
 			t->m1[i] = o->beta1 * t->m1[i] + (1.0f - o->beta1) * gd[c];
 			t->m2[i] = o->beta2 * t->m2[i] + (1.0f - o->beta2) * (gd[c] * gd[c]);
-			w = w - o->lr * (t->m1[i] / bc1) / (sqrtf(t->m2[i] / bc2) + o->eps);
+			w = w - adam_step * t->m1[i] / (sqrtf(t->m2[i]) + adam_eps);
 		}
 		set_weight(t, r, c, w);
 	}
@@ -185,11 +187,14 @@ int embd_ref_backward(struct embd_ref_table *t, const struct embd_ref_bags *bags
 		}
 	}
 	t->step++;
-	float bc1 = 1.0f - (float)pow((double)t->opt.beta1, (double)t->step);
-	float bc2 = 1.0f - (float)pow((double)t->opt.beta2, (double)t->step);
+	/* adam's step and eps, bias corrections folded in (kernels/optim_row.h) */
+	double bc1 = 1.0 - pow((double)t->opt.beta1, (double)t->step);
+	double root_bc2 = sqrt(1.0 - pow((double)t->opt.beta2, (double)t->step));
+	float adam_step = (float)(t->opt.lr * root_bc2 / bc1);
+	float adam_eps = fmaxf((float)(t->opt.eps * root_bc2), FLT_TRUE_MIN);
 	for (int64_t r = 0; r < t->rows; r++)
 		if (touched[r])
-			step_row(t, r, grad + (uint64_t)r * t->dim, bc1, bc2);
+			step_row(t, r, grad + (uint64_t)r * t->dim, adam_step, adam_eps);
 	free(grad);
 	free(touched);
 	return 0;

@@ -5,6 +5,7 @@
  * are decimal, so they hold to 1e-6 relative.
  */
 #include <criterion/criterion.h>
+#include <float.h>
 #include <pthread.h>
 #include <math.h>
 #include <stdio.h>
@@ -430,10 +431,11 @@ Test(kernels_backward, column_shards_equal_reference)
 }
 
 /* Row 1 = {1, -2}; one bag holding id 1 twice, dL/d(pooled) = {0.5, 1}: g = {1, 2}. */
-static void hand_steps(enum embd_optimizer_type type, float wd, const float expected[2][2],
-		       const float *state_after_2, int state_n)
+static void hand_steps_eps(enum embd_optimizer_type type, float wd, float eps,
+			   const float expected[2][2], const float *state_after_2, int state_n)
 {
 	struct embd_optimizer_spec o = opt_spec(type, wd);
+	o.eps = eps;
 	/* betas that are exact in binary, so the hand values are exact too */
 	o.beta1 = 0.5f;
 	o.beta2 = 0.875f;
@@ -473,6 +475,12 @@ static void hand_steps(enum embd_optimizer_type type, float wd, const float expe
 	embd_shard_destroy(s);
 }
 
+static void hand_steps(enum embd_optimizer_type type, float wd, const float expected[2][2],
+		       const float *state_after_2, int state_n)
+{
+	hand_steps_eps(type, wd, 1e-8f, expected, state_after_2, state_n);
+}
+
 Test(kernels_backward, optimizers_match_hand_computed_values)
 {
 	/* w -= 0.1 g */
@@ -491,6 +499,60 @@ Test(kernels_backward, optimizers_match_hand_computed_values)
 	 * w -= 0.1 sign(g); after two steps m = 0.75 g, v = (1 - 0.875^2) g^2 = 0.234375 g^2 */
 	hand_steps(EMBD_OPT_ADAM, 0.0f, (const float[2][2]){ { 0.9f, -2.1f }, { 0.8f, -2.2f } },
 		   (const float[]){ 0.75f, 1.5f, 0.234375f, 0.9375f }, 4);
+	/* eps 1, where it counts: bias-corrected m = g and sqrt(v) = |g| on both steps, so
+	 * w -= 0.1 g / (|g| + 1) (g = {1, 2}); eps added unscaled to the uncorrected sqrt(v),
+	 * as torch.optim.SparseAdam does, would give 0.974 and -2.041 after the first step */
+	hand_steps_eps(EMBD_OPT_ADAM, 0.0f, 1.0f,
+		       (const float[2][2]){ { 0.95f, -2.066666667f }, { 0.9f, -2.133333333f } },
+		       (const float[]){ 0.75f, 1.5f, 0.234375f, 0.9375f }, 4);
+}
+
+/*
+ * adam's eps is scaled by sqrt(1 - beta2^t) (kernels/optim_row.h): the least float eps, scaled,
+ * would round to 0, and a row whose gradient, m and v are all 0 would take 0 / 0. Such a row
+ * keeps its weights on every isa, on the vector path (16 columns) and the scalar one (3), and a
+ * row with a gradient still moves.
+ */
+Test(kernels_backward, adam_with_the_least_eps_keeps_a_row_without_gradient)
+{
+	enum embd_isa isas[3];
+	int nisa = tisas(isas);
+	const uint32_t widths[] = { 16, 3 };
+
+	for (int i = 0; i < nisa; i++)
+		for (int k = 0; k < 2; k++) {
+			const uint32_t cols = widths[k];
+			struct embd_optimizer_spec o = opt_spec(EMBD_OPT_ADAM, 0.0f);
+			o.eps = FLT_TRUE_MIN;
+			struct embd_shard_desc d = { .table_id = 1, .num_embeddings = 2,
+						     .embedding_dim = cols, .dtype = EMBD_DTYPE_FP32,
+						     .rows = 2, .cols = cols, .optimizer = o };
+			struct embd_shard *s;
+			char msg[128];
+			int64_t ids[2] = { 0, 1 }, offsets[3] = { 0, 1, 2 };
+			float dy[2 * 16] = { 0 };
+			for (uint32_t c = 0; c < cols; c++)
+				dy[cols + c] = 1.0f;    /* bag 1 (row 1): a gradient; bag 0: none */
+			cr_assert_eq(embd_shard_create(&d, &s, msg, sizeof(msg)), 0, "%s", msg);
+			float *w = s->weights;
+			for (uint32_t c = 0; c < 2 * cols; c++)
+				w[c] = 0.5f;
+			struct embd_bag_batch bt = {
+				.shard = s, .batch_size = 2, .offsets = offsets, .ids = ids,
+				.num_ids = 2, .pooling = EMBD_POOLING_SUM, .pooled_grad = dy,
+				.pooled_stride = cols,
+			};
+			struct embd_exec ex = { .isa = isas[i] };
+			struct embd_kernel_err err;
+			cr_assert_eq(embd_kernels_backward(&ex, s, &bt, 1, &err), 0, "%s", err.msg);
+			for (uint32_t c = 0; c < cols; c++) {
+				cr_expect_eq(w[c], 0.5f, "isa %d cols %u: row 0 col %u is %g", (int)isas[i],
+					     cols, c, w[c]);
+				cr_expect(w[cols + c] < 0.5f, "isa %d cols %u: row 1 col %u did not move (%g)",
+					  (int)isas[i], cols, c, w[cols + c]);
+			}
+			embd_shard_destroy(s);
+		}
 }
 
 struct id_flipper {
@@ -885,9 +947,8 @@ Test(kernels_backward, finite_rows_whose_sums_overflow_are_not_counted)
 			struct embd_ref_table *ref = embd_ref_table_create(2, 100, dim, EMBD_DTYPE_FP32, &o, 9);
 			struct embd_shard *s = tshard(ref, 9, 0, 100, 0, dim);
 			float *w = s->weights;
-			/* weights 2e38; adagrad's sum of squares 2e38; adam's m 1e37 (m / (1 - b1)
-			 * stays finite), v 2e38 (v / (1 - b2) overflows: the step leaves the weight as
-			 * it is) */
+			/* weights 2e38; adagrad's sum of squares 2e38; adam's m 1e37 and v 2e38 (the
+			 * step, ~1e16, is far under the weight's ulp: the weight stays as it is) */
 			for (uint64_t k = 0; k < 100ull * dim; k++) {
 				w[k] = 2e38f;
 				s->momentum1[k] = adam ? 1e37f : 2e38f;
