@@ -73,6 +73,21 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool inte
 }
 
 /*
+ * Whether the backward's apply also prefetches into L1 the weights and state of the row two
+ * occurrences ahead, besides the L2 prefetch embd_backward_prefetch_rows ahead, for optimizer
+ * type on an Intel CPU (intel) or another. On an Intel Xeon (2026-12-06, docs/benchmarks.md)
+ * adagrad's apply, whose division and square root overlap the row misses only in part, read
+ * .78-.83 of its limit so at D 128 against .74-.79 without, and D 64 .83-.87 against .81-.85;
+ * sgd, rowwise_adagrad and adam read the same within the noise. The read-modify-write limit
+ * ran slower with it and keeps its own walk. Not measured on other CPUs. The apply's loops
+ * test for it in adagrad's loops only (cpu_kernels.c).
+ */
+static inline bool embd_backward_prefetch_l1_near(enum embd_optimizer_type type, bool intel)
+{
+	return intel && type == EMBD_OPT_ADAGRAD;
+}
+
+/*
  * Columns the forward pools per pass over a bag of rows of elem_bytes elements (4: fp32, 2:
  * fp16): as many as its accumulators in registers hold (avx512: 16 zmm x 16; avx2: 8 ymm x 8
  * for fp32 rows, 12 x 8 for fp16 rows); wider rows take several passes, the last one what is
@@ -217,6 +232,7 @@ struct embd_bwd_rows {
 	uint32_t idx_bits;              /* a key's bits under its row */
 	uint32_t prefetch_rows;         /* occurrences ahead whose rows are prefetched:
 					 * embd_backward_prefetch_distance() */
+	bool prefetch_near;             /* embd_backward_prefetch_near() */
 };
 
 struct embd_cpu_kernels {

@@ -127,6 +127,11 @@ uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)
 	return embd_backward_prefetch_rows(row_bytes, cpu_is_intel());
 }
 
+bool embd_backward_prefetch_near(enum embd_optimizer_type type)
+{
+	return embd_backward_prefetch_l1_near(type, cpu_is_intel());
+}
+
 /* Each isa includes the ones below it (AVX-512 here implies AVX2, FMA and F16C). */
 bool embd_kernels_isa_supported(enum embd_isa isa)
 {

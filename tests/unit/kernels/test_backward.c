@@ -1265,6 +1265,17 @@ Test(kernels_backward, prepare_reports_errors_as_backward_does)
 	embd_ref_table_destroy(ref);
 }
 
+/* The apply's second prefetch, into L1 one row nearer: adagrad's, on Intel CPUs only
+ * (embd_backward_prefetch_l1_near); the other vendor's rule and optimizers keep the L2's. */
+Test(kernels_backward, near_l1_prefetch_for_adagrad_on_intel_only)
+{
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++) {
+		cr_expect_eq(embd_backward_prefetch_l1_near(type, true), type == EMBD_OPT_ADAGRAD,
+			     "optimizer %d on an Intel CPU", type);
+		cr_expect(!embd_backward_prefetch_l1_near(type, false), "optimizer %d elsewhere", type);
+	}
+}
+
 /* Apply refuses a shard of other rows, and batches of other bags than the prepared ones. */
 Test(kernels_backward, apply_refuses_other_rows_and_bags)
 {
@@ -1310,6 +1321,9 @@ static void check_with_vendor(const char *vendor)
 	struct trng r = { 41 };
 
 	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
+	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++)
+		cr_assert_eq(embd_backward_prefetch_near(type), embd_backward_prefetch_l1_near(type, intel),
+			     "%s: optimizer %d", vendor, type);
 	cr_assert_eq(embd_backward_prefetch_distance(256), embd_backward_prefetch_rows(256, intel),
 		     "the vendor was read before the test set it");
 	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++) {
