@@ -943,7 +943,7 @@ static int apply_occurrences(const struct embd_exec *exec, const struct embd_cpu
 			(uint64_t)cols * embd_dtype_bytes(shard->desc.dtype) +
 			4 * (embd_optim_state_floats(shard->desc.optimizer.type, cols, 0) +
 			     embd_optim_state_floats(shard->desc.optimizer.type, cols, 1))),
-		.prefetch_near = embd_backward_prefetch_near(shard->desc.optimizer.type),
+		.prefetch_near = embd_backward_prefetch_l1(shard->desc.optimizer.type),
 	};
 	t = phase_done(t, &ph->setup_ns);
 

@@ -605,24 +605,15 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
 		embd_prefetch_bytes(p->m2 + row * p->m2_bytes, p->m2_bytes);
 }
 
-/* The same row's lines into L1 (embd_backward_prefetch_l1_near), at most
- * EMBD_PREFETCH_MAX_LINES of each array; always_inline as embd_prefetch_bytes is. */
+/* The same row into L1 (embd_backward_prefetch_l1_near). */
 static inline __attribute__((always_inline)) void prefetch_occ_l1(const struct occ_prefetch *p,
 								  uint64_t row)
 {
-	const uint8_t *arrays[3] = { p->weights, p->m1, p->m2 };
-	const uint64_t bytes[3] = { p->row_bytes, p->m1_bytes, p->m2_bytes };
-
-	for (int a = 0; a < 3; a++) {
-		if (!bytes[a])          /* no such state: its array is NULL */
-			continue;
-		const uint8_t *at = arrays[a] + row * bytes[a];
-		uintptr_t line = (uintptr_t)at & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
-		const uintptr_t end = (uintptr_t)at + bytes[a];
-		for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end;
-		     i++, line += EMBD_CACHE_LINE_BYTES)
-			embd_prefetch_line_l1((const void *)line);
-	}
+	embd_prefetch_bytes_l1(p->weights + row * p->row_bytes, p->row_bytes);
+	if (p->m1_bytes)
+		embd_prefetch_bytes_l1(p->m1 + row * p->m1_bytes, p->m1_bytes);
+	if (p->m2_bytes)
+		embd_prefetch_bytes_l1(p->m2 + row * p->m2_bytes, p->m2_bytes);
 }
 
 /*
@@ -852,8 +843,8 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 		.m1_bytes = m1_per_row * 4, .m2_bytes = m2_per_row * 4,
 	};
 	const size_t dist = ctx->prefetch_rows;
-	/* the rule names adagrad alone: the other optimizers' loops keep no test for it */
-	const bool near = type == EMBD_OPT_ADAGRAD && ctx->prefetch_near;
+	/* false at compile time for the optimizers the rule leaves out: their loops keep no test */
+	const bool near = embd_backward_prefetch_l1_near(type, true) && ctx->prefetch_near;
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 	/*
 	 * fp32 rows of whole vectors are checked into lanes that stay in registers across the
@@ -884,7 +875,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 		}
 		for (; ahead < i + dist && ahead < total; ahead++)
 			prefetch_occ(&p, (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits);
-		/* i is the next row's first occurrence: the one after it, into L1 */
+		/* i is the next row's first occurrence: the row of the one after it, into L1 */
 		if (near && i + 1 < n)
 			prefetch_occ_l1(&p, occ[i + 1] >> idx_bits);
 

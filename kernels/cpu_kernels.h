@@ -73,14 +73,15 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool inte
 }
 
 /*
- * Whether the backward's apply also prefetches into L1 the weights and state of the row two
- * occurrences ahead, besides the L2 prefetch embd_backward_prefetch_rows ahead, for optimizer
- * type on an Intel CPU (intel) or another. On an Intel Xeon (2026-12-06, docs/benchmarks.md)
- * adagrad's apply, whose division and square root overlap the row misses only in part, read
- * .78-.83 of its limit so at D 128 against .74-.79 without, and D 64 .83-.87 against .81-.85;
- * sgd, rowwise_adagrad and adam read the same within the noise. The read-modify-write limit
- * ran slower with it and keeps its own walk. Not measured on other CPUs. The apply's loops
- * test for it in adagrad's loops only (cpu_kernels.c).
+ * Whether the backward's apply also prefetches into L1 the weights and state of the row of the
+ * occurrence after the next row's first (the row after the next where rows occur once),
+ * besides the L2 prefetch embd_backward_prefetch_rows ahead, for optimizer type on an Intel
+ * CPU (intel) or another. On an Intel Xeon (2026-12-06, docs/benchmarks.md) adagrad's apply,
+ * whose division and square root overlap the row misses only in part, read .83-.86 of its
+ * limit so at fp32 D 128 against .81-.82 without (AVX-512), D 64 the same. The other
+ * optimizers gained nothing from it in a scratch build. The read-modify-write limit ran slower
+ * with it and keeps its own walk. Only AVX-512 fp32 D 64 and 128 were measured: fp16 rows,
+ * other widths, AVX2 and the scalar variant follow by extrapolation, other CPUs not at all.
  */
 static inline bool embd_backward_prefetch_l1_near(enum embd_optimizer_type type, bool intel)
 {
@@ -137,7 +138,8 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 /*
  * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of the
  * benchmark's limits, goes through here, so that they issue the same one (but the rows
- * embd_forward_prefetch_l1 sends to L1, through embd_prefetch_line_l1). The kernels keep many rows'
+ * embd_forward_prefetch_l1 and embd_backward_prefetch_l1_near send to L1, through
+ * embd_prefetch_line_l1). The kernels keep many rows'
  * lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows), more than the L1's
  * miss buffers hold, and prefetches into L1 waited for them: perf put 13% of adam D 128's apply
  * samples right after a row's first prefetcht0. Into L2, on the Zen 4 (2026-12-05,
@@ -171,19 +173,22 @@ static inline bool embd_row_prefetch_l1_rule(enum embd_row_prefetch want, enum e
 }
 
 /* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says
- * so, and the gather limit's where the kernel's are. */
+ * so, and the gather limit's where the kernel's are; the backward's near rows where
+ * embd_backward_prefetch_l1_near() says so (the read-modify-write limit has none). */
 static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const void *p)
 {
 	__builtin_prefetch(p, 0, 3);
 }
 
 /*
- * embd_prefetch_line for each line of [p, p + bytes), at most EMBD_PREFETCH_MAX_LINES.
- * A function that does nothing but prefetch must be always_inline, as this one is: a prefetch
- * writes no memory, so GCC 12 judges such a function pure or const and deletes the calls whose
- * result goes unused, prefetches and all (objdump shows none left).
+ * embd_prefetch_line (or, where l1, embd_prefetch_line_l1) for each line of [p, p + bytes), at
+ * most EMBD_PREFETCH_MAX_LINES. A function that does nothing but prefetch must be always_inline,
+ * as this one and the two below are: a prefetch writes no memory, so GCC 12 judges such a
+ * function pure or const and deletes the calls whose result goes unused, prefetches and all
+ * (objdump shows none left).
  */
-static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes)
+static inline __attribute__((always_inline)) void embd_prefetch_lines(const void *p, uint64_t bytes,
+								      bool l1)
 {
 	uintptr_t line = (uintptr_t)p & ~(uintptr_t)(EMBD_CACHE_LINE_BYTES - 1);
 	uintptr_t end = (uintptr_t)p + bytes;
@@ -193,8 +198,25 @@ static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void
 #if !defined(__CUDACC__) && defined(__OPTIMIZE__)
 #pragma GCC unroll 16
 #endif
-	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES)
-		embd_prefetch_line((const void *)line);
+	for (int i = 0; i < EMBD_PREFETCH_MAX_LINES && line < end; i++, line += EMBD_CACHE_LINE_BYTES) {
+		if (l1)
+			embd_prefetch_line_l1((const void *)line);
+		else
+			embd_prefetch_line((const void *)line);
+	}
+}
+
+/* [p, p + bytes) into L2: every row prefetch but the L1 ones. */
+static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes)
+{
+	embd_prefetch_lines(p, bytes, false);
+}
+
+/* [p, p + bytes) into L1: the backward's near rows (embd_backward_prefetch_l1_near). */
+static inline __attribute__((always_inline)) void embd_prefetch_bytes_l1(const void *p,
+									  uint64_t bytes)
+{
+	embd_prefetch_lines(p, bytes, true);
 }
 
 /*
@@ -232,7 +254,7 @@ struct embd_bwd_rows {
 	uint32_t idx_bits;              /* a key's bits under its row */
 	uint32_t prefetch_rows;         /* occurrences ahead whose rows are prefetched:
 					 * embd_backward_prefetch_distance() */
-	bool prefetch_near;             /* embd_backward_prefetch_near() */
+	bool prefetch_near;             /* embd_backward_prefetch_l1() */
 };
 
 struct embd_cpu_kernels {

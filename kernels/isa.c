@@ -127,7 +127,7 @@ uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)
 	return embd_backward_prefetch_rows(row_bytes, cpu_is_intel());
 }
 
-bool embd_backward_prefetch_near(enum embd_optimizer_type type)
+bool embd_backward_prefetch_l1(enum embd_optimizer_type type)
 {
 	return embd_backward_prefetch_l1_near(type, cpu_is_intel());
 }
