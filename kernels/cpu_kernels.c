@@ -593,27 +593,17 @@ struct occ_prefetch {
  * L1. The bag's gradient row it reads is not prefetched: those are L2/L3 hits, and their
  * prefetches take fill buffers from the DRAM misses (without them, D 128 P 20, same batches in
  * one process: Zen 4 sgd 5%, adagrad 4%, adam 3% faster, rowwise_adagrad the same; Intel Ice
- * Lake the same within its noise).
+ * Lake the same within its noise). Into L1 where l1: the near row of
+ * embd_backward_prefetch_l1_near.
  */
 static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_prefetch *p,
-							       uint64_t row)
+							       uint64_t row, bool l1)
 {
-	embd_prefetch_bytes(p->weights + row * p->row_bytes, p->row_bytes);
+	embd_prefetch_lines(p->weights + row * p->row_bytes, p->row_bytes, l1);
 	if (p->m1_bytes)
-		embd_prefetch_bytes(p->m1 + row * p->m1_bytes, p->m1_bytes);
+		embd_prefetch_lines(p->m1 + row * p->m1_bytes, p->m1_bytes, l1);
 	if (p->m2_bytes)
-		embd_prefetch_bytes(p->m2 + row * p->m2_bytes, p->m2_bytes);
-}
-
-/* The same row into L1 (embd_backward_prefetch_l1_near). */
-static inline __attribute__((always_inline)) void prefetch_occ_l1(const struct occ_prefetch *p,
-								  uint64_t row)
-{
-	embd_prefetch_bytes_l1(p->weights + row * p->row_bytes, p->row_bytes);
-	if (p->m1_bytes)
-		embd_prefetch_bytes_l1(p->m1 + row * p->m1_bytes, p->m1_bytes);
-	if (p->m2_bytes)
-		embd_prefetch_bytes_l1(p->m2 + row * p->m2_bytes, p->m2_bytes);
+		embd_prefetch_lines(p->m2 + row * p->m2_bytes, p->m2_bytes, l1);
 }
 
 /*
@@ -862,7 +852,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 
 	params.type = type;
 	for (; ahead < dist && ahead < total; ahead++)
-		prefetch_occ(&p, (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits);
+		prefetch_occ(&p, (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits, false);
 	for (size_t i = 0; i < n;) {
 		const uint64_t row = occ[i] >> idx_bits;
 		float coef;
@@ -874,10 +864,10 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 			embd_grad_accum_row(g, grad, coef, cols);
 		}
 		for (; ahead < i + dist && ahead < total; ahead++)
-			prefetch_occ(&p, (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits);
+			prefetch_occ(&p, (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits, false);
 		/* i is the next row's first occurrence: the row of the one after it, into L1 */
 		if (near && i + 1 < n)
-			prefetch_occ_l1(&p, occ[i + 1] >> idx_bits);
+			prefetch_occ(&p, occ[i + 1] >> idx_bits, true);
 
 		float *m1 = m1_per_row ? sh->momentum1 + row * m1_per_row : NULL;
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;

@@ -183,7 +183,7 @@ static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const vo
 /*
  * embd_prefetch_line (or, where l1, embd_prefetch_line_l1) for each line of [p, p + bytes), at
  * most EMBD_PREFETCH_MAX_LINES. A function that does nothing but prefetch must be always_inline,
- * as this one and the two below are: a prefetch writes no memory, so GCC 12 judges such a
+ * as this one and the one below are: a prefetch writes no memory, so GCC 12 judges such a
  * function pure or const and deletes the calls whose result goes unused, prefetches and all
  * (objdump shows none left).
  */
@@ -210,13 +210,6 @@ static inline __attribute__((always_inline)) void embd_prefetch_lines(const void
 static inline __attribute__((always_inline)) void embd_prefetch_bytes(const void *p, uint64_t bytes)
 {
 	embd_prefetch_lines(p, bytes, false);
-}
-
-/* [p, p + bytes) into L1: the backward's near rows (embd_backward_prefetch_l1_near). */
-static inline __attribute__((always_inline)) void embd_prefetch_bytes_l1(const void *p,
-									  uint64_t bytes)
-{
-	embd_prefetch_lines(p, bytes, true);
 }
 
 /*

@@ -98,8 +98,8 @@ uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes)
 uint32_t embd_backward_prefetch_distance(uint64_t row_bytes);
 
 /* Whether the backward's apply also prefetches into L1 the row of the occurrence after the next
- * row's first, for
- * optimizer type on this CPU (embd_backward_prefetch_l1_near in cpu_kernels.h). */
+ * row's first, for optimizer type on this CPU (embd_backward_prefetch_l1_near in
+ * cpu_kernels.h). */
 bool embd_backward_prefetch_l1(enum embd_optimizer_type type);
 
 /* How a kernel call runs. A NULL exec means the calling thread and the best isa. */
