@@ -28,21 +28,24 @@
  *   bags' compare and move, on the 2-3% of ids whose row ahead would pass the chunk's end, are
  *   a fraction of a percent of the limit's instructions), or as the kernel reads them, from a
  *   window of up to 1024 of them (whole bags) copied first, padded with the rows ahead,
- *   clamped to the chunk's last id. Which is faster depends on the row (Zen 4, AVX-512,
- *   2026-12-05: the window's fp32 D 64 P 20 limit 432-435 us a batch against 438-479
- *   straight, where the kernel, its ids' cache misses out of its loop, had read 1.05-1.07 of
- *   the straight one; D 32 P 20 241-263 against 226-246), so the benchmarks run both and take
- *   the faster), chunks of ids grabbed from one counter by the same workers; and
- *   after each pass over a bag its share of the pooled row (D fp32) stored, unrolled from
- *   registers as the kernel stores it (at P = 1 that write is as much traffic as the reads). It
- *   checks no id, multiplies by no weight and keeps no per-column sums: the loads feed integer
- *   adds into four rotating accumulators (one cycle, no denormal assists on fp16 bits, no chain
- *   that holds back the loads of later rows). So it does what the kernel must do to move the
- *   same bytes in the same order, with the same prefetches, and nothing else; a kernel can only
- *   approach it, provided the limit's own loop costs no more than the kernel's: hence the
- *   unrolled stores from registers (with accumulators spilled to the stack for a store loop of
- *   run-time length, P = 1 rows paid a spill and a reload each, and the kernel read up to 1.14
- *   times its limit there; docs/benchmarks.md).
+ *   clamped to the chunk's last id (the copy a memcpy, the pad a loop of its own: as one loop
+ *   with the clamp in it the copy compiled to ten scalar instructions an id, where the
+ *   kernel's is vector moves, and the kernel read fp32 D 64 P 20 and 100 at 1.01-1.035 of
+ *   the limit; Intel Xeon, 2026-12-06, docs/benchmarks.md). Which is faster depends on the
+ *   row (Zen 4, AVX-512, 2026-12-05: the window's fp32 D 64 P 20 limit 432-435 us a batch
+ *   against 438-479 straight, where the kernel, its ids' cache misses out of its loop, had
+ *   read 1.05-1.07 of the straight one; D 32 P 20 241-263 against 226-246), so the benchmarks
+ *   run both and take the faster), chunks of ids grabbed from one counter by the same
+ *   workers; and after each pass over a bag its share of the pooled row (D fp32) stored,
+ *   unrolled from registers as the kernel stores it (at P = 1 that write is as much traffic as
+ *   the reads). It checks no id, multiplies by no weight and keeps no per-column sums: the
+ *   loads feed integer adds into four rotating accumulators (one cycle, no denormal assists on
+ *   fp16 bits, no chain that holds back the loads of later rows). So it does what the kernel
+ *   must do to move the same bytes in the same order, with the same prefetches, and nothing
+ *   else; a kernel can only approach it, provided the limit's own loop costs no more than the
+ *   kernel's: hence the unrolled stores from registers (with accumulators spilled to the stack
+ *   for a store loop of run-time length, P = 1 rows paid a spill and a reload each, and the
+ *   kernel read up to 1.14 times its limit there; docs/benchmarks.md).
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as the
@@ -119,10 +122,12 @@
 		const uint64_t per_win = EMBD_LEAN_WINDOW_IDS / P;                                \
 		for (uint64_t w0 = 0; w0 < b1 - b0; w0 += per_win) {                              \
 			const uint64_t w1 = b1 - b0 - w0 < per_win ? b1 - b0 : w0 + per_win;      \
-			for (uint64_t i = 0; i < (w1 - w0) * P + dist; i++) {                     \
-				const uint64_t at = w0 * P + i;                                   \
-				win[i] = (uint64_t)ids[at < n ? at : n - 1];                      \
-			}                                                                         \
+			/* the ids in vector moves, as the kernel's copy, then the pad */         \
+			const uint64_t fill = (w1 - w0) * P + dist, in = n - w0 * P;              \
+			const uint64_t copied = in < fill ? in : fill;                            \
+			memcpy(win, ids + w0 * P, copied * sizeof(win[0]));                       \
+			for (uint64_t i = copied; i < fill; i++)                                  \
+				win[i] = (uint64_t)ids[n - 1];                                    \
 			for (uint64_t b = w0; b < w1; b++)                                        \
 				GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, win,        \
 					   w0 * P, 0)                                             \
