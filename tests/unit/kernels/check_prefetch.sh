@@ -7,14 +7,33 @@
 # other test sees. A function passes while any one of its paths prefetches. The functions are
 # kept out of line (noinline) so that they have names here; a compiler's clone of one
 # (lean_bags.constprop.0) is not looked for: the test then fails saying the function is gone.
-# Usage: check_prefetch.sh [--member NAME] FILE FUNCTION...   (NAME: an archive member)
+# --insn asks for one kind of prefetch: the prefetches into L1 (prefetcht0) are a few rules'
+# alone (embd_forward_prefetch_l1, embd_backward_prefetch_l1_near), beside the many into L2
+# in the same functions, so only their own kind shows that they are still there.
+# Usage: check_prefetch.sh [--member NAME] [--insn PREFETCH] FILE FUNCTION...
+#   (NAME: an archive member; PREFETCH: prefetcht0, prefetcht1, prefetcht2, prefetchnta,
+#   prefetchw or prefetchwt1)
 set -euo pipefail
+usage="usage: check_prefetch.sh [--member NAME] [--insn PREFETCH] FILE FUNCTION..."
 member=
-if [ "${1:-}" = --member ]; then
-	member=${2:?usage: check_prefetch.sh [--member NAME] FILE FUNCTION...}
-	shift 2
-fi
-file=${1:?usage: check_prefetch.sh [--member NAME] FILE FUNCTION...}
+insn='prefetch(t0|t1|t2|nta|w|wt1)'
+what=prefetch
+while [ $# -gt 0 ]; do
+	case $1 in
+	--member) member=${2:?$usage}; shift 2 ;;
+	--insn)
+		case ${2:-} in
+		prefetcht0 | prefetcht1 | prefetcht2 | prefetchnta | prefetchw | prefetchwt1) ;;
+		*) echo "check_prefetch: --insn ${2:-}: not an x86 prefetch instruction" >&2
+		   exit 2 ;;
+		esac
+		insn=$2
+		what=$2
+		shift 2 ;;
+	*) break ;;
+	esac
+done
+file=${1:?$usage}
 shift
 [ $# -gt 0 ] || { echo "check_prefetch: no function named" >&2; exit 2; }
 target=$file${member:+ ($member)}
@@ -24,7 +43,8 @@ command -v objdump >/dev/null ||
 
 # One line per definition of a named function: its name and its prefetch instructions.
 # objdump starts each archive member with "MEMBER:     file format ...".
-counts=$(objdump -d --no-show-raw-insn "$file" | awk -v member="$member" -v names="$*" '
+counts=$(objdump -d --no-show-raw-insn "$file" | awk -v member="$member" -v names="$*" \
+	-v insn="$insn" '
 	BEGIN { n = split(names, list, " "); for (i = 1; i <= n; i++) wanted[list[i]] = 1 }
 	/file format/ { in_member = member == "" || $1 == member ":"; fn = ""; next }
 	!in_member { next }
@@ -33,7 +53,7 @@ counts=$(objdump -d --no-show-raw-insn "$file" | awk -v member="$member" -v name
 		if (fn in wanted) { defs++; name[defs] = fn; hits[defs] = 0 } else fn = ""
 		next
 	}
-	fn != "" && /[\t ]prefetch(t0|t1|t2|nta|w|wt1)[\t ]/ { hits[defs]++ }
+	fn != "" && $0 ~ ("[\t ]" insn "[\t ]") { hits[defs]++ }
 	END { for (i = 1; i <= defs; i++) print name[i], hits[i] }')
 
 status=0
@@ -46,11 +66,11 @@ for fn in "$@"; do
 	fi
 	while read -r name hits; do
 		if [ "$hits" -eq 0 ]; then
-			echo "check_prefetch: a definition of $name in $target has no prefetch" \
+			echo "check_prefetch: a definition of $name in $target has no $what" \
 			     "instruction" >&2
 			status=1
 		else
-			echo "check_prefetch: $name in $target: $hits prefetch instructions"
+			echo "check_prefetch: $name in $target: $hits $what instructions"
 		fi
 	done <<<"$defs"
 done
