@@ -63,6 +63,8 @@ struct bag_ctx {
 					 * the lean loop's */
 	bool prefetch_l1;               /* the lean loop prefetches into L1, not L2
 					 * (embd_forward_prefetch_l1) */
+	bool prefetch_near;             /* the lean loop also prefetches into L1 a few ids
+					 * ahead (embd_forward_prefetch_l1_near) */
 };
 
 _Static_assert(EMBD_PREFETCH_IDS <= EMBD_LEAN_WINDOW_PAD &&
@@ -277,18 +279,23 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	return -1;
 }
 
+/* Where the lean loop prefetches its rows: into L2, into L1, or into L2 and then, a few ids
+ * ahead, into L1 too. */
+enum lean_prefetch { LEAN_L2, LEAN_L1, LEAN_L2_NEAR_L1 };
+
 /*
  * The lean loop: adds rows[0, n) (checked rows of the shard, of nvec whole vectors) times
  * weights[j] (1 unless weighted) to out[0, nvec x VEC_FLOATS) and, when finish, multiplies
  * the sums by scale; resume: out holds the bag's sums so far, unscaled (a bag longer than a
  * window is pooled in pieces, in the same order). Each of rows[j + dist]'s lines is
- * prefetched after the load that starts the same line of rows[j], into L1 when l1, else L2:
- * rows holds n + dist entries.
+ * prefetched after the load that starts the same line of rows[j], into L1 for LEAN_L1, else
+ * L2, and for LEAN_L2_NEAR_L1 each of rows[j + EMBD_PREFETCH_IDS_NEAR]'s into L1 before it
+ * (dist is at least that): rows holds n + dist entries.
  */
 static inline __attribute__((always_inline)) void
 pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
 	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
-	  const int fp16, const int weighted, const int l1)
+	  const int fp16, const int weighted, const enum lean_prefetch pf)
 {
 	vecf acc[CHUNK_VECS];
 	const uint64_t elem_bytes = fp16 ? 2 : 4;
@@ -300,11 +307,16 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 	for (uint64_t j = 0; j < n; j++) {
 		const uint8_t *row = base + rows[j] * row_bytes;
 		const uint8_t *ahead = base + rows[j + dist] * row_bytes;
+		const uint8_t *near = pf == LEAN_L2_NEAR_L1
+					      ? base + rows[j + EMBD_PREFETCH_IDS_NEAR] * row_bytes
+					      : NULL;
 		vecf w = vec_set1(weighted ? weights[j] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
 			if ((v * vec_bytes) % 64 == 0) {
-				if (l1)
+				if (pf == LEAN_L2_NEAR_L1)
+					embd_prefetch_line_l1(near + v * vec_bytes);
+				if (pf == LEAN_L1)
 					embd_prefetch_line_l1(ahead + v * vec_bytes);
 				else
 					embd_prefetch_line(ahead + v * vec_bytes);
@@ -418,7 +430,7 @@ move_window(struct lean_window *wnd, const struct bag_ctx *c, uint64_t k)
 static inline __attribute__((always_inline)) uint32_t
 lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
 	     uint32_t b, uint32_t last, const int nvec, const int fp16, const int weighted,
-	     const int l1)
+	     const enum lean_prefetch pf)
 {
 	const uint8_t *base = c->base;
 	const uint64_t dist = c->prefetch_ids;
@@ -439,7 +451,7 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			uint64_t stop = (uint64_t)e < wnd->to ? (uint64_t)e : wnd->to;
 			pool_lean(base, wnd->rows + (k - wnd->from), weighted ? c->weights + k : NULL,
 				  stop - k, dist, scale, out, k > (uint64_t)s, stop == (uint64_t)e, nvec,
-				  fp16, weighted, l1);
+				  fp16, weighted, pf);
 			k = stop;
 		} while (k < (uint64_t)e);
 	}
@@ -449,12 +461,12 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 #define LEAN_CASE(N)                                                                              \
 	case N:                                                                                   \
 		if (fp16 && c->weights)                                                           \
-			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1, 0);                     \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1, LEAN_L2);               \
 		if (fp16)                                                                         \
-			return lean_bags_as(wnd, bt, c, b, last, N, 1, 0, 0);                     \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 0, LEAN_L2);               \
 		if (c->weights)                                                                   \
-			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1, 0);                     \
-		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0, 0);
+			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1, LEAN_L2);               \
+		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0, LEAN_L2);
 
 /* lean_bags_as for the shard's row width, chosen once for a run of bags. Out of line, as
  * forward_bags and apply_rows are: tests/unit/kernels/check_prefetch.sh finds their prefetch
@@ -466,8 +478,16 @@ lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct
 #if VEC_FLOATS == 16
 	/* the only rows embd_forward_prefetch_l1 prefetches into L1: fp32, 512 bytes */
 	if (c->prefetch_l1 && !fp16 && c->cols == 8 * VEC_FLOATS)
-		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 0, 1, 1)
-				  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, 1);
+		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 0, 1, LEAN_L1)
+				  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, LEAN_L1);
+	/* the only rows embd_forward_prefetch_l1_near also prefetches into L1: fp16, 256 and
+	 * 512 bytes */
+	if (c->prefetch_near && fp16 && c->cols == 8 * VEC_FLOATS)
+		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 1, 1, LEAN_L2_NEAR_L1)
+				  : lean_bags_as(wnd, bt, c, b, last, 8, 1, 0, LEAN_L2_NEAR_L1);
+	if (c->prefetch_near && fp16 && c->cols == 16 * VEC_FLOATS)
+		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 16, 1, 1, LEAN_L2_NEAR_L1)
+				  : lean_bags_as(wnd, bt, c, b, last, 16, 1, 0, LEAN_L2_NEAR_L1);
 #endif
 	switch (c->cols / VEC_FLOATS) {
 	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
@@ -534,6 +554,8 @@ forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last, boo
 				   row_bytes, c.base) &&
 		 c.prefetch_end > 0;
 	c.prefetch_l1 = c.lean && prefetch_l1;
+	c.prefetch_near = c.lean && !c.prefetch_l1 && c.prefetch_ids >= EMBD_PREFETCH_IDS_NEAR &&
+			  embd_forward_prefetch_near(EMBD_CPU_ISA, row_bytes, elem_bytes);
 
 	/*
 	 * The rows of the first prefetch_ids ids: each id prefetches the row that many ids

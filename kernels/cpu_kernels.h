@@ -20,6 +20,8 @@
 #define EMBD_PREFETCH_IDS 12
 #define EMBD_PREFETCH_IDS_LINE 20
 #define EMBD_PREFETCH_IDS_FAR 48
+/* ids ahead of the forward's second prefetch, into L1 (embd_forward_prefetch_l1_near) */
+#define EMBD_PREFETCH_IDS_NEAR 4
 /* The lean loop's window (cpu_kernels.c): ids copied as rows and checked at a time, and the
  * rows past them that it prefetches (at most the longest prefetch distance). 8.4 KiB of
  * stack. The benchmark's gather limit reads ids through a window of the same size. */
@@ -48,6 +50,23 @@ static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t e
 	if (intel && (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES))
 		return EMBD_PREFETCH_IDS_FAR;
 	return row_bytes <= EMBD_CACHE_LINE_BYTES ? EMBD_PREFETCH_IDS_LINE : EMBD_PREFETCH_IDS;
+}
+
+/*
+ * Whether the forward's lean loop, with isa on an Intel CPU (intel) or another, also prefetches
+ * into L1 each row of row_bytes (elements of elem_bytes) EMBD_PREFETCH_IDS_NEAR ids ahead,
+ * besides its L2 prefetch embd_forward_prefetch_rows ahead. On an Intel Xeon (2026-12-06,
+ * docs/benchmarks.md) the AVX-512 fp16 rows of 256 and 512 bytes (D 128 and 256), prefetched
+ * into L2 48 ids ahead, took 7-15% less time a batch at P 20 and 100 with it; fp16 D 64 ~3%
+ * less, fp16 D 32 and fp32 D 32 the same, fp32 D 64 (12 ahead) 4-15% more, and the fp16 D 256
+ * rows prefetched into L1 alone, 48 ahead, 30-45% more. AVX2 pools these rows in passes of 96
+ * columns, outside the lean loop. Other CPUs were not measured.
+ */
+static inline bool embd_forward_prefetch_l1_near(enum embd_isa isa, uint64_t row_bytes,
+						 uint32_t elem_bytes, bool intel)
+{
+	return intel && isa == EMBD_ISA_AVX512 && elem_bytes == 2 &&
+	       (row_bytes == 256 || row_bytes == 512);
 }
 
 /*
@@ -138,9 +157,9 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 /*
  * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of the
  * benchmark's limits, goes through here, so that they issue the same one (but the rows
- * embd_forward_prefetch_l1 and embd_backward_prefetch_l1_near send to L1, through
- * embd_prefetch_line_l1). The kernels keep many rows'
- * lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows), more than the L1's
+ * embd_forward_prefetch_l1 sends to L1, and those embd_forward_prefetch_l1_near and
+ * embd_backward_prefetch_l1_near send to L1 a second time, through embd_prefetch_line_l1).
+ * The kernels keep many rows' lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows), more than the L1's
  * miss buffers hold, and prefetches into L1 waited for them: perf put 13% of adam D 128's apply
  * samples right after a row's first prefetcht0. Into L2, on the Zen 4 (2026-12-05,
  * docs/benchmarks.md): the backward took 15-28% less time a batch (sgd D 64 to adam D 128, P 20,
@@ -173,8 +192,9 @@ static inline bool embd_row_prefetch_l1_rule(enum embd_row_prefetch want, enum e
 }
 
 /* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says
- * so, and the gather limit's where the kernel's are; the backward's near rows where
- * embd_backward_prefetch_l1_near() says so (the read-modify-write limit has none). */
+ * so, and the gather limit's where the kernel's are; the forward's and the backward's near rows
+ * where embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the limits
+ * have none of those). */
 static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const void *p)
 {
 	__builtin_prefetch(p, 0, 3);

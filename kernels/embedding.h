@@ -74,8 +74,8 @@ struct embd_backward_times {
  * pooled 11-17% faster prefetched into L1 at 20 and 100 ids a bag and ~10% at 2 and 8, but
  * 5-13% slower at 1 (and 7-8% at 4), and other rows up to 36% slower so. AUTO takes L1
  * on Intel CPUs for batches of at least two ids a bag on average, L2 elsewhere; the others
- * force one for those rows (tests, benchmarks). Other rows and isas are always prefetched into
- * L2.
+ * force one for those rows (tests, benchmarks). Other rows and isas are prefetched into L2
+ * (and some of them into L1 too, a few ids ahead: embd_forward_prefetch_near).
  */
 enum embd_row_prefetch {
 	EMBD_ROW_PREFETCH_AUTO = 0,
@@ -92,6 +92,11 @@ bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, ui
  * this CPU (embd_forward_prefetch_rows in cpu_kernels.h). This and embd_forward_prefetch_l1
  * follow the CPU's vendor, or $EMBD_CPU_VENDOR (intel or other) where set when first asked. */
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes);
+
+/* Whether the forward's lean loop, run with isa (not AUTO), also prefetches rows of row_bytes
+ * and elements of elem_bytes into L1 a few ids ahead on this CPU (embd_forward_prefetch_l1_near
+ * in cpu_kernels.h; the vendor as for embd_forward_prefetch_distance). */
+bool embd_forward_prefetch_near(enum embd_isa isa, uint64_t row_bytes, uint32_t elem_bytes);
 
 /* How many rows ahead the backward's apply prefetches rows that bring row_bytes of weights and
  * optimizer state each, on this CPU (embd_backward_prefetch_rows in cpu_kernels.h). */

@@ -122,6 +122,11 @@ uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes)
 	return embd_forward_prefetch_rows(row_bytes, elem_bytes, cpu_is_intel());
 }
 
+bool embd_forward_prefetch_near(enum embd_isa isa, uint64_t row_bytes, uint32_t elem_bytes)
+{
+	return embd_forward_prefetch_l1_near(isa, row_bytes, elem_bytes, cpu_is_intel());
+}
+
 uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)
 {
 	return embd_backward_prefetch_rows(row_bytes, cpu_is_intel());

@@ -20,23 +20,26 @@
  *   fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to 17.8,
  *   docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for
  *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
- *   lean loop takes, one line at a time after the load that starts the same line (into L1
- *   where the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1), with the
- *   row's size a constant as it is in that loop, and the ids read one of two ways: straight
- *   from the batch, the id ahead without a clamp but in the chunk's last bags, where it is
- *   clamped to the chunk (a clamp on every id was a cost the kernel does not have; the last
- *   bags' compare and move, on the 2-3% of ids whose row ahead would pass the chunk's end, are
- *   a fraction of a percent of the limit's instructions), or as the kernel reads them, from a
- *   window of up to 1024 of them (whole bags) copied first, padded with the rows ahead,
- *   clamped to the chunk's last id (the copy a memcpy, the pad a loop of its own: as one loop
- *   with the clamp in it the copy compiled to ten scalar instructions an id, where the
- *   kernel's is vector moves, and the kernel read fp32 D 64 P 20 and 100 at 1.01-1.035 of
- *   the limit; Intel Xeon, 2026-12-06, docs/benchmarks.md). Which is faster depends on the
- *   row (Zen 4, AVX-512, 2026-12-05: the window's fp32 D 64 P 20 limit 432-435 us a batch
- *   against 438-479 straight, where the kernel, its ids' cache misses out of its loop, had
- *   read 1.05-1.07 of the straight one; D 32 P 20 241-263 against 226-246), so the benchmarks
- *   run both and take the faster), chunks of ids grabbed from one counter by the same
- *   workers; and after each pass over a bag its share of the pooled row (D fp32) stored,
+ *   lean loop takes, one line at a time after the load that starts the same line (into L1 where
+ *   the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1; the kernel's second
+ *   prefetch of fp16 rows of 256 and 512 bytes into L1 a few ids ahead,
+ *   embd_forward_prefetch_l1_near, is left out: it made this loop slower, fp16 D 256 P 100
+ *   5.87-6.09 ms a batch against 5.50-5.73, D 128 P 100 2.88-3.15 against 2.76-2.90, Intel Xeon
+ *   2026-12-06, docs/benchmarks.md), with the row's size a constant as it is in that loop, and
+ *   the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
+ *   the chunk's last bags, where it is clamped to the chunk (a clamp on every id was a cost the
+ *   kernel does not have; the last bags' compare and move, on the 2-3% of ids whose row ahead
+ *   would pass the chunk's end, are a fraction of a percent of the limit's instructions), or as
+ *   the kernel reads them, from a window of up to 1024 of them (whole bags) copied first,
+ *   padded with the rows ahead, clamped to the chunk's last id (the copy a memcpy, the pad a
+ *   loop of its own: as one loop with the clamp in it the copy compiled to ten scalar
+ *   instructions an id, where the kernel's is vector moves, and the kernel read fp32 D 64 P 20
+ *   and 100 at 1.01-1.035 of the limit; Intel Xeon, 2026-12-06, docs/benchmarks.md). Which is
+ *   faster depends on the row (Zen 4, AVX-512, 2026-12-05: the window's fp32 D 64 P 20 limit
+ *   432-435 us a batch against 438-479 straight, where the kernel, its ids' cache misses out of
+ *   its loop, had read 1.05-1.07 of the straight one; D 32 P 20 241-263 against 226-246), so
+ *   the benchmarks run both and take the faster), chunks of ids grabbed from one counter by the
+ *   same workers; and after each pass over a bag its share of the pooled row (D fp32) stored,
  *   unrolled from registers as the kernel stores it (at P = 1 that write is as much traffic as
  *   the reads). It checks no id, multiplies by no weight and keeps no per-column sums: the
  *   loads feed integer adds into four rotating accumulators (one cycle, no denormal assists on

@@ -202,23 +202,57 @@ Test(kernels_forward, prefetch_distance_rule)
 }
 
 /*
+ * The rows the AVX-512 lean loop also prefetches into L1 a few ids ahead
+ * (embd_forward_prefetch_l1_near): fp16 rows of 256 and 512 bytes on Intel CPUs, no others,
+ * and never further ahead than their L2 prefetch (the window holds the rows to that one).
+ */
+Test(kernels_forward, near_prefetch_rule)
+{
+	const uint64_t bytes[] = { 64, 128, 256, 384, 512, 1024 };
+	const enum embd_isa isas[] = { EMBD_ISA_SCALAR, EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
+
+	for (int n = 0; n < 2 * 6 * 2 * 3; n++) { /* vendor x bytes x element x isa */
+		const bool intel = n / 36;
+		const uint64_t b = bytes[n / 6 % 6];
+		const uint32_t elem = n / 3 % 2 ? 4 : 2;
+		const enum embd_isa isa = isas[n % 3];
+		const bool want = intel && isa == EMBD_ISA_AVX512 && elem == 2 &&
+				  (b == 256 || b == 512);
+
+		cr_expect_eq(embd_forward_prefetch_l1_near(isa, b, elem, intel), want,
+			     "%s, %s, %lu bytes of %u", intel ? "intel" : "other",
+			     embd_kernels_isa_name(isa), (unsigned long)b, elem);
+		if (want)
+			cr_expect_geq(embd_forward_prefetch_rows(b, elem, true),
+				      EMBD_PREFETCH_IDS_NEAR);
+	}
+}
+
+/*
  * Either vendor's distances ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in
  * its own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on
- * any CPU: fp16 and 128-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere), many short
- * chunks, and bags longer than a window.
+ * any CPU: fp16 and 128-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere), fp16 rows
+ * of 256 and 512 bytes (on Intel with AVX-512 also prefetched into L1 a few ids ahead), many
+ * short chunks, and bags longer than a window.
  */
 static void check_with_vendor(const char *vendor)
 {
 	struct trng r = { 12 };
+	const bool intel = !strcmp(vendor, "intel");
 
 	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
 	cr_assert_eq(embd_forward_prefetch_distance(256, 2),
-		     embd_forward_prefetch_rows(256, 2, !strcmp(vendor, "intel")),
+		     embd_forward_prefetch_rows(256, 2, intel),
 		     "the vendor was read before the test set it");
+	cr_assert_eq(embd_forward_prefetch_near(EMBD_ISA_AVX512, 512, 2),
+		     embd_forward_prefetch_l1_near(EMBD_ISA_AVX512, 512, 2, intel));
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP16, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 3000, 32, EMBD_DTYPE_FP32, 80, 40, false, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 50000, 16, EMBD_DTYPE_FP16, 4099, 2, false, EMBD_POOLING_SUM);
 	check_unsharded(&r, 5000, 64, EMBD_DTYPE_FP16, 3, 3000, true, EMBD_POOLING_MEAN);
+	check_unsharded(&r, 3000, 256, EMBD_DTYPE_FP16, 40, 30, true, EMBD_POOLING_SUM);
+	check_unsharded(&r, 5000, 256, EMBD_DTYPE_FP16, 3, 3000, false, EMBD_POOLING_SUM);
+	check_unsharded(&r, 5000, 128, EMBD_DTYPE_FP16, 3, 3000, false, EMBD_POOLING_SUM);
 }
 
 Test(kernels_forward, intel_prefetch_distances_equal_reference, .timeout = 60)
