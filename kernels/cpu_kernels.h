@@ -57,8 +57,8 @@ static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t e
  * into L1 each row of row_bytes (elements of elem_bytes) EMBD_PREFETCH_IDS_NEAR ids ahead,
  * besides its L2 prefetch embd_forward_prefetch_rows ahead. On an Intel Xeon (2026-12-06,
  * docs/benchmarks.md) the AVX-512 fp16 rows of 256 and 512 bytes (D 128 and 256), prefetched
- * into L2 48 ids ahead, took 7-15% less time a batch at P 20 and 100 with it; fp16 D 64 ~3%
- * less, fp16 D 32 and fp32 D 32 the same, fp32 D 64 (12 ahead) 4-15% more, and the fp16 D 256
+ * into L2 48 ids ahead, took 3-17% less time a batch at P 20 and 100 with it; fp16 D 64 ~3%
+ * less, fp16 D 32 and fp32 D 32 the same, fp32 D 64 (12 ahead) 4-17% more, and the fp16 D 256
  * rows prefetched into L1 alone, 48 ahead, 30-45% more. AVX2 pools these rows in passes of 96
  * columns, outside the lean loop. Other CPUs were not measured.
  */
@@ -155,17 +155,18 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 }
 
 /*
- * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of the
- * benchmark's limits, goes through here, so that they issue the same one (but the rows
+ * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of
+ * the benchmark's limits, goes through here, so that they issue the same one (but the rows
  * embd_forward_prefetch_l1 sends to L1, and those embd_forward_prefetch_l1_near and
- * embd_backward_prefetch_l1_near send to L1 a second time, through embd_prefetch_line_l1).
- * The kernels keep many rows' lines in flight (embd_forward_prefetch_rows, embd_backward_prefetch_rows), more than the L1's
- * miss buffers hold, and prefetches into L1 waited for them: perf put 13% of adam D 128's apply
- * samples right after a row's first prefetcht0. Into L2, on the Zen 4 (2026-12-05,
- * docs/benchmarks.md): the backward took 15-28% less time a batch (sgd D 64 to adam D 128, P 20,
- * AVX-512) and 9-15% with AVX2; the forward 10-27% less at D 32-128 (AVX-512; D 256 the same) and
- * 24-37% with AVX2. The limits, which prefetch the same way, sped up as much or more. Without
- * -mprfchw GCC emits prefetcht0 for a write hint, and prefetchw measured no better.
+ * embd_backward_prefetch_l1_near send to L1 a second time, through embd_prefetch_line_l1). The
+ * kernels keep many rows' lines in flight (embd_forward_prefetch_rows,
+ * embd_backward_prefetch_rows), more than the L1's miss buffers hold, and prefetches into L1
+ * waited for them: perf put 13% of adam D 128's apply samples right after a row's first
+ * prefetcht0. Into L2, on the Zen 4 (2026-12-05, docs/benchmarks.md): the backward took 15-28%
+ * less time a batch (sgd D 64 to adam D 128, P 20, AVX-512) and 9-15% with AVX2; the forward
+ * 10-27% less at D 32-128 (AVX-512; D 256 the same) and 24-37% with AVX2. The limits, which
+ * prefetch the same way, sped up as much or more. Without -mprfchw GCC emits prefetcht0 for a
+ * write hint, and prefetchw measured no better.
  */
 static inline __attribute__((always_inline)) void embd_prefetch_line(const void *p)
 {
