@@ -26,15 +26,6 @@ benchmarks=(tools/bench/embd-bench)
 # built only where CUDA is
 optional=(tests/test_device_outputs)
 
-# Whether program $1 is built with a sanitizer: gcc links its runtime as a shared library, clang
-# into the program itself (its entry points then show among the program's symbols).
-sanitized() {
-	# grep reads all of ldd's output: with -q it may exit first, and under pipefail
-	# ldd's SIGPIPE would fail the test and bundle a sanitizer build
-	ldd "$1" | grep -E 'lib(a|ub|t)san\.so' >/dev/null ||
-		grep -aqE '__(asan_init|tsan_init|ubsan_handle_)' "$1"
-}
-
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/lib"
 for p in "${programs[@]}"; do
@@ -49,7 +40,7 @@ for p in "${benchmarks[@]}"; do
 		echo "bundle: $build/$p is not built" >&2
 		exit 1
 	fi
-	if sanitized "$build/$p"; then
+	if bash "$(dirname "$0")/sanitized.sh" "$build/$p"; then
 		echo "bundle: $p left out: a sanitizer build"
 		continue
 	fi

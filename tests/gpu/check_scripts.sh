@@ -12,7 +12,7 @@ tmp=$(mktemp -d /tmp/embd-gpu-check-XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "check_scripts: $*" >&2; exit 1; }
 
-bash -n tests/gpu/run.sh && bash -n tests/gpu/bundle.sh
+bash -n tests/gpu/run.sh && bash -n tests/gpu/bundle.sh && bash -n tests/gpu/sanitized.sh
 bash tests/gpu/run.sh --help | grep -- "--bundle-only" >/dev/null || fail "run.sh --help names no --bundle-only"
 set +e
 bash tests/gpu/run.sh --bogus 2>/dev/null
@@ -35,9 +35,7 @@ LD_LIBRARY_PATH="$tmp/bundle/lib" "$tmp/bundle/bin/embd" --version >/dev/null ||
 # run.sh reads; and --device cuda without a GPU: exit 77 with one line saying why. A sanitizer
 # build's bundle leaves it out (bundle.sh), and only that one.
 if [ ! -x "$tmp/bundle/bin/embd-bench" ]; then
-	# a sanitizer's runtime, shared (gcc) or in the program (clang): bundle.sh's test
-	{ ldd "$build/tools/bench/embd-bench" | grep -E 'lib(a|ub|t)san\.so' >/dev/null ||
-		grep -aqE '__(asan_init|tsan_init|ubsan_handle_)' "$build/tools/bench/embd-bench"; } ||
+	bash tests/gpu/sanitized.sh "$build/tools/bench/embd-bench" ||
 		fail "the bundle has no embd-bench, and $build is no sanitizer build"
 else
 	bench() { LD_LIBRARY_PATH="$tmp/bundle/lib" "$tmp/bundle/bin/embd-bench" e2e --rows 10000 \
