@@ -663,20 +663,6 @@ typedef float floatsn __attribute__((vector_size(OPT_FLOATS * 4), aligned(4), ma
 typedef uint32_t lanesn __attribute__((vector_size(OPT_FLOATS * 4), aligned(4), may_alias));
 _Static_assert(EMBD_SUM_SQ_LANES % OPT_FLOATS == 0, "a sum of squares' lanes are whole vectors");
 
-/* ORs embd_nonfinite_bit of each lane of the float bits v into acc's. */
-static inline __attribute__((always_inline)) lanesn or_nonfinite_bits(lanesn acc, lanesn v)
-{
-	return acc | (((v & 0x7f800000u) + 0x00800000u) & 0x80000000u);
-}
-
-/* ORs embd_nonfinite_bit of each of x[0, n) (n a multiple of OPT_FLOATS) into *acc's lanes. */
-static inline __attribute__((always_inline)) void or_nonfinite(lanesn *acc, const float *x,
-							       uint64_t n)
-{
-	for (uint64_t i = 0; i < n; i += OPT_FLOATS)
-		*acc = or_nonfinite_bits(*acc, *(const lanesn *)(x + i));
-}
-
 /* The square root of each lane, as sqrtf (correctly rounded). */
 static inline __attribute__((always_inline)) floatsn sqrtn(floatsn x)
 {
@@ -702,9 +688,74 @@ static inline __attribute__((always_inline)) floatsn fman(floatsn a, floatsn b, 
 }
 
 /*
+ * The test the apply keeps across a chunk of fp32 rows of whole vectors, of every value it
+ * writes (or, for optim_row_checked, of sums of them): non-zero once a value added was NaN or
+ * infinite. On AVX2 it is a float that each value times 0 is added to by one fused
+ * multiply-add, NaN from the first non-finite value on: one instruction a vector where the
+ * integer test of the exponent takes four, and a chain compilers may not reassociate. GCC did
+ * reassociate the integer ORs into a tree, and with AVX2's 16 ymm registers then spilled the
+ * row's new weights to the stack: with the float, adagrad D 128 P 20 took 16% less time a batch,
+ * rowwise_adagrad D 128 6% and adam D 64 5% (medians of ten, Intel Xeon, 2026-12-06,
+ * docs/benchmarks.md), sgd the same. AVX-512 keeps the integer test (32 registers hold the
+ * tree; adagrad read 1-3% slower with the float), and so does the scalar variant (SSE2 has no
+ * fused multiply-add: fmaf would be a call).
+ */
+#if OPT_FLOATS == 8
+typedef floatsn nonfinite_acc;
+
+static inline __attribute__((always_inline)) nonfinite_acc nonfinite_acc_add(nonfinite_acc acc,
+									  floatsn v)
+{
+	return fman(v, (floatsn){ 0 }, acc);
+}
+
+static inline __attribute__((always_inline)) uint32_t nonfinite_acc_lane(const nonfinite_acc *acc,
+									int l)
+{
+	return embd_nonfinite_bit((*acc)[l]);
+}
+
+/* Adds each of x[0, n) (n a multiple of OPT_FLOATS) to the test *acc. */
+static inline __attribute__((always_inline)) void or_nonfinite(nonfinite_acc *acc, const float *x,
+							       uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += OPT_FLOATS)
+		*acc = nonfinite_acc_add(*acc, *(const floatsn *)(x + i));
+}
+#else
+typedef lanesn nonfinite_acc;
+
+/* ORs embd_nonfinite_bit of each lane of the float bits v into acc's. */
+static inline __attribute__((always_inline)) lanesn or_nonfinite_bits(lanesn acc, lanesn v)
+{
+	return acc | (((v & 0x7f800000u) + 0x00800000u) & 0x80000000u);
+}
+
+static inline __attribute__((always_inline)) nonfinite_acc nonfinite_acc_add(nonfinite_acc acc,
+									  floatsn v)
+{
+	return or_nonfinite_bits(acc, (lanesn)v);
+}
+
+static inline __attribute__((always_inline)) uint32_t nonfinite_acc_lane(const nonfinite_acc *acc,
+									int l)
+{
+	return (*acc)[l];
+}
+
+/* ORs embd_nonfinite_bit of each of x[0, n) (n a multiple of OPT_FLOATS) into *acc's lanes. */
+static inline __attribute__((always_inline)) void or_nonfinite(nonfinite_acc *acc, const float *x,
+							       uint64_t n)
+{
+	for (uint64_t i = 0; i < n; i += OPT_FLOATS)
+		*acc = or_nonfinite_bits(*acc, *(const lanesn *)(x + i));
+}
+#endif
+
+/*
  * adagrad or adam without weight decay on a row of whole 16-float groups: embd_optim_elem's
  * arithmetic, operation for operation (so bit for bit: contraction is off, fmaf is fman),
- * OPT_FLOATS columns at a time, that also ORs into *acc's lanes embd_nonfinite_bit of the new
+ * OPT_FLOATS columns at a time, that also adds to the test *acc (nonfinite_acc_add) the new
  * weight plus its new state, from the values in registers rather than read back after the row
  * is written. The sum is NaN or infinite whenever one of them is, and otherwise only when
  * finite values add up past the largest float, which the recount (count_nonfinite_rows) tells
@@ -715,7 +766,7 @@ static inline __attribute__((always_inline)) floatsn fman(floatsn a, floatsn b, 
 static inline __attribute__((always_inline)) void
 optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 		  const float *restrict g, float *restrict m1, float *restrict m2,
-		  const uint32_t cols, const enum embd_optimizer_type type, lanesn *acc)
+		  const uint32_t cols, const enum embd_optimizer_type type, nonfinite_acc *acc)
 {
 	const float b1 = params->beta1, b2 = params->beta2, c1 = 1.0f - params->beta1,
 		    c2 = 1.0f - params->beta2, step = params->adam_step,
@@ -739,7 +790,7 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 			sum = x + m + v;
 		}
 		*(floatsn *)(w + c) = x;
-		*acc = or_nonfinite_bits(*acc, (lanesn)sum);
+		*acc = nonfinite_acc_add(*acc, sum);
 	}
 }
 
@@ -753,8 +804,8 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
  */
 static inline __attribute__((always_inline)) void
 rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
-		    const float *restrict g, float *restrict m1, const uint32_t cols, lanesn *acc,
-		    uint32_t *acc_state)
+		    const float *restrict g, float *restrict m1, const uint32_t cols,
+		    nonfinite_acc *acc, uint32_t *acc_state)
 {
 	enum { PARTS = EMBD_SUM_SQ_LANES / OPT_FLOATS };
 	floatsn lane[PARTS] = { 0 };    /* lane[q][j]: embd_optim_sum_sq's lane q * OPT_FLOATS + j */
@@ -790,7 +841,7 @@ rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
 	for (uint32_t c = 0; c < cols; c += OPT_FLOATS) {
 		const floatsn x = fman(neg_mult, *(const floatsn *)(g + c), *(floatsn *)(w + c));
 		*(floatsn *)(w + c) = x;
-		*acc = or_nonfinite_bits(*acc, (lanesn)x);
+		*acc = nonfinite_acc_add(*acc, x);
 	}
 }
 
@@ -869,7 +920,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 	 * chunk holding one is looked at twice: slower, but only then.
 	 */
 	const bool lanes = !fp16 && cols % EMBD_SUM_SQ_LANES == 0;
-	lanesn nonfinite_lanes = { 0 };
+	nonfinite_acc nonfinite_lanes = { 0 };
 	uint32_t nonfinite_state = 0;   /* rowwise_adagrad's state float of each row */
 
 	params.type = type;
@@ -927,7 +978,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 	if (lanes) {
 		uint32_t any = nonfinite_state;
 		for (int l = 0; l < OPT_FLOATS; l++)
-			any |= nonfinite_lanes[l];
+			any |= nonfinite_acc_lane(&nonfinite_lanes, l);
 		if (any)
 			count_nonfinite_rows(ctx, occ, n, bad, bad_row);
 	}
