@@ -629,6 +629,32 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
 }
 
 /*
+ * A row whose lines a checked row loop (optim_row_checked, rowwise_row_checked) prefetches as it
+ * goes, into L2 (embd_prefetch_line): each line of its weights and element-wise state after the
+ * load that starts the same line of the row being updated, as the forward's lean loop spreads
+ * its rows' prefetches over its loads. Prefetched all at once before the row, 24 lines for adam
+ * D 128, they waited for fill buffers while the row's arithmetic waited behind them: spread,
+ * adam D 128 P 20 took 10-15% less time a batch on AVX2 and ~10% on AVX-512, adagrad D 128 ~6%
+ * on AVX-512 (Intel Xeon, 2026-12-06, docs/benchmarks.md). Where no row is left to prefetch the
+ * loop gets the row it updates (its lines are in L1 by then).
+ */
+struct spread_prefetch {
+	const uint8_t *weights, *m1, *m2; /* m1, m2: the element-wise state the optimizer has */
+};
+
+/* The row's lines of the arrays it has, from byte `at` of each (a line's first byte). */
+static inline __attribute__((always_inline)) void spread_prefetch_line(const struct spread_prefetch *sp,
+									 uint64_t at,
+									 const enum embd_optimizer_type type)
+{
+	embd_prefetch_line(sp->weights + at);
+	if (type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM)
+		embd_prefetch_line(sp->m1 + at);
+	if (type == EMBD_OPT_ADAM)
+		embd_prefetch_line(sp->m2 + at);
+}
+
+/*
  * The gradient row and coefficient of the occurrence whose key's low bits are named: its bag's,
  * or where ids carry weights (side) its own. Occurrences that named their own place in every
  * case read the side in the apply at random and cost it what the sort gained: sgd D 64 P 20,
@@ -753,20 +779,23 @@ static inline __attribute__((always_inline)) void or_nonfinite(nonfinite_acc *ac
 #endif
 
 /*
- * adagrad or adam without weight decay on a row of whole 16-float groups: embd_optim_elem's
- * arithmetic, operation for operation (so bit for bit: contraction is off, fmaf is fman),
- * OPT_FLOATS columns at a time, that also adds to the test *acc (nonfinite_acc_add) the new
- * weight plus its new state, from the values in registers rather than read back after the row
- * is written. The sum is NaN or infinite whenever one of them is, and otherwise only when
- * finite values add up past the largest float, which the recount (count_nonfinite_rows) tells
- * apart. Read back, the test was ~6% of adam D 128 P 20's step; here adam D 64 won 9 of 10
- * alternations on AVX-512, its apply 5% shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd,
- * with no state to read back, read ~3% slower this way and keeps embd_optim_row_fp32.
+ * sgd, adagrad or adam without weight decay on a row of whole 16-float groups, prefetching the
+ * lines of sp's row as it goes: embd_optim_elem's arithmetic, operation for operation (so bit
+ * for bit: contraction is off, fmaf is fman), OPT_FLOATS columns at a time, that also adds to
+ * the test *acc (nonfinite_acc_add) the new weight plus its new state, from the values in
+ * registers rather than read back after the row is written. The sum is NaN or infinite
+ * whenever one of them is, and otherwise only when finite values add up past the largest
+ * float, which the recount (count_nonfinite_rows) tells apart. Read back, the test was ~6% of
+ * adam D 128 P 20's step; here adam D 64 won 9 of 10 alternations on AVX-512, its apply 5%
+ * shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd, with no state to read back, read ~3%
+ * slower this way until the prefetches were spread over the row loop; with them, sgd D 64 took
+ * 5-7% less time a batch on AVX-512 (Intel Xeon, 2026-12-06).
  */
 static inline __attribute__((always_inline)) void
 optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 		  const float *restrict g, float *restrict m1, float *restrict m2,
-		  const uint32_t cols, const enum embd_optimizer_type type, nonfinite_acc *acc)
+		  const uint32_t cols, const enum embd_optimizer_type type, nonfinite_acc *acc,
+		  const struct spread_prefetch *sp)
 {
 	const float b1 = params->beta1, b2 = params->beta2, c1 = 1.0f - params->beta1,
 		    c2 = 1.0f - params->beta2, step = params->adam_step,
@@ -776,7 +805,13 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 		const floatsn gd = *(const floatsn *)(g + c);
 		floatsn x = *(floatsn *)(w + c), sum;
 
-		if (type == EMBD_OPT_ADAGRAD) {
+		if (c * 4 % EMBD_CACHE_LINE_BYTES == 0)
+			spread_prefetch_line(sp, c * 4, type);
+
+		if (type == EMBD_OPT_SGD) {
+			x = fman(-lr - (floatsn){ 0 }, gd, x);
+			sum = x;
+		} else if (type == EMBD_OPT_ADAGRAD) {
 			const floatsn st = fman(gd, gd, *(floatsn *)(m1 + c));
 			*(floatsn *)(m1 + c) = st;
 			x = x - lr * gd / (sqrtn(st) + eps);
@@ -805,7 +840,7 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 static inline __attribute__((always_inline)) void
 rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
 		    const float *restrict g, float *restrict m1, const uint32_t cols,
-		    nonfinite_acc *acc, uint32_t *acc_state)
+		    nonfinite_acc *acc, uint32_t *acc_state, const struct spread_prefetch *sp)
 {
 	enum { PARTS = EMBD_SUM_SQ_LANES / OPT_FLOATS };
 	floatsn lane[PARTS] = { 0 };    /* lane[q][j]: embd_optim_sum_sq's lane q * OPT_FLOATS + j */
@@ -840,6 +875,9 @@ rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
 	*acc_state |= embd_nonfinite_bit(*m1);
 	for (uint32_t c = 0; c < cols; c += OPT_FLOATS) {
 		const floatsn x = fman(neg_mult, *(const floatsn *)(g + c), *(floatsn *)(w + c));
+
+		if (c * 4 % EMBD_CACHE_LINE_BYTES == 0)
+			spread_prefetch_line(sp, c * 4, EMBD_OPT_ROWWISE_ADAGRAD);
 		*(floatsn *)(w + c) = x;
 		*acc = nonfinite_acc_add(*acc, x);
 	}
@@ -921,6 +959,10 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 	 */
 	const bool lanes = !fp16 && cols % EMBD_SUM_SQ_LANES == 0;
 	nonfinite_acc nonfinite_lanes = { 0 };
+	/* rows updated and tested in registers (optim_row_checked, rowwise_row_checked) */
+	const bool checked = lanes && params.weight_decay == 0.0f &&
+			     (type == EMBD_OPT_SGD || type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM ||
+			      type == EMBD_OPT_ROWWISE_ADAGRAD);
 	uint32_t nonfinite_state = 0;   /* rowwise_adagrad's state float of each row */
 
 	params.type = type;
@@ -936,8 +978,19 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 			grad = occ_grad(bags, side, occ[i] & idx_mask, &coef);
 			embd_grad_accum_row(g, grad, coef, cols);
 		}
-		for (; ahead < i + dist && ahead < total; ahead++)
-			prefetch_occ(&p, (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits, false);
+		/* the first row to prefetch: spread over the row loop where it is checked, unless
+		 * none is left (then the row itself) */
+		uint64_t spread_row = row;
+		bool spread_set = !checked;
+		for (; ahead < i + dist && ahead < total; ahead++) {
+			const uint64_t r = (ahead < n ? occ[ahead] : next[ahead - n]) >> idx_bits;
+			if (spread_set) {
+				prefetch_occ(&p, r, false);
+			} else {
+				spread_row = r;
+				spread_set = true;
+			}
+		}
 		/* i is the next row's first occurrence: the row of the one after it, into L1 */
 		if (near && i + 1 < n)
 			prefetch_occ(&p, occ[i + 1] >> idx_bits, true);
@@ -946,14 +999,21 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 		float *m2 = m2_per_row ? sh->momentum2 + row * m2_per_row : NULL;
 		void *w = (uint8_t *)sh->weights + row * p.row_bytes;
 		/* checked while in cache: reported, not kept silently (engine/step.h) */
-		if (lanes && (type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM) &&
-		    params.weight_decay == 0.0f) {
-			optim_row_checked(&params, w, g, m1, m2, cols, type, &nonfinite_lanes);
-			continue;
-		}
-		if (lanes && type == EMBD_OPT_ROWWISE_ADAGRAD && params.weight_decay == 0.0f) {
-			rowwise_row_checked(&params, w, g, m1, cols, &nonfinite_lanes,
-					    &nonfinite_state);
+		if (checked) {
+			/* rowwise_adagrad's one state float a row: prefetched whole here */
+			const struct spread_prefetch sp = {
+				.weights = p.weights + spread_row * p.row_bytes,
+				.m1 = m1_per_row ? p.m1 + spread_row * p.m1_bytes : NULL,
+				.m2 = m2_per_row ? p.m2 + spread_row * p.m2_bytes : NULL,
+			};
+			if (type == EMBD_OPT_ROWWISE_ADAGRAD) {
+				embd_prefetch_line(sp.m1);
+				rowwise_row_checked(&params, w, g, m1, cols, &nonfinite_lanes,
+						    &nonfinite_state, &sp);
+			} else {
+				optim_row_checked(&params, w, g, m1, m2, cols, type,
+						  &nonfinite_lanes, &sp);
+			}
 			continue;
 		}
 		if (lanes) {
