@@ -636,16 +636,17 @@ static inline __attribute__((always_inline)) void prefetch_occ(const struct occ_
  * D 128, they waited for fill buffers while the row's arithmetic waited behind them: spread,
  * adam D 128 P 20 took 10-15% less time a batch on AVX2 and ~10% on AVX-512, adagrad D 128 ~6%
  * on AVX-512 (Intel Xeon, 2026-12-06, docs/benchmarks.md). Where no row is left to prefetch the
- * loop gets the row it updates (its lines are in L1 by then).
+ * loop gets the row it updates (its lines are in L1 by then). At most EMBD_PREFETCH_MAX_LINES
+ * lines of each array, as embd_prefetch_lines prefetches the other rows.
  */
 struct spread_prefetch {
 	const uint8_t *weights, *m1, *m2; /* m1, m2: the element-wise state the optimizer has */
 };
 
 /* The row's lines of the arrays it has, from byte `at` of each (a line's first byte). */
-static inline __attribute__((always_inline)) void spread_prefetch_line(const struct spread_prefetch *sp,
-									 uint64_t at,
-									 const enum embd_optimizer_type type)
+static inline __attribute__((always_inline)) void
+spread_prefetch_line(const struct spread_prefetch *sp, uint64_t at,
+		     const enum embd_optimizer_type type)
 {
 	embd_prefetch_line(sp->weights + at);
 	if (type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM)
@@ -782,12 +783,12 @@ static inline __attribute__((always_inline)) void or_nonfinite(nonfinite_acc *ac
  * sgd, adagrad or adam without weight decay on a row of whole 16-float groups, prefetching the
  * lines of sp's row as it goes: embd_optim_elem's arithmetic, operation for operation (so bit
  * for bit: contraction is off, fmaf is fman), OPT_FLOATS columns at a time, that also adds to
- * the test *acc (nonfinite_acc_add) the new weight plus its new state, from the values in
- * registers rather than read back after the row is written. The sum is NaN or infinite
- * whenever one of them is, and otherwise only when finite values add up past the largest
- * float, which the recount (count_nonfinite_rows) tells apart. Read back, the test was ~6% of
- * adam D 128 P 20's step; here adam D 64 won 9 of 10 alternations on AVX-512, its apply 5%
- * shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd, with no state to read back, read ~3%
+ * the test *acc (nonfinite_acc_add) the new weight plus its new state (sgd: the weight), from
+ * the values in registers rather than read back after the row is written. The sum is NaN or
+ * infinite whenever one of them is, and otherwise only when finite values add up past the
+ * largest float, which the recount (count_nonfinite_rows) tells apart. Read back, the test was
+ * ~6% of adam D 128 P 20's step; here adam D 64 won 9 of 10 alternations on AVX-512, its apply
+ * 5% shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd, with no state to read back, read ~3%
  * slower this way until the prefetches were spread over the row loop; with them, sgd D 64 took
  * 5-7% less time a batch on AVX-512 (Intel Xeon, 2026-12-06).
  */
@@ -805,7 +806,8 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 		const floatsn gd = *(const floatsn *)(g + c);
 		floatsn x = *(floatsn *)(w + c), sum;
 
-		if (c * 4 % EMBD_CACHE_LINE_BYTES == 0)
+		if (c * 4 % EMBD_CACHE_LINE_BYTES == 0 &&
+		    c * 4 < EMBD_PREFETCH_MAX_LINES * EMBD_CACHE_LINE_BYTES)
 			spread_prefetch_line(sp, c * 4, type);
 
 		if (type == EMBD_OPT_SGD) {
@@ -876,7 +878,8 @@ rowwise_row_checked(const struct embd_optim_params *params, float *restrict w,
 	for (uint32_t c = 0; c < cols; c += OPT_FLOATS) {
 		const floatsn x = fman(neg_mult, *(const floatsn *)(g + c), *(floatsn *)(w + c));
 
-		if (c * 4 % EMBD_CACHE_LINE_BYTES == 0)
+		if (c * 4 % EMBD_CACHE_LINE_BYTES == 0 &&
+		    c * 4 < EMBD_PREFETCH_MAX_LINES * EMBD_CACHE_LINE_BYTES)
 			spread_prefetch_line(sp, c * 4, EMBD_OPT_ROWWISE_ADAGRAD);
 		*(floatsn *)(w + c) = x;
 		*acc = nonfinite_acc_add(*acc, x);
