@@ -783,14 +783,15 @@ static inline __attribute__((always_inline)) void or_nonfinite(nonfinite_acc *ac
  * sgd, adagrad or adam without weight decay on a row of whole 16-float groups, prefetching the
  * lines of sp's row as it goes: embd_optim_elem's arithmetic, operation for operation (so bit
  * for bit: contraction is off, fmaf is fman), OPT_FLOATS columns at a time, that also adds to
- * the test *acc (nonfinite_acc_add) the new weight plus its new state (sgd: the weight), from
- * the values in registers rather than read back after the row is written. The sum is NaN or
- * infinite whenever one of them is, and otherwise only when finite values add up past the
- * largest float, which the recount (count_nonfinite_rows) tells apart. Read back, the test was
- * ~6% of adam D 128 P 20's step; here adam D 64 won 9 of 10 alternations on AVX-512, its apply
- * 5% shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd, with no state to read back, read ~3%
- * slower this way until the prefetches were spread over the row loop; with them, sgd D 64 took
- * 5-7% less time a batch on AVX-512 (Intel Xeon, 2026-12-06).
+ * the test *acc (nonfinite_acc_add) the new weight plus its new state (sgd: the weight; adam:
+ * the weight and v), from the values in registers rather than read back after the row is
+ * written. The sum is NaN or infinite whenever one of them is, and otherwise only when finite
+ * values add up past the largest float, which the recount (count_nonfinite_rows) tells apart.
+ * Read back, the test was ~6% of adam D 128 P 20's step; here adam D 64 won 9 of 10
+ * alternations on AVX-512, its apply 5% shorter (Zen 4, 2026-12-05, docs/benchmarks.md). sgd,
+ * with no state to read back, read ~3% slower this way until the prefetches were spread over
+ * the row loop; with them, sgd D 64 took 5-7% less time a batch on AVX-512 (Intel Xeon,
+ * 2026-12-06).
  */
 static inline __attribute__((always_inline)) void
 optim_row_checked(const struct embd_optim_params *params, float *restrict w,
@@ -824,7 +825,10 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 			*(floatsn *)(m1 + c) = m;
 			*(floatsn *)(m2 + c) = v;
 			x = x - step * m / (sqrtn(v) + adam_eps);
-			sum = x + m + v;
+			/* m need not be added: where it is NaN or infinite so is the new weight,
+			 * unless v is (the step divides by sqrt(v) + eps', eps' > 0); one add less
+			 * took adam D 128 P 20 4-8% less time a batch (Intel Xeon, 2026-12-07) */
+			sum = x + v;
 		}
 		*(floatsn *)(w + c) = x;
 		*acc = nonfinite_acc_add(*acc, sum);
