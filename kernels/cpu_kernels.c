@@ -468,6 +468,35 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1, LEAN_L2);               \
 		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0, LEAN_L2);
 
+#if VEC_FLOATS == 16
+/*
+ * The lean loops that prefetch into L1, each out of line and named, as lean_bags is, so that
+ * tests/unit/kernels/check_prefetch.sh finds each one's prefetches into L1 on its own (in one
+ * function, either would pass for both). lean_bags_l1: the only rows embd_forward_prefetch_l1
+ * prefetches into L1, fp32 of 512 bytes.
+ */
+static __attribute__((noinline)) uint32_t
+lean_bags_l1(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
+	     uint32_t b, uint32_t last)
+{
+	return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 0, 1, LEAN_L1)
+			  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, LEAN_L1);
+}
+
+/* The only rows embd_forward_prefetch_l1_near also prefetches into L1: fp16 of 256 and 512
+ * bytes (8 or 16 vectors). */
+static __attribute__((noinline)) uint32_t
+lean_bags_near(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
+	       uint32_t b, uint32_t last)
+{
+	if (c->cols == 8 * VEC_FLOATS)
+		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 1, 1, LEAN_L2_NEAR_L1)
+				  : lean_bags_as(wnd, bt, c, b, last, 8, 1, 0, LEAN_L2_NEAR_L1);
+	return c->weights ? lean_bags_as(wnd, bt, c, b, last, 16, 1, 1, LEAN_L2_NEAR_L1)
+			  : lean_bags_as(wnd, bt, c, b, last, 16, 1, 0, LEAN_L2_NEAR_L1);
+}
+#endif
+
 /* lean_bags_as for the shard's row width, chosen once for a run of bags. Out of line, as
  * forward_bags and apply_rows are: tests/unit/kernels/check_prefetch.sh finds their prefetch
  * instructions by name. */
@@ -476,18 +505,10 @@ lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct
 	  int fp16, uint32_t b, uint32_t last)
 {
 #if VEC_FLOATS == 16
-	/* the only rows embd_forward_prefetch_l1 prefetches into L1: fp32, 512 bytes */
 	if (c->prefetch_l1 && !fp16 && c->cols == 8 * VEC_FLOATS)
-		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 0, 1, LEAN_L1)
-				  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, LEAN_L1);
-	/* the only rows embd_forward_prefetch_l1_near also prefetches into L1: fp16, 256 and
-	 * 512 bytes */
-	if (c->prefetch_near && fp16 && c->cols == 8 * VEC_FLOATS)
-		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 1, 1, LEAN_L2_NEAR_L1)
-				  : lean_bags_as(wnd, bt, c, b, last, 8, 1, 0, LEAN_L2_NEAR_L1);
-	if (c->prefetch_near && fp16 && c->cols == 16 * VEC_FLOATS)
-		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 16, 1, 1, LEAN_L2_NEAR_L1)
-				  : lean_bags_as(wnd, bt, c, b, last, 16, 1, 0, LEAN_L2_NEAR_L1);
+		return lean_bags_l1(wnd, bt, c, b, last);
+	if (c->prefetch_near && fp16 && (c->cols == 8 * VEC_FLOATS || c->cols == 16 * VEC_FLOATS))
+		return lean_bags_near(wnd, bt, c, b, last);
 #endif
 	switch (c->cols / VEC_FLOATS) {
 	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
