@@ -23,9 +23,12 @@
  *   lean loop takes, one line at a time after the load that starts the same line (into L1 where
  *   the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1; the kernel's second
  *   prefetch of fp16 rows of 256 and 512 bytes into L1 a few ids ahead,
- *   embd_forward_prefetch_l1_near, is left out: it made this loop slower, fp16 D 256 P 100
- *   5.87-6.09 ms a batch against 5.50-5.73, D 128 P 100 2.88-3.15 against 2.76-2.90, Intel Xeon
- *   2026-12-06, docs/benchmarks.md), with the row's size a constant as it is in that loop, and
+ *   embd_forward_prefetch_l1_near, is run both ways, bench_gather.prefetch_near, and the
+ *   faster taken: on an Intel Xeon it made this loop slower, fp16 D 256 P 100 5.87-6.09 ms a
+ *   batch against 5.50-5.73, D 128 P 100 2.88-3.15 against 2.76-2.90 (2026-12-06), and left
+ *   out, the kernel read fp16 D 128 P 100 at 1.02-1.08 of it; a day later it made this loop
+ *   ~5% faster at D 128 and 256 P 100, docs/benchmarks.md), with the row's size a constant as
+ *   it is in that loop, and
  *   the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
  *   the chunk's last bags, where it is clamped to the chunk (a clamp on every id was a cost the
  *   kernel does not have; the last bags' compare and move, on the 2-3% of ids whose row ahead
@@ -175,8 +178,16 @@
 			else if (k + dist < n)                                                    \
 				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass); \
 			const uint8_t *row = t + (uint64_t)SRC[k - (BASE)] * rb + from;           \
+			/* lean 3: the row a few ids ahead too, into L1 (NEAR <= dist) */         \
+			const uint8_t *near = t;                                                  \
+			if (lean == 3)                                                            \
+				near += (uint64_t)SRC[!(CLAMP) || k + EMBD_PREFETCH_IDS_NEAR < n  \
+							      ? k - (BASE) + EMBD_PREFETCH_IDS_NEAR \
+							      : n - 1 - (BASE)] * rb;             \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
 				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+				if (lean == 3 && (v * VBYTES) % 64 == 0)                          \
+					embd_prefetch_line_l1(near + (uint64_t)v * VBYTES);       \
 				if (lean == 2 && (v * VBYTES) % 64 == 0)                          \
 					embd_prefetch_line_l1(ahead + (uint64_t)v * VBYTES);      \
 				else if (lean && (v * VBYTES) % 64 == 0)                          \
@@ -202,7 +213,8 @@
 
 /* the bag loops' lean mode (kernels/cpu_kernels.c): one pass covers the row, whose lines are
  * prefetched one after each load that starts a line, dist ids ahead, clamped to the chunk;
- * lean 2: into L1, as the kernel's where bench_gather.prefetch_l1 */
+ * lean 2: into L1, as the kernel's where bench_gather.prefetch_l1; lean 3: into L2, and the
+ * row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, where bench_gather.prefetch_near */
 #define GATHER_LEAN_ARGS                                                                          \
 	const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul, const int lean
 
@@ -255,6 +267,10 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
 	if (lean == 2 && pass == 512 && last == 0)                                                \
 		FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 2);                                       \
+	else if (lean == 3 && pass == 256 && last == 0)                                           \
+		FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, 3);                                       \
+	else if (lean == 3 && pass == 512 && last == 0)                                           \
+		FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 3);                                       \
 	else if (lean)                                                                            \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
@@ -303,6 +319,9 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 
 	if (lean && g->prefetch_l1)
 		lean = 2;
+	else if (lean && bench_gather_near_ways(g) > 1 && g->prefetch_near &&
+		 dist >= EMBD_PREFETCH_IDS_NEAR)
+		lean = 3;
 
 #if defined(__x86_64__)
 	/* fp16 rows (a pooled row twice theirs) 32 bytes a load on AVX-512 too (bench_limits.c's
@@ -358,6 +377,17 @@ int bench_gather_ways(const struct bench_gather *g)
 {
 	return embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) &&
 			       g->ids_per_out <= EMBD_LEAN_WINDOW_IDS
+		       ? 2
+		       : 1;
+}
+
+int bench_gather_near_ways(const struct bench_gather *g)
+{
+	const uint32_t elem_bytes = g->out_row_bytes == 2 * g->row_bytes ? 2 : 4;
+
+	return embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) &&
+			       !g->prefetch_l1 &&
+			       embd_forward_prefetch_near(g->isa, g->row_bytes, elem_bytes)
 		       ? 2
 		       : 1;
 }

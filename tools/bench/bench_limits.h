@@ -44,6 +44,12 @@ struct bench_gather {
 	 * the limit's lighter loop does best with (bench_limits.c), so the benchmarks also run
 	 * the distance of the other vendor's rule and take the faster */
 	uint32_t prefetch_ids;
+	/* where the lean loop takes rows of 256 or 512 bytes of fp16 (embd_forward_prefetch_near),
+	 * also prefetch each line of the row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, as the
+	 * kernel's loop does there. The limit's loop without it was the faster on an Intel Xeon
+	 * until the kernel beat that (bench_limits.c), so the benchmarks run both and take the
+	 * faster; other rows ignore it */
+	bool prefetch_near;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
 };
@@ -58,6 +64,10 @@ uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes
 
 /* The ways g can read its ids: 2 where bench_gather.windowed changes what it does, else 1. */
 int bench_gather_ways(const struct bench_gather *g);
+
+/* The ways g can prefetch its rows into L1 a few ids ahead: 2 where bench_gather.prefetch_near
+ * changes what it does (the kernel's lean loop prefetches those rows so), else 1. */
+int bench_gather_near_ways(const struct bench_gather *g);
 
 /*
  * The orders the read-modify-write limit can walk a row in: which is the fastest depends on the
