@@ -826,11 +826,14 @@ optim_row_checked(const struct embd_optim_params *params, float *restrict w,
 
 	/*
 	 * A line at a time, its vectors in one iteration with the prefetch at its head: where a
-	 * vector is under a line (AVX2, SSE2) the loop kept a test and branch a vector for the
-	 * line's first; without it AVX2 adagrad D 128 P 20 read .922 of its limit against .837
-	 * (medians of ten, Intel Xeon, 2026-12-07), AVX-512 the same within its noise.
+	 * vector is under a line (AVX2, SSE2), a loop a vector at a time leaves GCC a test and a
+	 * branch a vector for the line's first; a line at a time AVX2 adagrad D 128 P 20 read .922
+	 * of its limit against .837 (medians of ten, Intel Xeon, 2026-12-07), AVX-512 the same
+	 * within its noise.
 	 */
 	enum { LINE_FLOATS = EMBD_CACHE_LINE_BYTES / 4 };
+	_Static_assert(EMBD_SUM_SQ_LANES % LINE_FLOATS == 0 && LINE_FLOATS % OPT_FLOATS == 0,
+		       "a row of whole 16-float groups is whole lines of whole vectors");
 	for (uint32_t line = 0; line < cols; line += LINE_FLOATS)
 	for (uint32_t c = line; c < line + LINE_FLOATS; c += OPT_FLOATS) {
 		const floatsn gd = *(const floatsn *)(g + c);

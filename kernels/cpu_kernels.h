@@ -194,8 +194,9 @@ static inline bool embd_row_prefetch_l1_rule(enum embd_row_prefetch want, enum e
 
 /* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says
  * so, and the gather limit's where the kernel's are; the forward's and the backward's near rows
- * where embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the limits
- * have none of those). */
+ * where embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the gather
+ * limit runs the forward's as one of its ways, bench_gather.prefetch_near; the
+ * read-modify-write limit has none). */
 static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const void *p)
 {
 	__builtin_prefetch(p, 0, 3);

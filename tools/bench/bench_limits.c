@@ -26,10 +26,9 @@
  *   embd_forward_prefetch_l1_near, is run both ways, bench_gather.prefetch_near, and the
  *   faster taken: on an Intel Xeon it made this loop slower, fp16 D 256 P 100 5.87-6.09 ms a
  *   batch against 5.50-5.73, D 128 P 100 2.88-3.15 against 2.76-2.90 (2026-12-06), and left
- *   out, the kernel read fp16 D 128 P 100 at 1.02-1.08 of it; a day later it made this loop
- *   ~5% faster at D 128 and 256 P 100, docs/benchmarks.md), with the row's size a constant as
- *   it is in that loop, and
- *   the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
+ *   out, the kernel read fp16 D 128 P 100 at 1.032 of it in the median of ten; a day later it
+ *   made this loop ~5% faster at D 128 and 256 P 100, docs/benchmarks.md), with the row's
+ *   size a constant as it is in that loop, and the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
  *   the chunk's last bags, where it is clamped to the chunk (a clamp on every id was a cost the
  *   kernel does not have; the last bags' compare and move, on the 2-3% of ids whose row ahead
  *   would pass the chunk's end, are a fraction of a percent of the limit's instructions), or as
@@ -263,7 +262,9 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
 /* lean 2 (into L1) only where the kernel has it, on rows of one 512-byte pass
- * (embd_forward_prefetch_l1); elsewhere the L2 loop, as the kernel's */
+ * (embd_forward_prefetch_l1); lean 3 (into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead)
+ * on fp16 rows of one 256- or 512-byte pass (embd_forward_prefetch_l1_near); elsewhere the L2
+ * loop, as the kernel's */
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
 	if (lean == 2 && pass == 512 && last == 0)                                                \
 		FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 2);                                       \
@@ -319,8 +320,8 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 
 	if (lean && g->prefetch_l1)
 		lean = 2;
-	else if (lean && bench_gather_near_ways(g) > 1 && g->prefetch_near &&
-		 dist >= EMBD_PREFETCH_IDS_NEAR)
+	else if (lean && g->prefetch_near && dist >= EMBD_PREFETCH_IDS_NEAR &&
+		 bench_gather_near_ways(g) > 1)
 		lean = 3;
 
 #if defined(__x86_64__)

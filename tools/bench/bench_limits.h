@@ -46,9 +46,9 @@ struct bench_gather {
 	uint32_t prefetch_ids;
 	/* where the lean loop takes rows of 256 or 512 bytes of fp16 (embd_forward_prefetch_near),
 	 * also prefetch each line of the row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, as the
-	 * kernel's loop does there. The limit's loop without it was the faster on an Intel Xeon
-	 * until the kernel beat that (bench_limits.c), so the benchmarks run both and take the
-	 * faster; other rows ignore it */
+	 * kernel's loop does there. Which is faster depends on the machine and the hour (on an
+	 * Intel Xeon the kernel read above the limit without it, bench_limits.c), so the
+	 * benchmarks run both and take the faster; other rows ignore it */
 	bool prefetch_near;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */

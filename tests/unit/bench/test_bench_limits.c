@@ -178,8 +178,9 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
  * use (one pass, and several over a row, the last one shorter on AVX2); a zero table pools to
  * zeros. Its ways of reading the ids (straight from the batch, and through windows of them,
  * several a chunk at P 100) and of prefetching the rows (into L2, into L1, and into L2 with a
- * second prefetch into L1 a few ids ahead) store the same bytes from a table of other bytes;
- * the near ids are clamped to the batch's as the rows ahead are. The table
+ * second prefetch into L1 a few ids ahead), at the kernel's distance and the other vendor
+ * rule's, store the same bytes from a table of other bytes; the near ids are clamped to the
+ * chunk's as the rows ahead are. The table
  * is exactly its rows, the ids exactly the batch's, and the last bag reads the last row, so
  * that a pass reading past a row's end, or an id past the batch's, reads outside them
  * (AddressSanitizer's build names it).
@@ -224,14 +225,17 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 			/* the near way is one of these rows' on AVX-512 (Intel rules, below) */
 			if (isas[i] == EMBD_ISA_AVX512 && fp16 && dims[d] >= 128)
 				cr_expect_eq(bench_gather_near_ways(g), 2, "fp16 D %u", dims[d]);
-			/* windowed or not, L2 or L1, near prefetch or not */
-			for (int way = 0; way < 8; way++) {
-				const int windowed = way & 1, l1 = way >> 1 & 1, near = way >> 2;
+			const uint32_t other = bench_gather_other_prefetch_ids(rb, fp16 ? 2u : 4u);
+			/* windowed or not, L2 or L1, near prefetch or not, the kernel's distance or
+			 * the other rule's */
+			for (int way = 0; way < 16; way++) {
+				const int windowed = way & 1, l1 = way >> 1 & 1, near = way >> 2 & 1;
 				memset(table, 0, ROWS * rb);
 				memset(out, 0x5a, BAGS * ob + GUARD);
 				g->windowed = windowed;
 				g->prefetch_l1 = l1;
 				g->prefetch_near = near;
+				g->prefetch_ids = way >> 3 ? other : 0;
 				bench_gather_run(two, g);
 				uint64_t bad = 0, past = 0;
 				for (uint64_t j = 0; j < BAGS * ob; j++)
@@ -240,23 +244,25 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 					past += out[j] != 0x5a;
 				cr_expect(!bad && !past,
 					  "%s D %u %s P %u%s%s: %llu pooled bytes not stored, "
-					  "%llu stored past the last row",
+					  "%llu stored past the last row (way %d)",
 					  embd_kernels_isa_name(isas[i]), dims[d],
 					  fp16 ? "fp16" : "fp32", P, windowed ? " windowed" : "",
 					  l1 ? " l1" : near ? " near" : "", (unsigned long long)bad,
-					  (unsigned long long)past);
+					  (unsigned long long)past, way);
 			}
 			for (uint64_t j = 0; j < ROWS * rb; j++)
 				table[j] = (uint8_t)(j * 131 + j / rb);
 			g->windowed = 0;
 			g->prefetch_l1 = false;
 			g->prefetch_near = false;
+			g->prefetch_ids = 0;
 			bench_gather_run(two, g);
 			memcpy(out_window, out, BAGS * ob);
-			for (int way = 1; way < 8; way++) {
+			for (int way = 1; way < 16; way++) {
 				g->windowed = way & 1;
 				g->prefetch_l1 = way >> 1 & 1;
-				g->prefetch_near = way >> 2;
+				g->prefetch_near = way >> 2 & 1;
+				g->prefetch_ids = way >> 3 ? other : 0;
 				bench_gather_run(two, g);
 				cr_expect(memcmp(out, out_window, BAGS * ob) == 0,
 					  "%s D %u %s P %u: way %d stored other sums than the first",
