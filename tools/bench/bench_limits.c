@@ -261,18 +261,10 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	} else {                                                                                  \
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
-/* lean 2 (into L1) only where the kernel has it, on rows of one 512-byte pass
- * (embd_forward_prefetch_l1); lean 3 (into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead)
- * on fp16 rows of one 256- or 512-byte pass (embd_forward_prefetch_l1_near); elsewhere the L2
- * loop, as the kernel's */
+/* the lean loop into L2 (lean 1) or no lean loop (0); the loops into L1 are bags_l1_512's and
+ * bags_near_256's */
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
-	if (lean == 2 && pass == 512 && last == 0)                                                \
-		FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 2);                                       \
-	else if (lean == 3 && pass == 256 && last == 0)                                           \
-		FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, 3);                                       \
-	else if (lean == 3 && pass == 512 && last == 0)                                           \
-		FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 3);                                       \
-	else if (lean)                                                                            \
+	if (lean)                                                                                 \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
@@ -303,6 +295,27 @@ bags_any_128(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
 	PASS_SWITCH(bags_128, 16)
 }
+
+/*
+ * The lean loops into L1, only where the kernel has them, each out of line on its own (as the
+ * kernel's lean_bags_l1 and lean_bags_near), so that check_prefetch.sh finds each one's
+ * prefetches into L1: in one function, either would pass for both. bags_l1_512: lean 2, fp32
+ * rows of one 512-byte pass (embd_forward_prefetch_l1).
+ */
+__attribute__((target("avx512f"), noinline)) static void bags_l1_512(GATHER_ARGS)
+{
+	bags_512(PASS_ARGS, 512 / 64, 0, 1, 2);
+}
+
+/* lean 3: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of one 256- or
+ * 512-byte pass (embd_forward_prefetch_l1_near), 32 bytes a load as the other fp16 walks */
+__attribute__((target("avx2"), noinline)) static void bags_near_256(GATHER_ARGS, uint64_t pass)
+{
+	if (pass == 256)
+		bags_256(PASS_ARGS, 256 / 32, 0, 2, 3);
+	else
+		bags_256(PASS_ARGS, 512 / 32, 0, 2, 3);
+}
 #endif
 
 /* The bags [b0, b1) of the batch: the kernel's passes, prefetches and stores, no arithmetic. */
@@ -318,16 +331,23 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 		dist = EMBD_LEAN_WINDOW_PAD;
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
-	if (lean && g->prefetch_l1)
+	/* the loops into L1 where the kernel has them, else the L2 loop (bench_gather.prefetch_l1
+	 * is ignored elsewhere) */
+	if (lean && g->prefetch_l1 && g->isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
+	    pass == 512 && last == 0)
 		lean = 2;
 	else if (lean && g->prefetch_near && dist >= EMBD_PREFETCH_IDS_NEAR &&
-		 bench_gather_near_ways(g) > 1)
+		 bench_gather_near_ways(g) > 1 && (pass == 256 || pass == 512) && last == 0)
 		lean = 3;
 
 #if defined(__x86_64__)
 	/* fp16 rows (a pooled row twice theirs) 32 bytes a load on AVX-512 too (bench_limits.c's
 	 * head says why) */
-	if (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes != 2 * rb)
+	if (lean == 2)
+		bags_l1_512(g, b0, b1, pb, dist, sink);
+	else if (lean == 3)
+		bags_near_256(g, b0, b1, pb, dist, sink, pass);
+	else if (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes != 2 * rb)
 		bags_any_512(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else if (g->isa == EMBD_ISA_AVX512 || g->isa == EMBD_ISA_AVX2)
 		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
