@@ -55,8 +55,8 @@
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as the
  *   kernel prefetches it into L2 (embd_prefetch_bytes; the kernel's second prefetch into L1,
- *   adagrad's on Intel CPUs, embd_backward_prefetch_l1_near, is left out: it made this walk
- *   slower, docs/benchmarks.md), embd_backward_prefetch_distance() rows
+ *   adagrad's and adam's on Intel CPUs, embd_backward_prefetch_l1_near, is left out: it made
+ *   this walk slower over adagrad's rows, docs/benchmarks.md), embd_backward_prefetch_distance() rows
  *   ahead (before the row's gradient reads, or after them as the kernel orders them, and after
  *   them with the gradient loads unrolled and the arrays of under a line a row written first:
  *   enum bench_rmw_order. Which is fastest depends on the isa and the optimizer, so the

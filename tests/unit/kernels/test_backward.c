@@ -1265,12 +1265,13 @@ Test(kernels_backward, prepare_reports_errors_as_backward_does)
 	embd_ref_table_destroy(ref);
 }
 
-/* The apply's second prefetch, into L1 one row nearer: adagrad's, on Intel CPUs only
+/* The apply's second prefetch, into L1 one row nearer: adagrad's and adam's, on Intel CPUs only
  * (embd_backward_prefetch_l1_near); the other vendor's rule and optimizers keep the L2's. */
-Test(kernels_backward, near_l1_prefetch_for_adagrad_on_intel_only)
+Test(kernels_backward, near_l1_prefetch_for_adagrad_and_adam_on_intel_only)
 {
 	for (int type = EMBD_OPT_SGD; type <= EMBD_OPT_ADAM; type++) {
-		cr_expect_eq(embd_backward_prefetch_l1_near(type, true), type == EMBD_OPT_ADAGRAD,
+		cr_expect_eq(embd_backward_prefetch_l1_near(type, true),
+			     type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM,
 			     "optimizer %d on an Intel CPU", type);
 		cr_expect(!embd_backward_prefetch_l1_near(type, false), "optimizer %d elsewhere", type);
 	}
