@@ -100,11 +100,11 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool inte
  * limit so at fp32 D 128 against .81-.82 without (AVX-512, 2026-12-06), D 64 the same; adam's,
  * with the rows' L2 prefetches spread over the row loop, .826-.860 at D 128 against .780-.803
  * (AVX-512) and .92-.93 at D 64 against .89-.90 (AVX2; medians of ten, four alternations,
- * 2026-12-07), AVX2 at D 128 .76-.83 against .76-.81 (medians .818 and .783 of seven). sgd and
- * rowwise_adagrad gained nothing from it (rowwise_adagrad .01 slower on AVX-512, as much faster
- * on AVX2). The read-modify-write limit ran slower with it and keeps its own walk. Only fp32
- * D 64 and 128 were measured: fp16 rows, other widths and the scalar variant follow by
- * extrapolation, other CPUs not at all.
+ * 2026-12-07), AVX2 at D 128 .76-.83 against .76-.81 (medians .818 and .783 of seven).
+ * rowwise_adagrad gained nothing from it (.01 slower on AVX-512, as much faster on AVX2), nor did
+ * sgd (measured before the spread prefetches only). The read-modify-write limit ran slower with
+ * it and keeps its own walk. Only fp32 D 64 and 128 were measured: fp16 rows, other widths, the
+ * scalar variant and adagrad on AVX2 follow by extrapolation, other CPUs not at all.
  */
 static inline bool embd_backward_prefetch_l1_near(enum embd_optimizer_type type, bool intel)
 {

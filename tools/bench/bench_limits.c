@@ -56,9 +56,10 @@
  *   once in the weights and in each optimizer state array, every array's row prefetched as the
  *   kernel prefetches it into L2 (embd_prefetch_bytes; the kernel's second prefetch into L1,
  *   adagrad's and adam's on Intel CPUs, embd_backward_prefetch_l1_near, is left out: it made
- *   this walk slower over adagrad's rows, docs/benchmarks.md), embd_backward_prefetch_distance() rows
- *   ahead (before the row's gradient reads, or after them as the kernel orders them, and after
- *   them with the gradient loads unrolled and the arrays of under a line a row written first:
+ *   this walk slower over adagrad's rows, docs/benchmarks.md),
+ *   embd_backward_prefetch_distance() rows ahead (before the row's gradient reads, or after
+ *   them as the kernel orders them, and after them with the gradient loads unrolled and the
+ *   arrays of under a line a row written first:
  *   enum bench_rmw_order. Which is fastest depends on the isa and the optimizer, so the
  *   benchmarks run each and take the one whose median run is the shortest; rowwise_adagrad D
  *   128 P 20 on a Zen 4, 2026-12-05: AVX-512 1.41 ms a batch after against 1.52 before, where
