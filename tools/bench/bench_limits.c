@@ -24,11 +24,12 @@
  *   the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1; the kernel's second
  *   prefetch of fp16 rows of 256 and 512 bytes into L1 a few ids ahead,
  *   embd_forward_prefetch_l1_near, is run both ways, bench_gather.prefetch_near, and the
- *   faster taken: on an Intel Xeon it made this loop slower, fp16 D 256 P 100 5.87-6.09 ms a
- *   batch against 5.50-5.73, D 128 P 100 2.88-3.15 against 2.76-2.90 (2026-12-06), and left
- *   out, the kernel read fp16 D 128 P 100 at 1.032 of it in the median of ten; a day later it
- *   made this loop ~5% faster at D 128 and 256 P 100, docs/benchmarks.md), with the row's
- *   size a constant as it is in that loop, and the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
+ *   faster taken, as which is faster changes with the hour: on an Intel Xeon it made this loop
+ *   slower on 2026-12-06, fp16 D 256 P 100 5.87-6.09 ms a batch against 5.50-5.73, D 128 P 100
+ *   2.88-3.15 against 2.76-2.90, and ~5% faster at D 128 and 256 P 100 on 2026-12-07; the
+ *   limit without it had the kernel's fp16 D 128 P 100 at 1.032 of it in the median of ten
+ *   (2026-12-06), docs/benchmarks.md), with the row's size a constant as it is in that loop,
+ *   and the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
  *   the chunk's last bags, where it is clamped to the chunk (a clamp on every id was a cost the
  *   kernel does not have; the last bags' compare and move, on the 2-3% of ids whose row ahead
  *   would pass the chunk's end, are a fraction of a percent of the limit's instructions), or as
