@@ -184,6 +184,20 @@ static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p
 	return _mm256_loadu_ps((const float *)p);
 }
 
+/*
+ * 16 fp16 elements at p, widened into two vectors from one 32-byte load (the empty asm holds
+ * the load whole: gcc would split it again).
+ */
+static inline __attribute__((always_inline)) void vec_load_fp16_pair(const uint8_t *p, vecf *lo,
+								     vecf *hi)
+{
+	__m256i x = _mm256_loadu_si256((const __m256i *)p);
+
+	__asm__("" : "+x"(x));
+	*lo = _mm256_cvtph_ps(_mm256_castsi256_si128(x));
+	*hi = _mm256_cvtph_ps(_mm256_extracti128_si256(x, 1));
+}
+
 /* The first n_valid (< 8) floats of a row at p (fp16 or fp32 elements), the rest zero. AVX2
  * has no masked 16-bit load: fp16 elements go through the stack. */
 static inline __attribute__((always_inline)) vecf vec_load_part(const uint8_t *p, uint32_t n_valid,
@@ -279,6 +293,34 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 	return -1;
 }
 
+/*
+ * Adds vector v of a lean row (nvec whole vectors at row) times w to acc[v]. AVX2 reads fp16
+ * rows 32 bytes a load, as the gather limit does, vectors v and v + 1 at an even v (nothing at
+ * an odd one): its lean rows of 64 and 128 bytes came in 5-9% faster than in 16-byte loads
+ * (fp16 D 32 and 64 P 20, Intel Xeon, 2026-12-07, docs/benchmarks.md). Only there: the checked
+ * loop's AVX2 passes of 192 bytes took 8-13% longer that way, and on AVX-512, whose fp16 loads
+ * are 32 bytes already, a 64-byte load widened in halves was no faster.
+ */
+static inline __attribute__((always_inline)) void
+pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec,
+	      const uint64_t vec_bytes, const int fp16)
+{
+#if VEC_FLOATS == 8
+	if (fp16 && v % 2 == 1)
+		return;
+	if (fp16 && v + 1 < nvec) {
+		vecf lo, hi;
+		vec_load_fp16_pair(row + v * vec_bytes, &lo, &hi);
+		acc[v] = vec_fmadd(w, lo, acc[v]);
+		acc[v + 1] = vec_fmadd(w, hi, acc[v + 1]);
+		return;
+	}
+#else
+	(void)nvec;
+#endif
+	acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
+}
+
 /* Where the lean loop prefetches its rows: into L2, into L1, or into L2 and then, a few ids
  * ahead, into L1 too. */
 enum lean_prefetch { LEAN_L2, LEAN_L1, LEAN_L2_NEAR_L1 };
@@ -312,7 +354,7 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 					      : NULL;
 		vecf w = vec_set1(weighted ? weights[j] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
-			acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
+			pool_lean_vec(acc, w, row, v, nvec, vec_bytes, fp16);
 			if ((v * vec_bytes) % 64 == 0) {
 				if (pf == LEAN_L2_NEAR_L1)
 					embd_prefetch_line_l1(near + v * vec_bytes);

@@ -123,7 +123,8 @@ Test(kernels_forward, random_shapes_equal_reference)
  * separate loops for passes of whole vectors and for a pass with a tail. AVX2 passes are 96
  * columns of fp16 rows (80, 88 and 96 one whole pass, the lean loop's for 96, and 84 one
  * with a tail; 128, 200 and 256 ending on a shorter pass of whole vectors, 100 and 260 on a
- * tail) and 64 of fp32 rows.
+ * tail) and 64 of fp32 rows. AVX2's lean loop widens fp16 rows two vectors a load: 24
+ * columns (three vectors) end on one loaded alone.
  */
 Test(kernels_forward, whole_and_tail_passes_equal_reference)
 {
