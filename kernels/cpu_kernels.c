@@ -186,7 +186,7 @@ static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p
 
 /*
  * 16 fp16 elements at p, widened into two vectors from one 32-byte load (the empty asm holds
- * the load whole: gcc would split it again).
+ * the load whole: without it gcc reads the low half again in a 16-byte load of its own).
  */
 static inline __attribute__((always_inline)) void vec_load_fp16_pair(const uint8_t *p, vecf *lo,
 								     vecf *hi)
@@ -296,10 +296,12 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 /*
  * Adds vector v of a lean row (nvec whole vectors at row) times w to acc[v]. AVX2 reads fp16
  * rows 32 bytes a load, as the gather limit does, vectors v and v + 1 at an even v (nothing at
- * an odd one): its lean rows of 64 and 128 bytes came in 5-9% faster than in 16-byte loads
- * (fp16 D 32 and 64 P 20, Intel Xeon, 2026-12-07, docs/benchmarks.md). Only there: the checked
- * loop's AVX2 passes of 192 bytes took 8-13% longer that way, and on AVX-512, whose fp16 loads
- * are 32 bytes already, a 64-byte load widened in halves was no faster.
+ * an odd one; its lean fp16 rows are whole lines, an even number of vectors, so the lone last
+ * vector is only a guard): the rows of 64 and 128 bytes (D 32 and 64) read 2-13% more of
+ * their limit than in 16-byte loads, D 32 P 20 0.270 against 0.290 ms a batch (Intel Xeon,
+ * 2026-12-07, docs/benchmarks.md; 192-byte rows, D 96, take it unmeasured). Only there: the
+ * checked loop's AVX2 passes of 192 bytes took 8-13% longer that way, and on AVX-512, whose
+ * fp16 loads are 32 bytes already, a 64-byte load widened in halves was no faster.
  */
 static inline __attribute__((always_inline)) void
 pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec,

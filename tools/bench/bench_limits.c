@@ -11,9 +11,10 @@
  *   fp32 rows come in halves joined in a register as that kernel joins them: against 32-byte
  *   loads into 256-bit accumulators it read D 64 P 20 at 1.10-1.12; on AVX2 16-byte loads of
  *   fp16 made this limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s, and the kernel's
- *   lean loop loads 32 bytes too since that made it 5-9% faster, its checked loop 16), in the
- *   kernel's passes over each bag (embd_forward_pass_cols: as many columns as its accumulators
- *   in registers hold), fully unrolled per pass width, the head of each pass's columns of the row
+ *   lean loop loads 32 bytes too since that made it faster, its checked loop 16 (32 made that
+ *   loop 8-13% slower)), in the kernel's passes over each bag (embd_forward_pass_cols: as many
+ *   columns as its accumulators in registers hold), fully unrolled per pass width, the head of
+ *   each pass's columns of the row
  *   embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
  *   also run the other vendor's rule's distance where it differs and take the faster: the
  *   kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids ahead took
