@@ -144,10 +144,10 @@ static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p
 	return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* 16 fp32 elements of a row at p, read as embd_load_fp32_halves reads them. */
-static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p)
+/* 16 fp32 elements of a row at p in a pass of nvec vectors (embd_load_fp32_pass). */
+static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p, const int nvec)
 {
-	return embd_load_fp32_halves(p);
+	return embd_load_fp32_pass(p, (uint32_t)nvec);
 }
 
 /* The first n_valid (< 16) floats of a row at p (fp16 or fp32 elements), the rest zero. */
@@ -178,9 +178,10 @@ static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p
 	return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* 8 fp32 elements of a row at p. */
-static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p)
+/* 8 fp32 elements of a row at p (in a pass of any width). */
+static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p, const int nvec)
 {
+	(void)nvec;
 	return _mm256_loadu_ps((const float *)p);
 }
 
@@ -235,13 +236,14 @@ static inline __attribute__((always_inline)) vecf vec_fmadd(vecf a, vecf b, vecf
 	return VEC_OP(fmadd_ps)(a, b, c);
 }
 
-/* n_valid floats of a row (fp16 or fp32 elements) at p, widened to fp32. */
+/* n_valid floats of a row (fp16 or fp32 elements) at p, in a pass of nvec vectors, widened to
+ * fp32. */
 static inline __attribute__((always_inline)) vecf vec_load_row(const uint8_t *p, uint32_t n_valid,
-							       const int fp16)
+							       const int fp16, const int nvec)
 {
 	if (n_valid < VEC_FLOATS)
 		return vec_load_part(p, n_valid, fp16);
-	return fp16 ? vec_load_fp16(p) : vec_load_fp32(p);
+	return fp16 ? vec_load_fp16(p) : vec_load_fp32(p, nvec);
 }
 
 static inline __attribute__((always_inline)) void vec_store(float *p, vecf x, uint32_t n_valid)
@@ -282,7 +284,7 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 		vecf w = vec_set1(weights ? weights[k] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			vecf x = vec_load_row(row + v * VEC_FLOATS * elem_bytes,
-					      v == nvec - 1 ? tail : VEC_FLOATS, fp16);
+					      v == nvec - 1 ? tail : VEC_FLOATS, fp16, nvec);
 			acc[v] = vec_fmadd(w, x, acc[v]);
 		}
 	}
@@ -320,7 +322,7 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
 #else
 	(void)nvec;
 #endif
-	acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16), acc[v]);
+	acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16, nvec), acc[v]);
 }
 
 /* Where the lean loop prefetches its rows: into L2, into L1, or into L2 and then, a few ids

@@ -4,7 +4,7 @@
  *
  * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
  *   loads of the kernel's isa (64 bytes for avx512, made of two 32-byte loads as the kernel
- *   makes them, 32 for avx2, 16 for scalar, which the compiler vectorizes with SSE2; fp16 rows
+ *   makes them but in its passes of 1 KiB, embd_load_fp32_pass, 32 for avx2, 16 for scalar, which the compiler vectorizes with SSE2; fp16 rows
  *   32 bytes on avx512 and avx2: the AVX-512 kernel loads 16 halves at a time, and 64-byte
  *   loads made the limit slower than that kernel, which read fp16 D 64 P 20 and 100 at
  *   1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s, 22.1-22.4 with 32-byte loads);
@@ -148,7 +148,7 @@
 		for (uint64_t b = unclamped; b < b1 - b0; b++)                                    \
 			GATHER_BAG(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, ids, 0, 1)          \
 	}                                                                                         \
-	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes)));
+	VSTORE(sink, VLOAD((const void *)(g->out + b0 * g->out_row_bytes), nvec));
 
 /* GATHER_BAGS' bag b, id k read from SRC[k - BASE], each row ahead's clamped to the chunk's
  * last id when CLAMP */
@@ -187,7 +187,7 @@
 							      ? k - (BASE) + EMBD_PREFETCH_IDS_NEAR \
 							      : n - 1 - (BASE)] * rb;             \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
-				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES))); \
+				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES), N)); \
 				if (lean == 3 && (v * VBYTES) % 64 == 0)                          \
 					embd_prefetch_line_l1(near + (uint64_t)v * VBYTES);       \
 				if (lean == 2 && (v * VBYTES) % 64 == 0)                          \
@@ -201,8 +201,11 @@
 	}
 
 #define LOAD512(p) _mm512_loadu_si512(p)
-/* 64 bytes as the AVX-512 kernel reads fp32 rows */
-#define LOAD512_HALVES(p) _mm512_castps_si512(embd_load_fp32_halves(p))
+/* a vector of a pass of n vectors, as the kernels read it: AVX-512 fp32 rows in
+ * embd_load_fp32_pass's loads (the AVX-512 walk reads only fp32 rows), the others whole */
+#define GATHER_LOAD512(p, n) _mm512_castps_si512(embd_load_fp32_pass(p, n))
+#define GATHER_LOAD256(p, n) LOAD256(p)
+#define GATHER_LOAD128(p, n) LOAD128(p)
 #define STORE512(s, x) _mm512_storeu_si512((void *)(s), x)
 #define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
 #define STORE256(s, x) _mm256_storeu_si256((__m256i *)(s), x)
@@ -223,18 +226,18 @@
 __attribute__((target("avx512f"), always_inline)) static inline void
 bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), LOAD512_HALVES, _mm512_add_epi32, STORE512)
+	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), GATHER_LOAD512, _mm512_add_epi32, STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
 bags_256(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), LOAD256, _mm256_add_epi32, STORE256)
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256)
 }
 
 static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), LOAD128, _mm_add_epi32, STORE128)
+	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), GATHER_LOAD128, _mm_add_epi32, STORE128)
 }
 
 /* Constant vector counts for passes of 64 bytes to 1 KiB (with the last pass of AVX2's
