@@ -319,8 +319,6 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
 		acc[v + 1] = vec_fmadd(w, hi, acc[v + 1]);
 		return;
 	}
-#else
-	(void)nvec;
 #endif
 	acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16, nvec), acc[v]);
 }

@@ -309,13 +309,13 @@ extern const struct embd_cpu_kernels embd_cpu_kernels_avx512;
 
 /*
  * 16 fp32 elements of a row at p, in two 32-byte loads joined in a register: how the AVX-512
- * forward reads rows but in passes of 1 KiB (embd_load_fp32_pass), and so how the benchmark's
- * gather limit reads them (which casts the result to integers: in the float domain, clang does
- * not fold the two loads back into one 64-byte load). On the Zen 4 the forward's rows came in faster that way than in one 64-byte
- * load: fp32 D 32 P 20 and 100 15-18% less time a batch, D 64 10-15%, D 128 3-6%, D 256 and P 1
- * the same (AVX-512, two threads, 2026-12-05, docs/benchmarks.md). Only for rows read: the
- * backward's read-modify-write of rows with 32-byte loads took up to 28% longer (adam D 128
- * P 20).
+ * forward reads rows but in passes of 16 vectors (embd_load_fp32_pass), and so how the
+ * benchmark's gather limit reads them (which casts the result to integers: in the float domain,
+ * clang does not fold the two loads back into one 64-byte load). On the Zen 4 the forward's rows
+ * came in faster that way than in one 64-byte load: fp32 D 32 P 20 and 100 15-18% less time a
+ * batch, D 64 10-15%, D 128 3-6%, D 256 and P 1 the same (AVX-512, two threads, 2026-12-05,
+ * docs/benchmarks.md). Only for rows read: the backward's read-modify-write of rows with 32-byte
+ * loads took up to 28% longer (adam D 128 P 20).
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512
 embd_load_fp32_halves(const void *p)
@@ -330,10 +330,12 @@ embd_load_fp32_halves(const void *p)
 /*
  * 16 fp32 elements of a row at p, as the AVX-512 forward reads them in a pass of pass_vectors
  * vectors (a constant where the loop is unrolled), and so as the gather limit reads them: a
- * pass of 1 KiB (16 vectors: fp32 D 256, one pass a row) in 64-byte loads, others in halves
- * (embd_load_fp32_halves). On an Intel Xeon fp32 D 256 took 4-5% less time a batch in whole
- * loads at P 20 and 100, plain and weighted (2026-12-07, docs/benchmarks.md), where the Zen 4
- * had read the same either way.
+ * pass of 16 vectors in 64-byte loads, others in halves (embd_load_fp32_halves). Such passes
+ * are the 1 KiB of fp32 D 256, one pass a row, and of wider rows (unmeasured), and a pass of
+ * D 241-255 or a last one of 16 vectors the last of them a part (its part is read masked, as
+ * in any pass). On an Intel Xeon fp32 D 256 took 4-5% less time a batch in whole loads at P 20
+ * and 100 and weighted P 20 (weighted P 100 1-2%, unsteady; 2026-12-07, docs/benchmarks.md),
+ * where the Zen 4 had read the same either way.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512
 embd_load_fp32_pass(const void *p, const uint32_t pass_vectors)

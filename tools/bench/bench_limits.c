@@ -2,19 +2,19 @@
  * The memory limits of `embd-bench kernels`: what the memory system allows for the kernels'
  * own access patterns, measured with the kernels' own tricks and none of their work.
  *
- * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
- *   loads of the kernel's isa (64 bytes for avx512, made of two 32-byte loads as the kernel
- *   makes them but in its passes of 1 KiB, embd_load_fp32_pass, 32 for avx2, 16 for scalar, which the compiler vectorizes with SSE2; fp16 rows
- *   32 bytes on avx512 and avx2: the AVX-512 kernel loads 16 halves at a time, and 64-byte
- *   loads made the limit slower than that kernel, which read fp16 D 64 P 20 and 100 at
- *   1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s, 22.1-22.4 with 32-byte loads);
- *   fp32 rows come in halves joined in a register as that kernel joins them: against 32-byte
- *   loads into 256-bit accumulators it read D 64 P 20 at 1.10-1.12; on AVX2 16-byte loads of
- *   fp16 made this limit slower, D 256 P 20 25.3-26.3 against 28.6-29.3 GB/s, and the kernel's
- *   lean loop loads 32 bytes too since that made it faster, its checked loop 16 (32 made that
- *   loop 8-13% slower)), in the kernel's passes over each bag (embd_forward_pass_cols: as many
- *   columns as its accumulators in registers hold), fully unrolled per pass width, the head of
- *   each pass's columns of the row
+ * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector loads
+ *   of the kernel's isa (64 bytes for avx512, fp32 in two 32-byte loads as the kernel makes them,
+ *   whole in its passes of 1 KiB: embd_load_fp32_pass; 32 for avx2, 16 for scalar, which the
+ *   compiler vectorizes with SSE2; fp16 rows 32 bytes on avx512 and avx2: the AVX-512 kernel loads
+ *   16 halves at a time, and 64-byte loads made the limit slower than that kernel, which read fp16
+ *   D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s, 22.1-22.4 with
+ *   32-byte loads); fp32 rows come in halves joined in a register as that kernel joins them (but in
+ *   passes of 1 KiB): against 32-byte loads into 256-bit accumulators it read D 64 P 20 at
+ *   1.10-1.12; on AVX2 16-byte loads of fp16 made this limit slower, D 256 P 20 25.3-26.3 against
+ *   28.6-29.3 GB/s, and the kernel's lean loop loads 32 bytes too since that made it faster, its
+ *   checked loop 16 (32 made that loop 8-13% slower)), in the kernel's passes over each bag
+ *   (embd_forward_pass_cols: as many columns as its accumulators in registers hold), fully unrolled
+ *   per pass width, the head of each pass's columns of the row
  *   embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
  *   also run the other vendor's rule's distance where it differs and take the faster: the
  *   kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids ahead took
