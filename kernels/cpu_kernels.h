@@ -331,11 +331,11 @@ embd_load_fp32_halves(const void *p)
  * 16 fp32 elements of a row at p, as the AVX-512 forward reads them in a pass of pass_vectors
  * vectors (a constant where the loop is unrolled), and so as the gather limit reads them: a
  * pass of 16 vectors in 64-byte loads, others in halves (embd_load_fp32_halves). Such passes
- * are the 1 KiB of fp32 D 256, one pass a row, and of wider rows (unmeasured), and a pass of
- * D 241-255 or a last one of 16 vectors the last of them a part (its part is read masked, as
- * in any pass). On an Intel Xeon fp32 D 256 took 4-5% less time a batch in whole loads at P 20
- * and 100 and weighted P 20 (weighted P 100 1-2%, unsteady; 2026-12-07, docs/benchmarks.md),
- * where the Zen 4 had read the same either way.
+ * are the 1 KiB of fp32 D 256, one pass a row, and of wider rows (unmeasured), and the
+ * 16-vector passes whose last vector is a part, read masked as in any pass (D 241-255, or such
+ * a last pass of a wider row). On an Intel Xeon fp32 D 256 took 4-5% less time a batch in
+ * whole loads at P 20 and 100 and weighted P 20 (weighted P 100 1-2%, unsteady; 2026-12-07,
+ * docs/benchmarks.md), where the Zen 4 had read the same either way.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512
 embd_load_fp32_pass(const void *p, const uint32_t pass_vectors)
