@@ -144,10 +144,11 @@ static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p
 	return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* 16 fp32 elements of a row at p in a pass of nvec vectors (embd_load_fp32_pass). */
-static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p, const int nvec)
+/* 16 fp32 elements of a row at p in a pass of whole_vecs whole vectors (embd_load_fp32_pass). */
+static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p,
+								const int whole_vecs)
 {
-	return embd_load_fp32_pass(p, (uint32_t)nvec);
+	return embd_load_fp32_pass(p, (uint32_t)whole_vecs);
 }
 
 /* The first n_valid (< 16) floats of a row at p (fp16 or fp32 elements), the rest zero. */
@@ -179,9 +180,10 @@ static inline __attribute__((always_inline)) vecf vec_load_fp16(const uint8_t *p
 }
 
 /* 8 fp32 elements of a row at p (in a pass of any width). */
-static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p, const int nvec)
+static inline __attribute__((always_inline)) vecf vec_load_fp32(const uint8_t *p,
+								const int whole_vecs)
 {
-	(void)nvec;
+	(void)whole_vecs;
 	return _mm256_loadu_ps((const float *)p);
 }
 
@@ -236,14 +238,14 @@ static inline __attribute__((always_inline)) vecf vec_fmadd(vecf a, vecf b, vecf
 	return VEC_OP(fmadd_ps)(a, b, c);
 }
 
-/* n_valid floats of a row (fp16 or fp32 elements) at p, in a pass of nvec vectors, widened to
- * fp32. */
+/* n_valid floats of a row (fp16 or fp32 elements) at p, in a pass of whole_vecs whole vectors
+ * (and maybe a part one), widened to fp32. */
 static inline __attribute__((always_inline)) vecf vec_load_row(const uint8_t *p, uint32_t n_valid,
-							       const int fp16, const int nvec)
+							       const int fp16, const int whole_vecs)
 {
 	if (n_valid < VEC_FLOATS)
 		return vec_load_part(p, n_valid, fp16);
-	return fp16 ? vec_load_fp16(p) : vec_load_fp32(p, nvec);
+	return fp16 ? vec_load_fp16(p) : vec_load_fp32(p, whole_vecs);
 }
 
 static inline __attribute__((always_inline)) void vec_store(float *p, vecf x, uint32_t n_valid)
@@ -284,7 +286,8 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 		vecf w = vec_set1(weights ? weights[k] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			vecf x = vec_load_row(row + v * VEC_FLOATS * elem_bytes,
-					      v == nvec - 1 ? tail : VEC_FLOATS, fp16, nvec);
+					      v == nvec - 1 ? tail : VEC_FLOATS, fp16,
+					      whole ? nvec : nvec - 1);
 			acc[v] = vec_fmadd(w, x, acc[v]);
 		}
 	}
@@ -302,8 +305,9 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
  * vector is only a guard): the rows of 64 and 128 bytes (D 32 and 64) read 2-13% more of
  * their limit than in 16-byte loads, D 32 P 20 0.270 against 0.290 ms a batch (Intel Xeon,
  * 2026-12-07, docs/benchmarks.md; 192-byte rows, D 96, take it unmeasured). Only there: the
- * checked loop's AVX2 passes of 192 bytes took 8-13% longer that way, and on AVX-512, whose
- * fp16 loads are 32 bytes already, a 64-byte load widened in halves was no faster.
+ * checked loop's AVX2 passes of 192 bytes read 7-13% less of their limit that way, and on
+ * AVX-512, whose fp16 loads are 32 bytes already, a 64-byte load widened in halves was no
+ * faster.
  */
 static inline __attribute__((always_inline)) void
 pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec,

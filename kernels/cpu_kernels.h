@@ -328,19 +328,18 @@ embd_load_fp32_halves(const void *p)
 }
 
 /*
- * 16 fp32 elements of a row at p, as the AVX-512 forward reads them in a pass of pass_vectors
- * vectors (a constant where the loop is unrolled), and so as the gather limit reads them: a
- * pass of 16 vectors in 64-byte loads, others in halves (embd_load_fp32_halves). Such passes
- * are the 1 KiB of fp32 D 256, one pass a row, and of wider rows (unmeasured), and the
- * 16-vector passes whose last vector is a part, read masked as in any pass (D 241-255, or such
- * a last pass of a wider row). On an Intel Xeon fp32 D 256 took 4-5% less time a batch in
- * whole loads at P 20 and 100 and weighted P 20 (weighted P 100 1-2%, unsteady; 2026-12-07,
- * docs/benchmarks.md), where the Zen 4 had read the same either way.
+ * 16 fp32 elements of a row at p, as the AVX-512 forward reads them in a pass of whole_vecs
+ * whole vectors (a constant where the loop is unrolled; a part vector after them is read
+ * masked), and so as the gather limit reads them: in a pass of 16 whole vectors, 1 KiB (fp32
+ * D 256, one pass a row, and wider rows' passes, unmeasured), in 64-byte loads, in others in
+ * halves (embd_load_fp32_halves). On an Intel Xeon fp32 D 256 took 3-9% less time a batch in
+ * whole loads at P 20 and 100 and weighted P 20, pair by pair (medians 4-5%), weighted P 100
+ * 1-2%, unsteady (2026-12-07, docs/benchmarks.md), where the Zen 4 had read the same either way.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512
-embd_load_fp32_pass(const void *p, const uint32_t pass_vectors)
+embd_load_fp32_pass(const void *p, const uint32_t whole_vecs)
 {
-	if (pass_vectors == 16)
+	if (whole_vecs == 16)
 		return _mm512_loadu_ps((const float *)p);
 	return embd_load_fp32_halves(p);
 }

@@ -2,39 +2,39 @@
  * The memory limits of `embd-bench kernels`: what the memory system allows for the kernels'
  * own access patterns, measured with the kernels' own tricks and none of their work.
  *
- * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector loads
- *   of the kernel's isa (64 bytes for avx512, fp32 in two 32-byte loads as the kernel makes them,
- *   whole in its passes of 1 KiB: embd_load_fp32_pass; 32 for avx2, 16 for scalar, which the
- *   compiler vectorizes with SSE2; fp16 rows 32 bytes on avx512 and avx2: the AVX-512 kernel loads
- *   16 halves at a time, and 64-byte loads made the limit slower than that kernel, which read fp16
- *   D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5 GB/s, 22.1-22.4 with
- *   32-byte loads); fp32 rows come in halves joined in a register as that kernel joins them (but in
- *   passes of 1 KiB): against 32-byte loads into 256-bit accumulators it read D 64 P 20 at
- *   1.10-1.12; on AVX2 16-byte loads of fp16 made this limit slower, D 256 P 20 25.3-26.3 against
- *   28.6-29.3 GB/s, and the kernel's lean loop loads 32 bytes too since that made it faster, its
- *   checked loop 16 (32 made that loop 8-13% slower)), in the kernel's passes over each bag
- *   (embd_forward_pass_cols: as many columns as its accumulators in registers hold), fully unrolled
- *   per pass width, the head of each pass's columns of the row
- *   embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
+ * gather (forward): the rows of a batch's ids, in batch order, each read once with the vector
+ *   loads of the kernel's isa (64 bytes for avx512, fp32 in two 32-byte loads as the kernel
+ *   makes them, whole in its passes of 1 KiB: embd_load_fp32_pass; 32 for avx2, 16 for scalar,
+ *   which the compiler vectorizes with SSE2; fp16 rows 32 bytes on avx512 and avx2: the AVX-512
+ *   kernel loads 16 halves at a time, and 64-byte loads made the limit slower than that kernel,
+ *   which read fp16 D 64 P 20 and 100 at 1.07-1.19 of it (Zen 4, 2026-12-05: limit 16.2-17.5
+ *   GB/s, 22.1-22.4 with 32-byte loads); fp32 rows come in halves joined in a register as that
+ *   kernel joins them: against 32-byte loads into 256-bit accumulators it read D 64 P 20 at
+ *   1.10-1.12; on AVX2 16-byte loads of fp16 made this limit slower (Zen 4), D 256 P 20
+ *   25.3-26.3 against 28.6-29.3 GB/s, and the kernel's lean loop loads 32 bytes too since that
+ *   made it faster, its checked loop 16 (with 32 it read 7-13% less of this limit)), in the
+ *   kernel's passes over each bag (embd_forward_pass_cols: as many columns as its accumulators
+ *   in registers hold), fully unrolled per pass width, the head of each pass's columns of the
+ *   row embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
  *   also run the other vendor's rule's distance where it differs and take the faster: the
  *   kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids ahead took
  *   fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to 17.8,
- *   docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for
- *   one pass over a row that beat prefetching all of it at every size; for rows the kernels'
- *   lean loop takes, one line at a time after the load that starts the same line (into L1 where
- *   the kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1; the kernel's second
+ *   docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for one pass
+ *   over a row that beat prefetching all of it at every size; for rows the kernels' lean loop
+ *   takes, one line at a time after the load that starts the same line (into L1 where the
+ *   kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1; the kernel's second
  *   prefetch of fp16 rows of 256 and 512 bytes into L1 a few ids ahead,
- *   embd_forward_prefetch_l1_near, is run both ways, bench_gather.prefetch_near, and the
- *   faster taken, as which is faster changes with the hour: on an Intel Xeon it made this loop
- *   slower on 2026-12-06, fp16 D 256 P 100 5.87-6.09 ms a batch against 5.50-5.73, D 128 P 100
- *   2.88-3.15 against 2.76-2.90, and ~5% faster at D 128 and 256 P 100 on 2026-12-07; the
- *   limit without it had the kernel's fp16 D 128 P 100 at 1.032 of it in the median of ten
+ *   embd_forward_prefetch_l1_near, is run both ways, bench_gather.prefetch_near, and the faster
+ *   taken, as which is faster changes with the hour: on an Intel Xeon it made this loop slower
+ *   on 2026-12-06, fp16 D 256 P 100 5.87-6.09 ms a batch against 5.50-5.73, D 128 P 100
+ *   2.88-3.15 against 2.76-2.90, and ~5% faster at D 128 and 256 P 100 on 2026-12-07; the limit
+ *   without it had the kernel's fp16 D 128 P 100 at 1.032 of it in the median of ten
  *   (2026-12-06), docs/benchmarks.md), with the row's size a constant as it is in that loop,
- *   and the ids read one of two ways: straight from the batch, the id ahead without a clamp but in
- *   the chunk's last bags, where it is clamped to the chunk (a clamp on every id was a cost the
- *   kernel does not have; the last bags' compare and move, on the 2-3% of ids whose row ahead
- *   would pass the chunk's end, are a fraction of a percent of the limit's instructions), or as
- *   the kernel reads them, from a window of up to 1024 of them (whole bags) copied first,
+ *   and the ids read one of two ways: straight from the batch, the id ahead without a clamp but
+ *   in the chunk's last bags, where it is clamped to the chunk (a clamp on every id was a cost
+ *   the kernel does not have; the last bags' compare and move, on the 2-3% of ids whose row
+ *   ahead would pass the chunk's end, are a fraction of a percent of the limit's instructions),
+ *   or as the kernel reads them, from a window of up to 1024 of them (whole bags) copied first,
  *   padded with the rows ahead, clamped to the chunk's last id (the copy a memcpy, the pad a
  *   loop of its own: as one loop with the clamp in it the copy compiled to ten scalar
  *   instructions an id, where the kernel's is vector moves, and the kernel read fp32 D 64 P 20
