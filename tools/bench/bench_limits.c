@@ -47,7 +47,8 @@
  *   unrolled from registers as the kernel stores it (at P = 1 that write is as much traffic as
  *   the reads). It checks no id, multiplies by no weight and keeps no per-column sums: the
  *   loads feed integer adds into four rotating accumulators (one cycle, no denormal assists on
- *   fp16 bits, no chain that holds back the loads of later rows). So it does what the kernel
+ *   fp16 bits, no chain that holds back the loads of later rows; on AVX-512 held in the row's
+ *   line order, as the kernel's FMAs are: gather_add_in_order512). So it does what the kernel
  *   must do to move the same bytes in the same order, with the same prefetches, and nothing
  *   else; a kernel can only approach it, provided the limit's own loop costs no more than the
  *   kernel's: hence the unrolled stores from registers (with accumulators spilled to the stack
@@ -200,6 +201,24 @@
 			VSTORE(out + (uint64_t)v * VBYTES, acc[v & 3]);                           \
 	}
 
+/*
+ * The AVX-512 walk's add: as the kernel's FMAs chain into their accumulators, each of a row's
+ * loads feeds its own add in the row's line order, each line's prefetch after its load. Left to
+ * itself, GCC regroups the integer adds (they associate) and schedules all of a row's
+ * prefetches first, then its loads out of line order; the kernel, whose float adds it cannot
+ * regroup, read fp32 D 256 at 1.00-1.03 of that loop. An empty asm on each sum (volatile, so
+ * the prefetches stay between them) holds the kernel's order: on an Intel Xeon 2-4% less time
+ * a batch at fp32 D 64-256 (2026-12-07, docs/benchmarks.md). The AVX2 walk keeps the
+ * compiler's order, in which fp32 D 64 P 20 read 3-5% faster there.
+ */
+__attribute__((target("avx512f"), always_inline)) static inline __m512i
+gather_add_in_order512(__m512i acc, __m512i x)
+{
+	acc = _mm512_add_epi32(acc, x);
+	__asm__ volatile("" : "+v"(acc));
+	return acc;
+}
+
 #define LOAD512(p) _mm512_loadu_si512(p)
 /* a vector of a pass of n vectors, as the kernels read it: AVX-512 fp32 rows in
  * embd_load_fp32_pass's loads (the AVX-512 walk reads only fp32 rows), the others whole */
@@ -226,7 +245,8 @@
 __attribute__((target("avx512f"), always_inline)) static inline void
 bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), GATHER_LOAD512, _mm512_add_epi32, STORE512)
+	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), GATHER_LOAD512, gather_add_in_order512,
+		    STORE512)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
