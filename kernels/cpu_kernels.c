@@ -327,6 +327,20 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
 	acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16, nvec), acc[v]);
 }
 
+/*
+ * Whether the lean loop prefetches the per-id weights into L1, LEAN_WEIGHTS_AHEAD_BYTES ahead
+ * of an id's, where its rows are fp32 of up to 128 bytes (AVX-512 only: D 32 and under, at most
+ * two vectors): there an id's weight is a broadcast load beside four 32-byte row loads, and a
+ * weight's line that is not in L1 holds back the FMAs of 16 ids. On an Intel Xeon fp32
+ * weighted D 32 took 2-6% less time a batch with it at P 100 and up to 8% at P 20 (six
+ * alternations, 2026-12-07, docs/benchmarks.md), where the gather limit reading the weights
+ * too was no slower. Prefetched for every row size, fp16 weighted D 256 P 100 took 1-7%
+ * longer and the other AVX-512 lines the same; AVX2 fp32 D 32 (four vectors) read the same
+ * either way.
+ */
+#define LEAN_WEIGHTS_AHEAD (EMBD_CPU_ISA == EMBD_ISA_AVX512)
+#define LEAN_WEIGHTS_AHEAD_BYTES 192 /* three lines */
+
 /* Where the lean loop prefetches its rows: into L2, into L1, or into L2 and then, a few ids
  * ahead, into L1 too. */
 enum lean_prefetch { LEAN_L2, LEAN_L1, LEAN_L2_NEAR_L1 };
@@ -358,6 +372,10 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 		const uint8_t *near = pf == LEAN_L2_NEAR_L1
 					      ? base + rows[j + EMBD_PREFETCH_IDS_NEAR] * row_bytes
 					      : NULL;
+		/* the integer round trip: the line ahead may lie past the weights' end */
+		if (LEAN_WEIGHTS_AHEAD && weighted && !fp16 && row_bytes <= 128)
+			embd_prefetch_line_l1((const void *)((uintptr_t)(weights + j) +
+							     LEAN_WEIGHTS_AHEAD_BYTES));
 		vecf w = vec_set1(weighted ? weights[j] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
 			pool_lean_vec(acc, w, row, v, nvec, vec_bytes, fp16);
