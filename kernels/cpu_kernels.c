@@ -329,14 +329,15 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
 
 /*
  * Whether the lean loop prefetches the per-id weights into L1, LEAN_WEIGHTS_AHEAD_BYTES ahead
- * of an id's, where its rows are fp32 of up to 128 bytes (AVX-512 only: D 32 and under, at most
- * two vectors): there an id's weight is a broadcast load beside four 32-byte row loads, and a
+ * of an id's, where its rows are fp32 of up to 128 bytes (AVX-512 only: D 32, and D 16
+ * unmeasured): there an id's weight is a broadcast load beside four 32-byte row loads, and a
  * weight's line that is not in L1 holds back the FMAs of 16 ids. On an Intel Xeon fp32
  * weighted D 32 took 2-6% less time a batch with it at P 100 and up to 8% at P 20 (six
  * alternations, 2026-12-07, docs/benchmarks.md), where the gather limit reading the weights
  * too was no slower. Prefetched for every row size, fp16 weighted D 256 P 100 took 1-7%
- * longer and the other AVX-512 lines the same; AVX2 fp32 D 32 (four vectors) read the same
- * either way.
+ * longer, fp32 weighted D 128 P 100 1-3% less in three pairs (within what that line moves
+ * from run to run; not taken) and the other AVX-512 lines within 1-2% either way; AVX2 fp32
+ * weighted D 32 (four vectors) read the same either way.
  */
 #define LEAN_WEIGHTS_AHEAD (EMBD_CPU_ISA == EMBD_ISA_AVX512)
 #define LEAN_WEIGHTS_AHEAD_BYTES 192 /* three lines */

@@ -200,7 +200,8 @@ static inline bool embd_row_prefetch_l1_rule(enum embd_row_prefetch want, enum e
  * so, and the gather limit's where the kernel's are; the forward's and the backward's near rows
  * where embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the gather
  * limit runs the forward's as one of its ways, bench_gather.prefetch_near; the
- * read-modify-write limit has none). */
+ * read-modify-write limit has none); the AVX-512 lean loop's per-id weights beside fp32 rows of
+ * up to 128 bytes (LEAN_WEIGHTS_AHEAD in cpu_kernels.c; the limit reads no weights). */
 static inline __attribute__((always_inline)) void embd_prefetch_line_l1(const void *p)
 {
 	__builtin_prefetch(p, 0, 3);

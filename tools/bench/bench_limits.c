@@ -206,10 +206,12 @@
  * loads feeds its own add in the row's line order, each line's prefetch after its load. Left to
  * itself, GCC regroups the integer adds (they associate) and schedules all of a row's
  * prefetches first, then its loads out of line order; the kernel, whose float adds it cannot
- * regroup, read fp32 D 256 at 1.00-1.03 of that loop. An empty asm on each sum (volatile, so
- * the prefetches stay between them) holds the kernel's order: on an Intel Xeon 2-4% less time
- * a batch at fp32 D 64-256 (2026-12-07, docs/benchmarks.md). The AVX2 walk keeps the
- * compiler's order, in which fp32 D 64 P 20 read 3-5% faster there.
+ * regroup, read fp32 D 256 at 1.00-1.02 of that loop. An empty asm on each sum holds the
+ * kernel's order (volatile: in GCC 12's machine code each line's prefetch comes one load after
+ * its own; no test checks the order): on an Intel Xeon the limit took 0.4-4% less time a batch
+ * at fp32 D 64 and 2-8% at D 256, D 32 and 128 within 2% either way (2026-12-07,
+ * docs/benchmarks.md). The AVX2 walk keeps the compiler's order, in which the kernel's fp32
+ * D 64 P 20 read 3-5% less of the limit there.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512i
 gather_add_in_order512(__m512i acc, __m512i x)
