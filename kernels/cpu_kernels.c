@@ -336,8 +336,8 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
  * alternations, 2026-12-07, docs/benchmarks.md), where the gather limit reading the weights
  * too was no slower. Prefetched for every row size, fp16 weighted D 256 P 100 took 1-7%
  * longer, fp32 weighted D 128 P 100 1-3% less in three pairs (within what that line moves
- * from run to run; not taken) and the other AVX-512 lines within 1-2% either way; AVX2 fp32
- * weighted D 32 (four vectors) read the same either way.
+ * in one build: 6.72-6.97 ms a batch; not taken) and the other AVX-512 lines within 1-2%
+ * either way; AVX2 fp32 weighted D 32 (four vectors) read the same either way.
  */
 #define LEAN_WEIGHTS_AHEAD (EMBD_CPU_ISA == EMBD_ISA_AVX512)
 #define LEAN_WEIGHTS_AHEAD_BYTES 192 /* three lines */

@@ -47,13 +47,15 @@
  *   unrolled from registers as the kernel stores it (at P = 1 that write is as much traffic as
  *   the reads). It checks no id, multiplies by no weight and keeps no per-column sums: the
  *   loads feed integer adds into four rotating accumulators (one cycle, no denormal assists on
- *   fp16 bits, no chain that holds back the loads of later rows; on AVX-512 held in the row's
- *   line order, as the kernel's FMAs are: gather_add_in_order512). So it does what the kernel
- *   must do to move the same bytes in the same order, with the same prefetches, and nothing
- *   else; a kernel can only approach it, provided the limit's own loop costs no more than the
- *   kernel's: hence the unrolled stores from registers (with accumulators spilled to the stack
- *   for a store loop of run-time length, P = 1 rows paid a spill and a reload each, and the
- *   kernel read up to 1.14 times its limit there; docs/benchmarks.md).
+ *   fp16 bits, no chain that holds back the loads of later rows; in the 512-bit walk, AVX-512's
+ *   fp32 rows, held in the row's line order, as the kernel's FMAs are: gather_add_in_order512).
+ *   So it does what the kernel must do to move the same bytes in the same order, with the same
+ *   prefetches (but the kernel's of the per-id weights, LEAN_WEIGHTS_AHEAD: it reads no
+ *   weights, which made it no faster, docs/benchmarks.md), and nothing else; a kernel can only
+ *   approach it, provided the limit's own loop costs no more than the kernel's: hence the
+ *   unrolled stores from registers (with accumulators spilled to the stack for a store loop of
+ *   run-time length, P = 1 rows paid a spill and a reload each, and the kernel read up to 1.14
+ *   times its limit there; docs/benchmarks.md).
  * read-modify-write (backward): every distinct row of a batch, in ascending order (the order
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as the
@@ -207,11 +209,12 @@
  * itself, GCC regroups the integer adds (they associate) and schedules all of a row's
  * prefetches first, then its loads out of line order; the kernel, whose float adds it cannot
  * regroup, read fp32 D 256 at 1.00-1.02 of that loop. An empty asm on each sum holds the
- * kernel's order (volatile: in GCC 12's machine code each line's prefetch comes one load after
- * its own; no test checks the order): on an Intel Xeon the limit took 0.4-4% less time a batch
- * at fp32 D 64 and 2-8% at D 256, D 32 and 128 within 2% either way (2026-12-07,
- * docs/benchmarks.md). The AVX2 walk keeps the compiler's order, in which the kernel's fp32
- * D 64 P 20 read 3-5% less of the limit there.
+ * kernel's order (read in the machine code: each line's prefetch after its load; a non-volatile
+ * asm was not tried, and no test checks the order): on an Intel Xeon the limit took 0.4-4% less
+ * time a batch at fp32 D 64 and 2-8% at D 256, D 32 and 128 within 2% either way (2026-12-07,
+ * docs/benchmarks.md). The 256-bit walk (AVX2's, and fp16 rows' on AVX-512) keeps the
+ * compiler's order: held to the kernel's, AVX2 fp32 D 64 P 20's limit and fp16 D 256's took
+ * longer, fp16 D 128 P 100's less, so that walk's limit would need both orders.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512i
 gather_add_in_order512(__m512i acc, __m512i x)
