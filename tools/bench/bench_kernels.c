@@ -36,7 +36,7 @@
 
 #define MAX_RUNS 64
 /* ways to read the ids x prefetch distances x with and without the near prefetch into L1 */
-#define GATHER_REFS (2 * 2 * 2)
+#define GATHER_REFS (2 * 2 * 2 * 2)
 /* ways a reference may take (paired_once) */
 #define MAX_REFS (BENCH_RMW_ORDERS > GATHER_REFS ? BENCH_RMW_ORDERS : GATHER_REFS)
 #define MAX_REPEATS 100
@@ -621,8 +621,9 @@ static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ou
 
 /* How the gather limit read the ids, by bench_gather.windowed: the line's limit_ids */
 static const char *const gather_way_names[2] = { "batch", "window" };
-_Static_assert(sizeof(gather_way_names) / sizeof(gather_way_names[0]) * 2 * 2 == GATHER_REFS,
-	       "each way at the kernel's distance and the other rule's, near prefetch or not");
+_Static_assert(sizeof(gather_way_names) / sizeof(gather_way_names[0]) * 2 * 2 * 2 == GATHER_REFS,
+	       "each way at the kernel's distance and the other rule's, near prefetch or not, in "
+	       "line order or not");
 
 #define FWD_CONFIGS 6                   /* pfs x {unweighted, weighted} */
 
@@ -652,7 +653,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 {
 	struct paired res[FWD_CONFIGS];
 	struct theirs th[FWD_CONFIGS];
-	int idx[FWD_CONFIGS], ways[FWD_CONFIGS], nears[FWD_CONFIGS], n = 0;
+	int idx[FWD_CONFIGS], ways[FWD_CONFIGS], nears[FWD_CONFIGS], orders[FWD_CONFIGS], n = 0;
 	char name[64], what[64] = "";
 	/* the limit's distances: the kernel's, and the other vendor's rule's where it differs */
 	const uint32_t elem = t->fp16 ? 2 : 4;
@@ -677,25 +678,29 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P,
 					  .prefetch_l1 = row_prefetch_l1(b, t, P) } };
 		/* the limit's ways (bench_gather.windowed, where the kernel has a window) at each
-		 * distance, with the near prefetch or without (where the kernel has one):
-		 * refs[(e * ndist + d) * ways + w] */
+		 * distance, with the near prefetch or without (where the kernel has one), in line
+		 * order or not (where that walk has both): refs[((o * nears + e) * ndist + d) *
+		 * ways + w] */
 		struct gather_arg gr[GATHER_REFS];
 		void *refs[GATHER_REFS];
 		ways[n] = bench_gather_ways(&g.g);
 		nears[n] = bench_gather_near_ways(&g.g);
-		for (int e = 0; e < nears[n]; e++)
-			for (int d = 0; d < ndist; d++)
-				for (int w = 0; w < ways[n]; w++) {
-					const int r = (e * ndist + d) * ways[n] + w;
-					gr[r] = g;
-					gr[r].g.windowed = w;
-					gr[r].g.prefetch_ids = dists[d];
-					gr[r].g.prefetch_near = e;
-					refs[r] = &gr[r];
-				}
+		orders[n] = bench_gather_order_ways(&g.g);
+		for (int o = 0; o < orders[n]; o++)
+			for (int e = 0; e < nears[n]; e++)
+				for (int d = 0; d < ndist; d++)
+					for (int w = 0; w < ways[n]; w++) {
+						const int r = ((o * nears[n] + e) * ndist + d) * ways[n] + w;
+						gr[r] = g;
+						gr[r].g.windowed = w;
+						gr[r].g.prefetch_ids = dists[d];
+						gr[r].g.prefetch_near = e;
+						gr[r].g.in_line_order = o;
+						refs[r] = &gr[r];
+					}
 		set_offsets(offsets, b->o.batch, P);
 		res[n] = paired_step_ns(b, forward_step, &a, gather_step, refs,
-					nears[n] * ndist * ways[n]);
+					orders[n] * nears[n] * ndist * ways[n]);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
 			return 1;
@@ -727,11 +732,12 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
 		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t, P) ? "l1" : "l2");
 		/* the way and the distance that were the fastest in the most measurements */
-		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 };
-		for (int j = 0; j < nears[i] * ndist * ways[i]; j++) {
+		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 }, won_order[2] = { 0 };
+		for (int j = 0; j < orders[i] * nears[i] * ndist * ways[i]; j++) {
 			won_way[j % ways[i]] += res[i].ref_won[j];
 			won_dist[j / ways[i] % ndist] += res[i].ref_won[j];
-			won_near[j / (ways[i] * ndist)] += res[i].ref_won[j];
+			won_near[j / (ways[i] * ndist) % nears[i]] += res[i].ref_won[j];
+			won_order[j / (ways[i] * ndist * nears[i])] += res[i].ref_won[j];
 		}
 		if (ways[i] > 1)
 			printf(",\"limit_ids\":\"%s\"",
@@ -740,6 +746,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       dists[won_dist[1] > won_dist[0]]);
 		if (nears[i] > 1)
 			printf(",\"limit_near_l1\":%s", won_near[1] > won_near[0] ? "true" : "false");
+		if (orders[i] > 1)
+			printf(",\"limit_in_order\":%s", won_order[1] > won_order[0] ? "true" : "false");
 		print_repeats(b, &res[i]);
 		if (ways[i] > 1 && b->o.repeats > 1)
 			printf(",\"limit_ids_won\":{\"%s\":%d,\"%s\":%d}", gather_way_names[0],
@@ -750,6 +758,9 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		if (nears[i] > 1 && b->o.repeats > 1)
 			printf(",\"limit_near_l1_won\":{\"false\":%d,\"true\":%d}", won_near[0],
 			       won_near[1]);
+		if (orders[i] > 1 && b->o.repeats > 1)
+			printf(",\"limit_in_order_won\":{\"false\":%d,\"true\":%d}", won_order[0],
+			       won_order[1]);
 		print_theirs(b, forward_step, &a, res[i].ns, &th[i]);
 		printf("}\n");
 		fflush(stdout);

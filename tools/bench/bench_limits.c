@@ -212,15 +212,24 @@
  * kernel's order (read in the machine code: each line's prefetch after its load; a non-volatile
  * asm was not tried, and no test checks the order): on an Intel Xeon the limit took 0.4-4% less
  * time a batch at fp32 D 64 and 2-8% at D 256, D 32 and 128 within 2% either way (2026-12-07,
- * docs/benchmarks.md). The 256-bit walk (AVX2's, and fp16 rows' on AVX-512) keeps the
- * compiler's order: held to the kernel's, AVX2 fp32 D 64 P 20's limit and fp16 D 256's took
- * longer, fp16 D 128 P 100's less, so that walk's limit would need both orders.
+ * docs/benchmarks.md). The 256-bit walk (AVX2's, and fp16 rows' on AVX-512) runs its lean
+ * loop both ways (bench_gather.in_line_order, gather_add_in_order256): held to the kernel's
+ * order, AVX2 fp32 D 64 P 20's limit and fp16 D 256's took longer, fp16 D 128 P 100's less.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512i
 gather_add_in_order512(__m512i acc, __m512i x)
 {
 	acc = _mm512_add_epi32(acc, x);
 	__asm__ volatile("" : "+v"(acc));
+	return acc;
+}
+
+/* gather_add_in_order512 of the 256-bit walk, where bench_gather.in_line_order */
+__attribute__((target("avx2"), always_inline)) static inline __m256i
+gather_add_in_order256(__m256i acc, __m256i x)
+{
+	acc = _mm256_add_epi32(acc, x);
+	__asm__ volatile("" : "+x"(acc));
 	return acc;
 }
 
@@ -258,6 +267,13 @@ __attribute__((target("avx2"), always_inline)) static inline void
 bags_256(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256)
+}
+
+__attribute__((target("avx2"), always_inline)) static inline void
+bags_256_in_order(GATHER_ARGS, GATHER_LEAN_ARGS)
+{
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, gather_add_in_order256,
+		    STORE256)
 }
 
 static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_LEAN_ARGS)
@@ -299,13 +315,16 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
-#define PASS_SWITCH(FN, VBYTES)                                                                   \
+/* the lean loop alone (where the caller knows it is lean) */
+#define PASS_LEAN_ONLY(FN, VBYTES, OUT_MUL) PASS_CASES(FN, VBYTES, OUT_MUL, 1)
+#define PASS_SWITCH_BY(FN, VBYTES, BY)                                                            \
 	if (g->out_row_bytes == g->row_bytes)                                                     \
-		PASS_LEAN(FN, VBYTES, 1)                                                          \
+		BY(FN, VBYTES, 1)                                                                 \
 	else if (g->out_row_bytes == 2 * g->row_bytes)                                            \
-		PASS_LEAN(FN, VBYTES, 2)                                                          \
+		BY(FN, VBYTES, 2)                                                                 \
 	else                                                                                      \
-		PASS_LEAN(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
+		BY(FN, VBYTES, (uint32_t)(g->out_row_bytes / g->row_bytes))
+#define PASS_SWITCH(FN, VBYTES) PASS_SWITCH_BY(FN, VBYTES, PASS_LEAN)
 
 /* Each isa's walks are out of line (noinline) so that tests/unit/kernels/check_prefetch.sh
  * finds their prefetch instructions by name, as it finds the kernels'. */
@@ -316,9 +335,13 @@ bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 }
 
 __attribute__((target("avx2"), noinline)) static void
-bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
+bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean, bool in_order)
 {
-	PASS_SWITCH(bags_256, 32)
+	if (lean && in_order) {
+		PASS_SWITCH_BY(bags_256_in_order, 32, PASS_LEAN_ONLY)
+	} else {
+		PASS_SWITCH(bags_256, 32)
+	}
 }
 
 __attribute__((noinline)) static void
@@ -340,10 +363,15 @@ __attribute__((target("avx512f"), noinline)) static void bags_l1_512(GATHER_ARGS
 
 /* lean 3: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of one 256- or
  * 512-byte pass (embd_forward_prefetch_l1_near), 32 bytes a load as the other fp16 walks */
-__attribute__((target("avx2"), noinline)) static void bags_near_256(GATHER_ARGS, uint64_t pass)
+__attribute__((target("avx2"), noinline)) static void
+bags_near_256(GATHER_ARGS, uint64_t pass, bool in_order)
 {
-	if (pass == 256)
+	if (pass == 256 && in_order)
+		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 3);
+	else if (pass == 256)
 		bags_256(PASS_ARGS, 256 / 32, 0, 2, 3);
+	else if (in_order)
+		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 3);
 	else
 		bags_256(PASS_ARGS, 512 / 32, 0, 2, 3);
 }
@@ -377,11 +405,11 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	if (lean == 2)
 		bags_l1_512(g, b0, b1, pb, dist, sink);
 	else if (lean == 3)
-		bags_near_256(g, b0, b1, pb, dist, sink, pass);
+		bags_near_256(g, b0, b1, pb, dist, sink, pass, g->in_line_order);
 	else if (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes != 2 * rb)
 		bags_any_512(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else if (g->isa == EMBD_ISA_AVX512 || g->isa == EMBD_ISA_AVX2)
-		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
+		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean, g->in_line_order);
 	else
 		bags_any_128(g, b0, b1, pb, dist, sink, pass, last, lean);
 #else
@@ -442,6 +470,20 @@ int bench_gather_near_ways(const struct bench_gather *g)
 			       embd_forward_prefetch_near(g->isa, g->row_bytes, elem_bytes)
 		       ? 2
 		       : 1;
+}
+
+int bench_gather_order_ways(const struct bench_gather *g)
+{
+#if defined(__x86_64__)
+	const bool walk_256 = g->isa == EMBD_ISA_AVX2 ||
+			      (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes == 2 * g->row_bytes);
+
+	return walk_256 && embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) ? 2
+											       : 1;
+#else
+	(void)g;
+	return 1;
+#endif
 }
 
 void bench_gather_run(struct embd_workers *workers, struct bench_gather *g)

@@ -50,6 +50,13 @@ struct bench_gather {
 	 * Intel Xeon the kernel read above the limit without it, bench_limits.c), so the
 	 * benchmarks run both and take the faster; other rows ignore it */
 	bool prefetch_near;
+	/* where the 256-bit walk (AVX2's, and fp16 rows' on AVX-512) takes a row in the lean loop,
+	 * hold the row's loads in line order, each line's prefetch after its load, as the kernel's
+	 * loop issues them (the 512-bit walk always does), or leave gcc's order (it regroups the
+	 * integer adds). Which is faster depends on the row (on an Intel Xeon fp16 D 128 P 100
+	 * in order, fp16 D 256 and AVX2 fp32 D 64 gcc's, bench_limits.c), so the benchmarks run
+	 * both and take the faster; elsewhere ignored */
+	bool in_line_order;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
 };
@@ -68,6 +75,10 @@ int bench_gather_ways(const struct bench_gather *g);
 /* The ways g can prefetch its rows into L1 a few ids ahead: 2 where bench_gather.prefetch_near
  * changes what it does (the kernel's lean loop prefetches those rows so), else 1. */
 int bench_gather_near_ways(const struct bench_gather *g);
+
+/* The orders g can load a row's lines in: 2 where bench_gather.in_line_order changes what it
+ * does, else 1. */
+int bench_gather_order_ways(const struct bench_gather *g);
 
 /*
  * The orders the read-modify-write limit can walk a row in: which is the fastest depends on the

@@ -225,17 +225,25 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 			/* the near way is one of these rows' on AVX-512 (Intel rules, below) */
 			if (isas[i] == EMBD_ISA_AVX512 && fp16 && dims[d] >= 128)
 				cr_expect_eq(bench_gather_near_ways(g), 2, "fp16 D %u", dims[d]);
+			/* both orders where the 256-bit walk takes a lean row, one on the others */
+			if (isas[i] == EMBD_ISA_AVX512 && fp16 && dims[d] >= 128)
+				cr_expect_eq(bench_gather_order_ways(g), 2, "fp16 D %u", dims[d]);
+			if (isas[i] == EMBD_ISA_SCALAR || (isas[i] == EMBD_ISA_AVX512 && !fp16))
+				cr_expect_eq(bench_gather_order_ways(g), 1, "%s %s D %u",
+					     embd_kernels_isa_name(isas[i]), fp16 ? "fp16" : "fp32",
+					     dims[d]);
 			const uint32_t other = bench_gather_other_prefetch_ids(rb, fp16 ? 2u : 4u);
 			/* windowed or not, L2 or L1, near prefetch or not, the kernel's distance or
-			 * the other rule's */
-			for (int way = 0; way < 16; way++) {
+			 * the other rule's, in line order or not */
+			for (int way = 0; way < 32; way++) {
 				const int windowed = way & 1, l1 = way >> 1 & 1, near = way >> 2 & 1;
 				memset(table, 0, ROWS * rb);
 				memset(out, 0x5a, BAGS * ob + GUARD);
 				g->windowed = windowed;
 				g->prefetch_l1 = l1;
 				g->prefetch_near = near;
-				g->prefetch_ids = way >> 3 ? other : 0;
+				g->prefetch_ids = way >> 3 & 1 ? other : 0;
+				g->in_line_order = way >> 4 & 1;
 				bench_gather_run(two, g);
 				uint64_t bad = 0, past = 0;
 				for (uint64_t j = 0; j < BAGS * ob; j++)
@@ -256,13 +264,15 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 			g->prefetch_l1 = false;
 			g->prefetch_near = false;
 			g->prefetch_ids = 0;
+			g->in_line_order = false;
 			bench_gather_run(two, g);
 			memcpy(out_window, out, BAGS * ob);
-			for (int way = 1; way < 16; way++) {
+			for (int way = 1; way < 32; way++) {
 				g->windowed = way & 1;
 				g->prefetch_l1 = way >> 1 & 1;
 				g->prefetch_near = way >> 2 & 1;
-				g->prefetch_ids = way >> 3 ? other : 0;
+				g->prefetch_ids = way >> 3 & 1 ? other : 0;
+				g->in_line_order = way >> 4 & 1;
 				bench_gather_run(two, g);
 				cr_expect(memcmp(out, out_window, BAGS * ob) == 0,
 					  "%s D %u %s P %u: way %d stored other sums than the first",
