@@ -690,7 +690,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 			for (int e = 0; e < nears[n]; e++)
 				for (int d = 0; d < ndist; d++)
 					for (int w = 0; w < ways[n]; w++) {
-						const int r = ((o * nears[n] + e) * ndist + d) * ways[n] + w;
+						const int r = ((o * nears[n] + e) * ndist + d) *
+								      ways[n] + w;
 						gr[r] = g;
 						gr[r].g.windowed = w;
 						gr[r].g.prefetch_ids = dists[d];
@@ -732,7 +733,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
 		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t, P) ? "l1" : "l2");
 		/* the way and the distance that were the fastest in the most measurements */
-		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 }, won_order[2] = { 0 };
+		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 };
+		int won_order[2] = { 0 };
 		for (int j = 0; j < orders[i] * nears[i] * ndist * ways[i]; j++) {
 			won_way[j % ways[i]] += res[i].ref_won[j];
 			won_dist[j / ways[i] % ndist] += res[i].ref_won[j];
@@ -747,7 +749,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		if (nears[i] > 1)
 			printf(",\"limit_near_l1\":%s", won_near[1] > won_near[0] ? "true" : "false");
 		if (orders[i] > 1)
-			printf(",\"limit_in_order\":%s", won_order[1] > won_order[0] ? "true" : "false");
+			printf(",\"limit_in_order\":%s",
+			       won_order[1] > won_order[0] ? "true" : "false");
 		print_repeats(b, &res[i]);
 		if (ways[i] > 1 && b->o.repeats > 1)
 			printf(",\"limit_ids_won\":{\"%s\":%d,\"%s\":%d}", gather_way_names[0],
