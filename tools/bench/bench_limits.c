@@ -315,8 +315,18 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
-/* the lean loop alone (where the caller knows it is lean) */
-#define PASS_LEAN_ONLY(FN, VBYTES, OUT_MUL) PASS_CASES(FN, VBYTES, OUT_MUL, 1)
+/* the lean loop alone (where the caller knows it is lean): one pass over the whole row of at
+ * most 512 bytes (embd_forward_lean), so no last pass and no 1 KiB case */
+#define PASS_LEAN_ONLY(FN, VBYTES, OUT_MUL)                                                       \
+	switch (pass) {                                                                           \
+	case 64: FN(PASS_ARGS, 64 / VBYTES, 0, OUT_MUL, 1); break;                                \
+	case 128: FN(PASS_ARGS, 128 / VBYTES, 0, OUT_MUL, 1); break;                              \
+	case 192: FN(PASS_ARGS, 192 / VBYTES, 0, OUT_MUL, 1); break;                              \
+	case 256: FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, 1); break;                              \
+	case 384: FN(PASS_ARGS, 384 / VBYTES, 0, OUT_MUL, 1); break;                              \
+	case 512: FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 1); break;                              \
+	default: FN(PASS_ARGS, (uint32_t)(pass / VBYTES), 0, OUT_MUL, 1); break;                  \
+	}
 #define PASS_SWITCH_BY(FN, VBYTES, BY)                                                            \
 	if (g->out_row_bytes == g->row_bytes)                                                     \
 		BY(FN, VBYTES, 1)                                                                 \
@@ -327,7 +337,9 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 #define PASS_SWITCH(FN, VBYTES) PASS_SWITCH_BY(FN, VBYTES, PASS_LEAN)
 
 /* Each isa's walks are out of line (noinline) so that tests/unit/kernels/check_prefetch.sh
- * finds their prefetch instructions by name, as it finds the kernels'. */
+ * finds their prefetch instructions by name, as it finds the kernels', and those in the
+ * kernel's load order are apart from gcc's so that tests/unit/bench/check_load_order.sh finds
+ * theirs (bags_any_512, bags_lean_256_in_order, bags_near_256_in_order). */
 __attribute__((target("avx512f"), noinline)) static void
 bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
@@ -335,13 +347,16 @@ bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 }
 
 __attribute__((target("avx2"), noinline)) static void
-bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean, bool in_order)
+bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
-	if (lean && in_order) {
-		PASS_SWITCH_BY(bags_256_in_order, 32, PASS_LEAN_ONLY)
-	} else {
-		PASS_SWITCH(bags_256, 32)
-	}
+	PASS_SWITCH(bags_256, 32)
+}
+
+/* the 256-bit walk's lean loop into L2 in the kernel's load order (bench_gather.in_line_order) */
+__attribute__((target("avx2"), noinline)) static void
+bags_lean_256_in_order(GATHER_ARGS, uint64_t pass)
+{
+	PASS_SWITCH_BY(bags_256_in_order, 32, PASS_LEAN_ONLY)
 }
 
 __attribute__((noinline)) static void
@@ -363,17 +378,32 @@ __attribute__((target("avx512f"), noinline)) static void bags_l1_512(GATHER_ARGS
 
 /* lean 3: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of one 256- or
  * 512-byte pass (embd_forward_prefetch_l1_near), 32 bytes a load as the other fp16 walks */
-__attribute__((target("avx2"), noinline)) static void
-bags_near_256(GATHER_ARGS, uint64_t pass, bool in_order)
+__attribute__((target("avx2"), noinline)) static void bags_near_256(GATHER_ARGS, uint64_t pass)
 {
-	if (pass == 256 && in_order)
-		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 3);
-	else if (pass == 256)
+	if (pass == 256)
 		bags_256(PASS_ARGS, 256 / 32, 0, 2, 3);
-	else if (in_order)
-		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 3);
 	else
 		bags_256(PASS_ARGS, 512 / 32, 0, 2, 3);
+}
+
+/* bags_near_256 in the kernel's load order (bench_gather.in_line_order) */
+__attribute__((target("avx2"), noinline)) static void
+bags_near_256_in_order(GATHER_ARGS, uint64_t pass)
+{
+	if (pass == 256)
+		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 3);
+	else
+		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 3);
+}
+#endif
+
+#if defined(__x86_64__)
+/* Whether gather_bags takes the 256-bit walk: AVX2's rows, and fp16 rows (a pooled row twice
+ * theirs) on AVX-512 too (the head of this file says why). */
+static bool gather_walk_256(const struct bench_gather *g)
+{
+	return g->isa == EMBD_ISA_AVX2 ||
+	       (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes == 2 * g->row_bytes);
 }
 #endif
 
@@ -400,16 +430,18 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 		lean = 3;
 
 #if defined(__x86_64__)
-	/* fp16 rows (a pooled row twice theirs) 32 bytes a load on AVX-512 too (bench_limits.c's
-	 * head says why) */
 	if (lean == 2)
 		bags_l1_512(g, b0, b1, pb, dist, sink);
+	else if (lean == 3 && g->in_line_order)
+		bags_near_256_in_order(g, b0, b1, pb, dist, sink, pass);
 	else if (lean == 3)
-		bags_near_256(g, b0, b1, pb, dist, sink, pass, g->in_line_order);
-	else if (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes != 2 * rb)
+		bags_near_256(g, b0, b1, pb, dist, sink, pass);
+	else if (gather_walk_256(g) && lean && g->in_line_order)
+		bags_lean_256_in_order(g, b0, b1, pb, dist, sink, pass);
+	else if (gather_walk_256(g))
+		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
+	else if (g->isa == EMBD_ISA_AVX512)
 		bags_any_512(g, b0, b1, pb, dist, sink, pass, last, lean);
-	else if (g->isa == EMBD_ISA_AVX512 || g->isa == EMBD_ISA_AVX2)
-		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean, g->in_line_order);
 	else
 		bags_any_128(g, b0, b1, pb, dist, sink, pass, last, lean);
 #else
@@ -475,11 +507,10 @@ int bench_gather_near_ways(const struct bench_gather *g)
 int bench_gather_order_ways(const struct bench_gather *g)
 {
 #if defined(__x86_64__)
-	const bool walk_256 = g->isa == EMBD_ISA_AVX2 ||
-			      (g->isa == EMBD_ISA_AVX512 && g->out_row_bytes == 2 * g->row_bytes);
-
-	return walk_256 && embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) ? 2
-											       : 1;
+	return gather_walk_256(g) &&
+			       embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table)
+		       ? 2
+		       : 1;
 #else
 	(void)g;
 	return 1;
