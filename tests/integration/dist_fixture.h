@@ -260,6 +260,13 @@ static void stop_node(uint32_t n, int sig)
 	tu_embd_stop(&nodes[n].embd, sig, 3000, NULL);
 }
 
+/* Whether node 0 could not listen on port (its log says so): someone took the port between
+ * tu_free_port and node 0's listen, and the caller starts again on another one. */
+static bool node0_lost_port(void)
+{
+	return tu_embd_log_has(&nodes[0].embd, "Address already in use");
+}
+
 /* Starts N nodes (every sharding's plan from write_plan) and waits for every socket. A
  * port taken between tu_free_port and node 0's listen is retried with another one. */
 static void start_cluster(uint32_t N, const char *sharding)
@@ -282,7 +289,7 @@ static void start_cluster(uint32_t N, const char *sharding)
 		if (attempt == 3 || !tu_embd_wait(&nodes[0].embd, 0, &st))
 			break;
 		read_log(0, log, sizeof(log));
-		if (!strstr(log, "Address already in use"))
+		if (!node0_lost_port())
 			cr_assert_fail("node 0 exited (status 0x%x) before listening: %s", st, log);
 		for (uint32_t n = 1; n < N; n++)
 			stop_node(n, SIGKILL);

@@ -544,21 +544,29 @@ Test(dist, bad_batch_is_refused_for_its_trainer_only)
 /* ---- refused at join --------------------------------------------------------------------- */
 
 /* Starts node 0 as configured and node 1 with its own tables or world size; node 1 must exit
- * with an error mentioning word within store_timeout_ms (+ slack). */
+ * with an error mentioning word within store_timeout_ms (+ slack). A port node 0 could not
+ * listen on is retried with another one (node0_lost_port). */
 static void expect_join_refused(const char *tables_json, uint32_t world_nodes, const char *word)
 {
 	char log[8192];
 	int st = 0;
+	bool exited;
 
 	num_nodes = 2;
-	port = tu_free_port();
-	for (uint32_t n = 0; n < 2; n++)
-		node_paths(n);
-	write_config(0, NULL, 2, NULL);
-	write_config(1, NULL, world_nodes, tables_json);
-	spawn(0);
-	spawn(1);
-	bool exited = tu_embd_wait(&nodes[1].embd, 12000, &st);
+	for (int attempt = 0;; attempt++) {
+		port = tu_free_port();
+		for (uint32_t n = 0; n < 2; n++)
+			node_paths(n);
+		write_config(0, NULL, 2, NULL);
+		write_config(1, NULL, world_nodes, tables_json);
+		spawn(0);
+		spawn(1);
+		exited = tu_embd_wait(&nodes[1].embd, 12000, &st);
+		if (attempt == 3 || !node0_lost_port())
+			break;
+		for (uint32_t n = 0; n < 2; n++)
+			stop_node(n, SIGKILL);
+	}
 	read_log(1, log, sizeof(log));
 	cr_assert(exited, "node 1 with a mismatched %s should refuse to start; after 12 s it still "
 		  "runs: %s", word, log);

@@ -1,8 +1,9 @@
 /*
  * tests/support/ports.h - a TCP port for a test's server (a store, a cluster's MASTER_PORT):
  * one the kernel handed out a moment ago, since fixed ranges collide with the ephemeral ports
- * Gloo's pairs and parallel tests hold. Someone may take it before the test binds it: a test
- * that must not fail for that retries with another (dist_fixture.h's start_cluster does).
+ * Gloo's pairs and parallel tests hold. Someone may take it before the test binds it: each
+ * test that uses one for a server retries with another (dist_fixture.h's node0_lost_port, the
+ * store's and the rendezvous' tests).
  */
 #ifndef EMBD_TEST_PORTS_H
 #define EMBD_TEST_PORTS_H
