@@ -307,7 +307,8 @@ Test(ckpt_cluster, different_checkpoint_settings_are_refused_at_join)
 	for (uint32_t n = 0; n < 2; n++) {
 		st = status[n];
 		read_log(n, log, sizeof(log));
-		cr_assert(exited[n], "node %u: expected it to refuse to start within 10 s: %s", n, log);
+		cr_assert(exited[n], "node %u: expected it to refuse to start within 10 s: %s", n,
+			  log);
 		cr_expect(WIFEXITED(st) && WEXITSTATUS(st) != 0, "node %u: expected a failing exit, "
 			  "got status 0x%x", n, st);
 		cr_expect(strstr(log, n ? "checkpoint_every_seconds 5 here, 0 on node 0"

@@ -210,11 +210,12 @@
  * prefetches first, then its loads out of line order; the kernel, whose float adds it cannot
  * regroup, read fp32 D 256 at 1.00-1.02 of that loop. An empty asm on each sum holds the
  * kernel's order (read in the machine code: each line's prefetch after its load; a non-volatile
- * asm was not tried, and no test checks the order): on an Intel Xeon the limit took 0.4-4% less
- * time a batch at fp32 D 64 and 2-8% at D 256, D 32 and 128 within 2% either way (2026-12-07,
- * docs/benchmarks.md). The 256-bit walk (AVX2's, and fp16 rows' on AVX-512) runs its lean
- * loop both ways (bench_gather.in_line_order, gather_add_in_order256): held to the kernel's
- * order, AVX2 fp32 D 64 P 20's limit and fp16 D 256's took longer, fp16 D 128 P 100's less.
+ * asm was not tried; tests/unit/bench/check_load_order.sh checks the order): on an Intel Xeon
+ * the limit took 0.4-4% less time a batch at fp32 D 64 and 2-8% at D 256, D 32 and 128 within
+ * 2% either way (2026-12-07, docs/benchmarks.md). The 256-bit walk (AVX2's, and fp16 rows' on
+ * AVX-512) runs its lean loop both ways (bench_gather.in_line_order, gather_add_in_order256):
+ * held to the kernel's order, AVX2 fp32 D 64 P 20's limit and fp16 D 256's took longer, fp16
+ * D 128 P 100's less.
  */
 __attribute__((target("avx512f"), always_inline)) static inline __m512i
 gather_add_in_order512(__m512i acc, __m512i x)
@@ -308,8 +309,8 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	} else {                                                                                  \
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
-/* the lean loop into L2 (lean 1) or no lean loop (0); the loops into L1 are bags_l1_512's and
- * bags_near_256's */
+/* the lean loop into L2 (lean 1) or no lean loop (0); the loops into L1 are bags_l1_512's,
+ * bags_near_256's and bags_near_256_in_order's */
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
 	if (lean)                                                                                 \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
@@ -339,7 +340,7 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 /* Each isa's walks are out of line (noinline) so that tests/unit/kernels/check_prefetch.sh
  * finds their prefetch instructions by name, as it finds the kernels', and those in the
  * kernel's load order are apart from gcc's so that tests/unit/bench/check_load_order.sh finds
- * theirs (bags_any_512, bags_lean_256_in_order, bags_near_256_in_order). */
+ * their loads (bags_any_512, bags_l1_512, bags_lean_256_in_order, bags_near_256_in_order). */
 __attribute__((target("avx512f"), noinline)) static void
 bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
