@@ -15,8 +15,9 @@
 #include "kernels/optim_row.h"
 
 /* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth);
- * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE, and on Intel CPUs fp16 rows and
- * rows of up to two lines, EMBD_PREFETCH_IDS_FAR (embd_forward_prefetch_rows). */
+ * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE, and on Intel CPUs fp16 rows, rows
+ * of up to two lines and fp32 rows of 512 bytes, EMBD_PREFETCH_IDS_FAR
+ * (embd_forward_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
 #define EMBD_PREFETCH_IDS_LINE 20
 #define EMBD_PREFETCH_IDS_FAR 48
@@ -40,14 +41,20 @@
  * noise), while for 128-byte rows 20 was no better than 12 (docs/benchmarks.md, 2026-12-05).
  * On an Intel Xeon (2026-12-06) 48 ids ahead took fp16 rows of every width 8-31% less time a
  * batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128 bytes 17%, while fp32 rows of
- * 256 bytes and more took 3-14% more at 32-64 (a guess at why: their loop issues fewer
- * instructions a line, so the core's own loads run further ahead of it). The benchmark's
- * gather limit uses the same distance (and the other vendor's where that is faster).
+ * 256 and 1024 bytes took 3-14% more at 32-64 (a guess at why: their loop issues fewer
+ * instructions a line, so the core's own loads run further ahead of it). fp32 rows of 512
+ * bytes (D 128), until then prefetched 12 ahead (into L1 on AVX-512; into L2 on AVX2, in two
+ * passes of 64 columns), took 17-31% less time a batch prefetched into L2 48 ahead at P 20
+ * and 100 and 11-46% at P 1 on AVX-512, and 13-36% less at P 1 and 20 and 1-6% at P 100 on
+ * AVX2 (three alternations, 2026-12-07, docs/benchmarks.md; the scalar kernels unmeasured).
+ * The benchmark's gather limit uses the same distance (and the other vendor's where that is
+ * faster).
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
 {
-	if (intel && (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES))
+	if (intel &&
+	    (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES || row_bytes == 512))
 		return EMBD_PREFETCH_IDS_FAR;
 	return row_bytes <= EMBD_CACHE_LINE_BYTES ? EMBD_PREFETCH_IDS_LINE : EMBD_PREFETCH_IDS;
 }
@@ -178,22 +185,14 @@ static inline __attribute__((always_inline)) void embd_prefetch_line(const void 
 }
 
 /*
- * embd_forward_prefetch_l1 on a CPU that is (intel) or is not an Intel one. The rows and bag
- * lengths are those of the one measurement that favoured L1 (embedding.h); the vendor is an
- * extrapolation from that one Intel CPU. At 4 ids a bag L1 measured 7-8% slower, between gains
- * at 2 and 8: accepted rather than a rule fitted to one scratch build's three points.
+ * embd_forward_prefetch_l1: L1 only where asked for (EMBD_ROW_PREFETCH_L1) and only for the
+ * rows the AVX-512 lean loop has its L1 variant for (embedding.h says why AUTO takes L2).
  */
 static inline bool embd_row_prefetch_l1_rule(enum embd_row_prefetch want, enum embd_isa isa,
-					     uint64_t row_bytes, uint32_t elem_bytes,
-					     uint64_t num_ids, uint64_t bags, bool intel)
+					     uint64_t row_bytes, uint32_t elem_bytes)
 {
-	if (isa != EMBD_ISA_AVX512 || elem_bytes != 4 || row_bytes != 512)
-		return false;
-	switch (want) {
-	case EMBD_ROW_PREFETCH_L1: return true;
-	case EMBD_ROW_PREFETCH_L2: return false;
-	default: return intel && num_ids >= 2 * bags;
-	}
+	return want == EMBD_ROW_PREFETCH_L1 && isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
+	       row_bytes == 512;
 }
 
 /* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says

@@ -68,14 +68,15 @@ struct embd_backward_times {
 };
 
 /*
- * Which cache the AVX-512 forward prefetches fp32 rows of 512 bytes (D 128) into. The best one
- * depends on the CPU: on a Zen 4 every row size pooled fastest prefetched into L2 (2026-12-05),
- * while on an Intel Xeon with AVX-512 and AMX (2026-12-06, docs/benchmarks.md) these rows
- * pooled 11-17% faster prefetched into L1 at 20 and 100 ids a bag and ~10% at 2 and 8, but
- * 5-13% slower at 1 (and 7-8% at 4), and other rows up to 36% slower so. AUTO takes L1
- * on Intel CPUs for batches of at least two ids a bag on average, L2 elsewhere; the others
- * force one for those rows (tests, benchmarks). Other rows and isas are prefetched into L2
- * (and some of them into L1 too, a few ids ahead: embd_forward_prefetch_near).
+ * Which cache the AVX-512 forward prefetches fp32 rows of 512 bytes (D 128) into. On a Zen 4
+ * every row size pooled fastest prefetched into L2 (2026-12-05). On an Intel Xeon with AVX-512
+ * and AMX these rows pooled 11-17% faster prefetched into L1 than into L2 at 20 and 100 ids a
+ * bag, both 12 ids ahead (2026-12-06), but into L2 48 ids ahead (embd_forward_prefetch_rows
+ * since 2026-12-07) they took 17-31% less time a batch than into L1 12 ahead (P 20 and 100; at
+ * P 1, where L1 was not taken, 11-46% less than into L2 12 ahead; docs/benchmarks.md). AUTO
+ * takes L2; L1 forces the L1 loop for these rows (tests, benchmarks), at the same distance.
+ * Other rows and isas are prefetched into L2 (and some of them into L1 too, a few ids ahead:
+ * embd_forward_prefetch_near).
  */
 enum embd_row_prefetch {
 	EMBD_ROW_PREFETCH_AUTO = 0,
@@ -83,14 +84,14 @@ enum embd_row_prefetch {
 	EMBD_ROW_PREFETCH_L1 = 2,
 };
 
-/* Whether the forward prefetches into L1 the rows of a batch of num_ids ids in bags bags, rows
- * of row_bytes and elements of elem_bytes, when run with isa (not AUTO) and want. */
+/* Whether the forward prefetches into L1 rows of row_bytes and elements of elem_bytes, when run
+ * with isa (not AUTO) and want. */
 bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
-			      uint32_t elem_bytes, uint64_t num_ids, uint64_t bags);
+			      uint32_t elem_bytes);
 
 /* How many ids ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
- * this CPU (embd_forward_prefetch_rows in cpu_kernels.h). This and embd_forward_prefetch_l1
- * follow the CPU's vendor, or $EMBD_CPU_VENDOR (intel or other) where set when first asked. */
+ * this CPU (embd_forward_prefetch_rows in cpu_kernels.h). It follows the CPU's vendor, or
+ * $EMBD_CPU_VENDOR (intel or other) where set when first asked. */
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes);
 
 /* Whether the forward's lean loop, run with isa (not AUTO), also prefetches rows of row_bytes

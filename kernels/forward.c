@@ -130,8 +130,7 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 		const struct embd_shard_desc *d = &batches[i].shard->desc;
 		const uint32_t elem = embd_dtype_bytes(d->dtype);
 		prefetch_l1[i] = embd_forward_prefetch_l1(row_prefetch, job.k->isa,
-							  (uint64_t)d->cols * elem, elem,
-							  batches[i].num_ids, batches[i].batch_size);
+							  (uint64_t)d->cols * elem, elem);
 	}
 	job.first_chunk = first_chunk;
 	job.chunk_bags = chunk_bags;

@@ -111,10 +111,9 @@ static bool cpu_is_intel(void)
 
 /* The lean loop of the AVX-512 kernels has its L1 variant for these rows only (cpu_kernels.c). */
 bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
-			      uint32_t elem_bytes, uint64_t num_ids, uint64_t bags)
+			      uint32_t elem_bytes)
 {
-	return embd_row_prefetch_l1_rule(want, isa, row_bytes, elem_bytes, num_ids, bags,
-					 want == EMBD_ROW_PREFETCH_AUTO && cpu_is_intel());
+	return embd_row_prefetch_l1_rule(want, isa, row_bytes, elem_bytes);
 }
 
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes)

@@ -639,12 +639,12 @@ static void forward_name(const struct table *t, uint32_t P, bool weighted, char 
 		 t->dim, P);
 }
 
-/* Whether the forward prefetches t's rows into L1 at P ids a bag (its lines' row_prefetch);
- * the limit does as it does. */
-static bool row_prefetch_l1(const struct bench *b, const struct table *t, uint32_t P)
+/* Whether the forward prefetches t's rows into L1 (its lines' row_prefetch); the limit does as
+ * it does. */
+static bool row_prefetch_l1(const struct bench *b, const struct table *t)
 {
-	return embd_forward_prefetch_l1(b->exec.row_prefetch, b->isa, t->row_bytes, t->fp16 ? 2 : 4,
-					(uint64_t)b->o.batch * P, b->o.batch);
+	return embd_forward_prefetch_l1(b->exec.row_prefetch, b->isa, t->row_bytes,
+					t->fp16 ? 2 : 4);
 }
 
 /* The forward configs of table t: gather limit and ours, then FBGEMM for all, then lines. */
@@ -676,7 +676,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 							(t->fp16 ? 2 : 4),
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
 					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P,
-					  .prefetch_l1 = row_prefetch_l1(b, t, P) } };
+					  .prefetch_l1 = row_prefetch_l1(b, t) } };
 		/* the limit's ways (bench_gather.windowed, where the kernel has a window) at each
 		 * distance, with the near prefetch or without (where the kernel has one), in line
 		 * order or not (where that walk has both): refs[((o * nears + e) * ndist + d) *
@@ -731,7 +731,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       name, t->dim, t->fp16 ? "fp16" : "fp32", weighted ? "true" : "false", P, b->o.batch,
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
-		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t, P) ? "l1" : "l2");
+		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t) ? "l1" : "l2");
 		/* the way and the distance that were the fastest in the most measurements */
 		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 };
 		int won_order[2] = { 0 };
@@ -1134,8 +1134,8 @@ static void usage(FILE *f)
 		   "warm-up and runs) and adds the min and max ratio_to_limit and the limit's spread\n"
 		   "over the N (limit_repeat_spread) to the line; its other figures are the medians.\n"
 		   "--row-prefetch forces the cache the AVX-512 forward prefetches fp32 D 128 rows\n"
-		   "into, and its limit with it (auto: L1 on Intel CPUs at P >= 2, L2 elsewhere; each\n"
-		   "forward line's row_prefetch says which).\n");
+		   "into, and its limit with it (auto: L2; l1 the L1 loop, at the same distance;\n"
+		   "each forward line's row_prefetch says which).\n");
 }
 
 static int parse_args(struct bench *b, int argc, char **argv)

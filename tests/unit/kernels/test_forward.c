@@ -142,49 +142,35 @@ Test(kernels_forward, whole_and_tail_passes_equal_reference)
 }
 
 /*
- * The rows the forward may prefetch into L1: fp32 D 128 on AVX-512 only; forced either way, or
- * left to the CPU, where L1 needs an Intel CPU and two ids a bag on average (the rule for
- * either vendor, and this CPU's). Which cache a prefetch goes to changes no result, so no test
- * sees forward.c pass the choice on; the loop it selects is checked against the reference
- * above, forced.
+ * The rows the forward may prefetch into L1: fp32 D 128 on AVX-512 only, and only when forced;
+ * left to the CPU (AUTO) they go to L2 on every CPU and bag length. Which cache a prefetch goes
+ * to changes no result, so no test sees forward.c pass the choice on; the loop it selects is
+ * checked against the reference above, forced.
  */
 Test(kernels_forward, row_prefetch_choice)
 {
 	const enum embd_isa avx512 = EMBD_ISA_AVX512;
 	const enum embd_row_prefetch autop = EMBD_ROW_PREFETCH_AUTO;
 
-	for (int intel = 0; intel <= 1; intel++) {
-		cr_expect(embd_row_prefetch_l1_rule(autop, avx512, 512, 4, 40, 20, intel) == intel);
-		cr_expect(embd_row_prefetch_l1_rule(autop, avx512, 512, 4, 2048, 1024, intel) == intel);
-		cr_expect(!embd_row_prefetch_l1_rule(autop, avx512, 512, 4, 2047, 1024, intel),
-			  "under two ids a bag: L2");
-		cr_expect(!embd_row_prefetch_l1_rule(autop, avx512, 256, 4, 40, 20, intel));
-		cr_expect(embd_row_prefetch_l1_rule(EMBD_ROW_PREFETCH_L1, avx512, 512, 4, 1, 1, intel));
-		cr_expect(!embd_row_prefetch_l1_rule(EMBD_ROW_PREFETCH_L2, avx512, 512, 4, 20, 1, intel));
-	}
-#ifdef EMBD_KERNELS_X86
-	__builtin_cpu_init();
-	const bool intel = __builtin_cpu_is("intel");
-#else
-	const bool intel = false;
-#endif
-	cr_expect_eq(embd_forward_prefetch_l1(autop, avx512, 512, 4, 40, 20), intel);
-	cr_expect(!embd_forward_prefetch_l1(autop, avx512, 512, 4, 2047, 1024));
-	cr_expect(embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 4, 1, 1));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L2, avx512, 512, 4, 20, 1));
+	cr_expect(!embd_row_prefetch_l1_rule(autop, avx512, 512, 4), "AUTO: L2");
+	cr_expect(!embd_forward_prefetch_l1(autop, avx512, 512, 4), "AUTO: L2 on this CPU too");
+	cr_expect(embd_row_prefetch_l1_rule(EMBD_ROW_PREFETCH_L1, avx512, 512, 4));
+	cr_expect(!embd_row_prefetch_l1_rule(EMBD_ROW_PREFETCH_L2, avx512, 512, 4));
+	cr_expect(embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 4));
+	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L2, avx512, 512, 4));
 	/* no other rows, whatever is asked */
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, EMBD_ISA_AVX2, 512, 4, 20, 1));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, EMBD_ISA_SCALAR, 512, 4, 20, 1));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 2, 20, 1), "fp16");
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 256, 4, 20, 1));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 1024, 4, 20, 1));
+	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, EMBD_ISA_AVX2, 512, 4));
+	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, EMBD_ISA_SCALAR, 512, 4));
+	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 2), "fp16");
+	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 256, 4));
+	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 1024, 4));
 }
 
 /*
  * The forward's prefetch distance (embd_forward_prefetch_rows) for either vendor: elsewhere 20
- * ids for rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows and rows of up
- * to two lines, fp32 rows of more the same 12; every distance within what the lean loop's
- * window holds past its ids. This CPU's is one of the two.
+ * ids for rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows, rows of up
+ * to two lines and fp32 rows of 512 bytes, other fp32 rows the same 12; every distance within
+ * what the lean loop's window holds past its ids. This CPU's is one of the two.
  */
 Test(kernels_forward, prefetch_distance_rule)
 {
@@ -198,7 +184,8 @@ Test(kernels_forward, prefetch_distance_rule)
 
 			cr_expect_eq(other, bytes[i] <= 64 ? 20u : 12u, "%lu bytes of %u",
 				     (unsigned long)bytes[i], elem);
-			cr_expect_eq(intel, elem == 2 || bytes[i] <= 128 ? 48u : 12u, "%lu bytes of %u",
+			const bool far = elem == 2 || bytes[i] <= 128 || bytes[i] == 512;
+			cr_expect_eq(intel, far ? 48u : 12u, "%lu bytes of %u",
 				     (unsigned long)bytes[i], elem);
 			cr_expect(other <= EMBD_LEAN_WINDOW_PAD && intel <= EMBD_LEAN_WINDOW_PAD);
 			cr_expect(here == other || here == intel);
@@ -235,9 +222,9 @@ Test(kernels_forward, near_prefetch_rule)
 /*
  * Either vendor's distances ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in
  * its own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on
- * any CPU: fp16 and 128-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere), fp16 rows
- * of 256 and 512 bytes (on Intel with AVX-512 also prefetched into L1 a few ids ahead), many
- * short chunks, and bags longer than a window.
+ * any CPU: fp16 and 128- and 512-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere),
+ * fp16 rows of 256 and 512 bytes (on Intel with AVX-512 also prefetched into L1 a few ids
+ * ahead), many short chunks, and bags longer than a window.
  */
 static void check_with_vendor(const char *vendor)
 {
@@ -252,6 +239,7 @@ static void check_with_vendor(const char *vendor)
 		     embd_forward_prefetch_l1_near(EMBD_ISA_AVX512, 512, 2, intel));
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP16, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 3000, 32, EMBD_DTYPE_FP32, 80, 40, false, EMBD_POOLING_MEAN);
+	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP32, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 50000, 16, EMBD_DTYPE_FP16, 4099, 2, false, EMBD_POOLING_SUM);
 	check_unsharded(&r, 5000, 64, EMBD_DTYPE_FP16, 3, 3000, true, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 3000, 256, EMBD_DTYPE_FP16, 40, 30, true, EMBD_POOLING_SUM);
