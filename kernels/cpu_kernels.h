@@ -43,12 +43,12 @@
  * batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128 bytes 17%, while fp32 rows of
  * 256 and 1024 bytes took 3-14% more at 32-64 (a guess at why: their loop issues fewer
  * instructions a line, so the core's own loads run further ahead of it). fp32 rows of 512
- * bytes (D 128), until then prefetched 12 ahead (into L1 on AVX-512; into L2 on AVX2, in two
- * passes of 64 columns), took 17-31% less time a batch prefetched into L2 48 ahead at P 20
- * and 100 and 11-46% at P 1 on AVX-512, and 13-36% less at P 1 and 20 and 1-6% at P 100 on
- * AVX2 (three alternations, 2026-12-07, docs/benchmarks.md; the scalar kernels unmeasured).
- * The benchmark's gather limit uses the same distance (and the other vendor's where that is
- * faster).
+ * bytes (D 128), until then prefetched 12 ahead (on AVX-512 into L1 at P >= 2, else into L2;
+ * into L2 on AVX2, in two passes of 64 columns), took 17-31% less time a batch prefetched
+ * into L2 48 ahead at P 20 and 100 and 11-46% at P 1 on AVX-512, and 13-36% less at P 1 and 20
+ * and 1-6% at P 100 on AVX2 (three alternations, 2026-12-07, docs/benchmarks.md; the scalar
+ * kernels unmeasured). The benchmark's gather limit uses the same distance (and the other
+ * vendor's where that is faster).
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
