@@ -184,17 +184,6 @@ static inline __attribute__((always_inline)) void embd_prefetch_line(const void 
 	__builtin_prefetch(p, 0, 2);
 }
 
-/*
- * embd_forward_prefetch_l1: L1 only where asked for (EMBD_ROW_PREFETCH_L1) and only for the
- * rows the AVX-512 lean loop has its L1 variant for (embedding.h says why AUTO takes L2).
- */
-static inline bool embd_row_prefetch_l1_rule(enum embd_row_prefetch want, enum embd_isa isa,
-					     uint64_t row_bytes, uint32_t elem_bytes)
-{
-	return want == EMBD_ROW_PREFETCH_L1 && isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
-	       row_bytes == 512;
-}
-
 /* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says
  * so, and the gather limit's where the kernel's are; the forward's and the backward's near rows
  * where embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the gather

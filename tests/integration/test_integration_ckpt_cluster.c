@@ -283,7 +283,6 @@ Test(ckpt_cluster, per_node_restore_sets_a_nodes_newer_steps_aside, .timeout = 1
 Test(ckpt_cluster, different_checkpoint_settings_are_refused_at_join)
 {
 	char log[8192];
-	int st = 0;
 	bool exited[2];
 	int status[2] = { 0, 0 };
 
@@ -305,7 +304,7 @@ Test(ckpt_cluster, different_checkpoint_settings_are_refused_at_join)
 			stop_node(n, SIGKILL);
 	}
 	for (uint32_t n = 0; n < 2; n++) {
-		st = status[n];
+		const int st = status[n];
 		read_log(n, log, sizeof(log));
 		cr_assert(exited[n], "node %u: expected it to refuse to start within 10 s: %s", n,
 			  log);

@@ -152,10 +152,7 @@ Test(kernels_forward, row_prefetch_choice)
 	const enum embd_isa avx512 = EMBD_ISA_AVX512;
 	const enum embd_row_prefetch autop = EMBD_ROW_PREFETCH_AUTO;
 
-	cr_expect(!embd_row_prefetch_l1_rule(autop, avx512, 512, 4), "AUTO: L2");
 	cr_expect(!embd_forward_prefetch_l1(autop, avx512, 512, 4), "AUTO: L2, whatever the CPU");
-	cr_expect(embd_row_prefetch_l1_rule(EMBD_ROW_PREFETCH_L1, avx512, 512, 4));
-	cr_expect(!embd_row_prefetch_l1_rule(EMBD_ROW_PREFETCH_L2, avx512, 512, 4));
 	cr_expect(embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 4));
 	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L2, avx512, 512, 4));
 	/* no other rows, whatever is asked */
