@@ -16,9 +16,9 @@
  * row ahead, as the columns a later pass reads are no longer right behind the head (prefetching
  * whole rows in the first pass bunched all misses there: a D 256 P 20 bag ran 1.35x faster on AVX2
  * with the prefetches spread, fp16 D 128 P 20 1.5x).
- * Rows that one pass covers and that are prefetched whole (a multiple of 64 bytes, at most
- * 512) take a lean loop instead, each of the row ahead's lines prefetched right after the load
- * that starts the same line of this row, as FBGEMM's generated kernels do (on an AMD EPYC,
+ * Rows that are prefetched whole (a multiple of 64 bytes, at most 512) and whose passes start
+ * on a line take a lean loop instead, each of the row ahead's lines prefetched right after the
+ * load that starts the same line of this row, as FBGEMM's generated kernels do (on an AMD EPYC,
  * Zen 4: 6-11% off D 32/64 fp32 batches, 2-3% off fp16 D 128/256; docs/benchmarks.md,
  * 2026-12-04). That loop reads no id: a window of the chunk's ids is first copied, as rows
  * of the shard, into a buffer on the stack and checked in one vector pass, with the rows of
@@ -59,8 +59,8 @@ struct bag_ctx {
 	uint32_t prefetch_ids;          /* embd_forward_prefetch_distance() */
 	uint64_t prefetch_bytes;        /* embd_prefetch_row_bytes(row_bytes) */
 	uint64_t prefetch_last;         /* prefetch_end - 1: the last id whose row is prefetched */
-	bool lean;                      /* one pass covers the row, prefetched whole, in lines:
-					 * the lean loop's */
+	bool lean;                      /* the row prefetched whole, in lines, its passes
+					 * starting on a line: the lean loop's */
 	bool prefetch_l1;               /* the lean loop prefetches into L1, not L2
 					 * (embd_forward_prefetch_l1) */
 	bool prefetch_near;             /* the lean loop also prefetches into L1 a few ids
@@ -299,30 +299,33 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
 }
 
 /*
- * Adds vector v of a lean row (nvec whole vectors at row) times w to acc[v]. AVX2 reads fp16
- * rows 32 bytes a load, as the gather limit does, vectors v and v + 1 at an even v (nothing at
- * an odd one; its lean fp16 rows are whole lines, an even number of vectors, so the lone last
- * vector is only a guard): the rows of 64 and 128 bytes (D 32 and 64) read 2-13% more of
- * their limit than in 16-byte loads, D 32 P 20 0.270 against 0.290 ms a batch (Intel Xeon,
- * 2026-12-07, docs/benchmarks.md; 192-byte rows, D 96, take it unmeasured). Only there: the
- * checked loop's AVX2 passes of 192 bytes read 7-13% less of their limit that way, and on
+ * Adds vector v of a lean pass (nvec whole vectors at row) times w to acc[v]. AVX2 reads fp16
+ * rows of one pass (single) 32 bytes a load, as the gather limit does, vectors v and v + 1 at
+ * an even v (nothing at an odd one; its lean fp16 rows are whole lines, an even number of
+ * vectors, so the lone last vector is only a guard): the rows of 64 and 128 bytes (D 32 and 64)
+ * read 2-13% more of their limit than in 16-byte loads, D 32 P 20 0.270 against 0.290 ms a
+ * batch (Intel Xeon, 2026-12-07, docs/benchmarks.md; 192-byte rows, D 96, take it
+ * unmeasured). Only there: rows of several passes of 192 bytes (D 128 and 256) took 4-10%
+ * longer at P 100 that way (the checked loop's passes read 7-13% less of their limit), and on
  * AVX-512, whose fp16 loads are 32 bytes already, a 64-byte load widened in halves was no
  * faster.
  */
 static inline __attribute__((always_inline)) void
 pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec,
-	      const uint64_t vec_bytes, const int fp16)
+	      const uint64_t vec_bytes, const int fp16, const int single)
 {
 #if VEC_FLOATS == 8
-	if (fp16 && v % 2 == 1)
+	if (fp16 && single && v % 2 == 1)
 		return;
-	if (fp16 && v + 1 < nvec) {
+	if (fp16 && single && v + 1 < nvec) {
 		vecf lo, hi;
 		vec_load_fp16_pair(row + v * vec_bytes, &lo, &hi);
 		acc[v] = vec_fmadd(w, lo, acc[v]);
 		acc[v + 1] = vec_fmadd(w, hi, acc[v + 1]);
 		return;
 	}
+#else
+	(void)single;
 #endif
 	acc[v] = vec_fmadd(w, vec_load_row(row + v * vec_bytes, VEC_FLOATS, fp16, nvec), acc[v]);
 }
@@ -347,39 +350,42 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
 enum lean_prefetch { LEAN_L2, LEAN_L1, LEAN_L2_NEAR_L1 };
 
 /*
- * The lean loop: adds rows[0, n) (checked rows of the shard, of nvec whole vectors) times
- * weights[j] (1 unless weighted) to out[0, nvec x VEC_FLOATS) and, when finish, multiplies
- * the sums by scale; resume: out holds the bag's sums so far, unscaled (a bag longer than a
- * window is pooled in pieces, in the same order). Each of rows[j + dist]'s lines is
- * prefetched after the load that starts the same line of rows[j], into L1 for LEAN_L1, else
- * L2, and for LEAN_L2_NEAR_L1 each of rows[j + EMBD_PREFETCH_IDS_NEAR]'s into L1 before it
- * (dist is at least that): rows holds n + dist entries.
+ * The lean loop's pass over bytes [from, + nvec whole vectors) of rows of row_bytes: adds that
+ * part of rows[0, n) (checked rows of the shard) times weights[j] (1 unless weighted) to
+ * out[0, nvec x VEC_FLOATS) and, when finish, multiplies the sums by scale; resume: out holds
+ * the bag's sums so far, unscaled (a bag longer than a window is pooled in pieces, in the same
+ * order). Each of rows[j + dist]'s lines in the pass is prefetched after the load that starts
+ * the same line of rows[j], into L1 for LEAN_L1, else L2, and for LEAN_L2_NEAR_L1 each of
+ * rows[j + EMBD_PREFETCH_IDS_NEAR]'s into L1 before it (dist is at least that): rows holds
+ * n + dist entries.
  */
 static inline __attribute__((always_inline)) void
 pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
 	  uint64_t dist, float scale, float *out, bool resume, bool finish, const int nvec,
-	  const int fp16, const int weighted, const enum lean_prefetch pf)
+	  const int fp16, const int weighted, const enum lean_prefetch pf, const uint64_t row_bytes,
+	  const uint64_t from)
 {
 	vecf acc[CHUNK_VECS];
 	const uint64_t elem_bytes = fp16 ? 2 : 4;
 	const uint64_t vec_bytes = VEC_FLOATS * elem_bytes;
-	const uint64_t row_bytes = (uint64_t)nvec * vec_bytes;
+	const int single = row_bytes == (uint64_t)nvec * vec_bytes;
 
 	for (int v = 0; v < nvec; v++)
 		acc[v] = resume ? vec_load(out + v * VEC_FLOATS) : vec_zero();
 	for (uint64_t j = 0; j < n; j++) {
-		const uint8_t *row = base + rows[j] * row_bytes;
-		const uint8_t *ahead = base + rows[j + dist] * row_bytes;
-		const uint8_t *near = pf == LEAN_L2_NEAR_L1
-					      ? base + rows[j + EMBD_PREFETCH_IDS_NEAR] * row_bytes
-					      : NULL;
+		const uint8_t *row = base + rows[j] * row_bytes + from;
+		const uint8_t *ahead = base + rows[j + dist] * row_bytes + from;
+		const uint8_t *near =
+			pf == LEAN_L2_NEAR_L1
+				? base + rows[j + EMBD_PREFETCH_IDS_NEAR] * row_bytes + from
+				: NULL;
 		/* the integer round trip: the line ahead may lie past the weights' end */
 		if (LEAN_WEIGHTS_AHEAD && weighted && !fp16 && row_bytes <= 128)
 			embd_prefetch_line_l1((const void *)((uintptr_t)(weights + j) +
 							     LEAN_WEIGHTS_AHEAD_BYTES));
 		vecf w = vec_set1(weighted ? weights[j] : 1.0f);
 		for (int v = 0; v < nvec; v++) {
-			pool_lean_vec(acc, w, row, v, nvec, vec_bytes, fp16);
+			pool_lean_vec(acc, w, row, v, nvec, vec_bytes, fp16, single);
 			if ((v * vec_bytes) % 64 == 0) {
 				if (pf == LEAN_L2_NEAR_L1)
 					embd_prefetch_line_l1(near + v * vec_bytes);
@@ -393,6 +399,37 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 	vecf sv = vec_set1(scale);
 	for (int v = 0; v < nvec; v++)
 		vec_store(out + v * VEC_FLOATS, finish ? vec_mul(acc[v], sv) : acc[v], VEC_FLOATS);
+}
+
+/*
+ * pool_lean over a lean row of rvec whole vectors, pass by pass (as the checked loop's passes,
+ * embd_forward_pass_cols: AVX2's fp16 rows past 96 columns and fp32 rows past 64), each pass's
+ * sums in its columns of out. Each pass prefetches its own lines of the row ahead, as the
+ * checked loop's do. On AVX2 (Intel Xeon, 2026-12-07, docs/benchmarks.md) fp32 and fp16 D 128
+ * took 15-28% less time a batch this way than in the checked loop at P 1 (fp16 D 256 4-9%),
+ * up to 12% less at P 20 unweighted, and about the same (within 4% either way) weighted and
+ * at P 100.
+ */
+static inline __attribute__((always_inline)) void
+pool_lean_passes(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,
+		 uint64_t dist, float scale, float *out, bool resume, bool finish, const int rvec,
+		 const int fp16, const int weighted, const enum lean_prefetch pf)
+{
+	const int pvec = (int)(PASS_COLS(fp16) / VEC_FLOATS);
+	const uint64_t vec_bytes = VEC_FLOATS * (fp16 ? 2 : 4);
+	const uint64_t row_bytes = (uint64_t)rvec * vec_bytes;
+
+	/* written out, not a loop, so that each pass's vector count is a constant and its
+	 * accumulators stay in registers; a lean row is at most 512 bytes, 3 AVX2 passes */
+	_Static_assert(4 * PASS_COLS(0) * 4 >= 512 && 4 * PASS_COLS(1) * 2 >= 512,
+		       "four passes cover every lean row");
+#define LEAN_PASS(P)                                                                              \
+	if ((P) * pvec < rvec)                                                                    \
+		pool_lean(base, rows, weights, n, dist, scale, out + (P) * pvec * VEC_FLOATS,     \
+			  resume, finish, rvec - (P) * pvec < pvec ? rvec - (P) * pvec : pvec, fp16,  \
+			  weighted, pf, row_bytes, (uint64_t)(P) * pvec * vec_bytes);
+	LEAN_PASS(0) LEAN_PASS(1) LEAN_PASS(2) LEAN_PASS(3)
+#undef LEAN_PASS
 }
 
 /*
@@ -484,7 +521,7 @@ move_window(struct lean_window *wnd, const struct bag_ctx *c, uint64_t k)
 }
 
 /*
- * Pools bags [b, last) of bt in the lean loop, nvec vectors a row, while their ids lie in
+ * Pools bags [b, last) of bt in the lean loop, nvec whole vectors a row, while their ids lie in
  * windows that hold only ids inside the shard, and returns the first bag it left to the
  * checked loop (last when none): one whose offsets are not inside the ids, not where the
  * chunk was cut or not where the last bag ended, or whose window holds an id outside the
@@ -516,9 +553,9 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			if (!wnd->inside)
 				return b;
 			uint64_t stop = (uint64_t)e < wnd->to ? (uint64_t)e : wnd->to;
-			pool_lean(base, wnd->rows + (k - wnd->from), weighted ? c->weights + k : NULL,
-				  stop - k, dist, scale, out, k > (uint64_t)s, stop == (uint64_t)e, nvec,
-				  fp16, weighted, pf);
+			pool_lean_passes(base, wnd->rows + (k - wnd->from),
+					 weighted ? c->weights + k : NULL, stop - k, dist, scale, out,
+					 k > (uint64_t)s, stop == (uint64_t)e, nvec, fp16, weighted, pf);
 			k = stop;
 		} while (k < (uint64_t)e);
 	}
@@ -534,6 +571,14 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 		if (c->weights)                                                                   \
 			return lean_bags_as(wnd, bt, c, b, last, N, 0, 1, LEAN_L2);               \
 		return lean_bags_as(wnd, bt, c, b, last, N, 0, 0, LEAN_L2);
+/* fp16 rows only: fp32 rows of as many vectors are past 512 bytes, never lean */
+#define LEAN_CASE_FP16(N)                                                                         \
+	case N:                                                                                   \
+		if (!fp16)                                                                        \
+			return b;                                                                 \
+		if (c->weights)                                                                   \
+			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1, LEAN_L2);               \
+		return lean_bags_as(wnd, bt, c, b, last, N, 1, 0, LEAN_L2);
 
 #if VEC_FLOATS == 16
 /*
@@ -580,9 +625,11 @@ lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct
 	switch (c->cols / VEC_FLOATS) {
 	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
 	LEAN_CASE(5) LEAN_CASE(6) LEAN_CASE(7) LEAN_CASE(8)
-	LEAN_CASE(10) LEAN_CASE(12)
-#if CHUNK_VECS > 12
-	LEAN_CASE(14) LEAN_CASE(16)
+	LEAN_CASE(10) LEAN_CASE(12) LEAN_CASE(14) LEAN_CASE(16)
+#if VEC_FLOATS == 8
+	/* rows of several passes past 16 vectors: fp16 of 320-512 bytes (those of 256, and fp32
+	 * rows of 320-512, are cases 10-16 above) */
+	LEAN_CASE_FP16(20) LEAN_CASE_FP16(24) LEAN_CASE_FP16(28) LEAN_CASE_FP16(32)
 #endif
 	}
 	return b;

@@ -67,7 +67,8 @@ static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t e
  * into L2 48 ids ahead, took 3-17% less time a batch at P 20 and 100 with it; fp16 D 64 ~3%
  * less, fp16 D 32 and fp32 D 32 the same, fp32 D 64 (12 ahead) 4-17% more, and the fp16 D 256
  * rows prefetched into L1 alone, 48 ahead, 30-45% more. AVX2 pools these rows in passes of 96
- * columns, outside the lean loop. Other CPUs were not measured.
+ * columns (in its lean loop since 2026-12-07) and was not measured with it. Other CPUs were
+ * not measured.
  */
 static inline bool embd_forward_prefetch_l1_near(enum embd_isa isa, uint64_t row_bytes,
 						 uint32_t elem_bytes, bool intel)
@@ -151,15 +152,18 @@ static inline uint64_t embd_prefetch_row_bytes(uint64_t row_bytes)
 
 /*
  * Whether the forward pools rows of row_bytes (pass_bytes of them per pass, from
- * embd_forward_pass_cols) at base in its lean loop (cpu_kernels.c): a vector isa, one pass
- * covering the row, the row prefetched whole and made of whole cache lines. The benchmark's
- * gather limit decides the same way, to read as the kernel reads. The lean loop takes its
- * row to be its one pass of whole vectors: whole lines of 2- or 4-byte elements are.
+ * embd_forward_pass_cols) at base in its lean loop (cpu_kernels.c): a vector isa, the row
+ * prefetched whole and made of whole cache lines, and every pass starting on a line (one pass
+ * covering the row, or passes of whole lines: AVX2's fp16 rows of 256-512 bytes and fp32 rows
+ * of 320-512). The benchmark's gather limit decides the same way, to read as the kernel reads.
+ * The lean loop takes its row, and each pass, to be whole vectors: whole lines of 2- or 4-byte
+ * elements are.
  */
 static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uint64_t row_bytes,
 				     const void *base)
 {
-	return isa != EMBD_ISA_SCALAR && pass_bytes >= row_bytes &&
+	return isa != EMBD_ISA_SCALAR &&
+	       (pass_bytes >= row_bytes || pass_bytes % EMBD_CACHE_LINE_BYTES == 0) &&
 	       embd_prefetch_row_bytes(row_bytes) == row_bytes &&
 	       row_bytes % EMBD_CACHE_LINE_BYTES == 0 &&
 	       (uintptr_t)base % EMBD_CACHE_LINE_BYTES == 0;

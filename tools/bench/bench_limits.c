@@ -11,8 +11,9 @@
  *   GB/s, 22.1-22.4 with 32-byte loads); fp32 rows come in halves joined in a register as that
  *   kernel joins them: against 32-byte loads into 256-bit accumulators it read D 64 P 20 at
  *   1.10-1.12; on AVX2 16-byte loads of fp16 made this limit slower (Zen 4), D 256 P 20
- *   25.3-26.3 against 28.6-29.3 GB/s, and the kernel's lean loop loads 32 bytes too since that
- *   made it faster, its checked loop 16 (with 32 it read 7-13% less of this limit)), in the
+ *   25.3-26.3 against 28.6-29.3 GB/s, and the kernel's lean loop loads 32 bytes too in rows
+ *   of one pass since that made it faster, 16 in rows of several passes and its checked loop
+ *   (with 32 those read 4-13% less of this limit)), in the
  *   kernel's passes over each bag (embd_forward_pass_cols: as many columns as its accumulators
  *   in registers hold), fully unrolled per pass width, the head of each pass's columns of the
  *   row embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
@@ -116,10 +117,13 @@
  * them on the stack: a reload and a spill per pass that the kernel does not have, at P = 1
  * one per row).
  */
-#define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE)                                    \
+#define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, ROW_BYTES)                         \
 	const uint8_t *t = g->table;                                                              \
-	/* a lean row is one pass: a constant where nvec is one, as the kernel's row size is */   \
-	uint64_t rb = lean ? (uint64_t)nvec * VBYTES : g->row_bytes;                              \
+	/* a lean row of one pass: a constant where nvec is one, as the kernel's row size is; of  \
+	 * several (lean 4), ROW_BYTES, a constant at the benchmarks' sizes */                    \
+	uint64_t rb = lean == 4 ? (uint64_t)(ROW_BYTES)                                           \
+		      : lean    ? (uint64_t)nvec * VBYTES                                         \
+				: g->row_bytes;                                                   \
 	uint64_t P = g->ids_per_out, n = (b1 - b0) * P;                                           \
 	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = pass * out_mul;                       \
 	uint64_t pf = pb < pass ? pb : pass;                                                      \
@@ -169,7 +173,8 @@
 	}
 
 /* GATHER_BAG's pass over columns [from, + N vectors) of the bag's rows, the row ahead's id
- * read from SRC too in the lean loop (a window is padded past the bags it holds) */
+ * read from SRC too in the lean loop (a window is padded past the bags it holds), which
+ * prefetches the pass's lines of that row */
 #define GATHER_PASS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, SRC, BASE, CLAMP, N)               \
 	{                                                                                         \
 		const uint64_t pf_pass = pf < (uint64_t)(N) * VBYTES ? pf : (uint64_t)(N) * VBYTES; \
@@ -179,7 +184,7 @@
 			if (lean)                                                                 \
 				ahead += (uint64_t)SRC[!(CLAMP) || k + dist < n                   \
 							       ? k - (BASE) + dist                \
-							       : n - 1 - (BASE)] * rb;            \
+							       : n - 1 - (BASE)] * rb + from;     \
 			else if (k + dist < n)                                                    \
 				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass); \
 			const uint8_t *row = t + (uint64_t)SRC[k - (BASE)] * rb + from;           \
@@ -188,7 +193,7 @@
 			if (lean == 3)                                                            \
 				near += (uint64_t)SRC[!(CLAMP) || k + EMBD_PREFETCH_IDS_NEAR < n  \
 							      ? k - (BASE) + EMBD_PREFETCH_IDS_NEAR \
-							      : n - 1 - (BASE)] * rb;             \
+							      : n - 1 - (BASE)] * rb + from;      \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
 				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES), N)); \
 				if (lean == 3 && (v * VBYTES) % 64 == 0)                          \
@@ -250,10 +255,13 @@ gather_add_in_order256(__m256i acc, __m256i x)
 	const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t pb, uint32_t dist,       \
 	uint64_t *sink
 
-/* the bag loops' lean mode (kernels/cpu_kernels.c): one pass covers the row, whose lines are
- * prefetched one after each load that starts a line, dist ids ahead, clamped to the chunk;
+/* the bag loops' lean mode (kernels/cpu_kernels.c), lean 1-3: one pass covers the row, whose
+ * lines are prefetched one after each load that starts a line, dist ids ahead, clamped to the
+ * chunk;
  * lean 2: into L1, as the kernel's where bench_gather.prefetch_l1; lean 3: into L2, and the
- * row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, where bench_gather.prefetch_near */
+ * row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, where bench_gather.prefetch_near; lean 4: as
+ * lean 1 over a row of several passes of whole lines (the 256-bit walk only: AVX2's fp16 rows
+ * of 256-512 bytes and fp32 rows of 320-512), each prefetching its own lines of the row ahead */
 #define GATHER_LEAN_ARGS                                                                          \
 	const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul, const int lean
 
@@ -261,25 +269,46 @@ __attribute__((target("avx512f"), always_inline)) static inline void
 bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), GATHER_LOAD512, gather_add_in_order512,
-		    STORE512)
+		    STORE512, g->row_bytes)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
 bags_256(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256)
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256,
+		    g->row_bytes)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
 bags_256_in_order(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, gather_add_in_order256,
-		    STORE256)
+		    STORE256, g->row_bytes)
+}
+
+/* lean 4 (rows of several passes) with the row's size row_bytes */
+__attribute__((target("avx2"), always_inline)) static inline void
+bags_256_several(GATHER_ARGS, const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul,
+		 const uint64_t row_bytes)
+{
+	const int lean = 4;
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256,
+		    row_bytes)
+}
+
+__attribute__((target("avx2"), always_inline)) static inline void
+bags_256_several_in_order(GATHER_ARGS, const uint32_t nvec, const uint32_t nlast,
+			  const uint32_t out_mul, const uint64_t row_bytes)
+{
+	const int lean = 4;
+	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, gather_add_in_order256,
+		    STORE256, row_bytes)
 }
 
 static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), GATHER_LOAD128, _mm_add_epi32, STORE128)
+	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), GATHER_LOAD128, _mm_add_epi32, STORE128,
+		    g->row_bytes)
 }
 
 /* Constant vector counts for passes of 64 bytes to 1 KiB (with the last pass of AVX2's
@@ -316,8 +345,9 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
-/* the lean loop alone (where the caller knows it is lean): one pass over the whole row of at
- * most 512 bytes (embd_forward_lean), so no last pass and no 1 KiB case */
+/* the lean loop alone over rows of one pass (lean 1 and 3; rows of several, lean 4, take
+ * PASS_SEVERAL): a row of at most 512 bytes (embd_forward_lean), so no last pass and no 1 KiB
+ * case */
 #define PASS_LEAN_ONLY(FN, VBYTES, OUT_MUL)                                                       \
 	switch (pass) {                                                                           \
 	case 64: FN(PASS_ARGS, 64 / VBYTES, 0, OUT_MUL, 1); break;                                \
@@ -328,6 +358,18 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	case 512: FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 1); break;                              \
 	default: FN(PASS_ARGS, (uint32_t)(pass / VBYTES), 0, OUT_MUL, 1); break;                  \
 	}
+/* lean 4's rows of the benchmarks (D 128 and 256: fp16 in passes of 192 bytes, fp32 of 256)
+ * with constant sizes, others at run time */
+#define PASS_SEVERAL(FN, VBYTES, OUT_MUL)                                                         \
+	if (g->row_bytes == 256 && pass == 192 && last == 64)                                     \
+		FN(PASS_ARGS, 192 / VBYTES, 64 / VBYTES, OUT_MUL, 256);                           \
+	else if (g->row_bytes == 512 && pass == 192 && last == 128)                               \
+		FN(PASS_ARGS, 192 / VBYTES, 128 / VBYTES, OUT_MUL, 512);                          \
+	else if (g->row_bytes == 512 && pass == 256 && last == 0)                                 \
+		FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, 512);                                     \
+	else                                                                                      \
+		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL,      \
+		   g->row_bytes);
 #define PASS_SWITCH_BY(FN, VBYTES, BY)                                                            \
 	if (g->out_row_bytes == g->row_bytes)                                                     \
 		BY(FN, VBYTES, 1)                                                                 \
@@ -350,14 +392,23 @@ bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 __attribute__((target("avx2"), noinline)) static void
 bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
-	PASS_SWITCH(bags_256, 32)
+	if (lean == 4) {
+		PASS_SWITCH_BY(bags_256_several, 32, PASS_SEVERAL)
+	} else {
+		PASS_SWITCH(bags_256, 32)
+	}
 }
 
-/* the 256-bit walk's lean loop into L2 in the kernel's load order (bench_gather.in_line_order) */
+/* the 256-bit walk's lean loop into L2 in the kernel's load order (bench_gather.in_line_order):
+ * lean 1 or 4 */
 __attribute__((target("avx2"), noinline)) static void
-bags_lean_256_in_order(GATHER_ARGS, uint64_t pass)
+bags_lean_256_in_order(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
-	PASS_SWITCH_BY(bags_256_in_order, 32, PASS_LEAN_ONLY)
+	if (lean == 4) {
+		PASS_SWITCH_BY(bags_256_several_in_order, 32, PASS_SEVERAL)
+	} else {
+		PASS_SWITCH_BY(bags_256_in_order, 32, PASS_LEAN_ONLY)
+	}
 }
 
 __attribute__((noinline)) static void
@@ -422,8 +473,11 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
 	/* the loops into L1 where the kernel has them, else the L2 loop (bench_gather.prefetch_l1
-	 * is ignored elsewhere) */
-	if (lean && g->prefetch_l1 && g->isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
+	 * is ignored elsewhere); rows of several passes only in the 256-bit walk (the AVX-512
+	 * passes cover every lean row) */
+	if (lean && pass < rb)
+		lean = 4;
+	else if (lean && g->prefetch_l1 && g->isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
 	    pass == 512 && last == 0)
 		lean = 2;
 	else if (lean && g->prefetch_near && dist >= EMBD_PREFETCH_IDS_NEAR &&
@@ -438,7 +492,7 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	else if (lean == 3)
 		bags_near_256(g, b0, b1, pb, dist, sink, pass);
 	else if (gather_walk_256(g) && lean && g->in_line_order)
-		bags_lean_256_in_order(g, b0, b1, pb, dist, sink, pass);
+		bags_lean_256_in_order(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else if (gather_walk_256(g))
 		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else if (g->isa == EMBD_ISA_AVX512)

@@ -123,15 +123,17 @@ Test(kernels_forward, random_shapes_equal_reference)
  * separate loops for passes of whole vectors and for a pass with a tail. AVX2 passes are 96
  * columns of fp16 rows (80, 88 and 96 one whole pass, the lean loop's for 96, and 84 one
  * with a tail; 128, 200 and 256 ending on a shorter pass of whole vectors, 100 and 260 on a
- * tail) and 64 of fp32 rows. AVX2's lean loop widens fp16 rows two vectors a load: 32, 64
- * and 96 columns (4, 8 and 12 vectors; its lean fp16 rows are whole lines, an even number of
- * vectors). AVX-512 reads fp32 passes of 16 whole vectors (256 and 512 columns) in whole
+ * tail) and 64 of fp32 rows. AVX2's lean loop widens fp16 rows of one pass two vectors a
+ * load: 32, 64 and 96 columns (4, 8 and 12 vectors; its lean fp16 rows are whole lines, an
+ * even number of vectors); it takes rows of several passes of whole lines too: fp16 128, 160,
+ * 192, 224 and 256 columns (12 + 4 vectors up to 12 + 12 + 8), fp32 80, 96, 112 and 128 (8 + 2
+ * up to 8 + 8). AVX-512 reads fp32 passes of 16 whole vectors (256 and 512 columns) in whole
  * loads, others in halves (250: 15 and a part).
  */
 Test(kernels_forward, whole_and_tail_passes_equal_reference)
 {
-	static const uint32_t dims[] = { 8, 20, 24, 32, 64, 80, 84, 88, 96, 100, 128, 200, 250, 256,
-					 260, 512 };
+	static const uint32_t dims[] = { 8, 20, 24, 32, 64, 80, 84, 88, 96, 100, 112, 128, 160, 192,
+					 200, 224, 250, 256, 260, 512 };
 	struct trng r = { 4 };
 
 	for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)
@@ -414,7 +416,8 @@ Test(kernels_forward, many_chunks_of_short_bags)
 /*
  * Bags longer than the lean loop's window of ids (1024: cpu_kernels.c) are pooled a window at a
  * time, their sums carried in the output row between windows: still equal to the reference,
- * for fp16 and fp32 rows the lean loop takes, plain and weighted, summed and averaged.
+ * for fp16 and fp32 rows the lean loop takes, plain and weighted, summed and averaged, in one
+ * pass and (AVX2: fp32 D 128, fp16 D 256) in several.
  */
 Test(kernels_forward, bags_longer_than_a_window, .timeout = 60)
 {
@@ -426,9 +429,9 @@ Test(kernels_forward, bags_longer_than_a_window, .timeout = 60)
 	const int64_t rows = 20000;
 	struct tbags t;
 
-	for (int shape = 0; shape < 4; shape++) {
-		static const uint32_t dims[] = { 32, 64, 16, 128 };
-		bool fp16 = shape < 2, weighted = shape % 2 == 0;
+	for (int shape = 0; shape < 5; shape++) {
+		static const uint32_t dims[] = { 32, 64, 16, 128, 256 };
+		bool fp16 = shape < 2 || shape == 4, weighted = shape % 2 == 0;
 		tbags_random(&t, &r, 600, 30, 10, rows, 20, weighted);
 		for (uint32_t b = 0, n = 0; b < t.batch_size; b += 37, n++)
 			t.lengths[b] = (int32_t)long_len[n % (sizeof(long_len) / sizeof(long_len[0]))];
@@ -456,48 +459,60 @@ Test(kernels_forward, bags_longer_than_a_window, .timeout = 60)
 
 /*
  * An id outside the shard in the second window of a long bag, and one just past a window's end
- * (among the ids that window's last rows prefetch), on every isa: the bag that holds it is
- * named, with the id, whatever window it falls in.
+ * (among the ids that window's last rows prefetch), on every isa, in rows of one lean pass
+ * (fp32 D 16) and of several (fp16 D 256 on AVX2): the bag that holds it is named, with the
+ * id, whatever window it falls in.
  */
 Test(kernels_forward, out_of_range_id_past_a_window)
 {
 	const int64_t rows = 5000;
-	struct embd_ref_table *ref = embd_ref_table_create(4, rows, 16, EMBD_DTYPE_FP32, &sgd, 2);
-	struct embd_shard *s = tshard(ref, 2, 0, rows, 0, 16);
 	/* windows of the one chunk: [0, 1024), [1024, 2048), ..., [5120, 6000); bag 0 is ids
 	 * [0, 1500), bag 1 [1500, 4000), bag 2 [4000, 4100), bag 3 [4100, 6000) */
 	static const struct { uint64_t at; uint32_t sample; } cases[] = {
 		{ 3000, 1 }, { 1024 + 3, 0 }, { 4000 + 2, 2 }, { 5999, 3 },
 	};
+	static const struct { uint32_t dim; enum embd_data_type dtype; } shapes[] = {
+		{ 16, EMBD_DTYPE_FP32 }, { 256, EMBD_DTYPE_FP16 },
+	};
 	enum embd_isa isas[3];
 	int nisa = tisas(isas);
 	int64_t offsets[5] = { 0, 1500, 4000, 4100, 6000 };
 	int64_t *ids = malloc(6000 * sizeof(*ids));
-	float *out = malloc(4 * 16 * sizeof(float));
+	float *out = malloc(4 * 256 * sizeof(float));
 	struct trng r = { 11 };
 
-	for (int i = 0; i < nisa; i++) {
-		for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
-			for (int k = 0; k < 6000; k++)
-				ids[k] = (int64_t)trng_below(&r, (uint64_t)rows);
-			ids[cases[c].at] = rows + 7;
-			struct tbags t = { .batch_size = 4, .offsets = offsets, .ids = ids, .num_ids = 6000 };
-			struct embd_exec ex = { .isa = isas[i] };
-			struct embd_kernel_err err = { 0 };
-			int rc = run_forward(&ex, s, &t, EMBD_POOLING_SUM, NULL, out, 16, 0, &err);
-			cr_assert_eq(rc, EMBD_ERANGE, "%s id at %llu: expected EMBD_ERANGE, got %d",
-				     embd_kernels_isa_name(isas[i]), (unsigned long long)cases[c].at, rc);
-			cr_expect_eq(err.sample, cases[c].sample, "%s id at %llu: sample %lld, expected %u",
-				     embd_kernels_isa_name(isas[i]), (unsigned long long)cases[c].at,
-				     (long long)err.sample, cases[c].sample);
-			cr_expect_eq(err.id, rows + 7, "id: expected %lld, got %lld", (long long)(rows + 7),
-				     (long long)err.id);
+	for (size_t sh = 0; sh < sizeof(shapes) / sizeof(shapes[0]); sh++) {
+		const uint32_t dim = shapes[sh].dim;
+		struct embd_ref_table *ref =
+			embd_ref_table_create(4, rows, dim, shapes[sh].dtype, &sgd, 2);
+		struct embd_shard *s = tshard(ref, 2, 0, rows, 0, dim);
+
+		for (int i = 0; i < nisa; i++) {
+			for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+				for (int k = 0; k < 6000; k++)
+					ids[k] = (int64_t)trng_below(&r, (uint64_t)rows);
+				ids[cases[c].at] = rows + 7;
+				struct tbags t = { .batch_size = 4, .offsets = offsets, .ids = ids,
+						   .num_ids = 6000 };
+				struct embd_exec ex = { .isa = isas[i] };
+				struct embd_kernel_err err = { 0 };
+				int rc = run_forward(&ex, s, &t, EMBD_POOLING_SUM, NULL, out, dim, 0, &err);
+				cr_assert_eq(rc, EMBD_ERANGE, "D %u %s id at %llu: expected EMBD_ERANGE, got %d",
+					     dim, embd_kernels_isa_name(isas[i]),
+					     (unsigned long long)cases[c].at, rc);
+				cr_expect_eq(err.sample, cases[c].sample,
+					     "D %u %s id at %llu: sample %lld, expected %u", dim,
+					     embd_kernels_isa_name(isas[i]), (unsigned long long)cases[c].at,
+					     (long long)err.sample, cases[c].sample);
+				cr_expect_eq(err.id, rows + 7, "id: expected %lld, got %lld",
+					     (long long)(rows + 7), (long long)err.id);
+			}
 		}
+		embd_shard_destroy(s);
+		embd_ref_table_destroy(ref);
 	}
 	free(out);
 	free(ids);
-	embd_shard_destroy(s);
-	embd_ref_table_destroy(ref);
 }
 
 /* An id out of range in a late chunk, with 3 workers: the first bad sample is reported. */
