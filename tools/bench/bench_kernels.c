@@ -647,6 +647,22 @@ static bool row_prefetch_l1(const struct bench *b, const struct table *t)
 					t->fp16 ? 2 : 4);
 }
 
+/* One of a forward line's limit ways: how it reads the ids (bench_gather.windowed), which of
+ * the two distances it prefetches at, whether with the near prefetch and in line order. */
+struct limit_way {
+	int windowed, dist, near, in_order;
+};
+
+/* Way r of a line whose limit has ways x ndist x nears x orders of them (every count at least
+ * 1): r = ((in_order * nears + near) * ndist + dist) * ways + windowed. */
+static struct limit_way limit_way_of(int r, int ways, int ndist, int nears)
+{
+	return (struct limit_way){ .windowed = r % ways,
+				   .dist = r / ways % ndist,
+				   .near = r / (ways * ndist) % nears,
+				   .in_order = r / (ways * ndist * nears) };
+}
+
 /* The forward configs of table t: gather limit and ours, then FBGEMM for all, then lines. */
 static int bench_forward(struct bench *b, const struct table *t, int64_t *offsets,
 			 const float *weights, float *pooled)
@@ -679,29 +695,24 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 					  .prefetch_l1 = row_prefetch_l1(b, t) } };
 		/* the limit's ways (bench_gather.windowed, where the kernel has a window) at each
 		 * distance, with the near prefetch or without (where the kernel has one), in line
-		 * order or not (where that walk has both): refs[((o * nears + e) * ndist + d) *
-		 * ways + w] */
+		 * order or not (where that walk has both): refs[r], limit_way_of(r) */
 		struct gather_arg gr[GATHER_REFS];
 		void *refs[GATHER_REFS];
 		ways[n] = bench_gather_ways(&g.g);
 		nears[n] = bench_gather_near_ways(&g.g);
 		orders[n] = bench_gather_order_ways(&g.g);
-		for (int o = 0; o < orders[n]; o++)
-			for (int e = 0; e < nears[n]; e++)
-				for (int d = 0; d < ndist; d++)
-					for (int w = 0; w < ways[n]; w++) {
-						const int r = ((o * nears[n] + e) * ndist + d) *
-								      ways[n] + w;
-						gr[r] = g;
-						gr[r].g.windowed = w;
-						gr[r].g.prefetch_ids = dists[d];
-						gr[r].g.prefetch_near = e;
-						gr[r].g.in_line_order = o;
-						refs[r] = &gr[r];
-					}
+		const int nrefs = orders[n] * nears[n] * ndist * ways[n];
+		for (int r = 0; r < nrefs; r++) {
+			const struct limit_way lw = limit_way_of(r, ways[n], ndist, nears[n]);
+			gr[r] = g;
+			gr[r].g.windowed = lw.windowed;
+			gr[r].g.prefetch_ids = dists[lw.dist];
+			gr[r].g.prefetch_near = lw.near;
+			gr[r].g.in_line_order = lw.in_order;
+			refs[r] = &gr[r];
+		}
 		set_offsets(offsets, b->o.batch, P);
-		res[n] = paired_step_ns(b, forward_step, &a, gather_step, refs,
-					orders[n] * nears[n] * ndist * ways[n]);
+		res[n] = paired_step_ns(b, forward_step, &a, gather_step, refs, nrefs);
 		if (a.rc) {
 			fprintf(stderr, "embd-bench kernels: forward failed: %s\n", a.err.msg);
 			return 1;
@@ -736,10 +747,11 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 };
 		int won_order[2] = { 0 };
 		for (int j = 0; j < orders[i] * nears[i] * ndist * ways[i]; j++) {
-			won_way[j % ways[i]] += res[i].ref_won[j];
-			won_dist[j / ways[i] % ndist] += res[i].ref_won[j];
-			won_near[j / (ways[i] * ndist) % nears[i]] += res[i].ref_won[j];
-			won_order[j / (ways[i] * ndist * nears[i])] += res[i].ref_won[j];
+			const struct limit_way lw = limit_way_of(j, ways[i], ndist, nears[i]);
+			won_way[lw.windowed] += res[i].ref_won[j];
+			won_dist[lw.dist] += res[i].ref_won[j];
+			won_near[lw.near] += res[i].ref_won[j];
+			won_order[lw.in_order] += res[i].ref_won[j];
 		}
 		if (ways[i] > 1)
 			printf(",\"limit_ids\":\"%s\"",
