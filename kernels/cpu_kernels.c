@@ -305,8 +305,9 @@ pool_chunk(const struct bag_ctx *c, int64_t s, int64_t e, uint32_t c0, uint32_t 
  * vectors, so the lone last vector is only a guard): the rows of 64 and 128 bytes (D 32 and 64)
  * read 2-13% more of their limit than in 16-byte loads, D 32 P 20 0.270 against 0.290 ms a
  * batch (Intel Xeon, 2026-12-07, docs/benchmarks.md; 192-byte rows, D 96, take it
- * unmeasured). Only there: rows of several passes of 192 bytes (D 128 and 256) took 4-10%
- * longer at P 100 that way (the checked loop's passes read 7-13% less of their limit), and on
+ * unmeasured). Only there: rows of several passes of 192 bytes (fp16 D 128 and 256) took 6-11%
+ * longer at P 100 that way than in the checked loop (Intel Xeon, AVX2, 2026-12-07; the checked
+ * loop's passes read 7-13% less of their limit that way), and on
  * AVX-512, whose fp16 loads are 32 bytes already, a 64-byte load widened in halves was no
  * faster.
  */
@@ -407,8 +408,8 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
  * sums in its columns of out. Each pass prefetches its own lines of the row ahead, as the
  * checked loop's do. On AVX2 (Intel Xeon, 2026-12-07, docs/benchmarks.md) fp32 and fp16 D 128
  * took 15-28% less time a batch this way than in the checked loop at P 1 (fp16 D 256 4-9%),
- * up to 12% less at P 20 unweighted, and about the same (within 4% either way) weighted and
- * at P 100.
+ * mostly less at P 20 unweighted (13% less to 3% more a pair), and at P 100 (10% less to 6%
+ * more) and weighted (5% less to 4% more) about the same.
  */
 static inline __attribute__((always_inline)) void
 pool_lean_passes(const uint8_t *base, const uint64_t *rows, const float *weights, uint64_t n,

@@ -13,7 +13,8 @@
  *   1.10-1.12; on AVX2 16-byte loads of fp16 made this limit slower (Zen 4), D 256 P 20
  *   25.3-26.3 against 28.6-29.3 GB/s, and the kernel's lean loop loads 32 bytes too in rows
  *   of one pass since that made it faster, 16 in rows of several passes and its checked loop
- *   (with 32 those read 4-13% less of this limit)), in the
+ *   (with 32-byte loads the checked loop read 7-13% less of this limit, and the lean passes over
+ *   fp16 D 128 and 256 took 6-11% longer at P 100 on an Intel Xeon)), in the
  *   kernel's passes over each bag (embd_forward_pass_cols: as many columns as its accumulators
  *   in registers hold), fully unrolled per pass width, the head of each pass's columns of the
  *   row embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
@@ -345,7 +346,7 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
-/* the lean loop alone over rows of one pass (lean 1 and 3; rows of several, lean 4, take
+/* the lean loop alone over rows of one pass (lean 1; rows of several, lean 4, take
  * PASS_SEVERAL): a row of at most 512 bytes (embd_forward_lean), so no last pass and no 1 KiB
  * case */
 #define PASS_LEAN_ONLY(FN, VBYTES, OUT_MUL)                                                       \

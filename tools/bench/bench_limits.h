@@ -53,9 +53,9 @@ struct bench_gather {
 	/* where the 256-bit walk (AVX2's, and fp16 rows' on AVX-512) takes a row in the lean loop,
 	 * hold the row's loads in line order, each line's prefetch after its load, as the kernel's
 	 * loop issues them (the 512-bit walk always does), or leave gcc's order (it regroups the
-	 * integer adds). Which is faster depends on the row (on an Intel Xeon fp16 D 128 P 100
-	 * in order, fp16 D 256 and AVX2 fp32 D 64 gcc's, bench_limits.c), so the benchmarks run
-	 * both and take the faster; elsewhere ignored */
+	 * integer adds). Which is faster depends on the row (on an Intel Xeon AVX-512 fp16 D 128
+	 * P 100 in order, fp16 D 256 and AVX2 fp32 D 64 gcc's, bench_limits.c), so the benchmarks
+	 * run both and take the faster; elsewhere ignored */
 	bool in_line_order;
 	atomic_uint_fast64_t next;
 	uint64_t sink[BENCH_LIMIT_MAX_WORKERS][8]; /* per worker: keeps the loads alive */
