@@ -74,7 +74,8 @@ struct embd_backward_times {
  * bag, both 12 ids ahead (2026-12-06), but into L2 48 ids ahead (embd_forward_prefetch_rows
  * since 2026-12-07) they took 17-31% less time a batch than into L1 12 ahead (P 20 and 100; at
  * P 1, where L1 was not taken, 11-46% less than into L2 12 ahead; docs/benchmarks.md). AUTO
- * takes L2; L1 forces the L1 loop for these rows (tests, benchmarks), at the same distance.
+ * takes L2; L1 forces the L1 loop for these rows (tests, benchmarks), at the same distance,
+ * where it took 34-56% more time a batch than AUTO at P 1-100 (2026-12-07 16:27).
  * Other rows and isas are prefetched into L2 (and some of them into L1 too, a few ids ahead:
  * embd_forward_prefetch_near).
  */
