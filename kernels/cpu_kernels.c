@@ -596,19 +596,23 @@ lean_bags_l1(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, LEAN_L1);
 }
 
+#endif
+
 /* The only rows embd_forward_prefetch_l1_near also prefetches into L1: fp16 of 256 and 512
- * bytes (8 or 16 vectors). */
+ * bytes (128 or 256 columns; on AVX2 in passes, pool_lean_passes). Out of line and named on
+ * its own, so that check_prefetch.sh finds its prefetches into L1 apart from lean_bags'. */
 static __attribute__((noinline)) uint32_t
 lean_bags_near(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
 	       uint32_t b, uint32_t last)
 {
-	if (c->cols == 8 * VEC_FLOATS)
-		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 1, 1, LEAN_L2_NEAR_L1)
-				  : lean_bags_as(wnd, bt, c, b, last, 8, 1, 0, LEAN_L2_NEAR_L1);
-	return c->weights ? lean_bags_as(wnd, bt, c, b, last, 16, 1, 1, LEAN_L2_NEAR_L1)
-			  : lean_bags_as(wnd, bt, c, b, last, 16, 1, 0, LEAN_L2_NEAR_L1);
+	const enum lean_prefetch pf = LEAN_L2_NEAR_L1;
+
+	if (c->cols == 128)
+		return c->weights ? lean_bags_as(wnd, bt, c, b, last, 128 / VEC_FLOATS, 1, 1, pf)
+				  : lean_bags_as(wnd, bt, c, b, last, 128 / VEC_FLOATS, 1, 0, pf);
+	return c->weights ? lean_bags_as(wnd, bt, c, b, last, 256 / VEC_FLOATS, 1, 1, pf)
+			  : lean_bags_as(wnd, bt, c, b, last, 256 / VEC_FLOATS, 1, 0, pf);
 }
-#endif
 
 /* lean_bags_as for the shard's row width, chosen once for a run of bags. Out of line, as
  * forward_bags and apply_rows are: tests/unit/kernels/check_prefetch.sh finds their prefetch
@@ -620,9 +624,9 @@ lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct
 #if VEC_FLOATS == 16
 	if (c->prefetch_l1 && !fp16 && c->cols == 8 * VEC_FLOATS)
 		return lean_bags_l1(wnd, bt, c, b, last);
-	if (c->prefetch_near && fp16 && (c->cols == 8 * VEC_FLOATS || c->cols == 16 * VEC_FLOATS))
-		return lean_bags_near(wnd, bt, c, b, last);
 #endif
+	if (c->prefetch_near && fp16 && (c->cols == 128 || c->cols == 256))
+		return lean_bags_near(wnd, bt, c, b, last);
 	switch (c->cols / VEC_FLOATS) {
 	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
 	LEAN_CASE(5) LEAN_CASE(6) LEAN_CASE(7) LEAN_CASE(8)

@@ -66,14 +66,15 @@ static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t e
  * docs/benchmarks.md) the AVX-512 fp16 rows of 256 and 512 bytes (D 128 and 256), prefetched
  * into L2 48 ids ahead, took 3-17% less time a batch at P 20 and 100 with it; fp16 D 64 ~3%
  * less, fp16 D 32 and fp32 D 32 the same, fp32 D 64 (12 ahead) 4-17% more, and the fp16 D 256
- * rows prefetched into L1 alone, 48 ahead, 30-45% more. AVX2 pools these rows in passes of 96
- * columns (in its lean loop since 2026-12-07) and was not measured with it. Other CPUs were
- * not measured.
+ * rows prefetched into L1 alone, 48 ahead, 30-45% more. AVX2, which pools these rows in
+ * passes of 96 columns, each pass prefetching its own lines of both rows, took 3-13% less time
+ * a batch with it at P 20 and 100 on the other lines, fp16 D 128 P 20 6% less to 2% more
+ * (three alternations, 2026-12-07, docs/benchmarks.md). Other CPUs were not measured.
  */
 static inline bool embd_forward_prefetch_l1_near(enum embd_isa isa, uint64_t row_bytes,
 						 uint32_t elem_bytes, bool intel)
 {
-	return intel && isa == EMBD_ISA_AVX512 && elem_bytes == 2 &&
+	return intel && (isa == EMBD_ISA_AVX512 || isa == EMBD_ISA_AVX2) && elem_bytes == 2 &&
 	       (row_bytes == 256 || row_bytes == 512);
 }
 

@@ -121,10 +121,10 @@
 #define GATHER_BAGS(VTYPE, VBYTES, VZERO, VLOAD, VADD, VSTORE, ROW_BYTES)                         \
 	const uint8_t *t = g->table;                                                              \
 	/* a lean row of one pass: a constant where nvec is one, as the kernel's row size is; of  \
-	 * several (lean 4), ROW_BYTES, a constant at the benchmarks' sizes */                    \
-	uint64_t rb = lean == 4 ? (uint64_t)(ROW_BYTES)                                           \
-		      : lean    ? (uint64_t)nvec * VBYTES                                         \
-				: g->row_bytes;                                                   \
+	 * several, ROW_BYTES (0 for rows of one pass), a constant at the benchmarks' sizes */    \
+	uint64_t rb = (ROW_BYTES) ? (uint64_t)(ROW_BYTES)                                         \
+		      : lean      ? (uint64_t)nvec * VBYTES                                       \
+				  : g->row_bytes;                                                 \
 	uint64_t P = g->ids_per_out, n = (b1 - b0) * P;                                           \
 	uint64_t pass = (uint64_t)nvec * VBYTES, out_pass = pass * out_mul;                       \
 	uint64_t pf = pb < pass ? pb : pass;                                                      \
@@ -256,13 +256,13 @@ gather_add_in_order256(__m256i acc, __m256i x)
 	const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t pb, uint32_t dist,       \
 	uint64_t *sink
 
-/* the bag loops' lean mode (kernels/cpu_kernels.c), lean 1-3: one pass covers the row, whose
- * lines are prefetched one after each load that starts a line, dist ids ahead, clamped to the
- * chunk;
- * lean 2: into L1, as the kernel's where bench_gather.prefetch_l1; lean 3: into L2, and the
- * row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, where bench_gather.prefetch_near; lean 4: as
- * lean 1 over a row of several passes of whole lines (the 256-bit walk only: AVX2's fp16 rows
- * of 256-512 bytes and fp32 rows of 320-512), each prefetching its own lines of the row ahead */
+/* the bag loops' lean mode (kernels/cpu_kernels.c), lean 1-3: the row's lines are prefetched
+ * one after each load that starts a line, dist ids ahead, clamped to the chunk, in one pass
+ * over the row or, in the 256-bit walk (bags_256_several: AVX2's fp16 rows of 256-512 bytes
+ * and fp32 rows of 320-512), several of whole lines, each prefetching its own lines of the row
+ * ahead; lean 1: into L2; lean 2: into L1, as the kernel's where bench_gather.prefetch_l1;
+ * lean 3: into L2, and the row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, where
+ * bench_gather.prefetch_near */
 #define GATHER_LEAN_ARGS                                                                          \
 	const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul, const int lean
 
@@ -270,46 +270,41 @@ __attribute__((target("avx512f"), always_inline)) static inline void
 bags_512(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m512i, 64, _mm512_setzero_si512(), GATHER_LOAD512, gather_add_in_order512,
-		    STORE512, g->row_bytes)
+		    STORE512, 0)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
 bags_256(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256,
-		    g->row_bytes)
+		    0)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
 bags_256_in_order(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, gather_add_in_order256,
-		    STORE256, g->row_bytes)
+		    STORE256, 0)
 }
 
-/* lean 4 (rows of several passes) with the row's size row_bytes */
+/* a lean row of several passes (lean 1 or 3) with the row's size row_bytes */
 __attribute__((target("avx2"), always_inline)) static inline void
-bags_256_several(GATHER_ARGS, const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul,
-		 const uint64_t row_bytes)
+bags_256_several(GATHER_ARGS, GATHER_LEAN_ARGS, const uint64_t row_bytes)
 {
-	const int lean = 4;
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, _mm256_add_epi32, STORE256,
 		    row_bytes)
 }
 
 __attribute__((target("avx2"), always_inline)) static inline void
-bags_256_several_in_order(GATHER_ARGS, const uint32_t nvec, const uint32_t nlast,
-			  const uint32_t out_mul, const uint64_t row_bytes)
+bags_256_several_in_order(GATHER_ARGS, GATHER_LEAN_ARGS, const uint64_t row_bytes)
 {
-	const int lean = 4;
 	GATHER_BAGS(__m256i, 32, _mm256_setzero_si256(), GATHER_LOAD256, gather_add_in_order256,
 		    STORE256, row_bytes)
 }
 
 static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_LEAN_ARGS)
 {
-	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), GATHER_LOAD128, _mm_add_epi32, STORE128,
-		    g->row_bytes)
+	GATHER_BAGS(__m128i, 16, _mm_setzero_si128(), GATHER_LOAD128, _mm_add_epi32, STORE128, 0)
 }
 
 /* Constant vector counts for passes of 64 bytes to 1 KiB (with the last pass of AVX2's
@@ -346,9 +341,8 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		PASS_CASES(FN, VBYTES, OUT_MUL, 1)                                                \
 	else                                                                                      \
 		PASS_CASES(FN, VBYTES, OUT_MUL, 0)
-/* the lean loop alone over rows of one pass (lean 1; rows of several, lean 4, take
- * PASS_SEVERAL): a row of at most 512 bytes (embd_forward_lean), so no last pass and no 1 KiB
- * case */
+/* the lean loop alone over rows of one pass (lean 1; rows of several take PASS_SEVERAL): a row
+ * of at most 512 bytes (embd_forward_lean), so no last pass and no 1 KiB case */
 #define PASS_LEAN_ONLY(FN, VBYTES, OUT_MUL)                                                       \
 	switch (pass) {                                                                           \
 	case 64: FN(PASS_ARGS, 64 / VBYTES, 0, OUT_MUL, 1); break;                                \
@@ -359,18 +353,20 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	case 512: FN(PASS_ARGS, 512 / VBYTES, 0, OUT_MUL, 1); break;                              \
 	default: FN(PASS_ARGS, (uint32_t)(pass / VBYTES), 0, OUT_MUL, 1); break;                  \
 	}
-/* lean 4's rows of the benchmarks (D 128 and 256: fp16 in passes of 192 bytes, fp32 of 256)
- * with constant sizes, others at run time */
-#define PASS_SEVERAL(FN, VBYTES, OUT_MUL)                                                         \
+/* lean rows of several passes (lean LEAN) of the benchmarks (D 128 and 256: fp16 in passes of
+ * 192 bytes, fp32 of 256) with constant sizes, others at run time */
+#define PASS_SEVERAL_AS(FN, VBYTES, OUT_MUL, LEAN)                                                \
 	if (g->row_bytes == 256 && pass == 192 && last == 64)                                     \
-		FN(PASS_ARGS, 192 / VBYTES, 64 / VBYTES, OUT_MUL, 256);                           \
+		FN(PASS_ARGS, 192 / VBYTES, 64 / VBYTES, OUT_MUL, LEAN, 256);                     \
 	else if (g->row_bytes == 512 && pass == 192 && last == 128)                               \
-		FN(PASS_ARGS, 192 / VBYTES, 128 / VBYTES, OUT_MUL, 512);                          \
+		FN(PASS_ARGS, 192 / VBYTES, 128 / VBYTES, OUT_MUL, LEAN, 512);                    \
 	else if (g->row_bytes == 512 && pass == 256 && last == 0)                                 \
-		FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, 512);                                     \
+		FN(PASS_ARGS, 256 / VBYTES, 0, OUT_MUL, LEAN, 512);                               \
 	else                                                                                      \
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL,      \
-		   g->row_bytes);
+		   LEAN, g->row_bytes);
+#define PASS_SEVERAL(FN, VBYTES, OUT_MUL) PASS_SEVERAL_AS(FN, VBYTES, OUT_MUL, 1)
+#define PASS_SEVERAL_NEAR(FN, VBYTES, OUT_MUL) PASS_SEVERAL_AS(FN, VBYTES, OUT_MUL, 3)
 #define PASS_SWITCH_BY(FN, VBYTES, BY)                                                            \
 	if (g->out_row_bytes == g->row_bytes)                                                     \
 		BY(FN, VBYTES, 1)                                                                 \
@@ -393,19 +389,19 @@ bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 __attribute__((target("avx2"), noinline)) static void
 bags_any_256(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
-	if (lean == 4) {
+	if (lean && pass < g->row_bytes) {
 		PASS_SWITCH_BY(bags_256_several, 32, PASS_SEVERAL)
 	} else {
 		PASS_SWITCH(bags_256, 32)
 	}
 }
 
-/* the 256-bit walk's lean loop into L2 in the kernel's load order (bench_gather.in_line_order):
- * lean 1 or 4 */
+/* the 256-bit walk's lean loop into L2 (lean 1) in the kernel's load order
+ * (bench_gather.in_line_order) */
 __attribute__((target("avx2"), noinline)) static void
-bags_lean_256_in_order(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
+bags_lean_256_in_order(GATHER_ARGS, uint64_t pass, uint64_t last)
 {
-	if (lean == 4) {
+	if (pass < g->row_bytes) {
 		PASS_SWITCH_BY(bags_256_several_in_order, 32, PASS_SEVERAL)
 	} else {
 		PASS_SWITCH_BY(bags_256_in_order, 32, PASS_LEAN_ONLY)
@@ -429,24 +425,32 @@ __attribute__((target("avx512f"), noinline)) static void bags_l1_512(GATHER_ARGS
 	bags_512(PASS_ARGS, 512 / 64, 0, 1, 2);
 }
 
-/* lean 3: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of one 256- or
- * 512-byte pass (embd_forward_prefetch_l1_near), 32 bytes a load as the other fp16 walks */
-__attribute__((target("avx2"), noinline)) static void bags_near_256(GATHER_ARGS, uint64_t pass)
+/* lean 3: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of 256 or 512
+ * bytes (embd_forward_prefetch_l1_near) in one pass (AVX-512) or several (AVX2), 32 bytes a
+ * load as the other fp16 walks */
+__attribute__((target("avx2"), noinline)) static void
+bags_near_256(GATHER_ARGS, uint64_t pass, uint64_t last)
 {
-	if (pass == 256)
+	if (pass < g->row_bytes) {
+		PASS_SWITCH_BY(bags_256_several, 32, PASS_SEVERAL_NEAR)
+	} else if (pass == 256) {
 		bags_256(PASS_ARGS, 256 / 32, 0, 2, 3);
-	else
+	} else {
 		bags_256(PASS_ARGS, 512 / 32, 0, 2, 3);
+	}
 }
 
 /* bags_near_256 in the kernel's load order (bench_gather.in_line_order) */
 __attribute__((target("avx2"), noinline)) static void
-bags_near_256_in_order(GATHER_ARGS, uint64_t pass)
+bags_near_256_in_order(GATHER_ARGS, uint64_t pass, uint64_t last)
 {
-	if (pass == 256)
+	if (pass < g->row_bytes) {
+		PASS_SWITCH_BY(bags_256_several_in_order, 32, PASS_SEVERAL_NEAR)
+	} else if (pass == 256) {
 		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 3);
-	else
+	} else {
 		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 3);
+	}
 }
 #endif
 
@@ -474,26 +478,24 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
 	/* the loops into L1 where the kernel has them, else the L2 loop (bench_gather.prefetch_l1
-	 * is ignored elsewhere); rows of several passes only in the 256-bit walk (the AVX-512
-	 * passes cover every lean row) */
-	if (lean && pass < rb)
-		lean = 4;
-	else if (lean && g->prefetch_l1 && g->isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
+	 * and prefetch_near are ignored elsewhere); rows of several passes only in the 256-bit walk
+	 * (the AVX-512 passes cover every lean row), the near loop's of one pass or several */
+	if (lean && g->prefetch_l1 && g->isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
 	    pass == 512 && last == 0)
 		lean = 2;
 	else if (lean && g->prefetch_near && dist >= EMBD_PREFETCH_IDS_NEAR &&
-		 bench_gather_near_ways(g) > 1 && (pass == 256 || pass == 512) && last == 0)
+		 bench_gather_near_ways(g) > 1)
 		lean = 3;
 
 #if defined(__x86_64__)
 	if (lean == 2)
 		bags_l1_512(g, b0, b1, pb, dist, sink);
 	else if (lean == 3 && g->in_line_order)
-		bags_near_256_in_order(g, b0, b1, pb, dist, sink, pass);
+		bags_near_256_in_order(g, b0, b1, pb, dist, sink, pass, last);
 	else if (lean == 3)
-		bags_near_256(g, b0, b1, pb, dist, sink, pass);
+		bags_near_256(g, b0, b1, pb, dist, sink, pass, last);
 	else if (gather_walk_256(g) && lean && g->in_line_order)
-		bags_lean_256_in_order(g, b0, b1, pb, dist, sink, pass, last, lean);
+		bags_lean_256_in_order(g, b0, b1, pb, dist, sink, pass, last);
 	else if (gather_walk_256(g))
 		bags_any_256(g, b0, b1, pb, dist, sink, pass, last, lean);
 	else if (g->isa == EMBD_ISA_AVX512)

@@ -192,7 +192,7 @@ Test(kernels_forward, prefetch_distance_rule)
 }
 
 /*
- * The rows the AVX-512 lean loop also prefetches into L1 a few ids ahead
+ * The rows the AVX2 and AVX-512 lean loops also prefetch into L1 a few ids ahead
  * (embd_forward_prefetch_l1_near): fp16 rows of 256 and 512 bytes on Intel CPUs, no others,
  * and never further ahead than their L2 prefetch (the window holds the rows to that one).
  */
@@ -206,7 +206,7 @@ Test(kernels_forward, near_prefetch_rule)
 		const uint64_t b = bytes[n / 6 % 6];
 		const uint32_t elem = n / 3 % 2 ? 4 : 2;
 		const enum embd_isa isa = isas[n % 3];
-		const bool want = intel && isa == EMBD_ISA_AVX512 && elem == 2 &&
+		const bool want = intel && isa != EMBD_ISA_SCALAR && elem == 2 &&
 				  (b == 256 || b == 512);
 
 		cr_expect_eq(embd_forward_prefetch_l1_near(isa, b, elem, intel), want,
@@ -222,8 +222,8 @@ Test(kernels_forward, near_prefetch_rule)
  * Either vendor's distances ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in
  * its own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on
  * any CPU: fp16 and 128- and 512-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere),
- * fp16 rows of 256 and 512 bytes (on Intel with AVX-512 also prefetched into L1 a few ids
- * ahead), many short chunks, and bags longer than a window.
+ * fp16 rows of 256 and 512 bytes (on Intel with AVX2 and AVX-512 also prefetched into L1 a few
+ * ids ahead), many short chunks, and bags longer than a window.
  */
 static void check_with_vendor(const char *vendor)
 {
@@ -236,6 +236,8 @@ static void check_with_vendor(const char *vendor)
 		     "the vendor was read before the test set it");
 	cr_assert_eq(embd_forward_prefetch_near(EMBD_ISA_AVX512, 512, 2),
 		     embd_forward_prefetch_l1_near(EMBD_ISA_AVX512, 512, 2, intel));
+	cr_assert_eq(embd_forward_prefetch_near(EMBD_ISA_AVX2, 256, 2),
+		     embd_forward_prefetch_l1_near(EMBD_ISA_AVX2, 256, 2, intel));
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP16, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 3000, 32, EMBD_DTYPE_FP32, 80, 40, false, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP32, 80, 40, true, EMBD_POOLING_SUM);
