@@ -61,8 +61,6 @@ struct bag_ctx {
 	uint64_t prefetch_last;         /* prefetch_end - 1: the last id whose row is prefetched */
 	bool lean;                      /* the row prefetched whole, in lines, its passes
 					 * starting on a line: the lean loop's */
-	bool prefetch_l1;               /* the lean loop prefetches into L1, not L2
-					 * (embd_forward_prefetch_l1) */
 	bool prefetch_near;             /* the lean loop also prefetches into L1 a few ids
 					 * ahead (embd_forward_prefetch_l1_near) */
 };
@@ -346,9 +344,9 @@ pool_lean_vec(vecf *acc, vecf w, const uint8_t *row, const int v, const int nvec
 #define LEAN_WEIGHTS_AHEAD (EMBD_CPU_ISA == EMBD_ISA_AVX512)
 #define LEAN_WEIGHTS_AHEAD_BYTES 192 /* three lines */
 
-/* Where the lean loop prefetches its rows: into L2, into L1, or into L2 and then, a few ids
- * ahead, into L1 too. */
-enum lean_prefetch { LEAN_L2, LEAN_L1, LEAN_L2_NEAR_L1 };
+/* Where the lean loop prefetches its rows: into L2, or into L2 and then, a few ids ahead, into
+ * L1 too. */
+enum lean_prefetch { LEAN_L2, LEAN_L2_NEAR_L1 };
 
 /*
  * The lean loop's pass over bytes [from, + nvec whole vectors) of rows of row_bytes: adds that
@@ -356,7 +354,7 @@ enum lean_prefetch { LEAN_L2, LEAN_L1, LEAN_L2_NEAR_L1 };
  * out[0, nvec x VEC_FLOATS) and, when finish, multiplies the sums by scale; resume: out holds
  * the bag's sums so far, unscaled (a bag longer than a window is pooled in pieces, in the same
  * order). Each of rows[j + dist]'s lines in the pass is prefetched after the load that starts
- * the same line of rows[j], into L1 for LEAN_L1, else L2, and for LEAN_L2_NEAR_L1 each of
+ * the same line of rows[j], into L2, and for LEAN_L2_NEAR_L1 each of
  * rows[j + EMBD_PREFETCH_IDS_NEAR]'s into L1 before it (dist is at least that): rows holds
  * n + dist entries.
  */
@@ -390,10 +388,7 @@ pool_lean(const uint8_t *base, const uint64_t *rows, const float *weights, uint6
 			if ((v * vec_bytes) % 64 == 0) {
 				if (pf == LEAN_L2_NEAR_L1)
 					embd_prefetch_line_l1(near + v * vec_bytes);
-				if (pf == LEAN_L1)
-					embd_prefetch_line_l1(ahead + v * vec_bytes);
-				else
-					embd_prefetch_line(ahead + v * vec_bytes);
+				embd_prefetch_line(ahead + v * vec_bytes);
 			}
 		}
 	}
@@ -581,23 +576,6 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 			return lean_bags_as(wnd, bt, c, b, last, N, 1, 1, LEAN_L2);               \
 		return lean_bags_as(wnd, bt, c, b, last, N, 1, 0, LEAN_L2);
 
-#if VEC_FLOATS == 16
-/*
- * The lean loops that prefetch into L1, each out of line and named, as lean_bags is, so that
- * tests/unit/kernels/check_prefetch.sh finds each one's prefetches into L1 on its own (in one
- * function, either would pass for both). lean_bags_l1: the only rows embd_forward_prefetch_l1
- * prefetches into L1, fp32 of 512 bytes.
- */
-static __attribute__((noinline)) uint32_t
-lean_bags_l1(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
-	     uint32_t b, uint32_t last)
-{
-	return c->weights ? lean_bags_as(wnd, bt, c, b, last, 8, 0, 1, LEAN_L1)
-			  : lean_bags_as(wnd, bt, c, b, last, 8, 0, 0, LEAN_L1);
-}
-
-#endif
-
 /* The only rows embd_forward_prefetch_l1_near also prefetches into L1: fp16 of 256 and 512
  * bytes (128 or 256 columns; on AVX2 in passes, pool_lean_passes). Out of line and named on
  * its own, so that check_prefetch.sh finds its prefetches into L1 apart from lean_bags'. */
@@ -621,10 +599,6 @@ static __attribute__((noinline)) uint32_t
 lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct bag_ctx *c,
 	  int fp16, uint32_t b, uint32_t last)
 {
-#if VEC_FLOATS == 16
-	if (c->prefetch_l1 && !fp16 && c->cols == 8 * VEC_FLOATS)
-		return lean_bags_l1(wnd, bt, c, b, last);
-#endif
 	if (c->prefetch_near && fp16 && (c->cols == 128 || c->cols == 256))
 		return lean_bags_near(wnd, bt, c, b, last);
 	switch (c->cols / VEC_FLOATS) {
@@ -661,7 +635,7 @@ static int64_t pool_bag(const struct bag_ctx *c, int fp16, int64_t s, int64_t e,
 #endif
 
 static __attribute__((noinline)) int
-forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last, bool prefetch_l1,
+forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last,
 	     struct embd_kernel_err *err)
 {
 	const struct embd_shard_desc *d = &bt->shard->desc;
@@ -693,8 +667,7 @@ forward_bags(const struct embd_bag_batch *bt, uint32_t first, uint32_t last, boo
 					   elem_bytes,
 				   row_bytes, c.base) &&
 		 c.prefetch_end > 0;
-	c.prefetch_l1 = c.lean && prefetch_l1;
-	c.prefetch_near = c.lean && !c.prefetch_l1 && c.prefetch_ids >= EMBD_PREFETCH_IDS_NEAR &&
+	c.prefetch_near = c.lean && c.prefetch_ids >= EMBD_PREFETCH_IDS_NEAR &&
 			  embd_forward_prefetch_near(EMBD_CPU_ISA, row_bytes, elem_bytes);
 
 	/*

@@ -173,8 +173,8 @@ static inline bool embd_forward_lean(enum embd_isa isa, uint64_t pass_bytes, uin
 /*
  * Prefetches the line at p into L2 (prefetcht1): every prefetch of the kernels' rows, and of
  * the benchmark's limits, goes through here, so that they issue the same one (but the rows
- * embd_forward_prefetch_l1 sends to L1, and those embd_forward_prefetch_l1_near and
- * embd_backward_prefetch_l1_near send to L1 a second time, through embd_prefetch_line_l1). The
+ * embd_forward_prefetch_l1_near and embd_backward_prefetch_l1_near send to L1 a second time,
+ * through embd_prefetch_line_l1). The
  * kernels keep many rows' lines in flight (embd_forward_prefetch_rows,
  * embd_backward_prefetch_rows), more than the L1's miss buffers hold, and prefetches into L1
  * waited for them: perf put 13% of adam D 128's apply samples right after a row's first
@@ -189,9 +189,8 @@ static inline __attribute__((always_inline)) void embd_prefetch_line(const void 
 	__builtin_prefetch(p, 0, 2);
 }
 
-/* The line at p into L1 (prefetcht0): the forward's rows where embd_forward_prefetch_l1() says
- * so, and the gather limit's where the kernel's are; the forward's and the backward's near rows
- * where embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the gather
+/* The line at p into L1 (prefetcht0): the forward's and the backward's near rows where
+ * embd_forward_prefetch_l1_near() and embd_backward_prefetch_l1_near() say so (the gather
  * limit runs the forward's as one of its ways, bench_gather.prefetch_near; the
  * read-modify-write limit has none); the AVX-512 lean loop's per-id weights beside fp32 rows of
  * up to 128 bytes (LEAN_WEIGHTS_AHEAD in cpu_kernels.c; the limit reads no weights). */
@@ -275,10 +274,9 @@ struct embd_cpu_kernels {
 	/*
 	 * Pools bags [first, last) of batch into batch->pooled. 0, EMBD_EINVAL for offsets out of
 	 * order or outside num_ids, EMBD_ERANGE for an id outside the shard; err says where.
-	 * prefetch_l1: embd_forward_prefetch_l1() for the batch's shard.
 	 */
 	int (*forward_bags)(const struct embd_bag_batch *batch, uint32_t first, uint32_t last,
-			    bool prefetch_l1, struct embd_kernel_err *err);
+			    struct embd_kernel_err *err);
 	/*
 	 * occ[0, n) is sorted by row, each row's run in batch order: sums each run into grad_row
 	 * (2 x cols floats of scratch) and applies the optimizer to the row once. next[0, next_n)

@@ -68,27 +68,14 @@ struct embd_backward_times {
 };
 
 /*
- * Which cache the AVX-512 forward prefetches fp32 rows of 512 bytes (D 128) into. On a Zen 4
- * every row size pooled fastest prefetched into L2 (2026-12-05). On an Intel Xeon with AVX-512
- * and AMX these rows pooled 11-17% faster prefetched into L1 than into L2 at 20 and 100 ids a
- * bag, both 12 ids ahead (2026-12-06), but into L2 48 ids ahead (embd_forward_prefetch_rows
- * since 2026-12-07) they took 17-31% less time a batch than into L1 12 ahead (P 20 and 100; at
- * P 1, where L1 was not taken, 11-46% less than into L2 12 ahead; docs/benchmarks.md). AUTO
- * takes L2; L1 forces the L1 loop for these rows (tests, benchmarks), at the same distance,
- * where it took 34-56% more time a batch than AUTO at P 1-100 (2026-12-07 16:27).
- * Other rows and isas are prefetched into L2 (and some of them into L1 too, a few ids ahead:
- * embd_forward_prefetch_near).
+ * The forward prefetches every row into L2 (and some into L1 too, a few ids ahead:
+ * embd_forward_prefetch_near). On a Zen 4 every row size pooled fastest prefetched into L2
+ * (2026-12-05). On an Intel Xeon with AVX-512 fp32 rows of 512 bytes (D 128) pooled 11-17%
+ * faster prefetched into L1 than into L2 at 20 and 100 ids a bag, both 12 ids ahead
+ * (2026-12-06), but into L2 48 ids ahead (embd_forward_prefetch_rows) they took 17-31% less
+ * time a batch than into L1 12 ahead, and 34-56% less than into L1 48 ahead (2026-12-07,
+ * docs/benchmarks.md), so the L1 loop for them is gone.
  */
-enum embd_row_prefetch {
-	EMBD_ROW_PREFETCH_AUTO = 0,
-	EMBD_ROW_PREFETCH_L2 = 1,
-	EMBD_ROW_PREFETCH_L1 = 2,
-};
-
-/* Whether the forward prefetches into L1 rows of row_bytes and elements of elem_bytes, when run
- * with isa (not AUTO) and want. */
-bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
-			      uint32_t elem_bytes);
 
 /* How many ids ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
  * this CPU (embd_forward_prefetch_rows in cpu_kernels.h). It follows the CPU's vendor, or
@@ -113,7 +100,6 @@ bool embd_backward_prefetch_l1(enum embd_optimizer_type type);
 struct embd_exec {
 	struct embd_workers *workers;   /* NULL: the calling thread only */
 	enum embd_isa isa;              /* EMBD_ISA_AUTO, or one to force (tests, benchmarks) */
-	enum embd_row_prefetch row_prefetch; /* AUTO, or one to force (tests, benchmarks) */
 	struct embd_backward_times *backward_times; /* NULL, or where backward adds its phases */
 };
 

@@ -61,8 +61,6 @@ struct forward_job {
 	uint32_t n;
 	const uint64_t *first_chunk;    /* n + 1: chunk index where each batch starts */
 	const uint64_t *chunk_bags;     /* n: bags per chunk of each batch */
-	const bool *prefetch_l1;        /* n: whether each batch's rows go to L1
-					 * (embd_forward_prefetch_l1) */
 	atomic_uint_fast64_t next;
 	struct embd_first_err *errs;        /* one per worker */
 };
@@ -86,8 +84,7 @@ static void forward_worker(void *arg, uint32_t worker, uint32_t num_workers)
 		uint64_t first = (chunk - job->first_chunk[i]) * per;
 		uint64_t last = first + per < bt->batch_size ? first + per : bt->batch_size;
 		struct embd_kernel_err e;
-		int rc = job->k->forward_bags(bt, (uint32_t)first, (uint32_t)last,
-					      job->prefetch_l1[i], &e);
+		int rc = job->k->forward_bags(bt, (uint32_t)first, (uint32_t)last, &e);
 		embd_first_err_note(we, rc, i, &e);
 	}
 }
@@ -97,9 +94,7 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 {
 	struct embd_workers *workers = exec ? exec->workers : NULL;
 	struct forward_job job = { .batches = batches, .n = n };
-	const enum embd_row_prefetch row_prefetch = exec ? exec->row_prefetch : EMBD_ROW_PREFETCH_AUTO;
 	uint64_t *first_chunk = NULL, *chunk_bags;
-	bool *prefetch_l1 = NULL;
 	struct embd_first_err *errs = NULL, first = { 0 };
 	uint32_t nw = embd_workers_count(workers);
 	int rc;
@@ -116,8 +111,7 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 	rc = EMBD_ENOMEM;
 	first_chunk = malloc((2 * (uint64_t)n + 1) * sizeof(*first_chunk));
 	errs = calloc(nw, sizeof(*errs));
-	prefetch_l1 = malloc(n ? n : 1);
-	if (!first_chunk || !errs || !prefetch_l1) {
+	if (!first_chunk || !errs) {
 		embd_kernel_fail(err, rc, 0, -1, 0, "out of memory for %u batches", n);
 		goto out;
 	}
@@ -127,14 +121,9 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 		chunk_bags[i] = bags_per_chunk(&batches[i]);
 		first_chunk[i + 1] = first_chunk[i] +
 				     (batches[i].batch_size + chunk_bags[i] - 1) / chunk_bags[i];
-		const struct embd_shard_desc *d = &batches[i].shard->desc;
-		const uint32_t elem = embd_dtype_bytes(d->dtype);
-		prefetch_l1[i] = embd_forward_prefetch_l1(row_prefetch, job.k->isa,
-							  (uint64_t)d->cols * elem, elem);
 	}
 	job.first_chunk = first_chunk;
 	job.chunk_bags = chunk_bags;
-	job.prefetch_l1 = prefetch_l1;
 	job.errs = errs;
 	atomic_init(&job.next, 0);
 	embd_workers_run(workers, forward_worker, &job);
@@ -145,7 +134,6 @@ int embd_kernels_forward(const struct embd_exec *exec, const struct embd_bag_bat
 	if (rc && err)
 		*err = first.e;
 out:
-	free(prefetch_l1);
 	free(errs);
 	free(first_chunk);
 	return rc;

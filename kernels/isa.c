@@ -109,15 +109,6 @@ static bool cpu_is_intel(void)
 	return v == 1;
 }
 
-/* L1 only where asked for, and only for the rows the AVX-512 lean loop has its L1 variant for
- * (cpu_kernels.c; embedding.h says why AUTO takes L2). */
-bool embd_forward_prefetch_l1(enum embd_row_prefetch want, enum embd_isa isa, uint64_t row_bytes,
-			      uint32_t elem_bytes)
-{
-	return want == EMBD_ROW_PREFETCH_L1 && isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
-	       row_bytes == 512;
-}
-
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes)
 {
 	return embd_forward_prefetch_rows(row_bytes, elem_bytes, cpu_is_intel());

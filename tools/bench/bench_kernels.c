@@ -56,7 +56,6 @@ struct opts {
 	int repeats;                    /* --repeat: paired measurements per line */
 	double run_ns;
 	enum embd_isa isa;
-	enum embd_row_prefetch row_prefetch; /* --row-prefetch */
 	bool fbgemm;
 	bool cpu_clock;                 /* --clock cpu: process CPU time / threads, not wall time */
 	const char *python;
@@ -639,14 +638,6 @@ static void forward_name(const struct table *t, uint32_t P, bool weighted, char 
 		 t->dim, P);
 }
 
-/* Whether the forward prefetches t's rows into L1 (its lines' row_prefetch); the limit does as
- * it does. */
-static bool row_prefetch_l1(const struct bench *b, const struct table *t)
-{
-	return embd_forward_prefetch_l1(b->exec.row_prefetch, b->isa, t->row_bytes,
-					t->fp16 ? 2 : 4);
-}
-
 /* One of a forward line's limit ways: how it reads the ids (bench_gather.windowed), which of
  * the two distances it prefetches at, whether with the near prefetch and in line order. */
 struct limit_way {
@@ -691,8 +682,8 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 											 t->fp16 ? 2 : 4) *
 							(t->fp16 ? 2 : 4),
 					  .out = (uint8_t *)pooled, .out_row_bytes = (uint64_t)t->dim * 4,
-					  .ids_per_out = P, .isa = b->isa, .n = (uint64_t)b->o.batch * P,
-					  .prefetch_l1 = row_prefetch_l1(b, t) } };
+					  .ids_per_out = P, .isa = b->isa,
+					  .n = (uint64_t)b->o.batch * P } };
 		/* the limit's ways (bench_gather.windowed, where the kernel has a window) at each
 		 * distance, with the near prefetch or without (where the kernel has one), in line
 		 * order or not (where that walk has both): refs[r], limit_way_of(r) */
@@ -742,7 +733,6 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		       name, t->dim, t->fp16 ? "fp16" : "fp32", weighted ? "true" : "false", P, b->o.batch,
 		       (unsigned long long)b->o.table_bytes, res[i].ns, bytes / res[i].ns,
 		       bytes / res[i].ref_ns, res[i].ref_spread, res[i].ratio);
-		printf(",\"row_prefetch\":\"%s\"", row_prefetch_l1(b, t) ? "l1" : "l2");
 		/* the way and the distance that were the fastest in the most measurements */
 		int won_way[2] = { 0 }, won_dist[2] = { 0 }, won_near[2] = { 0 };
 		int won_order[2] = { 0 };
@@ -1131,7 +1121,6 @@ static void usage(FILE *f)
 	fprintf(f, "usage: embd-bench kernels [--threads N] [--table-mib M] [--batch B] [--runs R]\n"
 		   "                          [--run-ms MS] [--isa scalar|avx2|avx512] [--no-fbgemm]\n"
 		   "                          [--clock wall|cpu] [--repeat N] [--config NAME,...]\n"
-		   "                          [--row-prefetch auto|l1|l2]\n"
 		   "defaults: all cores (pinned), 512 MiB tables, B 2048, 7 runs of 100 ms (medians);\n"
 		   "workers are pinned to the first CPUs the process may run on: two benchmarks side\n"
 		   "by side each need their own CPUs (taskset -c), or they share the first ones.\n"
@@ -1144,10 +1133,8 @@ static void usage(FILE *f)
 		   "which leaves out the time other processes hold the cores on a shared machine.\n"
 		   "--repeat N measures each kernel line N times against its limit (each with its\n"
 		   "warm-up and runs) and adds the min and max ratio_to_limit and the limit's spread\n"
-		   "over the N (limit_repeat_spread) to the line; its other figures are the medians.\n"
-		   "--row-prefetch forces the cache the AVX-512 forward prefetches fp32 D 128 rows\n"
-		   "into, and its limit with it (auto: L2; l1 the L1 loop, at the same distance;\n"
-		   "each forward line's row_prefetch says which).\n");
+		   "over the N (limit_repeat_spread) to the line; its other figures are the\n"
+		   "medians.\n");
 }
 
 static int parse_args(struct bench *b, int argc, char **argv)
@@ -1178,12 +1165,6 @@ static int parse_args(struct bench *b, int argc, char **argv)
 			if (!b->o.cpu_clock && strcmp(v, "wall"))
 				b->o.runs = 0; /* refused below */
 			i++;
-		} else if (v && !strcmp(argv[i], "--row-prefetch")) {
-			b->o.row_prefetch = !strcmp(v, "l1")   ? EMBD_ROW_PREFETCH_L1
-					    : !strcmp(v, "l2") ? EMBD_ROW_PREFETCH_L2
-					    : !strcmp(v, "auto") ? EMBD_ROW_PREFETCH_AUTO
-								 : (enum embd_row_prefetch)-1;
-			i++;
 		} else if (v && !strcmp(argv[i], "--isa")) {
 			if (embd_kernels_isa_parse(v, &b->o.isa))
 				b->o.isa = (enum embd_isa)-1;
@@ -1195,11 +1176,10 @@ static int parse_args(struct bench *b, int argc, char **argv)
 	}
 	if (!b->o.threads || !b->o.batch || b->o.runs < 1 || b->o.runs > MAX_RUNS ||
 	    b->o.repeats < 1 || b->o.repeats > MAX_REPEATS ||
-	    b->o.table_bytes < (1u << 20) || !embd_kernels_isa_supported(b->o.isa) ||
-	    (int)b->o.row_prefetch < 0) {
+	    b->o.table_bytes < (1u << 20) || !embd_kernels_isa_supported(b->o.isa)) {
 		fprintf(stderr, "embd-bench kernels: bad option value (threads, batch, runs 1..%d, "
-				"repeat 1..%d, table >= 1 MiB, isa this CPU has, row prefetch auto, l1 "
-				"or l2)\n", MAX_RUNS, MAX_REPEATS);
+				"repeat 1..%d, table >= 1 MiB, isa this CPU has)\n", MAX_RUNS,
+			MAX_REPEATS);
 		return 2;
 	}
 	return -1;
@@ -1225,7 +1205,6 @@ int bench_kernels_run(int argc, char **argv)
 	b.isa = b.o.isa ? b.o.isa : embd_kernels_isa_best();
 	b.exec.workers = b.workers;
 	b.exec.isa = b.isa;
-	b.exec.row_prefetch = b.o.row_prefetch;
 	if (b.o.fbgemm && !fbgemm_available(&b, err, sizeof(err))) {
 		print_head(&b, "fbgemm");
 		printf(",\"available\":false,\"reason\":\"%s\"}\n", err);

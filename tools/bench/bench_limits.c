@@ -23,8 +23,7 @@
  *   fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to 17.8,
  *   docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for one pass
  *   over a row that beat prefetching all of it at every size; for rows the kernels' lean loop
- *   takes, one line at a time after the load that starts the same line (into L1 where the
- *   kernel's are: embd_forward_prefetch_l1, bench_gather.prefetch_l1; the kernel's second
+ *   takes, one line at a time after the load that starts the same line (the kernel's second
  *   prefetch of fp16 rows of 256 and 512 bytes into L1 a few ids ahead,
  *   embd_forward_prefetch_l1_near, is run both ways, bench_gather.prefetch_near, and the faster
  *   taken, as which is faster changes with the hour: on an Intel Xeon it made this loop slower
@@ -189,19 +188,17 @@
 			else if (k + dist < n)                                                    \
 				embd_prefetch_bytes(t + (uint64_t)ids[k + dist] * rb + from, pf_pass); \
 			const uint8_t *row = t + (uint64_t)SRC[k - (BASE)] * rb + from;           \
-			/* lean 3: the row a few ids ahead too, into L1 (NEAR <= dist) */         \
+			/* lean 2: the row a few ids ahead too, into L1 (NEAR <= dist) */         \
 			const uint8_t *near = t;                                                  \
-			if (lean == 3)                                                            \
+			if (lean == 2)                                                            \
 				near += (uint64_t)SRC[!(CLAMP) || k + EMBD_PREFETCH_IDS_NEAR < n  \
 							      ? k - (BASE) + EMBD_PREFETCH_IDS_NEAR \
 							      : n - 1 - (BASE)] * rb + from;      \
 			_Pragma("GCC unroll 64") for (uint32_t v = 0; v < (N); v++) {             \
 				acc[v & 3] = VADD(acc[v & 3], VLOAD((const void *)(row + (uint64_t)v * VBYTES), N)); \
-				if (lean == 3 && (v * VBYTES) % 64 == 0)                          \
-					embd_prefetch_line_l1(near + (uint64_t)v * VBYTES);       \
 				if (lean == 2 && (v * VBYTES) % 64 == 0)                          \
-					embd_prefetch_line_l1(ahead + (uint64_t)v * VBYTES);      \
-				else if (lean && (v * VBYTES) % 64 == 0)                          \
+					embd_prefetch_line_l1(near + (uint64_t)v * VBYTES);       \
+				if (lean && (v * VBYTES) % 64 == 0)                               \
 					embd_prefetch_line(ahead + (uint64_t)v * VBYTES);         \
 			}                                                                         \
 		}                                                                                 \
@@ -256,13 +253,12 @@ gather_add_in_order256(__m256i acc, __m256i x)
 	const struct bench_gather *g, uint64_t b0, uint64_t b1, uint64_t pb, uint32_t dist,       \
 	uint64_t *sink
 
-/* the bag loops' lean mode (kernels/cpu_kernels.c), lean 1-3: the row's lines are prefetched
- * one after each load that starts a line, dist ids ahead, clamped to the chunk, in one pass
- * over the row or, in the 256-bit walk (bags_256_several: AVX2's fp16 rows of 256-512 bytes
- * and fp32 rows of 320-512), several of whole lines, each prefetching its own lines of the row
- * ahead; lean 1: into L2; lean 2: into L1, as the kernel's where bench_gather.prefetch_l1;
- * lean 3: into L2, and the row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, where
- * bench_gather.prefetch_near */
+/* the bag loops' lean mode (kernels/cpu_kernels.c), lean 1 and 2: the row's lines are
+ * prefetched into L2 one after each load that starts a line, dist ids ahead, clamped to the
+ * chunk, in one pass over the row or, in the 256-bit walk (bags_256_several: AVX2's fp16 rows
+ * of 256-512 bytes and fp32 rows of 320-512), several of whole lines, each prefetching its own
+ * lines of the row ahead; lean 2 also prefetches the row EMBD_PREFETCH_IDS_NEAR ids ahead into
+ * L1, where bench_gather.prefetch_near */
 #define GATHER_LEAN_ARGS                                                                          \
 	const uint32_t nvec, const uint32_t nlast, const uint32_t out_mul, const int lean
 
@@ -334,7 +330,7 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 	} else {                                                                                  \
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL, LEAN); \
 	}
-/* the lean loop into L2 (lean 1) or no lean loop (0); the loops into L1 are bags_l1_512's,
+/* the lean loop into L2 (lean 1) or no lean loop (0); the loops into L1 too are
  * bags_near_256's and bags_near_256_in_order's */
 #define PASS_LEAN(FN, VBYTES, OUT_MUL)                                                            \
 	if (lean)                                                                                 \
@@ -366,7 +362,7 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 		FN(PASS_ARGS, (uint32_t)(pass / VBYTES), (uint32_t)(last / VBYTES), OUT_MUL,      \
 		   LEAN, g->row_bytes);
 #define PASS_SEVERAL(FN, VBYTES, OUT_MUL) PASS_SEVERAL_AS(FN, VBYTES, OUT_MUL, 1)
-#define PASS_SEVERAL_NEAR(FN, VBYTES, OUT_MUL) PASS_SEVERAL_AS(FN, VBYTES, OUT_MUL, 3)
+#define PASS_SEVERAL_NEAR(FN, VBYTES, OUT_MUL) PASS_SEVERAL_AS(FN, VBYTES, OUT_MUL, 2)
 #define PASS_SWITCH_BY(FN, VBYTES, BY)                                                            \
 	if (g->out_row_bytes == g->row_bytes)                                                     \
 		BY(FN, VBYTES, 1)                                                                 \
@@ -379,7 +375,7 @@ static inline __attribute__((always_inline)) void bags_128(GATHER_ARGS, GATHER_L
 /* Each isa's walks are out of line (noinline) so that tests/unit/kernels/check_prefetch.sh
  * finds their prefetch instructions by name, as it finds the kernels', and those in the
  * kernel's load order are apart from gcc's so that tests/unit/bench/check_load_order.sh finds
- * their loads (bags_any_512, bags_l1_512, bags_lean_256_in_order, bags_near_256_in_order). */
+ * their loads (bags_any_512, bags_lean_256_in_order, bags_near_256_in_order). */
 __attribute__((target("avx512f"), noinline)) static void
 bags_any_512(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 {
@@ -414,29 +410,19 @@ bags_any_128(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 	PASS_SWITCH(bags_128, 16)
 }
 
-/*
- * The lean loops into L1, only where the kernel has them, each out of line on its own (as the
- * kernel's lean_bags_l1 and lean_bags_near), so that check_prefetch.sh finds each one's
- * prefetches into L1: in one function, either would pass for both. bags_l1_512: lean 2, fp32
- * rows of one 512-byte pass (embd_forward_prefetch_l1).
- */
-__attribute__((target("avx512f"), noinline)) static void bags_l1_512(GATHER_ARGS)
-{
-	bags_512(PASS_ARGS, 512 / 64, 0, 1, 2);
-}
-
-/* lean 3: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of 256 or 512
+/* lean 2: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of 256 or 512
  * bytes (embd_forward_prefetch_l1_near) in one pass (AVX-512) or several (AVX2), 32 bytes a
- * load as the other fp16 walks */
+ * load as the other fp16 walks; out of line on its own (as the kernel's lean_bags_near), so
+ * that check_prefetch.sh finds its prefetches into L1 */
 __attribute__((target("avx2"), noinline)) static void
 bags_near_256(GATHER_ARGS, uint64_t pass, uint64_t last)
 {
 	if (pass < g->row_bytes) {
 		PASS_SWITCH_BY(bags_256_several, 32, PASS_SEVERAL_NEAR)
 	} else if (pass == 256) {
-		bags_256(PASS_ARGS, 256 / 32, 0, 2, 3);
+		bags_256(PASS_ARGS, 256 / 32, 0, 2, 2);
 	} else {
-		bags_256(PASS_ARGS, 512 / 32, 0, 2, 3);
+		bags_256(PASS_ARGS, 512 / 32, 0, 2, 2);
 	}
 }
 
@@ -447,9 +433,9 @@ bags_near_256_in_order(GATHER_ARGS, uint64_t pass, uint64_t last)
 	if (pass < g->row_bytes) {
 		PASS_SWITCH_BY(bags_256_several_in_order, 32, PASS_SEVERAL_NEAR)
 	} else if (pass == 256) {
-		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 3);
+		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 2);
 	} else {
-		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 3);
+		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 2);
 	}
 }
 #endif
@@ -477,22 +463,17 @@ static void gather_bags(const struct bench_gather *g, uint64_t b0, uint64_t b1, 
 		dist = EMBD_LEAN_WINDOW_PAD;
 	int lean = embd_forward_lean(g->isa, g->pass_bytes, rb, g->table);
 
-	/* the loops into L1 where the kernel has them, else the L2 loop (bench_gather.prefetch_l1
-	 * and prefetch_near are ignored elsewhere); rows of several passes only in the 256-bit walk
-	 * (the AVX-512 passes cover every lean row), the near loop's of one pass or several */
-	if (lean && g->prefetch_l1 && g->isa == EMBD_ISA_AVX512 && elem_bytes == 4 &&
-	    pass == 512 && last == 0)
+	/* the near loop where the kernel has it (bench_gather.prefetch_near is ignored elsewhere),
+	 * else the L2 loop; rows of several passes only in the 256-bit walk (the AVX-512 passes
+	 * cover every lean row), the near loop's of one pass or several */
+	if (lean && g->prefetch_near && dist >= EMBD_PREFETCH_IDS_NEAR &&
+	    bench_gather_near_ways(g) > 1)
 		lean = 2;
-	else if (lean && g->prefetch_near && dist >= EMBD_PREFETCH_IDS_NEAR &&
-		 bench_gather_near_ways(g) > 1)
-		lean = 3;
 
 #if defined(__x86_64__)
-	if (lean == 2)
-		bags_l1_512(g, b0, b1, pb, dist, sink);
-	else if (lean == 3 && g->in_line_order)
+	if (lean == 2 && g->in_line_order)
 		bags_near_256_in_order(g, b0, b1, pb, dist, sink, pass, last);
-	else if (lean == 3)
+	else if (lean == 2)
 		bags_near_256(g, b0, b1, pb, dist, sink, pass, last);
 	else if (gather_walk_256(g) && lean && g->in_line_order)
 		bags_lean_256_in_order(g, b0, b1, pb, dist, sink, pass, last);
@@ -556,7 +537,6 @@ int bench_gather_near_ways(const struct bench_gather *g)
 	const uint32_t elem_bytes = g->out_row_bytes == 2 * g->row_bytes ? 2 : 4;
 
 	return embd_forward_lean(g->isa, g->pass_bytes, g->row_bytes, g->table) &&
-			       !g->prefetch_l1 &&
 			       embd_forward_prefetch_near(g->isa, g->row_bytes, elem_bytes)
 		       ? 2
 		       : 1;

@@ -35,10 +35,6 @@ struct bench_gather {
 	 * faster depends on the row (bench_limits.c), so the benchmarks run both and take the
 	 * faster */
 	int windowed;
-	/* where the lean loop takes rows of 512 bytes, they are prefetched into L1 (callers set
-	 * it where embd_forward_prefetch_l1 says the kernel's are; other rows ignore it, as the
-	 * kernel has no L1 loop for them) */
-	bool prefetch_l1;
 	/* ids ahead whose rows it prefetches, at most EMBD_LEAN_WINDOW_PAD; 0: the kernel's
 	 * (embd_forward_prefetch_distance). The distance the kernel needs is not always the one
 	 * the limit's lighter loop does best with (bench_limits.c), so the benchmarks also run

@@ -347,9 +347,6 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			ga->prefetch_ids = gather_far(run->phase) ? other_dist : kernel_dist;
 			if (other_dist != kernel_dist)
 				atomic_store(&run->distance_differs, 1);
-			/* the cache the kernels prefetch these rows into, as they decide it */
-			ga->prefetch_l1 =
-				embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_AUTO, run->isa, rb, 4);
 			if (bench_gather_ways(ga) > 1)
 				atomic_store(&run->windowed_differs, 1);
 			bench_gather_run(workers, ga);

@@ -177,13 +177,12 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
  * and nothing past the last bag's, on every isa this CPU runs and every pass width the kernels
  * use (one pass, and several over a row, the last one shorter on AVX2); a zero table pools to
  * zeros. Its ways of reading the ids (straight from the batch, and through windows of them,
- * several a chunk at P 100) and of prefetching the rows (into L2, into L1, and into L2 with a
- * second prefetch into L1 a few ids ahead), at the kernel's distance and the other vendor
- * rule's, store the same bytes from a table of other bytes; the near ids are clamped to the
- * chunk's as the rows ahead are. The table
- * is exactly its rows, the ids exactly the batch's, and the last bag reads the last row, so
- * that a pass reading past a row's end, or an id past the batch's, reads outside them
- * (AddressSanitizer's build names it).
+ * several a chunk at P 100) and of prefetching the rows (into L2, and into L2 with a second
+ * prefetch into L1 a few ids ahead), at the kernel's distance and the other vendor rule's, in
+ * line order or not, store the same bytes from a table of other bytes; the near ids are
+ * clamped to the chunk's as the rows ahead are. The table is exactly its rows, the ids exactly
+ * the batch's, and the last bag reads the last row, so that a pass reading past a row's end, or
+ * an id past the batch's, reads outside them (AddressSanitizer's build names it).
  */
 Test(bench_limits, gather_stores_each_pooled_row_whole)
 {
@@ -240,17 +239,16 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 				cr_expect_eq(bench_gather_order_ways(g), rb <= 512 ? 2 : 1,
 					     "avx2 %s D %u", fp16 ? "fp16" : "fp32", dims[d]);
 			const uint32_t other = bench_gather_other_prefetch_ids(rb, fp16 ? 2u : 4u);
-			/* windowed or not, L2 or L1, near prefetch or not, the kernel's distance or
-			 * the other rule's, in line order or not */
-			for (int way = 0; way < 32; way++) {
-				const int windowed = way & 1, l1 = way >> 1 & 1, near = way >> 2 & 1;
+			/* windowed or not, near prefetch or not, the kernel's distance or the other
+			 * rule's, in line order or not */
+			for (int way = 0; way < 16; way++) {
+				const int windowed = way & 1, near = way >> 1 & 1;
 				memset(table, 0, ROWS * rb);
 				memset(out, 0x5a, BAGS * ob + GUARD);
 				g->windowed = windowed;
-				g->prefetch_l1 = l1;
 				g->prefetch_near = near;
-				g->prefetch_ids = way >> 3 & 1 ? other : 0;
-				g->in_line_order = way >> 4 & 1;
+				g->prefetch_ids = way >> 2 & 1 ? other : 0;
+				g->in_line_order = way >> 3 & 1;
 				bench_gather_run(two, g);
 				uint64_t bad = 0, past = 0;
 				for (uint64_t j = 0; j < BAGS * ob; j++)
@@ -262,24 +260,22 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 					  "%llu stored past the last row (way %d)",
 					  embd_kernels_isa_name(isas[i]), dims[d],
 					  fp16 ? "fp16" : "fp32", P, windowed ? " windowed" : "",
-					  l1 ? " l1" : near ? " near" : "", (unsigned long long)bad,
+					  near ? " near" : "", (unsigned long long)bad,
 					  (unsigned long long)past, way);
 			}
 			for (uint64_t j = 0; j < ROWS * rb; j++)
 				table[j] = (uint8_t)(j * 131 + j / rb);
 			g->windowed = 0;
-			g->prefetch_l1 = false;
 			g->prefetch_near = false;
 			g->prefetch_ids = 0;
 			g->in_line_order = false;
 			bench_gather_run(two, g);
 			memcpy(out_window, out, BAGS * ob);
-			for (int way = 1; way < 32; way++) {
+			for (int way = 1; way < 16; way++) {
 				g->windowed = way & 1;
-				g->prefetch_l1 = way >> 1 & 1;
-				g->prefetch_near = way >> 2 & 1;
-				g->prefetch_ids = way >> 3 & 1 ? other : 0;
-				g->in_line_order = way >> 4 & 1;
+				g->prefetch_near = way >> 1 & 1;
+				g->prefetch_ids = way >> 2 & 1 ? other : 0;
+				g->in_line_order = way >> 3 & 1;
 				bench_gather_run(two, g);
 				cr_expect(memcmp(out, out_window, BAGS * ob) == 0,
 					  "%s D %u %s P %u: way %d stored other sums than the first",

@@ -8,7 +8,7 @@
 # kept out of line (noinline) so that they have names here; a compiler's clone of one
 # (lean_bags.constprop.0) is not looked for: the test then fails saying the function is gone.
 # --insn asks for one kind of prefetch: the prefetches into L1 (prefetcht0) are a few rules'
-# alone (embd_forward_prefetch_l1, embd_forward_prefetch_l1_near,
+# alone (embd_forward_prefetch_l1_near,
 # embd_backward_prefetch_l1_near, the forward's LEAN_WEIGHTS_AHEAD), beside the many into L2
 # in the same functions, so only their own kind shows that they are still there.
 # Usage: check_prefetch.sh [--member NAME] [--insn PREFETCH] FILE FUNCTION...

@@ -31,10 +31,9 @@ static int run_forward(const struct embd_exec *ex, const struct embd_shard *s, c
 	return embd_kernels_forward(ex, &bt, 1, err);
 }
 
-/* The bags t over one unsplit shard, on every ISA, with 1 and 3 workers and rows prefetched
- * into L2 and into L1 (embd_forward_prefetch_l1's rows take a loop of their own): kernel ==
- * reference exactly, and nothing stored in the GUARD columns after each pooled row (a pass's
- * part vector stored whole would land there). */
+/* The bags t over one unsplit shard, on every ISA, with 1 and 3 workers: kernel == reference
+ * exactly, and nothing stored in the GUARD columns after each pooled row (a pass's part vector
+ * stored whole would land there). */
 #define GUARD 3
 static void check_bags(const struct tbags *t, int64_t rows, uint32_t dim, enum embd_data_type dtype,
 		       bool weighted, enum embd_pooling pooling)
@@ -56,19 +55,16 @@ static void check_bags(const struct tbags *t, int64_t rows, uint32_t dim, enum e
 	embd_ref_forward(ref, &rb, expected);
 
 	for (int i = 0; i < nisa; i++) {
-		for (int run = 0; run < 4; run++) {
-			const int nw = run & 1, l1 = run >> 1;
-			struct embd_exec ex = { .workers = nw ? three : NULL, .isa = isas[i],
-						.row_prefetch = l1 ? EMBD_ROW_PREFETCH_L1
-								   : EMBD_ROW_PREFETCH_L2 };
+		for (int nw = 0; nw < 2; nw++) {
+			struct embd_exec ex = { .workers = nw ? three : NULL, .isa = isas[i] };
 			struct embd_kernel_err err;
 			memset(strided, 0xff, (uint64_t)batch * stride * sizeof(float));
 			int rc = run_forward(&ex, s, t, pooling, NULL, strided, stride, 0, &err);
 			cr_assert_eq(rc, 0, "%s: rc %d %s", embd_kernels_isa_name(isas[i]), rc, err.msg);
-			snprintf(msg, sizeof(msg), "%s %s dim %u B %u %s %s workers %d prefetch %s",
+			snprintf(msg, sizeof(msg), "%s %s dim %u B %u %s %s workers %d",
 				 embd_kernels_isa_name(isas[i]), dtype ? "fp16" : "fp32", dim, batch,
-				 weighted ? "weighted" : "unweighted", pooling ? "mean" : "sum", nw ? 3 : 1,
-				 l1 ? "l1" : "l2");
+				 weighted ? "weighted" : "unweighted", pooling ? "mean" : "sum",
+				 nw ? 3 : 1);
 			uint64_t stored_past = 0;
 			for (uint32_t b = 0; b < batch; b++) {
 				const float *row = strided + b * stride;
@@ -141,28 +137,6 @@ Test(kernels_forward, whole_and_tail_passes_equal_reference)
 			for (int weighted = 0; weighted <= 1; weighted++)
 				check_unsharded(&r, 700, dims[d], fp16 ? EMBD_DTYPE_FP16 : EMBD_DTYPE_FP32,
 						33, 25, weighted, EMBD_POOLING_SUM);
-}
-
-/*
- * The rows the forward may prefetch into L1: fp32 D 128 on AVX-512 only, and only when forced;
- * left to the CPU (AUTO) they go to L2 on every CPU and bag length. Which cache a prefetch goes
- * to changes no result, so no test sees forward.c pass the choice on; the loop it selects is
- * checked against the reference above, forced.
- */
-Test(kernels_forward, row_prefetch_choice)
-{
-	const enum embd_isa avx512 = EMBD_ISA_AVX512;
-	const enum embd_row_prefetch autop = EMBD_ROW_PREFETCH_AUTO;
-
-	cr_expect(!embd_forward_prefetch_l1(autop, avx512, 512, 4), "AUTO: L2, whatever the CPU");
-	cr_expect(embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 4));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L2, avx512, 512, 4));
-	/* no other rows, whatever is asked */
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, EMBD_ISA_AVX2, 512, 4));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, EMBD_ISA_SCALAR, 512, 4));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 512, 2), "fp16");
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 256, 4));
-	cr_expect(!embd_forward_prefetch_l1(EMBD_ROW_PREFETCH_L1, avx512, 1024, 4));
 }
 
 /*
