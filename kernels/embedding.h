@@ -73,8 +73,8 @@ struct embd_backward_times {
  * (2026-12-05). On an Intel Xeon with AVX-512 fp32 rows of 512 bytes (D 128) pooled 11-17%
  * faster prefetched into L1 than into L2 at 20 and 100 ids a bag, both 12 ids ahead
  * (2026-12-06), but into L2 48 ids ahead (embd_forward_prefetch_rows) they took 17-31% less
- * time a batch than into L1 12 ahead, and 34-56% less than into L1 48 ahead (2026-12-07,
- * docs/benchmarks.md), so the L1 loop for them is gone.
+ * time a batch than into L1 12 ahead, and into L1 48 ahead they took 34-56% more than into L2
+ * (2026-12-07, docs/benchmarks.md), so the L1 loop for them is gone.
  */
 
 /* How many ids ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on

@@ -283,7 +283,7 @@ bags_256_in_order(GATHER_ARGS, GATHER_LEAN_ARGS)
 		    STORE256, 0)
 }
 
-/* a lean row of several passes (lean 1 or 3) with the row's size row_bytes */
+/* a lean row of several passes (lean 1 or 2) with the row's size row_bytes */
 __attribute__((target("avx2"), always_inline)) static inline void
 bags_256_several(GATHER_ARGS, GATHER_LEAN_ARGS, const uint64_t row_bytes)
 {
