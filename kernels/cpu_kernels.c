@@ -558,6 +558,16 @@ lean_bags_as(struct lean_window *wnd, const struct embd_bag_batch *bt, const str
 	return b;
 }
 
+/* The lean loop's row widths in vectors: lean_bags' cases, and lean_has_loop's answers. Past
+ * 16 vectors, rows of several passes on AVX2, fp16 rows only (320-512 bytes; fp32 rows of
+ * 320-512 bytes are 10-16 vectors). */
+#define LEAN_WIDTHS(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(14) X(16)
+#if VEC_FLOATS == 8
+#define LEAN_WIDTHS_FP16(X) X(20) X(24) X(28) X(32)
+#else
+#define LEAN_WIDTHS_FP16(X)
+#endif
+
 #define LEAN_CASE(N)                                                                              \
 	case N:                                                                                   \
 		if (fp16 && c->weights)                                                           \
@@ -602,16 +612,32 @@ lean_bags(struct lean_window *wnd, const struct embd_bag_batch *bt, const struct
 	if (c->prefetch_near && fp16 && (c->cols == 128 || c->cols == 256))
 		return lean_bags_near(wnd, bt, c, b, last);
 	switch (c->cols / VEC_FLOATS) {
-	LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
-	LEAN_CASE(5) LEAN_CASE(6) LEAN_CASE(7) LEAN_CASE(8)
-	LEAN_CASE(10) LEAN_CASE(12) LEAN_CASE(14) LEAN_CASE(16)
-#if VEC_FLOATS == 8
-	/* rows of several passes past 16 vectors: fp16 of 320-512 bytes (those of 256, and fp32
-	 * rows of 320-512, are cases 10-16 above) */
-	LEAN_CASE_FP16(20) LEAN_CASE_FP16(24) LEAN_CASE_FP16(28) LEAN_CASE_FP16(32)
-#endif
+	LEAN_WIDTHS(LEAN_CASE)
+	LEAN_WIDTHS_FP16(LEAN_CASE_FP16)
 	}
 	return b;
+}
+
+/* Whether lean_bags has its loop for rows of cols elements of elem_bytes (struct
+ * embd_cpu_kernels) */
+static bool lean_has_loop(uint32_t cols, uint32_t elem_bytes)
+{
+#define LEAN_HAS(N)                                                                               \
+	case N:                                                                                   \
+		return true;
+#define LEAN_HAS_FP16(N)                                                                          \
+	case N:                                                                                   \
+		return elem_bytes == 2;
+	(void)elem_bytes; /* no fp16-only widths on AVX-512 */
+	if (cols % VEC_FLOATS)
+		return false;
+	switch (cols / VEC_FLOATS) {
+	LEAN_WIDTHS(LEAN_HAS)
+	LEAN_WIDTHS_FP16(LEAN_HAS_FP16)
+	}
+	return false;
+#undef LEAN_HAS
+#undef LEAN_HAS_FP16
 }
 #else
 /* The definition itself: pool_row.h on the output row. */
@@ -1217,5 +1243,8 @@ apply_rows(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n,
 const struct embd_cpu_kernels VARIANT_TABLE = {
 	.isa = EMBD_CPU_ISA,
 	.forward_bags = forward_bags,
+#ifdef VEC_FLOATS
+	.lean_has_loop = lean_has_loop,
+#endif
 	.apply_rows = apply_rows,
 };

@@ -278,6 +278,13 @@ struct embd_cpu_kernels {
 	int (*forward_bags)(const struct embd_bag_batch *batch, uint32_t first, uint32_t last,
 			    struct embd_kernel_err *err);
 	/*
+	 * Whether forward_bags' lean loop has its loop for rows of cols elements of elem_bytes;
+	 * NULL where the variant has no lean loop (scalar). A row embd_forward_lean takes that
+	 * has none falls back to the checked loop, with the same sums, only slower: the tests
+	 * hold the two to each other.
+	 */
+	bool (*lean_has_loop)(uint32_t cols, uint32_t elem_bytes);
+	/*
 	 * occ[0, n) is sorted by row, each row's run in batch order: sums each run into grad_row
 	 * (2 x cols floats of scratch) and applies the optimizer to the row once. next[0, next_n)
 	 * are the (sorted) occurrences the caller applies next, whose rows are prefetched once

@@ -166,6 +166,47 @@ Test(kernels_forward, prefetch_distance_rule)
 }
 
 /*
+ * Every row the lean loop takes (embd_forward_lean, at the kernels' pass widths) has its loop in
+ * the variant (lean_has_loop, from lean_bags' own list of widths), fp16 and fp32 rows of up to
+ * 1024 columns: a width without one falls back to the checked loop with the same sums, which
+ * no other test sees. The scalar variant has no lean loop and takes no row lean.
+ */
+Test(kernels_forward, lean_rows_have_their_loop)
+{
+	static const enum embd_isa isas[] = { EMBD_ISA_AVX2, EMBD_ISA_AVX512 };
+	static _Alignas(64) const uint8_t base[64];
+
+	for (uint32_t cols = 1; cols <= 1024; cols++)
+		for (uint32_t elem = 2; elem <= 4; elem += 2)
+			cr_expect(!embd_forward_lean(EMBD_ISA_SCALAR, (uint64_t)cols * elem,
+						     (uint64_t)cols * elem, base));
+	cr_expect(embd_cpu_kernels_get(EMBD_ISA_SCALAR)->lean_has_loop == NULL);
+	for (int i = 0; i < 2; i++) {
+		const struct embd_cpu_kernels *k = embd_cpu_kernels_get(isas[i]);
+		uint32_t lean = 0;
+
+		if (!embd_kernels_isa_supported(isas[i]))
+			continue;
+		cr_assert(k && k->lean_has_loop, "%s", embd_kernels_isa_name(isas[i]));
+		for (uint32_t cols = 1; cols <= 1024; cols++) {
+			for (uint32_t elem = 2; elem <= 4; elem += 2) {
+				const uint32_t pass = embd_forward_pass_cols(isas[i], cols, elem);
+				const char *dtype = elem == 2 ? "fp16" : "fp32";
+
+				if (!embd_forward_lean(isas[i], (uint64_t)pass * elem,
+						       (uint64_t)cols * elem, base))
+					continue;
+				lean++;
+				cr_expect(k->lean_has_loop(cols, elem), "%s: %s rows of %u columns",
+					  embd_kernels_isa_name(isas[i]), dtype, cols);
+			}
+		}
+		/* fp16 and fp32 rows of 1-8 whole lines (on AVX2 their passes start on a line) */
+		cr_expect_eq(lean, 16, "%s: %u lean widths", embd_kernels_isa_name(isas[i]), lean);
+	}
+}
+
+/*
  * The rows the AVX2 and AVX-512 lean loops also prefetch into L1 a few ids ahead
  * (embd_forward_prefetch_l1_near): fp16 rows of 256 and 512 bytes on Intel CPUs, no others,
  * and never further ahead than their L2 prefetch (the window holds the rows to that one).
