@@ -68,8 +68,9 @@ static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t e
  * less, fp16 D 32 and fp32 D 32 the same, fp32 D 64 (12 ahead) 4-17% more, and the fp16 D 256
  * rows prefetched into L1 alone, 48 ahead, 30-45% more. AVX2, which pools these rows in
  * passes of 96 columns, each pass prefetching its own lines of both rows, took 3-13% less time
- * a batch with it at P 20 and 100 on the other lines, fp16 D 128 P 20 6% less to 2% more
- * (three alternations, 2026-12-07, docs/benchmarks.md). Other CPUs were not measured.
+ * a batch with it in most pairs at P 20 and 100 (one slow pair 32%), fp16 D 128 at P 20 6%
+ * less to 2% more and at P 100 5% less to 2% more (three alternations, 2026-12-07,
+ * docs/benchmarks.md). Other CPUs were not measured.
  */
 static inline bool embd_forward_prefetch_l1_near(enum embd_isa isa, uint64_t row_bytes,
 						 uint32_t elem_bytes, bool intel)

@@ -67,19 +67,15 @@ struct embd_backward_times {
 	uint64_t apply_ns;              /* gradients summed per row, optimizer on weights and state */
 };
 
-/*
- * The forward prefetches every row into L2 (and some into L1 too, a few ids ahead:
- * embd_forward_prefetch_near). On a Zen 4 every row size pooled fastest prefetched into L2
- * (2026-12-05). On an Intel Xeon with AVX-512 fp32 rows of 512 bytes (D 128) pooled 11-17%
- * faster prefetched into L1 than into L2 at 20 and 100 ids a bag, both 12 ids ahead
- * (2026-12-06), but into L2 48 ids ahead (embd_forward_prefetch_rows) they took 17-31% less
- * time a batch than into L1 12 ahead, and into L1 48 ahead they took 34-56% more than into L2
- * (2026-12-07, docs/benchmarks.md), so the L1 loop for them is gone.
- */
-
 /* How many ids ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
  * this CPU (embd_forward_prefetch_rows in cpu_kernels.h). It follows the CPU's vendor, or
- * $EMBD_CPU_VENDOR (intel or other) where set when first asked. */
+ * $EMBD_CPU_VENDOR (intel or other) where set when first asked. Every row goes to L2 (some
+ * also to L1, a few ids ahead: embd_forward_prefetch_near). On a Zen 4 every row size pooled
+ * fastest prefetched into L2 (2026-12-05). On an Intel Xeon with AVX-512 fp32 rows of 512
+ * bytes (D 128) pooled 11-17% faster prefetched into L1 than into L2 at 20 and 100 ids a bag,
+ * both 12 ids ahead (2026-12-06), but into L2 48 ids ahead they took 17-31% less time a batch
+ * than into L1 12 ahead, and into L1 48 ahead 34-56% more than into L2 (2026-12-07,
+ * docs/benchmarks.md), so there is no L1 loop for them. */
 uint32_t embd_forward_prefetch_distance(uint64_t row_bytes, uint32_t elem_bytes);
 
 /* Whether the forward's lean loop, run with isa (not AUTO), also prefetches rows of row_bytes
