@@ -411,32 +411,30 @@ bags_any_128(GATHER_ARGS, uint64_t pass, uint64_t last, int lean)
 }
 
 /* lean 2: into L2, and into L1 EMBD_PREFETCH_IDS_NEAR ids ahead, fp16 rows of 256 or 512
- * bytes (embd_forward_prefetch_l1_near) in one pass (AVX-512) or several (AVX2), 32 bytes a
- * load as the other fp16 walks; out of line on its own (as the kernel's lean_bags_near), so
- * that check_prefetch.sh finds its prefetches into L1 */
+ * bytes (embd_forward_prefetch_l1_near) in one pass (AVX-512, ONE) or several (AVX2, SEVERAL),
+ * 32 bytes a load as the other fp16 walks */
+#define NEAR_WALK(ONE, SEVERAL)                                                                   \
+	if (pass < g->row_bytes) {                                                                \
+		PASS_SWITCH_BY(SEVERAL, 32, PASS_SEVERAL_NEAR)                                    \
+	} else if (pass == 256) {                                                                 \
+		ONE(PASS_ARGS, 256 / 32, 0, 2, 2);                                                \
+	} else {                                                                                  \
+		ONE(PASS_ARGS, 512 / 32, 0, 2, 2);                                                \
+	}
+
+/* NEAR_WALK out of line on its own (as the kernel's lean_bags_near), so that check_prefetch.sh
+ * finds its prefetches into L1 */
 __attribute__((target("avx2"), noinline)) static void
 bags_near_256(GATHER_ARGS, uint64_t pass, uint64_t last)
 {
-	if (pass < g->row_bytes) {
-		PASS_SWITCH_BY(bags_256_several, 32, PASS_SEVERAL_NEAR)
-	} else if (pass == 256) {
-		bags_256(PASS_ARGS, 256 / 32, 0, 2, 2);
-	} else {
-		bags_256(PASS_ARGS, 512 / 32, 0, 2, 2);
-	}
+	NEAR_WALK(bags_256, bags_256_several)
 }
 
 /* bags_near_256 in the kernel's load order (bench_gather.in_line_order) */
 __attribute__((target("avx2"), noinline)) static void
 bags_near_256_in_order(GATHER_ARGS, uint64_t pass, uint64_t last)
 {
-	if (pass < g->row_bytes) {
-		PASS_SWITCH_BY(bags_256_several_in_order, 32, PASS_SEVERAL_NEAR)
-	} else if (pass == 256) {
-		bags_256_in_order(PASS_ARGS, 256 / 32, 0, 2, 2);
-	} else {
-		bags_256_in_order(PASS_ARGS, 512 / 32, 0, 2, 2);
-	}
+	NEAR_WALK(bags_256_in_order, bags_256_several_in_order)
 }
 #endif
 
