@@ -66,7 +66,6 @@ struct bag_ctx {
 };
 
 _Static_assert(EMBD_PREFETCH_IDS <= EMBD_LEAN_WINDOW_PAD &&
-		       EMBD_PREFETCH_IDS_LINE <= EMBD_LEAN_WINDOW_PAD &&
 		       EMBD_PREFETCH_IDS_FAR <= EMBD_LEAN_WINDOW_PAD,
 	       "the window's padding holds every prefetch distance");
 

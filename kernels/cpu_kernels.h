@@ -14,12 +14,10 @@
 #include "kernels/embedding.h"
 #include "kernels/optim_row.h"
 
-/* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth);
- * rows of one cache line or less, EMBD_PREFETCH_IDS_LINE, and on Intel CPUs fp16 rows, rows
- * of up to two lines and fp32 rows of 512 bytes, EMBD_PREFETCH_IDS_FAR
- * (embd_forward_prefetch_rows). */
+/* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth); fp16
+ * rows, rows of up to two lines and fp32 rows of 512 bytes, and on CPUs other than Intel's all
+ * rows of up to 512 bytes, EMBD_PREFETCH_IDS_FAR (embd_forward_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
-#define EMBD_PREFETCH_IDS_LINE 20
 #define EMBD_PREFETCH_IDS_FAR 48
 /* ids ahead of the forward's second prefetch, into L1 (embd_forward_prefetch_l1_near) */
 #define EMBD_PREFETCH_IDS_NEAR 4
@@ -35,28 +33,27 @@
 
 /*
  * How many rows ahead the forward prefetches rows of row_bytes and elements of elem_bytes, on
- * an Intel CPU (intel) or another. A row of one line is one miss an id, so more of them can be
- * in flight for the same fill buffers: 20 ids ahead pooled fp16 D 32 batches 4-7% faster than
- * 12 at P 20 and 100 and up to 14% at P 1 on a Zen 4 (AVX-512; AVX2 the same within the
- * noise), while for 128-byte rows 20 was no better than 12 (docs/benchmarks.md, 2026-12-05).
- * On an Intel Xeon (2026-12-06) 48 ids ahead took fp16 rows of every width 8-31% less time a
- * batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128 bytes 17%, while fp32 rows of
- * 256 and 1024 bytes took 3-14% more at 32-64 (a guess at why: their loop issues fewer
- * instructions a line, so the core's own loads run further ahead of it). fp32 rows of 512
- * bytes (D 128), until then prefetched 12 ahead (on AVX-512 into L1 at P >= 2, else into L2;
- * into L2 on AVX2, in two passes of 64 columns), took 17-31% less time a batch prefetched
- * into L2 48 ahead at P 20 and 100 and 11-46% at P 1 on AVX-512, and 13-36% less at P 1 and 20
- * and 1-6% at P 100 on AVX2 (three alternations, 2026-12-07, docs/benchmarks.md; the scalar
- * kernels unmeasured). The benchmark's gather limit uses the same distance (and the other
- * vendor's where that is faster).
+ * an Intel CPU (intel) or another. On an Intel Xeon (2026-12-06) 48 ids ahead took fp16 rows of
+ * every width 8-31% less time a batch at P 20 and 100 than 12 or 20 did, and fp32 rows of 128
+ * bytes 17%, while fp32 rows of 256 and 1024 bytes took 3-14% more at 32-64 (a guess at why:
+ * their loop issues fewer instructions a line, so the core's own loads run further ahead of
+ * it). fp32 rows of 512 bytes (D 128) took 17-31% less time a batch 48 ahead than 12 at P 20
+ * and 100 and 11-46% at P 1 on AVX-512, and 13-36% less at P 1 and 20 and 1-6% at P 100 on
+ * AVX2 (three alternations, 2026-12-07, docs/benchmarks.md; the scalar kernels unmeasured).
+ * On a Zen 4 (2026-12-07), which had kept 12 ahead (20 for rows of a line; measured when the
+ * rows went to L1), 48 took fp32 D 32, fp16 D 32 and fp16 D 64 20-46% less time a batch at
+ * P 20 and 100 on AVX-512 and AVX2, fp32 D 128 and fp16 D 128 2-27% less (but AVX-512 fp16
+ * weighted D 128 the same), AVX2 fp16 D 256 17-29% less (AVX-512 the same), and fp32 D 64, kept
+ * at 12 on Intel, 0-36% less; fp32 D 256 unmeasured there. The benchmark's gather limit runs
+ * the kernel's distance and the other one (bench_gather_other_prefetch_ids), the faster taken.
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
 {
-	if (intel &&
-	    (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES || row_bytes == 512))
+	if (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES || row_bytes == 512 ||
+	    (!intel && row_bytes <= 512))
 		return EMBD_PREFETCH_IDS_FAR;
-	return row_bytes <= EMBD_CACHE_LINE_BYTES ? EMBD_PREFETCH_IDS_LINE : EMBD_PREFETCH_IDS;
+	return EMBD_PREFETCH_IDS;
 }
 
 /*
@@ -70,12 +67,16 @@ static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t e
  * passes of 96 columns, each pass prefetching its own lines of both rows, took 3-13% less time
  * a batch with it in most pairs at P 20 and 100 (one slow pair 32%), fp16 D 128 at P 20 6%
  * less to 2% more and at P 100 5% less to 2% more (three alternations, 2026-12-07,
- * docs/benchmarks.md). Other CPUs were not measured.
+ * docs/benchmarks.md). On a Zen 4 (2026-12-07, these rows 48 ahead, three alternations) AVX2
+ * took 2-40% less time a batch with it in 18 of 24 pairs (medians of the pairs: six of the
+ * eight lines 7-20% less, fp16 D 128 P 100 the same, fp16 D 256 P 20 13% more), while AVX-512
+ * took more in 16 of 24 (medians 3-51% more on six lines, 3-6% less on two), so AVX-512 has it
+ * on Intel CPUs only.
  */
 static inline bool embd_forward_prefetch_l1_near(enum embd_isa isa, uint64_t row_bytes,
 						 uint32_t elem_bytes, bool intel)
 {
-	return intel && (isa == EMBD_ISA_AVX512 || isa == EMBD_ISA_AVX2) && elem_bytes == 2 &&
+	return (isa == EMBD_ISA_AVX2 || (intel && isa == EMBD_ISA_AVX512)) && elem_bytes == 2 &&
 	       (row_bytes == 256 || row_bytes == 512);
 }
 

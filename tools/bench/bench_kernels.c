@@ -662,7 +662,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 	struct theirs th[FWD_CONFIGS];
 	int idx[FWD_CONFIGS], ways[FWD_CONFIGS], nears[FWD_CONFIGS], orders[FWD_CONFIGS], n = 0;
 	char name[64], what[64] = "";
-	/* the limit's distances: the kernel's, and the other vendor's rule's where it differs */
+	/* the limit's distances: the kernel's and the other one */
 	const uint32_t elem = t->fp16 ? 2 : 4;
 	const uint32_t dists[2] = { embd_forward_prefetch_distance(t->row_bytes, elem),
 				    bench_gather_other_prefetch_ids(t->row_bytes, elem) };

@@ -18,7 +18,7 @@
  *   kernel's passes over each bag (embd_forward_pass_cols: as many columns as its accumulators
  *   in registers hold), fully unrolled per pass width, the head of each pass's columns of the
  *   row embd_forward_prefetch_distance() ids ahead (bench_gather.prefetch_ids; the benchmarks
- *   also run the other vendor's rule's distance where it differs and take the faster: the
+ *   also run the other distance, bench_gather_other_prefetch_ids, and take the faster: the
  *   kernel's loop issues more per line than this one, and on an Intel Xeon 48 ids ahead took
  *   fp16 D 128 P 20's kernel from 17.2 to 18.4 GB/s and this limit from 19.1 to 17.8,
  *   docs/benchmarks.md) prefetched as the kernel does (embd_prefetch_row_bytes: for one pass
@@ -515,10 +515,9 @@ static void gather_worker(void *arg, uint32_t w, uint32_t nw)
 
 uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes)
 {
-	const uint32_t kernel = embd_forward_prefetch_distance(row_bytes, elem_bytes);
-	const uint32_t intel = embd_forward_prefetch_rows(row_bytes, elem_bytes, true);
-
-	return intel == kernel ? embd_forward_prefetch_rows(row_bytes, elem_bytes, false) : intel;
+	return embd_forward_prefetch_distance(row_bytes, elem_bytes) == EMBD_PREFETCH_IDS_FAR
+		       ? EMBD_PREFETCH_IDS
+		       : EMBD_PREFETCH_IDS_FAR;
 }
 
 /* GATHER_BAGS' condition for its window, where the kernel's lean loop has one */

@@ -38,7 +38,7 @@ struct bench_gather {
 	/* ids ahead whose rows it prefetches, at most EMBD_LEAN_WINDOW_PAD; 0: the kernel's
 	 * (embd_forward_prefetch_distance). The distance the kernel needs is not always the one
 	 * the limit's lighter loop does best with (bench_limits.c), so the benchmarks also run
-	 * the distance of the other vendor's rule and take the faster */
+	 * the other distance (bench_gather_other_prefetch_ids) and take the faster */
 	uint32_t prefetch_ids;
 	/* where the lean loop takes rows of 256 or 512 bytes of fp16 (embd_forward_prefetch_near),
 	 * also prefetch each line of the row EMBD_PREFETCH_IDS_NEAR ids ahead into L1, as the
@@ -61,8 +61,9 @@ struct bench_gather {
 void bench_gather_run(struct embd_workers *workers, struct bench_gather *g);
 
 /* The prefetch distance the gather limit also runs for rows of row_bytes and elements of
- * elem_bytes (bench_gather.prefetch_ids): the other vendor's rule's, which is the kernel's
- * (embd_forward_prefetch_distance) where the two rules agree. */
+ * elem_bytes (bench_gather.prefetch_ids): of the two the kernels use (EMBD_PREFETCH_IDS and
+ * EMBD_PREFETCH_IDS_FAR), the one the kernel (embd_forward_prefetch_distance) does not use for
+ * these rows. Where it wins, the limit says the kernel's distance may be the wrong one. */
 uint32_t bench_gather_other_prefetch_ids(uint64_t row_bytes, uint32_t elem_bytes);
 
 /* The ways g can read its ids: 2 where bench_gather.windowed changes what it does, else 1. */

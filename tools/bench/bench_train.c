@@ -11,7 +11,7 @@
  * step: on the sharding type's plan (each rank's pinned threads on its own shards, all ranks at
  * once), every shard's gather of every id's row of the global batch (all trainers) with the
  * pooled rows stored (each way of reading the ids, bench_gather.windowed, where the two differ,
- * at the kernel's prefetch distance and, where it differs, the other vendor's rule's,
+ * at the kernel's prefetch distance and at the other one (bench_gather_other_prefetch_ids),
  * bench_gather.prefetch_ids: the one whose median is the shortest), then every shard's
  * read-modify-write of its distinct rows after each one's occurrences' gradient rows are read
  * (in each of its orders, the one whose median is the shortest, as `embd-bench kernels` takes
@@ -147,12 +147,12 @@ struct limit_run {
 	atomic_int failed;
 	atomic_int kernels_failed;              /* the limits stand, the kernels' figures do not */
 	atomic_int windowed_differs;            /* a shard's lookup reads ids through a window */
-	atomic_int distance_differs;            /* a shard's rows have two rules' distances */
+	atomic_int distance_differs;            /* a shard's rows have two distances */
 };
 
 enum limit_phase {
 	/* the limits: the lookup each way of bench_gather.windowed at the kernel's distance,
-	 * then each at the other rule's (gather_windowed, gather_far), and */
+	 * then each at the other distance (gather_windowed, gather_far), and */
 	LIMIT_GATHER, LIMIT_GATHER_LAST = LIMIT_GATHER + 3,
 	LIMIT_RMW,                              /* the update in each order of */
 	LIMIT_RMW_LAST = LIMIT_RMW + BENCH_RMW_ORDERS - 1, /* enum bench_rmw_order, LIMIT_RMW + it */
@@ -161,7 +161,7 @@ enum limit_phase {
 };
 
 /* Whether gather phase reads the ids through a window (bench_gather.windowed), and whether at
- * the other rule's distance (bench_gather_other_prefetch_ids) rather than the kernel's. */
+ * the other distance (bench_gather_other_prefetch_ids) rather than the kernel's. */
 static bool gather_windowed(int phase)
 {
 	return (phase - LIMIT_GATHER) % 2;

@@ -178,7 +178,7 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
  * use (one pass, and several over a row, the last one shorter on AVX2); a zero table pools to
  * zeros. Its ways of reading the ids (straight from the batch, and through windows of them,
  * several a chunk at P 100) and of prefetching the rows (into L2, and into L2 with a second
- * prefetch into L1 a few ids ahead), at the kernel's distance and the other vendor rule's, in
+ * prefetch into L1 a few ids ahead), at the kernel's distance and the other one, in
  * line order or not, store the same bytes from a table of other bytes; the near ids are
  * clamped to the chunk's as the rows ahead are. The table is exactly its rows, the ids exactly
  * the batch's, and the last bag reads the last row, so that a pass reading past a row's end, or

@@ -140,29 +140,39 @@ Test(kernels_forward, whole_and_tail_passes_equal_reference)
 }
 
 /*
- * The forward's prefetch distance (embd_forward_prefetch_rows) for either vendor: elsewhere 20
- * ids for rows of a line and 12 for longer ones; on Intel CPUs 48 for fp16 rows, rows of up
- * to two lines and fp32 rows of 512 bytes, other fp32 rows the same 12; every distance within
- * what the lean loop's window holds past its ids. This CPU's is one of the two.
+ * The forward's prefetch distance (embd_forward_prefetch_rows): 48 ids for fp16 rows and for
+ * fp32 rows of up to 512 bytes, 12 for longer ones, but on Intel CPUs 12 for fp32 rows of 192
+ * and 256 bytes too; every distance within what the lean loop's window holds past its ids. The
+ * CPU's (embd_forward_prefetch_distance) is the vendor's of $EMBD_CPU_VENDOR.
  */
-Test(kernels_forward, prefetch_distance_rule)
+static void check_distance_rule(const char *vendor)
 {
 	const uint64_t bytes[] = { 32, 64, 128, 192, 256, 512, 1024 };
+	const bool intel = !strcmp(vendor, "intel");
 
+	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
 	for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++)
 		for (uint32_t elem = 2; elem <= 4; elem += 2) {
-			const uint32_t other = embd_forward_prefetch_rows(bytes[i], elem, false);
-			const uint32_t intel = embd_forward_prefetch_rows(bytes[i], elem, true);
-			const uint32_t here = embd_forward_prefetch_distance(bytes[i], elem);
+			const uint32_t rule = embd_forward_prefetch_rows(bytes[i], elem, intel);
+			const bool far = elem == 2 || bytes[i] <= 128 || bytes[i] == 512 ||
+					 (!intel && bytes[i] <= 512);
 
-			cr_expect_eq(other, bytes[i] <= 64 ? 20u : 12u, "%lu bytes of %u",
+			cr_expect_eq(rule, far ? 48u : 12u, "%s: %lu bytes of %u", vendor,
 				     (unsigned long)bytes[i], elem);
-			const bool far = elem == 2 || bytes[i] <= 128 || bytes[i] == 512;
-			cr_expect_eq(intel, far ? 48u : 12u, "%lu bytes of %u",
-				     (unsigned long)bytes[i], elem);
-			cr_expect(other <= EMBD_LEAN_WINDOW_PAD && intel <= EMBD_LEAN_WINDOW_PAD);
-			cr_expect(here == other || here == intel);
+			cr_expect_eq(embd_forward_prefetch_distance(bytes[i], elem), rule,
+				     "%s: %lu bytes of %u", vendor, (unsigned long)bytes[i], elem);
+			cr_expect(rule <= EMBD_LEAN_WINDOW_PAD);
 		}
+}
+
+Test(kernels_forward, prefetch_distance_rule_intel)
+{
+	check_distance_rule("intel");
+}
+
+Test(kernels_forward, prefetch_distance_rule_other)
+{
+	check_distance_rule("other");
 }
 
 /*
@@ -205,8 +215,9 @@ Test(kernels_forward, lean_rows_have_their_loop)
 
 /*
  * The rows the AVX2 and AVX-512 lean loops also prefetch into L1 a few ids ahead
- * (embd_forward_prefetch_l1_near): fp16 rows of 256 and 512 bytes on Intel CPUs, no others,
- * and never further ahead than their L2 prefetch (the window holds the rows to that one).
+ * (embd_forward_prefetch_l1_near): fp16 rows of 256 and 512 bytes, AVX-512's on Intel CPUs
+ * only, no others, and never further ahead than their L2 prefetch (the window holds the rows
+ * to that one).
  */
 Test(kernels_forward, near_prefetch_rule)
 {
@@ -218,24 +229,24 @@ Test(kernels_forward, near_prefetch_rule)
 		const uint64_t b = bytes[n / 6 % 6];
 		const uint32_t elem = n / 3 % 2 ? 4 : 2;
 		const enum embd_isa isa = isas[n % 3];
-		const bool want = intel && isa != EMBD_ISA_SCALAR && elem == 2 &&
-				  (b == 256 || b == 512);
+		const bool want = (isa == EMBD_ISA_AVX2 || (intel && isa == EMBD_ISA_AVX512)) &&
+				  elem == 2 && (b == 256 || b == 512);
 
 		cr_expect_eq(embd_forward_prefetch_l1_near(isa, b, elem, intel), want,
 			     "%s, %s, %lu bytes of %u", intel ? "intel" : "other",
 			     embd_kernels_isa_name(isa), (unsigned long)b, elem);
 		if (want)
-			cr_expect_geq(embd_forward_prefetch_rows(b, elem, true),
+			cr_expect_geq(embd_forward_prefetch_rows(b, elem, intel),
 				      EMBD_PREFETCH_IDS_NEAR);
 	}
 }
 
 /*
- * Either vendor's distances ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in
- * its own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on
- * any CPU: fp16 and 128- and 512-byte fp32 rows (48 ids ahead on Intel, 12 or 20 elsewhere),
- * fp16 rows of 256 and 512 bytes (on Intel with AVX2 and AVX-512 also prefetched into L1 a few
- * ids ahead), many short chunks, and bags longer than a window.
+ * Either vendor's rules ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in its
+ * own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on any
+ * CPU: fp16 and 128- and 512-byte fp32 rows (48 ids ahead), 256-byte fp32 rows (12 ahead on
+ * Intel, 48 elsewhere), fp16 rows of 256 and 512 bytes (with AVX2, and on Intel with AVX-512,
+ * also prefetched into L1 a few ids ahead), many short chunks, and bags longer than a window.
  */
 static void check_with_vendor(const char *vendor)
 {
@@ -243,8 +254,8 @@ static void check_with_vendor(const char *vendor)
 	const bool intel = !strcmp(vendor, "intel");
 
 	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
-	cr_assert_eq(embd_forward_prefetch_distance(256, 2),
-		     embd_forward_prefetch_rows(256, 2, intel),
+	cr_assert_eq(embd_forward_prefetch_distance(256, 4),
+		     embd_forward_prefetch_rows(256, 4, intel),
 		     "the vendor was read before the test set it");
 	cr_assert_eq(embd_forward_prefetch_near(EMBD_ISA_AVX512, 512, 2),
 		     embd_forward_prefetch_l1_near(EMBD_ISA_AVX512, 512, 2, intel));
@@ -253,6 +264,7 @@ static void check_with_vendor(const char *vendor)
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP16, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 3000, 32, EMBD_DTYPE_FP32, 80, 40, false, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP32, 80, 40, true, EMBD_POOLING_SUM);
+	check_unsharded(&r, 3000, 64, EMBD_DTYPE_FP32, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 50000, 16, EMBD_DTYPE_FP16, 4099, 2, false, EMBD_POOLING_SUM);
 	check_unsharded(&r, 5000, 64, EMBD_DTYPE_FP16, 3, 3000, true, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 3000, 256, EMBD_DTYPE_FP16, 40, 30, true, EMBD_POOLING_SUM);
