@@ -42,10 +42,13 @@
  * AVX2 (three alternations, 2026-12-07, docs/benchmarks.md; the scalar kernels unmeasured).
  * On a Zen 4 (2026-12-07), which had kept 12 ahead (20 for rows of a line; measured when the
  * rows went to L1), 48 took fp32 D 32, fp16 D 32 and fp16 D 64 20-46% less time a batch at
- * P 20 and 100 on AVX-512 and AVX2, fp32 D 128 and fp16 D 128 2-27% less (but AVX-512 fp16
- * weighted D 128 the same), AVX2 fp16 D 256 17-29% less (AVX-512 the same), and fp32 D 64, kept
- * at 12 on Intel, 0-36% less; fp32 D 256 unmeasured there. The benchmark's gather limit runs
- * the kernel's distance and the other one (bench_gather_other_prefetch_ids), the faster taken.
+ * P 20 and 100 on AVX-512 and AVX2 (medians of two or three runs a side), fp32 D 128 4-18%
+ * less on AVX2 and 13% less to 3% more on AVX-512, fp16 D 128 13-25% less on AVX2 and 27% less
+ * to 8% more on AVX-512 (weighted P 100 +8%), fp16 D 256 17-29% less on AVX2 (AVX-512 the
+ * same), and fp32 D 64, kept at 12 on Intel, 0-36% less; there fp32 D 256 was not measured at
+ * 48, nor fp32 rows under 128 bytes or fp16 rows over 512 (now 48 too). The benchmark's gather
+ * limit runs the kernel's distance and the other one (bench_gather_other_prefetch_ids), the
+ * faster taken.
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
@@ -82,8 +85,9 @@ static inline bool embd_forward_prefetch_l1_near(enum embd_isa isa, uint64_t row
 
 /*
  * How many rows ahead the backward prefetches when each row brings row_bytes of weights and
- * state, on an Intel CPU (intel) or another. Elsewhere: about as many lines in flight as the
- * forward's distance over rows of 512 bytes (96), so 12 rows for sgd at D 128 but 6 for
+ * state, on an Intel CPU (intel) or another. Elsewhere: 96 lines in flight (EMBD_PREFETCH_IDS
+ * rows of 512 bytes, the forward's distance there until 2026-12-07; not measured against the
+ * forward's 48 since), so 12 rows for sgd at D 128 but 6 for
  * adagrad and 4 for adam, at least 2 (on a Zen 4, with prefetches into L1, adam's rows 12
  * ahead applied ~8% slower and adagrad's ~6%, 2026-12-03; into L2, twice the distance was
  * within +-3%, 2026-12-05). On an Intel Xeon (2026-12-06, docs/benchmarks.md) the apply of

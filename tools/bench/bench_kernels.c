@@ -621,8 +621,10 @@ static void print_theirs(const struct bench *b, step_fn fn, void *arg, double ou
 /* How the gather limit read the ids, by bench_gather.windowed: the line's limit_ids */
 static const char *const gather_way_names[2] = { "batch", "window" };
 _Static_assert(sizeof(gather_way_names) / sizeof(gather_way_names[0]) * 2 * 2 * 2 == GATHER_REFS,
-	       "each way at the kernel's distance and the other rule's, near prefetch or not, in "
+	       "each way at the kernel's distance and the other one, near prefetch or not, in "
 	       "line order or not");
+_Static_assert(EMBD_PREFETCH_IDS != EMBD_PREFETCH_IDS_FAR,
+	       "the limit's two distances (bench_gather_other_prefetch_ids) differ");
 
 #define FWD_CONFIGS 6                   /* pfs x {unweighted, weighted} */
 
@@ -666,7 +668,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 	const uint32_t elem = t->fp16 ? 2 : 4;
 	const uint32_t dists[2] = { embd_forward_prefetch_distance(t->row_bytes, elem),
 				    bench_gather_other_prefetch_ids(t->row_bytes, elem) };
-	const int ndist = dists[1] != dists[0] ? 2 : 1;
+	const int ndist = 2;
 
 	for (int c = 0; c < FWD_CONFIGS; c++) {
 		uint32_t P = pfs[c % 3];
@@ -757,7 +759,7 @@ static int bench_forward(struct bench *b, const struct table *t, int64_t *offset
 		if (ways[i] > 1 && b->o.repeats > 1)
 			printf(",\"limit_ids_won\":{\"%s\":%d,\"%s\":%d}", gather_way_names[0],
 			       won_way[0], gather_way_names[1], won_way[1]);
-		if (ndist > 1 && b->o.repeats > 1)
+		if (b->o.repeats > 1)
 			printf(",\"limit_prefetch_ids_won\":{\"%u\":%d,\"%u\":%d}", dists[0],
 			       won_dist[0], dists[1], won_dist[1]);
 		if (nears[i] > 1 && b->o.repeats > 1)

@@ -147,7 +147,6 @@ struct limit_run {
 	atomic_int failed;
 	atomic_int kernels_failed;              /* the limits stand, the kernels' figures do not */
 	atomic_int windowed_differs;            /* a shard's lookup reads ids through a window */
-	atomic_int distance_differs;            /* a shard's rows have two distances */
 };
 
 enum limit_phase {
@@ -345,8 +344,6 @@ static void limit_rank_phase(struct limit_rank *lr, struct embd_workers *workers
 			ga->n = (uint64_t)o->batch * o->trainers * o->ids_per_bag;
 			ga->windowed = gather_windowed(run->phase);
 			ga->prefetch_ids = gather_far(run->phase) ? other_dist : kernel_dist;
-			if (other_dist != kernel_dist)
-				atomic_store(&run->distance_differs, 1);
 			if (bench_gather_ways(ga) > 1)
 				atomic_store(&run->windowed_differs, 1);
 			bench_gather_run(workers, ga);
@@ -634,7 +631,6 @@ static int measure_limits(const struct train_opts *o, const struct limit_batch *
 	for (int phase = LIMIT_GATHER + 1; phase <= LIMIT_GATHER_LAST; phase++) {
 		const double median_ms = bench_median(ms[phase], samples[phase]);
 		if ((!gather_windowed(phase) || atomic_load(&run.windowed_differs)) &&
-		    (!gather_far(phase) || atomic_load(&run.distance_differs)) &&
 		    median_ms < out->gather_ms)
 			out->gather_ms = median_ms;
 	}

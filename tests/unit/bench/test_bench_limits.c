@@ -184,6 +184,39 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
  * the batch's, and the last bag reads the last row, so that a pass reading past a row's end, or
  * an id past the batch's, reads outside them (AddressSanitizer's build names it).
  */
+/*
+ * The gather limit's second distance (bench_gather_other_prefetch_ids) is the one of the
+ * kernels' two, 12 and 48 ids, that the kernel does not use for the row, under either vendor's
+ * rules ($EMBD_CPU_VENDOR, read once a process: each test is one), so that every line's limit
+ * runs both.
+ */
+static void check_other_distance(const char *vendor)
+{
+	const uint64_t bytes[] = { 32, 64, 128, 192, 256, 512, 1024, 2048 };
+
+	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
+	for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++)
+		for (uint32_t elem = 2; elem <= 4; elem += 2) {
+			const uint32_t kernel = embd_forward_prefetch_distance(bytes[i], elem);
+			const uint32_t other = bench_gather_other_prefetch_ids(bytes[i], elem);
+
+			cr_expect_eq(kernel + other, 12u + 48u, "%s: %lu bytes of %u: %u and %u",
+				     vendor, (unsigned long)bytes[i], elem, kernel, other);
+			cr_expect_neq(kernel, other, "%s: %lu bytes of %u", vendor,
+				      (unsigned long)bytes[i], elem);
+		}
+}
+
+Test(bench_limits, other_distance_intel)
+{
+	check_other_distance("intel");
+}
+
+Test(bench_limits, other_distance_other)
+{
+	check_other_distance("other");
+}
+
 Test(bench_limits, gather_stores_each_pooled_row_whole)
 {
 	enum { ROWS = 1024, BAGS = 40, GUARD = 256 };
@@ -240,7 +273,7 @@ Test(bench_limits, gather_stores_each_pooled_row_whole)
 					     "avx2 %s D %u", fp16 ? "fp16" : "fp32", dims[d]);
 			const uint32_t other = bench_gather_other_prefetch_ids(rb, fp16 ? 2u : 4u);
 			/* windowed or not, near prefetch or not, the kernel's distance or the other
-			 * rule's, in line order or not */
+			 * one, in line order or not */
 			for (int way = 0; way < 16; way++) {
 				const int windowed = way & 1, near = way >> 1 & 1;
 				memset(table, 0, ROWS * rb);
