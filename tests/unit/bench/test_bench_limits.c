@@ -173,18 +173,6 @@ Test(bench_limits, rmw_writes_each_row_once_after_reading_its_gradients)
 }
 
 /*
- * The gather limit stores each bag's whole pooled row (D fp32, twice the bytes of an fp16 row)
- * and nothing past the last bag's, on every isa this CPU runs and every pass width the kernels
- * use (one pass, and several over a row, the last one shorter on AVX2); a zero table pools to
- * zeros. Its ways of reading the ids (straight from the batch, and through windows of them,
- * several a chunk at P 100) and of prefetching the rows (into L2, and into L2 with a second
- * prefetch into L1 a few ids ahead), at the kernel's distance and the other one, in
- * line order or not, store the same bytes from a table of other bytes; the near ids are
- * clamped to the chunk's as the rows ahead are. The table is exactly its rows, the ids exactly
- * the batch's, and the last bag reads the last row, so that a pass reading past a row's end, or
- * an id past the batch's, reads outside them (AddressSanitizer's build names it).
- */
-/*
  * The gather limit's second distance (bench_gather_other_prefetch_ids) is the one of the
  * kernels' two, 12 and 48 ids, that the kernel does not use for the row, under either vendor's
  * rules ($EMBD_CPU_VENDOR, read once a process: each test is one), so that every line's limit
@@ -202,8 +190,6 @@ static void check_other_distance(const char *vendor)
 
 			cr_expect_eq(kernel + other, 12u + 48u, "%s: %lu bytes of %u: %u and %u",
 				     vendor, (unsigned long)bytes[i], elem, kernel, other);
-			cr_expect_neq(kernel, other, "%s: %lu bytes of %u", vendor,
-				      (unsigned long)bytes[i], elem);
 		}
 }
 
@@ -217,6 +203,18 @@ Test(bench_limits, other_distance_other)
 	check_other_distance("other");
 }
 
+/*
+ * The gather limit stores each bag's whole pooled row (D fp32, twice the bytes of an fp16 row)
+ * and nothing past the last bag's, on every isa this CPU runs and every pass width the kernels
+ * use (one pass, and several over a row, the last one shorter on AVX2); a zero table pools to
+ * zeros. Its ways of reading the ids (straight from the batch, and through windows of them,
+ * several a chunk at P 100) and of prefetching the rows (into L2, and into L2 with a second
+ * prefetch into L1 a few ids ahead), at the kernel's distance and the other one, in
+ * line order or not, store the same bytes from a table of other bytes; the near ids are
+ * clamped to the chunk's as the rows ahead are. The table is exactly its rows, the ids exactly
+ * the batch's, and the last bag reads the last row, so that a pass reading past a row's end, or
+ * an id past the batch's, reads outside them (AddressSanitizer's build names it).
+ */
 Test(bench_limits, gather_stores_each_pooled_row_whole)
 {
 	enum { ROWS = 1024, BAGS = 40, GUARD = 256 };
