@@ -44,11 +44,11 @@
  * rows went to L1), 48 took fp32 D 32, fp16 D 32 and fp16 D 64 20-46% less time a batch at
  * P 20 and 100 on AVX-512 and AVX2 (medians of two or three runs a side), fp32 D 128 4-18%
  * less on AVX2 and 13% less to 3% more on AVX-512, fp16 D 128 13-25% less on AVX2 and 27% less
- * to 8% more on AVX-512 (weighted P 100 +8%), fp16 D 256 17-29% less on AVX2 (AVX-512 -1
- * to +3%; all without the near prefetch), and fp32 D 64, kept at 12 on Intel, 0-36% less; there fp32 D 256 was not measured at
- * 48, nor fp32 rows under 128 bytes or fp16 rows over 512 (now 48 too). The benchmark's gather
- * limit runs the kernel's distance and the other one (bench_gather_other_prefetch_ids), the
- * faster taken.
+ * to 8% more on AVX-512 (weighted P 100 +8%), fp16 D 256 17-29% less on AVX2 (AVX-512 -1 to
+ * +3%; all without the near prefetch), and fp32 D 64, kept at 12 on Intel, 0-36% less; there
+ * fp32 D 256 was not measured at 48, nor fp32 rows under 128 bytes or fp16 rows over 512 (now
+ * 48 too). The benchmark's gather limit runs the kernel's distance and the other one
+ * (bench_gather_other_prefetch_ids), the faster taken.
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
