@@ -140,30 +140,38 @@ Test(kernels_forward, whole_and_tail_passes_equal_reference)
 }
 
 /*
- * The forward's prefetch distance (embd_forward_prefetch_rows): 48 ids for fp16 rows and for
- * fp32 rows of up to 512 bytes, 12 for longer ones, but on Intel CPUs 12 for fp32 rows longer
- * than two lines other than 512 bytes too; every distance within what the lean loop's window
- * holds past its ids. The CPU's (embd_forward_prefetch_distance) is the vendor's of
- * $EMBD_CPU_VENDOR.
+ * The forward's prefetch distance (embd_forward_prefetch_rows), row by row as the benchmarks
+ * chose it: 48 ids for fp16 rows and for fp32 rows of up to 512 bytes, 12 for longer ones, but
+ * on Intel CPUs 12 for fp32 rows longer than two lines other than 512 bytes too; every distance
+ * within what the lean loop's window holds past its ids. The CPU's
+ * (embd_forward_prefetch_distance) is the vendor's of $EMBD_CPU_VENDOR.
  */
 static void check_distance_rule(const char *vendor)
 {
-	const uint64_t bytes[] = { 32, 64, 128, 192, 256, 512, 1024 };
+	static const struct {
+		uint64_t bytes;
+		uint32_t elem, intel, other;
+	} rows[] = {
+		/* bytes, element, Intel's, others' */
+		{ 32, 2, 48, 48 },   { 64, 2, 48, 48 },   { 128, 2, 48, 48 },  { 192, 2, 48, 48 },
+		{ 256, 2, 48, 48 },  { 512, 2, 48, 48 },  { 1024, 2, 48, 48 },
+		{ 32, 4, 48, 48 },   { 64, 4, 48, 48 },   { 128, 4, 48, 48 },  { 192, 4, 12, 48 },
+		{ 256, 4, 12, 48 },  { 512, 4, 48, 48 },  { 1024, 4, 12, 12 }, { 2048, 4, 12, 12 },
+	};
 	const bool intel = !strcmp(vendor, "intel");
 
 	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
-	for (size_t i = 0; i < sizeof(bytes) / sizeof(bytes[0]); i++)
-		for (uint32_t elem = 2; elem <= 4; elem += 2) {
-			const uint32_t rule = embd_forward_prefetch_rows(bytes[i], elem, intel);
-			const bool far = elem == 2 || bytes[i] <= 128 || bytes[i] == 512 ||
-					 (!intel && bytes[i] <= 512);
+	for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+		const uint32_t want = intel ? rows[i].intel : rows[i].other;
+		const uint32_t rule = embd_forward_prefetch_rows(rows[i].bytes, rows[i].elem, intel);
 
-			cr_expect_eq(rule, far ? 48u : 12u, "%s: %lu bytes of %u", vendor,
-				     (unsigned long)bytes[i], elem);
-			cr_expect_eq(embd_forward_prefetch_distance(bytes[i], elem), rule,
-				     "%s: %lu bytes of %u", vendor, (unsigned long)bytes[i], elem);
-			cr_expect(rule <= EMBD_LEAN_WINDOW_PAD);
-		}
+		cr_expect_eq(rule, want, "%s: %lu bytes of %u", vendor, (unsigned long)rows[i].bytes,
+			     rows[i].elem);
+		cr_expect_eq(embd_forward_prefetch_distance(rows[i].bytes, rows[i].elem), want,
+			     "%s: %lu bytes of %u", vendor, (unsigned long)rows[i].bytes,
+			     rows[i].elem);
+		cr_expect(rule <= EMBD_LEAN_WINDOW_PAD);
+	}
 }
 
 Test(kernels_forward, prefetch_distance_rule_intel)
@@ -220,6 +228,26 @@ Test(kernels_forward, lean_rows_have_their_loop)
  * only, no others, and never further ahead than their L2 prefetch (the window holds the rows
  * to that one).
  */
+static bool near_prefetch_listed(bool intel, enum embd_isa isa, uint64_t bytes, uint32_t elem)
+{
+	/* the fp16 rows that have it: isa, bytes, on Intel's, on others' */
+	static const struct {
+		enum embd_isa isa;
+		uint64_t bytes;
+		bool intel, other;
+	} near[] = {
+		{ EMBD_ISA_AVX2, 256, true, true },
+		{ EMBD_ISA_AVX2, 512, true, true },
+		{ EMBD_ISA_AVX512, 256, true, false },
+		{ EMBD_ISA_AVX512, 512, true, false },
+	};
+
+	for (size_t i = 0; elem == 2 && i < sizeof(near) / sizeof(near[0]); i++)
+		if (near[i].isa == isa && near[i].bytes == bytes)
+			return intel ? near[i].intel : near[i].other;
+	return false;
+}
+
 Test(kernels_forward, near_prefetch_rule)
 {
 	const uint64_t bytes[] = { 64, 128, 256, 384, 512, 1024 };
@@ -230,8 +258,7 @@ Test(kernels_forward, near_prefetch_rule)
 		const uint64_t b = bytes[n / 6 % 6];
 		const uint32_t elem = n / 3 % 2 ? 4 : 2;
 		const enum embd_isa isa = isas[n % 3];
-		const bool want = (isa == EMBD_ISA_AVX2 || (intel && isa == EMBD_ISA_AVX512)) &&
-				  elem == 2 && (b == 256 || b == 512);
+		const bool want = near_prefetch_listed(intel, isa, b, elem);
 
 		cr_expect_eq(embd_forward_prefetch_l1_near(isa, b, elem, intel), want,
 			     "%s, %s, %lu bytes of %u", intel ? "intel" : "other",
