@@ -1100,7 +1100,7 @@ apply_rows_as(const struct embd_bwd_rows *ctx, const embd_occ_key *occ, size_t n
 	};
 	const size_t dist = ctx->prefetch_rows;
 	/* false at compile time for the optimizers the rule leaves out: their loops keep no test */
-	const bool near = embd_backward_prefetch_l1_near(type, true) && ctx->prefetch_near;
+	const bool near = embd_backward_prefetch_l1_near(type) && ctx->prefetch_near;
 	size_t total = n + next_n, ahead = prefetched; /* occurrences [0, ahead) are prefetched */
 	/*
 	 * fp32 rows of whole vectors are checked into lanes that stay in registers across the

@@ -15,8 +15,8 @@
 #include "kernels/optim_row.h"
 
 /* Rows of upcoming ids are prefetched this many ids ahead (a few DRAM latencies' worth); fp16
- * rows, rows of up to two lines and fp32 rows of 512 bytes, and on CPUs other than Intel's all
- * rows of up to 512 bytes, EMBD_PREFETCH_IDS_FAR (embd_forward_prefetch_rows). */
+ * rows, rows of up to two lines and fp32 rows of 512 bytes, and on CPUs other than Intel's
+ * every row, EMBD_PREFETCH_IDS_FAR (embd_forward_prefetch_rows). */
 #define EMBD_PREFETCH_IDS 12
 #define EMBD_PREFETCH_IDS_FAR 48
 /* ids ahead of the forward's second prefetch, into L1 (embd_forward_prefetch_l1_near) */
@@ -45,16 +45,17 @@
  * P 20 and 100 on AVX-512 and AVX2 (medians of two or three runs a side), fp32 D 128 4-18%
  * less on AVX2 and 13% less to 3% more on AVX-512, fp16 D 128 13-25% less on AVX2 and 27% less
  * to 8% more on AVX-512 (weighted P 100 +8%), fp16 D 256 17-29% less on AVX2 (AVX-512 -1 to
- * +3%; all without the near prefetch), and fp32 D 64, kept at 12 on Intel, 0-36% less; there
- * fp32 D 256 was not measured at 48, nor fp32 rows under 128 bytes or fp16 rows over 512 (now
- * 48 too). The benchmark's gather limit runs the kernel's distance and the other one
- * (bench_gather_other_prefetch_ids), the faster taken.
+ * +3%; all without the near prefetch), and fp32 D 64, kept at 12 on Intel, 0-36% less; fp32
+ * D 256 (2026-12-08, medians of seven alternations, docs/benchmarks.md) 0-10% less at P 20 and
+ * 100 on AVX2 (P 1 +-2%) and 5-25% less on AVX-512 but for weighted P 100 (+6%). Rows of other
+ * sizes were not measured at 48 there (fp32 under 128 bytes or between the measured widths,
+ * fp16 over 512 bytes, any over 1 KiB). The benchmark's gather limit runs the kernel's
+ * distance and the other one (bench_gather_other_prefetch_ids), the faster taken.
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
 {
-	if (elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES || row_bytes == 512 ||
-	    (!intel && row_bytes <= 512))
+	if (!intel || elem_bytes == 2 || row_bytes <= 2 * EMBD_CACHE_LINE_BYTES || row_bytes == 512)
 		return EMBD_PREFETCH_IDS_FAR;
 	return EMBD_PREFETCH_IDS;
 }
@@ -109,21 +110,24 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool inte
 /*
  * Whether the backward's apply also prefetches into L1 the weights and state of the row of the
  * occurrence after the next row's first (the row after the next where rows occur once),
- * besides the L2 prefetch embd_backward_prefetch_rows ahead, for optimizer type on an Intel
- * CPU (intel) or another: adagrad and adam, whose divisions and square roots overlap the row
- * misses only in part. On an Intel Xeon (docs/benchmarks.md) adagrad's apply read .83-.86 of its
- * limit so at fp32 D 128 against .81-.82 without (AVX-512, 2026-12-06), D 64 the same; adam's,
- * with the rows' L2 prefetches spread over the row loop, .826-.860 at D 128 against .780-.803
- * (AVX-512) and .92-.93 at D 64 against .89-.90 (AVX2; medians of ten, four alternations,
- * 2026-12-07), AVX2 at D 128 .76-.83 against .76-.81 (medians .818 and .783 of seven).
- * rowwise_adagrad gained nothing from it (.01 slower on AVX-512, as much faster on AVX2), nor did
- * sgd (measured before the spread prefetches only). The read-modify-write limit ran slower with
- * it and keeps its own walk. Only fp32 D 64 and 128 were measured: fp16 rows, other widths, the
- * scalar variant and adagrad on AVX2 follow by extrapolation, other CPUs not at all.
+ * besides the L2 prefetch embd_backward_prefetch_rows ahead, for optimizer type: adagrad and adam,
+ * whose divisions and square roots overlap the row misses only in part. On an Intel Xeon
+ * (docs/benchmarks.md) adagrad's apply read .83-.86 of its limit so at fp32 D 128 against .81-.82
+ * without (AVX-512, 2026-12-06), D 64 the same; adam's, with the rows' L2 prefetches spread over
+ * the row loop, .826-.860 at D 128 against .780-.803 (AVX-512) and .92-.93 at D 64 against .89-.90
+ * (AVX2; medians of ten, four alternations, 2026-12-07), AVX2 at D 128 .76-.83 against .76-.81
+ * (medians .818 and .783 of seven). rowwise_adagrad gained nothing from it (.01 slower on AVX-512,
+ * as much faster on AVX2), nor did sgd (measured before the spread prefetches only). The
+ * read-modify-write limit ran slower with it and keeps its own walk. On a Zen 4 (2026-12-08, ten
+ * alternations a side, at its own distances) adagrad's and adam's applies took 3-13% less time a
+ * batch with it at fp32 D 64 and 128 on AVX2 and AVX-512 (medians of the ten pairs, less in 6-9 of
+ * them), but for AVX2 adagrad D 64 (5% more, less in 4 of 10; docs/benchmarks.md), so it is on
+ * for every CPU. Only fp32 D 64 and 128 were measured: fp16 rows, other widths, the scalar
+ * variant and CPUs other than these two follow by extrapolation.
  */
-static inline bool embd_backward_prefetch_l1_near(enum embd_optimizer_type type, bool intel)
+static inline bool embd_backward_prefetch_l1_near(enum embd_optimizer_type type)
 {
-	return intel && (type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM);
+	return type == EMBD_OPT_ADAGRAD || type == EMBD_OPT_ADAM;
 }
 
 /*

@@ -88,8 +88,8 @@ bool embd_forward_prefetch_near(enum embd_isa isa, uint64_t row_bytes, uint32_t 
 uint32_t embd_backward_prefetch_distance(uint64_t row_bytes);
 
 /* Whether the backward's apply also prefetches into L1 the row of the occurrence after the next
- * row's first, for optimizer type on this CPU (embd_backward_prefetch_l1_near in
- * cpu_kernels.h). */
+ * row's first, for optimizer type (embd_backward_prefetch_l1_near in cpu_kernels.h; the same on
+ * every CPU). */
 bool embd_backward_prefetch_l1(enum embd_optimizer_type type);
 
 /* How a kernel call runs. A NULL exec means the calling thread and the best isa. */

@@ -126,7 +126,7 @@ uint32_t embd_backward_prefetch_distance(uint64_t row_bytes)
 
 bool embd_backward_prefetch_l1(enum embd_optimizer_type type)
 {
-	return embd_backward_prefetch_l1_near(type, cpu_is_intel());
+	return embd_backward_prefetch_l1_near(type);
 }
 
 /* Each isa includes the ones below it (AVX-512 here implies AVX2, FMA and F16C). */

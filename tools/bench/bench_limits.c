@@ -61,8 +61,8 @@
  *   the kernel's sort produces, the kindest to DRAM pages and the TLB), read and written back
  *   once in the weights and in each optimizer state array, every array's row prefetched as the
  *   kernel prefetches it into L2 (embd_prefetch_bytes; the kernel's second prefetch into L1,
- *   adagrad's and adam's on Intel CPUs, embd_backward_prefetch_l1_near, is left out: it made
- *   this walk slower over adagrad's rows, docs/benchmarks.md),
+ *   adagrad's and adam's, embd_backward_prefetch_l1_near, is left out: it made this walk
+ *   slower over adagrad's rows on an Intel Xeon, docs/benchmarks.md; not tried on the Zen 4),
  *   embd_backward_prefetch_distance() rows ahead (before the row's gradient reads, or after
  *   them as the kernel orders them, and after them with the gradient loads unrolled and the
  *   arrays of under a line a row written first:

@@ -141,10 +141,9 @@ Test(kernels_forward, whole_and_tail_passes_equal_reference)
 
 /*
  * The forward's prefetch distance (embd_forward_prefetch_rows), row by row as the benchmarks
- * chose it: 48 ids for fp16 rows and for fp32 rows of up to 512 bytes, 12 for longer ones, but
- * on Intel CPUs 12 for fp32 rows longer than two lines other than 512 bytes too; every distance
- * within what the lean loop's window holds past its ids. The CPU's
- * (embd_forward_prefetch_distance) is the vendor's of $EMBD_CPU_VENDOR.
+ * chose it: 48 ids for every row, but on Intel CPUs 12 for fp32 rows longer than two lines
+ * other than 512 bytes; every distance within what the lean loop's window holds past its ids.
+ * The CPU's (embd_forward_prefetch_distance) is the vendor's of $EMBD_CPU_VENDOR.
  */
 static void check_distance_rule(const char *vendor)
 {
@@ -156,7 +155,7 @@ static void check_distance_rule(const char *vendor)
 		{ 32, 2, 48, 48 },   { 64, 2, 48, 48 },   { 128, 2, 48, 48 },  { 192, 2, 48, 48 },
 		{ 256, 2, 48, 48 },  { 512, 2, 48, 48 },  { 1024, 2, 48, 48 },
 		{ 32, 4, 48, 48 },   { 64, 4, 48, 48 },   { 128, 4, 48, 48 },  { 192, 4, 12, 48 },
-		{ 256, 4, 12, 48 },  { 512, 4, 48, 48 },  { 1024, 4, 12, 12 }, { 2048, 4, 12, 12 },
+		{ 256, 4, 12, 48 },  { 512, 4, 48, 48 },  { 1024, 4, 12, 48 }, { 2048, 4, 12, 48 },
 	};
 	const bool intel = !strcmp(vendor, "intel");
 
@@ -272,9 +271,10 @@ Test(kernels_forward, near_prefetch_rule)
 /*
  * Either vendor's rules ($EMBD_CPU_VENDOR, read once a process; criterion runs each test in its
  * own), so that both rules' lean-loop windows, chunk heads and checked loops are checked on any
- * CPU: fp16 and 128- and 512-byte fp32 rows (48 ids ahead), 256-byte fp32 rows (12 ahead on
- * Intel, 48 elsewhere), fp16 rows of 256 and 512 bytes (with AVX2, and on Intel with AVX-512,
- * also prefetched into L1 a few ids ahead), many short chunks, and bags longer than a window.
+ * CPU: fp16 and 128- and 512-byte fp32 rows (48 ids ahead), 256-byte and 1 KiB fp32 rows (12
+ * ahead on Intel, 48 elsewhere), fp16 rows of 256 and 512 bytes (with AVX2, and on Intel with
+ * AVX-512, also prefetched into L1 a few ids ahead), many short chunks, and bags longer than a
+ * window.
  */
 static void check_with_vendor(const char *vendor)
 {
@@ -291,6 +291,7 @@ static void check_with_vendor(const char *vendor)
 	check_unsharded(&r, 3000, 32, EMBD_DTYPE_FP32, 80, 40, false, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 3000, 128, EMBD_DTYPE_FP32, 80, 40, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 3000, 64, EMBD_DTYPE_FP32, 80, 40, true, EMBD_POOLING_SUM);
+	check_unsharded(&r, 3000, 256, EMBD_DTYPE_FP32, 40, 30, true, EMBD_POOLING_SUM);
 	check_unsharded(&r, 50000, 16, EMBD_DTYPE_FP16, 4099, 2, false, EMBD_POOLING_SUM);
 	check_unsharded(&r, 5000, 64, EMBD_DTYPE_FP16, 3, 3000, true, EMBD_POOLING_MEAN);
 	check_unsharded(&r, 3000, 256, EMBD_DTYPE_FP16, 40, 30, true, EMBD_POOLING_SUM);
