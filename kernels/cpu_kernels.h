@@ -46,11 +46,12 @@
  * less on AVX2 and 13% less to 3% more on AVX-512, fp16 D 128 13-25% less on AVX2 and 27% less
  * to 8% more on AVX-512 (weighted P 100 +8%), fp16 D 256 17-29% less on AVX2 (AVX-512 -1 to
  * +3%; all without the near prefetch), and fp32 D 64, kept at 12 on Intel, 0-36% less; fp32
- * D 256 (2026-12-08, medians of seven alternations, docs/benchmarks.md) 0-10% less at P 20 and
- * 100 on AVX2 (P 1 +-2%) and 5-25% less on AVX-512 but for weighted P 100 (+6%). Rows of other
- * sizes were not measured at 48 there (fp32 under 128 bytes or between the measured widths,
- * fp16 over 512 bytes, any over 1 KiB). The benchmark's gather limit runs the kernel's
- * distance and the other one (bench_gather_other_prefetch_ids), the faster taken.
+ * D 256 (2026-12-08, medians of the pairs of ten alternations, seven at P 1;
+ * docs/benchmarks.md) 3-10% less at P 20 and 100 on AVX2 (P 1 +-2%), and on AVX-512 14-25%
+ * less at P 1, 4-5% less at P 20 and 3-4% more at P 100. Rows of other sizes were not measured
+ * at 48 there (fp32 under 128 bytes or between the measured widths, fp16 over 512 bytes, any
+ * over 1 KiB). The benchmark's gather limit runs the kernel's distance and the other one
+ * (bench_gather_other_prefetch_ids), the faster taken.
  */
 static inline uint32_t embd_forward_prefetch_rows(uint64_t row_bytes, uint32_t elem_bytes,
 						  bool intel)
