@@ -119,12 +119,13 @@ static inline uint32_t embd_backward_prefetch_rows(uint64_t row_bytes, bool inte
  * (AVX2; medians of ten, four alternations, 2026-12-07), AVX2 at D 128 .76-.83 against .76-.81
  * (medians .818 and .783 of seven). rowwise_adagrad gained nothing from it (.01 slower on AVX-512,
  * as much faster on AVX2), nor did sgd (measured before the spread prefetches only). The
- * read-modify-write limit ran slower with it and keeps its own walk. On a Zen 4 (2026-12-08, ten
- * alternations a side, at its own distances) adagrad's and adam's applies took 3-13% less time a
- * batch with it at fp32 D 64 and 128 on AVX2 and AVX-512 (medians of the ten pairs, less in 6-9 of
- * them), but for AVX2 adagrad D 64 (5% more, less in 4 of 10; docs/benchmarks.md), so it is on
+ * read-modify-write limit ran slower with it and keeps its own walk. On a Zen 4 (2026-12-08,
+ * thirteen alternations, at its own distances) adagrad's and adam's applies took 3-12% less time
+ * a batch with it at fp32 D 64 and 128 on AVX2 and AVX-512 (medians of the pairs, less in 9-12
+ * of 13), but for AVX2 adagrad D 64 (4% more, less in 6 of 13; docs/benchmarks.md), so it is on
  * for every CPU. Only fp32 D 64 and 128 were measured: fp16 rows, other widths, the scalar
- * variant and CPUs other than these two follow by extrapolation.
+ * variant, adagrad on AVX2 on the Intel Xeon and CPUs other than these two follow by
+ * extrapolation.
  */
 static inline bool embd_backward_prefetch_l1_near(enum embd_optimizer_type type)
 {

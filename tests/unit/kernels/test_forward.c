@@ -161,14 +161,14 @@ static void check_distance_rule(const char *vendor)
 
 	cr_assert_eq(setenv("EMBD_CPU_VENDOR", vendor, 1), 0);
 	for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
+		const uint64_t bytes = rows[i].bytes;
+		const uint32_t elem = rows[i].elem;
 		const uint32_t want = intel ? rows[i].intel : rows[i].other;
-		const uint32_t rule = embd_forward_prefetch_rows(rows[i].bytes, rows[i].elem, intel);
+		const uint32_t rule = embd_forward_prefetch_rows(bytes, elem, intel);
 
-		cr_expect_eq(rule, want, "%s: %lu bytes of %u", vendor, (unsigned long)rows[i].bytes,
-			     rows[i].elem);
-		cr_expect_eq(embd_forward_prefetch_distance(rows[i].bytes, rows[i].elem), want,
-			     "%s: %lu bytes of %u", vendor, (unsigned long)rows[i].bytes,
-			     rows[i].elem);
+		cr_expect_eq(rule, want, "%s: %lu bytes of %u", vendor, (unsigned long)bytes, elem);
+		cr_expect_eq(embd_forward_prefetch_distance(bytes, elem), want,
+			     "%s: %lu bytes of %u", vendor, (unsigned long)bytes, elem);
 		cr_expect(rule <= EMBD_LEAN_WINDOW_PAD);
 	}
 }
